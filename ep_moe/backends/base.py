@@ -1,0 +1,57 @@
+"""The interface every communication backend implements. `ep_moe.Buffer` validates arguments, handles
+streams and events, then calls one of these; backends never see unchecked input."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..handle import DispatchHandle
+
+
+class DispatchResult(NamedTuple):
+    """What a backend's dispatch returns (N = received rows, L = local experts, K = top-k)."""
+
+    recv_x: torch.Tensor                      # [N, H], x's dtype
+    recv_scales: torch.Tensor | None          # [N, H/128] fp32 for FP8 input, else None
+    recv_topk_idx: torch.Tensor | None        # [N, K] int64, local expert ids, -1 elsewhere
+    recv_topk_weights: torch.Tensor | None    # [N, K] fp32, 0 where not local
+    num_recv_tokens_per_expert: torch.Tensor | None  # [L] int64, aligned counts
+    handle: DispatchHandle
+
+
+class CommBackend(ABC):
+    """One EP group's transport. ``rank``/``num_ranks`` are positions inside ``group``."""
+
+    name: str = "?"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = device
+        self.timeout_s = timeout_s
+
+    @abstractmethod
+    def dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                 topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+                 num_tokens_per_rank: torch.Tensor | None, handle: DispatchHandle | None,
+                 num_experts: int, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
+        """Send each row of ``x`` (and its scales and top-k rows) to every rank marked in
+        ``is_token_in_rank``; with ``handle``, repeat that handle's layout (cached dispatch, no top-k)."""
+
+    @abstractmethod
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor | None, torch.Tensor | None]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Send each received row back to its source and sum per token in increasing rank order (fp32)."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Block until every rank of the group arrives (with the backend's timeout)."""
+
+    def destroy(self) -> None:
+        """Release backend resources; the default holds none."""

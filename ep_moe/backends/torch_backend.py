@@ -1,0 +1,253 @@
+"""The ``torch`` backend: dispatch and combine over torch.distributed collectives.
+
+Works with gloo (CPU) and NCCL (GPU, one or many nodes). Rows travel as raw bytes, so every dtype
+(bf16, fp32, FP8) is copied bit for bit. Two exchange modes:
+
+* exact (``num_worst_tokens == 0``): one all-gather of the per-rank counts, then a variable-split
+  all-to-all. The split sizes are read on the host (one sync on GPU).
+* fixed (``num_worst_tokens > 0``): every (source, destination) pair gets a slot of
+  ``num_worst_tokens`` rows and the all-to-all has equal splits, so nothing waits on the host and the
+  calls can be captured in a CUDA graph; received rows are then compacted on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..handle import DispatchHandle
+from ..layout import aligned_expert_counts, local_topk
+from .base import CommBackend, DispatchResult
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """View a ``[N, ...]`` tensor as ``[N, bytes]`` uint8 (copying only if it is not contiguous)."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """Inverse of `as_bytes` for a ``[N, bytes]`` uint8 slice: ``[N, cols]`` of ``dtype``."""
+    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+
+
+@dataclass
+class _Route:
+    """Where rows go for one handle, on this rank (see the module docstring for the two modes)."""
+
+    send_idx: torch.Tensor            # [N_send] int64: local token of each sent row, by (dest, t)
+    send_counts: list[int] | None     # rows to each destination (exact mode)
+    recv_counts: list[int] | None     # rows from each source (exact mode)
+    slot_of_token: torch.Tensor | None  # [T, R] int64 row in the fixed send buffer, or the spare row
+    slot_of_recv: torch.Tensor | None   # [R * C] int64 row of the output for each received slot row
+
+
+class TorchBackend(CommBackend):
+    name = "torch"
+
+    # ---------------------------------------------------------------- collectives with deadlines
+    def _wait(self, work: dist.Work, stage: str) -> None:
+        """Wait for ``work``; on CPU with a deadline that turns a missing peer into a TimeoutError."""
+        if self.device.type != "cpu":
+            # NCCL: enqueue a stream wait; a missing peer is caught by the process group's watchdog
+            # (its timeout), since a host-side deadline here would serialize every call.
+            work.wait()
+            return
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            what = "timed out" if "timed out" in str(exc).lower() else "failed"
+            err_type = TimeoutError if what == "timed out" else RuntimeError
+            raise err_type(f"ep_moe[torch backend]: rank {self.rank} of {self.num_ranks} {what} in stage "
+                           f"'{stage}' after waiting up to {self.timeout_s:g} s for its peers "
+                           f"({exc})") from exc
+
+    def _all_gather_counts(self, counts: torch.Tensor, stage: str) -> torch.Tensor:
+        """All-gather an ``[R]`` int64 vector into the ``[R, R]`` matrix ``[source, destination]``."""
+        out = torch.empty(self.num_ranks * counts.numel(), dtype=counts.dtype, device=counts.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+        self._wait(gather(out, counts, group=self.group, async_op=True), stage)
+        return out.view(self.num_ranks, -1)
+
+    def _all_to_all(self, send: torch.Tensor, recv_rows: int, send_counts: list[int] | None,
+                    recv_counts: list[int] | None, stage: str) -> torch.Tensor:
+        """Variable (counts given) or equal-split all-to-all of ``[rows, bytes]`` uint8 data."""
+        recv = torch.empty(recv_rows, send.shape[1], dtype=torch.uint8, device=send.device)
+        if send.shape[1] == 0:
+            return recv
+        work = dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group, async_op=True)
+        self._wait(work, stage)
+        return recv
+
+    # ---------------------------------------------------------------- routes
+    def _route(self, handle: DispatchHandle, count_matrix: torch.Tensor | None = None) -> _Route:
+        r, num_ranks = self.rank, self.num_ranks
+        is_token_in_rank = handle.is_token_in_rank
+        num_tokens = is_token_in_rank.shape[0]
+        if handle.num_worst_tokens == 0:
+            # nonzero over [R, T] yields (destination, token) pairs in that order: rows by (dest, t).
+            send_idx = is_token_in_rank.t().nonzero()[:, 1]
+            if count_matrix is None:
+                count_matrix = _counts_from_prefix(handle.rank_prefix_matrix)
+            counts = count_matrix.tolist()
+            return _Route(send_idx, counts[r], [row[r] for row in counts], None, None)
+        cap = handle.num_worst_tokens
+        dest = torch.arange(num_ranks, device=self.device) * cap
+        position = torch.cumsum(is_token_in_rank.to(torch.int64), dim=0) - 1
+        spare = num_ranks * cap
+        slot_of_token = torch.where(is_token_in_rank, dest + position, spare)
+        # Received slot (s, j) holds the j-th row from s: it goes to output row prefix[s] + j if j < count[s].
+        count_matrix = _counts_from_prefix(handle.rank_prefix_matrix) if count_matrix is None else count_matrix
+        from_source = count_matrix[:, r].to(torch.int64)
+        prefix = torch.cumsum(from_source, 0) - from_source
+        j = torch.arange(cap, device=self.device).expand(num_ranks, cap)
+        slot_of_recv = torch.where(j < from_source[:, None], prefix[:, None] + j, cap).flatten()
+        send_idx = torch.arange(num_tokens, device=self.device)
+        return _Route(send_idx, None, None, slot_of_token, slot_of_recv)
+
+    def _send_rows(self, rows: torch.Tensor, route: _Route, num_recv_rows: int, stage: str) -> torch.Tensor:
+        """Dispatch direction: ``rows [T, B]`` uint8 to ``[N, B]`` (by source, then token)."""
+        if route.slot_of_token is None:
+            send = rows.index_select(0, route.send_idx)
+            return self._all_to_all(send, num_recv_rows, route.send_counts, route.recv_counts, stage)
+        cap = num_recv_rows
+        send = torch.zeros(self.num_ranks * cap + 1, rows.shape[1], dtype=torch.uint8, device=rows.device)
+        for dest in range(self.num_ranks):
+            send.index_copy_(0, route.slot_of_token[:, dest], rows)
+        recv = self._all_to_all(send[:-1], self.num_ranks * cap, None, None, stage)
+        out = torch.zeros(cap + 1, rows.shape[1], dtype=torch.uint8, device=rows.device)
+        out.index_copy_(0, route.slot_of_recv, recv)
+        return out[:cap]
+
+    def _return_rows(self, rows: torch.Tensor, route: _Route, stage: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Combine direction: received ``rows [N, B]`` back to their sources. Returns, per destination
+        rank in increasing order, ``(token indices, rows)`` on this (source) rank."""
+        num_ranks = self.num_ranks
+        if route.slot_of_token is None:
+            back = self._all_to_all(rows, route.send_idx.numel(), route.recv_counts, route.send_counts, stage)
+            chunks, start = [], 0
+            for count in route.send_counts:
+                chunks.append((route.send_idx[start:start + count], back[start:start + count]))
+                start += count
+            return chunks
+        cap = rows.shape[0]
+        send = torch.zeros(num_ranks * cap + 1, rows.shape[1], dtype=torch.uint8, device=rows.device)
+        # The inverse of the dispatch compaction: output row i returns to its slot (s, j).
+        inverse = torch.full((cap + 1,), num_ranks * cap, dtype=torch.int64, device=rows.device)
+        inverse.index_copy_(0, route.slot_of_recv, torch.arange(num_ranks * cap, device=rows.device))
+        send.index_copy_(0, inverse[:cap], rows)
+        back = self._all_to_all(send[:-1], num_ranks * cap, None, None, stage).view(num_ranks, cap, -1)
+        num_tokens = route.slot_of_token.shape[0]
+        chunks = []
+        for dest in range(num_ranks):
+            slot = route.slot_of_token[:, dest]
+            sent = slot < num_ranks * cap
+            tokens = torch.where(sent, route.send_idx, num_tokens)  # spare accumulator row for the unsent
+            chunks.append((tokens, back[dest].index_select(0, torch.where(sent, slot - dest * cap, 0))))
+        return chunks
+
+    # ---------------------------------------------------------------- dispatch / combine
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
+                 num_experts, expert_alignment, num_worst_tokens) -> DispatchResult:
+        num_tokens = x.shape[0]
+        cached = handle is not None
+        if cached:
+            count_matrix = None
+            num_worst_tokens = handle.num_worst_tokens
+        else:
+            count_matrix = self._all_gather_counts(num_tokens_per_rank.to(torch.int64), "dispatch/notify")
+            prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32)
+            num_recv = -1 if num_worst_tokens else int(count_matrix[:, self.rank].sum())
+            handle = DispatchHandle(prefix_matrix, torch.empty(0), torch.empty(0), is_token_in_rank,
+                                    num_recv, num_worst_tokens)
+        route = self._route(handle, count_matrix)
+        num_rows = handle.num_recv_rows
+        if num_worst_tokens and not cached:
+            total = count_matrix[:, self.rank].sum()
+            _check_capacity(total, num_worst_tokens, self.rank)
+
+        # Row payload: x, then (FP8) scales, then (fresh dispatch) top-k ids, weights and token index.
+        parts = [as_bytes(x)]
+        if x_scales is not None:
+            parts.append(as_bytes(x_scales))
+        if not cached:
+            token_index = torch.arange(num_tokens, dtype=torch.int64, device=x.device)[:, None]
+            parts += [as_bytes(topk_idx), as_bytes(topk_weights), as_bytes(token_index)]
+        recv = self._send_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], route, num_rows,
+                               "dispatch/cached" if cached else "dispatch")
+
+        hidden = x.shape[1]
+        x_bytes = parts[0].shape[1]
+        recv_x = from_bytes(recv[:, :x_bytes], x.dtype, hidden)
+        col = x_bytes
+        recv_scales = None
+        if x_scales is not None:
+            recv_scales = from_bytes(recv[:, col:col + parts[1].shape[1]], torch.float32, x_scales.shape[1])
+            col += parts[1].shape[1]
+        if cached:
+            return DispatchResult(recv_x, recv_scales, None, None, None, handle)
+
+        num_topk = topk_idx.shape[1]
+        recv_idx = from_bytes(recv[:, col:col + 8 * num_topk], torch.int64, num_topk)
+        recv_w = from_bytes(recv[:, col + 8 * num_topk:col + 12 * num_topk], torch.float32, num_topk)
+        recv_src = from_bytes(recv[:, col + 12 * num_topk:col + 12 * num_topk + 8], torch.int64, 1)[:, 0]
+        src_rank = _source_ranks(count_matrix[:, self.rank], num_rows)
+        if num_worst_tokens:  # padding rows: no expert, no weight, no source
+            pad = src_rank < 0
+            recv_idx = recv_idx.masked_fill(pad[:, None], -1)
+            recv_src = recv_src.masked_fill(pad, -1)
+        experts_per_rank = num_experts // self.num_ranks
+        local_idx, local_w = local_topk(recv_idx, recv_w, self.rank, experts_per_rank)
+        handle = handle._replace(recv_src_idx=recv_src.to(torch.int32), recv_src_rank=src_rank)
+        counts = aligned_expert_counts(local_idx, experts_per_rank, expert_alignment)
+        return DispatchResult(recv_x, recv_scales, local_idx, local_w, counts, handle)
+
+    def combine(self, y, handle, topk_weights, bias):
+        num_tokens, hidden = handle.num_tokens, y.shape[1]
+        route = self._route(handle)
+        parts = [as_bytes(y)] + ([as_bytes(topk_weights)] if topk_weights is not None else [])
+        chunks = self._return_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], route, "combine")
+        y_bytes = parts[0].shape[1]
+        acc = torch.zeros(num_tokens + 1, hidden, dtype=torch.float32, device=y.device)
+        acc_w = None
+        if topk_weights is not None:
+            acc_w = torch.zeros(num_tokens + 1, topk_weights.shape[1], dtype=torch.float32, device=y.device)
+        for tokens, rows in chunks:  # increasing rank order: a fixed fp32 summation order
+            acc.index_add_(0, tokens, from_bytes(rows[:, :y_bytes], y.dtype, hidden).float())
+            if acc_w is not None:
+                acc_w.index_add_(0, tokens, from_bytes(rows[:, y_bytes:], torch.float32, acc_w.shape[1]))
+        acc = acc[:num_tokens]
+        for b in bias:
+            if b is not None:
+                acc = acc + b.float()
+        return acc.to(y.dtype), (acc_w[:num_tokens] if acc_w is not None else None)
+
+    def barrier(self) -> None:
+        self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
+
+
+def _counts_from_prefix(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:
+    """``[R, R]`` rows sent ``[source, destination]`` from the cumulative ``rank_prefix_matrix``."""
+    prefix = rank_prefix_matrix.to(torch.int64)
+    return torch.diff(prefix, dim=0, prepend=torch.zeros_like(prefix[:1]))
+
+
+def _source_ranks(from_source: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[N]`` int32 source rank of each received row (rows are grouped by source); -1 past the end."""
+    ends = torch.cumsum(from_source.to(torch.int64), 0)
+    rows = torch.arange(num_rows, device=from_source.device)
+    src = torch.searchsorted(ends, rows, right=True)
+    return torch.where(src < from_source.numel(), src, -1).to(torch.int32)
+
+
+def _check_capacity(total: torch.Tensor, num_worst_tokens: int, rank: int) -> None:
+    """Received rows must fit in ``num_worst_tokens``; checked on the device on GPU (no host sync)."""
+    if total.device.type == "cpu":
+        if int(total) > num_worst_tokens:
+            raise ValueError(f"ep_moe.dispatch: argument 'num_worst_tokens' must be >= the rows rank {rank} "
+                             f"receives ({int(total)}), got {num_worst_tokens}")
+    else:
+        torch._assert_async(total <= num_worst_tokens,
+                            "ep_moe.dispatch: more rows received than 'num_worst_tokens'")

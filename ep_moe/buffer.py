@@ -1,0 +1,385 @@
+"""`ep_moe.Buffer`: the communication object of one expert-parallel group.
+
+Its methods mirror DeepEP's normal-mode ``deep_ep.Buffer`` (argument names, return tuples,
+`EventOverlap`), so code written for DeepEP runs on it. Shapes: T tokens on this rank, H hidden,
+K top-k, E experts, R ranks in the group, L = E / R local experts, N received rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import native
+from .backends.base import CommBackend, DispatchResult
+from .backends.torch_backend import TorchBackend
+from .event import EventOverlap
+from .handle import DispatchHandle
+from .layout import dispatch_layout
+from .validation import (
+    _fail,
+    check_handle,
+    check_num_experts,
+    check_positive_int,
+    check_tensor,
+    check_topk,
+    split_hidden,
+)
+
+log = logging.getLogger("ep_moe")
+
+BACKENDS = ("auto", "native", "torch")
+DEFAULT_TIMEOUT_S = 100.0
+
+_live_buffers: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
+_buffer_ids = itertools.count()
+
+
+def buffer_by_id(buffer_id: int) -> Buffer:
+    """The live `Buffer` with this ``buffer_id`` (the custom ops carry buffers by id)."""
+    try:
+        return _live_buffers[buffer_id]
+    except KeyError:
+        raise RuntimeError(f"ep_moe: Buffer {buffer_id} was destroyed or never existed") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Performance knobs of one dispatch or combine call (the native backend reads them).
+
+    Args:
+        num_sms: streaming multiprocessors the kernels may use (even; 2 per channel).
+        chunk_tokens: tokens a channel moves before it signals the receiver (0 = backend default).
+    """
+
+    num_sms: int = 24
+    chunk_tokens: int = 0
+
+
+def _device_of(group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Buffer:
+    """Dispatch and combine MoE tokens within one expert-parallel process group.
+
+    Args:
+        group: the EP process group (default: the world group). gloo runs on CPU, NCCL on GPU.
+        num_nvl_bytes: bytes of symmetric (NVLink) memory for the native backend; 0 = sized by
+            `get_buffer_size_hint` on first use. Accepted (and ignored) by the torch backend.
+        num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+            allow_mnnvl, explicitly_destroy: accepted for DeepEP compatibility.
+        backend: ``"auto"`` (native when built and every peer is NVLink-reachable, else torch; logs
+            one line saying which and why), ``"native"`` or ``"torch"`` (raise if they cannot run).
+        timeout_s: seconds any wait for a peer may last before it raises (naming rank and stage).
+        check_inputs: also check values (expert ids in range), which costs a host sync on GPU; skipped
+            during CUDA-graph capture and with ``num_worst_tokens``, where a device assert is used.
+    """
+
+    num_sms: int = 24
+
+    def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *, backend: str = "auto",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, check_inputs: bool = True) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ep_moe.Buffer: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group first)")
+        if backend not in BACKENDS:
+            raise _fail("Buffer", "backend", f"one of {BACKENDS}", repr(backend))
+        if low_latency_mode:
+            raise _fail("Buffer", "low_latency_mode", "False (low-latency mode is not implemented)", True)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.device = _device_of(self.group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.timeout_s = float(timeout_s)
+        self.check_inputs = check_inputs
+        self.explicitly_destroy = explicitly_destroy
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.backend: CommBackend = self._make_backend(backend)
+        self.buffer_id = next(_buffer_ids)
+        _live_buffers[self.buffer_id] = self
+
+    # ---------------------------------------------------------------- construction helpers
+    def _make_backend(self, requested: str) -> CommBackend:
+        if requested == "torch":
+            return TorchBackend(self.group, self.device, self.timeout_s)
+        reason = native.unavailable_reason(self.group, self.device)
+        if reason is None:
+            from .backends.native_backend import NativeBackend
+
+            chosen = NativeBackend(self.group, self.device, self.timeout_s, self.num_nvl_bytes)
+            if requested == "auto" and self.rank == 0:
+                log.info("ep_moe: using backend 'native' (every peer is NVLink-reachable)")
+            return chosen
+        if requested == "native":
+            raise RuntimeError(f"ep_moe.Buffer: backend 'native' cannot run here: {reason}")
+        if self.rank == 0:
+            log.info("ep_moe: using backend 'torch' (%s)", reason)
+        return TorchBackend(self.group, self.device, self.timeout_s)
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM budget used when a call passes no `Config` (even, as in DeepEP)."""
+        check_positive_int("Buffer.set_num_sms", "new_num_sms", new_num_sms, 2)
+        if new_num_sms % 2:
+            raise _fail("Buffer.set_num_sms", "new_num_sms", "even", new_num_sms)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(num_sms=Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(num_sms=Buffer.num_sms)
+
+    @staticmethod
+    def get_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,
+                             dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> int:
+        """Bytes of symmetric memory the native backend needs for these sizes (2 MiB aligned)."""
+        elem = 1 if fp8 else torch.empty(0, dtype=dtype).element_size()
+        return native.buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, elem, fp8)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, to pass as ``previous_event`` (empty on CPU)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            return EventOverlap(event)
+        return EventOverlap(None)
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise NotImplementedError("ep_moe.Buffer.get_local_buffer_tensor is not provided")
+
+    # ---------------------------------------------------------------- streams and events
+    def _run(self, fn, tensors_in: list, previous_event: EventOverlap | None, async_finish: bool):
+        """Run ``fn()`` on the communication stream after ``previous_event`` (or the current stream),
+        then either join the current stream (sync) or return an `EventOverlap` (async)."""
+        if self._comm_stream is None:
+            return fn(), EventOverlap(None)
+        compute = torch.cuda.current_stream()
+        comm = self._comm_stream
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            out = fn()
+        outputs = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.is_cuda]
+        for t in tensors_in:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(comm)
+        for t in outputs:
+            t.record_stream(compute)
+        if async_finish:
+            event = torch.cuda.Event()
+            event.record(comm)
+            return out, EventOverlap(event, tensors_in + outputs)
+        compute.wait_stream(comm)
+        return out, EventOverlap(None)
+
+    def _checking_values(self, num_worst_tokens: int = 0) -> bool:
+        if not self.check_inputs or num_worst_tokens:
+            return False
+        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    # ---------------------------------------------------------------- layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: EventOverlap | None = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Which ranks and experts each token goes to.
+
+        Args:
+            topk_idx: ``[T, K]`` int64 expert ids, -1 for none.
+            num_experts: E, divisible by the group size.
+
+        Returns:
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None,
+            num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)``.
+        """
+        check_num_experts("get_dispatch_layout", num_experts, self.group_size)
+        check_tensor("get_dispatch_layout", "topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2,
+                     device=self.device)
+        check_topk("get_dispatch_layout", topk_idx, None, topk_idx.shape[0], num_experts, self.device,
+                   self._checking_values())
+        (per_rank, per_expert, in_rank), event = self._run(
+            lambda: dispatch_layout(topk_idx, num_experts, self.group_size), [topk_idx], previous_event,
+            async_finish)
+        return per_rank, None, per_expert, in_rank, event
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x, handle: DispatchHandle | None = None, num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
+                 num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+                 topk_weights: torch.Tensor | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Config | None = None, previous_event: EventOverlap | None = None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
+                 num_experts: int | None = None):
+        """Send each token to every rank that holds one of its experts (once per rank).
+
+        Args:
+            x: ``[T, H]`` bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``.
+            handle: from an earlier dispatch: repeat its layout (cached dispatch; no top-k arguments).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`
+                (computed here from ``topk_idx`` when omitted; then pass ``num_experts``).
+            topk_idx: ``[T, K]`` int64 expert ids (-1 for none). topk_weights: ``[T, K]`` fp32.
+            expert_alignment: round each local expert's received count up to a multiple of this.
+            num_worst_tokens: if > 0, received tensors have exactly this many rows (padding rows have
+                ``topk_idx`` -1) and nothing waits on the host; an upper bound on rows received.
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
+            ``recv_x`` ``[N, H]`` (or the FP8 pair), rows by source rank then token index;
+            ``recv_topk_idx`` ``[N, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N, K]``
+            fp32 (0 where not local); the list of ``L`` aligned counts (empty with
+            ``num_worst_tokens``; the device tensor is ``handle``-independent, see `ep_moe.dispatch`).
+            A cached dispatch returns ``(recv_x, None, None, None, None, event)``.
+        """
+        result, event = self.dispatch_result(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+            topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish,
+            num_experts=num_experts)
+        recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
+        if handle is not None:
+            return recv_x, None, None, None, None, event
+        counts_list = [] if num_worst_tokens else result.num_recv_tokens_per_expert.tolist()
+        return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts_list, result.handle, event
+
+    def dispatch_result(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                        is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                        expert_alignment: int = 1, num_worst_tokens: int = 0,
+                        previous_event: EventOverlap | None = None, async_finish: bool = False, *,
+                        num_experts: int | None = None) -> tuple[DispatchResult, EventOverlap]:
+        """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host)."""
+        op = "dispatch"
+        data, scales = split_hidden(op, x, self.device)
+        num_tokens = data.shape[0]
+        check_positive_int(op, "expert_alignment", expert_alignment, 1)
+        check_positive_int(op, "num_worst_tokens", num_worst_tokens, 0)
+        if num_tokens_per_rdma_rank is not None:
+            raise _fail(op, "num_tokens_per_rdma_rank", "None (intranode/torch groups have no RDMA ranks)",
+                        "a tensor")
+        if handle is not None:
+            check_handle(op, handle, self.group_size, self.device, num_tokens)
+            if topk_idx is not None or topk_weights is not None:
+                raise _fail(op, "topk_idx", "None in a cached dispatch (with handle)", "a tensor")
+            if num_worst_tokens not in (0, handle.num_worst_tokens):
+                raise _fail(op, "num_worst_tokens", f"0 or the handle's {handle.num_worst_tokens}",
+                            num_worst_tokens)
+            return self._run(
+                lambda: self.backend.dispatch(data, scales, None, None, handle.is_token_in_rank, None, handle,
+                                              0, expert_alignment, handle.num_worst_tokens),
+                [data, scales], previous_event, async_finish)
+
+        if topk_idx is None:
+            raise _fail(op, "topk_idx", "a [T, K] int64 tensor (or pass handle for a cached dispatch)", None)
+        if num_tokens_per_expert is not None:
+            check_tensor(op, "num_tokens_per_expert", num_tokens_per_expert, dtypes=(torch.int32, torch.int64),
+                         ndim=1, device=self.device)
+            if num_experts is not None and num_experts != num_tokens_per_expert.shape[0]:
+                raise _fail(op, "num_experts", f"num_tokens_per_expert.shape[0] = "
+                            f"{num_tokens_per_expert.shape[0]}", num_experts)
+            num_experts = num_tokens_per_expert.shape[0]
+        if num_experts is None:
+            raise _fail(op, "num_tokens_per_expert", "a [E] tensor from get_dispatch_layout (or pass num_experts)",
+                        None)
+        check_num_experts(op, num_experts, self.group_size)
+        if topk_weights is None:
+            raise _fail(op, "topk_weights", "a [T, K] float32 tensor", None)
+        check_topk(op, topk_idx, topk_weights, num_tokens, num_experts, self.device,
+                   self._checking_values(num_worst_tokens))
+        if (num_tokens_per_rank is None) != (is_token_in_rank is None):
+            raise _fail(op, "is_token_in_rank", "given together with num_tokens_per_rank", "only one of them")
+        if is_token_in_rank is None:
+            num_tokens_per_rank, _, is_token_in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+        check_tensor(op, "num_tokens_per_rank", num_tokens_per_rank, dtypes=(torch.int32, torch.int64), ndim=1,
+                     device=self.device, shape=(self.group_size,))
+        check_tensor(op, "is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), ndim=2, device=self.device,
+                     shape=(num_tokens, self.group_size))
+        if data.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not num_worst_tokens:
+            raise _fail(op, "num_worst_tokens", "> 0 during CUDA-graph capture (no host sync allowed)", 0)
+        return self._run(
+            lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
+                                          num_tokens_per_rank, None, num_experts, expert_alignment,
+                                          num_worst_tokens),
+            [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
+                bias: torch.Tensor | tuple | None = None, config: Config | None = None,
+                previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Return each received row to its source and sum per token over the ranks it went to.
+
+        Args:
+            x: ``[N, H]`` bf16/fp32, one row per received row of the dispatch that made ``handle``.
+            handle: from that dispatch.
+            topk_weights: ``[N, K]`` fp32 to combine the same way, or None.
+            bias: ``[T, H]`` tensor or a pair of them (either may be None), added after the sum.
+
+        Returns:
+            ``(combined_x [T, H] x.dtype, combined_topk_weights [T, K] fp32 or None, event)``; the sum
+            runs in fp32 in increasing rank order, then ``+ bias[0] + bias[1]``, then the cast.
+        """
+        op = "combine"
+        check_handle(op, handle, self.group_size, self.device)
+        rows = handle.num_recv_rows
+        check_tensor(op, "x", x, dtypes=(torch.bfloat16, torch.float32), ndim=2, device=self.device,
+                     shape=(rows if rows >= 0 else None, None))
+        if topk_weights is not None:
+            check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=self.device,
+                         shape=(x.shape[0], None))
+        biases = bias if isinstance(bias, tuple | list) else (bias, None)
+        if len(biases) != 2:
+            raise _fail(op, "bias", "a tensor or a pair of tensors", f"a sequence of {len(biases)}")
+        for i, b in enumerate(biases):
+            if b is not None:
+                check_tensor(op, f"bias[{i}]", b, dtypes=(torch.bfloat16, torch.float32), ndim=2,
+                             device=self.device, shape=(handle.num_tokens, x.shape[1]))
+        (combined, combined_w), event = self._run(
+            lambda: self.backend.combine(x, handle, topk_weights, tuple(biases)),
+            [x, topk_weights, *biases], previous_event, async_finish)
+        return combined, combined_w, event
+
+    # ---------------------------------------------------------------- lifecycle
+    def barrier(self) -> None:
+        """Wait for every rank of the group (raises after ``timeout_s``)."""
+        self.backend.barrier()
+
+    def destroy(self) -> None:
+        """Free backend resources (symmetric memory); the buffer is unusable afterwards."""
+        self.backend.destroy()
+        _live_buffers.pop(self.buffer_id, None)
+
+    def __repr__(self) -> str:
+        return (f"Buffer(rank={self.rank}, group_size={self.group_size}, backend={self.backend_name!r}, "
+                f"device={self.device})")
+
+
+def _flatten(obj):
+    if isinstance(obj, tuple | list):  # NamedTuples included
+        for item in obj:
+            yield from _flatten(item)
+    else:
+        yield obj

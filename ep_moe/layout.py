@@ -1,0 +1,65 @@
+"""Dispatch layout: which rank and expert every token goes to (DESIGN §2), in plain torch ops.
+
+This is the reference implementation and the one the ``torch`` backend uses; the native backend has
+a kernel that must agree with it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expert_to_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """Map expert ids ``[T, K]`` (int64, -1 = none) to their owner rank, -1 kept."""
+    experts_per_rank = num_experts // num_ranks
+    return torch.where(topk_idx >= 0, topk_idx // experts_per_rank, torch.full_like(topk_idx, -1))
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compute the dispatch layout of one rank's tokens.
+
+    Args:
+        topk_idx: ``[T, K]`` int64 expert ids, -1 meaning "no expert".
+        num_experts: E, divisible by ``num_ranks``.
+        num_ranks: R, the EP group size.
+
+    Returns:
+        ``num_tokens_per_rank`` ``[R]`` int32, ``num_tokens_per_expert`` ``[E]`` int32 and
+        ``is_token_in_rank`` ``[T, R]`` bool, all on ``topk_idx``'s device.
+    """
+    num_tokens = topk_idx.shape[0]
+    ranks = expert_to_rank(topk_idx, num_experts, num_ranks)
+    is_token_in_rank = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
+    # Column R collects the -1 entries so that one scatter handles them; it is dropped below.
+    is_token_in_rank.scatter_(1, torch.where(ranks >= 0, ranks, num_ranks), True)
+    is_token_in_rank = is_token_in_rank[:, :num_ranks].contiguous()
+    num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+    # Count -1 entries into an extra bin and drop it: no boolean indexing, so no host sync on GPU.
+    flat = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
+    num_tokens_per_expert = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].to(torch.int32)
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+
+
+def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, rank: int, experts_per_rank: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The receiver's view of routed rows: local expert ids (-1 elsewhere) and weights (0 elsewhere).
+
+    Args:
+        topk_idx: ``[N, K]`` int64 global expert ids of received rows.
+        topk_weights: ``[N, K]`` fp32 or None.
+    """
+    first = rank * experts_per_rank
+    is_local = (topk_idx >= first) & (topk_idx < first + experts_per_rank)
+    local_idx = torch.where(is_local, topk_idx - first, torch.full_like(topk_idx, -1))
+    local_weights = None
+    if topk_weights is not None:
+        local_weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
+    return local_idx, local_weights
+
+
+def aligned_expert_counts(local_topk_idx: torch.Tensor, num_local_experts: int, alignment: int) -> torch.Tensor:
+    """Received (token, expert) pairs per local expert, rounded up to ``alignment``: ``[L]`` int64."""
+    flat = torch.where(local_topk_idx >= 0, local_topk_idx, num_local_experts).flatten()
+    counts = torch.bincount(flat, minlength=num_local_experts + 1)[:num_local_experts]
+    return (counts + alignment - 1) // alignment * alignment

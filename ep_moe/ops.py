@@ -1,0 +1,206 @@
+"""Differentiable dispatch and combine, registered as ``torch.library`` custom ops.
+
+* ``ep_moe::dispatch``: backward = a combine of the gradients (``topk_weights`` too, masked to the
+  entries that were local on the receiving rank, the only ones that carry the weight).
+* ``ep_moe::combine``: backward = a cached dispatch of the gradient (and of the weights' gradient).
+* ``ep_moe::cached_dispatch``: backward = a combine.
+
+Each op has a fake (meta) implementation, so ``torch.compile`` traces through them, and selective
+activation checkpointing can name them (``torch.ops.ep_moe.dispatch.default``). The buffer is passed by
+its integer id; the dispatch handle travels as its tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .buffer import Buffer, buffer_by_id
+from .handle import DispatchHandle
+
+
+class DispatchOutput(NamedTuple):
+    """Result of `dispatch` (N received rows, K top-k, L local experts)."""
+
+    recv_x: Tensor                      # [N, H], x's dtype
+    recv_topk_idx: Tensor               # [N, K] int64 local expert ids, -1 elsewhere
+    recv_topk_weights: Tensor           # [N, K] fp32, 0 where not local
+    num_recv_tokens_per_expert: Tensor  # [L] int64 on the device, aligned
+    handle: DispatchHandle
+
+
+def _handle(rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
+            backend_state: Tensor, num_worst_tokens: int) -> DispatchHandle:
+    num_recv = -1 if num_worst_tokens else recv_src_idx.shape[0]
+    state = backend_state if backend_state.numel() else None
+    return DispatchHandle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, num_recv,
+                          num_worst_tokens, state)
+
+
+def _handle_tensors(handle: DispatchHandle) -> tuple[Tensor, ...]:
+    state = handle.backend_state
+    if state is None:
+        state = torch.empty(0, dtype=torch.uint8, device=handle.is_token_in_rank.device)
+    return handle.rank_prefix_matrix, handle.recv_src_idx, handle.recv_src_rank, handle.is_token_in_rank, state
+
+
+def _fresh(t: Tensor) -> Tensor:
+    """Custom ops may not return views of their inputs; copy only when that is the case."""
+    return t.clone() if t._base is not None else t
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+@torch.library.custom_op("ep_moe::dispatch", mutates_args=())
+def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: int, num_experts: int,
+                 expert_alignment: int, num_worst_tokens: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    buffer = buffer_by_id(buffer_id)
+    result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                                       expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+    outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
+            *_handle_tensors(result.handle))
+    return tuple(_fresh(t) for t in outs)
+
+
+@_dispatch_op.register_fake
+def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_worst_tokens):
+    buffer = buffer_by_id(buffer_id)
+    num_ranks = buffer.group_size
+    rows = num_worst_tokens or torch.library.get_ctx().new_dynamic_size()
+    num_topk = topk_idx.shape[1]
+    int32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty(rows, x.shape[1]), topk_idx.new_empty(rows, num_topk), topk_weights.new_empty(rows, num_topk),
+            topk_idx.new_empty(num_experts // num_ranks), torch.empty(num_ranks, num_ranks, **int32),
+            torch.empty(rows, **int32), torch.empty(rows, **int32),
+            torch.empty(x.shape[0], num_ranks, dtype=torch.bool, device=x.device),
+            torch.empty(0, dtype=torch.uint8, device=x.device))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    ctx.buffer_id, ctx.num_worst_tokens = inputs[3], inputs[6]
+    ctx.hidden, ctx.x_dtype = inputs[0].shape[1], inputs[0].dtype
+    ctx.save_for_backward(output[1], *output[4:])
+
+
+def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *_):
+    recv_idx, *handle_tensors = ctx.saved_tensors
+    rows = recv_idx.shape[0]
+    if grad_x is None:
+        grad_x = torch.zeros(rows, ctx.hidden, dtype=ctx.x_dtype, device=recv_idx.device)
+    if grad_w is None:
+        grad_w = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device)
+    # Only the entries local to this rank were copied from the input weights; the others are constant 0.
+    grad_w = torch.where(recv_idx >= 0, grad_w, torch.zeros_like(grad_w))
+    combined, combined_w = torch.ops.ep_moe.combine(grad_x.contiguous(), grad_w, None, None, *handle_tensors,
+                                                    ctx.buffer_id, ctx.num_worst_tokens)
+    return combined, None, combined_w, None, None, None, None
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# ------------------------------------------------------------------------------------------ combine
+@torch.library.custom_op("ep_moe::combine", mutates_args=())
+def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, bias_1: Tensor | None,
+                rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
+                backend_state: Tensor, buffer_id: int, num_worst_tokens: int) -> tuple[Tensor, Tensor]:
+    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
+                     num_worst_tokens)
+    combined, combined_w, _ = buffer_by_id(buffer_id).combine(x, handle, topk_weights, (bias_0, bias_1))
+    if combined_w is None:
+        combined_w = torch.zeros(is_token_in_rank.shape[0], 0, dtype=torch.float32, device=x.device)
+    return _fresh(combined), _fresh(combined_w)
+
+
+@_combine_op.register_fake
+def _(x, topk_weights, bias_0, bias_1, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
+      backend_state, buffer_id, num_worst_tokens):
+    num_tokens = is_token_in_rank.shape[0]
+    num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+    return x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens, num_topk, dtype=torch.float32)
+
+
+def _combine_setup(ctx, inputs, output):
+    x, topk_weights, bias_0, bias_1, *handle_tensors, buffer_id, num_worst_tokens = inputs
+    ctx.buffer_id, ctx.num_worst_tokens = buffer_id, num_worst_tokens
+    ctx.has_weights = topk_weights is not None
+    ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (bias_0, bias_1))
+    ctx.save_for_backward(*handle_tensors)
+
+
+def _combine_backward(ctx, grad_out, grad_w):
+    handle_tensors = ctx.saved_tensors
+    grad_x = torch.ops.ep_moe.cached_dispatch(grad_out.contiguous(), *handle_tensors, ctx.buffer_id,
+                                              ctx.num_worst_tokens)
+    grad_weights = None
+    if ctx.has_weights and grad_w is not None:
+        num_topk = grad_w.shape[1]
+        padded = torch.nn.functional.pad(grad_w, (0, -num_topk % 4))  # 16-byte rows for every backend
+        grad_weights = torch.ops.ep_moe.cached_dispatch(padded.contiguous(), *handle_tensors, ctx.buffer_id,
+                                                        ctx.num_worst_tokens)[:, :num_topk]
+    grad_bias = [grad_out.to(d) if d is not None else None for d in ctx.bias_dtypes]
+    return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None)
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# ------------------------------------------------------------------------------------------ cached dispatch
+@torch.library.custom_op("ep_moe::cached_dispatch", mutates_args=())
+def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor,
+                        is_token_in_rank: Tensor, backend_state: Tensor, buffer_id: int,
+                        num_worst_tokens: int) -> Tensor:
+    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
+                     num_worst_tokens)
+    recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle)
+    return _fresh(recv_x)
+
+
+@_cached_dispatch_op.register_fake
+def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, buffer_id,
+      num_worst_tokens):
+    return x.new_empty(recv_src_idx.shape[0], x.shape[1])
+
+
+def _cached_dispatch_setup(ctx, inputs, output):
+    ctx.buffer_id, ctx.num_worst_tokens = inputs[6], inputs[7]
+    ctx.save_for_backward(*inputs[1:6])
+
+
+def _cached_dispatch_backward(ctx, grad):
+    combined, _ = torch.ops.ep_moe.combine(grad.contiguous(), None, None, None, *ctx.saved_tensors,
+                                           ctx.buffer_id, ctx.num_worst_tokens)
+    return (combined, None, None, None, None, None, None, None)
+
+
+_cached_dispatch_op.register_autograd(_cached_dispatch_backward, setup_context=_cached_dispatch_setup)
+
+
+# ------------------------------------------------------------------------------------------ public API
+def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
+             expert_alignment: int = 1, num_worst_tokens: int = 0) -> DispatchOutput:
+    """Differentiable dispatch of ``x [T, H]`` (bf16/fp32) by ``topk_idx [T, K]`` int64 and
+    ``topk_weights [T, K]`` fp32 (see `Buffer.dispatch`). Gradients flow to ``x`` and ``topk_weights``."""
+    (recv_x, recv_idx, recv_w, counts, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
+     state) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
+                                        expert_alignment, num_worst_tokens)
+    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, state, num_worst_tokens)
+    return DispatchOutput(recv_x, recv_idx, recv_w, counts, handle)
+
+
+def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Tensor | None = None,
+            bias: Tensor | tuple[Tensor | None, Tensor | None] | None = None) -> tuple[Tensor, Tensor | None]:
+    """Differentiable combine of ``x [N, H]`` (see `Buffer.combine`). Returns ``(combined [T, H],
+    combined_topk_weights [T, K] or None)``; gradients flow to ``x``, ``topk_weights`` and the biases."""
+    bias_0, bias_1 = bias if isinstance(bias, tuple | list) else (bias, None)
+    combined, combined_w = torch.ops.ep_moe.combine(x, topk_weights, bias_0, bias_1, *_handle_tensors(handle),
+                                                    buffer.buffer_id, handle.num_worst_tokens)
+    return combined, (combined_w if topk_weights is not None else None)
+
+
+def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle) -> Tensor:
+    """Differentiable re-dispatch of ``x [T, H]`` with an earlier dispatch's layout: ``[N, H]``."""
+    return torch.ops.ep_moe.cached_dispatch(x, *_handle_tensors(handle), buffer.buffer_id,
+                                            handle.num_worst_tokens)
