@@ -8,7 +8,8 @@ Main entry points:
 * `TokenDispatcher`: what an MoE layer calls (groups received tokens by local expert).
 """
 
-from .buffer import Buffer, Config
+from .buffer import Buffer
+from .config import Config
 from .dispatcher import DispatchContext, TokenDispatcher
 from .event import EventOverlap
 from .handle import DispatchHandle

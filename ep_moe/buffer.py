@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from . import native
 from .backends.base import CommBackend, DispatchResult
 from .backends.torch_backend import TorchBackend
+from .config import Config
 from .event import EventOverlap
 from .handle import DispatchHandle
 from .layout import dispatch_layout
@@ -46,19 +46,6 @@ def buffer_by_id(buffer_id: int) -> Buffer:
         return _live_buffers[buffer_id]
     except KeyError:
         raise RuntimeError(f"ep_moe: Buffer {buffer_id} was destroyed or never existed") from None
-
-
-@dataclass(frozen=True)
-class Config:
-    """Performance knobs of one dispatch or combine call (the native backend reads them).
-
-    Args:
-        num_sms: streaming multiprocessors the kernels may use (even; 2 per channel).
-        chunk_tokens: tokens a channel moves before it signals the receiver (0 = backend default).
-    """
-
-    num_sms: int = 24
-    chunk_tokens: int = 0
 
 
 def _device_of(group: dist.ProcessGroup) -> torch.device:
@@ -239,7 +226,7 @@ class Buffer:
         """Send each token to every rank that holds one of its experts (once per rank).
 
         Args:
-            x: ``[T, H]`` bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``.
+            x: ``[T, H]`` bf16/fp32 (fp64 too on the torch backend), or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``.
             handle: from an earlier dispatch: repeat its layout (cached dispatch; no top-k arguments).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`
                 (computed here from ``topk_idx`` when omitted; then pass ``num_experts``).
@@ -258,7 +245,7 @@ class Buffer:
         """
         result, event = self.dispatch_result(
             x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-            topk_idx, topk_weights, expert_alignment, num_worst_tokens, previous_event, async_finish,
+            topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
             num_experts=num_experts)
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         if handle is not None:
@@ -268,12 +255,13 @@ class Buffer:
 
     def dispatch_result(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                         is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                        expert_alignment: int = 1, num_worst_tokens: int = 0,
+                        expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                         previous_event: EventOverlap | None = None, async_finish: bool = False, *,
                         num_experts: int | None = None) -> tuple[DispatchResult, EventOverlap]:
         """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host)."""
         op = "dispatch"
-        data, scales = split_hidden(op, x, self.device)
+        data, scales = split_hidden(op, x, self.device, self.backend.supported_dtypes)
+        config = config or self.get_dispatch_config(self.group_size)
         num_tokens = data.shape[0]
         check_positive_int(op, "expert_alignment", expert_alignment, 1)
         check_positive_int(op, "num_worst_tokens", num_worst_tokens, 0)
@@ -289,7 +277,7 @@ class Buffer:
                             num_worst_tokens)
             return self._run(
                 lambda: self.backend.dispatch(data, scales, None, None, handle.is_token_in_rank, None, handle,
-                                              0, expert_alignment, handle.num_worst_tokens),
+                                              0, expert_alignment, handle.num_worst_tokens, config),
                 [data, scales], previous_event, async_finish)
 
         if topk_idx is None:
@@ -322,7 +310,7 @@ class Buffer:
         return self._run(
             lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
                                           num_tokens_per_rank, None, num_experts, expert_alignment,
-                                          num_worst_tokens),
+                                          num_worst_tokens, config),
             [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
 
     # ---------------------------------------------------------------- combine
@@ -345,8 +333,9 @@ class Buffer:
         op = "combine"
         check_handle(op, handle, self.group_size, self.device)
         rows = handle.num_recv_rows
-        check_tensor(op, "x", x, dtypes=(torch.bfloat16, torch.float32), ndim=2, device=self.device,
+        check_tensor(op, "x", x, dtypes=self.backend.supported_dtypes, ndim=2, device=self.device,
                      shape=(rows if rows >= 0 else None, None))
+        config = config or self.get_combine_config(self.group_size)
         if topk_weights is not None:
             check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=self.device,
                          shape=(x.shape[0], None))
@@ -355,10 +344,10 @@ class Buffer:
             raise _fail(op, "bias", "a tensor or a pair of tensors", f"a sequence of {len(biases)}")
         for i, b in enumerate(biases):
             if b is not None:
-                check_tensor(op, f"bias[{i}]", b, dtypes=(torch.bfloat16, torch.float32), ndim=2,
+                check_tensor(op, f"bias[{i}]", b, dtypes=self.backend.supported_dtypes, ndim=2,
                              device=self.device, shape=(handle.num_tokens, x.shape[1]))
         (combined, combined_w), event = self._run(
-            lambda: self.backend.combine(x, handle, topk_weights, tuple(biases)),
+            lambda: self.backend.combine(x, handle, topk_weights, tuple(biases), config),
             [x, topk_weights, *biases], previous_event, async_finish)
         return combined, combined_w, event
 

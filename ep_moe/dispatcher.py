@@ -32,9 +32,12 @@ class TokenDispatcher:
         num_experts: E, all experts of the layer; this rank holds ``E / R`` of them (L).
         expert_alignment: pad each local expert's group of rows to a multiple of this (zero rows, prob 0).
         num_worst_tokens: if > 0, fixed-size outputs and no host sync (see `Buffer.dispatch`).
+        num_sms: SMs for this layer's dispatch and combine (0 = the buffer's default); a tuning plan
+            sets it per layer shape.
     """
 
-    def __init__(self, buffer: Buffer, num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0):
+    def __init__(self, buffer: Buffer, num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 num_sms: int = 0):
         if num_experts % buffer.group_size:
             raise ValueError(f"TokenDispatcher: argument 'num_experts' must be divisible by the EP size "
                              f"{buffer.group_size}, got {num_experts}")
@@ -43,6 +46,7 @@ class TokenDispatcher:
         self.num_local_experts = num_experts // buffer.group_size
         self.expert_alignment = expert_alignment
         self.num_worst_tokens = num_worst_tokens
+        self.num_sms = num_sms
 
     def dispatch(self, hidden: Tensor, topk_idx: Tensor, topk_weights: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, DispatchContext]:
@@ -59,7 +63,7 @@ class TokenDispatcher:
             context for `combine`.
         """
         out = dispatch(self.buffer, hidden, topk_idx, topk_weights, self.num_experts, self.expert_alignment,
-                       self.num_worst_tokens)
+                       self.num_worst_tokens, self.num_sms)
         num_rows, num_topk = out.recv_topk_idx.shape
         local = self.num_local_experts
         flat = out.recv_topk_idx.flatten()
@@ -101,7 +105,8 @@ class TokenDispatcher:
             ``[T, H]`` in ``expert_output``'s dtype.
         """
         hidden = expert_output.shape[1]
-        per_row = torch.zeros(ctx.num_recv_rows + 1, hidden, dtype=torch.float32, device=expert_output.device)
-        per_row = per_row.index_add(0, ctx.row_of_slot, expert_output.float())[:ctx.num_recv_rows]
-        combined, _ = combine(self.buffer, per_row.to(expert_output.dtype), ctx.handle)
+        acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
+        per_row = torch.zeros(ctx.num_recv_rows + 1, hidden, dtype=acc_dtype, device=expert_output.device)
+        per_row = per_row.index_add(0, ctx.row_of_slot, expert_output.to(acc_dtype))[:ctx.num_recv_rows]
+        combined, _ = combine(self.buffer, per_row.to(expert_output.dtype), ctx.handle, num_sms=self.num_sms)
         return combined

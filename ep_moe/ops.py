@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .buffer import Buffer, buffer_by_id
+from .config import Config
 from .handle import DispatchHandle
 
 
@@ -46,6 +47,11 @@ def _handle_tensors(handle: DispatchHandle) -> tuple[Tensor, ...]:
     return handle.rank_prefix_matrix, handle.recv_src_idx, handle.recv_src_rank, handle.is_token_in_rank, state
 
 
+def _config(num_sms: int) -> Config | None:
+    """The ops carry only the SM count of a `Config`; 0 means the buffer's default."""
+    return Config(num_sms=num_sms) if num_sms > 0 else None
+
+
 def _fresh(t: Tensor) -> Tensor:
     """Custom ops may not return views of their inputs; copy only when that is the case."""
     return t.clone() if t._base is not None else t
@@ -54,18 +60,19 @@ def _fresh(t: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------ dispatch
 @torch.library.custom_op("ep_moe::dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: int, num_experts: int,
-                 expert_alignment: int, num_worst_tokens: int
+                 expert_alignment: int, num_worst_tokens: int, num_sms: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buffer = buffer_by_id(buffer_id)
     result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-                                       expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+                                       expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                       config=_config(num_sms))
     outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
             *_handle_tensors(result.handle))
     return tuple(_fresh(t) for t in outs)
 
 
 @_dispatch_op.register_fake
-def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_worst_tokens):
+def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_worst_tokens, num_sms):
     buffer = buffer_by_id(buffer_id)
     num_ranks = buffer.group_size
     rows = num_worst_tokens or torch.library.get_ctx().new_dynamic_size()
@@ -79,7 +86,7 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_w
 
 
 def _dispatch_setup(ctx, inputs, output):
-    ctx.buffer_id, ctx.num_worst_tokens = inputs[3], inputs[6]
+    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = inputs[3], inputs[6], inputs[7]
     ctx.hidden, ctx.x_dtype = inputs[0].shape[1], inputs[0].dtype
     ctx.save_for_backward(output[1], *output[4:])
 
@@ -94,8 +101,8 @@ def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *_):
     # Only the entries local to this rank were copied from the input weights; the others are constant 0.
     grad_w = torch.where(recv_idx >= 0, grad_w, torch.zeros_like(grad_w))
     combined, combined_w = torch.ops.ep_moe.combine(grad_x.contiguous(), grad_w, None, None, *handle_tensors,
-                                                    ctx.buffer_id, ctx.num_worst_tokens)
-    return combined, None, combined_w, None, None, None, None
+                                                    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms)
+    return combined, None, combined_w, None, None, None, None, None
 
 
 _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -105,10 +112,12 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 @torch.library.custom_op("ep_moe::combine", mutates_args=())
 def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, bias_1: Tensor | None,
                 rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
-                backend_state: Tensor, buffer_id: int, num_worst_tokens: int) -> tuple[Tensor, Tensor]:
+                backend_state: Tensor, buffer_id: int, num_worst_tokens: int, num_sms: int
+                ) -> tuple[Tensor, Tensor]:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
                      num_worst_tokens)
-    combined, combined_w, _ = buffer_by_id(buffer_id).combine(x, handle, topk_weights, (bias_0, bias_1))
+    combined, combined_w, _ = buffer_by_id(buffer_id).combine(x, handle, topk_weights, (bias_0, bias_1),
+                                                              config=_config(num_sms))
     if combined_w is None:
         combined_w = torch.zeros(is_token_in_rank.shape[0], 0, dtype=torch.float32, device=x.device)
     return _fresh(combined), _fresh(combined_w)
@@ -116,15 +125,15 @@ def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, b
 
 @_combine_op.register_fake
 def _(x, topk_weights, bias_0, bias_1, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-      backend_state, buffer_id, num_worst_tokens):
+      backend_state, buffer_id, num_worst_tokens, num_sms):
     num_tokens = is_token_in_rank.shape[0]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     return x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens, num_topk, dtype=torch.float32)
 
 
 def _combine_setup(ctx, inputs, output):
-    x, topk_weights, bias_0, bias_1, *handle_tensors, buffer_id, num_worst_tokens = inputs
-    ctx.buffer_id, ctx.num_worst_tokens = buffer_id, num_worst_tokens
+    x, topk_weights, bias_0, bias_1, *handle_tensors, buffer_id, num_worst_tokens, num_sms = inputs
+    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = buffer_id, num_worst_tokens, num_sms
     ctx.has_weights = topk_weights is not None
     ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (bias_0, bias_1))
     ctx.save_for_backward(*handle_tensors)
@@ -133,15 +142,15 @@ def _combine_setup(ctx, inputs, output):
 def _combine_backward(ctx, grad_out, grad_w):
     handle_tensors = ctx.saved_tensors
     grad_x = torch.ops.ep_moe.cached_dispatch(grad_out.contiguous(), *handle_tensors, ctx.buffer_id,
-                                              ctx.num_worst_tokens)
+                                              ctx.num_worst_tokens, ctx.num_sms)
     grad_weights = None
     if ctx.has_weights and grad_w is not None:
         num_topk = grad_w.shape[1]
         padded = torch.nn.functional.pad(grad_w, (0, -num_topk % 4))  # 16-byte rows for every backend
         grad_weights = torch.ops.ep_moe.cached_dispatch(padded.contiguous(), *handle_tensors, ctx.buffer_id,
-                                                        ctx.num_worst_tokens)[:, :num_topk]
+                                                        ctx.num_worst_tokens, ctx.num_sms)[:, :num_topk]
     grad_bias = [grad_out.to(d) if d is not None else None for d in ctx.bias_dtypes]
-    return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None)
+    return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None, None)
 
 
 _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
@@ -151,28 +160,28 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 @torch.library.custom_op("ep_moe::cached_dispatch", mutates_args=())
 def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor,
                         is_token_in_rank: Tensor, backend_state: Tensor, buffer_id: int,
-                        num_worst_tokens: int) -> Tensor:
+                        num_worst_tokens: int, num_sms: int) -> Tensor:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
                      num_worst_tokens)
-    recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle)
+    recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle, config=_config(num_sms))
     return _fresh(recv_x)
 
 
 @_cached_dispatch_op.register_fake
 def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, buffer_id,
-      num_worst_tokens):
+      num_worst_tokens, num_sms):
     return x.new_empty(recv_src_idx.shape[0], x.shape[1])
 
 
 def _cached_dispatch_setup(ctx, inputs, output):
-    ctx.buffer_id, ctx.num_worst_tokens = inputs[6], inputs[7]
+    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = inputs[6], inputs[7], inputs[8]
     ctx.save_for_backward(*inputs[1:6])
 
 
 def _cached_dispatch_backward(ctx, grad):
     combined, _ = torch.ops.ep_moe.combine(grad.contiguous(), None, None, None, *ctx.saved_tensors,
-                                           ctx.buffer_id, ctx.num_worst_tokens)
-    return (combined, None, None, None, None, None, None, None)
+                                           ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms)
+    return (combined, None, None, None, None, None, None, None, None)
 
 
 _cached_dispatch_op.register_autograd(_cached_dispatch_backward, setup_context=_cached_dispatch_setup)
@@ -180,27 +189,29 @@ _cached_dispatch_op.register_autograd(_cached_dispatch_backward, setup_context=_
 
 # ------------------------------------------------------------------------------------------ public API
 def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
-             expert_alignment: int = 1, num_worst_tokens: int = 0) -> DispatchOutput:
+             expert_alignment: int = 1, num_worst_tokens: int = 0, num_sms: int = 0) -> DispatchOutput:
     """Differentiable dispatch of ``x [T, H]`` (bf16/fp32) by ``topk_idx [T, K]`` int64 and
-    ``topk_weights [T, K]`` fp32 (see `Buffer.dispatch`). Gradients flow to ``x`` and ``topk_weights``."""
+    ``topk_weights [T, K]`` fp32 (see `Buffer.dispatch`). Gradients flow to ``x`` and ``topk_weights``.
+    ``num_sms`` > 0 overrides the buffer's SM budget for this call and its backward."""
     (recv_x, recv_idx, recv_w, counts, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
      state) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
-                                        expert_alignment, num_worst_tokens)
+                                        expert_alignment, num_worst_tokens, num_sms)
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, state, num_worst_tokens)
     return DispatchOutput(recv_x, recv_idx, recv_w, counts, handle)
 
 
 def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Tensor | None = None,
-            bias: Tensor | tuple[Tensor | None, Tensor | None] | None = None) -> tuple[Tensor, Tensor | None]:
+            bias: Tensor | tuple[Tensor | None, Tensor | None] | None = None, num_sms: int = 0
+            ) -> tuple[Tensor, Tensor | None]:
     """Differentiable combine of ``x [N, H]`` (see `Buffer.combine`). Returns ``(combined [T, H],
     combined_topk_weights [T, K] or None)``; gradients flow to ``x``, ``topk_weights`` and the biases."""
     bias_0, bias_1 = bias if isinstance(bias, tuple | list) else (bias, None)
     combined, combined_w = torch.ops.ep_moe.combine(x, topk_weights, bias_0, bias_1, *_handle_tensors(handle),
-                                                    buffer.buffer_id, handle.num_worst_tokens)
+                                                    buffer.buffer_id, handle.num_worst_tokens, num_sms)
     return combined, (combined_w if topk_weights is not None else None)
 
 
-def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle) -> Tensor:
+def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:
     """Differentiable re-dispatch of ``x [T, H]`` with an earlier dispatch's layout: ``[N, H]``."""
     return torch.ops.ep_moe.cached_dispatch(x, *_handle_tensors(handle), buffer.buffer_id,
-                                            handle.num_worst_tokens)
+                                            handle.num_worst_tokens, num_sms)

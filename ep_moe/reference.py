@@ -69,7 +69,8 @@ def reference_combine(ys: list[torch.Tensor], dispatched: list[ReferenceDispatch
     hidden, dtype = ys[0].shape[1], ys[0].dtype
     results = []
     for s in range(num_ranks):
-        acc = torch.zeros(num_tokens[s], hidden, dtype=torch.float32)
+        acc_dtype = torch.promote_types(dtype, torch.float32)
+        acc = torch.zeros(num_tokens[s], hidden, dtype=acc_dtype)
         acc_w = None
         if topk_weights is not None:
             acc_w = torch.zeros(num_tokens[s], topk_weights[0].shape[1], dtype=torch.float32)
@@ -78,12 +79,12 @@ def reference_combine(ys: list[torch.Tensor], dispatched: list[ReferenceDispatch
             for i in range(d.recv_src_rank.numel()):
                 if int(d.recv_src_rank[i]) == s:
                     t = int(d.recv_src_idx[i])
-                    acc[t] += ys[r][i].float()
+                    acc[t] += ys[r][i].to(acc_dtype)
                     if acc_w is not None:
                         acc_w[t] += topk_weights[r][i]
         if biases is not None:
             for b in biases[s]:
                 if b is not None:
-                    acc = acc + b.float()
+                    acc = acc + b.to(acc_dtype)
         results.append((acc.to(dtype), acc_w))
     return results

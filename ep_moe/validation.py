@@ -35,8 +35,10 @@ def check_tensor(op: str, arg: str, t: object, *, dtypes: tuple, ndim: int, devi
     return t
 
 
-def split_hidden(op: str, x: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Accept ``x`` as a bf16/fp32 ``[T, H]`` tensor or an FP8 pair ``(x_e4m3 [T, H], scales [T, H/128])``."""
+def split_hidden(op: str, x: object, device: torch.device, dtypes: tuple = HIDDEN_DTYPES
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Accept ``x`` as a ``[T, H]`` tensor of one of ``dtypes`` or an FP8 pair
+    ``(x_e4m3 [T, H], scales [T, H/128] fp32)``."""
     if isinstance(x, tuple | list):
         if len(x) != 2:
             raise _fail(op, "x", "a tensor or a pair (x_fp8, scales)", f"a sequence of {len(x)}")
@@ -48,7 +50,7 @@ def split_hidden(op: str, x: object, device: torch.device) -> tuple[torch.Tensor
         check_tensor(op, "x[1]", scales, dtypes=(torch.float32,), ndim=2, device=device,
                      shape=(data.shape[0], hidden // FP8_BLOCK))
         return data, scales
-    check_tensor(op, "x", x, dtypes=HIDDEN_DTYPES, ndim=2, device=device)
+    check_tensor(op, "x", x, dtypes=dtypes, ndim=2, device=device)
     return x, None
 
 

@@ -9,7 +9,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..config import Config
 from ..handle import DispatchHandle
+from ..validation import HIDDEN_DTYPES
 
 
 class DispatchResult(NamedTuple):
@@ -27,6 +29,7 @@ class CommBackend(ABC):
     """One EP group's transport. ``rank``/``num_ranks`` are positions inside ``group``."""
 
     name: str = "?"
+    supported_dtypes: tuple[torch.dtype, ...] = HIDDEN_DTYPES  # of x in dispatch and combine (FP8 aside)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
         self.group = group
@@ -39,13 +42,13 @@ class CommBackend(ABC):
     def dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
                  topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: torch.Tensor | None, handle: DispatchHandle | None,
-                 num_experts: int, expert_alignment: int, num_worst_tokens: int) -> DispatchResult:
+                 num_experts: int, expert_alignment: int, num_worst_tokens: int, config: Config) -> DispatchResult:
         """Send each row of ``x`` (and its scales and top-k rows) to every rank marked in
         ``is_token_in_rank``; with ``handle``, repeat that handle's layout (cached dispatch, no top-k)."""
 
     @abstractmethod
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor | None, torch.Tensor | None]
+                bias: tuple[torch.Tensor | None, torch.Tensor | None], config: Config
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Send each received row back to its source and sum per token in increasing rank order (fp32)."""
 

@@ -46,6 +46,7 @@ class _Route:
 
 class TorchBackend(CommBackend):
     name = "torch"
+    supported_dtypes = (torch.bfloat16, torch.float32, torch.float64)  # fp64 serves gradcheck
 
     # ---------------------------------------------------------------- collectives with deadlines
     def _wait(self, work: dist.Work, stage: str) -> None:
@@ -150,7 +151,7 @@ class TorchBackend(CommBackend):
 
     # ---------------------------------------------------------------- dispatch / combine
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
-                 num_experts, expert_alignment, num_worst_tokens) -> DispatchResult:
+                 num_experts, expert_alignment, num_worst_tokens, config=None) -> DispatchResult:
         num_tokens = x.shape[0]
         cached = handle is not None
         if cached:
@@ -204,24 +205,25 @@ class TorchBackend(CommBackend):
         counts = aligned_expert_counts(local_idx, experts_per_rank, expert_alignment)
         return DispatchResult(recv_x, recv_scales, local_idx, local_w, counts, handle)
 
-    def combine(self, y, handle, topk_weights, bias):
+    def combine(self, y, handle, topk_weights, bias, config=None):
         num_tokens, hidden = handle.num_tokens, y.shape[1]
         route = self._route(handle)
         parts = [as_bytes(y)] + ([as_bytes(topk_weights)] if topk_weights is not None else [])
         chunks = self._return_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], route, "combine")
         y_bytes = parts[0].shape[1]
-        acc = torch.zeros(num_tokens + 1, hidden, dtype=torch.float32, device=y.device)
+        acc_dtype = torch.promote_types(y.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+        acc = torch.zeros(num_tokens + 1, hidden, dtype=acc_dtype, device=y.device)
         acc_w = None
         if topk_weights is not None:
             acc_w = torch.zeros(num_tokens + 1, topk_weights.shape[1], dtype=torch.float32, device=y.device)
         for tokens, rows in chunks:  # increasing rank order: a fixed fp32 summation order
-            acc.index_add_(0, tokens, from_bytes(rows[:, :y_bytes], y.dtype, hidden).float())
+            acc.index_add_(0, tokens, from_bytes(rows[:, :y_bytes], y.dtype, hidden).to(acc_dtype))
             if acc_w is not None:
                 acc_w.index_add_(0, tokens, from_bytes(rows[:, y_bytes:], torch.float32, acc_w.shape[1]))
         acc = acc[:num_tokens]
         for b in bias:
             if b is not None:
-                acc = acc + b.float()
+                acc = acc + b.to(acc_dtype)
         return acc.to(y.dtype), (acc_w[:num_tokens] if acc_w is not None else None)
 
     def barrier(self) -> None:

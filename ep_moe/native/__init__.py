@@ -43,7 +43,7 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
     dist.all_gather_object(everyone, here, group=group)
     if len({host for host, _ in everyone}) != 1:
         return "the group spans several hosts (native kernels are intranode only)"
-    for host, dev in everyone:
+    for _host, dev in everyone:
         if dev != here[1] and not torch.cuda.can_device_access_peer(here[1], dev):
             return f"GPU {here[1]} cannot access GPU {dev} as a peer (no NVLink/P2P)"
     return None
