@@ -12,6 +12,7 @@ Works with gloo (CPU) and NCCL (GPU, one or many nodes). Rows travel as raw byte
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,7 +26,8 @@ from .base import CommBackend, DispatchResult
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """View a ``[N, ...]`` tensor as ``[N, bytes]`` uint8 (copying only if it is not contiguous)."""
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
@@ -169,24 +171,20 @@ class TorchBackend(CommBackend):
             total = count_matrix[:, self.rank].sum()
             _check_capacity(total, num_worst_tokens, self.rank)
 
-        # Row payload: x, then (FP8) scales, then (fresh dispatch) top-k ids, weights and token index.
-        parts = [as_bytes(x)]
-        if x_scales is not None:
-            parts.append(as_bytes(x_scales))
+        # x travels alone (so it lands in place, with no repacking copy); the small per-row metadata
+        # -- FP8 scales, and for a fresh dispatch top-k ids, weights and token index -- in a second exchange.
+        stage = "dispatch/cached" if cached else "dispatch"
+        recv_x = from_bytes(self._send_rows(as_bytes(x), route, num_rows, stage), x.dtype, x.shape[1])
+        meta = [as_bytes(x_scales)] if x_scales is not None else []
         if not cached:
             token_index = torch.arange(num_tokens, dtype=torch.int64, device=x.device)[:, None]
-            parts += [as_bytes(topk_idx), as_bytes(topk_weights), as_bytes(token_index)]
-        recv = self._send_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], route, num_rows,
-                               "dispatch/cached" if cached else "dispatch")
-
-        hidden = x.shape[1]
-        x_bytes = parts[0].shape[1]
-        recv_x = from_bytes(recv[:, :x_bytes], x.dtype, hidden)
-        col = x_bytes
+            meta += [as_bytes(topk_idx), as_bytes(topk_weights), as_bytes(token_index)]
+        recv = self._send_rows(torch.cat(meta, dim=1), route, num_rows, stage + "/meta") if meta else None
+        col = 0
         recv_scales = None
         if x_scales is not None:
-            recv_scales = from_bytes(recv[:, col:col + parts[1].shape[1]], torch.float32, x_scales.shape[1])
-            col += parts[1].shape[1]
+            col = meta[0].shape[1]
+            recv_scales = from_bytes(recv[:, :col], torch.float32, x_scales.shape[1])
         if cached:
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
@@ -208,18 +206,18 @@ class TorchBackend(CommBackend):
     def combine(self, y, handle, topk_weights, bias, config=None):
         num_tokens, hidden = handle.num_tokens, y.shape[1]
         route = self._route(handle)
-        parts = [as_bytes(y)] + ([as_bytes(topk_weights)] if topk_weights is not None else [])
-        chunks = self._return_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], route, "combine")
-        y_bytes = parts[0].shape[1]
+        chunks = self._return_rows(as_bytes(y), route, "combine")
+        w_chunks = self._return_rows(as_bytes(topk_weights), route, "combine/weights") if topk_weights is not None \
+            else [None] * len(chunks)
         acc_dtype = torch.promote_types(y.dtype, torch.float32)  # fp32, or fp64 for fp64 input
         acc = torch.zeros(num_tokens + 1, hidden, dtype=acc_dtype, device=y.device)
         acc_w = None
         if topk_weights is not None:
             acc_w = torch.zeros(num_tokens + 1, topk_weights.shape[1], dtype=torch.float32, device=y.device)
-        for tokens, rows in chunks:  # increasing rank order: a fixed fp32 summation order
-            acc.index_add_(0, tokens, from_bytes(rows[:, :y_bytes], y.dtype, hidden).to(acc_dtype))
-            if acc_w is not None:
-                acc_w.index_add_(0, tokens, from_bytes(rows[:, y_bytes:], torch.float32, acc_w.shape[1]))
+        for (tokens, rows), w_chunk in zip(chunks, w_chunks):  # increasing rank: a fixed summation order
+            acc.index_add_(0, tokens, from_bytes(rows, y.dtype, hidden).to(acc_dtype))
+            if w_chunk is not None:
+                acc_w.index_add_(0, tokens, from_bytes(w_chunk[1], torch.float32, acc_w.shape[1]))
         acc = acc[:num_tokens]
         for b in bias:
             if b is not None:
