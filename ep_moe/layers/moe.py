@@ -1,0 +1,186 @@
+"""`MoELayer`: router + token dispatcher + grouped experts (+ optional shared expert).
+
+With an EP `Buffer` the layer dispatches through `ep_moe.TokenDispatcher` (each rank holds ``E / R``
+experts); without one it uses `LocalTokenDispatcher`, which groups the tokens by expert in-process with
+the same row order and the same fp32 sums, so it gives the same numbers as a one-rank `Buffer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..buffer import Buffer
+from ..dispatcher import TokenDispatcher
+from .experts import GroupedExperts, SwiGLU, scaled_output_std
+from .router import TopKRouter
+
+if TYPE_CHECKING:
+    from .model import ModelConfig
+
+
+@dataclass
+class LocalDispatchContext:
+    """What `LocalTokenDispatcher.combine` needs from the matching dispatch."""
+
+    token_of_slot: Tensor  # [M] int64: token feeding each expert-input slot; T for padding slots
+    num_tokens: int        # T
+
+
+def group_pairs_by_expert(topk_idx: Tensor, num_experts: int, alignment: int) -> tuple[Tensor, Tensor]:
+    """Slots of the (token, k) pairs, grouped by expert and padded to ``alignment``.
+
+    Args:
+        topk_idx: ``[N, K]`` int64 expert ids in ``[0, num_experts)``, -1 = none.
+
+    Returns:
+        ``pair_of_slot [M]`` int64 (index into ``topk_idx.flatten()``, ``N * K`` for padding slots; pairs
+        of one expert in increasing (row, k)) and ``padded_counts [num_experts]`` int64.
+    """
+    num_pairs = topk_idx.numel()
+    key = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    padded = (counts + alignment - 1) // alignment * alignment
+    num_slots = int(padded.sum())
+    first_pair = torch.cumsum(counts, 0) - counts
+    first_slot = torch.cumsum(padded, 0) - padded
+    sorted_key = key[order]
+    is_pair = sorted_key < num_experts
+    expert = sorted_key.clamp(max=num_experts - 1)
+    position = torch.arange(num_pairs, device=topk_idx.device)
+    slot = torch.where(is_pair, first_slot[expert] + position - first_pair[expert], num_slots)
+    pair_of_slot = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64, device=topk_idx.device)
+    pair_of_slot.scatter_(0, slot, torch.where(is_pair, order, num_pairs))  # non-pairs all land on the spare slot
+    return pair_of_slot[:num_slots], padded
+
+
+class LocalTokenDispatcher:
+    """`TokenDispatcher`'s interface for one process and all experts local: no communication.
+
+    Row order and sums match `TokenDispatcher` over a one-rank `Buffer` exactly.
+    """
+
+    def __init__(self, num_experts: int, expert_alignment: int = 1) -> None:
+        if expert_alignment < 1:
+            raise ValueError(f"LocalTokenDispatcher: argument 'expert_alignment' must be >= 1, got {expert_alignment}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts
+        self.expert_alignment = expert_alignment
+
+    def dispatch(self, hidden: Tensor, topk_idx: Tensor, topk_weights: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, LocalDispatchContext]:
+        """Group ``hidden [T, H]`` by expert: ``(expert_input [M, H], expert_probs [M] fp32,
+        tokens_per_expert [E] int64, ctx)`` as `TokenDispatcher.dispatch`."""
+        num_tokens, num_topk = topk_idx.shape
+        if hidden.ndim != 2 or hidden.shape[0] != num_tokens or topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"LocalTokenDispatcher: arguments 'hidden' [T, H], 'topk_idx' and 'topk_weights' "
+                             f"[T, K] disagree: {tuple(hidden.shape)}, {tuple(topk_idx.shape)}, "
+                             f"{tuple(topk_weights.shape)}")
+        pair_of_slot, padded = group_pairs_by_expert(topk_idx, self.num_experts, self.expert_alignment)
+        num_pairs = topk_idx.numel()
+        token_of_slot = torch.where(pair_of_slot < num_pairs, pair_of_slot // max(num_topk, 1), num_tokens)
+        padded_x = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+        expert_input = padded_x.index_select(0, token_of_slot)
+        weights = torch.where(topk_idx >= 0, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
+        padded_w = torch.cat([weights.flatten(), weights.new_zeros(1)])
+        expert_probs = padded_w.index_select(0, pair_of_slot)
+        return expert_input, expert_probs, padded, LocalDispatchContext(token_of_slot, num_tokens)
+
+    def combine(self, expert_output: Tensor, ctx: LocalDispatchContext) -> Tensor:
+        """Sum each token's expert outputs in fp32 (slot order): ``[T, H]`` in ``expert_output``'s dtype."""
+        acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
+        out = torch.zeros(ctx.num_tokens + 1, expert_output.shape[1], dtype=acc_dtype, device=expert_output.device)
+        out = out.index_add(0, ctx.token_of_slot, expert_output.to(acc_dtype))[:ctx.num_tokens]
+        return out.to(expert_output.dtype)
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts FFN: ``[..., H] -> [..., H]`` (``[B, S, H]`` or ``[T, H]``).
+
+    Args:
+        config: a `ModelConfig` (its ``moe_*`` fields, ``hidden_size``, ``init_method_std``, ``params_dtype``).
+        buffer: the EP group's `Buffer`, shared by all layers; None = every expert in this process.
+        dp_group: the ranks that see different tokens (for the global aux loss and the expert-bias update).
+        num_sms: SMs for this layer's dispatch/combine (0 = the buffer's default).
+        expert_impl: `GroupedExperts` ``impl``.
+
+    After each forward, ``aux_loss`` is this layer's coefficient-scaled load-balancing + z-loss (0-dim fp32).
+    """
+
+    def __init__(self, config: ModelConfig, buffer: Buffer | None = None, dp_group: dist.ProcessGroup | None = None,
+                 num_sms: int = 0, expert_impl: str = "auto") -> None:
+        super().__init__()
+        c = config
+        self.buffer = buffer
+        self.num_experts = c.num_moe_experts
+        self.num_sms = num_sms
+        ep_rank, ep_size = (buffer.rank, buffer.group_size) if buffer is not None else (0, 1)
+        if c.num_moe_experts % ep_size:
+            raise ValueError(f"MoELayer: 'num_moe_experts' ({c.num_moe_experts}) must be divisible by the EP size "
+                             f"{ep_size}")
+        dtype = c.torch_dtype
+        out_std = scaled_output_std(c.init_method_std, c.num_layers)
+        self.router = TopKRouter(
+            c.hidden_size, c.num_moe_experts, c.moe_router_topk, score_function=c.moe_router_score_function,
+            pre_softmax=c.moe_router_pre_softmax, num_groups=c.moe_router_num_groups,
+            group_topk=c.moe_router_group_topk, topk_scaling_factor=c.moe_router_topk_scaling_factor,
+            load_balancing_type=c.moe_router_load_balancing_type, aux_loss_coeff=c.moe_aux_loss_coeff,
+            z_loss_coeff=c.moe_z_loss_coeff, enable_expert_bias=c.moe_router_enable_expert_bias,
+            bias_update_rate=c.moe_router_bias_update_rate, force_load_balancing=c.moe_router_force_load_balancing,
+            dp_group=dp_group, init_method_std=c.init_method_std)
+        self.experts = GroupedExperts(c.num_moe_experts, c.hidden_size, c.moe_ffn_hidden_size, ep_rank, ep_size,
+                                      dtype=dtype, init_method_std=c.init_method_std, output_init_std=out_std,
+                                      impl=expert_impl)
+        self.shared_expert: SwiGLU | None = None
+        self.shared_expert_gate: nn.Parameter | None = None
+        if c.moe_shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(c.hidden_size, c.moe_shared_expert_intermediate_size, dtype=dtype,
+                                        init_method_std=c.init_method_std, output_init_std=out_std)
+            if c.moe_shared_expert_gate:
+                self.shared_expert_gate = nn.Parameter(torch.empty(1, c.hidden_size, dtype=dtype))
+        self.init_method_std = c.init_method_std
+        self._dispatchers: dict[int, TokenDispatcher | LocalTokenDispatcher] = {}
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Initialise the shared-expert gate (the submodules have their own ``reset_parameters``)."""
+        if self.shared_expert_gate is not None:
+            w = torch.empty(self.shared_expert_gate.shape).normal_(0.0, self.init_method_std, generator=generator)
+            self.shared_expert_gate.copy_(w)
+
+    def dispatcher(self, expert_alignment: int) -> TokenDispatcher | LocalTokenDispatcher:
+        """The dispatcher for this alignment (made once, then cached)."""
+        if expert_alignment not in self._dispatchers:
+            if self.buffer is None:
+                self._dispatchers[expert_alignment] = LocalTokenDispatcher(self.num_experts, expert_alignment)
+            else:
+                self._dispatchers[expert_alignment] = TokenDispatcher(
+                    self.buffer, self.num_experts, expert_alignment=expert_alignment, num_sms=self.num_sms)
+        return self._dispatchers[expert_alignment]
+
+    @property
+    def aux_loss(self) -> Tensor:
+        """Coefficient-scaled load-balancing loss + z-loss of the last forward (0-dim fp32)."""
+        return self.router.aux_loss + self.router.z_loss
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        seq_length = shape[1] if x.ndim == 3 else None
+        hidden = x.reshape(-1, shape[-1])
+        topk_idx, topk_weights = self.router(hidden, seq_length)
+        dispatcher = self.dispatcher(self.experts.expert_alignment(hidden))
+        expert_input, expert_probs, tokens_per_expert, ctx = dispatcher.dispatch(hidden, topk_idx, topk_weights)
+        expert_output = self.experts(expert_input, tokens_per_expert, expert_probs)
+        out = dispatcher.combine(expert_output, ctx)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(hidden, self.shared_expert_gate))
+            out = out + shared
+        return out.view(shape)
