@@ -1,0 +1,32 @@
+"""Shared helpers of the DeepSpeed integration tests (no tests here).
+
+DeepSpeed runs on its CPU accelerator over gloo. No DeepSpeed op is compiled: ``deepspeed.comm`` is
+initialized over our own gloo group with its shared-memory op marked unavailable
+(`ep_moe.integrations.deepspeed.init_deepspeed_comm`), and the engine uses a torch optimizer. Should any
+build still happen, ``TORCH_EXTENSIONS_DIR`` points it into the repo's git-ignored ``build/`` folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def setup_deepspeed_env() -> None:
+    """Environment for DeepSpeed on CPU; call before importing deepspeed (also in spawned ranks)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+
+
+def require_deepspeed() -> None:
+    """Skip the calling test module when DeepSpeed is not installed."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install torch==<torch> deepspeed==0.19.8)",
+                    allow_module_level=True)
+    setup_deepspeed_env()
