@@ -1,0 +1,499 @@
+"""Recipe schema, YAML loading and ``key=value`` overrides.
+
+A recipe is a YAML mapping with Megatron-Bridge style sections (``model``, ``train``, ``optimizer``,
+``scheduler``, ``dataset``, ``checkpoint``, ``logger``, ``rng``, ``ep_moe``) plus a top-level ``engine``.
+Every section is a dataclass below; its fields are the only keys accepted. Loading checks each value's
+type and reports problems with the key's full dotted path (``train.global_batch_size``) and, for an
+unknown key, the closest known one. Overrides (``train.train_iters=50``) are parsed as YAML scalars and
+go through the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+ENGINES = ("ep_moe", "megatron", "deepspeed")
+
+
+class RecipeError(ValueError):
+    """A recipe or override that cannot be used; the message names the key's dotted path."""
+
+
+# ---------------------------------------------------------------------------------------------- sections
+@dataclass
+class ModelSection:
+    """The model: `ep_moe.layers.ModelConfig`'s fields plus the expert-parallel size."""
+
+    vocab_size: int = 256
+    seq_length: int = 128
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 256
+    moe_ffn_hidden_size: int = 128
+    num_moe_experts: int = 8
+    moe_router_topk: int = 2
+    moe_layer_freq: int = 1
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_force_load_balancing: bool = False
+    rotary_base: float = 10000.0
+    init_method_std: float = 0.02
+    norm_epsilon: float = 1e-5
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Parallelism (not a ModelConfig field): EP groups of this many contiguous ranks.
+    expert_model_parallel_size: int = 1
+
+    def model_config_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for `ModelConfig` (everything but the parallel sizes)."""
+        kwargs = dataclasses.asdict(self)
+        kwargs.pop("expert_model_parallel_size")
+        return kwargs
+
+
+@dataclass
+class TrainSection:
+    """Batching, length, evaluation cadence, processes and device."""
+
+    global_batch_size: int = 16       # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 4         # sequences per rank per forward/backward
+    train_iters: int = 100            # optimizer steps
+    eval_interval: int = 0            # evaluate every N steps (and at the end); 0 = only at the end
+    eval_iters: int = 2               # global batches per evaluation; 0 = never evaluate
+    nproc: int = 2                    # ranks to spawn when not under torchrun
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16"] = "fp32"   # bf16: autocast on CUDA, fp32 master weights
+    deterministic: bool = False       # seeds + deterministic algorithms + fixed-order reductions
+    timeout_s: float = 300.0          # bound on every collective (a dead peer raises instead of hanging)
+    target_loss_gap: float | None = None  # synthetic data: the final eval loss should be within this many
+    #                                       nats/token of the entropy floor (reported in the summary)
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW (decoupled weight decay on matrices; norms, biases and the expert bias are not decayed)."""
+
+    optimizer: Literal["adamw"] = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    clip_grad: float = 1.0            # global gradient-norm clip; 0 = off
+
+
+@dataclass
+class SchedulerSection:
+    """Linear warm-up from 0 to ``optimizer.lr``, then cosine/linear decay to ``min_lr`` or constant."""
+
+    lr_warmup_iters: int = 0
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_decay_iters: int | None = None  # None = train.train_iters
+    min_lr: float = 0.0
+
+
+@dataclass
+class DatasetSection:
+    """``synthetic`` (the built-in topic Markov corpus, the default) or ``text`` (any .txt file)."""
+
+    type: Literal["synthetic", "text"] = "synthetic"
+    # synthetic
+    num_topics: int = 4               # topic tags are tokens 0..num_topics-1
+    order: int = 1                    # Markov order of each topic's chain (1 or 2)
+    branching: int = 4                # successors per state in each chain
+    concentration: float = 1.0        # Dirichlet concentration of the successor probabilities
+    # text
+    path: str | None = None           # relative paths are resolved against the recipe's folder, then the cwd
+    tokenizer: Literal["char", "byte"] = "char"
+    split: list[float] = field(default_factory=lambda: [0.95, 0.05])   # train, validation fractions
+
+
+@dataclass
+class CheckpointSection:
+    save: str | None = None           # folder for checkpoints; None = never save
+    save_interval: int = 0            # steps between saves; 0 = only at the end (and on Ctrl-C)
+    load: str | None = None           # a checkpoint folder (or a save folder: its latest) to start from
+    resume: bool = False              # continue from the latest checkpoint in ``save`` if there is one
+    keep_last: int = 2                # checkpoints kept in ``save`` (older ones are removed); 0 = all
+
+
+@dataclass
+class LoggerSection:
+    log_interval: int = 1             # steps between metrics lines
+    metrics_path: str | None = None   # JSON lines; None = <checkpoint.save or runs/<recipe name>>/metrics.jsonl
+    plot_path: str | None = None      # PNG loss curve; None = <metrics file without .jsonl>_loss.png
+    progress_bar: bool | Literal["auto"] = "auto"   # true, false, or auto: on when stderr is a terminal
+
+
+@dataclass
+class RngSection:
+    seed: int = 1234
+
+
+@dataclass
+class EpMoeSection:
+    """The ep_moe dispatcher and its (minimal) tuning overrides."""
+
+    dispatcher_backend: Literal["auto", "torch", "native"] = "auto"
+    num_sms: int | list[int] = 0      # SMs for dispatch/combine: one for all MoE layers or one per MoE layer
+    tuning_plan: str | None = None    # YAML/JSON file with ``num_sms: N`` or ``num_sms: [per layer]``
+    expert_alignment: int = 1
+    num_worst_tokens: int = 0
+
+
+@dataclass
+class Recipe:
+    engine: Literal["ep_moe", "megatron", "deepspeed"] = "ep_moe"
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    dataset: DatasetSection = field(default_factory=DatasetSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logger: LoggerSection = field(default_factory=LoggerSection)
+    rng: RngSection = field(default_factory=RngSection)
+    ep_moe: EpMoeSection = field(default_factory=EpMoeSection)
+    # Not a key: the folder of the recipe file (relative paths in it are resolved against it).
+    source_dir: str = field(default=".", metadata={"internal": True})
+    # Not a key: the recipe file's name without extension (names the default output folder).
+    name: str = field(default="recipe", metadata={"internal": True})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as plain YAML-able data (what a checkpoint and the metrics header store)."""
+        out = dataclasses.asdict(self)
+        out.pop("source_dir")
+        out.pop("name")
+        return out
+
+    # ------------------------------------------------------------------ derived quantities
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.model.seq_length
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+
+    def resolve_path(self, path: str) -> str:
+        """An input path of the recipe: absolute as is; else relative to the cwd if it exists there, else
+        relative to the recipe's folder (returned as the cwd-relative path when neither exists)."""
+        expanded = os.path.expanduser(path)
+        if os.path.isabs(expanded) or os.path.exists(expanded):
+            return os.path.abspath(expanded)
+        beside_recipe = os.path.join(self.source_dir, expanded)
+        return beside_recipe if os.path.exists(beside_recipe) else os.path.abspath(expanded)
+
+    def output_dir(self) -> str:
+        """Where metrics and the plot go by default: ``checkpoint.save``, else ``runs/<recipe name>``."""
+        return self.checkpoint.save or os.path.join("runs", self.name)
+
+    def metrics_path(self) -> str:
+        return self.logger.metrics_path or os.path.join(self.output_dir(), "metrics.jsonl")
+
+    def plot_path(self) -> str:
+        if self.logger.plot_path:
+            return self.logger.plot_path
+        return os.path.splitext(self.metrics_path())[0] + "_loss.png"
+
+
+# ---------------------------------------------------------------------------------------------- typing
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return f"a list of {_type_name(item)}"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """``value`` checked against (and minimally converted to) ``tp``; RecipeError naming ``path``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, path)
+            except RecipeError as exc:
+                errors.append(exc)
+        raise RecipeError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise RecipeError(f"{path}: expected null, got {_describe(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices and type(value) is type(choices[0]):
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        raise RecipeError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}"
+                          + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise RecipeError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise RecipeError(f"{path}: expected bool (true/false), got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise RecipeError(f"{path}: expected int, got {_describe(value)}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise RecipeError(f"{path}: expected float, got {_describe(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise RecipeError(f"{path}: expected str, got {_describe(value)}")
+    raise TypeError(f"unsupported schema type {tp!r} at {path}")
+
+
+def _keys(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _unknown_key(path: str, key: str, known: list[str]) -> RecipeError:
+    full = f"{path}.{key}" if path else key
+    hint = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+    where = f"section '{path}'" if path else "the recipe's top level"
+    msg = f"unknown key '{full}'"
+    if hint:
+        msg += f"; did you mean '{(path + '.') if path else ''}{hint[0]}'?"
+    else:
+        msg += f" (keys of {where}: {', '.join(known)})"
+    return RecipeError(msg)
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {_describe(data)}")
+    keys = _keys(cls)
+    values = {}
+    for key, value in data.items():
+        if key not in keys:
+            raise _unknown_key(path, key, list(keys))
+        tp = keys[key]
+        sub = f"{path}.{key}" if path else key
+        if dataclasses.is_dataclass(tp):
+            values[key] = _build(tp, value, sub)
+        else:
+            values[key] = _coerce(value, tp, sub)
+    return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'a.b=VALUE'`` -> ``('a.b', yaml-parsed VALUE)``."""
+    if "=" not in text:
+        raise RecipeError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. train.train_iters=50")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"override {text!r}: empty key or key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"override {text!r}: the value is not valid YAML ({exc})") from None
+    return key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], *, strict_paths: bool = False) -> dict[str, Any]:
+    """Set each dotted ``key=value`` in (a copy of) the raw recipe mapping.
+
+    Missing intermediate mappings are created (the schema check that follows rejects unknown keys);
+    a key that runs through a non-mapping value is an error.
+    """
+    import copy
+
+    data = copy.deepcopy(data)
+    for text in overrides:
+        key, value = parse_override(text)
+        parts = key.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(f"override {text!r}: '{'.'.join(parts[:i + 1])}' is "
+                                  f"{_describe(child)}, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise RecipeError(f"recipe {path!r}: no such file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"recipe {path!r}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path!r}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def engine_of(data: dict[str, Any]) -> str:
+    engine = data.get("engine", "ep_moe")
+    if engine not in ENGINES:
+        hint = difflib.get_close_matches(str(engine), ENGINES, n=1)
+        raise RecipeError(f"engine: expected one of {', '.join(map(repr, ENGINES))}, got {engine!r}"
+                          + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    return engine
+
+
+def recipe_from_dict(data: dict[str, Any], source_dir: str = ".", name: str = "recipe") -> Recipe:
+    """Check a raw mapping against the schema and the cross-field rules; return the `Recipe`."""
+    recipe = _build(Recipe, data, "")
+    recipe.source_dir = os.path.abspath(source_dir)
+    recipe.name = name
+    validate(recipe)
+    return recipe
+
+
+def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
+    data = apply_overrides(read_yaml(path), list(overrides or []))
+    return recipe_from_dict(data, os.path.dirname(os.path.abspath(path)),
+                            os.path.splitext(os.path.basename(path))[0])
+
+
+# ---------------------------------------------------------------------------------------------- rules
+def _require(ok: bool, path: str, message: str) -> None:
+    if not ok:
+        raise RecipeError(f"{path}: {message}")
+
+
+def validate(recipe: Recipe, world_size: int | None = None) -> None:
+    """Cross-field rules. ``world_size`` defaults to ``train.nproc`` (torchrun passes its own)."""
+    m, t, o, s, d, c, lg, e = (recipe.model, recipe.train, recipe.optimizer, recipe.scheduler, recipe.dataset,
+                               recipe.checkpoint, recipe.logger, recipe.ep_moe)
+    for path, value, low in [
+        ("model.vocab_size", m.vocab_size, 2), ("model.seq_length", m.seq_length, 1),
+        ("model.num_layers", m.num_layers, 1), ("model.hidden_size", m.hidden_size, 1),
+        ("model.num_attention_heads", m.num_attention_heads, 1), ("model.ffn_hidden_size", m.ffn_hidden_size, 1),
+        ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, 1), ("model.num_moe_experts", m.num_moe_experts, 1),
+        ("model.moe_router_topk", m.moe_router_topk, 1), ("model.moe_layer_freq", m.moe_layer_freq, 1),
+        ("model.expert_model_parallel_size", m.expert_model_parallel_size, 1),
+        ("train.global_batch_size", t.global_batch_size, 1), ("train.micro_batch_size", t.micro_batch_size, 1),
+        ("train.train_iters", t.train_iters, 1), ("train.eval_interval", t.eval_interval, 0),
+        ("train.eval_iters", t.eval_iters, 0), ("train.nproc", t.nproc, 1),
+        ("scheduler.lr_warmup_iters", s.lr_warmup_iters, 0), ("dataset.num_topics", d.num_topics, 1),
+        ("dataset.branching", d.branching, 1), ("checkpoint.save_interval", c.save_interval, 0),
+        ("checkpoint.keep_last", c.keep_last, 0), ("logger.log_interval", lg.log_interval, 1),
+        ("rng.seed", recipe.rng.seed, 0), ("ep_moe.expert_alignment", e.expert_alignment, 1),
+        ("ep_moe.num_worst_tokens", e.num_worst_tokens, 0),
+    ]:
+        _require(value >= low, path, f"must be >= {low}, got {value}")
+    _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+             f"must be divisible by model.num_attention_heads={m.num_attention_heads}, got {m.hidden_size}")
+    _require(m.moe_router_topk <= m.num_moe_experts, "model.moe_router_topk",
+             f"must be <= model.num_moe_experts={m.num_moe_experts}, got {m.moe_router_topk}")
+    ep = m.expert_model_parallel_size
+    _require(m.num_moe_experts % ep == 0, "model.expert_model_parallel_size",
+             f"must divide model.num_moe_experts={m.num_moe_experts}, got {ep}")
+    world = t.nproc if world_size is None else world_size
+    _require(world % ep == 0, "model.expert_model_parallel_size",
+             f"must divide the number of ranks ({world}), got {ep}")
+    per_step = t.micro_batch_size * world
+    _require(t.global_batch_size % per_step == 0, "train.global_batch_size",
+             f"must be a multiple of train.micro_batch_size x ranks = {t.micro_batch_size} x {world} = "
+             f"{per_step}, got {t.global_batch_size}")
+    _require(o.lr >= 0, "optimizer.lr", f"must be >= 0, got {o.lr}")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas",
+             f"must be two numbers in [0, 1), got {o.betas}")
+    _require(o.eps > 0, "optimizer.eps", f"must be > 0, got {o.eps}")
+    _require(o.clip_grad >= 0, "optimizer.clip_grad", f"must be >= 0 (0 = off), got {o.clip_grad}")
+    _require(0 <= s.min_lr <= o.lr, "scheduler.min_lr", f"must be in [0, optimizer.lr={o.lr}], got {s.min_lr}")
+    if s.lr_decay_iters is not None:
+        _require(s.lr_decay_iters >= 1, "scheduler.lr_decay_iters", f"must be >= 1, got {s.lr_decay_iters}")
+    _require(d.order in (1, 2), "dataset.order", f"must be 1 or 2, got {d.order}")
+    _require(d.concentration > 0, "dataset.concentration", f"must be > 0, got {d.concentration}")
+    if d.type == "synthetic":
+        body = m.vocab_size - d.num_topics
+        _require(body >= 2, "dataset.num_topics",
+                 f"must leave >= 2 body tokens in model.vocab_size={m.vocab_size}, got {d.num_topics}")
+        _require(d.branching <= body, "dataset.branching",
+                 f"must be <= the {body} body tokens (model.vocab_size - dataset.num_topics), got {d.branching}")
+    else:
+        _require(d.path is not None, "dataset.path", "required when dataset.type is 'text' "
+                 "(e.g. dataset.path=../shared/data/shakespeare.txt)")
+    _require(len(d.split) == 2 and all(x >= 0 for x in d.split) and d.split[0] > 0, "dataset.split",
+             f"must be [train, validation] fractions (>= 0, train > 0), got {d.split}")
+    if t.eval_iters > 0 and d.type == "text":
+        _require(d.split[1] > 0, "dataset.split", "needs a validation fraction > 0 when train.eval_iters > 0")
+    _require(not c.resume or c.save is not None, "checkpoint.resume", "needs checkpoint.save (where to look)")
+    if isinstance(e.num_sms, list):
+        _require(all(n >= 0 and n % 2 == 0 for n in e.num_sms), "ep_moe.num_sms",
+                 f"must be even numbers >= 0, got {e.num_sms}")
+    else:
+        _require(e.num_sms >= 0 and e.num_sms % 2 == 0, "ep_moe.num_sms", f"must be even and >= 0, got {e.num_sms}")
+    _require(not (t.precision == "bf16" and m.params_dtype == "bfloat16"), "train.precision",
+             "bf16 autocast keeps fp32 master weights; leave model.params_dtype at float32")
+
+
+def num_moe_layers(model: ModelSection) -> int:
+    """MoE layers are layers ``i`` with ``i % moe_layer_freq == 0`` (Megatron's integer frequency)."""
+    return sum(1 for i in range(model.num_layers) if i % model.moe_layer_freq == 0)
+
+
+def per_layer_num_sms(recipe: Recipe) -> list[int]:
+    """The SM count of each MoE layer from ``ep_moe.num_sms`` or, when given, ``ep_moe.tuning_plan``."""
+    n_layers = num_moe_layers(recipe.model)
+    source, value = "ep_moe.num_sms", recipe.ep_moe.num_sms
+    if recipe.ep_moe.tuning_plan is not None:
+        path = recipe.resolve_path(recipe.ep_moe.tuning_plan)
+        source = f"ep_moe.tuning_plan ({path})"
+        plan = read_yaml(path)  # JSON is YAML
+        if set(plan) != {"num_sms"}:
+            raise RecipeError(f"{source}: expected exactly one key 'num_sms' (an int or a list per MoE layer), "
+                              f"got keys {sorted(plan)}")
+        value = _coerce(plan["num_sms"], int | list[int], f"{source}: num_sms")
+    values = value if isinstance(value, list) else [value] * n_layers
+    _require(len(values) == n_layers, source, f"needs one entry per MoE layer ({n_layers}), got {len(values)}")
+    _require(all(n >= 0 and n % 2 == 0 for n in values), source, f"must be even numbers >= 0, got {values}")
+    return values
+
+
+def dump_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

@@ -1,0 +1,306 @@
+"""The training loop of one rank: model, optimizer, data, gradient accumulation, evaluation, checkpoints,
+metrics, and a clean stop on SIGINT/SIGTERM.
+
+Step ``s`` (0-based) trains on global batch ``s`` of the dataset; rank ``r`` runs micro-batches
+``i = 0 .. accum-1`` (rows ``[(i * W + r) * m, ... + m)``), back-propagating ``(ce + aux) / (accum * W)``
+each; then gradients are summed (non-expert over the world, expert over the expert-data-parallel group),
+clipped by the global norm, AdamW steps, and the routers' expert bias is updated once. The logged loss
+is the mean of the per-micro-batch mean cross-entropies over the whole global batch, summed in float64
+in row order, so it does not depend on how the batch was split over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from .config import Recipe, per_layer_num_sms
+from .data import build_dataset, rank_slice
+from .metrics import MetricsFile, Progress, format_summary, read_records
+from .parallel import (
+    ParallelState,
+    build_parallel_state,
+    clip_grad_norm,
+    enable_determinism,
+    sync_gradients,
+)
+from .schedule import recipe_lr
+
+INTERRUPTED_EXIT_CODE = 130
+
+
+class StopRequest:
+    """SIGINT/SIGTERM -> stop after the current step (all ranks agree at the step boundary).
+
+    A second signal within ``grace_s`` of the first is taken as the same request (a Ctrl-C reaches the
+    ranks both from the terminal and through the launcher); a later one raises KeyboardInterrupt.
+    """
+
+    def __init__(self, grace_s: float = 2.0):
+        self.requested_at: float | None = None
+        self.signal_name = ""
+        self.grace_s = grace_s
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.requested_at is None:
+            self.requested_at = now
+            self.signal_name = signal.Signals(signum).name
+        elif now - self.requested_at > self.grace_s:
+            raise KeyboardInterrupt
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class RunResult:
+    """What a rank returns to the launcher (rank 0's is the one printed)."""
+
+    rank: int
+    exit_code: int = 0
+    last_step: int = 0
+    losses: list[float] = field(default_factory=list)        # per step of this run segment, in order
+    final_loss: float = math.nan
+    eval_loss: float | None = None
+    entropy_floor: float | None = None
+    tokens_per_s: float = 0.0
+    train_time_s: float = 0.0
+    total_time_s: float = 0.0
+    checkpoint: str | None = None
+    summary: str = ""
+
+
+def build_model(recipe: Recipe, ps: ParallelState) -> torch.nn.Module:
+    """`MoETransformer` of the recipe on this rank's device, with the per-layer SM counts applied."""
+    from ep_moe.layers.model import ModelConfig, MoETransformer
+
+    config = ModelConfig(**recipe.model.model_config_kwargs())
+    ep_group = ps.ep_group if ps.ep_size > 1 else None  # EP 1: the in-process dispatcher, same numbers
+    # Built on the CPU (the init draws from CPU generators), then moved.
+    model = MoETransformer(config, ep_group=ep_group, expert_dp_group=ps.expert_dp_group,
+                           dp_group=ps.dp_group if ps.world_size > 1 else None,
+                           dispatcher_backend=recipe.ep_moe.dispatcher_backend, num_sms=0, seed=recipe.rng.seed)
+    model.to(ps.device)
+    for moe, num_sms in zip(model.moe_layers, per_layer_num_sms(recipe), strict=True):
+        moe.num_sms = num_sms  # read when the layer makes its dispatcher (first forward)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices (ndim >= 2) only, not on norms or other vectors."""
+    o = recipe.optimizer
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach on GPU (fast), the plain per-tensor loop on CPU (simple and deterministic).
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             foreach=device.type == "cuda", fused=False)
+
+
+def _autocast(recipe: Recipe, device: torch.device):
+    if recipe.train.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _global_mean(per_micro: torch.Tensor, ps: ParallelState, accum: int, extra: torch.Tensor) -> torch.Tensor:
+    """All ranks' ``per_micro [accum, C]`` values as one ``[accum, W, C]`` float64 table, plus ``extra``
+    summed over ranks, in one collective. Each rank fills only its own slot, so the sum is exact."""
+    c = per_micro.shape[1]
+    table = torch.zeros(accum, ps.world_size, c, dtype=torch.float64)
+    table[:, ps.rank] = per_micro.double().cpu()
+    flat = torch.cat([table.flatten(), extra.double().cpu().flatten()]).to(ps.device)
+    if ps.world_size > 1:
+        dist.all_reduce(flat, group=ps.dp_group)
+    return flat.cpu()
+
+
+def _row_order_mean(values: torch.Tensor) -> float:
+    """Mean in float64, added one by one in row order (independent of the rank count)."""
+    total = 0.0
+    for v in values.flatten().tolist():
+        total += v
+    return total / values.numel()
+
+
+@torch.no_grad()
+def evaluate(model, dataset, recipe: Recipe, ps: ParallelState, accum: int) -> float:
+    """Mean cross-entropy over ``eval_iters`` validation global batches (the same batches every time)."""
+    t = recipe.train
+    model.eval()
+    per_micro = torch.zeros(t.eval_iters * accum, 1, dtype=torch.float64)
+    for j in range(t.eval_iters):
+        batch = dataset.batch("valid", j, t.global_batch_size)
+        for i in range(accum):
+            mb = rank_slice(batch, ps.rank, ps.world_size, t.micro_batch_size, i).to(ps.device)
+            with _autocast(recipe, ps.device):
+                out = model(mb[:, :-1], mb[:, 1:])
+            per_micro[j * accum + i, 0] = out.loss.double().item()
+    model.train()
+    model.moe_stats()  # drop the routing statistics of the evaluation forwards (collective, all ranks)
+    table = _global_mean(per_micro, ps, t.eval_iters * accum, torch.zeros(0))
+    return _row_order_mean(table[: t.eval_iters * accum * ps.world_size])
+
+
+def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
+    """Train on this rank (the process group is already initialised). Collective: every rank calls it."""
+    t0 = time.monotonic()
+    t = recipe.train
+    if t.deterministic:
+        enable_determinism()
+    torch.manual_seed(recipe.rng.seed)
+    ps = build_parallel_state(recipe.model.expert_model_parallel_size, device, t.deterministic)
+    is_main = ps.rank == 0
+    accum = recipe.grad_accum_steps(ps.world_size)
+    dataset = build_dataset(recipe)
+    floor = dataset.entropy_floor
+    model = build_model(recipe, ps)
+    optimizer = build_optimizer(model, recipe, device)
+    non_expert, expert = model.non_expert_parameters(), model.expert_parameters()
+    non_expert = [p for p in non_expert if p.requires_grad]
+    expert = [p for p in expert if p.requires_grad]
+
+    start_step = 0
+    resumed_from = ckpt.find_checkpoint_to_load(recipe)
+    if resumed_from is not None:
+        start_step = ckpt.load_checkpoint(resumed_from, model, optimizer, ps)
+    result = RunResult(rank=ps.rank, entropy_floor=floor, last_step=start_step)
+
+    metrics = MetricsFile(recipe.metrics_path(), resume_step=start_step if resumed_from else None) \
+        if is_main else None
+    progress = Progress(recipe.logger.progress_bar, t.train_iters, start_step, enabled=is_main)
+    if is_main:
+        n_params = model.num_parameters(global_experts=True)
+        progress.message(
+            f"ep-moe train: {ps.world_size} rank(s) on {device.type}, EP {ps.ep_size} x DP {ps.expert_dp_size}, "
+            f"{n_params:,} parameters, global batch {t.global_batch_size} x {recipe.model.seq_length} tokens "
+            f"(micro {t.micro_batch_size}, accumulation {accum}), {t.train_iters} steps; {dataset.describe()}")
+        if resumed_from:
+            progress.message(f"resumed from {resumed_from} at step {start_step}")
+        metrics.write({"kind": "run", "step": start_step, "world_size": ps.world_size, "ep_size": ps.ep_size,
+                       "entropy_floor": floor, "resumed_from": resumed_from, "recipe": recipe.to_dict()})
+
+    stop = StopRequest()
+    tokens_per_step = recipe.tokens_per_step
+    scale = 1.0 / (accum * ps.world_size)
+    train_time = 0.0
+    window: list[tuple[float, int]] = []
+    eval_loss: float | None = None
+    step = start_step
+    last_saved: int | None = None
+    interrupted = False
+    try:
+        model.train()
+        while step < t.train_iters:
+            step_start = time.monotonic()
+            lr = recipe_lr(recipe, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = dataset.batch("train", step, t.global_batch_size)
+            optimizer.zero_grad(set_to_none=True)
+            per_micro = torch.zeros(accum, 2, dtype=torch.float64)
+            for i in range(accum):
+                mb = rank_slice(batch, ps.rank, ps.world_size, t.micro_batch_size, i).to(device)
+                with _autocast(recipe, device):
+                    out = model(mb[:, :-1], mb[:, 1:])
+                ((out.loss + out.aux_loss) * scale).backward()
+                per_micro[i, 0] = out.loss.detach().double().item()
+                per_micro[i, 1] = out.aux_loss.detach().double().item()
+            sync_gradients(non_expert, expert, ps)
+            grad_norm = clip_grad_norm(non_expert, expert, recipe.optimizer.clip_grad, ps)
+            optimizer.step()
+            model.update_expert_bias()  # once per optimizer step, after all micro-batches
+            stats = model.moe_stats()
+            table = _global_mean(per_micro, ps, accum, torch.tensor([1.0 if stop.requested else 0.0]))
+            n = accum * ps.world_size * 2
+            by_micro = table[:n].view(accum * ps.world_size, 2)
+            loss, aux = _row_order_mean(by_micro[:, 0]), _row_order_mean(by_micro[:, 1])
+            stop_now = bool(table[n] > 0)
+            step += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.monotonic() - step_start
+            train_time += step_time
+            window = (window + [(step_time, tokens_per_step)])[-20:]
+            tokens_per_s = sum(n for _, n in window) / max(1e-9, sum(s for s, _ in window))
+            result.losses.append(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {step}; lower optimizer.lr or check the data")
+            imbalance = stats.get("load_imbalance")
+            progress.update(step, loss, aux, tokens_per_s, imbalance)
+            if is_main and (step % recipe.logger.log_interval == 0 or step == t.train_iters):
+                metrics.write({"kind": "train", "step": step, "loss": loss, "aux_loss": aux, "lr": lr,
+                               "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                               "load_imbalance": imbalance, "load_imbalance_max": stats.get("load_imbalance_max"),
+                               "router_aux_loss_raw": stats.get("aux_loss"), "z_loss_raw": stats.get("z_loss"),
+                               "time_s": time.monotonic() - t0})
+            last = step == t.train_iters
+            if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
+                eval_loss = evaluate(model, dataset, recipe, ps, accum)
+                if is_main:
+                    metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss,
+                                   "time_s": time.monotonic() - t0})
+                    gap = f" (floor {floor:.4f}, gap {eval_loss - floor:+.4f})" if floor is not None else ""
+                    progress.message(f"step {step}: eval loss {eval_loss:.4f}{gap}")
+            c = recipe.checkpoint
+            due = c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0))
+            if due:
+                result.checkpoint = ckpt.save_checkpoint(recipe, model, optimizer, ps, step)
+                last_saved = step
+            if stop_now:
+                interrupted = True
+                break
+    finally:
+        progress.close()
+        stop.restore()
+
+    result.last_step = step
+    result.final_loss = result.losses[-1] if result.losses else math.nan
+    result.eval_loss = eval_loss
+    result.train_time_s = train_time
+    result.tokens_per_s = tokens_per_step * len(result.losses) / max(train_time, 1e-9)
+    result.total_time_s = time.monotonic() - t0
+    if interrupted:
+        result.exit_code = INTERRUPTED_EXIT_CODE
+        if is_main:
+            where = (f"checkpoint {result.checkpoint}; continue with --resume" if last_saved == step
+                     else "no checkpoint (set checkpoint.save to keep one)")
+            result.summary = f"interrupted ({stop.signal_name}) after step {step}: {where}"
+            print(result.summary, flush=True)
+        return result
+    if is_main:
+        target = recipe.train.target_loss_gap if floor is not None else None
+        result.summary = format_summary(result.final_loss, floor, eval_loss, result.tokens_per_s, train_time,
+                                        result.total_time_s, step, target)
+        plot_note = ""
+        try:
+            from .plot import plot_loss
+
+            path = plot_loss(read_records(recipe.metrics_path()), recipe.plot_path(), floor,
+                             title=f"{recipe.name}: EP {ps.ep_size} x DP {ps.expert_dp_size}")
+            plot_note = f"; loss curve {path}"
+        except Exception as exc:  # a plot must never fail a finished run
+            plot_note = f"; no loss plot ({type(exc).__name__}: {exc})"
+        print(result.summary + f"; metrics {recipe.metrics_path()}{plot_note}", flush=True)
+    return result
+
+
+def result_dict(result: RunResult) -> dict[str, Any]:
+    return dict(result.__dict__)

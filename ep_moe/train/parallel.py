@@ -1,0 +1,136 @@
+"""Process groups and gradient reduction for expert + data parallel training.
+
+World of ``W`` ranks, EP size ``P``: EP groups are ``P`` contiguous ranks (``[0..P-1], [P..2P-1], ...``);
+the expert-data-parallel group of a rank holds the ranks with the same EP rank (``r % P``). Every rank is
+a data-parallel rank for the non-expert weights (they are replicated on all ``W`` ranks).
+
+Gradients: each rank back-propagates ``loss_micro * (1 / (accum * W))`` per micro-batch, so summing
+non-expert gradients over the world, and expert gradients over the expert-data-parallel group, gives
+the gradient of the mean loss over the global batch (an expert's gradient already holds the
+contributions of every token of its EP group: they arrive through the dispatch backward).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    rank: int
+    world_size: int
+    ep_size: int
+    ep_rank: int                        # rank inside the EP group
+    ep_group: dist.ProcessGroup
+    expert_dp_group: dist.ProcessGroup  # same EP rank in every EP group
+    dp_group: dist.ProcessGroup         # the world: non-expert weights are replicated everywhere
+    device: torch.device
+    deterministic: bool = False
+
+    @property
+    def ep_group_index(self) -> int:
+        return self.rank // self.ep_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.world_size // self.ep_size
+
+
+def build_parallel_state(ep_size: int, device: torch.device, deterministic: bool) -> ParallelState:
+    """Create the EP and expert-data-parallel groups (every rank creates every group, in the same order)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % ep_size:
+        raise ValueError(f"model.expert_model_parallel_size: must divide the world size {world}, got {ep_size}")
+    ep_groups = [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(world // ep_size)]
+    edp_groups = [list(range(j, world, ep_size)) for j in range(ep_size)]
+    ep_group, _ = dist.new_subgroups_by_enumeration(ep_groups)
+    expert_dp_group, _ = dist.new_subgroups_by_enumeration(edp_groups)
+    return ParallelState(rank, world, ep_size, rank % ep_size, ep_group, expert_dp_group, dist.group.WORLD,
+                         device, deterministic)
+
+
+def enable_determinism() -> None:
+    """Deterministic kernels everywhere (raise on ops that have none); no TF32, no cuDNN autotuning."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, deterministic: bool) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in place.
+
+    ``deterministic``: gather every rank's tensor and add them in rank order on every rank, so the result
+    does not depend on the collective's algorithm (ring/tree, chunking, protocol); it costs ``group size``
+    times the memory and traffic, which is fine for models that fit a test machine.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    if not deterministic:
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc += part
+    tensor.copy_(acc)
+    return tensor
+
+
+def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+    if not grads:
+        return torch.zeros(0)
+    return torch.cat(grads)
+
+
+def _unflatten_into(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+        offset += n
+
+
+def sync_gradients(non_expert: list[torch.nn.Parameter], expert: list[torch.nn.Parameter],
+                   ps: ParallelState) -> None:
+    """Sum non-expert gradients over the world and expert gradients over the expert-data-parallel group
+    (one flat fp32 bucket each). Parameters without a gradient count as zero on that rank."""
+    for params, group in ((non_expert, ps.dp_group), (expert, ps.expert_dp_group)):
+        if not params or dist.get_world_size(group) == 1:
+            continue
+        flat = _flat_grads(params).to(ps.device)
+        all_reduce_sum(flat, group, ps.deterministic)
+        _unflatten_into(flat, params)
+
+
+def clip_grad_norm(non_expert: list[torch.nn.Parameter], expert: list[torch.nn.Parameter], max_norm: float,
+                   ps: ParallelState) -> float:
+    """Clip by the global L2 norm over all (synchronised) gradients; returns the norm before clipping.
+
+    Non-expert gradients are identical on every rank; expert gradients are split over the EP group (and
+    replicated over the expert-data-parallel group), so their squared norm is summed over the EP group.
+    """
+    def sq(params):
+        grads = [p.grad.float() for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=ps.device)
+        return torch.stack([g.pow(2).sum() for g in grads]).double().sum()
+
+    expert_sq = sq(expert).reshape(1)
+    all_reduce_sum(expert_sq, ps.ep_group, ps.deterministic)
+    norm = float(torch.sqrt(sq(non_expert) + expert_sq[0]))
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in list(non_expert) + list(expert):
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
