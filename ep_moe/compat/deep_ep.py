@@ -1,0 +1,458 @@
+"""DeepEP's normal-mode Python API on top of `ep_moe.Buffer`, so code written for DeepEP runs on ep_moe.
+
+Provided: ``Buffer`` (DeepEP's constructor signature; ``get_dispatch_layout``, ``dispatch`` -- fresh,
+cached, without top-k, ``num_worst_tokens`` --, ``combine``, ``capture``, ``set_num_sms``,
+``get_dispatch_config``/``get_combine_config``, ``is_sm90_compiled``, ``get_comm_stream``, ``destroy``),
+``Config`` (DeepEP's five-number constructor, ``get_nvl_buffer_size_hint``/``get_rdma_buffer_size_hint``),
+``EventHandle``, ``EventOverlap`` and ``topk_idx_t`` (``torch.int64``). The dispatch handle is
+`ep_moe.DispatchHandle`, a tuple whose first element is ``rank_prefix_matrix`` as in DeepEP; treat the
+rest as opaque. Not provided: low-latency mode, internode (RDMA) kernels, ``get_local_buffer_tensor``;
+they raise with a message saying so. ``num_nvl_bytes``/``num_rdma_bytes`` are recorded (callers compare
+them) but ep_moe sizes its own memory.
+
+Making ``import deep_ep`` resolve to this module:
+
+* in this process: ``import ep_moe.compat.deep_ep as m; m.install()`` -- before ``deep_ep`` is imported;
+  if Megatron's ``fused_a2a`` was already imported without DeepEP, it is re-bound so the flex
+  dispatcher's ``deepep`` backend works;
+* a program, unmodified, with every process it spawns: ``python -m ep_moe.compat.deep_ep program.py ARGS``
+  (or ``-m module ARGS``);
+* by hand (e.g. for ``torchrun``): ``export PYTHONPATH=$(python -m ep_moe.compat.deep_ep --shim-dir)``,
+  a folder holding a two-line ``deep_ep.py`` that calls `install`.
+
+The backend is ep_moe's ``"auto"`` (native NVLink kernels where built, else torch.distributed);
+``EP_MOE_BACKEND=torch|native`` or ``Buffer(..., backend=...)`` chooses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import runpy
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+from ..buffer import DEFAULT_TIMEOUT_S
+from ..buffer import Buffer as _CoreBuffer
+from ..config import Config as _CoreConfig
+from ..event import EventOverlap as _CoreEventOverlap
+from ..validation import FP8_DTYPES, _fail
+
+log = logging.getLogger("ep_moe")
+
+topk_idx_t = torch.int64
+"""DeepEP's dtype of ``topk_idx`` (DeepEP can be built with int32; ep_moe uses int64)."""
+
+DEEP_EP_API_VERSION = "1.2.1"
+"""The DeepEP release whose normal-mode API this module mirrors."""
+__version__ = f"{DEEP_EP_API_VERSION}+ep_moe"
+
+_NVL_PEERS = 8      # ranks one NVLink domain holds in DeepEP's sizing
+_SIZING_TOPK = 128  # top-k columns and FP8 scale columns a ring row reserves (DeepEP-style sizing)
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------ events
+class EventHandle:
+    """DeepEP's ``EventHandle``: an event recorded on the current CUDA stream when constructed (empty on
+    CPU, where every operation has completed when it returns)."""
+
+    def __init__(self) -> None:
+        self.event: torch.cuda.Event | None = None
+        if _cuda_in_use():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+
+    @classmethod
+    def _wrap(cls, event: torch.cuda.Event | None) -> EventHandle:
+        handle = cls.__new__(cls)
+        handle.event = event
+        return handle
+
+    def current_stream_wait(self) -> None:
+        """Make the current CUDA stream wait for the event."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream`` wait for the event (what ``torch.cuda.Stream.wait_event`` calls)."""
+        if self.event is not None:
+            self.event.wait(stream)
+
+    def query(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class EventOverlap(_CoreEventOverlap):
+    """DeepEP's ``EventOverlap``: ``event`` is an `EventHandle`; ``current_stream_wait()`` and
+    ``with overlap:`` make the current stream wait for it."""
+
+    def __init__(self, event: EventHandle | None = None, extra_tensors=None) -> None:
+        if event is not None and not isinstance(event, EventHandle):
+            event = EventHandle._wrap(event)  # a raw torch.cuda.Event
+        super().__init__(event, extra_tensors)
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+def _core_event(previous_event) -> _CoreEventOverlap | None:
+    """A DeepEP-style ``previous_event`` as the `ep_moe.EventOverlap` the core buffer takes."""
+    if previous_event is None:
+        return None
+    event = getattr(previous_event, "event", previous_event)
+    if isinstance(event, EventHandle):
+        event = event.event
+    return _CoreEventOverlap(event)
+
+
+def _wrap_event(core: _CoreEventOverlap) -> EventOverlap:
+    return EventOverlap(EventHandle._wrap(core.event), core.extra_tensors)
+
+
+# ------------------------------------------------------------------------------------------ config
+class Config(_CoreConfig):
+    """DeepEP's ``Config(num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+    num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)``, usable wherever an
+    `ep_moe.Config` is: ``num_sms`` is the SM budget and ``chunk_tokens`` (the tokens a channel moves
+    before signalling) is ``num_max_nvl_chunked_send_tokens``. The recommended configs of
+    `Buffer.get_dispatch_config` leave ``chunk_tokens`` at 0 (the backend's tuned default)."""
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        values = {"num_sms": num_sms, "num_max_nvl_chunked_send_tokens": num_max_nvl_chunked_send_tokens,
+                  "num_max_nvl_chunked_recv_tokens": num_max_nvl_chunked_recv_tokens,
+                  "num_max_rdma_chunked_send_tokens": num_max_rdma_chunked_send_tokens,
+                  "num_max_rdma_chunked_recv_tokens": num_max_rdma_chunked_recv_tokens}
+        for name, value in values.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _fail("Config", name, "a positive int", repr(value))
+        if num_sms % 2:
+            raise _fail("Config", "num_sms", "even (two SMs per channel)", num_sms)
+        object.__setattr__(self, "num_sms", num_sms)
+        object.__setattr__(self, "chunk_tokens", num_max_nvl_chunked_send_tokens)
+        object.__setattr__(self, "_deep_ep", tuple(values.values())[1:])
+
+    @classmethod
+    def _recommended(cls, num_sms: int) -> Config:
+        config = cls(num_sms, 8, 256, 16, 128)
+        object.__setattr__(config, "chunk_tokens", 0)  # let the backend choose
+        return config
+
+    @property
+    def num_max_nvl_chunked_send_tokens(self) -> int:
+        return self._deep_ep[0]
+
+    @property
+    def num_max_nvl_chunked_recv_tokens(self) -> int:
+        return self._deep_ep[1]
+
+    @property
+    def num_max_rdma_chunked_send_tokens(self) -> int:
+        return self._deep_ep[2]
+
+    @property
+    def num_max_rdma_chunked_recv_tokens(self) -> int:
+        return self._deep_ep[3]
+
+    def _ring_bytes(self, hidden_bytes: int, peers: int, rows: int) -> int:
+        channels = self.num_sms // 2
+        row_bytes = hidden_bytes + _SIZING_TOPK * (8 + 4) + _SIZING_TOPK * 4 + 16  # data, top-k, scales, meta
+        control = channels * peers * 64
+        return (channels * peers * rows * row_bytes + control + 127) // 128 * 128
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes a DeepEP-style NVLink ring buffer would take for rows of ``hidden_bytes``. ep_moe sizes
+        its own symmetric memory; callers (Megatron's ``get_buffer``) only compare this number."""
+        return self._ring_bytes(hidden_bytes, min(num_ranks, _NVL_PEERS), self.num_max_nvl_chunked_recv_tokens)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0 within one NVLink domain (<= 8 ranks), as in DeepEP; else a DeepEP-style estimate."""
+        if num_ranks <= _NVL_PEERS:
+            return 0
+        return self._ring_bytes(hidden_bytes, num_ranks // _NVL_PEERS, self.num_max_rdma_chunked_recv_tokens)
+
+    def __repr__(self) -> str:
+        return (f"deep_ep.Config(num_sms={self.num_sms}, nvl_send={self._deep_ep[0]}, nvl_recv={self._deep_ep[1]}, "
+                f"rdma_send={self._deep_ep[2]}, rdma_recv={self._deep_ep[3]}, chunk_tokens={self.chunk_tokens})")
+
+
+# ------------------------------------------------------------------------------------------ buffer
+def _contiguous_hidden(x):
+    """DeepEP accepts column-major FP8 scales (``scales.T.contiguous().T``); hand the core row-major ones."""
+    if isinstance(x, tuple | list) and len(x) == 2 and isinstance(x[1], torch.Tensor):
+        return x[0].contiguous(), x[1].contiguous()
+    return x
+
+
+class Buffer(_CoreBuffer):
+    """DeepEP's normal-mode ``deep_ep.Buffer`` on ep_moe (intranode and torch.distributed groups).
+
+    Args: DeepEP's (``group``, ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode`` -- must be False --,
+    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
+    ``explicitly_destroy``, ``enable_shrink``, ``comm`` -- must be None); keyword-only ``backend``
+    ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto") and ``timeout_s``.
+    """
+
+    num_sms: int = 20  # DeepEP's default SM budget
+
+    def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if comm is not None:
+            raise _fail("deep_ep.Buffer", "comm", "None (pass a torch.distributed group)", type(comm).__name__)
+        if low_latency_mode:
+            raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided (normal mode only)")
+        backend = backend or os.environ.get("EP_MOE_BACKEND", "auto")
+        # num_nvl_bytes is a DeepEP ring-buffer size; ep_moe sizes its own memory (0 = on first use).
+        super().__init__(group, 0, num_rdma_bytes, False, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+                         allow_mnnvl, explicitly_destroy, backend=backend, timeout_s=timeout_s)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.low_latency_mode = False
+        self.enable_shrink = enable_shrink
+
+    # ----------------------------------------------------------------- static API
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """The SM budget of the recommended configs (even)."""
+        if not isinstance(new_num_sms, int) or isinstance(new_num_sms, bool) or new_num_sms < 2 or new_num_sms % 2:
+            raise _fail("deep_ep.Buffer.set_num_sms", "new_num_sms", "an even int >= 2", repr(new_num_sms))
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config._recommended(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config._recommended(Buffer.num_sms)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, to pass as ``previous_event``."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether FP8 dispatch is available (DeepEP's test programs ask this before testing FP8)."""
+        return bool(FP8_DTYPES)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(*args, **kwargs) -> int:
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    def low_latency_combine(self, *args, **kwargs):
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    def clean_low_latency_buffer(self, *args, **kwargs) -> None:
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    # ----------------------------------------------------------------- layout, dispatch, combine
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """As `ep_moe.Buffer.get_dispatch_layout`; the event is a DeepEP-style `EventOverlap`."""
+        *layout, event = super().get_dispatch_layout(topk_idx, num_experts, _core_event(previous_event),
+                                                     async_finish, allocate_on_comm_stream)
+        return (*layout, _wrap_event(event))
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, num_experts: int | None = None):
+        """DeepEP's ``dispatch``: ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)``. Without ``topk_idx`` (and without ``handle``) it dispatches by ``is_token_in_rank``
+        alone: ``recv_topk_idx``/``recv_topk_weights`` are None and the per-expert counts come from
+        ``num_tokens_per_expert`` (one extra all-reduce of ``E`` counts)."""
+        x = _contiguous_hidden(x)
+        core_event = _core_event(previous_event)
+        if handle is None and topk_idx is None:
+            return self._dispatch_by_rank(x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                          num_tokens_per_expert, topk_weights, expert_alignment, num_worst_tokens,
+                                          config, core_event, async_finish)
+        *result, event = super().dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                          num_worst_tokens, config, core_event, async_finish, allocate_on_comm_stream,
+                                          num_experts=num_experts)
+        return (*result, _wrap_event(event))
+
+    def _dispatch_by_rank(self, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                          num_tokens_per_expert, topk_weights, expert_alignment, num_worst_tokens, config,
+                          core_event, async_finish):
+        op = "deep_ep.Buffer.dispatch"
+        if topk_weights is not None:
+            raise _fail(op, "topk_weights", "None when topk_idx is None", "a tensor")
+        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                            ("num_tokens_per_expert", num_tokens_per_expert)):
+            if value is None:
+                raise _fail(op, name, "a tensor from get_dispatch_layout (or pass topk_idx, or a handle)", None)
+        num_experts = num_tokens_per_expert.shape[0]
+        if num_experts % self.group_size:
+            raise _fail(op, "num_tokens_per_expert", f"of a length divisible by the group size {self.group_size}",
+                        num_experts)
+        local = num_experts // self.group_size
+        # One "expert" per destination rank (its first local expert) carries the rank layout through the
+        # core dispatch, which routes by top-k; nothing of it is returned.
+        first_expert = torch.arange(self.group_size, device=is_token_in_rank.device, dtype=torch.int64) * local
+        rank_topk = torch.where(is_token_in_rank, first_expert, -1)
+        zero_weights = torch.zeros(rank_topk.shape, dtype=torch.float32, device=rank_topk.device)
+        *result, event = super().dispatch(x, None, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                          num_tokens_per_expert, rank_topk, zero_weights, 1, num_worst_tokens, config,
+                                          core_event, async_finish)
+        recv_x, handle = result[0], result[4]
+        counts: list[int] = []
+        if not num_worst_tokens:
+            totals = num_tokens_per_expert.to(torch.int64).clone()
+            dist.all_reduce(totals, group=self.group)
+            mine = totals[self.rank * local:(self.rank + 1) * local]
+            counts = ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+        return recv_x, None, None, counts, handle, _wrap_event(event)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's ``combine``: ``(combined_x, combined_topk_weights, event)``."""
+        combined, combined_w, event = super().combine(x, handle, topk_weights, bias, config,
+                                                      _core_event(previous_event), async_finish,
+                                                      allocate_on_comm_stream)
+        return combined, combined_w, _wrap_event(event)
+
+    # ----------------------------------------------------------------- not provided
+    def internode_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("ep_moe.compat.deep_ep: internode (RDMA) kernels are not provided; "
+                                  "Buffer.dispatch serves any torch.distributed group")
+
+    def internode_combine(self, *args, **kwargs):
+        raise NotImplementedError("ep_moe.compat.deep_ep: internode (RDMA) kernels are not provided; "
+                                  "Buffer.combine serves any torch.distributed group")
+
+
+# ------------------------------------------------------------------------------------------ import deep_ep
+_ALIASES = ("deep_ep", "deep_ep.utils", "deep_ep.buffer")
+_SHIM_MARK = "_EP_MOE_DEEP_EP_SHIM"
+_SHIM_SOURCE = (
+    "# Written by ep_moe.compat.deep_ep: `import deep_ep` resolves to ep_moe's DeepEP-compatible module.\n"
+    f"{_SHIM_MARK} = True\n"
+    "from ep_moe.compat.deep_ep import install as _install\n"
+    "_install()\n"
+)
+
+
+def install(rebind_megatron: bool = True) -> types.ModuleType:
+    """Make ``import deep_ep`` (and ``deep_ep.utils``, ``deep_ep.buffer``) resolve to this module, in
+    this process. Call it before anything imports ``deep_ep``; a real DeepEP already imported is an
+    error. With ``rebind_megatron``, a Megatron ``fused_a2a`` imported earlier without DeepEP is
+    reloaded so its flex dispatcher's ``deepep`` backend uses this module. Returns this module."""
+    this = sys.modules[__name__]
+    current = sys.modules.get("deep_ep")
+    if current is not None and current is not this and not getattr(current, _SHIM_MARK, False):
+        raise RuntimeError(f"ep_moe.compat.deep_ep.install: another deep_ep is already imported "
+                           f"({getattr(current, '__file__', current)}); install before anything imports deep_ep")
+    this.utils = this  # `import deep_ep.utils` then `deep_ep.utils.X`
+    this.buffer = this
+    for name in _ALIASES:
+        sys.modules[name] = this
+    if rebind_megatron:
+        _rebind_megatron()
+    return this
+
+
+def uninstall() -> None:
+    """Undo `install` (entries pointing elsewhere are left alone)."""
+    this = sys.modules[__name__]
+    for name in _ALIASES:
+        if sys.modules.get(name) is this:
+            del sys.modules[name]
+
+
+def _rebind_megatron() -> None:
+    fused_a2a = sys.modules.get("megatron.core.transformer.moe.fused_a2a")
+    if fused_a2a is None or getattr(fused_a2a, "HAVE_DEEP_EP", True):
+        return
+    fused_a2a = importlib.reload(fused_a2a)
+    token_dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    if token_dispatcher is not None:
+        for name in ("fused_dispatch", "fused_combine", "set_deepep_num_sms"):
+            if hasattr(token_dispatcher, name) and hasattr(fused_a2a, name):
+                setattr(token_dispatcher, name, getattr(fused_a2a, name))
+    log.info("ep_moe.compat.deep_ep: re-bound Megatron's fused_a2a (imported before install) to ep_moe")
+
+
+def shim_dir() -> str:
+    """A folder holding a ``deep_ep.py`` that calls `install`; put it on ``PYTHONPATH`` so that every
+    process (``torchrun`` workers, ``multiprocessing`` children) resolves ``import deep_ep`` to ep_moe.
+    Under ``$EP_MOE_CACHE_DIR`` (default ``~/.cache/ep_moe``)."""
+    root = os.environ.get("EP_MOE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ep_moe")
+    folder = os.path.join(root, "deep_ep_shim")
+    target = os.path.join(folder, "deep_ep.py")
+    try:
+        with open(target, encoding="utf-8") as f:
+            if f.read() == _SHIM_SOURCE:
+                return folder
+    except OSError:
+        pass
+    os.makedirs(folder, exist_ok=True)
+    scratch = f"{target}.{os.getpid()}.tmp"
+    with open(scratch, "w", encoding="utf-8") as f:
+        f.write(_SHIM_SOURCE)
+    os.replace(scratch, target)  # atomic: concurrent ranks never see half a file
+    return folder
+
+
+_USAGE = """usage: python -m ep_moe.compat.deep_ep --shim-dir
+       python -m ep_moe.compat.deep_ep program.py [ARGS...]
+       python -m ep_moe.compat.deep_ep -m module [ARGS...]
+
+Runs a program written for DeepEP on ep_moe: `import deep_ep` resolves to ep_moe.compat.deep_ep in it and
+in every process it spawns. --shim-dir prints a folder to put on PYTHONPATH for the same effect."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``python -m ep_moe.compat.deep_ep`` launcher (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if argv else 2
+    folder = shim_dir()
+    if argv[0] == "--shim-dir":
+        print(folder)
+        return 0
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
+    install()
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            print(_USAGE, file=sys.stderr)
+            return 2
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        program = argv[0]
+        sys.argv = [program, *argv[1:]]
+        sys.path[0] = os.path.dirname(os.path.abspath(program))
+        runpy.run_path(program, run_name="__main__")
+    return 0
+
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "install", "shim_dir", "topk_idx_t", "uninstall"]
+
+if __name__ == "__main__":
+    # Run as a script, this file is `__main__`; the launcher works on the importable module.
+    from ep_moe.compat import deep_ep as _module
+
+    sys.exit(_module.main())
