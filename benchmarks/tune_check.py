@@ -1,0 +1,147 @@
+"""GPU check of the SM planner (issue 5): the auto plan's measured time against a sweep of SM counts.
+
+    torchrun --nproc-per-node 2 benchmarks/tune_check.py --json $OUT/tune_check.json
+
+For each workload: calibrate (copy kernels + a kernel probe on a different shape), plan, then time
+dispatch + combine with `ep_moe.Buffer` and ``Config(num_sms=n)`` at the planned count and at every count
+of the sweep (8..48). Prints, last, one row per workload: planned SMs, predicted and measured us, the
+sweep's best (SMs, us), the smallest count within 5 % of that best, and whether the plan is within 10 %
+of the best while using no more SMs than that smallest count. Uses the native backend; if it cannot run,
+falls back to the torch backend and says so (that backend ignores the SM count, so the check is moot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # NVLink multicast stays off
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from ep_moe import Buffer  # noqa: E402
+from ep_moe.calibration import DispatchBench, calibrate  # noqa: E402
+from ep_moe.topology import detect_topology  # noqa: E402
+from ep_moe.tuning import LayerShape, PlanCache, refine  # noqa: E402
+
+WORKLOADS = (
+    ("DeepEP intranode: E256 K8 H7168 T4096", LayerShape(256, 8, 7168, 4096)),
+    ("E64 K6 H4096 T8192", LayerShape(64, 6, 4096, 8192)),
+    ("DeepEP shape, 512 tokens: E256 K8 H7168 T512", LayerShape(256, 8, 7168, 512)),
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweep", default="8:48:2", help="first:last:step SM counts (default 8:48:2)")
+    p.add_argument("--iters", type=int, default=30, help="timed calls per point (median; default 30)")
+    p.add_argument("--use-cached-calibration", action="store_true", help="do not measure the rates again")
+    p.add_argument("--refine", action="store_true", help="also run refine() around each plan (budget 5)")
+    p.add_argument("--json", help="write every number to this file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    first, last, step = (int(v) for v in args.sweep.split(":"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    started = time.monotonic()
+
+    nvl_bytes = max(Buffer.get_buffer_size_hint(s.tokens, s.hidden, world, s.topk) for _, s in WORKLOADS)
+    note = ""
+    try:
+        buffer = Buffer(num_nvl_bytes=nvl_bytes, backend="native")
+    except RuntimeError as exc:
+        note = (f"NOTE: the native backend cannot run here ({exc}); falling back to the torch backend, which "
+                "ignores the SM count: the sweep below cannot test the planner.")
+        say(note)
+        buffer = Buffer(backend="torch")
+    topology = detect_topology(world_size=world, local_world_size=world)
+    say(f"topology: {topology.describe()}")
+    rates = calibrate(topology=topology, buffer=buffer, force=not args.use_cached_calibration, say=say)
+    say("rates: " + rates.describe())
+    cache = PlanCache(topology, rates, use_env=False)
+
+    counts = list(range(first, last + 1, step))
+    rows, details = [], []
+    for label, shape in WORKLOADS:
+        plan = cache.plan(shape)
+        bench = DispatchBench(buffer, shape, seed=1)
+        bench.check(plan.num_sms)
+        measured: dict[int, tuple[float, float]] = {}
+        for n in sorted(set(counts) | {plan.num_sms, plan.deepep_v2_sms or counts[0]}):
+            measured[n] = bench.measure(n, iters=args.iters)
+        plan.record(*measured[plan.num_sms])
+        total = {n: sum(v) for n, v in measured.items()}
+        best_n = min(counts, key=lambda n: total[n])
+        best = total[best_n]
+        within5 = min(n for n in counts if total[n] <= 1.05 * best)
+        row = {"workload": label, "planned_sms": plan.num_sms, "predicted_us": plan.predicted_us,
+               "measured_us": plan.measured_us, "measured_dispatch_us": plan.measured_dispatch_us,
+               "measured_combine_us": plan.measured_combine_us, "best_sms": best_n, "best_us": best,
+               "smallest_within_5pct": within5, "within_10pct": plan.measured_us <= 1.10 * best,
+               "no_more_sms": plan.num_sms <= within5, "deepep_v2_sms": plan.deepep_v2_sms,
+               "deepep_v2_us": total.get(plan.deepep_v2_sms)}
+        if args.refine:
+            refined = refine(plan, lambda n, b=bench: b.measure(n, iters=args.iters), budget=5,
+                             min_sms=2, max_sms=topology.num_sms or None)
+            row.update(refined_sms=refined.num_sms, refined_us=refined.measured_us)
+        rows.append(row)
+        details.append({"workload": label, "shape": shape.label(), "plan": plan.to_dict(),
+                        "sweep": {str(n): {"dispatch_us": d, "combine_us": c} for n, (d, c) in measured.items()}})
+
+    say("")
+    say("sweep (dispatch + combine us):")
+    say("  SMs  " + "  ".join(f"{i + 1:>9}" for i in range(len(WORKLOADS))))
+    for n in sorted({n for d in details for n in map(int, d["sweep"])}):
+        cells = []
+        for d in details:
+            v = d["sweep"].get(str(n))
+            cells.append(f"{v['dispatch_us'] + v['combine_us']:9.1f}" if v else f"{'-':>9}")
+        say(f"  {n:>3}  " + "  ".join(cells))
+    say("")
+    if note:
+        say(note)
+    say(f"backend {buffer.backend_name}; {world} x {topology.gpu_name}; median of {args.iters}; times are "
+        f"dispatch + combine in us (max over ranks); sweep {first}..{last} step {step}")
+    header = ("#", "workload", "planned SMs", "predicted us", "measured us", "sweep best (SMs, us)",
+              "smallest within 5%", "within 10%", "SMs <= smallest", "DeepEP V2 rule (SMs, us)")
+    if args.refine:
+        header += ("refined (SMs, us)",)
+    table = [header]
+    for i, r in enumerate(rows, 1):
+        line = (str(i), r["workload"], str(r["planned_sms"]), f"{r['predicted_us']:.1f}", f"{r['measured_us']:.1f}",
+                f"{r['best_sms']}, {r['best_us']:.1f}", str(r["smallest_within_5pct"]),
+                "yes" if r["within_10pct"] else "NO", "yes" if r["no_more_sms"] else "NO",
+                f"{r['deepep_v2_sms']}, {r['deepep_v2_us']:.1f}" if r["deepep_v2_us"] else str(r["deepep_v2_sms"]))
+        if args.refine:
+            line += (f"{r['refined_sms']}, {r['refined_us']:.1f}",)
+        table.append(line)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for j, row in enumerate(table):
+        say("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+        if j == 0:
+            say("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    say(f"({time.monotonic() - started:.0f} s)")
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump({"backend": buffer.backend_name, "note": note, "topology": topology.to_dict(),
+                       "rates": rates.to_dict(), "rows": rows, "details": details}, f, indent=2)
+    buffer.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

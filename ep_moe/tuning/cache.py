@@ -1,0 +1,301 @@
+"""`PlanCache`: one plan per layer shape, with overrides, JSON files, a printable table and refinement.
+
+Where a layer's SM count comes from, first match wins:
+
+1. ``EP_MOE_NUM_SMS`` (environment; every layer) -- for quick sweeps;
+2. the recipe's ``ep_moe.layer_num_sms`` entry for that layer;
+3. the recipe's ``ep_moe.num_sms`` when it is a number (every layer; ``"auto"`` or 0 means the model);
+4. a plan file (``EP_MOE_PLAN=path.json``, else the recipe's ``ep_moe.plan_file``): the entry for that
+   layer, else for that shape;
+5. the bandwidth model (`plan_layer`) with the calibrated rates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from ..topology import Topology, detect_topology
+from .model import LayerShape, dtype_bytes
+from .plan import CommPlan, PlanPolicy, check_num_sms, plan_layer
+from .rates import Rates
+from .refine import MeasureFn, refine
+
+log = logging.getLogger("ep_moe")
+
+ENV_NUM_SMS = "EP_MOE_NUM_SMS"
+ENV_PLAN = "EP_MOE_PLAN"
+PLAN_FILE_VERSION = 1
+# Keys of a recipe's ``ep_moe`` block that the tuner reads (the trainer owns the others).
+RECIPE_KEYS = ("num_sms", "layer_num_sms", "plan_file", "min_sms", "max_sms", "time_tolerance", "margin",
+               "refine", "refine_budget")
+
+
+def load_plans(path: str | os.PathLike) -> list[CommPlan]:
+    """The plans saved in a JSON file by `PlanCache.save` (or `ep-moe tune --json`)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"plan file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"plan file {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("plans"), list):
+        raise ValueError(f"plan file {str(path)!r} must hold an object with a 'plans' list")
+    if data.get("version", PLAN_FILE_VERSION) > PLAN_FILE_VERSION:
+        raise ValueError(f"plan file {str(path)!r} has version {data['version']}; this ep_moe reads "
+                         f"<= {PLAN_FILE_VERSION}")
+    try:
+        return [CommPlan.from_dict(p) for p in data["plans"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"plan file {str(path)!r} has a malformed plan: {exc}") from None
+
+
+def _auto(value) -> bool:
+    return value is None or value == 0 or (isinstance(value, str) and value.strip().lower() in ("auto", "", "0"))
+
+
+class PlanCache:
+    """Plans per (layer shape, EP size), computed once, overridable, savable.
+
+    Args:
+        topology: the machine (default: `detect_topology`); plans for other EP sizes reuse its hardware.
+        rates: the model's rates (default: the calibration cache for this topology, else datasheet).
+        policy: how SM counts are chosen (default `PlanPolicy()`).
+        num_sms: one SM count for every layer (None, 0 or "auto" = the model).
+        layer_num_sms: per-layer SM counts, by layer name (``str(layer)``).
+        plan_file: plans to use where they match (a layer's entry first, then the shape's).
+        use_env: read ``EP_MOE_NUM_SMS`` and ``EP_MOE_PLAN``.
+    """
+
+    def __init__(self, topology: Topology | None = None, rates: Rates | None = None,
+                 policy: PlanPolicy | None = None, *, num_sms: int | str | None = None,
+                 layer_num_sms: Mapping | None = None, plan_file: str | os.PathLike | None = None,
+                 use_env: bool = True) -> None:
+        self.topology = topology if topology is not None else detect_topology()
+        self._rates = rates
+        self.policy = policy or PlanPolicy()
+        self.num_sms = None if _auto(num_sms) else check_num_sms("PlanCache", "num_sms", num_sms)
+        self.layer_num_sms = {str(k): check_num_sms("PlanCache", f"layer_num_sms[{k!r}]", v)
+                              for k, v in (layer_num_sms or {}).items()}
+        self.env_num_sms: int | None = None
+        if use_env and os.environ.get(ENV_NUM_SMS, "").strip():
+            self.env_num_sms = check_num_sms("PlanCache", f"environment variable {ENV_NUM_SMS}",
+                                             os.environ[ENV_NUM_SMS].strip())
+        if use_env and os.environ.get(ENV_PLAN, "").strip():
+            plan_file = os.environ[ENV_PLAN].strip()
+            try:
+                self.file_plans = load_plans(plan_file)
+            except ValueError as exc:
+                raise ValueError(f"PlanCache: environment variable {ENV_PLAN}: {exc}") from None
+        else:
+            self.file_plans = load_plans(plan_file) if plan_file else []
+        self.plan_file = str(plan_file) if plan_file else None
+        self._plans: dict[tuple[str, int, str | None], CommPlan] = {}
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_recipe(cls, block: Mapping | None, topology: Topology | None = None, rates: Rates | None = None,
+                    strict: bool = False) -> PlanCache:
+        """A cache configured by a recipe's ``ep_moe`` block (keys in `RECIPE_KEYS`; others are the
+        trainer's and ignored unless ``strict``)."""
+        block = dict(block or {})
+        if strict and (unknown := sorted(set(block) - set(RECIPE_KEYS))):
+            raise ValueError(f"PlanCache.from_recipe: unknown key(s) ep_moe.{', ep_moe.'.join(unknown)}; "
+                             f"known: {', '.join(RECIPE_KEYS)}")
+        layers = block.get("layer_num_sms") or {}
+        if not isinstance(layers, Mapping):
+            raise ValueError(f"PlanCache.from_recipe: ep_moe.layer_num_sms must map layer names to SM counts, "
+                             f"got {type(layers).__name__}")
+        policy_args = {}
+        for key in ("min_sms", "max_sms", "time_tolerance", "margin"):
+            if block.get(key) is not None:
+                policy_args[key] = block[key]
+        try:
+            policy = PlanPolicy(**policy_args)
+        except ValueError as exc:
+            raise ValueError(f"PlanCache.from_recipe: ep_moe block: {exc}") from None
+        return cls(topology, rates, policy, num_sms=block.get("num_sms"), layer_num_sms=layers,
+                   plan_file=block.get("plan_file"))
+
+    @property
+    def rates(self) -> Rates:
+        """The rates plans are made with (loaded from the calibration cache on first use)."""
+        if self._rates is None:
+            from ..calibration import load_rates
+
+            self._rates = load_rates(self.topology)
+        return self._rates
+
+    def topology_for(self, num_ranks: int | None) -> Topology:
+        if num_ranks is None or num_ranks == self.topology.world_size:
+            return self.topology
+        return self.topology.with_group(num_ranks)
+
+    # ---------------------------------------------------------------- plans
+    def _file_plan(self, key: str, num_ranks: int, layer: str | None) -> CommPlan | None:
+        matches = [p for p in self.file_plans if p.key == key and p.num_ranks == num_ranks]
+        for p in matches:
+            if layer is not None and p.layer == layer:
+                return p
+        return next((p for p in matches if p.layer is None), matches[0] if matches else None)
+
+    def plan(self, shape: LayerShape, layer: str | int | None = None, num_ranks: int | None = None,
+             routing=None) -> CommPlan:
+        """The plan for ``shape`` (and ``layer``, for per-layer overrides), computed once and cached.
+
+        Args:
+            layer: the layer asking (its name or index); plans are shared by all layers of a shape unless
+                a per-layer override or a per-layer file entry exists.
+            num_ranks: the EP group size (default: the topology's world size).
+            routing: a measured routing histogram (see `ep_moe.tuning.rank_loads`); such plans are made for
+                the busiest rank and not cached (the histogram changes from step to step).
+        """
+        layer = None if layer is None else str(layer)
+        topo = self.topology_for(num_ranks)
+        key, n_ranks = shape.key(), topo.world_size
+        override = self._override(layer)
+        from_file = None if override else self._file_plan(key, n_ranks, layer)
+        specific = layer if ((override and override[1].startswith("override:recipe layer"))
+                             or (from_file is not None and from_file.layer == layer)) else None
+        if routing is not None:
+            plan = plan_layer(shape, topo, self.rates, self.policy, routing, specific,
+                              num_sms=override[0] if override else None)
+            if override:
+                plan.source = override[1]
+            return plan
+        cached = self._plans.get((key, n_ranks, specific))
+        if cached is not None:
+            return cached
+        if override is not None:
+            plan = plan_layer(shape, topo, self.rates, self.policy, None, specific, num_sms=override[0])
+            plan.source = override[1]
+        elif from_file is not None:
+            plan = replace(from_file, history=list(from_file.history), source=f"file:{self.plan_file}")
+        else:
+            plan = plan_layer(shape, topo, self.rates, self.policy, None, None)
+        self._plans[(key, n_ranks, specific)] = plan
+        return plan
+
+    def _override(self, layer: str | None) -> tuple[int, str] | None:
+        if self.env_num_sms is not None:
+            return self.env_num_sms, f"override:{ENV_NUM_SMS}"
+        if layer is not None and layer in self.layer_num_sms:
+            return self.layer_num_sms[layer], f"override:recipe layer {layer}"
+        if self.num_sms is not None:
+            return self.num_sms, "override:recipe num_sms"
+        return None
+
+    def num_sms_for(self, shape: LayerShape, layer: str | int | None = None, num_ranks: int | None = None) -> int:
+        return self.plan(shape, layer, num_ranks).num_sms
+
+    def plans(self) -> list[CommPlan]:
+        return list(self._plans.values())
+
+    def record(self, shape: LayerShape, dispatch_us: float, combine_us: float, layer: str | int | None = None,
+               num_ranks: int | None = None) -> CommPlan:
+        """Store times measured at the plan's SM count."""
+        plan = self.plan(shape, layer, num_ranks)
+        plan.record(float(dispatch_us), float(combine_us))
+        return plan
+
+    def refine(self, shape: LayerShape, measure_fn: MeasureFn, budget: int = 5, layer: str | int | None = None,
+               num_ranks: int | None = None, tolerance: float = 0.02) -> CommPlan:
+        """`refine` the shape's plan with measurements (overridden plans are left alone) and keep the result,
+        with its predicted times, QPs and chunk size recomputed at the chosen SM count."""
+        plan = self.plan(shape, layer, num_ranks)
+        if plan.source.startswith("override:"):
+            return plan
+        topo = self.topology_for(num_ranks)
+        best = refine(plan, measure_fn, budget, tolerance=tolerance, min_sms=self.policy.min_sms,
+                      max_sms=topo.num_sms or None)
+        fresh = plan_layer(shape, topo, self.rates, self.policy, None, plan.layer, num_sms=best.num_sms)
+        fresh.source, fresh.history = "refined", best.history
+        fresh.record(best.measured_dispatch_us, best.measured_combine_us, best.measured_us)
+        key = next(k for k, v in self._plans.items() if v is plan)
+        self._plans[key] = fresh
+        return fresh
+
+    # ---------------------------------------------------------------- files and printing
+    def to_dict(self) -> dict:
+        return {"version": PLAN_FILE_VERSION, "topology": self.topology.to_dict(),
+                "rates_source": self.rates.source, "plans": [p.to_dict() for p in self.plans()]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write every plan made so far (with measurements) as JSON; `PlanCache(plan_file=path)` reads it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, topology: Topology | None = None, rates: Rates | None = None,
+             use_env: bool = True) -> PlanCache:
+        """A cache whose plans come from ``path`` where they match (and from the model elsewhere)."""
+        if topology is None:
+            data = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+            topology = Topology.from_dict(data["topology"]) if "topology" in data else None
+        return cls(topology, rates, plan_file=path, use_env=use_env)
+
+    def table(self) -> str:
+        return format_table(self.plans())
+
+
+COLUMNS = ("layer", "shape", "EP", "g", "bottleneck", "SMs", "QPs", "chunk", "pred disp", "pred comb",
+           "meas disp", "meas comb", "V2 SMs", "source")
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_table(plans: list[CommPlan]) -> str:
+    """A plain-text table of plans (times in us; ``nvlink*``: the plan's SMs, not the link, bound the time)."""
+    rows = [COLUMNS]
+    for p in plans:
+        rows.append((p.layer or "*", p.shape.label(), str(p.num_ranks), f"{p.expected_ranks:.2f}",
+                     p.bottleneck + ("*" if p.sm_bound else ""), str(p.num_sms), str(p.num_qps),
+                     str(p.chunk_tokens), _us(p.predicted_dispatch_us), _us(p.predicted_combine_us),
+                     _us(p.measured_dispatch_us), _us(p.measured_combine_us),
+                     "-" if p.deepep_v2_sms is None else str(p.deepep_v2_sms), p.source))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ process default
+_default_cache: PlanCache | None = None
+
+
+def default_cache() -> PlanCache:
+    """The process-wide cache (built on first use from the detected topology and the calibration cache)."""
+    global _default_cache
+    if _default_cache is None:
+        _default_cache = PlanCache()
+    return _default_cache
+
+
+def set_default_cache(cache: PlanCache | None) -> None:
+    """Replace the process-wide cache (a recipe's `PlanCache.from_recipe`), or reset it with None."""
+    global _default_cache
+    _default_cache = cache
+
+
+def plan_for_layer(num_experts: int, topk: int, hidden: int, tokens: int, dtype="bf16",
+                   num_ranks: int | None = None, layer: str | int | None = None,
+                   cache: PlanCache | None = None) -> CommPlan:
+    """The plan of one MoE layer; ``plan.num_sms`` is what `TokenDispatcher(num_sms=...)` takes.
+
+    Every rank of the EP group must ask with the same arguments (``tokens`` = tokens per rank, the same
+    on every rank, e.g. micro-batch x sequence length) so that all ranks use the same SM count.
+    """
+    shape = LayerShape(num_experts, topk, hidden, tokens, dtype_bytes(dtype))
+    return (cache or default_cache()).plan(shape, layer, num_ranks)
+
+
+__all__ = ["ENV_NUM_SMS", "ENV_PLAN", "RECIPE_KEYS", "PlanCache", "default_cache", "format_table", "load_plans",
+           "plan_for_layer", "set_default_cache"]
