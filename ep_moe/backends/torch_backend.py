@@ -27,12 +27,19 @@ from .base import CommBackend, DispatchResult
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """View a ``[N, ...]`` tensor as ``[N, bytes]`` uint8 (copying only if it is not contiguous)."""
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+    t = t.contiguous()
+    if t.dim() > 1 and t.stride(-1) != 1:  # a size-1 last dim counts as contiguous with any stride
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     """Inverse of `as_bytes` for a ``[N, bytes]`` uint8 slice: ``[N, cols]`` of ``dtype``."""
-    return b.contiguous().view(dtype).reshape(b.shape[0], cols)
+    # A slice of 0 or 1 rows counts as contiguous yet keeps the parent's row stride and offset, which
+    # view(dtype) rejects: copy those into fresh storage too.
+    if b.shape[0] <= 1 or not b.is_contiguous():
+        b = b.clone(memory_format=torch.contiguous_format)
+    return b.view(dtype).reshape(b.shape[0], cols)
 
 
 @dataclass
@@ -168,8 +175,8 @@ class TorchBackend(CommBackend):
         route = self._route(handle, count_matrix)
         num_rows = handle.num_recv_rows
         if num_worst_tokens and not cached:
-            total = count_matrix[:, self.rank].sum()
-            _check_capacity(total, num_worst_tokens, self.rank)
+            # Every rank has the whole count matrix: all raise together rather than leave peers waiting.
+            _check_capacity(count_matrix.sum(dim=0).max(), num_worst_tokens)
 
         # x travels alone (so it lands in place, with no repacking copy); the small per-row metadata
         # -- FP8 scales, and for a fresh dispatch top-k ids, weights and token index -- in a second exchange.
@@ -242,12 +249,13 @@ def _source_ranks(from_source: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.where(src < from_source.numel(), src, -1).to(torch.int32)
 
 
-def _check_capacity(total: torch.Tensor, num_worst_tokens: int, rank: int) -> None:
-    """Received rows must fit in ``num_worst_tokens``; checked on the device on GPU (no host sync)."""
-    if total.device.type == "cpu":
-        if int(total) > num_worst_tokens:
-            raise ValueError(f"ep_moe.dispatch: argument 'num_worst_tokens' must be >= the rows rank {rank} "
-                             f"receives ({int(total)}), got {num_worst_tokens}")
+def _check_capacity(most_received: torch.Tensor, num_worst_tokens: int) -> None:
+    """The most rows any rank receives must fit in ``num_worst_tokens``; checked on the device on GPU
+    (no host sync)."""
+    if most_received.device.type == "cpu":
+        if int(most_received) > num_worst_tokens:
+            raise ValueError(f"ep_moe.dispatch: argument 'num_worst_tokens' must be >= the most rows any rank "
+                             f"receives ({int(most_received)}), got {num_worst_tokens}")
     else:
-        torch._assert_async(total <= num_worst_tokens,
+        torch._assert_async(most_received <= num_worst_tokens,
                             "ep_moe.dispatch: more rows received than 'num_worst_tokens'")
