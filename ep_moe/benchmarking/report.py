@@ -64,12 +64,22 @@ def _gbps(value: float | None) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"  # CPU runs move a few MB/s
 
 
+def _table_order(r: Row) -> tuple:
+    """Same workload and operation together (layout, then per dtype dispatch, cached, combine), torch
+    first, then the other backends by SM count."""
+    dtype_rank = {None: 0, "bf16": 1, "fp32": 2, "fp8": 3}.get(r.dtype, 4)
+    op_rank = OPS.index(r.op) if r.op in OPS else -1  # setup failures first
+    return (r.tokens, dtype_rank, op_rank, r.backend != REFERENCE_BACKEND, r.backend,
+            -1 if r.num_sms is None else r.num_sms)
+
+
 def table(rows: list[Row], header: list[str]) -> str:
-    """A fixed-width text table, one line per row, after the ``header`` lines."""
+    """A fixed-width text table after the ``header`` lines: one line per row, grouped by token count,
+    dtype and operation (torch first, then the other backends by SM count), then the problems found."""
     cols = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p90 us", "GB/s", "floor us",
             "of floor", "vs torch", "check"]
     body = []
-    for r in rows:
+    for r in sorted(rows, key=_table_order):
         spread = "-" if r.p10_us is None else f"{r.p10_us:.1f}-{r.p90_us:.1f}"
         median = "error" if r.check == "error" else _num(r.median_us, ".1f")
         body.append([r.backend, r.dtype or "-", str(r.tokens), "-" if r.num_sms is None else str(r.num_sms),
