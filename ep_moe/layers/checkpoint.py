@@ -72,7 +72,8 @@ def to_global(local_state: Mapping[str, Tensor], model: nn.Module, ep_group: dis
 
 def to_local(global_state: Mapping[str, Tensor], model: nn.Module, ep_group: dist.ProcessGroup | None = None,
              strict: bool = True) -> dict[str, Tensor]:
-    """The inverse of `to_global` for this rank: stacks this rank's experts ``[L, ...]`` (no communication).
+    """The inverse of `to_global` for this rank: stacks this rank's experts ``[L, ...]`` (no communication;
+    ``ep_group``, when given, is only checked against the experts' EP rank and size).
 
     With ``strict``, a missing expert or an expert id beyond the model's ``num_experts`` raises ValueError.
     """
@@ -87,7 +88,8 @@ def to_local(global_state: Mapping[str, Tensor], model: nn.Module, ep_group: dis
         else:
             per_weight.setdefault(match["base"], {})[int(match["expert"])] = value
     for prefix, module in experts.items():
-        _check_group(module, ep_group, "load_global_state_dict")
+        if ep_group is not None:  # no communication here: the modules know their EP rank; this is a check
+            _check_group(module, ep_group, "load_global_state_dict")
         for leaf in EXPERT_WEIGHTS:
             base = f"{prefix}.{leaf}"
             found = per_weight.pop(base, {})

@@ -168,11 +168,13 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def _grouped_mm(x: Tensor, tokens_per_expert: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
         ends = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        # Rows past the last group (fixed-size dispatch) are neither read nor written by the kernel, in the
+        # forward or the backward: mask them on the way in and out so they give zeros and zero gradients.
+        valid = (torch.arange(x.shape[0], device=x.device) < ends[-1]).unsqueeze(1)
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        x = torch.where(valid, x, zero)
         h = F.silu(torch._grouped_mm(x, w1, offs=ends)) * torch._grouped_mm(x, w3, offs=ends)
-        y = torch._grouped_mm(h, w2, offs=ends)
-        # Rows past the last group are not written by the kernel: make them exact zeros.
-        valid = torch.arange(x.shape[0], device=x.device) < ends[-1]
-        return torch.where(valid.unsqueeze(1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return torch.where(valid, torch._grouped_mm(h, w2, offs=ends), zero)
 
     @staticmethod
     def _loop(x: Tensor, tokens_per_expert: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
