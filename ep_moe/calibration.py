@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .topology import Topology, detect_topology
 from .tuning.model import LayerShape
-from .tuning.plan import PlanPolicy, link_seconds, op_costs, sm_seconds_one_sm
+from .tuning.plan import PlanPolicy, link_seconds, op_costs, sm_seconds
 from .tuning.rates import FitSample, Rates, fit_kernel
 
 log = logging.getLogger("ep_moe")
@@ -363,9 +363,9 @@ def fit_kernels(buffer, topology: Topology, rates: Rates, shapes=PROBE_SHAPES, s
             measured = bench.measure(n, iters=iters, warmup=3)
             for index, op in enumerate(("dispatch", "combine")):
                 timings = [(1e6 * max(link_seconds(pair[index], rates).values(), default=0.0),
-                            1e6 * sm_seconds_one_sm(pair[index], rates)) for pair in costs]
-                link_us, sm_us = max(timings, key=lambda t: max(t[0], t[1] / n))  # the busiest rank
-                samples[op].append(FitSample(link_us, sm_us, n, measured[index]))
+                            1e6 * sm_seconds(pair[index], rates, n)) for pair in costs]
+                link_us, sm_us = max(timings, key=max)  # the busiest rank
+                samples[op].append(FitSample(link_us, sm_us, measured[index]))
             raw.append({"shape": shape.label(), "num_sms": n, "dispatch_us": measured[0], "combine_us": measured[1]})
     fits = {op: fit_kernel(s) for op, s in samples.items()}
     return rates.with_fits(fits["dispatch"], fits["combine"]), raw
@@ -416,6 +416,8 @@ def calibrate(group: dist.ProcessGroup | None = None, topology: Topology | None 
         if initialized:
             flag = torch.tensor([ok], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            if out is not None and not int(flag.item()):
+                notes.append(f"{name} not measured: it failed on another rank")
             ok = int(flag.item())
             if ok and out:
                 vec = torch.tensor(list(out.values()), dtype=torch.float64, device=device)

@@ -224,6 +224,10 @@ def test_overrides_env_recipe_and_file(tmp_path, monkeypatch):
     monkeypatch.delenv("EP_MOE_PLAN")
     with pytest.raises(ValueError, match="layer_num_sms"):
         PlanCache.from_recipe({"layer_num_sms": {"1": 3}}, H200X2, rates)
+    tuned = PlanCache.from_recipe({"refine": True, "refine_budget": 3}, H200X2, rates)
+    assert tuned.refine_warmup and tuned.refine_budget == 3 and not cache.refine_warmup
+    with pytest.raises(ValueError, match="refine_budget"):
+        PlanCache.from_recipe({"refine_budget": 0}, H200X2, rates)
     with pytest.raises(ValueError, match="unknown"):
         PlanCache.from_recipe({"num_sm": 8}, H200X2, rates, strict=True)
 
@@ -342,7 +346,7 @@ def test_calibration_on_cpu_returns_defaults_and_says_so(tmp_path):
 
 def test_fit_kernel_recovers_a_synthetic_kernel():
     truth = KernelFit(link_scale=0.8, sm_scale=0.6, overhead_us=30.0, sharpness=4.0)
-    samples = [FitSample(link, sm1, n, truth.overhead_us + smooth_max((link / 0.8, sm1 / (n * 0.6)), 4.0))
+    samples = [FitSample(link, sm1 / n, truth.overhead_us + smooth_max((link / 0.8, sm1 / (n * 0.6)), 4.0))
                for link, sm1 in ((160.0, 3000.0), (40.0, 750.0)) for n in (8, 16, 32, 64)]
     fit = fit_kernel(samples)
     assert fit.sharpness == 4.0 and fit.rms_rel_error < 0.01
@@ -350,3 +354,15 @@ def test_fit_kernel_recovers_a_synthetic_kernel():
     assert fit.overhead_us == pytest.approx(30.0, abs=2.0)
     with pytest.raises(ValueError, match="samples"):
         fit_kernel(samples[:2])
+
+
+def test_push_local_split_follows_the_native_backend(monkeypatch):
+    from ep_moe.tuning.model import intranode_cost, split_sms
+
+    pools = intranode_cost(V3, rank_loads(V3, 2)[0], "dispatch", "push_local").pools
+    assert [p.name for p in pools] == ["push", "local"]
+    assert split_sms(pools, 24) == [8.0, 16.0] and split_sms(pools, 4) == [1.0, 3.0] and split_sms(pools, 2) == [1.0, 1.0]
+    base = plan_layer(V3, H200X2)
+    monkeypatch.setenv("EP_MOE_DISPATCH_PUSH_FRACTION", "0.1")  # too few pushers for the link: more SMs
+    assert plan_layer(V3, H200X2).num_sms > base.num_sms
+    assert plan_layer(V3, H200X2, policy=PlanPolicy(dispatch_push_fraction=1 / 3)).num_sms == base.num_sms

@@ -96,6 +96,10 @@ class PlanCache:
             self.file_plans = load_plans(plan_file) if plan_file else []
         self.plan_file = str(plan_file) if plan_file else None
         self._plans: dict[tuple[str, int, str | None], CommPlan] = {}
+        # Whether the trainer should `refine` each shape's plan during warm-up, and with how many runs
+        # (the recipe's ep_moe.refine / ep_moe.refine_budget; the cache itself never measures).
+        self.refine_warmup = False
+        self.refine_budget = 5
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -119,8 +123,14 @@ class PlanCache:
             policy = PlanPolicy(**policy_args)
         except ValueError as exc:
             raise ValueError(f"PlanCache.from_recipe: ep_moe block: {exc}") from None
-        return cls(topology, rates, policy, num_sms=block.get("num_sms"), layer_num_sms=layers,
-                   plan_file=block.get("plan_file"))
+        cache = cls(topology, rates, policy, num_sms=block.get("num_sms"), layer_num_sms=layers,
+                    plan_file=block.get("plan_file"))
+        cache.refine_warmup = bool(block.get("refine", False))
+        budget = block.get("refine_budget", cache.refine_budget)
+        if not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"PlanCache.from_recipe: ep_moe.refine_budget must be an int >= 1, got {budget!r}")
+        cache.refine_budget = budget
+        return cache
 
     @property
     def rates(self) -> Rates:

@@ -184,11 +184,20 @@ class SmPool:
     write_local_bytes: float
     write_peer_bytes: float
 
-    def seconds_on_one_sm(self, sm_read_gbs: float, sm_write_gbs: float, sm_peer_write_gbs: float) -> float:
+    def work_seconds(self, sm_read_gbs: float, sm_write_gbs: float, sm_peer_write_gbs: float) -> float:
         """Time this pool's work takes on one SM (reads overlap writes; local and peer stores add up)."""
         read = self.read_bytes / (sm_read_gbs * 1e9)
         write = self.write_local_bytes / (sm_write_gbs * 1e9) + self.write_peer_bytes / (sm_peer_write_gbs * 1e9)
-        return max(read, write) / self.share
+        return max(read, write)
+
+
+def split_sms(pools: Sequence[SmPool], num_sms: int) -> list[float]:
+    """SMs each pool gets out of ``num_sms``. A leading "push" pool gets ``round(num_sms * share)``, at
+    least 1 and leaving 1 for the rest, as the native backend splits its blocks; otherwise shares."""
+    if len(pools) == 2 and pools[0].name == "push":
+        push = min(num_sms - 1, max(1, round(num_sms * pools[0].share))) if num_sms > 1 else 0.5
+        return [float(push), float(num_sms - push)]
+    return [num_sms * p.share for p in pools]
 
 
 @dataclass(frozen=True)
@@ -202,21 +211,30 @@ class OpCost:
     recv_bytes: float  # rows received x row bytes (DeepEP's "logical" bytes)
 
 
-SCHEMES = ("channel_pairs", "deepep_v2")
+SCHEMES = ("push_local", "channel_pairs", "deepep_v2")
+DEFAULT_PUSH_FRACTION = 1 / 3  # ep_moe's native kernels: a third of the blocks push over NVLink
 
 
-def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str) -> OpCost:
+def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
+                   push_fraction: float = DEFAULT_PUSH_FRACTION) -> OpCost:
     """One rank's cost inside one NVLink domain.
 
-    ``channel_pairs`` (DeepEP V1-style kernels, and ep_moe's native ones: half the SMs send, half receive):
-    dispatch senders read the tokens and store every row into its destination's buffer (peer stores for
-    other ranks); receivers copy their buffer into the output. Combine runs it backwards: senders store
-    each received row's result back to its source; receivers read a token's rows and write the sum.
+    ``push_local`` (ep_moe's native kernels): ``push_fraction`` of the SMs push; in a dispatch they read
+    the rows bound for other ranks and store them into the receivers' buffers, while the other SMs copy
+    the rank's own rows and drain the received chunks into the output. In a combine the pushers send
+    each received row back to its source, and the others reduce a token's rows (the own rank's read in
+    place) and write the sum.
+    ``channel_pairs`` (DeepEP V1): half the SMs send, half receive. Dispatch senders read the tokens and
+    store every row into its destination's buffer; receivers copy their buffer into the output. Combine
+    runs it backwards: senders store each received row's result back to its source; receivers read a
+    token's rows and write the sum.
     ``deepep_v2``: one pool of SMs reads the tokens once and stores every row (DeepEP V2's accounting,
     which leaves the receiver's copy epilogue out).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"intranode_cost: argument 'scheme' must be one of {SCHEMES}, got {scheme!r}")
+    if not 0 < push_fraction < 1:
+        raise ValueError(f"intranode_cost: argument 'push_fraction' must be in (0, 1), got {push_fraction!r}")
     if op == "dispatch":
         row = shape.dispatch_row_bytes
         out_rows, out_remote, in_rows, in_remote = load.sent_rows, load.sent_remote_rows, load.recv_rows, \
@@ -233,9 +251,15 @@ def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str) -> O
     store_local, store_peer = (out_rows - out_remote) * row, out_remote * row
     if scheme == "deepep_v2":
         pools = (SmPool("all", 1.0, source_reads, store_local, store_peer),)
-    else:
+    elif scheme == "channel_pairs":
         pools = (SmPool("send", 0.5, source_reads, store_local, store_peer),
                  SmPool("recv", 0.5, in_rows * row, sink_writes, 0.0))
+    elif op == "dispatch":  # push_local: pushers move remote rows; the rest copy own + received rows
+        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer),
+                 SmPool("local", 1 - push_fraction, in_rows * row, sink_writes, 0.0))
+    else:  # push_local combine: pushers return rows to remote sources; reducers read every row of a token
+        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer),
+                 SmPool("reduce", 1 - push_fraction, in_rows * row, sink_writes, 0.0))
     recv_rows = load.recv_rows if op == "dispatch" else load.sent_rows
     return OpCost(op, nvlink, 0.0, pools, recv_rows * shape.dispatch_row_bytes)
 
@@ -268,5 +292,5 @@ def multinode_cost(shape: LayerShape, topology: Topology, op: str, hybrid: bool,
     return OpCost(op, nvlink * recv_bytes, rdma * recv_bytes, (pool,), recv_bytes)
 
 
-__all__ = ["DTYPE_BYTES", "SCHEMES", "LayerShape", "OpCost", "RankLoad", "SmPool", "dtype_bytes",
+__all__ = ["DEFAULT_PUSH_FRACTION", "DTYPE_BYTES", "SCHEMES", "LayerShape", "OpCost", "RankLoad", "SmPool", "dtype_bytes", "split_sms",
            "expected_groups", "intranode_cost", "multinode_cost", "rank_loads"]

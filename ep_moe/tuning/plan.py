@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 from ..config import Config
 from ..topology import Topology
-from .model import LayerShape, OpCost, expected_groups, intranode_cost, multinode_cost, rank_loads
+from .model import (
+    DEFAULT_PUSH_FRACTION,
+    SCHEMES,
+    LayerShape,
+    OpCost,
+    expected_groups,
+    intranode_cost,
+    multinode_cost,
+    rank_loads,
+    split_sms,
+)
 from .rates import Rates, smooth_max
 
 FALLBACK_GPU = "H200"  # planning on a machine without a GPU: assume this one (datasheet numbers)
 FALLBACK_DEVICE_SMS = 132
 CHUNK_TARGET_BYTES = 64 << 10  # a channel signals its receiver about every 64 KiB ...
 CHUNKS_PER_CHANNEL = 4  # ... but at least this often, so that small batches still pipeline
+# The native backend splits its blocks with these (ep_moe/backends/native_backend.py); keep them in step.
+PUSH_FRACTION_ENV = {"dispatch": "EP_MOE_DISPATCH_PUSH_FRACTION", "combine": "EP_MOE_COMBINE_PUSH_FRACTION"}
 
 
 @dataclass(frozen=True)
@@ -21,8 +34,11 @@ class PlanPolicy:
     """How the planner turns predicted times into an SM count.
 
     Attributes:
-        scheme: kernel structure for intranode groups: "channel_pairs" (ep_moe native, DeepEP V1) or
-            "deepep_v2"; multi-node groups always use DeepEP V2's accounting.
+        scheme: kernel structure for intranode groups: "push_local" (ep_moe's native kernels),
+            "channel_pairs" (DeepEP V1) or "deepep_v2"; multi-node groups use DeepEP V2's accounting.
+        dispatch_push_fraction, combine_push_fraction: share of the SMs that push ("push_local"); None =
+            what the native backend uses (``EP_MOE_DISPATCH_PUSH_FRACTION`` /
+            ``EP_MOE_COMBINE_PUSH_FRACTION``, default 1/3).
         margin: if set, SMs = ``margin`` x the SMs whose throughput matches the bottleneck link (DeepEP V2
             uses 1.25). If None, the fewest SMs whose predicted dispatch + combine time is within
             ``time_tolerance`` of the time with ``max_sms``.
@@ -32,7 +48,9 @@ class PlanPolicy:
         num_allocated_qps: cap on QPs (None = no cap).
     """
 
-    scheme: str = "channel_pairs"
+    scheme: str = "push_local"
+    dispatch_push_fraction: float | None = None
+    combine_push_fraction: float | None = None
     margin: float | None = None
     time_tolerance: float = 0.04
     min_sms: int = 2
@@ -41,8 +59,12 @@ class PlanPolicy:
     num_allocated_qps: int | None = None
 
     def __post_init__(self) -> None:
-        if self.scheme not in ("channel_pairs", "deepep_v2"):
-            raise ValueError(f"PlanPolicy: argument 'scheme' must be 'channel_pairs' or 'deepep_v2', got {self.scheme!r}")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"PlanPolicy: argument 'scheme' must be one of {SCHEMES}, got {self.scheme!r}")
+        for name in ("dispatch_push_fraction", "combine_push_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                raise ValueError(f"PlanPolicy: argument '{name}' must be in (0, 1) or None, got {value!r}")
         if self.margin is not None and not self.margin > 0:
             raise ValueError(f"PlanPolicy: argument 'margin' must be > 0 or None, got {self.margin!r}")
         if not 0 <= self.time_tolerance < 1:
@@ -52,6 +74,18 @@ class PlanPolicy:
         if self.max_sms is not None and (not isinstance(self.max_sms, int) or self.max_sms < self.min_sms):
             raise ValueError(f"PlanPolicy: argument 'max_sms' must be an int >= min_sms ({self.min_sms}), "
                              f"got {self.max_sms!r}")
+
+    def push_fraction(self, op: str) -> float:
+        """The share of SMs that push in ``op`` (the native backend reads the same variables)."""
+        value = self.dispatch_push_fraction if op == "dispatch" else self.combine_push_fraction
+        if value is not None:
+            return value
+        env = PUSH_FRACTION_ENV[op]
+        try:
+            value = float(os.environ.get(env, DEFAULT_PUSH_FRACTION))
+        except ValueError:
+            return DEFAULT_PUSH_FRACTION
+        return value if 0 < value < 1 else DEFAULT_PUSH_FRACTION
 
 
 # DeepEP V2's rule: 1.25 x the SMs that keep the bottleneck link busy, even, at least 4.
@@ -162,8 +196,9 @@ def op_costs(shape: LayerShape, topology: Topology, policy: PlanPolicy, routing=
     """(dispatch, combine) costs for each rank worth looking at (the balanced rank, or every rank)."""
     if topology.intranode:
         loads = rank_loads(shape, topology.world_size, routing)
-        return [(intranode_cost(shape, load, "dispatch", policy.scheme),
-                 intranode_cost(shape, load, "combine", policy.scheme)) for load in loads]
+        return [(intranode_cost(shape, load, "dispatch", policy.scheme, policy.push_fraction("dispatch")),
+                 intranode_cost(shape, load, "combine", policy.scheme, policy.push_fraction("combine")))
+                for load in loads]
     imbalance = 1.0
     if routing is not None:
         loads = rank_loads(shape, topology.world_size, routing)
@@ -183,17 +218,22 @@ def link_seconds(cost: OpCost, rates: Rates) -> dict[str, float]:
     return out
 
 
-def sm_seconds_one_sm(cost: OpCost, rates: Rates) -> float:
-    """Seconds the slowest SM pool needs when the call has a single SM (time at n SMs = this / n)."""
-    return max((p.seconds_on_one_sm(rates.sm_read_gbs, rates.sm_write_gbs, rates.sm_peer_write_gbs)
-                for p in cost.pools), default=0.0)
+def sm_seconds(cost: OpCost, rates: Rates, num_sms: float) -> float:
+    """Seconds the slowest SM pool needs when the call has ``num_sms`` SMs (the ideal, unfitted rates).
+    A fractional ``num_sms`` splits the pools by their shares (for the knee, where SMs are continuous)."""
+    if isinstance(num_sms, int):
+        counts = split_sms(cost.pools, num_sms)
+    else:
+        counts = [num_sms * p.share for p in cost.pools]
+    return max((p.work_seconds(rates.sm_read_gbs, rates.sm_write_gbs, rates.sm_peer_write_gbs) / k
+                for p, k in zip(cost.pools, counts)), default=0.0)
 
 
 def predict_us(cost: OpCost, rates: Rates, num_sms: int) -> float:
     """Predicted time of one op at ``num_sms`` SMs, in us (the kernel fit's overhead included)."""
     fit = rates.fit(cost.op)
     link = max(link_seconds(cost, rates).values(), default=0.0) / fit.link_scale
-    sm = sm_seconds_one_sm(cost, rates) / (num_sms * fit.sm_scale)
+    sm = sm_seconds(cost, rates, num_sms) / fit.sm_scale
     return fit.overhead_us + 1e6 * smooth_max((link, sm), fit.sharpness)
 
 
@@ -205,7 +245,7 @@ def _knee_sms(costs: list[tuple[OpCost, OpCost]], rates: Rates) -> float:
             fit = rates.fit(cost.op)
             link = max(link_seconds(cost, rates).values(), default=0.0) / fit.link_scale
             if link > 0 and math.isfinite(link):
-                knee = max(knee, sm_seconds_one_sm(cost, rates) / fit.sm_scale / link)
+                knee = max(knee, sm_seconds(cost, rates, 1.0) / fit.sm_scale / link)
     return knee
 
 
@@ -264,13 +304,17 @@ def plan_layer(shape: LayerShape, topology: Topology, rates: Rates | None = None
     bottleneck = max(links, key=links.get) if links else "none"
     fit = rates.dispatch
     link_s = max(links.values(), default=0.0) / fit.link_scale
-    sm_bound = sm_seconds_one_sm(dispatch, rates) / (n * fit.sm_scale) > link_s
+    sm_bound = sm_seconds(dispatch, rates, n) / fit.sm_scale > link_s
     mode = "intranode" if topology.intranode else ("hybrid" if policy.hybrid else "direct")
-    pairs = topology.intranode and policy.scheme == "channel_pairs"
+    channels = n
+    if topology.intranode and policy.scheme == "channel_pairs":
+        channels = n // 2
+    elif topology.intranode and policy.scheme == "push_local":
+        channels = max(1, round(n * policy.push_fraction("dispatch")))
     recv_rows = dispatch.recv_bytes / shape.dispatch_row_bytes
     return CommPlan(key=shape.key(), shape=shape, num_sms=n,
                     num_qps=num_qps(n, topology, policy.hybrid, policy.num_allocated_qps),
-                    chunk_tokens=chunk_tokens(recv_rows, n // 2 if pairs else n, shape.dispatch_row_bytes),
+                    chunk_tokens=chunk_tokens(recv_rows, channels, shape.dispatch_row_bytes),
                     bottleneck=bottleneck, sm_bound=sm_bound, mode=mode, num_ranks=topology.world_size,
                     expected_ranks=expected_groups(shape.num_experts, shape.topk, topology.world_size),
                     predicted_dispatch_us=dispatch_us, predicted_combine_us=combine_us,

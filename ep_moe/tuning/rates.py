@@ -158,12 +158,11 @@ def smooth_max(values: Iterable[float], sharpness: float) -> float:
 
 @dataclass(frozen=True)
 class FitSample:
-    """One measurement for `fit_kernel`: the model's ideal link time, its SM time on one SM (so that
-    ``sm_us_one_sm / num_sms`` is the ideal SM time), the SM count and the measured time, all in us."""
+    """One measurement for `fit_kernel`: the model's ideal link time and SM time (at the SM count the
+    measurement used) and the measured time, all in us."""
 
     link_us: float
-    sm_us_one_sm: float
-    num_sms: int
+    sm_us: float
     measured_us: float
 
 
@@ -180,10 +179,10 @@ def fit_kernel(samples: Sequence[FitSample], sharpness_grid: Sequence[float] = (
     if len(samples) < 3:
         raise ValueError(f"fit_kernel: argument 'samples' needs at least 3 measurements, got {len(samples)}")
     for s in samples:
-        if not (s.measured_us > 0 and s.num_sms > 0 and s.link_us >= 0 and s.sm_us_one_sm >= 0):
-            raise ValueError(f"fit_kernel: every sample needs measured_us > 0, num_sms > 0 and times >= 0, got {s}")
+        if not (s.measured_us > 0 and s.link_us >= 0 and s.sm_us >= 0):
+            raise ValueError(f"fit_kernel: every sample needs measured_us > 0 and times >= 0, got {s}")
     link = np.array([s.link_us for s in samples])[None, None, :]
-    sm = np.array([s.sm_us_one_sm / s.num_sms for s in samples])[None, None, :]
+    sm = np.array([s.sm_us for s in samples])[None, None, :]
     t = np.array([s.measured_us for s in samples])
     w = 1.0 / t ** 2
     link_scales = np.geomspace(0.2, 2.0, 41)[:, None, None]
