@@ -51,14 +51,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     first, last, step = (int(v) for v in args.sweep.split(":"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=600))
+    workloads = WORKLOADS
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local),
+                                timeout=datetime.timedelta(seconds=600))
+    else:  # a dry run of this script's own logic on CPU (gloo, torch backend, shrunken shapes)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        workloads = tuple((f"{label} (CPU dry run: /16 tokens, H 256)",
+                           LayerShape(s.num_experts, s.topk, 256, max(1, s.tokens // 16))) for label, s in WORKLOADS)
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     started = time.monotonic()
 
-    nvl_bytes = max(Buffer.get_buffer_size_hint(s.tokens, s.hidden, world, s.topk) for _, s in WORKLOADS)
+    nvl_bytes = max(Buffer.get_buffer_size_hint(s.tokens, s.hidden, world, s.topk) for _, s in workloads)
     note = ""
     try:
         buffer = Buffer(num_nvl_bytes=nvl_bytes, backend="native")
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
 
     counts = list(range(first, last + 1, step))
     rows, details = [], []
-    for label, shape in WORKLOADS:
+    for label, shape in workloads:
         plan = cache.plan(shape)
         bench = DispatchBench(buffer, shape, seed=1)
         bench.check(plan.num_sms)
@@ -103,7 +110,7 @@ def main(argv=None) -> int:
 
     say("")
     say("sweep (dispatch + combine us):")
-    say("  SMs  " + "  ".join(f"{i + 1:>9}" for i in range(len(WORKLOADS))))
+    say("  SMs  " + "  ".join(f"{i + 1:>9}" for i in range(len(workloads))))
     for n in sorted({n for d in details for n in map(int, d["sweep"])}):
         cells = []
         for d in details:
