@@ -7,8 +7,11 @@
 """
 
 import sys
+from pathlib import Path
 
-from ep_moe.bench import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's ep_moe, installed or not
+
+from ep_moe.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,13 @@ TABLE_COLUMNS = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p9
                  "of floor", "vs torch", "check"]
 
 
+@pytest.fixture(autouse=True)
+def _restore_multicast_env(monkeypatch):
+    """``bench.main`` turns NVLink multicast off in the environment; restore it after each test."""
+    for name, value in bench.MULTICAST_OFF.items():
+        monkeypatch.setenv(name, value)
+
+
 def _rank_with_a_wrong_combine(rank: int, world_size: int, spec) -> dict | None:
     """`bench.run_rank` where combine flips the sign of a row when called with ``Config(num_sms=16)``:
     a kernel bug that the benchmark's checks must report (spawned ranks import this module)."""
@@ -38,6 +45,7 @@ def _rank_with_a_wrong_combine(rank: int, world_size: int, spec) -> dict | None:
     return bench.run_rank(rank, world_size, spec)
 
 
+@pytest.mark.timeout(300)
 def test_cpu_bench_end_to_end(tmp_path, capsys, monkeypatch):
     """One spawned 2-rank run through the command line: torch, a torch backend that takes an SM budget
     (the code path of the native backend: SM sweep, bit-for-bit comparison with torch, speedups; its
