@@ -433,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--shim-dir":
         print(folder)
         return 0
+    # Child processes: exec'd ones read PYTHONPATH; multiprocessing's spawn copies this sys.path.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
+    sys.path.append(folder)
     install()
     if argv[0] == "-m":
         if len(argv) < 2:
