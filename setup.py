@@ -40,12 +40,13 @@ def _cuda_extension():
         f"-gencode=arch=compute_{arch},code=sm_{arch}",
         f"-I{os.path.join(CUDA_HOME, 'include', 'cccl')}",
     ]
+    # The kernels (.cu) never include torch headers; only the binding (.cpp) does, with torch's own
+    # C++ standard flag (BuildExtension adds it).
     ext = CUDAExtension(
         name="ep_moe.native._C",
         sources=sources,
         include_dirs=[os.path.abspath("ep_moe/native/csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
-        libraries=["cuda"],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, ""
 

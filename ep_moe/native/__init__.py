@@ -13,8 +13,12 @@ import torch
 import torch.distributed as dist
 
 from .sizing import buffer_size_hint
+from .symmetric import disable_multicast
 
 log = logging.getLogger("ep_moe")
+disable_multicast()  # before anything in this process can create symmetric memory or an NCCL communicator
+
+MAX_RANKS = 8  # the kernels address at most this many NVLink peers
 
 try:  # the compiled kernels, when they were built
     from . import _C  # type: ignore[attr-defined]
@@ -38,6 +42,13 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
         return f"the CUDA extension ep_moe.native._C is not built ({_IMPORT_ERROR})"
     if device.type != "cuda":
         return f"the group runs on {device.type}, not CUDA"
+    num_ranks = dist.get_world_size(group)
+    if num_ranks > MAX_RANKS:
+        return f"the group has {num_ranks} ranks (native kernels serve at most {MAX_RANKS})"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as exc:
+        return f"torch.distributed._symmetric_memory is unavailable ({exc})"
     here = (socket.gethostname(), torch.cuda.current_device())
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, here, group=group)
@@ -49,4 +60,14 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
     return None
 
 
-__all__ = ["buffer_size_hint", "extension_available", "unavailable_reason"]
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout kernel: same outputs as `ep_moe.layout.dispatch_layout` (``[R]`` int32 tokens per
+    rank, ``[E]`` int32 tokens per expert, ``[T, R]`` bool), on the current CUDA stream."""
+    if _C is None:
+        raise RuntimeError(f"ep_moe.native: the CUDA extension is not built ({_IMPORT_ERROR})")
+    per_rank, per_expert, in_rank = _C.layout(topk_idx.contiguous(), num_experts, num_ranks)
+    return per_rank, per_expert, in_rank
+
+
+__all__ = ["MAX_RANKS", "buffer_size_hint", "dispatch_layout", "extension_available", "unavailable_reason"]

@@ -1,0 +1,329 @@
+"""The ``native`` backend: intranode dispatch and combine kernels over symmetric memory (NVLink).
+
+Each rank owns two symmetric buffers: a small control block (count exchange, arrival and chunk
+flags) and a data buffer that receives rows. A dispatch runs
+
+1. ``notify``: every rank writes its per-destination row counts into every peer's control block and
+   lists, per destination, the tokens it sends there (``pos``/``send_list``, kept in the handle);
+2. (exact mode only) the host waits for the counts to size the outputs (``num_worst_tokens`` skips
+   this wait, so the call can be captured in a CUDA graph);
+3. ``dispatch``: pusher blocks store rows straight to their final place in each receiver's buffer,
+   local blocks copy the own rank's rows and drain the peers' chunks into the outputs.
+
+A combine sends every received row back to its source's buffer and sums per token in increasing
+rank order in fp32. Results equal the ``torch`` backend bit for bit. Shapes the kernels do not take
+(rows that are not a multiple of 16 bytes, more than 8192 local experts) go to an internal `TorchBackend`
+on the same group; every rank decides that from shapes alone, so all ranks take the same path.
+
+Every wait in a kernel has a deadline (``timeout_s``). A kernel that misses it writes an error record
+into pinned host memory and returns; the backend raises `NativeTimeoutError` naming the rank, stage
+and channel (at once where the host waits, else at the next call) and refuses further work.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..handle import DispatchHandle
+from ..native import sizing
+from ..native.symmetric import SymmetricBuffer
+from .base import CommBackend, DispatchResult
+from .torch_backend import TorchBackend
+
+MAX_LOCAL_EXPERTS = 8192  # experts per rank the dispatch kernel counts in shared memory
+
+STAGES = {
+    1: "dispatch/notify (exchanging row counts)",
+    2: "dispatch/send (waiting for the peer to enter the call)",
+    3: "dispatch/receive (waiting for the peer's rows)",
+    4: "combine/send (waiting for the peer to enter the call)",
+    5: "combine/reduce (waiting for the peer's rows)",
+    6: "barrier",
+    7: "dispatch (receive buffer capacity)",
+    8: "combine (receive buffer capacity)",
+}
+
+
+class NativeTimeoutError(TimeoutError, RuntimeError):
+    """A peer did not arrive in time (caught by ``except TimeoutError`` and ``except RuntimeError``)."""
+
+
+def _c():
+    from ..native import _C
+
+    if _C is None:
+        raise RuntimeError("ep_moe: the native CUDA extension is not built")
+    return _C
+
+
+def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` contiguous at a 16-byte-aligned address (copied only when it is not)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _fraction(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class NativeBackend(CommBackend):
+    """Dispatch/combine over NVLink with the CUDA kernels of `ep_moe.native` (see the module docstring)."""
+
+    name = "native"
+    supported_dtypes = (torch.bfloat16, torch.float32)
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
+                 num_nvl_bytes: int = 0) -> None:
+        super().__init__(group, device, timeout_s)
+        C = _c()
+        if self.num_ranks > C.MAX_RANKS:
+            raise ValueError(f"ep_moe.Buffer: argument 'group' must have at most {C.MAX_RANKS} ranks for the "
+                             f"native backend, got {self.num_ranks}")
+        self._fallback = TorchBackend(group, device, timeout_s)
+        self._broken: str | None = None
+        self._destroyed = False
+        with torch.cuda.device(device):
+            self._control = SymmetricBuffer(group, device, C.CONTROL_BYTES)
+            self._control.tensor.zero_()
+            self._state = torch.zeros(8, dtype=torch.int64, device=device)  # LocalState (64 bytes)
+            self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
+            self._error = torch.zeros(C.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+            self._host_counts = torch.zeros(C.MAX_RANKS * C.MAX_RANKS, dtype=torch.int32, pin_memory=True)
+            self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9))
+            self._data: SymmetricBuffer | None = None
+            self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
+            # rows a handle's calls need in a buffer (from the shared count matrix), by its route tensor
+            self._route_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+            if num_nvl_bytes > 0:
+                self._data = SymmetricBuffer(group, device, num_nvl_bytes)
+            self._notify_done = torch.cuda.Event()
+            torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every control block is zero before any peer writes into it
+
+    # ---------------------------------------------------------------- health and errors
+    def _raise_if_failed(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"ep_moe[native]: the buffer is unusable after an earlier failure: {self._broken}")
+        if self._destroyed:
+            raise RuntimeError("ep_moe[native]: the buffer was destroyed")
+        record = self._error.tolist()
+        if record[0] == 0:
+            return
+        code, rank, stage, channel, peer, detail = record[:6]
+        value = (record[7] << 32) | (record[6] & 0xFFFFFFFF)
+        where = STAGES.get(stage, f"stage {stage}")
+        if code == 1:
+            message = (f"ep_moe[native]: rank {rank} of {self.num_ranks} timed out after {value / 1e9:.3g} s in "
+                       f"stage '{where}', channel {channel}, waiting for rank {peer} (chunk {detail}); "
+                       f"timeout_s={self.timeout_s:g}")
+            self._broken = message
+            raise NativeTimeoutError(message)
+        needed, capacity = value >> 32, value & 0xFFFFFFFF
+        message = (f"ep_moe[native]: rank {rank}, stage '{where}': rank {peer} needs {needed} rows but the "
+                   f"symmetric buffer holds {capacity} (and the output {detail}); create the Buffer with a larger "
+                   f"num_nvl_bytes (Buffer.get_buffer_size_hint) or a larger num_worst_tokens")
+        self._broken = message
+        raise RuntimeError(message)
+
+    def _wait_on_host(self) -> None:
+        """Block until the work queued so far on the current stream ran, then surface kernel errors."""
+        self._notify_done.record(torch.cuda.current_stream(self.device))
+        self._notify_done.synchronize()
+        self._raise_if_failed()
+
+    # ---------------------------------------------------------------- sizing
+    def _split(self, config: Config | None, fraction_env: str) -> tuple[int, int]:
+        """(blocks, pusher blocks) from the SM budget: about a third of the SMs push over NVLink (8
+        saturate it); the rest copy locally (own rows, drained chunks) or reduce."""
+        num_sms = max(2, int(config.num_sms if config is not None else 24))
+        if self.num_ranks == 1:
+            return num_sms, 0
+        push = round(num_sms * _fraction(fraction_env, 1 / 3))
+        return num_sms, min(num_sms - 1, max(1, push))
+
+    def _ensure_data(self, needed: int) -> None:
+        """First use: a data buffer of the largest size any rank needs (one collective, host sync)."""
+        if self._data is not None:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("ep_moe[native]: run one dispatch before CUDA-graph capture (it sizes the "
+                               "symmetric buffer), or create the Buffer with num_nvl_bytes")
+        size = torch.tensor([needed], dtype=torch.int64, device=self.device)
+        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=self.group)
+        self._data = SymmetricBuffer(self.group, self.device, int(size.item()))
+
+    def _fit(self, rows: int | None, hidden: int, elem_size: int, num_scales: int, num_topk: int) -> None:
+        """Grow the data buffer (collectively) to hold ``rows`` rows of this shape, both ways.
+
+        Every rank calls it with the same ``rows``: derived from the count matrix every rank shares, or
+        from ``num_worst_tokens`` (which bounds what any rank receives, and so what it sends back).
+        ``None``: unknown here; the kernels check capacity on the device instead."""
+        if rows is None:
+            return
+        needed = sizing.data_bytes_for(rows, hidden, elem_size, num_scales, num_topk)
+        if needed <= self._data.nbytes:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"ep_moe[native]: the symmetric buffer must grow to {needed} bytes, which cannot "
+                               "happen during CUDA-graph capture: run the same call once before capturing")
+        torch.cuda.current_stream(self.device).synchronize()
+        self._retired.append(self._data)
+        self._data = SymmetricBuffer(self.group, self.device, needed + needed // 4)
+
+    def _rows_bound(self, handle: DispatchHandle, route: torch.Tensor) -> int | None:
+        """Rows a handle's calls need in any rank's buffer, where every rank knows it the same way."""
+        known = self._route_rows.get(route)
+        if known is not None:
+            return known
+        if handle.num_worst_tokens:
+            return max(1, self.num_ranks - 1) * handle.num_worst_tokens
+        return None
+
+    def _scratch_for(self, num_local_experts: int) -> torch.Tensor:
+        if self._scratch.numel() < num_local_experts:
+            self._scratch = torch.zeros(num_local_experts, dtype=torch.int32, device=self.device)
+        return self._scratch
+
+    def _kernels_take(self, row_bytes: int, num_local_experts: int = 0) -> bool:
+        return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
+
+    # ---------------------------------------------------------------- layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``
+        by the layout kernel; equal to `ep_moe.layout.dispatch_layout`."""
+        per_rank, per_expert, in_rank = _c().layout(topk_idx.contiguous(), num_experts, self.num_ranks)
+        return per_rank, per_expert, in_rank
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
+                 num_experts, expert_alignment, num_worst_tokens, config=None) -> DispatchResult:
+        self._raise_if_failed()
+        row = x.shape[1] * x.element_size()
+        local_experts = num_experts // self.num_ranks if handle is None else 0
+        if not self._kernels_take(row, local_experts):
+            return self._fallback.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                                           num_tokens_per_rank, handle, num_experts, expert_alignment,
+                                           num_worst_tokens, config)
+        C = _c()
+        x, x_scales = _aligned(x), _aligned(x_scales)
+        num_tokens, hidden = x.shape
+        num_scales = x_scales.shape[1] if x_scales is not None else 0
+        num_ranks, me = self.num_ranks, self.rank
+        blocks, pushers = self._split(config, "EP_MOE_DISPATCH_PUSH_FRACTION")
+
+        if handle is not None:  # cached: the handle's layout, no count exchange
+            route = handle.backend_state if handle.backend_state is not None else self._route_of(handle)
+            prefix = handle.rank_prefix_matrix.to(torch.int32).contiguous()
+            rows = handle.num_recv_rows
+            self._ensure_data(sizing.data_bytes_for(num_ranks * max(num_tokens, 1), hidden, x.element_size(),
+                                                    num_scales, 0))
+            self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0)
+            regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, 0)
+            recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+            recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
+            C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
+                       recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks, pushers)
+            return DispatchResult(recv_x, recv_scales, None, None, None, handle)
+
+        num_topk = topk_idx.shape[1]
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        is_token_in_rank = is_token_in_rank.contiguous()
+        self._ensure_data(sizing.data_bytes_for(max(num_ranks * num_tokens, num_worst_tokens, 1), hidden,
+                                                x.element_size(), num_scales, num_topk))
+        if num_worst_tokens:  # no rank receives more, so none sends back more (to all peers together)
+            self._fit(max(1, num_ranks - 1) * num_worst_tokens, hidden, x.element_size(), num_scales, num_topk)
+        regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
+        prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=x.device)
+        route = torch.empty(2, num_tokens, num_ranks, dtype=torch.int32, device=x.device)  # pos, send_list
+        C.notify(self._env, is_token_in_rank, num_tokens_per_rank.contiguous(), prefix, route[0], route[1],
+                 self._host_counts, num_worst_tokens, regions.rows)
+        if num_worst_tokens:
+            rows = num_worst_tokens
+        else:
+            self._wait_on_host()
+            counts = self._host_counts[:num_ranks * num_ranks].view(num_ranks, num_ranks).tolist()
+            rows = sum(counts[s][me] for s in range(num_ranks))
+            # Every rank sees the same matrix, so all grow together (or none does).
+            most_received = max(sum(counts[s][r] for s in range(num_ranks)) for r in range(num_ranks))
+            most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
+            self._route_rows[route] = max(most_received, most_sent_away)
+            self._fit(self._route_rows[route], hidden, x.element_size(), num_scales, num_topk)
+            regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
+        local_experts = num_experts // num_ranks
+        dev = x.device
+        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
+        recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=dev) if num_scales else None
+        recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
+        recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
+        recv_src = torch.empty(2, rows, dtype=torch.int32, device=dev)  # source index, source rank
+        counts_out = torch.empty(local_experts, dtype=torch.int64, device=dev)
+        C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
+                   topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
+                   self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks,
+                   pushers)
+        new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
+                                    -1 if num_worst_tokens else rows, num_worst_tokens, route)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle)
+
+    def _route_of(self, handle: DispatchHandle) -> torch.Tensor:
+        """``[2, T, R]`` int32 (pos, send_list) of a handle made by another backend."""
+        in_rank = handle.is_token_in_rank
+        num_tokens, num_ranks = in_rank.shape
+        pos = torch.where(in_rank, torch.cumsum(in_rank.to(torch.int32), 0, dtype=torch.int32) - 1, -1)
+        send_list = torch.zeros(num_ranks, num_tokens, dtype=torch.int32, device=in_rank.device)
+        tokens = torch.arange(num_tokens, dtype=torch.int32, device=in_rank.device).expand(num_ranks, -1)
+        dest = torch.where(in_rank.t(), pos.t().to(torch.int64), num_tokens)
+        padded = torch.zeros(num_ranks, num_tokens + 1, dtype=torch.int32, device=in_rank.device)
+        padded.scatter_(1, dest, tokens)
+        send_list.copy_(padded[:, :num_tokens])
+        return torch.stack([pos.to(torch.int32), send_list.view(num_tokens, num_ranks)])
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, y, handle, topk_weights, bias, config=None):
+        self._raise_if_failed()
+        if not self._kernels_take(y.shape[1] * y.element_size()) or any(
+                b is not None and b.dtype not in self.supported_dtypes for b in bias):
+            return self._fallback.combine(y, handle, topk_weights, bias, config)
+        C = _c()
+        y, topk_weights = _aligned(y), (topk_weights.contiguous() if topk_weights is not None else None)
+        num_tokens, hidden = handle.num_tokens, y.shape[1]
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        route = handle.backend_state if handle.backend_state is not None else self._route_of(handle)
+        self._ensure_data(sizing.data_bytes_for(max(y.shape[0], self.num_ranks * num_tokens, 1), hidden,
+                                                y.element_size(), 0, num_topk))
+        self._fit(self._rows_bound(handle, route), hidden, y.element_size(), 0, num_topk)
+        regions = sizing.combine_regions(self._data.nbytes, hidden * y.element_size(), num_topk)
+        out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+        out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk else None
+        bias0, bias1 = (b.contiguous() if b is not None else None for b in bias)
+        blocks, pushers = self._split(config, "EP_MOE_COMBINE_PUSH_FRACTION")
+        C.combine(self._env, self._data.ptrs, regions.y, regions.weights, regions.rows,
+                  handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
+                  route[0], y, topk_weights, bias0, bias1, out, out_w, blocks, pushers)
+        return out, out_w
+
+    # ---------------------------------------------------------------- lifecycle
+    def barrier(self) -> None:
+        self._raise_if_failed()
+        _c().barrier(self._env)
+        self._wait_on_host()
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        torch.cuda.synchronize(self.device)
+        for buf in [self._data, self._control, *self._retired]:
+            if buf is not None:
+                buf.destroy()
+        self._data, self._retired = None, []
+        self._destroyed = True

@@ -1,0 +1,265 @@
+// pybind11 binding of the intranode kernels: the only place that sees tensors. It checks shapes,
+// dtypes and devices, converts tensors into the plain parameter structs of kernels.h and launches on
+// the current CUDA stream. Outputs are allocated by the caller (ep_moe/backends/native_backend.py).
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+using ep_moe::kMaxRanks;
+using OptTensor = std::optional<at::Tensor>;
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "ep_moe.native: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "ep_moe.native: ", name, " must be contiguous");
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "ep_moe.native: launching ", what, " failed: ", cudaGetErrorString(err));
+}
+
+template <typename T>
+T* ptr_or_null(const OptTensor& t, const char* name) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check_cuda(*t, name);
+  return reinterpret_cast<T*>(t->data_ptr());
+}
+
+int elem_type(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kBFloat16) return ep_moe::kBF16;
+  if (t.scalar_type() == at::kFloat) return ep_moe::kFP32;
+  TORCH_CHECK(false, "ep_moe.native: ", name, " must be bfloat16 or float32, got ", t.scalar_type());
+}
+
+// What every collective kernel of one rank needs: peers' control blocks, private state, error record.
+struct Env {
+  ep_moe::KernelEnv env{};
+  at::Tensor state, error;  // kept alive with the Env
+
+  Env(int rank, const std::vector<int64_t>& ctrl_ptrs, at::Tensor state_, at::Tensor error_, int64_t timeout_ns)
+      : state(std::move(state_)), error(std::move(error_)) {
+    const int num_ranks = static_cast<int>(ctrl_ptrs.size());
+    TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "ep_moe.native: group size must be in [1, ", kMaxRanks,
+                "], got ", num_ranks);
+    TORCH_CHECK(rank >= 0 && rank < num_ranks, "ep_moe.native: rank out of range");
+    check_cuda(state, "state");
+    TORCH_CHECK(state.nbytes() >= 64, "ep_moe.native: state too small");
+    TORCH_CHECK(!error.is_cuda() && error.is_pinned() && error.scalar_type() == at::kInt &&
+                    error.numel() >= ep_moe::kErrWords,
+                "ep_moe.native: error must be a pinned int32 CPU tensor of ", ep_moe::kErrWords, " words");
+    env.rank = rank;
+    env.num_ranks = num_ranks;
+    for (int r = 0; r < num_ranks; ++r) env.ctrl[r] = reinterpret_cast<uint8_t*>(ctrl_ptrs[r]);
+    env.state = reinterpret_cast<ep_moe::LocalState*>(state.data_ptr());
+    int32_t* device_error = nullptr;
+    TORCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error), error.data_ptr(), 0) == cudaSuccess,
+                "ep_moe.native: the error record is not device-mapped pinned memory");
+    env.error = device_error;
+    env.timeout_ns = static_cast<uint64_t>(timeout_ns);
+  }
+};
+
+std::vector<at::Tensor> layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  check_cuda(topk_idx, "topk_idx");
+  TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong, "ep_moe.native: topk_idx must be [T, K] int64");
+  TORCH_CHECK(num_ranks >= 1 && num_ranks <= 32 && num_experts % num_ranks == 0, "ep_moe.native: bad num_ranks/num_experts");
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  const auto opts = topk_idx.options();
+  auto per_rank = at::empty({num_ranks}, opts.dtype(at::kInt));
+  auto per_expert = at::empty({num_experts}, opts.dtype(at::kInt));
+  auto in_rank = at::empty({topk_idx.size(0), num_ranks}, opts.dtype(at::kBool));
+  ep_moe::LayoutParams p{};
+  p.topk_idx = topk_idx.data_ptr<int64_t>();
+  p.num_tokens = static_cast<int>(topk_idx.size(0));
+  p.num_topk = static_cast<int>(topk_idx.size(1));
+  p.num_experts = static_cast<int>(num_experts);
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.num_tokens_per_rank = per_rank.data_ptr<int32_t>();
+  p.num_tokens_per_expert = per_expert.data_ptr<int32_t>();
+  p.is_token_in_rank = in_rank.data_ptr<bool>();
+  check_launch(ep_moe::launch_layout(p, c10::cuda::getCurrentCUDAStream().stream()), "layout");
+  return {per_rank, per_expert, in_rank};
+}
+
+void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
+            const at::Tensor& rank_prefix_matrix, const at::Tensor& pos, const at::Tensor& send_list,
+            const at::Tensor& host_counts,
+            int64_t num_worst_tokens, int64_t rows_capacity) {
+  const int num_ranks = env.env.num_ranks;
+  check_cuda(is_token_in_rank, "is_token_in_rank");
+  check_cuda(num_tokens_per_rank, "num_tokens_per_rank");
+  check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
+  check_cuda(pos, "pos");
+  check_cuda(send_list, "send_list");
+  const int64_t num_tokens = is_token_in_rank.size(0);
+  TORCH_CHECK(is_token_in_rank.scalar_type() == at::kBool && is_token_in_rank.size(1) == num_ranks,
+              "ep_moe.native: is_token_in_rank must be [T, R] bool");
+  TORCH_CHECK(num_tokens_per_rank.numel() == num_ranks &&
+                  (num_tokens_per_rank.scalar_type() == at::kInt || num_tokens_per_rank.scalar_type() == at::kLong),
+              "ep_moe.native: num_tokens_per_rank must be [R] int32/int64");
+  TORCH_CHECK(rank_prefix_matrix.numel() == num_ranks * num_ranks && rank_prefix_matrix.scalar_type() == at::kInt,
+              "ep_moe.native: rank_prefix_matrix must be [R, R] int32");
+  TORCH_CHECK(pos.numel() == num_tokens * num_ranks && send_list.numel() == num_tokens * num_ranks &&
+                  pos.scalar_type() == at::kInt && send_list.scalar_type() == at::kInt,
+              "ep_moe.native: pos and send_list must hold T * R int32");
+  TORCH_CHECK(!host_counts.is_cuda() && host_counts.is_pinned() && host_counts.numel() >= num_ranks * num_ranks,
+              "ep_moe.native: host_counts must be pinned");
+  int32_t* host_dev = nullptr;
+  TORCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host_counts.data_ptr(), 0) == cudaSuccess,
+              "ep_moe.native: host_counts is not device-mapped");
+  ep_moe::NotifyParams p{};
+  p.env = env.env;
+  p.is_token_in_rank = is_token_in_rank.data_ptr<bool>();
+  p.num_tokens_per_rank = num_tokens_per_rank.data_ptr();
+  p.counts_int64 = num_tokens_per_rank.scalar_type() == at::kLong;
+  p.num_tokens = static_cast<int>(num_tokens);
+  p.rank_prefix_matrix = rank_prefix_matrix.data_ptr<int32_t>();
+  p.pos = pos.data_ptr<int32_t>();
+  p.send_list = send_list.data_ptr<int32_t>();
+  p.host_counts = host_dev;
+  p.num_worst_tokens = static_cast<int>(num_worst_tokens);
+  p.rows_capacity = rows_capacity;
+  check_launch(ep_moe::launch_notify(p, c10::cuda::getCurrentCUDAStream().stream()), "notify");
+}
+
+void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::vector<int64_t>& offsets,
+              const at::Tensor& rank_prefix_matrix, const at::Tensor& send_list, const at::Tensor& x,
+              const OptTensor& scales, const OptTensor& topk_idx, const OptTensor& topk_weights,
+              int64_t experts_per_rank, const at::Tensor& recv_x, const OptTensor& recv_scales,
+              const OptTensor& recv_topk_idx, const OptTensor& recv_topk_weights, const OptTensor& recv_src_idx,
+              const OptTensor& recv_src_rank, const OptTensor& expert_scratch, const OptTensor& num_recv_per_expert,
+              int64_t expert_alignment, int64_t rows_capacity, bool write_arrival, int64_t num_blocks,
+              int64_t num_push_blocks) {
+  const int num_ranks = env.env.num_ranks;
+  TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks && offsets.size() == 5,
+              "ep_moe.native: data_ptrs must hold R pointers and offsets 5");
+  check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
+  check_cuda(send_list, "send_list");
+  check_cuda(x, "x");
+  check_cuda(recv_x, "recv_x");
+  TORCH_CHECK(x.dim() == 2 && recv_x.dim() == 2 && x.size(1) == recv_x.size(1) && x.scalar_type() == recv_x.scalar_type(),
+              "ep_moe.native: x and recv_x must be [*, H] of one dtype");
+  const int64_t x_bytes = x.size(1) * x.element_size();
+  TORCH_CHECK(x_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(recv_x.data_ptr()) % 16 == 0,
+              "ep_moe.native: rows must be 16-byte multiples at 16-byte-aligned addresses");
+  TORCH_CHECK(send_list.numel() == x.size(0) * num_ranks, "ep_moe.native: send_list does not match x");
+  TORCH_CHECK(num_blocks >= 1 && num_push_blocks >= 0 && num_push_blocks < num_blocks + (num_ranks == 1 ? 1 : 0),
+              "ep_moe.native: bad block split");
+  ep_moe::DispatchParams p{};
+  p.env = env.env;
+  for (int r = 0; r < num_ranks; ++r) p.data[r] = reinterpret_cast<uint8_t*>(data_ptrs[r]);
+  p.off_x = offsets[0];
+  p.off_scales = offsets[1];
+  p.off_idx = offsets[2];
+  p.off_weights = offsets[3];
+  p.off_src = offsets[4];
+  p.rank_prefix_matrix = rank_prefix_matrix.data_ptr<int32_t>();
+  p.send_list = send_list.data_ptr<int32_t>();
+  p.num_tokens = static_cast<int>(x.size(0));
+  p.x = reinterpret_cast<const uint8_t*>(x.data_ptr());
+  p.x_bytes = static_cast<int>(x_bytes);
+  p.scales = ptr_or_null<const float>(scales, "scales");
+  p.num_scales = p.scales != nullptr ? static_cast<int>(scales->size(1)) : 0;
+  p.topk_idx = ptr_or_null<const int64_t>(topk_idx, "topk_idx");
+  p.topk_weights = ptr_or_null<const float>(topk_weights, "topk_weights");
+  p.num_topk = p.topk_idx != nullptr ? static_cast<int>(topk_idx->size(1)) : 0;
+  TORCH_CHECK((p.topk_idx == nullptr) == (p.topk_weights == nullptr), "ep_moe.native: topk_idx and topk_weights go together");
+  p.experts_per_rank = static_cast<int>(experts_per_rank);
+  p.recv_x = reinterpret_cast<uint8_t*>(recv_x.data_ptr());
+  p.recv_scales = ptr_or_null<float>(recv_scales, "recv_scales");
+  TORCH_CHECK((p.scales == nullptr) == (p.recv_scales == nullptr), "ep_moe.native: scales and recv_scales go together");
+  p.recv_topk_idx = ptr_or_null<int64_t>(recv_topk_idx, "recv_topk_idx");
+  p.recv_topk_weights = ptr_or_null<float>(recv_topk_weights, "recv_topk_weights");
+  p.recv_src_idx = ptr_or_null<int32_t>(recv_src_idx, "recv_src_idx");
+  p.recv_src_rank = ptr_or_null<int32_t>(recv_src_rank, "recv_src_rank");
+  p.expert_scratch = ptr_or_null<int32_t>(expert_scratch, "expert_scratch");
+  p.num_recv_per_expert = ptr_or_null<int64_t>(num_recv_per_expert, "num_recv_per_expert");
+  if (p.topk_idx != nullptr)
+    TORCH_CHECK(p.recv_topk_idx && p.recv_topk_weights && p.recv_src_idx && p.recv_src_rank && p.expert_scratch &&
+                    p.num_recv_per_expert,
+                "ep_moe.native: a dispatch with top-k needs every top-k output");
+  p.num_recv_rows = static_cast<int>(recv_x.size(0));
+  p.expert_alignment = static_cast<int>(expert_alignment);
+  p.rows_capacity = rows_capacity;
+  p.write_arrival = write_arrival;
+  p.num_blocks = static_cast<int>(num_blocks);
+  p.num_push_blocks = static_cast<int>(num_push_blocks);
+  check_launch(ep_moe::launch_dispatch(p, c10::cuda::getCurrentCUDAStream().stream()), "dispatch");
+}
+
+void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_y, int64_t off_weights,
+             int64_t rows_capacity, const at::Tensor& rank_prefix_matrix, const at::Tensor& is_token_in_rank,
+             const at::Tensor& pos, const at::Tensor& y, const OptTensor& weights, const OptTensor& bias0,
+             const OptTensor& bias1, const at::Tensor& out, const OptTensor& out_weights, int64_t num_blocks,
+             int64_t num_push_blocks) {
+  const int num_ranks = env.env.num_ranks;
+  TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
+  check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
+  check_cuda(is_token_in_rank, "is_token_in_rank");
+  check_cuda(pos, "pos");
+  check_cuda(y, "y");
+  check_cuda(out, "out");
+  const int64_t num_tokens = is_token_in_rank.size(0);
+  TORCH_CHECK(pos.numel() >= num_tokens * num_ranks, "ep_moe.native: pos does not match is_token_in_rank");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == num_tokens && out.size(1) == y.size(1) && out.scalar_type() == y.scalar_type(),
+              "ep_moe.native: out must be [T, H] of y's dtype");
+  const int64_t y_bytes = y.size(1) * y.element_size();
+  TORCH_CHECK(y_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "ep_moe.native: rows must be 16-byte multiples at 16-byte-aligned addresses");
+  ep_moe::CombineParams p{};
+  p.env = env.env;
+  for (int r = 0; r < num_ranks; ++r) p.data[r] = reinterpret_cast<uint8_t*>(data_ptrs[r]);
+  p.off_y = off_y;
+  p.off_weights = off_weights;
+  p.rows_capacity = rows_capacity;
+  p.rank_prefix_matrix = rank_prefix_matrix.data_ptr<int32_t>();
+  p.is_token_in_rank = is_token_in_rank.data_ptr<bool>();
+  p.pos = pos.data_ptr<int32_t>();
+  p.num_tokens = static_cast<int>(num_tokens);
+  p.y = reinterpret_cast<const uint8_t*>(y.data_ptr());
+  p.y_type = elem_type(y, "y");
+  p.hidden = static_cast<int>(y.size(1));
+  p.weights = ptr_or_null<const float>(weights, "topk_weights");
+  p.num_topk = p.weights != nullptr ? static_cast<int>(weights->size(1)) : 0;
+  p.out_weights = ptr_or_null<float>(out_weights, "out_weights");
+  TORCH_CHECK((p.weights == nullptr) == (p.out_weights == nullptr), "ep_moe.native: weights and out_weights go together");
+  p.bias0 = ptr_or_null<const void>(bias0, "bias0");
+  p.bias1 = ptr_or_null<const void>(bias1, "bias1");
+  p.bias0_type = p.bias0 != nullptr ? elem_type(*bias0, "bias0") : ep_moe::kNone;
+  p.bias1_type = p.bias1 != nullptr ? elem_type(*bias1, "bias1") : ep_moe::kNone;
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.num_blocks = static_cast<int>(num_blocks);
+  p.num_push_blocks = static_cast<int>(num_push_blocks);
+  check_launch(ep_moe::launch_combine(p, c10::cuda::getCurrentCUDAStream().stream()), "combine");
+}
+
+void barrier(const Env& env) {
+  check_launch(ep_moe::launch_barrier(env.env, c10::cuda::getCurrentCUDAStream().stream()), "barrier");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ep_moe native intranode kernels (layout, notify, dispatch, combine, barrier)";
+  m.attr("MAX_RANKS") = ep_moe::kMaxRanks;
+  m.attr("MAX_CHUNKS") = ep_moe::kMaxChunks;
+  m.attr("CONTROL_BYTES") = ep_moe::kControlBytes;
+  m.attr("ERROR_WORDS") = static_cast<int>(ep_moe::kErrWords);
+  pybind11::class_<Env>(m, "Env")
+      .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t>(), pybind11::arg("rank"),
+           pybind11::arg("ctrl_ptrs"), pybind11::arg("state"), pybind11::arg("error"), pybind11::arg("timeout_ns"));
+  m.def("layout", &layout, "dispatch layout of topk_idx");
+  m.def("notify", &notify, "count exchange and per-destination token lists");
+  m.def("dispatch", &dispatch, "dispatch rows to their destinations");
+  m.def("combine", &combine, "return rows to their sources and sum per token");
+  m.def("barrier", &barrier, "device barrier over the group");
+}

@@ -1,0 +1,161 @@
+// Shared device helpers of the intranode kernels: the control-block layout, memory-ordering
+// primitives over NVLink (system scope), bounded waits that record an error instead of hanging,
+// and 16-byte copy loops. Pure CUDA; no torch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "kernels.h"
+
+namespace ep_moe {
+
+// ------------------------------------------------------------------------------------------ layout
+// One `Control` lives at the start of every rank's symmetric control buffer. A peer writes only the
+// slots indexed by its own rank; the owner only reads them. Every flag holds an epoch (the 1-based
+// index of a collective operation, identical on all ranks), compared with >=, so slots never need
+// resetting: a later epoch also satisfies an earlier wait, and the handshake at the start of every
+// operation guarantees that a peer never writes data of epoch e+1 before the owner left epoch e.
+struct Control {
+  uint64_t arrive[kMaxRanks];                          // arrive[p]: last epoch rank p entered
+  uint64_t count_flag[2][kMaxRanks];                   // [epoch parity][source]
+  int32_t counts[2][kMaxRanks][kMaxRanks];             // [epoch parity][source][destination]
+  uint64_t dispatch_flag[kMaxRanks][kMaxChunks];       // [source][chunk] rows of dispatch landed
+  uint64_t combine_flag[kMaxRanks][kMaxChunks];        // [source][chunk] rows of combine landed
+};
+static_assert(sizeof(Control) <= kControlBytes, "control block too large");
+
+// Per-rank device state that only the rank itself touches (ordinary device memory).
+struct LocalState {
+  uint64_t seq;     // epochs completed on this rank
+  int32_t done;     // blocks of the running kernel that have finished (last one resets it)
+  int32_t skip;     // 1: the current dispatch must move nothing (capacity error, same on all ranks)
+  int32_t abort;    // 1: a wait timed out; every other wait gives up at once
+  int32_t pad[3];
+};
+
+// ------------------------------------------------------------------------------------------ memory ops
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ int32_t ld_acquire_sys_s32(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Read-only input (never written during the kernel): non-coherent path, no L1 allocation.
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// Data a peer wrote during this kernel: L2 only (never a stale L1 line).
+__device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
+
+// ------------------------------------------------------------------------------------------ errors
+// What a failing wait needs to report (scalars, so that no kernel parameter is copied to local memory).
+struct WaitCtx {
+  LocalState* state;
+  int32_t* error;
+  uint64_t timeout_ns;
+  int rank;
+};
+
+__device__ __forceinline__ WaitCtx wait_ctx(const KernelEnv& env) {
+  return WaitCtx{env.state, env.error, env.timeout_ns, env.rank};
+}
+
+__device__ __noinline__ void record_error(WaitCtx ctx, int code, int stage, int peer, int detail, int64_t value) {
+  // The first failing thread on this rank claims the record; the rest only see `abort`.
+  if (atomicCAS(&ctx.state->abort, 0, 1) != 0) return;
+  volatile int32_t* rec = ctx.error;
+  rec[kErrRank] = ctx.rank;
+  rec[kErrStage] = stage;
+  rec[kErrChannel] = static_cast<int32_t>(blockIdx.x);
+  rec[kErrPeer] = peer;
+  rec[kErrDetail] = detail;
+  rec[kErrValueLo] = static_cast<int32_t>(value & 0xffffffff);
+  rec[kErrValueHi] = static_cast<int32_t>(value >> 32);
+  __threadfence_system();
+  rec[kErrCode] = code;
+  __threadfence_system();
+}
+
+// Wait until *flag >= target. Returns false (after recording the error) on timeout, or at once when
+// another wait on this rank already failed.
+__device__ __noinline__ bool wait_flag(WaitCtx ctx, const uint64_t* flag, uint64_t target, int stage, int peer,
+                                       int detail) {
+  if (ld_acquire_sys(flag) >= target) return true;
+  const uint64_t start = global_timer_ns();
+  while (true) {
+    if (ld_acquire_sys(flag) >= target) return true;
+    if (*reinterpret_cast<volatile int32_t*>(&ctx.state->abort) != 0) return false;
+    const uint64_t waited = global_timer_ns() - start;
+    if (waited > ctx.timeout_ns) {
+      record_error(ctx, kErrorTimeout, stage, peer, detail, static_cast<int64_t>(waited));
+      return false;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------ copies
+constexpr int kUnroll = 8;  // 16-byte loads in flight per thread
+
+// One warp copies n16 16-byte words (a row); `src` is read-only input.
+__device__ __forceinline__ void warp_copy16_nc(int4* dst, const int4* src, int n16, int lane) {
+  for (int base = lane; base < n16; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * 32 < n16) v[u] = ld_nc(src + base + u * 32);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * 32 < n16) dst[base + u * 32] = v[u];
+  }
+}
+
+// The whole block copies n16 16-byte words; kNc: the source is read-only input.
+template <bool kNc>
+__device__ __forceinline__ void block_copy16(int4* dst, const int4* src, int64_t n16) {
+  const int64_t stride = blockDim.x;
+  for (int64_t base = threadIdx.x; base < n16; base += stride * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * stride < n16) v[u] = kNc ? ld_nc(src + base + u * stride) : ld_cg(src + base + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * stride < n16) dst[base + u * stride] = v[u];
+  }
+}
+
+// The whole block copies n 4-byte words (scales, weights, indices: any 4-byte-aligned data).
+template <bool kNc>
+__device__ __forceinline__ void block_copy4(int32_t* dst, const int32_t* src, int64_t n) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = kNc ? __ldg(src + i) : __ldcg(src + i);
+}
+
+// Chunking of the rows one source sends one destination: both sides derive it from the count alone.
+__host__ __device__ __forceinline__ int chunk_rows(int count) {
+  const int by_max = (count + kMaxChunks - 1) / kMaxChunks;
+  return by_max > kMinChunkRows ? by_max : kMinChunkRows;
+}
+__host__ __device__ __forceinline__ int num_chunks(int count) {
+  if (count <= 0) return 0;
+  const int rows = chunk_rows(count);
+  return (count + rows - 1) / rows;
+}
+
+}  // namespace ep_moe

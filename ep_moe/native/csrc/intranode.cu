@@ -1,0 +1,679 @@
+// Intranode dispatch, combine and barrier over symmetric memory (NVLink peers).
+//
+// Dispatch: a notify kernel exchanges per-destination row counts (every rank writes its row of the
+// count matrix into every peer's control block) and turns `is_token_in_rank` into, per destination,
+// the list of tokens sent there. The dispatch kernel then splits its blocks into
+//   * pushers: copy each row straight to its final position in the receiver's symmetric buffer
+//     (position = rows of lower source ranks + the row's index among those sent to that receiver),
+//     16-byte stores over NVLink, chunk by chunk, each chunk released by a flag in the receiver's
+//     control block;
+//   * local blocks: copy this rank's rows to itself straight into the output, and copy every peer's
+//     chunk out of the symmetric buffer into the output as soon as its flag is set (contiguous, since
+//     the buffer holds the rows in output order).
+// Combine reverses it: pushers send each received row back to its source's buffer (contiguous per
+// source), and reducer warps sum, per token, the rows of the ranks it went to in increasing rank
+// order in fp32 (the own rank's rows read in place), add the biases and round once.
+#include <cuda_bf16.h>
+
+#include "common.cuh"
+
+namespace ep_moe {
+namespace {
+
+__device__ __forceinline__ Control* control_of(const KernelEnv& env, int rank) {
+  return reinterpret_cast<Control*>(env.ctrl[rank]);
+}
+
+__device__ __forceinline__ uint64_t current_epoch(const KernelEnv& env) {
+  return *reinterpret_cast<volatile uint64_t*>(&env.state->seq) + 1;
+}
+
+// rows source s sends destination r, from the cumulative matrix (in shared memory)
+__device__ __forceinline__ int pair_count(const int32_t* prefix, int num_ranks, int s, int r) {
+  return prefix[s * num_ranks + r] - (s > 0 ? prefix[(s - 1) * num_ranks + r] : 0);
+}
+
+// The last block of a kernel to finish closes the epoch (`last` tells the caller it is that block).
+__device__ __forceinline__ bool finish_block(const KernelEnv& env, int num_blocks, int* s_flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *s_flag = atomicAdd(&env.state->done, 1) == num_blocks - 1;
+  __syncthreads();
+  const bool last = *s_flag;
+  if (last) __threadfence();
+  return last;
+}
+
+// ========================================================================================== notify
+constexpr int kNotifyThreads = 1024;
+
+__device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
+  const KernelEnv& env = p.env;
+  const int num_ranks = env.num_ranks, me = env.rank;
+  const uint64_t epoch = current_epoch(env);
+  const int parity = static_cast<int>(epoch & 1);
+  __shared__ int32_t counts[kMaxRanks][kMaxRanks];
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  if (threadIdx.x < num_ranks) {
+    Control* peer = control_of(env, threadIdx.x);
+    for (int r = 0; r < num_ranks; ++r) {
+      const int32_t c = p.counts_int64 ? static_cast<int32_t>(static_cast<const int64_t*>(p.num_tokens_per_rank)[r])
+                                       : static_cast<const int32_t*>(p.num_tokens_per_rank)[r];
+      peer->counts[parity][me][r] = c;
+    }
+    fence_sys();
+    st_release_sys(&peer->count_flag[parity][me], epoch);
+    st_release_sys(&peer->arrive[me], epoch);
+  }
+  if (threadIdx.x < num_ranks) {
+    const int src = threadIdx.x;
+    Control* mine = control_of(env, me);
+    if (wait_flag(wait_ctx(env), &mine->count_flag[parity][src], epoch, kStageNotify, src, 0)) {
+      for (int r = 0; r < num_ranks; ++r) counts[src][r] = ld_acquire_sys_s32(&mine->counts[parity][src][r]);
+    } else {
+      ok = 0;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  int skip = ok ? 0 : 1;
+  volatile int32_t* host = p.host_counts;
+  for (int r = 0; r < num_ranks; ++r) {
+    int acc = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+      const int c = ok ? counts[s][r] : 0;
+      acc += c;
+      p.rank_prefix_matrix[s * num_ranks + r] = acc;
+      host[s * num_ranks + r] = c;
+    }
+    // Fixed-size receive (no host check follows): every rank sees the same matrix, so every rank
+    // makes the same decision and none waits for rows that will never come.
+    if (ok && p.num_worst_tokens > 0 && (acc > p.num_worst_tokens || acc > p.rows_capacity) && !skip) {
+      skip = 1;
+      record_error(wait_ctx(env), kErrorCapacity, kStageDispatchCapacity, r, p.num_worst_tokens,
+                   (static_cast<int64_t>(acc) << 32) | static_cast<int64_t>(p.rows_capacity & 0xffffffff));
+    }
+  }
+  env.state->skip = skip;
+  __threadfence_system();
+}
+
+// Per destination d: pos[t][d] (row of token t among those sent to d, or -1) and send_list[d][*].
+__device__ __forceinline__ void notify_scan(const NotifyParams& p, int d) {
+  const int num_ranks = p.env.num_ranks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  __shared__ int warp_offset[32];
+  __shared__ int chunk_total;
+  int carry = 0;
+  for (int base = 0; base < p.num_tokens; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const bool in = t < p.num_tokens && p.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+    const uint32_t ballot = __ballot_sync(0xffffffffu, in);
+    const int before_in_warp = __popc(ballot & ((1u << lane) - 1));
+    if (lane == 0) warp_offset[warp] = __popc(ballot);
+    __syncthreads();
+    if (warp == 0) {
+      const int v = lane < num_warps ? warp_offset[lane] : 0;
+      int inclusive = v;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += n;
+      }
+      if (lane < num_warps) warp_offset[lane] = inclusive - v;
+      if (lane == 31) chunk_total = inclusive;
+    }
+    __syncthreads();
+    const int idx = carry + warp_offset[warp] + before_in_warp;
+    if (t < p.num_tokens) p.pos[static_cast<int64_t>(t) * num_ranks + d] = in ? idx : -1;
+    if (in) p.send_list[static_cast<int64_t>(d) * p.num_tokens + idx] = t;
+    carry += chunk_total;
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams p) {
+  if (blockIdx.x == 0) notify_exchange(p);
+  else notify_scan(p, blockIdx.x - 1);
+}
+
+// ========================================================================================== dispatch
+struct DispatchShared {
+  int32_t prefix[kMaxRanks * kMaxRanks];
+  int flag;
+};
+
+// Pusher: rows [j0, j1) of those this rank sends to `dst`, to rows base + j of dst's buffer.
+__device__ __forceinline__ void push_dispatch_rows(const DispatchParams& p, int dst, int j0, int j1, int base) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  uint8_t* data = p.data[dst];
+  const int n16 = p.x_bytes / 16;
+  const int64_t lo = static_cast<int64_t>(dst) * p.experts_per_rank;
+  for (int j = j0 + warp; j < j1; j += num_warps) {
+    const int t = p.send_list[static_cast<int64_t>(dst) * p.num_tokens + j];
+    const int64_t row = base + j;
+    warp_copy16_nc(reinterpret_cast<int4*>(data + p.off_x + row * p.x_bytes),
+                   reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), n16, lane);
+    if (p.scales != nullptr) {
+      float* dst_scales = reinterpret_cast<float*>(data + p.off_scales) + row * p.num_scales;
+      const float* src_scales = p.scales + static_cast<int64_t>(t) * p.num_scales;
+      for (int c = lane; c < p.num_scales; c += 32) dst_scales[c] = __ldg(src_scales + c);
+    }
+    if (p.topk_idx != nullptr) {
+      int64_t* dst_idx = reinterpret_cast<int64_t*>(data + p.off_idx) + row * p.num_topk;
+      int32_t* dst_w = reinterpret_cast<int32_t*>(data + p.off_weights) + row * p.num_topk;
+      for (int k = lane; k < p.num_topk; k += 32) {
+        const int64_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * p.num_topk + k);
+        const bool local = e >= lo && e < lo + p.experts_per_rank;
+        dst_idx[k] = local ? e - lo : -1;
+        dst_w[k] = local ? __ldg(reinterpret_cast<const int32_t*>(p.topk_weights) + static_cast<int64_t>(t) * p.num_topk + k) : 0;
+      }
+      if (lane == 0) reinterpret_cast<int32_t*>(data + p.off_src)[row] = t;
+    }
+  }
+}
+
+// Local block: this rank's own rows [j0, j1) straight into the outputs.
+__device__ __forceinline__ void copy_self_rows(const DispatchParams& p, int j0, int j1, int base, int32_t* hist) {
+  const int me = p.env.rank;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int n16 = p.x_bytes / 16;
+  const int64_t lo = static_cast<int64_t>(me) * p.experts_per_rank;
+  for (int j = j0 + warp; j < j1; j += num_warps) {
+    const int t = p.send_list[static_cast<int64_t>(me) * p.num_tokens + j];
+    const int64_t row = base + j;
+    warp_copy16_nc(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
+                   reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), n16, lane);
+    if (p.scales != nullptr)
+      for (int c = lane; c < p.num_scales; c += 32)
+        p.recv_scales[row * p.num_scales + c] = __ldg(p.scales + static_cast<int64_t>(t) * p.num_scales + c);
+    if (p.topk_idx != nullptr) {
+      for (int k = lane; k < p.num_topk; k += 32) {
+        const int64_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * p.num_topk + k);
+        const bool local = e >= lo && e < lo + p.experts_per_rank;
+        p.recv_topk_idx[row * p.num_topk + k] = local ? e - lo : -1;
+        reinterpret_cast<int32_t*>(p.recv_topk_weights)[row * p.num_topk + k] =
+            local ? __ldg(reinterpret_cast<const int32_t*>(p.topk_weights) + static_cast<int64_t>(t) * p.num_topk + k) : 0;
+        if (local) atomicAdd(&hist[e - lo], 1);
+      }
+      if (lane == 0) {
+        p.recv_src_idx[row] = t;
+        p.recv_src_rank[row] = me;
+      }
+    }
+  }
+}
+
+// Local block: rows [row0, row0 + rows) of the output that `src` wrote into this rank's buffer.
+__device__ __forceinline__ void drain_rows(const DispatchParams& p, int src, int64_t row0, int rows, int32_t* hist) {
+  const uint8_t* data = p.data[p.env.rank];
+  block_copy16<false>(reinterpret_cast<int4*>(p.recv_x + row0 * p.x_bytes),
+                      reinterpret_cast<const int4*>(data + p.off_x + row0 * p.x_bytes),
+                      static_cast<int64_t>(rows) * p.x_bytes / 16);
+  if (p.scales != nullptr)
+    block_copy4<false>(reinterpret_cast<int32_t*>(p.recv_scales + row0 * p.num_scales),
+                       reinterpret_cast<const int32_t*>(data + p.off_scales) + row0 * p.num_scales,
+                       static_cast<int64_t>(rows) * p.num_scales);
+  if (p.topk_idx != nullptr) {
+    const int64_t n = static_cast<int64_t>(rows) * p.num_topk;
+    const long long* src_idx = reinterpret_cast<const long long*>(data + p.off_idx) + row0 * p.num_topk;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const long long e = __ldcg(src_idx + i);
+      p.recv_topk_idx[row0 * p.num_topk + i] = e;
+      if (e >= 0) atomicAdd(&hist[e], 1);
+    }
+    block_copy4<false>(reinterpret_cast<int32_t*>(p.recv_topk_weights + row0 * p.num_topk),
+                       reinterpret_cast<const int32_t*>(data + p.off_weights) + row0 * p.num_topk, n);
+    block_copy4<false>(p.recv_src_idx + row0, reinterpret_cast<const int32_t*>(data + p.off_src) + row0, rows);
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) p.recv_src_rank[row0 + i] = src;
+  }
+}
+
+// Local block: padding rows of a fixed-size (num_worst_tokens) receive, as the torch backend fills them.
+__device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, int rows) {
+  const int64_t n16 = static_cast<int64_t>(rows) * p.x_bytes / 16;
+  int4* x = reinterpret_cast<int4*>(p.recv_x + row0 * p.x_bytes);
+  for (int64_t i = threadIdx.x; i < n16; i += blockDim.x) x[i] = make_int4(0, 0, 0, 0);
+  if (p.scales != nullptr)
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * p.num_scales; i += blockDim.x)
+      p.recv_scales[row0 * p.num_scales + i] = 0.f;
+  if (p.topk_idx != nullptr) {
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * p.num_topk; i += blockDim.x) {
+      p.recv_topk_idx[row0 * p.num_topk + i] = -1;
+      p.recv_topk_weights[row0 * p.num_topk + i] = 0.f;
+    }
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+      p.recv_src_idx[row0 + i] = -1;
+      p.recv_src_rank[row0 + i] = -1;
+    }
+  }
+}
+
+constexpr int kPadRows = 64;
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
+  extern __shared__ int32_t hist[];  // [experts_per_rank] received (row, local expert) pairs
+  __shared__ DispatchShared sh;
+  const KernelEnv& env = p.env;
+  const int num_ranks = env.num_ranks, me = env.rank;
+  const uint64_t epoch = current_epoch(env);
+  if (p.write_arrival && blockIdx.x == 0 && threadIdx.x < num_ranks)
+    st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
+  for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
+  const bool count_experts = p.topk_idx != nullptr;
+  if (count_experts)
+    for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  bool skip = !p.write_arrival && *reinterpret_cast<volatile int32_t*>(&env.state->skip) != 0;
+  const int32_t* prefix = sh.prefix;
+  // Every rank checks every rank's received rows against the (identical) capacity and against the
+  // output size (rows are written in place, so an overflow must never start): the same verdict everywhere.
+  for (int r = 0; r < num_ranks && !skip; ++r) {
+    const int rows = prefix[(num_ranks - 1) * num_ranks + r];
+    if (rows > p.rows_capacity || (r == me && rows > p.num_recv_rows)) {
+      skip = true;
+      if (blockIdx.x == 0 && threadIdx.x == 0)
+        record_error(wait_ctx(env), kErrorCapacity, kStageDispatchCapacity, r, p.num_recv_rows,
+                     (static_cast<int64_t>(rows) << 32) | (p.rows_capacity & 0xffffffff));
+    }
+  }
+  const int my_first_row = me > 0 ? prefix[(me - 1) * num_ranks + me] : 0;  // rows from lower sources
+  const int total_rows = prefix[(num_ranks - 1) * num_ranks + me];
+  Control* mine = control_of(env, me);
+  bool failed = false;
+
+  if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
+    // ------------------------------------------------------------------ pushers
+    uint32_t arrived = 0;
+    int item = 0;
+    for (int k = 0; k < kMaxChunks && !failed; ++k) {
+      bool any = false;
+      for (int j = 1; j < num_ranks && !failed; ++j) {
+        const int dst = (me + j) % num_ranks;
+        const int count = pair_count(prefix, num_ranks, me, dst);
+        if (k >= num_chunks(count)) continue;
+        any = true;
+        if (item++ % p.num_push_blocks != static_cast<int>(blockIdx.x)) continue;
+        if (!((arrived >> dst) & 1u)) {
+          if (threadIdx.x == 0) sh.flag = wait_flag(wait_ctx(env), &mine->arrive[dst], epoch, kStageDispatchSend, dst, k);
+          __syncthreads();
+          failed = !sh.flag;
+          __syncthreads();
+          if (failed) break;
+          arrived |= 1u << dst;
+        }
+        const int rows = chunk_rows(count);
+        const int j0 = k * rows, j1 = min(count, j0 + rows);
+        const int base = me > 0 ? prefix[(me - 1) * num_ranks + dst] : 0;
+        push_dispatch_rows(p, dst, j0, j1, base);
+        fence_sys();
+        __syncthreads();
+        if (threadIdx.x == 0) st_release_sys(&control_of(env, dst)->dispatch_flag[me][k], epoch);
+      }
+      if (!any) break;
+    }
+  } else if (!skip) {
+    // ------------------------------------------------------------------ local blocks
+    const int q = blockIdx.x - p.num_push_blocks, num_local = p.num_blocks - p.num_push_blocks;
+    int item = 0;
+    for (int k = 0; k < kMaxChunks && !failed; ++k) {
+      bool any = false;
+      const int self_count = pair_count(prefix, num_ranks, me, me);
+      if (k < num_chunks(self_count)) {
+        any = true;
+        if (item++ % num_local == q) {
+          const int rows = chunk_rows(self_count);
+          copy_self_rows(p, k * rows, min(self_count, k * rows + rows), my_first_row, hist);
+        }
+      }
+      for (int j = 1; j < num_ranks && !failed; ++j) {
+        const int src = (me - j + num_ranks) % num_ranks;
+        const int count = pair_count(prefix, num_ranks, src, me);
+        if (k >= num_chunks(count)) continue;
+        any = true;
+        if (item++ % num_local != q) continue;
+        if (threadIdx.x == 0) sh.flag = wait_flag(wait_ctx(env), &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k);
+        __syncthreads();
+        failed = !sh.flag;
+        __syncthreads();
+        if (failed) break;
+        const int rows = chunk_rows(count);
+        const int j0 = k * rows, j1 = min(count, j0 + rows);
+        const int64_t first = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
+        drain_rows(p, src, first + j0, j1 - j0, hist);
+      }
+      if (!any) break;
+    }
+    if (!failed && p.num_recv_rows > total_rows) {
+      for (int64_t r0 = total_rows; r0 < p.num_recv_rows; r0 += kPadRows)
+        if (item++ % num_local == q) pad_rows(p, r0, static_cast<int>(min(static_cast<int64_t>(kPadRows), p.num_recv_rows - r0)));
+    }
+  }
+
+  __syncthreads();
+  if (count_experts)
+    for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x)
+      if (hist[i]) atomicAdd(&p.expert_scratch[i], hist[i]);
+  if (finish_block(env, p.num_blocks, &sh.flag)) {
+    if (count_experts) {
+      const int64_t align = p.expert_alignment;
+      for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x) {
+        const int64_t c = atomicExch(&p.expert_scratch[i], 0);
+        p.num_recv_per_expert[i] = (c + align - 1) / align * align;
+      }
+    }
+    if (threadIdx.x == 0) {
+      env.state->done = 0;
+      env.state->skip = 0;
+      env.state->seq = epoch;
+    }
+  }
+}
+
+// ========================================================================================== combine
+struct CombineShared {
+  int32_t prefix[kMaxRanks * kMaxRanks];
+  int flag;
+};
+
+template <int kType> struct Vec;
+template <> struct Vec<kBF16> {
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static void add(float* acc, const int4& v) {
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                           static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] = acc[2 * i] + __uint_as_float(w[i] << 16);
+      acc[2 * i + 1] = acc[2 * i + 1] + __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  __device__ __forceinline__ static int4 pack(const float* acc) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * i]));
+      const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * i + 1]));
+      w[i] = lo | (hi << 16);
+    }
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+  }
+};
+template <> struct Vec<kFP32> {
+  static constexpr int kElems = 4;
+  __device__ __forceinline__ static void add(float* acc, const int4& v) {
+    acc[0] = acc[0] + __int_as_float(v.x);
+    acc[1] = acc[1] + __int_as_float(v.y);
+    acc[2] = acc[2] + __int_as_float(v.z);
+    acc[3] = acc[3] + __int_as_float(v.w);
+  }
+  __device__ __forceinline__ static int4 pack(const float* acc) {
+    return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
+  }
+};
+
+// Add a bias row segment (its own dtype) to the fp32 accumulators of `kElems` consecutive elements.
+template <int kElems>
+__device__ __forceinline__ void add_bias(float* acc, const void* bias, int type, int64_t first) {
+  if (type == kBF16) {
+    const __nv_bfloat16* b = static_cast<const __nv_bfloat16*>(bias) + first;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) acc[i] = acc[i] + __bfloat162float(b[i]);
+  } else if (type == kFP32) {
+    const float* b = static_cast<const float*>(bias) + first;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) acc[i] = acc[i] + __ldg(b + i);
+  }
+}
+
+constexpr int kReduceUnroll = 4;  // 16-byte columns per lane in flight per source
+
+__device__ __forceinline__ const int4* shfl_ptr(uint64_t ptr, int lane) {
+  const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(ptr), lane);
+  const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(ptr >> 32), lane);
+  return reinterpret_cast<const int4*>((static_cast<uint64_t>(hi) << 32) | lo);
+}
+
+// One warp reduces token t over the ranks in `mask`, in increasing rank order. Lane r holds in
+// `row_ptr` the address of rank r's row and in `w_ptr` that of its top-k weights; the own rank's
+// row is read in place from y (`local_rank`).
+template <int kType>
+__device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint32_t mask, uint64_t row_ptr, uint64_t w_ptr,
+                             int lane) {
+  using V = Vec<kType>;
+  constexpr int E = V::kElems;
+  const int me = p.env.rank;
+  const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
+  const int n16 = static_cast<int>(y_bytes / 16);
+  int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * y_bytes);
+  for (int c0 = lane; c0 - lane < n16; c0 += 32 * kReduceUnroll) {
+    float acc[kReduceUnroll][E];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
+    uint32_t m = mask;
+    if (m) {
+      // Software pipeline over the sources: the next source's loads are in flight while the
+      // current one is added (the order of the additions is the rank order).
+      int r = __ffs(m) - 1;
+      m &= m - 1;
+      const int4* src = shfl_ptr(row_ptr, r);
+      bool local = r == me;
+      int4 cur[kReduceUnroll];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+        if (c0 + u * 32 < n16) cur[u] = local ? ld_nc(src + c0 + u * 32) : ld_cg(src + c0 + u * 32);
+      while (m) {
+        r = __ffs(m) - 1;
+        m &= m - 1;
+        src = shfl_ptr(row_ptr, r);
+        local = r == me;
+        int4 nxt[kReduceUnroll];
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u)
+          if (c0 + u * 32 < n16) nxt[u] = local ? ld_nc(src + c0 + u * 32) : ld_cg(src + c0 + u * 32);
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u)
+          if (c0 + u * 32 < n16) V::add(acc[u], cur[u]);
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) cur[u] = nxt[u];
+      }
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+        if (c0 + u * 32 < n16) V::add(acc[u], cur[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      const int c = c0 + u * 32;
+      if (c >= n16) continue;
+      const int64_t first = static_cast<int64_t>(t) * p.hidden + static_cast<int64_t>(c) * E;
+      if (p.bias0 != nullptr) add_bias<E>(acc[u], p.bias0, p.bias0_type, first);
+      if (p.bias1 != nullptr) add_bias<E>(acc[u], p.bias1, p.bias1_type, first);
+      out[c] = V::pack(acc[u]);
+    }
+  }
+  if (p.out_weights != nullptr) {
+    for (int k0 = 0; k0 < p.num_topk; k0 += 32) {
+      const int k = k0 + lane;
+      float acc = 0.f;
+      uint32_t m = mask;
+      while (m) {
+        const int r = __ffs(m) - 1;
+        m &= m - 1;
+        const float* w = reinterpret_cast<const float*>(shfl_ptr(w_ptr, r));
+        if (k < p.num_topk) acc = acc + (r == me ? __ldg(w + k) : __ldcg(w + k));
+      }
+      if (k < p.num_topk) p.out_weights[static_cast<int64_t>(t) * p.num_topk + k] = acc;
+    }
+  }
+}
+
+template <int kType>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
+  __shared__ CombineShared sh;
+  const KernelEnv& env = p.env;
+  const int num_ranks = env.num_ranks, me = env.rank;
+  const uint64_t epoch = current_epoch(env);
+  if (blockIdx.x == 0 && threadIdx.x < num_ranks) st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
+  for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
+  __syncthreads();
+  const int32_t* prefix = sh.prefix;
+  const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
+  Control* mine = control_of(env, me);
+
+  // Every rank checks every rank's rows against the (identical) capacity: the same verdict everywhere.
+  bool skip = false;
+  for (int s = 0; s < num_ranks; ++s) {
+    int64_t rows = 0;  // rows rank s receives back from peers (its own are read in place)
+    for (int r = 0; r < num_ranks; ++r)
+      if (r != s) rows += pair_count(prefix, num_ranks, s, r);
+    if (rows > p.rows_capacity) {
+      skip = true;
+      if (blockIdx.x == 0 && threadIdx.x == 0)
+        record_error(wait_ctx(env), kErrorCapacity, kStageCombineCapacity, s, 0, (rows << 32) | (p.rows_capacity & 0xffffffff));
+    }
+  }
+  bool failed = false;
+
+  if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
+    // ------------------------------------------------------------------ pushers
+    uint32_t arrived = 0;
+    int item = 0;
+    for (int k = 0; k < kMaxChunks && !failed; ++k) {
+      bool any = false;
+      for (int j = 1; j < num_ranks && !failed; ++j) {
+        const int dst = (me + j) % num_ranks;               // the source rank of these rows
+        const int count = pair_count(prefix, num_ranks, dst, me);
+        if (k >= num_chunks(count)) continue;
+        any = true;
+        if (item++ % p.num_push_blocks != static_cast<int>(blockIdx.x)) continue;
+        if (!((arrived >> dst) & 1u)) {
+          if (threadIdx.x == 0) sh.flag = wait_flag(wait_ctx(env), &mine->arrive[dst], epoch, kStageCombineSend, dst, k);
+          __syncthreads();
+          failed = !sh.flag;
+          __syncthreads();
+          if (failed) break;
+          arrived |= 1u << dst;
+        }
+        const int rows = chunk_rows(count);
+        const int j0 = k * rows, j1 = min(count, j0 + rows);
+        const int64_t my_rows = dst > 0 ? prefix[(dst - 1) * num_ranks + me] : 0;  // rows from dst start here
+        int64_t base = 0;  // rows from lower peers of dst precede this rank's in dst's buffer
+        for (int q = 0; q < me; ++q)
+          if (q != dst) base += pair_count(prefix, num_ranks, dst, q);
+        uint8_t* data = p.data[dst];
+        block_copy16<true>(reinterpret_cast<int4*>(data + p.off_y + (base + j0) * y_bytes),
+                           reinterpret_cast<const int4*>(p.y + (my_rows + j0) * y_bytes),
+                           static_cast<int64_t>(j1 - j0) * y_bytes / 16);
+        if (p.weights != nullptr)
+          block_copy4<true>(reinterpret_cast<int32_t*>(data + p.off_weights) + (base + j0) * p.num_topk,
+                            reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j0) * p.num_topk,
+                            static_cast<int64_t>(j1 - j0) * p.num_topk);
+        fence_sys();
+        __syncthreads();
+        if (threadIdx.x == 0) st_release_sys(&control_of(env, dst)->combine_flag[me][k], epoch);
+      }
+      if (!any) break;
+    }
+  } else if (!skip) {
+    // ------------------------------------------------------------------ reducers
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    const int q = blockIdx.x - p.num_push_blocks, num_reducers = p.num_blocks - p.num_push_blocks;
+    // Lane r (< R) caches what it knows about rank r: where its rows start in this buffer, its
+    // chunk size, and the last chunk seen complete.
+    int64_t lane_base = 0;
+    int lane_chunk_rows = 1, lane_ready_chunk = -1;
+    if (lane < num_ranks) {
+      if (lane == me) {
+        lane_base = me > 0 ? prefix[(me - 1) * num_ranks + me] : 0;
+      } else {
+        for (int r = 0; r < lane; ++r)
+          if (r != me) lane_base += pair_count(prefix, num_ranks, me, r);
+      }
+      lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane));
+    }
+    const int tokens_per_item = 2 * num_warps;
+    const int num_items = (p.num_tokens + tokens_per_item - 1) / tokens_per_item;
+    for (int item = q; item < num_items && !failed; item += num_reducers) {
+      for (int t = item * tokens_per_item + warp; t < min(p.num_tokens, (item + 1) * tokens_per_item);
+           t += num_warps) {
+        bool in = false;
+        int pos = -1;
+        if (lane < num_ranks) {
+          in = p.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + lane];
+          pos = p.pos[static_cast<int64_t>(t) * num_ranks + lane];
+        }
+        bool ok = true;
+        if (in && lane != me) {
+          const int k = pos / lane_chunk_rows;
+          if (k != lane_ready_chunk) {
+            ok = wait_flag(wait_ctx(env), &mine->combine_flag[lane][k], epoch, kStageCombineRecv, lane, k);
+            lane_ready_chunk = k;
+          }
+        }
+        if (!__all_sync(0xffffffffu, ok)) {
+          failed = true;
+          break;
+        }
+        const uint32_t mask = __ballot_sync(0xffffffffu, in);
+        uint64_t row_ptr = 0, w_ptr = 0;
+        if (in) {
+          const int64_t row = lane_base + pos;
+          if (lane == me) {
+            row_ptr = reinterpret_cast<uint64_t>(p.y + row * y_bytes);
+            w_ptr = reinterpret_cast<uint64_t>(p.weights + row * p.num_topk);
+          } else {
+            row_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_y + row * y_bytes);
+            w_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_weights + row * p.num_topk * 4);
+          }
+        }
+        reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane);
+      }
+    }
+  }
+
+  if (finish_block(env, p.num_blocks, &sh.flag) && threadIdx.x == 0) {
+    env.state->done = 0;
+    env.state->seq = epoch;
+  }
+}
+
+// ========================================================================================== barrier
+__global__ void barrier_kernel(KernelEnv env) {
+  const uint64_t epoch = current_epoch(env);
+  if (threadIdx.x < env.num_ranks) {
+    st_release_sys(&control_of(env, threadIdx.x)->arrive[env.rank], epoch);
+    wait_flag(wait_ctx(env), &control_of(env, env.rank)->arrive[threadIdx.x], epoch, kStageBarrier, threadIdx.x, 0);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) env.state->seq = epoch;
+}
+
+}  // namespace
+
+// ========================================================================================== launchers
+cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream) {
+  notify_kernel<<<1 + p.env.num_ranks, kNotifyThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  const size_t smem = p.topk_idx != nullptr ? sizeof(int32_t) * p.experts_per_rank : 0;
+  dispatch_kernel<<<p.num_blocks, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
+  if (p.y_type == kBF16) combine_kernel<kBF16><<<p.num_blocks, kThreads, 0, stream>>>(p);
+  else combine_kernel<kFP32><<<p.num_blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream) {
+  barrier_kernel<<<1, 32, 0, stream>>>(env);
+  return cudaGetLastError();
+}
+
+}  // namespace ep_moe

@@ -1,0 +1,128 @@
+// Plain launch functions of the intranode kernels (raw pointers and sizes; no torch). The binding
+// (binding.cpp) converts tensors into these structs. Every function enqueues on `stream` and returns
+// the CUDA error of the launch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace ep_moe {
+
+constexpr int kMaxRanks = 8;        // one NVLink domain of one host
+constexpr int kMaxChunks = 128;     // signal slots per (source, destination) pair
+constexpr int kMinChunkRows = 4;    // rows per chunk at least
+constexpr int kControlBytes = 64 << 10;
+constexpr int kThreads = 512;       // threads of the dispatch / combine blocks
+
+// Error record in pinned host memory (int32 words), written by the first failing wait of a rank.
+enum ErrorWord { kErrCode = 0, kErrRank, kErrStage, kErrChannel, kErrPeer, kErrDetail, kErrValueLo, kErrValueHi,
+                 kErrWords = 16 };
+enum ErrorCode { kErrorNone = 0, kErrorTimeout = 1, kErrorCapacity = 2 };
+enum Stage {
+  kStageNotify = 1,          // dispatch count exchange: waiting for a peer's counts
+  kStageDispatchSend = 2,    // dispatch: waiting for a peer to enter the operation before writing to it
+  kStageDispatchRecv = 3,    // dispatch: waiting for a peer's rows
+  kStageCombineSend = 4,     // combine: waiting for a peer to enter the operation
+  kStageCombineRecv = 5,     // combine: waiting for a peer's rows
+  kStageBarrier = 6,         // barrier
+  kStageDispatchCapacity = 7,
+  kStageCombineCapacity = 8,
+};
+
+struct LocalState;
+
+struct KernelEnv {
+  int rank;
+  int num_ranks;
+  uint8_t* ctrl[kMaxRanks];   // every rank's control block (symmetric), indexed by rank
+  LocalState* state;          // this rank's private device state
+  int32_t* error;             // pinned host error record (device-visible)
+  uint64_t timeout_ns;
+};
+
+// ------------------------------------------------------------------------------------------ layout
+struct LayoutParams {
+  const int64_t* topk_idx;      // [T, K]
+  int num_tokens, num_topk, num_experts, num_ranks;
+  int32_t* num_tokens_per_rank;    // [R]  (zeroed by the launcher)
+  int32_t* num_tokens_per_expert;  // [E]  (zeroed by the launcher)
+  bool* is_token_in_rank;          // [T, R]
+};
+cudaError_t launch_layout(const LayoutParams& p, cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------ notify
+struct NotifyParams {
+  KernelEnv env;
+  const bool* is_token_in_rank;   // [T, R]
+  const void* num_tokens_per_rank;  // [R], int32 or int64
+  bool counts_int64;
+  int num_tokens;
+  int32_t* rank_prefix_matrix;    // [R, R] out: rows ranks 0..s send rank r (cumulative over s)
+  int32_t* pos;                   // [T, R] out: row of token t among those sent to r, or -1
+  int32_t* send_list;             // [R, T] out: send_list[r][j] = token of the j-th row sent to r
+  int32_t* host_counts;           // [R, R] out (pinned): rows s sends r, for the host
+  int num_worst_tokens;           // > 0: check capacity on the device (no host sync follows)
+  int64_t rows_capacity;          // dispatch rows the receive buffer holds
+};
+cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------ dispatch
+struct DispatchParams {
+  KernelEnv env;
+  uint8_t* data[kMaxRanks];       // every rank's symmetric data buffer
+  int64_t off_x, off_scales, off_idx, off_weights, off_src;  // regions in the data buffer
+  const int32_t* rank_prefix_matrix;  // [R, R]
+  const int32_t* send_list;       // [R, T]
+  int num_tokens;
+  const uint8_t* x;               // [T, x_bytes]
+  int x_bytes;                    // row bytes, a multiple of 16
+  const float* scales;            // [T, num_scales] or null
+  int num_scales;
+  const int64_t* topk_idx;        // [T, K] or null (cached dispatch)
+  const float* topk_weights;      // [T, K]
+  int num_topk;
+  int experts_per_rank;
+  uint8_t* recv_x;                // [N, x_bytes]
+  float* recv_scales;             // [N, num_scales]
+  int64_t* recv_topk_idx;         // [N, K]
+  float* recv_topk_weights;       // [N, K]
+  int32_t* recv_src_idx;          // [N]
+  int32_t* recv_src_rank;         // [N]
+  int num_recv_rows;              // N: received rows, or num_worst_tokens (rows past the total are padding)
+  int64_t rows_capacity;          // rows each rank's data buffer holds in this layout
+  int32_t* expert_scratch;        // [L] zero on entry, zero on exit
+  int64_t* num_recv_per_expert;   // [L] out, aligned
+  int expert_alignment;
+  bool write_arrival;             // cached dispatch: this kernel is the operation's first
+  int num_blocks, num_push_blocks;
+};
+cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------ combine
+enum ElemType { kNone = 0, kBF16 = 1, kFP32 = 2 };
+struct CombineParams {
+  KernelEnv env;
+  uint8_t* data[kMaxRanks];
+  int64_t off_y, off_weights;      // regions in the data buffer
+  int64_t rows_capacity;
+  const int32_t* rank_prefix_matrix;  // [R, R] from the handle
+  const bool* is_token_in_rank;    // [T, R]
+  const int32_t* pos;              // [T, R]
+  int num_tokens;
+  const uint8_t* y;                // [N, hidden] of y_type
+  int y_type, hidden;
+  const float* weights;            // [N, K] or null
+  int num_topk;
+  const void* bias0;               // [T, hidden] of bias0_type, or null
+  const void* bias1;
+  int bias0_type, bias1_type;
+  uint8_t* out;                    // [T, hidden] of y_type
+  float* out_weights;              // [T, K] or null
+  int num_blocks, num_push_blocks;
+};
+cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------ barrier
+cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);
+
+}  // namespace ep_moe

@@ -1,0 +1,78 @@
+"""One block of symmetric memory per EP group: the same size on every rank, every rank's copy
+addressable from every GPU of the group (peer pointers), on `torch.distributed._symmetric_memory`.
+
+NVLink multicast stays off (`disable_multicast`): the kernels only use unicast peer stores and loads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .sizing import align_up
+
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def disable_multicast() -> None:
+    """Keep torch's symmetric memory, NCCL and NVSHMEM off NVLink multicast in this process."""
+    os.environ.update(MULTICAST_OFF)
+
+
+def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    try:  # a block of its own (no pool): offsets within the allocation are the same on every rank
+        return _SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, device)
+    except (TypeError, RuntimeError):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _rendezvous(tensor: torch.Tensor, group: dist.ProcessGroup):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        return symm_mem.rendezvous(tensor, group)
+    except RuntimeError:
+        # Older torch needs the group registered first (newer torch deprecates the call).
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        return symm_mem.rendezvous(tensor, group)
+
+
+class SymmetricBuffer:
+    """``nbytes`` (rounded up to 2 MiB) of device memory on every rank of ``group``.
+
+    Collective: every rank constructs it with the same size. ``ptrs[r]`` is the address, valid on this
+    GPU, of rank ``r``'s copy; ``tensor`` is this rank's copy (uint8). Contents start undefined.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+        disable_multicast()
+        self.nbytes = align_up(max(int(nbytes), 1))
+        self.group = group
+        self.rank = dist.get_rank(group)
+        with torch.cuda.device(device):
+            self.tensor = _allocate(self.nbytes, device)
+            self._handle = _rendezvous(self.tensor, group)
+        base = list(self._handle.buffer_ptrs)
+        offset = self.tensor.data_ptr() - base[self.rank]
+        offsets: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(offsets, offset, group=group)
+        if len(set(offsets)) != 1:
+            raise RuntimeError(f"ep_moe: symmetric buffer landed at different offsets on the ranks ({offsets}); "
+                               "set TORCH_SYMMMEM_IMPLICIT_POOL=0")
+        self.ptrs: list[int] = [p + offset for p in base]
+
+    def destroy(self) -> None:
+        """Drop this rank's references (the memory is released once no rank maps it)."""
+        self._handle = None
+        self.tensor = None
+        self.ptrs = []
