@@ -30,7 +30,7 @@ fi
 
 if has test; then
   start=$SECONDS
-  timeout 560 python3 -m pytest -m gpu tests/test_native_gpu.py -x -q -s -p no:cacheprovider --timeout=540 \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_native_gpu.py -x -q -s -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} \
     2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -40 || status=1
   echo "tests: $((SECONDS - start)) s (status $status)"
 fi
@@ -40,14 +40,14 @@ if has sweep; then
   start=$SECONDS
   cat >/tmp/ep_moe_native_sweep.py <<'PY'
 PY
-  timeout 240 torchrun --nproc-per-node 2 /tmp/ep_moe_native_sweep.py >"$OUT/sweep.txt" 2>&1 || status=1
+  timeout ${SWEEP_TIMEOUT:-150} torchrun --nproc-per-node 2 /tmp/ep_moe_native_sweep.py >"$OUT/sweep.txt" 2>&1 || status=1
   grep -vE "^(W|I)[0-9]{4}|^\*{5}|OMP_NUM_THREADS|^$" "$OUT/sweep.txt" | tail -40
   echo "sweep: $((SECONDS - start)) s"
 fi
 
 if has bench; then
   start=$SECONDS
-  timeout 300 python3 -m ep_moe.cli bench --tokens 128 4096 --num-sms 24 32 --runs 30 \
+  timeout ${BENCH_TIMEOUT:-200} python3 -m ep_moe.cli bench --tokens 128 4096 --num-sms 24 32 --runs 30 \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" >"$OUT/bench.txt" 2>&1 || status=1
   echo "bench: $((SECONDS - start)) s"
   echo "command: python3 -m ep_moe.cli bench --tokens 128 4096 --num-sms 24 32 --runs 30"
