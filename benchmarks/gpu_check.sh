@@ -30,7 +30,7 @@ fi
 
 if has test; then
   start=$SECONDS
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_native_gpu.py -x -q -s -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_native_gpu.py -q -s -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} \
     2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -40 || status=1
   echo "tests: $((SECONDS - start)) s (status $status)"
 fi
