@@ -174,6 +174,11 @@ class MoELayer(nn.Module):
         seq_length = shape[1] if x.ndim == 3 else None
         hidden = x.reshape(-1, shape[-1])
         topk_idx, topk_weights = self.router(hidden, seq_length)
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type) and hidden.is_floating_point():
+            # Under autocast the experts compute in the autocast dtype anyway: send that dtype (half the
+            # bytes of fp32, and the grouped GEMM's input dtype).
+            hidden = hidden.to(torch.get_autocast_dtype(device_type))
         dispatcher = self.dispatcher(self.experts.expert_alignment(hidden))
         expert_input, expert_probs, tokens_per_expert, ctx = dispatcher.dispatch(hidden, topk_idx, topk_weights)
         expert_output = self.experts(expert_input, tokens_per_expert, expert_probs)

@@ -181,11 +181,13 @@ class TopKRouter(nn.Module):
         if x.ndim != 2 or x.shape[1] != self.hidden_size:
             raise _bad("x", f"a [T, {self.hidden_size}] tensor", tuple(x.shape))
         num_tokens = x.shape[0]
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
-        if self.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
+        # fp32 even inside torch.autocast (which would run the linear in bf16)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+            if self.score_function == "softmax":
+                scores = torch.softmax(logits, dim=-1)
+            else:
+                scores = torch.sigmoid(logits)
 
         topk_idx = self._select(scores.detach(), num_tokens, x.device)
         if self.score_function == "softmax" and not self.pre_softmax:
