@@ -121,6 +121,10 @@ def test_training_reduces_loss_and_stats_and_expert_bias():
     (dict(params_dtype="float16"), "params_dtype"), (dict(moe_layer_freq=0), "moe_layer_freq"),
     (dict(moe_layer_freq=[1, 0]), "moe_layer_freq"), (dict(vocab_size=0), "vocab_size"),
     (dict(moe_router_load_balancing_type="global"), "moe_router_load_balancing_type"),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1), "moe_router_num_groups"),
+    (dict(moe_router_num_groups=2), "moe_router_group_topk"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=2, moe_router_topk=1), "moe_router_group_topk"),
+    (dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=True), "moe_router_pre_softmax"),
 ])
 def test_config_rejects_bad_values(kw, field):
     with pytest.raises(ValueError, match=field):

@@ -88,6 +88,18 @@ class ModelConfig:
                 raise bad("moe_layer_freq", f"an int >= 1 or a list of {self.num_layers} values in {{0, 1}}")
         elif not isinstance(self.moe_layer_freq, int) or self.moe_layer_freq < 1:
             raise bad("moe_layer_freq", f"an int >= 1 or a list of {self.num_layers} values in {{0, 1}}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise bad("moe_router_group_topk", "set together with moe_router_num_groups (both or neither)")
+        if groups is not None:
+            if not isinstance(groups, int) or groups < 1 or self.num_moe_experts % groups:
+                raise bad("moe_router_num_groups", f"a positive divisor of num_moe_experts={self.num_moe_experts}")
+            if (not isinstance(group_topk, int) or not 1 <= group_topk <= groups or self.moe_router_topk % group_topk
+                    or self.moe_router_topk // group_topk > self.num_moe_experts // groups):
+                raise bad("moe_router_group_topk", f"in [1, moe_router_num_groups={groups}], dividing moe_router_topk="
+                          f"{self.moe_router_topk}, with topk/group_topk <= experts per group")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise bad("moe_router_pre_softmax", "False unless moe_router_score_function is 'softmax'")
         if self.moe_router_score_function not in SCORE_FUNCTIONS:
             raise bad("moe_router_score_function", f"one of {SCORE_FUNCTIONS}")
         if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:

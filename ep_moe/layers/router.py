@@ -63,7 +63,8 @@ class TopKRouter(nn.Module):
         bias_update_rate: step of that update.
         force_load_balancing: ignore the scores for selection and send token t to experts
             ``(t * K + k) % E`` (exactly balanced when ``T * K % E == 0``; for memory-fit checks). Weights
-            are still the scores at those ids, so the router keeps a gradient.
+            are still the scores at those ids, so the router keeps a gradient. Deterministic with no seed
+            needed; the same choice for a token at every EP size when each rank's ``T * K % E == 0``.
         dp_group: the group whose ranks see different tokens (data parallel, EP included): the global
             ``aux_loss`` and the expert-bias update sum token counts over it. None: this rank only.
         init_method_std: std of the normal init of the weight (`reset_parameters`).
