@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--backend", default="auto", choices=("auto", "native", "torch"), help="Buffer backend")
     p.add_argument("--calibration", help="calibration cache file (default: $EP_MOE_CALIBRATION or ~/.cache/ep_moe)")
     p.add_argument("--json", help="write the plans (and measurements) to this JSON file")
+    p.add_argument("--trainer-plan", help="with a recipe: write {num_sms: [one per MoE layer]} here, the form "
+                                          "the trainer's ep_moe.tuning_plan reads")
     return p
 
 
@@ -65,8 +68,9 @@ def _lookup(recipe: Mapping, key: str, blocks=("model", "train", "dataset")):
     return None
 
 
-def recipe_layers(recipe: Mapping) -> tuple[LayerShape, int, list[str]]:
-    """(shape, EP size, MoE layer names) from a recipe's ``model`` (and ``train``) block."""
+def recipe_layers(recipe: Mapping) -> tuple[LayerShape, int, list[int]]:
+    """(shape, EP size, the model layers that are MoE layers) from a recipe's ``model`` (and ``train``)
+    block. Plans name MoE layers by their ordinal in that list."""
     model = recipe.get("model")
     if not isinstance(model, Mapping):
         raise ValueError("recipe: a 'model' block is required")
@@ -88,9 +92,9 @@ def recipe_layers(recipe: Mapping) -> tuple[LayerShape, int, list[str]]:
     num_layers = int(model.get("num_layers") or 1)
     freq = model.get("moe_layer_freq", 1)
     if isinstance(freq, list | tuple):
-        moe = [str(i) for i, flag in enumerate(freq) if flag]
+        moe = [i for i, flag in enumerate(freq) if flag]
     else:
-        moe = [str(i) for i in range(num_layers) if i % max(1, int(freq)) == 0]
+        moe = [i for i in range(num_layers) if i % max(1, int(freq)) == 0]
     return shape, ep, moe
 
 
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
 
     recipe_block: Mapping = {}
-    layers: list[str] = []
+    layers: list[str] = []  # MoE layer ordinals
+    model_layers: list[int] = []
     if args.recipe:
         import yaml
 
@@ -136,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ep-moe tune: cannot read recipe {args.recipe}: {exc}", file=sys.stderr)
             return 2
         try:
-            shape, ep, layers = recipe_layers(recipe)
+            shape, ep, model_layers = recipe_layers(recipe)
+            layers = [str(i) for i in range(len(model_layers))]
         except ValueError as exc:
             print(f"ep-moe tune: {exc}", file=sys.stderr)
             return 2
@@ -155,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ep-moe tune: {exc}", file=sys.stderr)
             return 2
         ranks = args.ranks or world or 1
+    if args.trainer_plan and not args.recipe:
+        print("ep-moe tune: --trainer-plan needs a recipe", file=sys.stderr)
+        return 2
     if world is not None and ranks != world:
         print(f"ep-moe tune: --ranks {ranks} must equal the number of processes ({world}) to measure", file=sys.stderr)
         return 2
@@ -185,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.rule == "deepep_v2":
             rates = Rates.deepep_v2(topology)
-        cache = PlanCache.from_recipe(recipe_block, topology, rates)
+        base_dir = os.path.dirname(os.path.abspath(args.recipe)) if args.recipe else None
+        cache = PlanCache.from_recipe(recipe_block, topology, rates, base_dir=base_dir)
         if args.rule == "deepep_v2":
             cache.policy = replace(DEEPEP_V2_POLICY, max_sms=args.max_sms)
         if args.tolerance is not None or args.max_sms is not None:
@@ -213,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"topology: {topology.describe()}")
     say("rates:    " + cache.rates.describe().replace("\n", "\n          "))
     if layers:
-        say(f"MoE layers: {len(layers)} ({', '.join(layers[:8])}{' ...' if len(layers) > 8 else ''}); "
-            f"tokens per rank {shapes[0].tokens}")
+        shown = ", ".join(f"{i}=layer {j}" for i, j in list(enumerate(model_layers))[:8])
+        say(f"MoE layers: {len(layers)} ({shown}{' ...' if len(layers) > 8 else ''}); tokens per rank "
+            f"{shapes[0].tokens}")
     unique = list({id(p): p for p in plans}.values())  # layers of one shape share a plan
     say(format_table(unique))
     say("times in us; g = distinct ranks per token; * = SM-bound at the planned SMs; V2 SMs = DeepEP V2's rule "
@@ -222,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and rank == 0:
         cache.save(args.json)
         say(f"wrote {args.json}")
+    if args.trainer_plan and rank == 0:
+        counts = [cache.plan(shapes[0], layer).num_sms for layer in layers]
+        Path(args.trainer_plan).write_text(json.dumps({"num_sms": counts}) + "\n")
+        say(f"wrote {args.trainer_plan} (ep_moe.tuning_plan for the trainer: num_sms per MoE layer)")
     if buffer is not None:
         buffer.destroy()
     return 0

@@ -3,6 +3,8 @@ that `--measure`/`refine` use, on two gloo ranks with the torch backend."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ep_moe.cli import main as ep_moe_main
@@ -61,22 +63,34 @@ ep_moe:
   backend: auto
   num_sms: auto
   layer_num_sms:
-    2: 10
+    1: 10
 """
 
 
 def test_tune_reads_a_recipe(capsys, tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(RECIPE)
-    rc = ep_moe_main(["tune", str(path), "--gpu", "H200"])
+    trainer_plan = tmp_path / "plan.json"
+    rc = ep_moe_main(["tune", str(path), "--gpu", "H200", "--trainer-plan", str(trainer_plan)])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "MoE layers: 2 (0, 2)" in out and "tokens per rank 1024" in out
+    assert "MoE layers: 2 (0=layer 0, 1=layer 2)" in out and "tokens per rank 1024" in out
     rows = [line for line in out.splitlines() if "E16 K2 H1024 T1024 bf16" in line]
-    assert len(rows) == 2  # layer 0 follows the model, layer 2 is overridden
+    assert len(rows) == 2  # MoE layer 0 follows the model, MoE layer 1 is overridden
     by_layer = {r.split()[0]: r for r in rows}
-    assert by_layer["2"].split()[9] == "10" and by_layer["2"].endswith("override:recipe layer 2")
+    assert by_layer["1"].split()[9] == "10" and by_layer["1"].endswith("override:recipe layer 1")
     assert by_layer["*"].endswith("model") and by_layer["*"].split()[6] == "2"
+    model_sms = int(by_layer["*"].split()[9])
+    assert json.loads(trainer_plan.read_text()) == {"num_sms": [model_sms, 10]}
+    # the trainer's own form: num_sms as a list per MoE layer, a tuning_plan file with num_sms
+    path.write_text(RECIPE.replace("  layer_num_sms:\n    1: 10\n", "").replace("num_sms: auto", "num_sms: [0, 12]"))
+    assert ep_moe_main(["tune", str(path), "--gpu", "H200"]) == 0
+    assert "override:recipe layer 1" in capsys.readouterr().out
+    (tmp_path / "tp.yaml").write_text("num_sms: 14\n")
+    path.write_text(RECIPE.replace("  layer_num_sms:\n    1: 10\n", "  tuning_plan: tp.yaml\n"))
+    assert ep_moe_main(["tune", str(path), "--gpu", "H200"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "E16 K2" in line]
+    assert len(rows) == 1 and rows[0].split()[9] == "14" and rows[0].endswith("override:file num_sms")
 
 
 def test_tune_errors_are_clear(capsys, tmp_path):

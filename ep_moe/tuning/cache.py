@@ -1,12 +1,15 @@
 """`PlanCache`: one plan per layer shape, with overrides, JSON files, a printable table and refinement.
 
-Where a layer's SM count comes from, first match wins:
+Layers are named by their ordinal among the model's MoE layers (``"0"``, ``"1"``, ...), as the
+trainer's per-layer lists are. Where a layer's SM count comes from, first match wins (0 or "auto" in any
+of them means "no override here"):
 
 1. ``EP_MOE_NUM_SMS`` (environment; every layer) -- for quick sweeps;
-2. the recipe's ``ep_moe.layer_num_sms`` entry for that layer;
-3. the recipe's ``ep_moe.num_sms`` when it is a number (every layer; ``"auto"`` or 0 means the model);
-4. a plan file (``EP_MOE_PLAN=path.json``, else the recipe's ``ep_moe.plan_file``): the entry for that
-   layer, else for that shape;
+2. the recipe's ``ep_moe.num_sms`` as a list (one per MoE layer) or ``ep_moe.layer_num_sms`` (a mapping);
+3. the recipe's ``ep_moe.num_sms`` as a number (every layer);
+4. a plan file (``EP_MOE_PLAN=path``, else the recipe's ``ep_moe.tuning_plan`` / ``plan_file``): either
+   the trainer's form ``num_sms: N | [per MoE layer]`` or the plans `PlanCache.save` writes (the entry
+   for that layer, else for that shape); JSON or YAML;
 5. the bandwidth model (`plan_layer`) with the calibrated rates.
 """
 
@@ -31,32 +34,55 @@ ENV_NUM_SMS = "EP_MOE_NUM_SMS"
 ENV_PLAN = "EP_MOE_PLAN"
 PLAN_FILE_VERSION = 1
 # Keys of a recipe's ``ep_moe`` block that the tuner reads (the trainer owns the others).
-RECIPE_KEYS = ("num_sms", "layer_num_sms", "plan_file", "min_sms", "max_sms", "time_tolerance", "margin",
-               "refine", "refine_budget")
+RECIPE_KEYS = ("num_sms", "layer_num_sms", "tuning_plan", "plan_file", "min_sms", "max_sms", "time_tolerance",
+               "margin", "refine", "refine_budget")
 
 
-def load_plans(path: str | os.PathLike) -> list[CommPlan]:
-    """The plans saved in a JSON file by `PlanCache.save` (or `ep-moe tune --json`)."""
-    path = Path(path)
+def _read_structured(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ValueError(f"plan file {str(path)!r} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"plan file {str(path)!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("plans"), list):
-        raise ValueError(f"plan file {str(path)!r} must hold an object with a 'plans' list")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"plan file {str(path)!r} is neither JSON nor YAML: {exc}") from None
+    if not isinstance(data, dict) or not ("plans" in data or "num_sms" in data):
+        raise ValueError(f"plan file {str(path)!r} must hold a 'plans' list (ep-moe tune --json) or "
+                         f"'num_sms: N | [one per MoE layer]'")
     if data.get("version", PLAN_FILE_VERSION) > PLAN_FILE_VERSION:
         raise ValueError(f"plan file {str(path)!r} has version {data['version']}; this ep_moe reads "
                          f"<= {PLAN_FILE_VERSION}")
+    return data
+
+
+def load_plans(path: str | os.PathLike) -> list[CommPlan]:
+    """The plans in a file written by `PlanCache.save` (``ep-moe tune --json``); [] for a ``num_sms`` file."""
+    path = Path(path)
+    data = _read_structured(path)
+    if not isinstance(data.get("plans", []), list):
+        raise ValueError(f"plan file {str(path)!r}: 'plans' must be a list")
     try:
-        return [CommPlan.from_dict(p) for p in data["plans"]]
+        return [CommPlan.from_dict(p) for p in data.get("plans", [])]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"plan file {str(path)!r} has a malformed plan: {exc}") from None
 
 
 def _auto(value) -> bool:
     return value is None or value == 0 or (isinstance(value, str) and value.strip().lower() in ("auto", "", "0"))
+
+
+def split_num_sms(where: str, value) -> tuple[int | None, dict[str, int]]:
+    """``num_sms`` as (one count for every layer or None, {MoE layer ordinal: count}); a list gives one
+    count per MoE layer, 0 / "auto" entries meaning "the model's"."""
+    if isinstance(value, list | tuple):
+        return None, {str(i): check_num_sms(where, f"num_sms[{i}]", n) for i, n in enumerate(value) if not _auto(n)}
+    return (None if _auto(value) else check_num_sms(where, "num_sms", value)), {}
 
 
 class PlanCache:
@@ -73,27 +99,33 @@ class PlanCache:
     """
 
     def __init__(self, topology: Topology | None = None, rates: Rates | None = None,
-                 policy: PlanPolicy | None = None, *, num_sms: int | str | None = None,
+                 policy: PlanPolicy | None = None, *, num_sms: int | str | list | None = None,
                  layer_num_sms: Mapping | None = None, plan_file: str | os.PathLike | None = None,
                  use_env: bool = True) -> None:
         self.topology = topology if topology is not None else detect_topology()
         self._rates = rates
         self.policy = policy or PlanPolicy()
-        self.num_sms = None if _auto(num_sms) else check_num_sms("PlanCache", "num_sms", num_sms)
-        self.layer_num_sms = {str(k): check_num_sms("PlanCache", f"layer_num_sms[{k!r}]", v)
-                              for k, v in (layer_num_sms or {}).items()}
+        self.num_sms, self.layer_num_sms = split_num_sms("PlanCache", num_sms)
+        self.layer_num_sms.update({str(k): check_num_sms("PlanCache", f"layer_num_sms[{k!r}]", v)
+                                   for k, v in (layer_num_sms or {}).items() if not _auto(v)})
         self.env_num_sms: int | None = None
         if use_env and os.environ.get(ENV_NUM_SMS, "").strip():
             self.env_num_sms = check_num_sms("PlanCache", f"environment variable {ENV_NUM_SMS}",
                                              os.environ[ENV_NUM_SMS].strip())
+        where = "PlanCache"
         if use_env and os.environ.get(ENV_PLAN, "").strip():
-            plan_file = os.environ[ENV_PLAN].strip()
+            plan_file, where = os.environ[ENV_PLAN].strip(), f"PlanCache: environment variable {ENV_PLAN}"
+        self.file_plans: list[CommPlan] = []
+        self.file_num_sms: int | None = None
+        self.file_layer_num_sms: dict[str, int] = {}
+        if plan_file:
             try:
-                self.file_plans = load_plans(plan_file)
+                data = _read_structured(Path(plan_file))
+                self.file_plans = load_plans(plan_file) if "plans" in data else []
+                self.file_num_sms, self.file_layer_num_sms = split_num_sms(f"plan file {str(plan_file)!r}",
+                                                                           data.get("num_sms"))
             except ValueError as exc:
-                raise ValueError(f"PlanCache: environment variable {ENV_PLAN}: {exc}") from None
-        else:
-            self.file_plans = load_plans(plan_file) if plan_file else []
+                raise ValueError(f"{where}: {exc}") from None
         self.plan_file = str(plan_file) if plan_file else None
         self._plans: dict[tuple[str, int, str | None], CommPlan] = {}
         # Whether the trainer should `refine` each shape's plan during warm-up, and with how many runs
@@ -104,9 +136,10 @@ class PlanCache:
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_recipe(cls, block: Mapping | None, topology: Topology | None = None, rates: Rates | None = None,
-                    strict: bool = False) -> PlanCache:
+                    strict: bool = False, base_dir: str | os.PathLike | None = None) -> PlanCache:
         """A cache configured by a recipe's ``ep_moe`` block (keys in `RECIPE_KEYS`; others are the
-        trainer's and ignored unless ``strict``)."""
+        trainer's and ignored unless ``strict``). A relative plan file path is taken from ``base_dir``
+        (the recipe's folder)."""
         block = dict(block or {})
         if strict and (unknown := sorted(set(block) - set(RECIPE_KEYS))):
             raise ValueError(f"PlanCache.from_recipe: unknown key(s) ep_moe.{', ep_moe.'.join(unknown)}; "
@@ -123,8 +156,14 @@ class PlanCache:
             policy = PlanPolicy(**policy_args)
         except ValueError as exc:
             raise ValueError(f"PlanCache.from_recipe: ep_moe block: {exc}") from None
-        cache = cls(topology, rates, policy, num_sms=block.get("num_sms"), layer_num_sms=layers,
-                    plan_file=block.get("plan_file"))
+        plan_file = block.get("tuning_plan") or block.get("plan_file")
+        if plan_file and base_dir is not None and not os.path.isabs(os.path.expanduser(str(plan_file))):
+            plan_file = os.path.join(base_dir, str(plan_file))
+        try:
+            cache = cls(topology, rates, policy, num_sms=block.get("num_sms"), layer_num_sms=layers,
+                        plan_file=os.path.expanduser(str(plan_file)) if plan_file else None)
+        except ValueError as exc:
+            raise ValueError(f"PlanCache.from_recipe: ep_moe block: {exc}") from None
         cache.refine_warmup = bool(block.get("refine", False))
         budget = block.get("refine_budget", cache.refine_budget)
         if not isinstance(budget, int) or budget < 1:
@@ -170,7 +209,7 @@ class PlanCache:
         key, n_ranks = shape.key(), topo.world_size
         override = self._override(layer)
         from_file = None if override else self._file_plan(key, n_ranks, layer)
-        specific = layer if ((override and override[1].startswith("override:recipe layer"))
+        specific = layer if ((override and " layer " in override[1])
                              or (from_file is not None and from_file.layer == layer)) else None
         if routing is not None:
             plan = plan_layer(shape, topo, self.rates, self.policy, routing, specific,
@@ -192,12 +231,17 @@ class PlanCache:
         return plan
 
     def _override(self, layer: str | None) -> tuple[int, str] | None:
+        """(SMs, source) from the environment, the recipe, or a plan file's ``num_sms``; None if none."""
         if self.env_num_sms is not None:
             return self.env_num_sms, f"override:{ENV_NUM_SMS}"
         if layer is not None and layer in self.layer_num_sms:
             return self.layer_num_sms[layer], f"override:recipe layer {layer}"
         if self.num_sms is not None:
             return self.num_sms, "override:recipe num_sms"
+        if layer is not None and layer in self.file_layer_num_sms:
+            return self.file_layer_num_sms[layer], f"override:file layer {layer}"
+        if self.file_num_sms is not None:
+            return self.file_num_sms, "override:file num_sms"
         return None
 
     def num_sms_for(self, shape: LayerShape, layer: str | int | None = None, num_ranks: int | None = None) -> int:
