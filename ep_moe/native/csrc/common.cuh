@@ -77,7 +77,7 @@ __device__ __forceinline__ WaitCtx wait_ctx(const KernelEnv& env) {
   return WaitCtx{env.state, env.error, env.timeout_ns, env.rank};
 }
 
-__device__ __noinline__ void record_error(WaitCtx ctx, int code, int stage, int peer, int detail, int64_t value) {
+static __device__ __noinline__ void record_error(WaitCtx ctx, int code, int stage, int peer, int detail, int64_t value) {
   // The first failing thread on this rank claims the record; the rest only see `abort`.
   if (atomicCAS(&ctx.state->abort, 0, 1) != 0) return;
   volatile int32_t* rec = ctx.error;
@@ -95,7 +95,7 @@ __device__ __noinline__ void record_error(WaitCtx ctx, int code, int stage, int 
 
 // Wait until *flag >= target. Returns false (after recording the error) on timeout, or at once when
 // another wait on this rank already failed.
-__device__ __noinline__ bool wait_flag(WaitCtx ctx, const uint64_t* flag, uint64_t target, int stage, int peer,
+static __device__ __noinline__ bool wait_flag(WaitCtx ctx, const uint64_t* flag, uint64_t target, int stage, int peer,
                                        int detail) {
   if (ld_acquire_sys(flag) >= target) return true;
   const uint64_t start = global_timer_ns();
