@@ -26,6 +26,7 @@ expert tensor parallelism. ``use_tutel=True`` is accepted and ignored (the movem
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as torch_dist
@@ -58,6 +59,7 @@ __all__ = ["MoE", "EPMOELayer", "init_deepspeed_comm", "replace_deepspeed_moe", 
 
 # One Buffer per (process group, backend), shared by every layer of that group (as DeepEP shares one).
 _buffers: dict[tuple[int, str], tuple[torch_dist.ProcessGroup, Buffer]] = {}
+_release_count = 0  # bumped by release_buffers: layers then rebuild their dispatcher on a fresh Buffer
 
 
 def gate_supports_sparse_routes() -> bool:
@@ -83,13 +85,19 @@ def init_deepspeed_comm(build_shm_op: bool = False) -> None:
     would also JIT-compile a shared-memory all-reduce op (about 30-60 s on a small machine) that only
     DeepSpeed's inference all-reduce uses; ``build_shm_op=False`` marks that op unavailable so that
     nothing is compiled. Call before ``deepspeed.initialize`` (which then finds comm initialized).
-    Does nothing when ``deepspeed.comm`` is already initialized.
+    Also sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` where unset (``deepspeed.initialize`` requires them;
+    ranks spawned on one host have no launcher to set them). Idempotent.
     """
-    if ds_comm.is_initialized():
-        return
     if not torch_dist.is_initialized():
         raise RuntimeError("init_deepspeed_comm: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
+    # deepspeed.initialize insists on the launcher's variables; spawned single-host ranks lack them.
+    os.environ.setdefault("RANK", str(torch_dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(torch_dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available()
+                                            and torch_dist.get_backend() == "nccl" else torch_dist.get_rank()))
+    if ds_comm.is_initialized():
+        return
     if not build_shm_op:
         import deepspeed.ops
 
@@ -112,9 +120,11 @@ def _buffer_for(group: torch_dist.ProcessGroup, backend: str) -> Buffer:
 
 def release_buffers() -> None:
     """Destroy the Buffers this module created (before ``destroy_process_group``, or in tests)."""
+    global _release_count
     for _, buffer in _buffers.values():
         buffer.destroy()
     _buffers.clear()
+    _release_count += 1
 
 
 def _dense_to_routes(combine_weights: Tensor, dispatch_mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -151,6 +161,7 @@ class EPMOELayer(MOELayer):
         self._buffer = buffer
         self._backend = backend
         self._dispatcher: TokenDispatcher | None = None
+        self._dispatcher_release = _release_count
         self.l_aux: Tensor | None = None
         self.exp_counts: Tensor | None = None
 
@@ -199,7 +210,7 @@ class EPMOELayer(MOELayer):
         self._set_ep_group(groups._get_expert_parallel_group(self.ep_group_name))
 
     def _get_dispatcher(self) -> TokenDispatcher:
-        if self._dispatcher is None:
+        if self._dispatcher is None or self._dispatcher_release != _release_count:
             group_size = torch_dist.get_world_size(self.ep_group)
             if group_size != self.ep_size:
                 raise RuntimeError(f"ep_moe MoE: expert-parallel group '{self.ep_group_name}' has {group_size} "
@@ -209,6 +220,7 @@ class EPMOELayer(MOELayer):
                 raise ValueError(f"ep_moe MoE: argument 'buffer' spans {buffer.group_size} ranks, expected "
                                  f"ep_size={self.ep_size}")
             self._dispatcher = TokenDispatcher(buffer, self.ep_size * self.num_local_experts)
+            self._dispatcher_release = _release_count
         return self._dispatcher
 
     # ------------------------------------------------------------------ forward
