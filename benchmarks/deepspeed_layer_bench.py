@@ -1,0 +1,268 @@
+"""MoE-layer forward + backward: ep_moe's DeepSpeed layer vs ``deepspeed.moe.layer.MoE``, same run.
+
+Four layers with identical weights: DeepSpeed's MoE and ours in capacity mode (``drop_tokens=True``), and
+DeepSpeed's ``drop_tokens=False`` (pads every expert to the largest) vs our dropless mode. Each is first
+checked against DeepSpeed's output on the same input and RNG state, then timed: forward (returning
+``(out, l_aux, exp_counts)``) and backward of ``sum(out * g) + 0.01 * l_aux``, inputs rotated so that
+caches do not serve them, a barrier before every iteration, median and quartiles over ``--iters``.
+
+GPU (one process per GPU, NCCL; DeepSpeed on its CUDA accelerator):
+
+    torchrun --nproc-per-node 2 benchmarks/deepspeed_layer_bench.py --dtype bf16
+
+CPU smoke run (spawns gloo ranks; small defaults):
+
+    python benchmarks/deepspeed_layer_bench.py --nproc 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+MODES = ("deepspeed-capacity", "ep_moe-capacity", "deepspeed-dropless", "ep_moe-dropless")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (GPU 4096, CPU 256)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (GPU 4096, CPU 64)")
+    p.add_argument("--ffn", type=int, default=None, help="expert FFN size (GPU 2048, CPU 128)")
+    p.add_argument("--experts", type=int, default=None, help="experts (GPU 16, CPU 4)")
+    p.add_argument("--k", type=int, default=2, help="top-k (DeepSpeed: 1, 2 or more)")
+    p.add_argument("--capacity-factor", type=float, default=1.0)
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="routing imbalance: 0 = random gate; larger sends more tokens to higher expert ids")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="GPU bf16, CPU fp32")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU 30, CPU 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 2)")
+    p.add_argument("--backend", choices=("auto", "torch", "native"), default="auto", help="ep_moe backend")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    return p
+
+
+def _fill_defaults(args: argparse.Namespace, cuda: bool) -> argparse.Namespace:
+    gpu = dict(tokens=4096, hidden=4096, ffn=2048, experts=16, dtype="bf16", iters=30, warmup=5)
+    cpu = dict(tokens=256, hidden=64, ffn=128, experts=4, dtype="fp32", iters=5, warmup=2)
+    for key, value in (gpu if cuda else cpu).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    args.mode_list = modes
+    return args
+
+
+def _layers(args, rank: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    from ep_moe.integrations.deepspeed import replace_deepspeed_moe
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    expert = torch.nn.Sequential(torch.nn.Linear(args.hidden, args.ffn), torch.nn.GELU(),
+                                 torch.nn.Linear(args.ffn, args.hidden))
+    base = DeepSpeedMoE(args.hidden, expert, num_experts=args.experts, ep_size=world, k=args.k,
+                        capacity_factor=args.capacity_factor, eval_capacity_factor=args.capacity_factor,
+                        min_capacity=0, drop_tokens=True)
+    local = args.experts // world
+    for i, module in enumerate(base.deepspeed_moe.experts.deepspeed_experts):  # distinct experts
+        gen = torch.Generator().manual_seed(1000 + rank * local + i)
+        for p in module.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    if args.skew:
+        with torch.no_grad():  # a gate row component along the inputs' shared mean direction
+            wg = base.deepspeed_moe.gate.wg.weight
+            wg += args.skew * torch.linspace(0, 1, args.experts)[:, None] * _mean_direction(args)[None, :]
+    layers = {}
+    for mode in args.mode_list:
+        layer = copy.deepcopy(base)
+        if mode.startswith("ep_moe"):
+            layer = replace_deepspeed_moe(layer, drop_tokens=mode.endswith("capacity"), backend=args.backend)
+        else:
+            layer.deepspeed_moe.gate.drop_tokens = mode.endswith("capacity")
+        layer = layer.to(device=device, dtype=dtype)
+        layer.set_deepspeed_parallelism()
+        layers[mode] = layer
+    return layers
+
+
+def _mean_direction(args) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(77)
+    v = torch.randn(args.hidden, generator=gen)
+    return v / v.norm()
+
+
+def _inputs(args, rank: int, device, dtype, count: int = 4):
+    gen = torch.Generator().manual_seed(500 + rank)
+    shift = 3.0 * _mean_direction(args) if args.skew else torch.zeros(args.hidden)
+    xs = [(torch.randn(args.tokens, args.hidden, generator=gen) + shift).to(device, dtype) for _ in range(count)]
+    gs = [torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype) for _ in range(count)]
+    return xs, gs
+
+
+def _step(layer, x, g, seed: int):
+    torch.manual_seed(seed)  # same gate randomness (2nd-expert sampling) in every layer
+    x = x.detach().requires_grad_(True)
+    out, l_aux, counts = layer(x)
+    return x, out, l_aux, counts
+
+
+def _check(layers, xs, gs, rank: int) -> dict[str, float]:
+    """Each ep_moe layer's output relative to DeepSpeed's of the same mode (max |diff| / max |ref|)."""
+    out = {}
+    for mode in layers:
+        if not mode.startswith("ep_moe"):
+            continue
+        ref_mode = mode.replace("ep_moe", "deepspeed")
+        if ref_mode not in layers:
+            continue
+        with torch.no_grad():
+            _, ours, l_ours, c_ours = _step(layers[mode], xs[0], gs[0], 11 + rank)
+            _, ref, l_ref, c_ref = _step(layers[ref_mode], xs[0], gs[0], 11 + rank)
+        rel = float((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
+        same = bool(torch.equal(c_ours, c_ref)) and bool(torch.equal(l_ours, l_ref))
+        stats = torch.tensor([rel, 0.0 if same else 1.0], device=ours.device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        out[mode] = {"max_rel_diff": float(stats[0]), "l_aux_and_counts_equal": stats[1].item() == 0}
+    return out
+
+
+def _time(layer, xs, gs, args, device, rank: int) -> dict[str, float]:
+    cuda = device.type == "cuda"
+    fwd, total = [], []
+    for it in range(args.warmup + args.iters):
+        x, g = xs[it % len(xs)], gs[it % len(gs)]
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        x, out, l_aux, _ = _step(layer, x, g, 1000 * it + rank)
+        if cuda:
+            mid.record()
+        else:
+            t1 = time.perf_counter()
+        torch.autograd.backward([out, l_aux], [g, torch.full_like(l_aux, 0.01)])
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            f, t = start.elapsed_time(mid), start.elapsed_time(end)
+        else:
+            t2 = time.perf_counter()
+            f, t = (t1 - t0) * 1e3, (t2 - t0) * 1e3
+        if it >= args.warmup:
+            fwd.append(f)
+            total.append(t)
+        layer.zero_grad(set_to_none=True)
+    # the slowest rank's per-iteration time is the layer's time
+    stats = torch.tensor([statistics.median(fwd), statistics.median(total),
+                          _quantile(total, 0.25), _quantile(total, 0.75)], device=device, dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return {"fwd_ms": float(stats[0]), "fwd_bwd_ms": float(stats[1]), "fwd_bwd_p25_ms": float(stats[2]),
+            "fwd_bwd_p75_ms": float(stats[3])}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench(rank: int, world: int, raw_args: dict) -> dict | None:
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    args = _fill_defaults(argparse.Namespace(**raw_args), device.type == "cuda")
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+    from ep_moe.integrations.deepspeed import init_deepspeed_comm, release_buffers
+
+    ds_logger.setLevel("WARNING")
+    if args.experts % world:
+        raise SystemExit(f"--experts {args.experts} must be divisible by the {world} ranks")
+    init_deepspeed_comm()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    layers = _layers(args, rank, device, dtype)
+    xs, gs = _inputs(args, rank, device, dtype)
+    checks = _check(layers, xs, gs, rank)
+    timings = {mode: _time(layer, xs, gs, args, device, rank) for mode, layer in layers.items()}
+    backend = next((m.deepspeed_moe._get_dispatcher().buffer.backend_name for m in layers.values()
+                    if hasattr(m.deepspeed_moe, "_get_dispatcher") and world > 1), "local")
+    release_buffers()
+    if rank != 0:
+        return None
+    return {"config": {k: v for k, v in vars(args).items() if k not in ("mode_list", "json", "nproc")},
+            "world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "deepspeed": deepspeed.__version__, "torch": torch.__version__, "ep_moe_backend": backend,
+            "checks": checks, "timings": timings}
+
+
+def _table(result: dict) -> str:
+    c, t = result["config"], result["timings"]
+    lines = [f"MoE layer fwd+bwd, {result['world']} ranks on {result['device']}: {c['tokens']} tokens/rank, "
+             f"hidden {c['hidden']}, ffn {c['ffn']}, {c['experts']} experts, top-{c['k']}, capacity factor "
+             f"{c['capacity_factor']}, {c['dtype']}, skew {c['skew']}; deepspeed {result['deepspeed']}, "
+             f"torch {result['torch']}, ep_moe backend {result['ep_moe_backend']}",
+             f"{'layer':<20} {'fwd ms':>8} {'fwd+bwd ms':>11} {'p25-p75':>15} {'vs DeepSpeed':>13}  check"]
+    for mode, r in t.items():
+        ref = t.get(mode.replace("ep_moe", "deepspeed"))
+        speedup = f"{ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if mode.startswith("ep_moe") and ref else ""
+        check = result["checks"].get(mode)
+        check_text = (f"rel diff {check['max_rel_diff']:.1e}, l_aux/counts "
+                      f"{'equal' if check['l_aux_and_counts_equal'] else 'DIFFER'}") if check else ""
+        lines.append(f"{mode:<20} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} "
+                     f"{r['fwd_bwd_p25_ms']:7.3f}-{r['fwd_bwd_p75_ms']:<7.3f} {speedup:>13}  {check_text}")
+    return "\n".join(lines)
+
+
+def _spawned(rank: int, world: int, raw_args: dict) -> dict | None:
+    return bench(rank, world, raw_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    raw = vars(args)
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        import datetime
+
+        local = int(os.environ["LOCAL_RANK"])
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local),
+                                    timeout=datetime.timedelta(seconds=300))
+        else:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        try:
+            result = bench(dist.get_rank(), dist.get_world_size(), raw)
+        finally:
+            dist.destroy_process_group()
+    else:
+        from ep_moe.distributed import run_distributed
+
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
+        result = run_distributed(_spawned, args.nproc, raw, backend=backend, timeout_s=300,
+                                 join_timeout_s=1800)[0]
+    if result is not None:
+        print(_table(result), flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
