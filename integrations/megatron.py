@@ -408,41 +408,86 @@ class EpMoELayer(MoELayer):
                 self.token_dispatcher.set_shared_experts(old.shared_experts)
 
 
-def ep_moe_spec(spec: Any, backend: str = "auto", *, num_sms: int = 0, portable_router: bool | None = None) -> Any:
-    """A copy of a Megatron ``ModuleSpec`` (a layer, block or MoE spec) in which every ``MoELayer`` is an
-    `EpMoELayer` (and, per ``portable_router``, as in `install_ep_moe_dispatcher`, routers are
-    `PortableTopKRouter`; megatron-core >= 0.15, where ``MoESubmodules`` has a router).
+def _is_moe_layer_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, MoELayer)
 
-    Example: ``GPTModel(config, ep_moe_spec(get_gpt_layer_local_spec(num_experts=8)), ...)``.
-    """
+
+def _rewrite_moe_specs(spec: Any, layer_cls: type | None, params: dict[str, Any], portable_router: bool) -> Any:
+    """A deep copy of ``spec`` with every MoE layer entry rewritten. Megatron describes modules as
+    ``ModuleSpec(module=..., submodules=..., params=...)`` (<= 0.16) or ``functools.partial(cls,
+    submodules=...)`` builders (0.19); both are handled, inside dataclasses, lists and tuples."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    found = 0
+    seen: set[int] = set()
+
+    def fix_router(submodules: Any) -> None:
+        if portable_router and getattr(submodules, "router", None) is TopKRouter:
+            submodules.router = PortableTopKRouter
+
+    def visit(node: Any) -> Any:
+        nonlocal found
+        if id(node) in seen or isinstance(node, str | bytes | type | torch.Tensor):
+            return node
+        seen.add(id(node))
+        if isinstance(node, ModuleSpec):
+            node.submodules = visit(node.submodules)
+            if _is_moe_layer_class(node.module):
+                fix_router(node.submodules)
+                if layer_cls is not None:
+                    node.module = layer_cls
+                    node.params = {**(node.params or {}), **params}
+                found += 1
+            return node
+        if isinstance(node, functools.partial):
+            args = tuple(visit(a) for a in node.args)
+            keywords = {k: visit(v) for k, v in node.keywords.items()}
+            func = node.func
+            if _is_moe_layer_class(func):
+                fix_router(keywords.get("submodules"))
+                if layer_cls is not None:
+                    func = layer_cls
+                    keywords.update(params)
+                found += 1
+            return functools.partial(func, *args, **keywords)
+        if isinstance(node, list):
+            return [visit(item) for item in node]
+        if isinstance(node, tuple) and not hasattr(node, "_fields"):
+            return tuple(visit(item) for item in node)
+        if dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                value = getattr(node, f.name)
+                new = visit(value)
+                if new is not value:
+                    object.__setattr__(node, f.name, new)
+            return node
+        return node
+
+    spec = visit(copy.deepcopy(spec))
+    if not found:
+        raise ValueError("the spec has no MoELayer (build it with num_experts set)")
+    return spec
+
+
+def ep_moe_spec(spec: Any, backend: str = "auto", *, num_sms: int = 0, portable_router: bool | None = None) -> Any:
+    """A copy of a Megatron layer/block/MoE spec in which every ``MoELayer`` is an `EpMoELayer` (and, per
+    ``portable_router``, as in `install_ep_moe_dispatcher`, routers are `PortableTopKRouter`; needs a
+    megatron-core whose ``MoESubmodules`` has a router, >= 0.15).
+
+    Example: ``GPTModel(config, ep_moe_spec(get_gpt_layer_local_spec(num_experts=8)), ...)``.
+    Note: megatron-core 0.16's ``TransformerLayer`` hands ``pg_collection`` only to an ``MoELayer`` spec
+    itself (it logs "Unknown MLP type" for a subclass), so there `EpMoELayer` uses Megatron's global
+    parallel state; with a custom process-group collection, use `install_ep_moe_dispatcher`.
+    """
     if portable_router is None:
         portable_router = _needs_portable_router()
-    spec = copy.deepcopy(spec)
-    found = []
+    return _rewrite_moe_specs(spec, EpMoELayer, {"ep_moe_backend": backend, "ep_moe_num_sms": num_sms},
+                              portable_router)
 
-    def visit(node: Any) -> None:
-        if isinstance(node, ModuleSpec):
-            if isinstance(node.module, type) and issubclass(node.module, MoELayer):
-                node.module = EpMoELayer
-                node.params = {**(node.params or {}), "ep_moe_backend": backend, "ep_moe_num_sms": num_sms}
-                router = getattr(node.submodules, "router", None)
-                if portable_router and router is TopKRouter:
-                    node.submodules.router = PortableTopKRouter
-                found.append(node)
-            visit(node.submodules)
-        elif isinstance(node, list | tuple):
-            for item in node:
-                visit(item)
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            for field in dataclasses.fields(node):
-                visit(getattr(node, field.name))
 
-    visit(spec)
-    if not found:
-        raise ValueError("ep_moe_spec: the spec has no MoELayer (build it with num_experts set)")
-    return spec
+def with_portable_router(spec: Any) -> Any:
+    """A copy of a Megatron spec whose MoE layers use `PortableTopKRouter` (their dispatcher unchanged)."""
+    return _rewrite_moe_specs(spec, None, {}, True)
 
 
 __all__ = [
@@ -456,4 +501,5 @@ __all__ = [
     "install_ep_moe_dispatcher",
     "megatron_core_version",
     "routing_map_to_topk",
+    "with_portable_router",
 ]

@@ -23,6 +23,8 @@ stream), and dynamo is disabled because Megatron wraps the flex dispatcher's pre
 from __future__ import annotations
 
 import copy
+import math
+import os
 import warnings
 
 import pytest
@@ -169,8 +171,21 @@ def _adversarial_routing(rank: int) -> torch.Tensor:
     return routing
 
 
+_SMOKE_RECIPE = {
+    "engine": "megatron",
+    "model": {"vocab_size": 32, "seq_length": 16, "num_layers": 1, "hidden_size": 16, "num_attention_heads": 2,
+              "moe_ffn_hidden_size": 32, "num_moe_experts": 4, "moe_router_topk": 2, "expert_model_parallel_size": 2,
+              "moe_shared_expert_intermediate_size": 16},
+    "train": {"global_batch_size": 8, "micro_batch_size": 2, "train_iters": 25, "eval_iters": 1, "nproc": 2,
+              "device": "cpu"},
+    "optimizer": {"lr": 1.0e-2, "weight_decay": 0.0},
+    "scheduler": {"lr_warmup_iters": 5, "lr_decay_style": "constant"},
+    "ep_moe": {"dispatcher_backend": "torch"},
+}
+
+
 # ------------------------------------------------------------------------------------------ the run
-def _megatron_worker(rank: int, world: int) -> dict:
+def _megatron_worker(rank: int, world: int, metrics_path: str) -> dict:
     warnings.filterwarnings("ignore")
     import torch._dynamo
 
@@ -179,7 +194,6 @@ def _megatron_worker(rank: int, world: int) -> dict:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe import fused_a2a
-    from megatron.core.transformer.spec_utils import build_module
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
     results: dict = {"version": integ.MEGATRON_CORE_VERSION}
@@ -187,7 +201,7 @@ def _megatron_worker(rank: int, world: int) -> dict:
     moe_spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
 
     # 1. ModuleSpec route.
-    layer = build_module(integ.ep_moe_spec(moe_spec, backend="torch"), config=_config("alltoall"))
+    layer = integ.ep_moe_spec(moe_spec, backend="torch")(config=_config("alltoall"))
     results["spec_types"] = (type(layer).__name__, type(layer.token_dispatcher).__name__,
                              type(layer.router).__name__)
     _load(layer, weights, rank)
@@ -195,7 +209,7 @@ def _megatron_worker(rank: int, world: int) -> dict:
     results["spec"] = _layer_errors(layer, ref_out, ref_grads, rank, world)
 
     # 2. Install into a built layer (allgather is the one Megatron dispatcher that builds on CPU).
-    built = build_module(moe_spec, config=_config("allgather"))
+    built = moe_spec(config=_config("allgather"))
     results["installed"] = integ.install_ep_moe_dispatcher(built, backend="torch")
     results["install_types"] = (type(built.token_dispatcher).__name__, type(built.router).__name__)
     _load(built, weights, rank)
@@ -221,15 +235,20 @@ def _megatron_worker(rank: int, world: int) -> dict:
     from megatron.core.transformer.moe import fused_a2a as reloaded
 
     results["deep_ep_after"] = reloaded.HAVE_DEEP_EP
-    flex_spec = copy.deepcopy(moe_spec)
-    flex_spec.submodules.router = integ.PortableTopKRouter
-    flex = build_module(flex_spec, config=_config("flex", moe_flex_dispatcher_backend="deepep"))
+    flex = integ.with_portable_router(moe_spec)(config=_config("flex", moe_flex_dispatcher_backend="deepep"))
     results["flex_types"] = (type(flex.token_dispatcher).__name__,)
     _load(flex, weights, rank)
     results["flex"] = _layer_errors(flex, ref_out, ref_grads, rank, world)
     results["flex_buffer"] = type(reloaded._buffer).__module__ + "." + type(reloaded._buffer).__name__
 
-    # 5. Errors.
+    # 5. The recipe's training loop (engine: megatron), a few steps in this process group.
+    from ep_moe.integrations import megatron_recipe
+
+    recipe = megatron_recipe.parse_recipe({**_SMOKE_RECIPE, "logger": {"metrics_path": metrics_path}})
+    summary = megatron_recipe.train_rank(recipe, torch.device("cpu"))
+    results["recipe"] = {k: summary[k] for k in ("losses", "eval_loss", "entropy_floor", "dispatcher")}
+
+    # 6. Errors.
     try:
         integ.EpMoETokenDispatcher(E // world, [rank * (E // world) + i for i in range(E // world)],
                                    _config("alltoall", shared=False, moe_expert_capacity_factor=1.0,
@@ -251,8 +270,9 @@ def _megatron_worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(_megatron_worker, 2, timeout_s=120, join_timeout_s=400)
+def results(tmp_path_factory) -> list[dict]:
+    metrics_path = str(tmp_path_factory.mktemp("megatron") / "metrics.jsonl")
+    return run_distributed(_megatron_worker, 2, metrics_path, timeout_s=120, join_timeout_s=400)
 
 
 def _assert_close(errors: dict[str, float], what: str) -> None:
@@ -302,3 +322,30 @@ def test_errors_name_the_problem(results):
     res = results[0]
     assert res["pad_error"] and "moe_pad_expert_input_to_capacity" in res["pad_error"]
     assert res["version_error"] and "0.12.3" in res["version_error"] and ">= 0.13" in res["version_error"]
+
+
+def test_recipe_training_loop_learns(results):
+    first = results[0]["recipe"]
+    assert first["dispatcher"] == "ep_moe" and results[1]["recipe"] == first  # every rank reports the same run
+    losses = first["losses"]
+    assert len(losses) == 25 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    assert first["eval_loss"] is not None and first["eval_loss"] > first["entropy_floor"]
+
+
+def test_recipe_file_and_errors():
+    import yaml
+    from ep_moe.integrations.megatron_recipe import parse_recipe
+
+    from ep_moe.train.config import RecipeError
+
+    path = os.path.join(os.path.dirname(__file__), "..", "recipes", "megatron-gpt-moe-ep2.yaml")
+    with open(path, encoding="utf-8") as f:
+        recipe = parse_recipe(yaml.safe_load(f))
+    assert recipe.model.moe_token_dispatcher == "ep_moe" and recipe.model.expert_model_parallel_size == 2
+    with pytest.raises(RecipeError, match="model.moe_router_topk"):
+        parse_recipe({"engine": "megatron", "model": {"moe_router_topk": 9}})
+    with pytest.raises(RecipeError, match="unknown key 'model.moe_dispatcher'"):
+        parse_recipe({"engine": "megatron", "model": {"moe_dispatcher": "ep_moe"}})
+    with pytest.raises(RecipeError, match="model.moe_token_dispatcher"):
+        parse_recipe({"engine": "megatron", "model": {"moe_token_dispatcher": "allgather"}})
