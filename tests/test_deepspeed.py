@@ -29,6 +29,7 @@ from ep_moe.distributed import run_distributed  # noqa: E402
 
 HIDDEN, FFN = 16, 24
 WORLD = 2
+_DEVICE = torch.device("cpu")  # set by the worker: the CPU (gloo) or this rank's GPU (NCCL)
 
 
 @dataclass(frozen=True)
@@ -116,18 +117,18 @@ def _build_deepspeed_moe(case: Case, rank: int):
     for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
         expert.load_state_dict(states[ep_rank * local + i])
     layer.train(case.training)
-    return layer.to(_dtype(case))
+    return layer.to(_DEVICE, _dtype(case))
 
 
 def _inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's input, the weights of its loss, and (optionally) a used-token mask."""
     gen = torch.Generator().manual_seed(50 + rank)
     shape = case.shape if "rank_tokens" not in case.extra else (case.extra["rank_tokens"][rank],)
-    x = torch.randn(*shape, HIDDEN, generator=gen).to(_dtype(case))
-    g = torch.randn(*shape, HIDDEN, generator=gen).to(_dtype(case))
+    x = torch.randn(*shape, HIDDEN, generator=gen).to(_DEVICE, _dtype(case))
+    g = torch.randn(*shape, HIDDEN, generator=gen).to(_DEVICE, _dtype(case))
     used = None
     if case.used_token:
-        used = (torch.rand(x.numel() // HIDDEN, generator=gen) > 0.3).float()
+        used = (torch.rand(x.numel() // HIDDEN, generator=gen) > 0.3).float().to(_DEVICE)
     return x, g, used
 
 
@@ -153,7 +154,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     if a.numel() == 0:
         return 0.0
-    return float((a.float() - b.float()).abs().max())
+    return float((a.float().cpu() - b.float().cpu()).abs().max())
 
 
 def _case_vs_deepspeed(case: Case, rank: int) -> dict:
@@ -241,9 +242,9 @@ def _case_vs_dense(case: Case, rank: int) -> dict:
     out, l_aux, counts, x_grad, grads = _run(ours, case, x, g, None, rank)
 
     states = _expert_states(case)
-    wg = ours.deepspeed_moe.gate.wg.weight
-    xs, ref_wg, experts, ref_outs, ref_l_aux = _dense_reference(case, [i[0] for i in all_inputs], wg, states)
-    loss = sum((o * i[1]).sum() + _aux_coef(case) * la for o, i, la in zip(ref_outs, all_inputs, ref_l_aux))
+    wg = ours.deepspeed_moe.gate.wg.weight.detach().cpu()
+    xs, ref_wg, experts, ref_outs, ref_l_aux = _dense_reference(case, [i[0].cpu() for i in all_inputs], wg, states)
+    loss = sum((o * i[1].cpu()).sum() + _aux_coef(case) * la for o, i, la in zip(ref_outs, all_inputs, ref_l_aux))
     loss.backward()
 
     gate_grad = grads["deepspeed_moe.gate.wg.weight"].clone()
@@ -257,19 +258,21 @@ def _case_vs_dense(case: Case, rank: int) -> dict:
             expert_grad = max(expert_grad, _max_diff(grads[key], _grad(p)))
     ref_counts = torch.zeros(case.num_experts, dtype=torch.int64)
     if x.shape[0]:
-        ref_idx = torch.topk(x @ wg.detach().t(), case.k, dim=1).indices
+        ref_idx = torch.topk(x.cpu() @ wg.t(), case.k, dim=1).indices
         ref_counts = torch.bincount(ref_idx.flatten(), minlength=case.num_experts)
     return {
         "out": _max_diff(out, ref_outs[rank].detach()),
         "l_aux": _max_diff(l_aux, ref_l_aux[rank].detach()) if x.shape[0] else 0.0,
-        "counts_equal": torch.equal(counts.long(), ref_counts),
+        "counts_equal": torch.equal(counts.long().cpu(), ref_counts),
         "x_grad": _max_diff(x_grad, _grad(xs[rank])), "gate_grad": _max_diff(gate_grad, ref_wg.grad),
         "expert_grad": expert_grad, "num_tokens": int(x.shape[0]),
     }
 
 
-def _layer_worker(rank: int, world_size: int) -> dict:
-    setup_deepspeed_env()
+def _layer_worker(rank: int, world_size: int, device_kind: str = "cpu") -> dict:
+    global _DEVICE
+    setup_deepspeed_env("cuda" if device_kind == "cuda" else "cpu")
+    _DEVICE = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
     from ep_moe.integrations import deepspeed as epds
 
     results: dict[str, dict | str] = {}
@@ -295,10 +298,10 @@ def _get(results: list[dict], name: str, rank: int) -> dict:
     return value
 
 
-@pytest.mark.parametrize("case", VS_DEEPSPEED, ids=lambda c: c.name)
-def test_equals_deepspeed_moe(layer_results, case: Case):
+def check_vs_deepspeed(results: list[dict], case: Case, tol: float = 1e-5) -> None:
+    """The assertions of `test_equals_deepspeed_moe` (``tol``: fp32 outputs/input grads; params 10x)."""
     for rank in range(WORLD):
-        r = _get(layer_results, case.name, rank)
+        r = _get(results, case.name, rank)
         where = f"{case.name} rank {rank}: {r}"
         if case.dtype == "bf16":
             # DeepSpeed sums the k weighted routes in fp32 and rounds once; ours rounds each rank's
@@ -306,9 +309,9 @@ def test_equals_deepspeed_moe(layer_results, case: Case):
             # and the bf16 expert GEMMs of different shapes may round differently: 2 ulps (2^-6 relative).
             assert r["out"] <= 2 ** -6 * max(r["out_scale"], 1.0), where
         else:
-            assert r["out"] <= 1e-5, where
-            assert r["x_grad"] <= 1e-5, where
-            assert r["param_grad"] <= 1e-4, where
+            assert r["out"] <= tol, where
+            assert r["x_grad"] <= tol, where
+            assert r["param_grad"] <= 10 * tol, where
         assert r["l_aux"] == 0.0, where
         assert r["counts_equal"], where
         assert r["grad_names_equal"], where
@@ -319,15 +322,24 @@ def test_equals_deepspeed_moe(layer_results, case: Case):
             assert r["zero_rows"] == 0, where
 
 
+def check_vs_dense(results: list[dict], case: Case, tol: float = 1e-5) -> None:
+    """The assertions of `test_dropless_equals_dense_reference`."""
+    for rank in range(WORLD):
+        r = _get(results, case.name, rank)
+        where = f"{case.name} rank {rank}: {r}"
+        assert r["out"] <= tol, where
+        assert r["l_aux"] <= tol / 10, where
+        assert r["counts_equal"], where
+        assert r["x_grad"] <= tol, where
+        assert r["gate_grad"] <= 10 * tol, where
+        assert r["expert_grad"] <= 10 * tol, where
+
+
+@pytest.mark.parametrize("case", VS_DEEPSPEED, ids=lambda c: c.name)
+def test_equals_deepspeed_moe(layer_results, case: Case):
+    check_vs_deepspeed(layer_results, case)
+
+
 @pytest.mark.parametrize("case", VS_DENSE, ids=lambda c: c.name)
 def test_dropless_equals_dense_reference(layer_results, case: Case):
-    for rank in range(WORLD):
-        r = _get(layer_results, case.name, rank)
-        where = f"{case.name} rank {rank}: {r}"
-        assert r["out"] <= 1e-5, where
-        assert r["l_aux"] <= 1e-6, where
-        assert r["counts_equal"], where
-        assert r["x_grad"] <= 1e-5, where
-        assert r["gate_grad"] <= 1e-4, where
-        assert r["expert_grad"] <= 1e-4, where
-
+    check_vs_dense(layer_results, case)

@@ -40,6 +40,7 @@ from ep_moe.distributed import run_distributed  # noqa: E402
 
 STEPS = 100
 LOSS_TOL = 1e-4
+_DEVICE = torch.device("cpu")  # set by the worker
 
 RECIPE = {
     "engine": "deepspeed",
@@ -59,12 +60,15 @@ RECIPE = {
 def _recipe(tmp: str, name: str, **model) -> dict:
     r = copy.deepcopy(RECIPE)
     r["model"].update(model)
+    if _DEVICE.type == "cuda":
+        r["train"]["device"] = "cuda"
+        r["ep_moe"]["dispatcher_backend"] = "auto"
     r["logger"]["metrics_path"] = os.path.join(tmp, f"{name}.jsonl")
     return r
 
 
 def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+    return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
 
 
 def _param_diff(a: dict, b: dict) -> float:
@@ -105,14 +109,16 @@ def _load_into(tmp: str, name: str, source: str, tag: str, want: dict) -> dict:
     """A fresh engine with ``moe_layer=name`` loads the checkpoint in ``source``: parameter difference."""
     from ep_moe.integrations.deepspeed_recipe import setup_engine
 
-    engine, _, _ = setup_engine(_recipe(tmp, f"load-{name}", moe_layer=name), torch.device("cpu"))
+    engine, _, _ = setup_engine(_recipe(tmp, f"load-{name}", moe_layer=name), _DEVICE)
     before = _param_diff(_params(engine.module), want)
     engine.load_checkpoint(source, tag=tag)
     return {"diff_before_load": before, "diff_after_load": _param_diff(_params(engine.module), want)}
 
 
-def _engine_worker(rank: int, world_size: int, tmp: str) -> dict:
-    setup_deepspeed_env()
+def _engine_worker(rank: int, world_size: int, tmp: str, device_kind: str = "cpu") -> dict:
+    global _DEVICE
+    setup_deepspeed_env("cuda" if device_kind == "cuda" else "cpu")
+    _DEVICE = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
     from ep_moe.integrations.deepspeed_recipe import train_rank
 
     out: dict = {}
@@ -122,7 +128,7 @@ def _engine_worker(rank: int, world_size: int, tmp: str) -> dict:
             for layer in ("deepspeed", "ep_moe"):
                 started = time.perf_counter()
                 result = train_rank(_recipe(tmp, f"{mode}-{layer}", moe_layer=layer, moe_drop_tokens=drop),
-                                    torch.device("cpu"))
+                                    _DEVICE)
                 out[f"{mode}/{layer}"] = {"losses": result["losses"], "seconds": time.perf_counter() - started,
                                           "train_seconds": result["seconds"]}
                 engines[(mode, layer)] = result["engine"]
@@ -143,16 +149,17 @@ def _engine_worker(rank: int, world_size: int, tmp: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def engine_results(tmp_path_factory) -> list[dict]:
-    tmp = str(tmp_path_factory.mktemp("deepspeed_engine"))
+def run_engine_group(tmp: str, device_kind: str = "cpu") -> list[dict]:
+    """Run `_engine_worker` on 2 ranks (gloo on the CPU, NCCL on 2 GPUs); print the timings and diffs."""
     started = time.perf_counter()
-    results = run_distributed(_engine_worker, 2, tmp, timeout_s=120, join_timeout_s=600)
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    results = run_distributed(_engine_worker, 2, tmp, device_kind, backend=backend, timeout_s=120,
+                              join_timeout_s=600)
     for rank, r in enumerate(results):
         if "error" in r:
             pytest.fail(f"rank {rank}: {r['error']}")
     r = results[0]
-    lines = [f"deepspeed engine group: {time.perf_counter() - started:.1f} s in all"]
+    lines = [f"deepspeed engine group ({device_kind}): {time.perf_counter() - started:.1f} s in all"]
     for key in ("capacity/deepspeed", "capacity/ep_moe", "dropless/deepspeed", "dropless/ep_moe"):
         lines.append(f"  {key}: {r[key]['seconds']:.1f} s incl. deepspeed.initialize, "
                      f"{r[key]['train_seconds']:.1f} s for {STEPS} steps")
@@ -163,33 +170,49 @@ def engine_results(tmp_path_factory) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("mode", ["capacity", "dropless"])
-def test_converges_like_deepspeed_moe(engine_results, mode):
-    r = engine_results[0]
+@pytest.fixture(scope="module")
+def engine_results(tmp_path_factory) -> list[dict]:
+    return run_engine_group(str(tmp_path_factory.mktemp("deepspeed_engine")))
+
+
+def check_convergence(results: list[dict], mode: str, tol: float = LOSS_TOL) -> None:
+    r = results[0]
     ours, theirs = r[f"{mode}/ep_moe"]["losses"], r[f"{mode}/deepspeed"]["losses"]
     assert len(ours) == len(theirs) == STEPS
     diffs = [abs(a - b) for a, b in zip(ours, theirs)]
     report = (f"{mode}: max |loss diff| {max(diffs):.2e} at step {diffs.index(max(diffs)) + 1}; first/last loss "
               f"ours {ours[0]:.4f}/{ours[-1]:.4f}, DeepSpeed {theirs[0]:.4f}/{theirs[-1]:.4f}")
-    assert max(diffs) <= LOSS_TOL, report
+    assert max(diffs) <= tol, report
     assert theirs[-1] < theirs[0] - 0.3, f"{report}: the run did not learn, so the comparison says little"
     # both ranks saw the same (all-reduced) losses
-    assert engine_results[1][f"{mode}/ep_moe"]["losses"] == ours
+    assert results[1][f"{mode}/ep_moe"]["losses"] == ours
 
 
-def test_zero2_groups_our_experts_as_moe_params(engine_results):
-    checks = engine_results[0]["engine"]
+def check_engine(results: list[dict]) -> None:
+    checks = results[0]["engine"]
     assert checks == {"zero_stage": 2, "layers_are_ours": True, "num_our_layers": 1,
                       "moe_groups_are_the_experts": True, "dense_has_no_expert": True,
                       "moe_groups_reduce_over_expert_dp": True, "expert_flags": True}, checks
-    assert engine_results[0]["deepspeed_engine_layers"] == 1
+    assert results[0]["deepspeed_engine_layers"] == 1
+
+
+def check_checkpoint(results: list[dict], direction: str) -> None:
+    for rank, r in enumerate(results):
+        c = r[f"ckpt {direction}"]
+        assert c["diff_before_load"] > 0, f"rank {rank}: a fresh model already equals the trained one: {c}"
+        assert c["diff_after_load"] == 0.0, f"rank {rank}: {c}"
+    assert results[0]["expert_files"] == [f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)]
+
+
+@pytest.mark.parametrize("mode", ["capacity", "dropless"])
+def test_converges_like_deepspeed_moe(engine_results, mode):
+    check_convergence(engine_results, mode)
+
+
+def test_zero2_groups_our_experts_as_moe_params(engine_results):
+    check_engine(engine_results)
 
 
 @pytest.mark.parametrize("direction", ["deepspeed->ep_moe", "ep_moe->deepspeed"])
 def test_moe_checkpoint_loads_across_layers(engine_results, direction):
-    for rank, r in enumerate(engine_results):
-        c = r[f"ckpt {direction}"]
-        assert c["diff_before_load"] > 0, f"rank {rank}: a fresh model already equals the trained one: {c}"
-        assert c["diff_after_load"] == 0.0, f"rank {rank}: {c}"
-    assert engine_results[0]["expert_files"] == [f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)]
-
+    check_checkpoint(engine_results, direction)

@@ -17,9 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def setup_deepspeed_env() -> None:
-    """Environment for DeepSpeed on CPU; call before importing deepspeed (also in spawned ranks)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def setup_deepspeed_env(accelerator: str = "cpu") -> None:
+    """Environment for DeepSpeed (``accelerator``: ``cpu`` or ``cuda``); call before importing deepspeed
+    (in spawned ranks too: they inherit the parent's variables, so this one is set, not defaulted)."""
+    os.environ["DS_ACCELERATOR"] = accelerator
     os.environ.setdefault("DS_BUILD_OPS", "0")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
 
