@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from test_core_support import Case, check, check_bits, make_inputs
 
 import ep_moe
 from ep_moe import Buffer, TokenDispatcher
-from ep_moe.distributed import free_port, run_distributed
+from ep_moe.distributed import run_distributed
 from ep_moe.reference import reference_dispatch
 
 META = torch.device("meta")
@@ -123,9 +124,10 @@ def _bad_calls(buffer: Buffer, solo: Buffer, x, idx, w, handle, solo_handle, wor
     ]
 
 
-def _errors_worker(rank: int, num_ranks: int) -> list[str]:
-    """Rank 0 alone makes every bad call; if any of them communicated, the group would be out of
-    step (and a 3 s deadline turns a wait for rank 1 into a TimeoutError, reported as a failure)."""
+def _bad_input_checks(rank: int, num_ranks: int) -> list[str]:
+    """Rank 0 alone makes every bad call while rank 1 waits at a barrier; had any bad call
+    communicated, rank 0 would hang there for the 3 s deadline (a TimeoutError, reported) and the
+    group would be out of step for the valid dispatch that follows."""
     case = Case("errors", (6, 9, 4, 5)[:num_ranks], 256, 2, 2 * num_ranks, "random", "bf16")
     inp = make_inputs(case, num_ranks, seed=11)
     x, idx, w, E = inp.x(rank), inp.idxs[rank], inp.weights[rank], case.experts
@@ -149,97 +151,102 @@ def _errors_worker(rank: int, num_ranks: int) -> list[str]:
                 failures.append(f"{label}: {type(exc).__name__} instead of {exc_type.__name__}: {exc}")
             else:
                 failures.append(f"{label}: no error")
-    # The group is still in step: a real dispatch now equals the reference on both ranks. (Rank 1
-    # waits for rank 0 at a barrier with a long deadline; the 3 s one is for the bad calls only.)
-    Buffer(backend="torch", timeout_s=60).barrier()
+    Buffer(backend="torch", timeout_s=60).barrier()  # rank 1 waits here (a long deadline)
+    # The group is still in step: a real dispatch equals the reference on both ranks.
     out = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     ref = reference_dispatch(inp.xs, inp.idxs, inp.weights, E)[rank]
-    check_bits(out[0], ref.recv_x, f"errors rank={rank}", "recv_x after the bad calls")
-    check_bits(out[4].recv_src_idx, ref.recv_src_idx, f"errors rank={rank}", "recv_src_idx after the bad calls")
+    try:
+        check_bits(out[0], ref.recv_x, f"rank {rank}", "recv_x after the bad calls")
+        check_bits(out[4].recv_src_idx, ref.recv_src_idx, f"rank {rank}", "recv_src_idx after the bad calls")
+    except AssertionError as exc:
+        failures.append(str(exc))
     return failures
 
 
-def test_bad_inputs_raise_before_communicating() -> None:
-    failures = run_distributed(_errors_worker, 2, join_timeout_s=120)
-    assert failures == [[], []], "\n".join(failures[0] + failures[1])
-
-
-# ------------------------------------------------------------------------------ num_worst_tokens too small
-def _capacity_worker(rank: int, num_ranks: int) -> str:
-    """Rank 0 receives 12 rows, rank 1 only 3; ``num_worst_tokens=6`` is too small for rank 0 only.
-    Every rank knows every rank's count after the notify all-gather, so every rank should raise the
-    ValueError (not only rank 0 while rank 1 waits for it in the next exchange)."""
-    tokens = 6
-    E = 2 * num_ranks
-    idx = torch.full((tokens, 2), -1, dtype=torch.int64)
-    idx[:, 0] = 0  # every token to rank 0
-    if rank == 0:
-        idx[:3, 1] = E - 1  # three also to rank 1
-    buffer = Buffer(backend="torch", timeout_s=3)
-    x = torch.randn(tokens, 128).bfloat16()
+def _outcome(call) -> str:
     try:
-        buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand(tokens, 2), num_experts=E, num_worst_tokens=6)
-    except Exception as exc:  # the outcome is what the test compares
+        call()
+    except Exception as exc:  # the outcome is what the tests compare
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
-def test_too_small_num_worst_tokens_raises_on_every_rank() -> None:
-    outcomes = run_distributed(_capacity_worker, 2, join_timeout_s=60)
-    for rank, outcome in enumerate(outcomes):
-        assert outcome.startswith("ValueError") and "num_worst_tokens" in outcome, f"rank {rank}: {outcome}"
+def _capacity_check(rank: int, num_ranks: int, group: dist.ProcessGroup) -> str:
+    """Rank 0 receives 12 rows, rank 1 only 3; ``num_worst_tokens=6`` is too small for rank 0 only.
+    Every rank knows every rank's count after the notify all-gather, so every rank should raise the
+    ValueError (not only rank 0 while rank 1 waits for it in the next exchange)."""
+    E, tokens = 2 * num_ranks, 6
+    idx = torch.full((tokens, 2), -1, dtype=torch.int64)
+    idx[:, 0] = 0  # every token to rank 0
+    if rank == 0:
+        idx[:3, 1] = E - 1  # three also to rank 1
+    buffer = Buffer(group, backend="torch", timeout_s=3)
+    x = torch.randn(tokens, 128).bfloat16()
+    return _outcome(lambda: buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand(tokens, 2), num_experts=E,
+                                            num_worst_tokens=6))
 
 
-# ------------------------------------------------------------------------------ a peer that never arrives
 TIMEOUT_S = 2.0
 
 
-def _timeout_worker(rank: int, num_ranks: int, done) -> tuple[str, float] | None:
+def _timeout_check(rank: int, num_ranks: int, group: dist.ProcessGroup, done) -> tuple[str, float] | None:
     """Rank 1 never dispatches (it stays alive, so the wait really times out rather than seeing a
     closed connection); rank 0 must get a TimeoutError naming the stage and itself."""
-    buffer = Buffer(backend="torch", timeout_s=TIMEOUT_S)
+    buffer = Buffer(group, backend="torch", timeout_s=TIMEOUT_S)
     if rank != 0:
         done.wait(timeout=30)
         return None
-    x = torch.randn(4, 128).bfloat16()
-    idx = torch.tensor([[0, 3]] * 4)
+    x, idx = torch.randn(4, 128).bfloat16(), torch.tensor([[0, 3]] * 4)
     start = time.monotonic()
     try:
-        buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand(4, 2), num_experts=4)
-        outcome = "no error"
-    except Exception as exc:  # the outcome is what the test checks
-        outcome = f"{type(exc).__name__}: {exc}"
+        outcome = _outcome(lambda: buffer.dispatch(x, topk_idx=idx, topk_weights=torch.rand(4, 2), num_experts=4))
     finally:
         done.set()
     return outcome, time.monotonic() - start
 
 
-def test_missing_peer_times_out_naming_stage_and_rank() -> None:
+def _errors_session(rank: int, num_ranks: int, done) -> dict:
+    """One spawn for the three scenarios. The last two abandon collectives, so each runs on its own
+    group whose short timeout (6 s) frees the ranks' exit from those collectives."""
+    short = timedelta(seconds=6)
+    capacity_group = dist.new_group(list(range(num_ranks)), timeout=short)
+    timeout_group = dist.new_group(list(range(num_ranks)), timeout=short)
+    return {"bad_inputs": _bad_input_checks(rank, num_ranks),
+            "capacity": _capacity_check(rank, num_ranks, capacity_group),
+            "timeout": _timeout_check(rank, num_ranks, timeout_group, done)}
+
+
+@pytest.fixture(scope="module")
+def errors_session() -> tuple[list[dict], float]:
     done = mp.get_context("spawn").Event()
     start = time.monotonic()
-    # The process group's own timeout (8 s) bounds how long the abandoned collective keeps rank 0
-    # from exiting; the buffer's 2 s deadline fires first.
-    results = run_distributed(_timeout_worker, 2, done, timeout_s=8, join_timeout_s=60)
-    outcome, waited = results[0]
+    results = run_distributed(_errors_session, 2, done, join_timeout_s=90)
+    return results, time.monotonic() - start
+
+
+def test_bad_inputs_raise_before_communicating(errors_session) -> None:
+    results, _ = errors_session
+    failures = results[0]["bad_inputs"] + results[1]["bad_inputs"]
+    assert not failures, "\n".join(failures)
+
+
+def test_too_small_num_worst_tokens_raises_on_every_rank(errors_session) -> None:
+    results, _ = errors_session
+    for rank, result in enumerate(results):
+        outcome = result["capacity"]
+        assert outcome.startswith("ValueError") and "num_worst_tokens" in outcome, f"rank {rank}: {outcome}"
+
+
+def test_missing_peer_times_out_naming_stage_and_rank(errors_session) -> None:
+    results, elapsed = errors_session
+    outcome, waited = results[0]["timeout"]
     assert outcome.startswith("TimeoutError"), outcome
     assert "rank 0" in outcome and "'dispatch/notify'" in outcome, outcome
     assert TIMEOUT_S * 0.9 <= waited <= TIMEOUT_S + 5, waited
-    assert time.monotonic() - start < 55
+    assert elapsed < 85  # the run returned (nothing waited for the join deadline)
 
 
 # ------------------------------------------------------------------------------ backend selection (in process)
-@pytest.fixture
-def solo_group():
-    """A world-size-1 gloo group in this process, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this test process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_backend_selection(solo_group, caplog) -> None:
     with pytest.raises(ValueError, match="'backend'"):
         Buffer(solo_group, backend="gloo")

@@ -146,3 +146,4 @@ def direct_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
                 in_rank[t, e // per_rank] = True
                 per_expert[e] += 1
     return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
+
