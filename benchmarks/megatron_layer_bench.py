@@ -1,0 +1,187 @@
+"""One Megatron-core MoE layer, forward + backward, with each token dispatcher, in the same run.
+
+    python benchmarks/megatron_layer_bench.py [--tokens 4096 --hidden 4096 --ffn 1024 --experts 16 --topk 4]
+
+spawns one rank per GPU (2 by default; NCCL) -- or runs under ``torchrun`` -- and times, on the same layer
+(Megatron's ``MoELayer``, local spec, SequentialMLP experts, `PortableTopKRouter`, bf16), weights and
+inputs:
+
+* ``alltoall``: Megatron's own ``MoEAlltoAllTokenDispatcher`` (permute + ``all_to_all_single``; its
+  fused permutation needs TransformerEngine, absent here, so it runs unfused);
+* ``flex+deepep``: Megatron's ``MoEFlexTokenDispatcher`` on ``ep_moe.compat.deep_ep``;
+* ``ep_moe[<backend>]``: `EpMoETokenDispatcher` (``install_ep_moe_dispatcher``) per ``--backends``.
+
+Each variant is checked against ``alltoall`` first (relative max difference of output and input
+gradient), then timed: ``--warmup`` untimed iterations, ``--iters`` timed ones with CUDA events around
+forward + backward, a barrier before each, inputs rotated among 3 sets; the median per rank, then the
+slowest rank's median. Printed last: a table with ms and the ratio to alltoall; ``--json PATH`` saves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=1024, help="each expert's FFN size")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--backends", default="auto,torch", help="ep_moe backends to time (comma separated)")
+    p.add_argument("--no-flex", action="store_true", help="skip Megatron's flex dispatcher")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
+    p.add_argument("--json", default=None, help="write the results here")
+    return p
+
+
+def _config(args, dispatcher: str, world: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    extra = {"moe_flex_dispatcher_backend": "deepep"} if dispatcher == "flex" else {}
+    return TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
+        moe_ffn_hidden_size=args.ffn, num_moe_experts=args.experts, moe_router_topk=args.topk,
+        moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=world,
+        moe_router_load_balancing_type="none", moe_router_dtype="fp32", add_bias_linear=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=False, **extra)
+
+
+def _bench(layer, inputs, grads, warmup: int, iters: int) -> float:
+    """Median milliseconds of one forward + backward on this rank."""
+    times = []
+    for i in range(warmup + iters):
+        x, g = inputs[i % len(inputs)], grads[i % len(grads)]
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out, _ = layer(x)
+        out.backward(g)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _check(layer, x, g) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach().requires_grad_(True)
+    out, _ = layer(x)
+    out.backward(g)
+    return out.detach().float(), x.grad.float()
+
+
+def run_rank(rank: int, world: int, args) -> dict:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import ep_moe.compat.deep_ep as compat
+
+    compat.install()
+    from ep_moe.integrations import megatron as integ
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(1234)
+    spec = integ.with_portable_router(get_moe_module_spec(use_te=False, num_experts=args.experts,
+                                                          moe_grouped_gemm=False))
+    torch.manual_seed(1234)
+    layer = spec(config=_config(args, "alltoall", world)).cuda()
+    dtype = next(layer.parameters()).dtype
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+    shape = (args.tokens, 1, args.hidden)
+    inputs = [torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3)]
+    grads = [torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3)]
+    with torch.no_grad():  # a router that spreads tokens over every expert
+        layer.router.weight.normal_(0, 1.0 / args.hidden ** 0.5, generator=gen)
+        dist.broadcast(layer.router.weight, 0)
+
+    variants = [("alltoall", layer.token_dispatcher)]
+    for backend in [b for b in args.backends.split(",") if b]:
+        integ.install_ep_moe_dispatcher(layer, backend=backend)
+        label = f"ep_moe[{layer.token_dispatcher.buffer.backend_name}]"  # "auto" says what it chose
+        if label not in dict(variants):
+            variants.append((label, layer.token_dispatcher))
+    layer.token_dispatcher = variants[0][1]
+    flex = None
+    if not args.no_flex:
+        flex = spec(config=_config(args, "flex", world)).cuda()
+        flex.load_state_dict(layer.state_dict())
+
+    reference = _check(layer, inputs[0], grads[0])
+    rows = []
+    for name, dispatcher in variants + ([("flex+deepep", None)] if flex is not None else []):
+        target = flex if dispatcher is None else layer
+        if dispatcher is not None:
+            layer.token_dispatcher = dispatcher
+        out, grad = _check(target, inputs[0], grads[0])
+        diff = max((out - reference[0]).abs().max().item() / reference[0].abs().max().item(),
+                   (grad - reference[1]).abs().max().item() / reference[1].abs().max().item())
+        ms = torch.tensor(_bench(target, inputs, grads, args.warmup, args.iters), device="cuda")
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        rows.append({"dispatcher": name, "ms": ms.item(), "max_rel_diff_vs_alltoall": diff})
+    integ.destroy_ep_buffers()
+    return {"rows": rows, "megatron_core": integ.MEGATRON_CORE_VERSION, "world": world,
+            "gpu": torch.cuda.get_device_name(), "args": vars(args)}
+
+
+def _spawned(rank: int, world: int, args_dict: dict) -> dict:
+    return run_rank(rank, world, argparse.Namespace(**args_dict))
+
+
+def _table(result: dict) -> str:
+    a = result["args"]
+    base = next(r["ms"] for r in result["rows"] if r["dispatcher"] == "alltoall")
+    lines = [f"MoE layer fwd+bwd, {result['world']} x {result['gpu']}, megatron-core {result['megatron_core']}: "
+             f"{a['tokens']} tokens/rank, hidden {a['hidden']}, {a['experts']} experts (ffn {a['ffn']}), "
+             f"top-{a['topk']}, {a['dtype']}; median of {a['iters']}",
+             "| dispatcher | ms | vs alltoall | max rel diff vs alltoall |", "| --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['dispatcher']} | {r['ms']:.3f} | {base / r['ms']:.2f}x | {r['max_rel_diff_vs_alltoall']:.2e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if torch.cuda.device_count() < 1:
+        print("megatron_layer_bench: needs CUDA GPUs", file=sys.stderr)
+        return 2
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        result = run_rank(dist.get_rank(), dist.get_world_size(), args)
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        from ep_moe.distributed import run_distributed
+
+        if torch.cuda.device_count() < args.nproc:
+            print(f"megatron_layer_bench: --nproc {args.nproc} needs as many GPUs", file=sys.stderr)
+            return 2
+        result = run_distributed(_spawned, args.nproc, vars(args), backend="nccl", timeout_s=600,
+                                 join_timeout_s=3000)[0]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    print(_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
