@@ -264,13 +264,13 @@ def _dataset(recipe: MegatronRecipe):
 
 def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     """Train on this rank of an initialised process group; returns the run's summary (same on all ranks)."""
+    _quiet_megatron()
     from ep_moe.integrations.megatron import destroy_ep_buffers
     from megatron.core import parallel_state
 
     from ep_moe.train.data import rank_slice
     from ep_moe.train.schedule import lr_at
 
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     m, t, o, s = recipe.model, recipe.train, recipe.optimizer, recipe.scheduler
@@ -407,7 +407,13 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ entry points
+def _quiet_megatron() -> None:
+    """Megatron warns at import that TransformerEngine/Apex are missing (by design here)."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+
 def _spawned(rank: int, world: int, data: dict, name: str, device: str) -> dict[str, Any]:
+    _quiet_megatron()
     recipe = parse_recipe(data, name)
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     return train_rank(recipe, dev)
