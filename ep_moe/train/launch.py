@@ -156,13 +156,18 @@ def preflight(recipe, world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         raw = read_yaml(args.recipe)
         overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
         data = apply_overrides(raw, overrides)
         engine = engine_of(data)
         if engine != "ep_moe":
+            if args.print_config:  # another engine's schema: print the raw recipe with the overrides
+                import yaml
+
+                print(yaml.safe_dump(data, sort_keys=False), end="")
+                return 0
             return run_engine(engine, data)
         recipe = recipe_from_dict(data, os.path.dirname(os.path.abspath(args.recipe)),
                                   os.path.splitext(os.path.basename(args.recipe))[0])
