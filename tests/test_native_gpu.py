@@ -260,8 +260,10 @@ def _timeout_worker(rank: int, world: int) -> str:
     idx = torch.rand(64, 16, device=device).topk(2, 1).indices
     w = torch.rand(64, 2, device=device)
     messages = []
-    # 1) rank 1 skips a dispatch: rank 0 times out in the count exchange (host waits there).
+    # 1) rank 1 skips a dispatch: rank 0 times out in the count exchange (host waits there). One
+    # dispatch together first: the first call sizes the symmetric buffer, collectively.
     buf = Buffer(backend="native", timeout_s=2.0)
+    buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
     if rank == 0:
         start = time.monotonic()
         with pytest.raises(NativeTimeoutError) as info:

@@ -102,8 +102,9 @@ class NativeBackend(CommBackend):
             self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9))
             self._data: SymmetricBuffer | None = None
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
-            # rows a handle's calls need in a buffer (from the shared count matrix), by its route tensor
-            self._route_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+            # rows a handle's calls need in a buffer (from the shared count matrix), by id of its route
+            # tensor while that tensor lives (tensors cannot be weak dict keys: their == is elementwise)
+            self._route_rows: dict[int, int] = {}
             if num_nvl_bytes > 0:
                 self._data = SymmetricBuffer(group, device, num_nvl_bytes)
             self._notify_done = torch.cuda.Event()
@@ -180,9 +181,14 @@ class NativeBackend(CommBackend):
         self._retired.append(self._data)
         self._data = SymmetricBuffer(self.group, self.device, needed + needed // 4)
 
+    def _remember_rows(self, route: torch.Tensor, rows: int) -> None:
+        key = id(route)
+        self._route_rows[key] = rows
+        weakref.finalize(route, self._route_rows.pop, key, None)
+
     def _rows_bound(self, handle: DispatchHandle, route: torch.Tensor) -> int | None:
         """Rows a handle's calls need in any rank's buffer, where every rank knows it the same way."""
-        known = self._route_rows.get(route)
+        known = self._route_rows.get(id(route))
         if known is not None:
             return known
         if handle.num_worst_tokens:
@@ -256,8 +262,8 @@ class NativeBackend(CommBackend):
             # Every rank sees the same matrix, so all grow together (or none does).
             most_received = max(sum(counts[s][r] for s in range(num_ranks)) for r in range(num_ranks))
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
-            self._route_rows[route] = max(most_received, most_sent_away)
-            self._fit(self._route_rows[route], hidden, x.element_size(), num_scales, num_topk)
+            self._remember_rows(route, max(most_received, most_sent_away))
+            self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         local_experts = num_experts // num_ranks
         dev = x.device
