@@ -128,7 +128,7 @@ def _inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     g = torch.randn(*shape, HIDDEN, generator=gen).to(_DEVICE, _dtype(case))
     used = None
     if case.used_token:
-        used = (torch.rand(x.numel() // HIDDEN, generator=gen) > 0.3).float().to(_DEVICE)
+        used = (torch.rand(x.numel() // HIDDEN, generator=gen) > 0.3).long().to(_DEVICE)  # 0.16 needs int
     return x, g, used
 
 
