@@ -42,12 +42,13 @@ ATOL = 1e-6
 def _config(dispatcher_type: str, shared: bool = True, **extra):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    kwargs = dict(
         num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
         num_moe_experts=E, moe_router_topk=K, moe_token_dispatcher_type=dispatcher_type,
         moe_shared_expert_intermediate_size=SHARED_FFN if shared else None,
         expert_model_parallel_size=2, moe_router_load_balancing_type="none", add_bias_linear=False,
-        use_cpu_initialization=True, params_dtype=torch.float32, **extra)
+        use_cpu_initialization=True, params_dtype=torch.float32)
+    return TransformerConfig(**{**kwargs, **extra})
 
 
 def _global_weights() -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """ep_moe in Megatron-core on 2 GPUs (NCCL), against Megatron's own alltoall dispatcher.
 
 * Same layer, same weights, same inputs (4 experts, top-2, a shared expert; fp32): Megatron's alltoall
-  dispatcher, then ``install_ep_moe_dispatcher`` (backend "auto": the native kernels where built, else
-  torch over NCCL), then Megatron's flex dispatcher on ``ep_moe.compat.deep_ep``. Outputs and every
+  dispatcher, then ``install_ep_moe_dispatcher`` (backend ``$EP_MOE_TEST_BACKEND``, default "auto": the
+  native kernels where built, else torch over NCCL), then Megatron's flex dispatcher on ``ep_moe.compat.deep_ep``. Outputs and every
   gradient agree with alltoall to 1e-5 (fp32: the paths differ only in the order of the sums over a
   token's experts and in GEMM row blocking). Also with ``moe_shared_expert_overlap`` (our dispatcher runs
   Megatron's shared-expert hooks on their side stream) and in bf16 (relative 2e-2: bf16 rounding of
@@ -15,8 +15,8 @@
   0.02 nats (about 1% of a loss near 2) -- far below the ~1.5 nats both runs learn, and far above what
   rounding alone gives, so only a real difference in what is computed fails it.
 
-Run on the 2-GPU machine (megatron-core carried as wheels): ``python -m pytest -q -m gpu
-tests/test_megatron_gpu.py``.
+Run on the 2-GPU machine (megatron-core carried as wheels): ``python -m pytest -q -s -m gpu
+tests/test_megatron_gpu.py`` (``EP_MOE_TEST_BACKEND=torch|native`` forces a backend; default "auto").
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 FP32_ATOL = 1e-5
+BACKEND = os.environ.get("EP_MOE_TEST_BACKEND", "auto")  # the ep_moe.Buffer backend under test
 BF16_RTOL = 2e-2
 
 
@@ -82,7 +83,7 @@ def _gpu_layers(rank: int, world: int) -> dict:
         layer = spec(config=_config("alltoall", **extra)).cuda()
         _load(layer, weights, rank)
         reference = _run_layer(layer, rank, dtype)
-        integ.install_ep_moe_dispatcher(layer, backend="auto")
+        integ.install_ep_moe_dispatcher(layer, backend=BACKEND)
         ours = _run_layer(layer, rank, dtype)
         results[label] = _max_diff(ours, reference, relative=dtype != torch.float32)
         results[label + ":backend"] = layer.token_dispatcher.buffer.backend_name
@@ -115,6 +116,7 @@ def _recipe(dispatcher: str, metrics_path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f)
     data["model"]["moe_token_dispatcher"] = dispatcher
+    data["ep_moe"] = {"dispatcher_backend": BACKEND}
     data["train"].update(train_iters=100, eval_interval=0, eval_iters=2, device="cuda", precision="fp32")
     data["checkpoint"] = {"save": None}
     data["logger"] = {"log_interval": 25, "metrics_path": metrics_path}
