@@ -517,6 +517,12 @@ def run(recipe: dict) -> list[dict[str, Any]]:
 def train(recipe: dict) -> int:
     """The trainer's entry point for ``engine: deepspeed``: 0 on success, 1 when a synthetic run misses
     ``train.target_loss_gap`` or training fails, 2 for a bad recipe."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        print("ep-moe train: engine 'deepspeed' needs DeepSpeed: "
+              "DS_BUILD_OPS=0 pip install torch==<your torch> deepspeed==0.19.8", file=sys.stderr)
+        return 2
     try:
         r = resolve_recipe(recipe)
         results = run(r)

@@ -8,7 +8,6 @@ build still happen, ``TORCH_EXTENSIONS_DIR`` points it into the repo's git-ignor
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -26,8 +25,7 @@ def setup_deepspeed_env(accelerator: str = "cpu") -> None:
 
 
 def require_deepspeed() -> None:
-    """Skip the calling test module when DeepSpeed is not installed."""
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install torch==<torch> deepspeed==0.19.8)",
-                    allow_module_level=True)
+    """Skip the calling test module when DeepSpeed is not installed (or does not import)."""
     setup_deepspeed_env()
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed "
+                        "(DS_BUILD_OPS=0 pip install torch==<your torch> deepspeed==0.19.8)")
