@@ -21,6 +21,10 @@ Two modes, chosen by DeepSpeed's own ``drop_tokens`` argument:
 
 Not supported (clear errors): tensor-parallel non-expert layers (``groups.mpu`` with TP > 1) and
 expert tensor parallelism. ``use_tutel=True`` is accepted and ignored (the movement is ep_moe's).
+
+Tested with DeepSpeed 0.19.8 (per-route gate output) and 0.16.9 (dense ``[S, E, C]`` gate output,
+converted here); on 0.16.9 DeepSpeed's own gate fails for ``k >= 3`` with ``drop_tokens=False``, so
+dropless top-3+ needs a newer DeepSpeed.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised only without deepspeed
     raise ImportError(
         "ep_moe.integrations.deepspeed needs DeepSpeed: "
-        "DS_BUILD_OPS=0 pip install torch==<your torch> 'deepspeed>=0.19'") from _exc
+        "DS_BUILD_OPS=0 pip install torch==<your torch> deepspeed==0.19.8") from _exc
 
 from ep_moe.buffer import Buffer
 from ep_moe.dispatcher import TokenDispatcher
