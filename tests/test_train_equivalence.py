@@ -6,7 +6,10 @@ Tolerances, and why:
 * The same data-parallel split at EP 1 over 4 ranks and on 1 rank with 4 accumulated micro-batches:
   **bit for bit**. With ``train.deterministic`` the trainer adds the ranks' gradients in rank order, which
   is the order in which one rank accumulates its micro-batches, and every micro-batch is computed by the
-  same kernels on the same rows.
+  same kernels on the same rows. (The aux loss is the per-sequence one here: the global aux loss uses
+  token counts over the ranks of one micro-step, so it depends on the split by design, as in Megatron.)
+  With the aux-loss-free expert bias on, this also checks that the bias is updated once per optimizer
+  step from the counts of all micro-batches.
 * EP 1, 2 and 4 (4 ranks): the step-0 loss is bit for bit the same (the forward is the same arithmetic:
   a token's expert outputs are combined in fp32 in expert order at every EP size). After that the
   expert-weight gradients are summed in a different order (one GEMM over the rows of all the EP group's
@@ -34,6 +37,9 @@ BASE = ["model.vocab_size=32", "model.seq_length=32", "model.moe_router_load_bal
         f"train.train_iters={STEPS}", "train.eval_iters=0", "train.deterministic=true", "optimizer.lr=1e-2",
         "scheduler.lr_warmup_iters=5", "logger.progress_bar=false", "checkpoint.save_interval=25"]
 FORCED = ["model.moe_router_force_load_balancing=true"]
+# Learned routing with the aux-loss-free expert bias: one rank accumulating 4 micro-batches must update the
+# bias once per optimizer step (from the counts of all 4), like 4 ranks with one micro-batch each.
+LEARNED = ["model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=1e-2"]
 
 
 def _recipe(tmp: str, name: str, world: int, extra: list[str]):
@@ -77,7 +83,7 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict:
     cpu = torch.device("cpu")
     out = {}
     for name, ep, extra in [("forced_ep2", 2, FORCED), ("forced_ep4", 4, FORCED), ("forced_ep1", 1, FORCED),
-                            ("learned_ep1", 1, []), ("learned_ep4", 4, [])]:
+                            ("learned_ep1", 1, LEARNED), ("learned_ep4", 4, LEARNED)]:
         out[name] = train_rank(_recipe(tmp, name, world, [f"model.expert_model_parallel_size={ep}"] + extra),
                                cpu).losses
     ckpt = os.path.join(tmp, "forced_ep2", "step_0000025")
@@ -94,7 +100,7 @@ def _one_rank(rank: int, world: int, tmp: str) -> dict:
 
     return {name: train_rank(_recipe(tmp, name, 1, ["model.expert_model_parallel_size=1"] + extra),
                              torch.device("cpu")).losses
-            for name, extra in [("forced_w1", FORCED), ("learned_w1", [])]}
+            for name, extra in [("forced_w1", FORCED), ("learned_w1", LEARNED)]}
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:

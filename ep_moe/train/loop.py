@@ -192,8 +192,12 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
             f"ep-moe train: {ps.world_size} rank(s) on {device.type}, EP {ps.ep_size} x DP {ps.expert_dp_size}, "
             f"{n_params:,} parameters, global batch {t.global_batch_size} x {recipe.model.seq_length} tokens "
             f"(micro {t.micro_batch_size}, accumulation {accum}), {t.train_iters} steps; {dataset.describe()}")
+        backend = model.buffer.backend_name if model.buffer is not None else "none (EP 1: all experts local)"
+        progress.message(f"dispatcher backend: {backend}; metrics: {recipe.metrics_path()}")
         if resumed_from:
             progress.message(f"resumed from {resumed_from} at step {start_step}")
+        elif recipe.checkpoint.resume:
+            progress.message(f"no checkpoint in {recipe.checkpoint.save} yet: starting at step 0")
         metrics.write({"kind": "run", "step": start_step, "world_size": ps.world_size, "ep_size": ps.ep_size,
                        "entropy_floor": floor, "resumed_from": resumed_from, "recipe": recipe.to_dict()})
 
