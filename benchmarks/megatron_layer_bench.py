@@ -8,7 +8,8 @@ inputs:
 
 * ``alltoall``: Megatron's own ``MoEAlltoAllTokenDispatcher`` (permute + ``all_to_all_single``; its
   fused permutation needs TransformerEngine, absent here, so it runs unfused);
-* ``flex+deepep``: Megatron's ``MoEFlexTokenDispatcher`` on ``ep_moe.compat.deep_ep``;
+* ``flex+deepep``: Megatron's ``MoEFlexTokenDispatcher`` on ``ep_moe.compat.deep_ep`` (its backend:
+  ``$EP_MOE_BACKEND``, default "auto");
 * ``ep_moe[<backend>]``: `EpMoETokenDispatcher` (``install_ep_moe_dispatcher``) per ``--backends``.
 
 Each variant is checked against ``alltoall`` first (relative max difference of output and input
@@ -133,6 +134,10 @@ def run_rank(rank: int, world: int, args) -> dict:
                    (grad - reference[1]).abs().max().item() / reference[1].abs().max().item())
         ms = torch.tensor(_bench(target, inputs, grads, args.warmup, args.iters), device="cuda")
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        if dispatcher is None:  # say which ep_moe backend the compat module's Buffer chose
+            from megatron.core.transformer.moe import fused_a2a
+
+            name = f"flex+deepep[{fused_a2a._buffer.backend_name}]"
         rows.append({"dispatcher": name, "ms": ms.item(), "max_rel_diff_vs_alltoall": diff})
     integ.destroy_ep_buffers()
     return {"rows": rows, "megatron_core": integ.MEGATRON_CORE_VERSION, "world": world,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import json
 import math
 import os
@@ -276,10 +277,8 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     m, t, o, s = recipe.model, recipe.train, recipe.optimizer, recipe.scheduler
     _check_world(recipe, world, device.type)
     if device.type == "cpu":
-        import torch._dynamo
-
         # Megatron wraps parts of its MoE code in torch.compile; on CPU that means C++ builds per shape.
-        torch._dynamo.config.disable = True
+        importlib.import_module("torch._dynamo").config.disable = True
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(expert_model_parallel_size=m.expert_model_parallel_size)
     elif parallel_state.get_expert_model_parallel_world_size() != m.expert_model_parallel_size:

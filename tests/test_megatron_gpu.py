@@ -63,6 +63,7 @@ def _max_diff(a: dict, b: dict, relative: bool) -> dict[str, float]:
 def _gpu_layers(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("EP_MOE_BACKEND", BACKEND)  # the compat module's Buffer (flex path) too
     import ep_moe.compat.deep_ep as compat
 
     compat.install()
@@ -93,6 +94,9 @@ def _gpu_layers(rank: int, world: int) -> dict:
             _load(flex, weights, rank)
             results[label + ":flex"] = _max_diff(_run_layer(flex, rank, dtype), reference,
                                                  relative=dtype != torch.float32)
+            from megatron.core.transformer.moe import fused_a2a
+
+            results[label + ":flex:backend"] = fused_a2a._buffer.backend_name
     integ.destroy_ep_buffers()
     return results
 
@@ -100,7 +104,8 @@ def _gpu_layers(rank: int, world: int) -> dict:
 def test_ours_and_flex_match_alltoall_on_gpu():
     results = run_distributed(_gpu_layers, 2, backend="nccl", timeout_s=300, join_timeout_s=600)
     for rank, res in enumerate(results):
-        print(f"rank {rank} megatron-core {res['version']} backend {res['fp32:backend']}")
+        print(f"rank {rank} megatron-core {res['version']} backend {res['fp32:backend']} "
+              f"(flex: {res['fp32:flex:backend']})")
         for label, limit in (("fp32", FP32_ATOL), ("fp32-overlap", FP32_ATOL), ("bf16", BF16_RTOL),
                              ("fp32:flex", FP32_ATOL), ("bf16:flex", BF16_RTOL)):
             worst = max(res[label].items(), key=lambda kv: kv[1])
