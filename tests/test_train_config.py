@@ -92,12 +92,16 @@ def test_cross_field_rules():
     assert "scheduler.min_lr" in _error({}, ["scheduler.min_lr=1.0"])
     assert "checkpoint.resume: needs checkpoint.save" in _error({}, ["checkpoint.resume=true"])
     assert "ep_moe.num_sms: must be even" in _error({}, ["ep_moe.num_sms=3"])
+    assert "one 0/1 flag per layer (2)" in _error({}, ["model.moe_layer_freq=[1, 0, 1]"])
+    assert "ep_moe.num_worst_tokens: the ep_moe engine's model" in _error({}, ["ep_moe.num_worst_tokens=64"])
 
 
 def test_per_layer_num_sms_from_the_recipe_or_a_plan_file(tmp_path):
     base = {"model": {"num_layers": 4, "moe_layer_freq": 2}}  # MoE layers 0 and 2
     assert per_layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=8"]))) == [8, 8]
     assert per_layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=[8, 16]"]))) == [8, 16]
+    flags = apply_overrides(base, ["model.moe_layer_freq=[0, 1, 1, 1]", "ep_moe.num_sms=[2, 4, 6]"])
+    assert per_layer_num_sms(recipe_from_dict(flags)) == [2, 4, 6]
     with pytest.raises(RecipeError, match="one entry per MoE layer"):
         per_layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=[8, 16, 4]"])))
     plan = tmp_path / "plan.json"

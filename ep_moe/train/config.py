@@ -41,7 +41,7 @@ class ModelSection:
     moe_ffn_hidden_size: int = 128
     num_moe_experts: int = 8
     moe_router_topk: int = 2
-    moe_layer_freq: int = 1
+    moe_layer_freq: int | list[int] = 1   # MoE in layers 0, N, 2N, ... or a 0/1 flag per layer
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
@@ -57,6 +57,10 @@ class ModelSection:
     init_method_std: float = 0.02
     norm_epsilon: float = 1e-5
     params_dtype: Literal["float32", "bfloat16"] = "float32"
+    moe_router_pre_softmax: bool = False
+    moe_shared_expert_gate: bool = False
+    moe_grouped_gemm: bool = True          # False: always the per-expert loop
+    untie_embeddings_and_output_weights: bool = False
     # Parallelism (not a ModelConfig field): EP groups of this many contiguous ranks.
     expert_model_parallel_size: int = 1
 
@@ -112,6 +116,7 @@ class DatasetSection:
     """``synthetic`` (the built-in topic Markov corpus, the default) or ``text`` (any .txt file)."""
 
     type: Literal["synthetic", "text"] = "synthetic"
+    seed: int | None = None           # data seed (corpus and batch order); None = rng.seed
     # synthetic
     num_topics: int = 4               # topic tags are tokens 0..num_topics-1
     order: int = 1                    # Markov order of each topic's chain (1 or 2)
@@ -152,6 +157,8 @@ class EpMoeSection:
     dispatcher_backend: Literal["auto", "torch", "native"] = "auto"
     num_sms: int | list[int] = 0      # SMs for dispatch/combine: one for all MoE layers or one per MoE layer
     tuning_plan: str | None = None    # YAML/JSON file with ``num_sms: N`` or ``num_sms: [per layer]``
+    # Dispatcher options that ep_moe.layers does not take yet: the ep_moe engine accepts only the defaults
+    # (its experts choose the alignment: 16 rows for torch._grouped_mm on CUDA, else 1).
     expert_alignment: int = 1
     num_worst_tokens: int = 0
 
@@ -412,7 +419,7 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         ("model.num_layers", m.num_layers, 1), ("model.hidden_size", m.hidden_size, 1),
         ("model.num_attention_heads", m.num_attention_heads, 1), ("model.ffn_hidden_size", m.ffn_hidden_size, 1),
         ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, 1), ("model.num_moe_experts", m.num_moe_experts, 1),
-        ("model.moe_router_topk", m.moe_router_topk, 1), ("model.moe_layer_freq", m.moe_layer_freq, 1),
+        ("model.moe_router_topk", m.moe_router_topk, 1),
         ("model.expert_model_parallel_size", m.expert_model_parallel_size, 1),
         ("train.global_batch_size", t.global_batch_size, 1), ("train.micro_batch_size", t.micro_batch_size, 1),
         ("train.train_iters", t.train_iters, 1), ("train.eval_interval", t.eval_interval, 0),
@@ -424,6 +431,13 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         ("ep_moe.num_worst_tokens", e.num_worst_tokens, 0),
     ]:
         _require(value >= low, path, f"must be >= {low}, got {value}")
+    if isinstance(m.moe_layer_freq, list):
+        _require(len(m.moe_layer_freq) == m.num_layers and set(m.moe_layer_freq) <= {0, 1}, "model.moe_layer_freq",
+                 f"a list needs one 0/1 flag per layer ({m.num_layers}), got {m.moe_layer_freq}")
+    else:
+        _require(m.moe_layer_freq >= 1, "model.moe_layer_freq", f"must be >= 1, got {m.moe_layer_freq}")
+    if d.seed is not None:
+        _require(d.seed >= 0, "dataset.seed", f"must be >= 0, got {d.seed}")
     _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
              f"must be divisible by model.num_attention_heads={m.num_attention_heads}, got {m.hidden_size}")
     _require(m.moe_router_topk <= m.num_moe_experts, "model.moe_router_topk",
@@ -463,6 +477,10 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     if t.eval_iters > 0 and d.type == "text":
         _require(d.split[1] > 0, "dataset.split", "needs a validation fraction > 0 when train.eval_iters > 0")
     _require(not c.resume or c.save is not None, "checkpoint.resume", "needs checkpoint.save (where to look)")
+    for key, value, default in (("expert_alignment", e.expert_alignment, 1), ("num_worst_tokens", e.num_worst_tokens, 0)):
+        _require(value == default, f"ep_moe.{key}",
+                 f"the ep_moe engine's model (ep_moe.layers.MoETransformer) does not take this dispatcher option yet "
+                 f"(its experts choose the row alignment themselves); leave it at {default}, got {value}")
     if isinstance(e.num_sms, list):
         _require(all(n >= 0 and n % 2 == 0 for n in e.num_sms), "ep_moe.num_sms",
                  f"must be even numbers >= 0, got {e.num_sms}")
@@ -473,7 +491,9 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
 
 
 def num_moe_layers(model: ModelSection) -> int:
-    """MoE layers are layers ``i`` with ``i % moe_layer_freq == 0`` (Megatron's integer frequency)."""
+    """MoE layers: ``i % moe_layer_freq == 0`` for an int (Megatron's frequency), else the layers flagged 1."""
+    if isinstance(model.moe_layer_freq, list):
+        return sum(model.moe_layer_freq)
     return sum(1 for i in range(model.num_layers) if i % model.moe_layer_freq == 0)
 
 

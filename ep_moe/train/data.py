@@ -252,11 +252,12 @@ class TextDataset:
 def build_dataset(recipe) -> SyntheticCorpus | TextDataset:
     """The dataset a `Recipe` asks for."""
     d, m = recipe.dataset, recipe.model
+    seed = recipe.rng.seed if d.seed is None else d.seed
     if d.type == "synthetic":
         return SyntheticCorpus(m.vocab_size, m.seq_length, d.num_topics, d.order, d.branching, d.concentration,
-                               recipe.rng.seed)
+                               seed)
     return TextDataset(recipe.resolve_path(d.path), m.seq_length, m.vocab_size, d.tokenizer,
-                       (d.split[0], d.split[1]), recipe.rng.seed)
+                       (d.split[0], d.split[1]), seed)
 
 
 def rank_slice(global_batch: torch.Tensor, rank: int, world_size: int, micro_batch_size: int,

@@ -201,6 +201,14 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
         metrics.write({"kind": "run", "step": start_step, "world_size": ps.world_size, "ep_size": ps.ep_size,
                        "entropy_floor": floor, "resumed_from": resumed_from, "recipe": recipe.to_dict()})
 
+    if start_step >= t.train_iters:
+        progress.close()
+        result.summary = (f"nothing to train: the checkpoint is at step {start_step} >= train.train_iters="
+                          f"{t.train_iters} (raise train.train_iters to continue)")
+        if is_main:
+            print(result.summary, flush=True)
+        return result
+
     stop = StopRequest()
     tokens_per_step = recipe.tokens_per_step
     scale = 1.0 / (accum * ps.world_size)
