@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_core_support import Case, check, check_bits, check_equal, direct_layout, make_inputs, small_ints
+from test_core_support import (
+    Case,
+    check,
+    check_bits,
+    check_equal,
+    direct_layout,
+    direct_receiver_view,
+    make_inputs,
+    small_ints,
+)
 
 from ep_moe import Buffer, DispatchHandle, EventOverlap
 from ep_moe.backends.base import DispatchResult
@@ -26,7 +35,7 @@ def _cases(num_ranks: int) -> list[Case]:
     ts = TOKENS[:R]
     return [
         Case("random-bf16", ts, 640, 4, 4 * R, "random", "bf16", alignment=4),
-        Case("random-fp32", ts, 96, 2, 2 * R, "random", "fp32", alignment=128),
+        Case("random-fp32", ts, 96, 3, 2 * R, "random", "fp32", alignment=128),  # up to 3 ranks per token
         Case("random-fp8", ts, 384, 3, 3 * R, "random", "fp8", alignment=4),
         Case("all-minus-one", ts, 128, 2, 2 * R, "all_minus_one", "bf16", alignment=4),
         Case("one-expert", ts, 384, 3, 3 * R, "one_expert", "fp32", alignment=4),
@@ -90,6 +99,12 @@ def _run_case(buffer: Buffer, rank: int, num_ranks: int, case: Case, seed: int) 
                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=a)
         _check_fresh_dispatch(out, refs[a][rank], f"{where} align={a}", R)
         handle = out[4]
+        # The receiver's view again, from the raw inputs (the reference shares ep_moe.layout).
+        want_idx, want_w, want_counts = direct_receiver_view(inp.idxs, inp.weights, handle.recv_src_rank,
+                                                             handle.recv_src_idx, rank, E, R, a)
+        check_bits(out[1], want_idx, where, f"recv_topk_idx (direct, align={a})")
+        check_bits(out[2], want_w, where, f"recv_topk_weights (direct, align={a})")
+        check(out[3] == want_counts, where, f"counts {out[3]} != direct {want_counts} (align={a})")
     exact_out = out
     ref, all_refs = refs[alignments[-1]][rank], refs[alignments[-1]]
     # Without the layout tensors (computed inside from topk_idx and num_experts): the same.
@@ -107,7 +122,9 @@ def _run_case(buffer: Buffer, rank: int, num_ranks: int, case: Case, seed: int) 
     ydtype = torch.bfloat16 if case.dtype in ("fp8", "bf16") else torch.float32
     gen = torch.Generator().manual_seed(seed * 104729)
     num_recv = [r.recv_x.shape[0] for r in all_refs]
-    ys = [torch.randn(n, H, generator=gen).to(ydtype) for n in num_recv]
+    # Rows of very different magnitudes: fp32 sums of three or more then depend on their order.
+    ys = [(torch.randn(n, H, generator=gen) * 10.0 ** torch.randint(-4, 5, (n, 1), generator=gen)).to(ydtype)
+          for n in num_recv]
     yws = [torch.rand(n, case.topk, generator=gen) for n in num_recv]
     bias0 = [torch.randn(t, H, generator=gen).to(ydtype) for t in case.tokens]
     bias1 = [torch.randn(t, H, generator=gen).to(ydtype) for t in case.tokens]

@@ -147,3 +147,26 @@ def direct_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
                 per_expert[e] += 1
     return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
 
+
+
+def direct_receiver_view(idxs: list[torch.Tensor], weights: list[torch.Tensor], src_rank: torch.Tensor,
+                         src_idx: torch.Tensor, rank: int, num_experts: int, num_ranks: int, alignment: int):
+    """What rank ``rank`` must see for the rows it received from (``src_rank``, ``src_idx``), computed
+    from the raw inputs without `ep_moe.layout` (which the reference shares with the backend):
+    ``(recv_topk_idx, recv_topk_weights, aligned counts per local expert)``."""
+    per_rank = num_experts // num_ranks
+    first = rank * per_rank
+    rows_idx, rows_w = [], []
+    for s, t in zip(src_rank.tolist(), src_idx.tolist()):
+        ids, ws = idxs[s][t].tolist(), weights[s][t]
+        local = [first <= e < first + per_rank for e in ids]
+        rows_idx.append([e - first if ok else -1 for e, ok in zip(ids, local)])
+        rows_w.append(torch.where(torch.tensor(local, dtype=torch.bool), ws, torch.zeros_like(ws)))
+    num_topk = idxs[0].shape[1]
+    recv_idx = torch.tensor(rows_idx, dtype=torch.int64).reshape(-1, num_topk)
+    recv_w = torch.stack(rows_w) if rows_w else torch.zeros(0, num_topk)
+    counts = []
+    for e in range(first, first + per_rank):
+        pairs = sum(int((idx == e).sum()) for idx in idxs)
+        counts.append(-(-pairs // alignment) * alignment)
+    return recv_idx, recv_w, counts
