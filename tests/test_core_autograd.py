@@ -172,6 +172,15 @@ def _dispatcher_layout(buffer: Buffer, rank: int, num_ranks: int) -> int:
             xi = small_ints(T, H, x.dtype, torch.Generator().manual_seed(seed * 5 + rank))
             for worst in (0, sum(case.tokens) + 2):
                 where = f"{case.name} align={alignment} worst={worst} R={R} rank={rank}"
+                # The differentiable op's forward is the Buffer's dispatch (padding rows aside).
+                out = ep_moe.dispatch(buffer, x, idx, w, E, alignment, worst)
+                n = ref.recv_x.shape[0]
+                check(out.recv_x.shape[0] == (worst or n), where, "ep_moe.dispatch rows")
+                check_bits(out.recv_x[:n], ref.recv_x, where, "ep_moe.dispatch recv_x")
+                check_bits(out.recv_topk_idx[:n], ref.recv_topk_idx, where, "ep_moe.dispatch recv_topk_idx")
+                check_bits(out.recv_topk_weights[:n], ref.recv_topk_weights, where, "ep_moe.dispatch weights")
+                check_bits(out.num_recv_tokens_per_expert, want_counts, where, "ep_moe.dispatch counts")
+                check_bits(out.handle.recv_src_idx[:n], ref.recv_src_idx, where, "ep_moe.dispatch handle")
                 dispatcher = TokenDispatcher(buffer, E, alignment, worst)
                 expert_input, expert_probs, tokens_per_expert, ctx = dispatcher.dispatch(x, idx, w)
                 m = want_x.shape[0]
