@@ -52,13 +52,23 @@ def _config(args, dispatcher: str, world: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    extra = {"moe_flex_dispatcher_backend": "deepep"} if dispatcher == "flex" else {}
-    return TransformerConfig(
+    from ep_moe.integrations.megatron import flex_deepep_config
+
+    kwargs = dict(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
         moe_ffn_hidden_size=args.ffn, num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=world,
         moe_router_load_balancing_type="none", moe_router_dtype="fp32", add_bias_linear=False,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=False, **extra)
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=False)
+    if dispatcher == "flex":
+        kwargs.update(flex_deepep_config())
+    return TransformerConfig(**kwargs)
+
+
+def _build(spec, **kwargs):
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
 
 
 def _bench(layer, inputs, grads, warmup: int, iters: int) -> float:
@@ -101,7 +111,8 @@ def run_rank(rank: int, world: int, args) -> dict:
     spec = integ.with_portable_router(get_moe_module_spec(use_te=False, num_experts=args.experts,
                                                           moe_grouped_gemm=False))
     torch.manual_seed(1234)
-    layer = spec(config=_config(args, "alltoall", world)).cuda()
+    layer = _build(spec, config=_config(args, "alltoall", world)).cuda()
+    integ.use_portable_routers(layer)
     dtype = next(layer.parameters()).dtype
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     shape = (args.tokens, 1, args.hidden)
@@ -120,7 +131,8 @@ def run_rank(rank: int, world: int, args) -> dict:
     layer.token_dispatcher = variants[0][1]
     flex = None
     if not args.no_flex:
-        flex = spec(config=_config(args, "flex", world)).cuda()
+        flex = _build(spec, config=_config(args, "flex", world)).cuda()
+        integ.use_portable_routers(flex)
         flex.load_state_dict(layer.state_dict())
 
     reference = _check(layer, inputs[0], grads[0])

@@ -117,6 +117,17 @@ def _quantization_alignment(config: Any) -> int:
     return int(fp8_utils.get_fp8_align_size(config.fp8_recipe))
 
 
+def flex_deepep_config() -> dict[str, Any]:
+    """``TransformerConfig`` keywords that select Megatron's flex dispatcher with its DeepEP backend (run it
+    on ep_moe with ``ep_moe.compat.deep_ep``); the keyword changed in megatron-core 0.16."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if "moe_flex_dispatcher_backend" in names:
+        return {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "deepep"}
+    return {"moe_token_dispatcher_type": "flex", "moe_enable_deepep": True}
+
+
 # ------------------------------------------------------------------------------------------ buffers
 _buffers: dict[tuple[Any, str], Buffer] = {}
 
@@ -307,12 +318,14 @@ class PortableTopKRouter(TopKRouter):
     """
 
     def gating(self, input: Tensor) -> Tensor:  # noqa: A002 (Megatron's argument name)
+        bias = getattr(self, "bias", None)  # routers before 0.15 have no bias
         if self.weight.device != input.device:  # Megatron creates router weights on CPU
             self.weight.data = self.weight.data.to(input.device)
-            if self.bias is not None:
-                self.bias.data = self.bias.data.to(input.device)
-        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
-        bias = self.bias.to(dtype) if self.bias is not None else None
+            if bias is not None:
+                bias.data = bias.data.to(input.device)
+        router_dtype = getattr(self.config, "moe_router_dtype", None)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(router_dtype, input.dtype)
+        bias = bias.to(dtype) if bias is not None else None
         return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
@@ -334,6 +347,18 @@ def _moe_layers(model: torch.nn.Module | Iterable[torch.nn.Module]) -> Iterator[
         for module in chunk.modules():
             if isinstance(module, MoELayer):
                 yield module
+
+
+def use_portable_routers(model: torch.nn.Module | Iterable[torch.nn.Module]) -> int:
+    """Make every plain ``TopKRouter`` of a built model a `PortableTopKRouter` (same parameters; only
+    ``gating`` differs). For megatron-core < 0.16, whose ``MoESubmodules`` has no router to put in a spec.
+    Returns how many routers changed."""
+    count = 0
+    for layer in _moe_layers(model):
+        if type(layer.router) is TopKRouter:
+            layer.router.__class__ = PortableTopKRouter
+            count += 1
+    return count
 
 
 def install_ep_moe_dispatcher(model: torch.nn.Module | Iterable[torch.nn.Module], backend: str = "auto", *,
@@ -361,11 +386,11 @@ def install_ep_moe_dispatcher(model: torch.nn.Module | Iterable[torch.nn.Module]
         if old.shared_experts is not None:
             new.set_shared_experts(old.shared_experts)
         layer.token_dispatcher = new
-        if portable_router and type(layer.router) is TopKRouter:
-            layer.router.__class__ = PortableTopKRouter  # adds no state: only ``gating`` differs
         count += 1
     if count == 0:
         raise ValueError("install_ep_moe_dispatcher: the model has no megatron MoELayer")
+    if portable_router:
+        use_portable_routers(model)
     return count
 
 
@@ -393,13 +418,17 @@ class EpMoELayer(MoELayer):
     submodules=MoESubmodules(...), params={"ep_moe_backend": "auto"})`` (or use `ep_moe_spec`).
 
     Args (beyond ``MoELayer``'s): ep_moe_backend: the `ep_moe.Buffer` backend; ep_moe_num_sms: SMs per
-    dispatch/combine (0 = default).
+    dispatch/combine (0 = default); ep_moe_portable_router: make a plain ``TopKRouter`` a
+    `PortableTopKRouter`.
     """
 
-    def __init__(self, *args: Any, ep_moe_backend: str = "auto", ep_moe_num_sms: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ep_moe_backend: str = "auto", ep_moe_num_sms: int = 0,
+                 ep_moe_portable_router: bool = False, **kwargs: Any) -> None:
         factory = functools.partial(EpMoETokenDispatcher, backend=ep_moe_backend, num_sms=ep_moe_num_sms)
         with _moe_layer_builds(factory):
             super().__init__(*args, **kwargs)
+        if ep_moe_portable_router and type(self.router) is TopKRouter:  # < 0.15: no router in MoESubmodules
+            self.router.__class__ = PortableTopKRouter
         if not isinstance(self.token_dispatcher, EpMoETokenDispatcher):  # a Megatron that builds it elsewhere
             old = self.token_dispatcher
             groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
@@ -471,8 +500,7 @@ def _rewrite_moe_specs(spec: Any, layer_cls: type | None, params: dict[str, Any]
 
 def ep_moe_spec(spec: Any, backend: str = "auto", *, num_sms: int = 0, portable_router: bool | None = None) -> Any:
     """A copy of a Megatron layer/block/MoE spec in which every ``MoELayer`` is an `EpMoELayer` (and, per
-    ``portable_router``, as in `install_ep_moe_dispatcher`, routers are `PortableTopKRouter`; needs a
-    megatron-core whose ``MoESubmodules`` has a router, >= 0.15).
+    ``portable_router``, as in `install_ep_moe_dispatcher`, routers are `PortableTopKRouter`).
 
     Example: ``GPTModel(config, ep_moe_spec(get_gpt_layer_local_spec(num_experts=8)), ...)``.
     Note: megatron-core 0.16's ``TransformerLayer`` hands ``pg_collection`` only to an ``MoELayer`` spec
@@ -481,12 +509,14 @@ def ep_moe_spec(spec: Any, backend: str = "auto", *, num_sms: int = 0, portable_
     """
     if portable_router is None:
         portable_router = _needs_portable_router()
-    return _rewrite_moe_specs(spec, EpMoELayer, {"ep_moe_backend": backend, "ep_moe_num_sms": num_sms},
-                              portable_router)
+    params = {"ep_moe_backend": backend, "ep_moe_num_sms": num_sms, "ep_moe_portable_router": portable_router}
+    return _rewrite_moe_specs(spec, EpMoELayer, params, portable_router)
 
 
 def with_portable_router(spec: Any) -> Any:
-    """A copy of a Megatron spec whose MoE layers use `PortableTopKRouter` (their dispatcher unchanged)."""
+    """A copy of a Megatron spec whose MoE layers use `PortableTopKRouter` (their dispatcher unchanged).
+    Where ``MoESubmodules`` has no router (< 0.16) this changes nothing: call `use_portable_routers` on
+    the built model."""
     return _rewrite_moe_specs(spec, None, {}, True)
 
 
@@ -497,9 +527,11 @@ __all__ = [
     "PortableTopKRouter",
     "destroy_ep_buffers",
     "ep_moe_spec",
+    "flex_deepep_config",
     "get_ep_buffer",
     "install_ep_moe_dispatcher",
     "megatron_core_version",
     "routing_map_to_topk",
+    "use_portable_routers",
     "with_portable_router",
 ]

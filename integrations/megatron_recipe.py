@@ -178,13 +178,11 @@ def _layer_spec(recipe: MegatronRecipe):
 
 
 def _transformer_config(recipe: MegatronRecipe, device: str):
+    from ep_moe.integrations.megatron import flex_deepep_config
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = recipe.model
-    extra: dict[str, Any] = {}
-    if m.moe_token_dispatcher == "flex_deepep":
-        extra["moe_flex_dispatcher_backend"] = "deepep"
-    return TransformerConfig(
+    kwargs: dict[str, Any] = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.moe_ffn_hidden_size, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
@@ -192,11 +190,13 @@ def _transformer_config(recipe: MegatronRecipe, device: str):
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff if m.moe_router_load_balancing_type != "none" else 0.0,
         moe_z_loss_coeff=m.moe_z_loss_coeff, moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_token_dispatcher_type="flex" if m.moe_token_dispatcher == "flex_deepep" else "alltoall",
-        moe_router_dtype="fp32", expert_model_parallel_size=m.expert_model_parallel_size,
-        normalization=m.normalization, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=m.init_method_std, use_cpu_initialization=True, params_dtype=torch.float32,
-        perform_initialization=True, **extra)
+        moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+        expert_model_parallel_size=m.expert_model_parallel_size, normalization=m.normalization,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=m.init_method_std,
+        use_cpu_initialization=True, params_dtype=torch.float32, perform_initialization=True)
+    if m.moe_token_dispatcher == "flex_deepep":
+        kwargs.update(flex_deepep_config())
+    return TransformerConfig(**kwargs)
 
 
 def _init_experts(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> None:
@@ -228,6 +228,9 @@ def build_model(recipe: MegatronRecipe, device: torch.device):
     model = GPTModel(config=_transformer_config(recipe, device.type), transformer_layer_spec=_layer_spec(recipe),
                      vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
                      position_embedding_type=m.position_embedding_type, share_embeddings_and_output_weights=False)
+    from ep_moe.integrations.megatron import use_portable_routers
+
+    use_portable_routers(model)  # megatron-core < 0.16 cannot take the router from the spec
     _init_experts(model, recipe.rng.seed, m.init_method_std, m.num_layers)
     return model.to(device)
 

@@ -51,6 +51,13 @@ def _config(dispatcher_type: str, shared: bool = True, **extra):
     return TransformerConfig(**{**kwargs, **extra})
 
 
+def _build(spec, **kwargs):
+    """Build a Megatron spec: a ``ModuleSpec`` (callable only from 0.16) or a builder (0.19)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
+
+
 def _global_weights() -> dict[str, torch.Tensor]:
     """Every expert's weights (the same on every rank), scaled so activations stay O(1)."""
     gen = torch.Generator().manual_seed(1234)
@@ -202,7 +209,7 @@ def _megatron_worker(rank: int, world: int, metrics_path: str) -> dict:
     moe_spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
 
     # 1. ModuleSpec route.
-    layer = integ.ep_moe_spec(moe_spec, backend="torch")(config=_config("alltoall"))
+    layer = _build(integ.ep_moe_spec(moe_spec, backend="torch"), config=_config("alltoall"))
     results["spec_types"] = (type(layer).__name__, type(layer.token_dispatcher).__name__,
                              type(layer.router).__name__)
     _load(layer, weights, rank)
@@ -210,7 +217,7 @@ def _megatron_worker(rank: int, world: int, metrics_path: str) -> dict:
     results["spec"] = _layer_errors(layer, ref_out, ref_grads, rank, world)
 
     # 2. Install into a built layer (allgather is the one Megatron dispatcher that builds on CPU).
-    built = moe_spec(config=_config("allgather"))
+    built = _build(moe_spec, config=_config("allgather"))
     results["installed"] = integ.install_ep_moe_dispatcher(built, backend="torch")
     results["install_types"] = (type(built.token_dispatcher).__name__, type(built.router).__name__)
     _load(built, weights, rank)
@@ -236,7 +243,8 @@ def _megatron_worker(rank: int, world: int, metrics_path: str) -> dict:
     from megatron.core.transformer.moe import fused_a2a as reloaded
 
     results["deep_ep_after"] = reloaded.HAVE_DEEP_EP
-    flex = integ.with_portable_router(moe_spec)(config=_config("flex", moe_flex_dispatcher_backend="deepep"))
+    flex = _build(integ.with_portable_router(moe_spec), config=_config("flex", **integ.flex_deepep_config()))
+    integ.use_portable_routers(flex)  # megatron-core < 0.16 has no router in MoESubmodules
     results["flex_types"] = (type(flex.token_dispatcher).__name__,)
     _load(flex, weights, rank)
     results["flex"] = _layer_errors(flex, ref_out, ref_grads, rank, world)

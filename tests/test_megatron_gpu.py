@@ -71,7 +71,7 @@ def _gpu_layers(rank: int, world: int) -> dict:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from test_megatron_dispatcher import _config, _global_weights, _load
+    from test_megatron_dispatcher import _build, _config, _global_weights, _load
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
     model_parallel_cuda_manual_seed(1)
@@ -81,7 +81,8 @@ def _gpu_layers(rank: int, world: int) -> dict:
     for label, dtype, overlap in (("fp32", torch.float32, False), ("fp32-overlap", torch.float32, True),
                                   ("bf16", torch.bfloat16, False)):
         extra = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16, "moe_shared_expert_overlap": overlap}
-        layer = spec(config=_config("alltoall", **extra)).cuda()
+        layer = _build(spec, config=_config("alltoall", **extra)).cuda()
+        integ.use_portable_routers(layer)
         _load(layer, weights, rank)
         reference = _run_layer(layer, rank, dtype)
         integ.install_ep_moe_dispatcher(layer, backend=BACKEND)
@@ -90,7 +91,8 @@ def _gpu_layers(rank: int, world: int) -> dict:
         results[label + ":backend"] = layer.token_dispatcher.buffer.backend_name
         if not overlap:
             flex_extra = {k: v for k, v in extra.items() if k != "moe_shared_expert_overlap"}
-            flex = spec(config=_config("flex", moe_flex_dispatcher_backend="deepep", **flex_extra)).cuda()
+            flex = _build(spec, config=_config("flex", **integ.flex_deepep_config(), **flex_extra)).cuda()
+            integ.use_portable_routers(flex)
             _load(flex, weights, rank)
             results[label + ":flex"] = _max_diff(_run_layer(flex, rank, dtype), reference,
                                                  relative=dtype != torch.float32)
