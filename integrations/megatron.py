@@ -43,7 +43,9 @@ log = logging.getLogger("ep_moe")
 MIN_MEGATRON_CORE = (0, 13)
 """The six-method ``MoETokenDispatcher`` interface appeared in megatron-core 0.13."""
 
-TESTED_MEGATRON_CORE = {"0.16.1": "CPU (gloo, 2 ranks; CI)", "0.19.2": "GPU (2 x H200, NCCL)"}
+TESTED_MEGATRON_CORE = {"0.13.1": "CPU (gloo, 2 ranks)", "0.14.0": "CPU (gloo, 2 ranks)",
+                        "0.15.0": "CPU (gloo, 2 ranks)", "0.16.1": "CPU (gloo, 2 ranks; CI)",
+                        "0.19.2": "GPU (2 x H200, NCCL)"}
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
