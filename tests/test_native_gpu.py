@@ -104,81 +104,100 @@ def assert_bits_equal(name: str, a, b) -> None:
 
 
 # ------------------------------------------------------------------------------------------ workers
-def _equality_worker(rank: int, world: int, num_cases: int) -> int:
-    from ep_moe import Buffer, Config
+def _all_ok(ok: bool, side_group) -> bool:
+    """Whether every rank's case passed (over gloo, so that it never mixes with a pending NCCL call)."""
+    flag = torch.tensor([0 if ok else 1])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=side_group)
+    return int(flag) == 0
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    nat = Buffer(backend="native")
+
+def _equality_worker(rank: int, world: int, num_cases: int) -> int:
+    from ep_moe import Buffer
+
+    nat = Buffer(backend="native", timeout_s=20.0)  # a failing peer surfaces in 20 s, not 100
     ref = Buffer(backend="torch")
     assert nat.backend_name == "native", nat.backend_name
-    checked = 0
+    side_group = torch.distributed.new_group(backend="gloo")
     for index in range(num_cases):
-        case = make_case(index)
-        data, idx, weights = make_inputs(case, rank, world, device, seed=index)
-        x = data[0] if isinstance(data, tuple) else data
-        worst = 0
-        if case["worst"]:
-            worst = world * max(case["tokens"], 1) + 5
-        config = Config(num_sms=case["num_sms"])
-        label = f"case {index} {case}"
-        # layout kernel equals the torch layout
-        from ep_moe.layout import dispatch_layout
-        lay_ref = dispatch_layout(idx, case["experts"], world)
-        lay_nat = nat.backend.get_dispatch_layout(idx, case["experts"])
-        for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), lay_nat, lay_ref):
-            assert_bits_equal(f"{label} layout {name}", a, b)
-        per_rank, _, per_expert, in_rank, _ = nat.get_dispatch_layout(idx, case["experts"])
-        outs = []
-        for buf in (nat, ref):
-            outs.append(buf.dispatch(data, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                     num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights,
-                                     expert_alignment=case["alignment"], num_worst_tokens=worst, config=config))
-        (rx_n, ri_n, rw_n, cnt_n, h_n, _), (rx_r, ri_r, rw_r, cnt_r, h_r, _) = outs
-        if isinstance(rx_n, tuple):
-            assert_bits_equal(f"{label} recv_x", rx_n[0], rx_r[0])
-            assert_bits_equal(f"{label} recv_scales", rx_n[1], rx_r[1])
-        else:
-            assert_bits_equal(f"{label} recv_x", rx_n, rx_r)
-        assert_bits_equal(f"{label} recv_topk_idx", ri_n, ri_r)
-        assert_bits_equal(f"{label} recv_topk_weights", rw_n, rw_r)
-        assert cnt_n == cnt_r, f"{label} counts {cnt_n} != {cnt_r}"
-        assert_bits_equal(f"{label} rank_prefix_matrix", h_n.rank_prefix_matrix, h_r.rank_prefix_matrix)
-        assert_bits_equal(f"{label} recv_src_idx", h_n.recv_src_idx, h_r.recv_src_idx)
-        assert_bits_equal(f"{label} recv_src_rank", h_n.recv_src_rank, h_r.recv_src_rank)
-        assert h_n.num_recv_tokens == h_r.num_recv_tokens
-
-        # combine: y in the dispatch dtype (bf16 for FP8), weights, optional biases of either dtype
-        rows = rx_r[0].shape[0] if isinstance(rx_r, tuple) else rx_r.shape[0]
-        y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
-        g = torch.Generator(device=device).manual_seed(index * 31 + rank)
-        y = torch.randn(rows, case["hidden"], generator=g, device=device).to(y_dtype)
-        num_tokens = x.shape[0]
-        bias = None
-        if case["bias"] == 1:
-            bias = torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype)
-        elif case["bias"] == 2:
-            bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
-                    torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
-        c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
-        c_r, cw_r, _ = ref.combine(y, h_r, topk_weights=rw_r, bias=bias, config=config)
-        assert_bits_equal(f"{label} combined", c_n, c_r)
-        assert_bits_equal(f"{label} combined_weights", cw_n, cw_r)
-
-        # cached dispatch of fresh data with the same layout
-        if index % 3 == 0:
-            data2, _, _ = make_inputs(case, rank, world, device, seed=index + 100_000)
-            cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
-            cx_r = ref.dispatch(data2, handle=h_r, config=config)[0]
-            if isinstance(cx_n, tuple):
-                assert_bits_equal(f"{label} cached recv_x", cx_n[0], cx_r[0])
-                assert_bits_equal(f"{label} cached recv_scales", cx_n[1], cx_r[1])
-            else:
-                assert_bits_equal(f"{label} cached recv_x", cx_n, cx_r)
-        checked += 1
+        error = None
+        try:
+            _check_case(rank, world, index, nat, ref)
+        except Exception as exc:  # every rank stops at the same case, with this rank's reason
+            error = exc
+        if not _all_ok(error is None, side_group):
+            raise AssertionError(f"case {index} {make_case(index)} failed on "
+                                 f"{'this rank' if error is not None else 'another rank'}") from error
     nat.barrier()
     nat.destroy()
     ref.destroy()
-    return checked
+    return num_cases
+
+
+def _check_case(rank: int, world: int, index: int, nat, ref) -> None:
+    from ep_moe import Config
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    case = make_case(index)
+    data, idx, weights = make_inputs(case, rank, world, device, seed=index)
+    x = data[0] if isinstance(data, tuple) else data
+    worst = 0
+    if case["worst"]:
+        worst = world * max(case["tokens"], 1) + 5
+    config = Config(num_sms=case["num_sms"])
+    label = f"case {index} {case}"
+    # layout kernel equals the torch layout
+    from ep_moe.layout import dispatch_layout
+    lay_ref = dispatch_layout(idx, case["experts"], world)
+    lay_nat = nat.backend.get_dispatch_layout(idx, case["experts"])
+    for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), lay_nat, lay_ref):
+        assert_bits_equal(f"{label} layout {name}", a, b)
+    per_rank, _, per_expert, in_rank, _ = nat.get_dispatch_layout(idx, case["experts"])
+    outs = []
+    for buf in (nat, ref):
+        outs.append(buf.dispatch(data, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights,
+                                 expert_alignment=case["alignment"], num_worst_tokens=worst, config=config))
+    (rx_n, ri_n, rw_n, cnt_n, h_n, _), (rx_r, ri_r, rw_r, cnt_r, h_r, _) = outs
+    if isinstance(rx_n, tuple):
+        assert_bits_equal(f"{label} recv_x", rx_n[0], rx_r[0])
+        assert_bits_equal(f"{label} recv_scales", rx_n[1], rx_r[1])
+    else:
+        assert_bits_equal(f"{label} recv_x", rx_n, rx_r)
+    assert_bits_equal(f"{label} recv_topk_idx", ri_n, ri_r)
+    assert_bits_equal(f"{label} recv_topk_weights", rw_n, rw_r)
+    assert cnt_n == cnt_r, f"{label} counts {cnt_n} != {cnt_r}"
+    assert_bits_equal(f"{label} rank_prefix_matrix", h_n.rank_prefix_matrix, h_r.rank_prefix_matrix)
+    assert_bits_equal(f"{label} recv_src_idx", h_n.recv_src_idx, h_r.recv_src_idx)
+    assert_bits_equal(f"{label} recv_src_rank", h_n.recv_src_rank, h_r.recv_src_rank)
+    assert h_n.num_recv_tokens == h_r.num_recv_tokens
+
+    # combine: y in the dispatch dtype (bf16 for FP8), weights, optional biases of either dtype
+    rows = rx_r[0].shape[0] if isinstance(rx_r, tuple) else rx_r.shape[0]
+    y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(index * 31 + rank)
+    y = torch.randn(rows, case["hidden"], generator=g, device=device).to(y_dtype)
+    num_tokens = x.shape[0]
+    bias = None
+    if case["bias"] == 1:
+        bias = torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype)
+    elif case["bias"] == 2:
+        bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
+                torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
+    c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
+    c_r, cw_r, _ = ref.combine(y, h_r, topk_weights=rw_r, bias=bias, config=config)
+    assert_bits_equal(f"{label} combined", c_n, c_r)
+    assert_bits_equal(f"{label} combined_weights", cw_n, cw_r)
+
+    # cached dispatch of fresh data with the same layout
+    if index % 3 == 0:
+        data2, _, _ = make_inputs(case, rank, world, device, seed=index + 100_000)
+        cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
+        cx_r = ref.dispatch(data2, handle=h_r, config=config)[0]
+        if isinstance(cx_n, tuple):
+            assert_bits_equal(f"{label} cached recv_x", cx_n[0], cx_r[0])
+            assert_bits_equal(f"{label} cached recv_scales", cx_n[1], cx_r[1])
+        else:
+            assert_bits_equal(f"{label} cached recv_x", cx_n, cx_r)
 
 
 def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:

@@ -25,9 +25,12 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "ep_moe.native: launching ", what, " failed: ", cudaGetErrorString(err));
 }
 
+bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+// The data pointer of an optional tensor (null when absent, or when empty: never dereferenced then).
 template <typename T>
 T* ptr_or_null(const OptTensor& t, const char* name) {
-  if (!t.has_value() || !t->defined()) return nullptr;
+  if (!present(t)) return nullptr;
   check_cuda(*t, name);
   return reinterpret_cast<T*>(t->data_ptr());
 }
@@ -166,25 +169,28 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.num_tokens = static_cast<int>(x.size(0));
   p.x = reinterpret_cast<const uint8_t*>(x.data_ptr());
   p.x_bytes = static_cast<int>(x_bytes);
+  p.has_scales = present(scales);
   p.scales = ptr_or_null<const float>(scales, "scales");
-  p.num_scales = p.scales != nullptr ? static_cast<int>(scales->size(1)) : 0;
+  p.num_scales = p.has_scales ? static_cast<int>(scales->size(1)) : 0;
+  p.has_topk = present(topk_idx);
   p.topk_idx = ptr_or_null<const int64_t>(topk_idx, "topk_idx");
   p.topk_weights = ptr_or_null<const float>(topk_weights, "topk_weights");
-  p.num_topk = p.topk_idx != nullptr ? static_cast<int>(topk_idx->size(1)) : 0;
-  TORCH_CHECK((p.topk_idx == nullptr) == (p.topk_weights == nullptr), "ep_moe.native: topk_idx and topk_weights go together");
+  p.num_topk = p.has_topk ? static_cast<int>(topk_idx->size(1)) : 0;
+  TORCH_CHECK(p.has_topk == present(topk_weights), "ep_moe.native: topk_idx and topk_weights go together");
   p.experts_per_rank = static_cast<int>(experts_per_rank);
   p.recv_x = reinterpret_cast<uint8_t*>(recv_x.data_ptr());
   p.recv_scales = ptr_or_null<float>(recv_scales, "recv_scales");
-  TORCH_CHECK((p.scales == nullptr) == (p.recv_scales == nullptr), "ep_moe.native: scales and recv_scales go together");
+  TORCH_CHECK(p.has_scales == present(recv_scales), "ep_moe.native: scales and recv_scales go together");
   p.recv_topk_idx = ptr_or_null<int64_t>(recv_topk_idx, "recv_topk_idx");
   p.recv_topk_weights = ptr_or_null<float>(recv_topk_weights, "recv_topk_weights");
   p.recv_src_idx = ptr_or_null<int32_t>(recv_src_idx, "recv_src_idx");
   p.recv_src_rank = ptr_or_null<int32_t>(recv_src_rank, "recv_src_rank");
   p.expert_scratch = ptr_or_null<int32_t>(expert_scratch, "expert_scratch");
   p.num_recv_per_expert = ptr_or_null<int64_t>(num_recv_per_expert, "num_recv_per_expert");
-  if (p.topk_idx != nullptr)
-    TORCH_CHECK(p.recv_topk_idx && p.recv_topk_weights && p.recv_src_idx && p.recv_src_rank && p.expert_scratch &&
-                    p.num_recv_per_expert,
+  if (p.has_topk)
+    TORCH_CHECK(present(recv_topk_idx) && present(recv_topk_weights) && present(recv_src_idx) &&
+                    present(recv_src_rank) && present(expert_scratch) && present(num_recv_per_expert) &&
+                    expert_scratch->numel() >= experts_per_rank && num_recv_per_expert->numel() == experts_per_rank,
                 "ep_moe.native: a dispatch with top-k needs every top-k output");
   p.num_recv_rows = static_cast<int>(recv_x.size(0));
   p.expert_alignment = static_cast<int>(expert_alignment);
@@ -228,14 +234,18 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.y = reinterpret_cast<const uint8_t*>(y.data_ptr());
   p.y_type = elem_type(y, "y");
   p.hidden = static_cast<int>(y.size(1));
+  p.has_weights = present(weights);
   p.weights = ptr_or_null<const float>(weights, "topk_weights");
-  p.num_topk = p.weights != nullptr ? static_cast<int>(weights->size(1)) : 0;
+  p.num_topk = p.has_weights ? static_cast<int>(weights->size(1)) : 0;
   p.out_weights = ptr_or_null<float>(out_weights, "out_weights");
-  TORCH_CHECK((p.weights == nullptr) == (p.out_weights == nullptr), "ep_moe.native: weights and out_weights go together");
+  TORCH_CHECK(p.has_weights == present(out_weights), "ep_moe.native: weights and out_weights go together");
+  if (p.has_weights)
+    TORCH_CHECK(out_weights->dim() == 2 && out_weights->size(0) == num_tokens && out_weights->size(1) == p.num_topk,
+                "ep_moe.native: out_weights must be [T, K]");
   p.bias0 = ptr_or_null<const void>(bias0, "bias0");
   p.bias1 = ptr_or_null<const void>(bias1, "bias1");
-  p.bias0_type = p.bias0 != nullptr ? elem_type(*bias0, "bias0") : ep_moe::kNone;
-  p.bias1_type = p.bias1 != nullptr ? elem_type(*bias1, "bias1") : ep_moe::kNone;
+  p.bias0_type = present(bias0) ? elem_type(*bias0, "bias0") : ep_moe::kNone;
+  p.bias1_type = present(bias1) ? elem_type(*bias1, "bias1") : ep_moe::kNone;
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);

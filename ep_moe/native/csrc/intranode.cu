@@ -155,12 +155,12 @@ __device__ __forceinline__ void push_dispatch_rows(const DispatchParams& p, int 
     const int64_t row = base + j;
     warp_copy16_nc(reinterpret_cast<int4*>(data + p.off_x + row * p.x_bytes),
                    reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), n16, lane);
-    if (p.scales != nullptr) {
+    if (p.has_scales) {
       float* dst_scales = reinterpret_cast<float*>(data + p.off_scales) + row * p.num_scales;
       const float* src_scales = p.scales + static_cast<int64_t>(t) * p.num_scales;
       for (int c = lane; c < p.num_scales; c += 32) dst_scales[c] = __ldg(src_scales + c);
     }
-    if (p.topk_idx != nullptr) {
+    if (p.has_topk) {
       int64_t* dst_idx = reinterpret_cast<int64_t*>(data + p.off_idx) + row * p.num_topk;
       int32_t* dst_w = reinterpret_cast<int32_t*>(data + p.off_weights) + row * p.num_topk;
       for (int k = lane; k < p.num_topk; k += 32) {
@@ -185,10 +185,10 @@ __device__ __forceinline__ void copy_self_rows(const DispatchParams& p, int j0, 
     const int64_t row = base + j;
     warp_copy16_nc(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
                    reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), n16, lane);
-    if (p.scales != nullptr)
+    if (p.has_scales)
       for (int c = lane; c < p.num_scales; c += 32)
         p.recv_scales[row * p.num_scales + c] = __ldg(p.scales + static_cast<int64_t>(t) * p.num_scales + c);
-    if (p.topk_idx != nullptr) {
+    if (p.has_topk) {
       for (int k = lane; k < p.num_topk; k += 32) {
         const int64_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * p.num_topk + k);
         const bool local = e >= lo && e < lo + p.experts_per_rank;
@@ -211,11 +211,11 @@ __device__ __forceinline__ void drain_rows(const DispatchParams& p, int src, int
   block_copy16<false>(reinterpret_cast<int4*>(p.recv_x + row0 * p.x_bytes),
                       reinterpret_cast<const int4*>(data + p.off_x + row0 * p.x_bytes),
                       static_cast<int64_t>(rows) * p.x_bytes / 16);
-  if (p.scales != nullptr)
+  if (p.has_scales)
     block_copy4<false>(reinterpret_cast<int32_t*>(p.recv_scales + row0 * p.num_scales),
                        reinterpret_cast<const int32_t*>(data + p.off_scales) + row0 * p.num_scales,
                        static_cast<int64_t>(rows) * p.num_scales);
-  if (p.topk_idx != nullptr) {
+  if (p.has_topk) {
     const int64_t n = static_cast<int64_t>(rows) * p.num_topk;
     const long long* src_idx = reinterpret_cast<const long long*>(data + p.off_idx) + row0 * p.num_topk;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -235,10 +235,10 @@ __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, 
   const int64_t n16 = static_cast<int64_t>(rows) * p.x_bytes / 16;
   int4* x = reinterpret_cast<int4*>(p.recv_x + row0 * p.x_bytes);
   for (int64_t i = threadIdx.x; i < n16; i += blockDim.x) x[i] = make_int4(0, 0, 0, 0);
-  if (p.scales != nullptr)
+  if (p.has_scales)
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * p.num_scales; i += blockDim.x)
       p.recv_scales[row0 * p.num_scales + i] = 0.f;
-  if (p.topk_idx != nullptr) {
+  if (p.has_topk) {
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * p.num_topk; i += blockDim.x) {
       p.recv_topk_idx[row0 * p.num_topk + i] = -1;
       p.recv_topk_weights[row0 * p.num_topk + i] = 0.f;
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   if (p.write_arrival && blockIdx.x == 0 && threadIdx.x < num_ranks)
     st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
-  const bool count_experts = p.topk_idx != nullptr;
+  const bool count_experts = p.has_topk;
   if (count_experts)
     for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x) hist[i] = 0;
   __syncthreads();
@@ -489,12 +489,12 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
       const int c = c0 + u * 32;
       if (c >= n16) continue;
       const int64_t first = static_cast<int64_t>(t) * p.hidden + static_cast<int64_t>(c) * E;
-      if (p.bias0 != nullptr) add_bias<E>(acc[u], p.bias0, p.bias0_type, first);
-      if (p.bias1 != nullptr) add_bias<E>(acc[u], p.bias1, p.bias1_type, first);
+      if (p.bias0_type != kNone) add_bias<E>(acc[u], p.bias0, p.bias0_type, first);
+      if (p.bias1_type != kNone) add_bias<E>(acc[u], p.bias1, p.bias1_type, first);
       out[c] = V::pack(acc[u]);
     }
   }
-  if (p.out_weights != nullptr) {
+  if (p.has_weights) {
     for (int k0 = 0; k0 < p.num_topk; k0 += 32) {
       const int k = k0 + lane;
       float acc = 0.f;
@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
         block_copy16<true>(reinterpret_cast<int4*>(data + p.off_y + (base + j0) * y_bytes),
                            reinterpret_cast<const int4*>(p.y + (my_rows + j0) * y_bytes),
                            static_cast<int64_t>(j1 - j0) * y_bytes / 16);
-        if (p.weights != nullptr)
+        if (p.has_weights)
           block_copy4<true>(reinterpret_cast<int32_t*>(data + p.off_weights) + (base + j0) * p.num_topk,
                             reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j0) * p.num_topk,
                             static_cast<int64_t>(j1 - j0) * p.num_topk);
@@ -660,7 +660,7 @@ cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  const size_t smem = p.topk_idx != nullptr ? sizeof(int32_t) * p.experts_per_rank : 0;
+  const size_t smem = p.has_topk ? sizeof(int32_t) * p.experts_per_rank : 0;
   dispatch_kernel<<<p.num_blocks, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

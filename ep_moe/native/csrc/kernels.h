@@ -78,7 +78,9 @@ struct DispatchParams {
   int x_bytes;                    // row bytes, a multiple of 16
   const float* scales;            // [T, num_scales] or null
   int num_scales;
-  const int64_t* topk_idx;        // [T, K] or null (cached dispatch)
+  bool has_scales;                // FP8 rows (flags, not null pointers: an empty tensor has none)
+  bool has_topk;                  // a fresh dispatch (top-k ids and weights travel); false: cached
+  const int64_t* topk_idx;        // [T, K] (fresh dispatch)
   const float* topk_weights;      // [T, K]
   int num_topk;
   int experts_per_rank;
@@ -111,7 +113,8 @@ struct CombineParams {
   int num_tokens;
   const uint8_t* y;                // [N, hidden] of y_type
   int y_type, hidden;
-  const float* weights;            // [N, K] or null
+  bool has_weights;                // top-k weights are combined too
+  const float* weights;            // [N, K]
   int num_topk;
   const void* bias0;               // [T, hidden] of bias0_type, or null
   const void* bias1;
