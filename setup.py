@@ -65,7 +65,6 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["ep_moe", "ep_moe.*"]) + ["ep_moe.integrations"],
     package_dir={"ep_moe.integrations": "integrations"},
-    package_data={"ep_moe": ["recipes/*.yaml"]},
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout", "ruff"],
