@@ -99,6 +99,10 @@ class MegatronRecipe:
     def metrics_path(self) -> str:
         return self.logger.metrics_path or os.path.join(self.output_dir(), "metrics.jsonl")
 
+    def resolve_path(self, path: str) -> str:
+        """An input path of the recipe (``dataset.path``): user-expanded, relative to the working folder."""
+        return os.path.abspath(os.path.expanduser(path))
+
 
 def parse_recipe(data: dict[str, Any], name: str = "megatron") -> MegatronRecipe:
     """Check a raw ``engine: megatron`` mapping (overrides applied); raise `RecipeError` naming the key."""
@@ -254,16 +258,15 @@ def _sum_grads(params: list[torch.nn.Parameter], group, scale: float) -> None:
 
 
 def _dataset(recipe: MegatronRecipe):
-    from ep_moe.train.data import SyntheticCorpus, TextDataset
+    """The trainer's dataset for this recipe (``dataset.seed``, else ``rng.seed``)."""
+    from ep_moe.train.data import build_dataset
 
-    d, m = recipe.dataset, recipe.model
-    if d.type == "synthetic":
-        return SyntheticCorpus(m.vocab_size, m.seq_length, d.num_topics, d.order, d.branching, d.concentration,
-                               recipe.rng.seed)
-    if not d.path:
+    if recipe.dataset.type == "text" and not recipe.dataset.path:
         raise RecipeError("dataset.path: required for dataset.type=text")
-    return TextDataset(os.path.abspath(os.path.expanduser(d.path)), m.seq_length, m.vocab_size, d.tokenizer,
-                       (d.split[0], d.split[1]), recipe.rng.seed)
+    try:
+        return build_dataset(recipe)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
 
 
 def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
