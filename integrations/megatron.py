@@ -379,8 +379,9 @@ def install_ep_moe_dispatcher(model: torch.nn.Module | Iterable[torch.nn.Module]
     """
     if portable_router is None:
         portable_router = _needs_portable_router()
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     count = 0
-    for layer in _moe_layers(model):
+    for layer in _moe_layers(chunks):
         old = layer.token_dispatcher
         groups = SimpleNamespace(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
         new = EpMoETokenDispatcher(layer.num_local_experts, layer.local_expert_indices, layer.config,
@@ -392,7 +393,7 @@ def install_ep_moe_dispatcher(model: torch.nn.Module | Iterable[torch.nn.Module]
     if count == 0:
         raise ValueError("install_ep_moe_dispatcher: the model has no megatron MoELayer")
     if portable_router:
-        use_portable_routers(model)
+        use_portable_routers(chunks)
     return count
 
 
