@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .buffer import Buffer
 from .handle import DispatchHandle
+from .layout import count_values
 from .ops import combine, dispatch
 
 
@@ -75,7 +76,7 @@ class TokenDispatcher:
         flat = out.recv_topk_idx.flatten()
         key = torch.where(flat >= 0, flat, local)
         order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
-        counts = torch.bincount(key, minlength=local + 1)[:local]
+        counts = count_values(key, local + 1)[:local]
         padded = out.num_recv_tokens_per_expert
         if self.num_worst_tokens:
             num_slots = self.num_worst_tokens * min(num_topk, local) + local * (self.expert_alignment - 1)

@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 
 
+def count_values(values: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """``[num_bins]`` int64 histogram of ``values`` (ints in ``[0, num_bins)``), like ``torch.bincount``
+    but with a fixed output size: no host sync on GPU, so it can run inside a CUDA graph."""
+    counts = torch.zeros(num_bins, dtype=torch.int64, device=values.device)
+    return counts.scatter_add_(0, values.flatten(), torch.ones_like(values.flatten(), dtype=torch.int64))
+
+
 def expert_to_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
     """Map expert ids ``[T, K]`` (int64, -1 = none) to their owner rank, -1 kept."""
     experts_per_rank = num_experts // num_ranks
@@ -35,9 +42,9 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     is_token_in_rank.scatter_(1, torch.where(ranks >= 0, ranks, num_ranks), True)
     is_token_in_rank = is_token_in_rank[:, :num_ranks].contiguous()
     num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-    # Count -1 entries into an extra bin and drop it: no boolean indexing, so no host sync on GPU.
+    # Count -1 entries into an extra bin and drop it: no boolean indexing, no host sync on GPU.
     flat = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
-    num_tokens_per_expert = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].to(torch.int32)
+    num_tokens_per_expert = count_values(flat, num_experts + 1)[:num_experts].to(torch.int32)
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
@@ -61,5 +68,5 @@ def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, rank: 
 def aligned_expert_counts(local_topk_idx: torch.Tensor, num_local_experts: int, alignment: int) -> torch.Tensor:
     """Received (token, expert) pairs per local expert, rounded up to ``alignment``: ``[L]`` int64."""
     flat = torch.where(local_topk_idx >= 0, local_topk_idx, num_local_experts).flatten()
-    counts = torch.bincount(flat, minlength=num_local_experts + 1)[:num_local_experts]
+    counts = count_values(flat, num_local_experts + 1)[:num_local_experts]
     return (counts + alignment - 1) // alignment * alignment

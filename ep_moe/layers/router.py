@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layout import count_values
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
@@ -200,7 +202,7 @@ class TopKRouter(nn.Module):
         if self.topk_scaling_factor is not None:
             topk_weights = topk_weights * self.topk_scaling_factor
 
-        counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts).float()
+        counts = count_values(topk_idx, self.num_experts).float()  # no host sync, unlike bincount
         self._record(logits, scores, topk_idx, counts, num_tokens, seq_length)
         return topk_idx, topk_weights
 
@@ -261,7 +263,7 @@ class TopKRouter(nn.Module):
         num_experts = self.num_experts
         seq_of_pair = torch.arange(num_seqs, device=probs.device).repeat_interleave(seq_length * self.topk)
         flat = seq_of_pair * num_experts + topk_idx.flatten()
-        seq_counts = torch.bincount(flat, minlength=num_seqs * num_experts).view(num_seqs, num_experts).float()
+        seq_counts = count_values(flat, num_seqs * num_experts).view(num_seqs, num_experts).float()
         f = seq_counts * (num_experts / (seq_length * self.topk))
         p = probs.view(num_seqs, seq_length, num_experts).mean(dim=1)
         return (f * p).sum(dim=-1).mean()
