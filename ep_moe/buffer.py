@@ -20,7 +20,6 @@ from .backends.torch_backend import TorchBackend
 from .config import Config
 from .event import EventOverlap
 from .handle import DispatchHandle
-from .layout import dispatch_layout
 from .validation import (
     _fail,
     check_handle,
@@ -211,7 +210,7 @@ class Buffer:
         check_topk("get_dispatch_layout", topk_idx, None, topk_idx.shape[0], num_experts, self.device,
                    self._checking_values())
         (per_rank, per_expert, in_rank), event = self._run(
-            lambda: dispatch_layout(topk_idx, num_experts, self.group_size), [topk_idx], previous_event,
+            lambda: self.backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx], previous_event,
             async_finish)
         return per_rank, None, per_expert, in_rank, event
 
@@ -300,7 +299,7 @@ class Buffer:
         if (num_tokens_per_rank is None) != (is_token_in_rank is None):
             raise _fail(op, "is_token_in_rank", "given together with num_tokens_per_rank", "only one of them")
         if is_token_in_rank is None:
-            num_tokens_per_rank, _, is_token_in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+            num_tokens_per_rank, _, is_token_in_rank = self.backend.get_dispatch_layout(topk_idx, num_experts)
         check_tensor(op, "num_tokens_per_rank", num_tokens_per_rank, dtypes=(torch.int32, torch.int64), ndim=1,
                      device=self.device, shape=(self.group_size,))
         check_tensor(op, "is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), ndim=2, device=self.device,

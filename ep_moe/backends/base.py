@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..handle import DispatchHandle
+from ..layout import dispatch_layout
 from ..validation import HIDDEN_DTYPES
 
 
@@ -37,6 +38,12 @@ class CommBackend(ABC):
         self.num_ranks = dist.get_world_size(group)
         self.device = device
         self.timeout_s = timeout_s
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``;
+        torch ops by default, a kernel where a backend has one (it must give the same values)."""
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
     @abstractmethod
     def dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
