@@ -9,6 +9,7 @@ build still happen, ``TORCH_EXTENSIONS_DIR`` points it into the repo's git-ignor
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,17 @@ def setup_deepspeed_env(accelerator: str = "cpu") -> None:
     os.environ["DS_ACCELERATOR"] = accelerator
     os.environ.setdefault("DS_BUILD_OPS", "0")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+    # A spawned rank imports the test module (and so DeepSpeed, as "cpu") before its worker runs: if
+    # DeepSpeed already picked the other accelerator, replace it, or the engine keeps the model on the CPU
+    # and broadcasts it over NCCL (seen on the 2-GPU machine: "No backend type associated with device type cpu").
+    real = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    current = getattr(real, "ds_accelerator", None)
+    if current is not None and current._name != accelerator:
+        if accelerator == "cuda":
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as Accelerator
+        else:
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as Accelerator
+        real.set_accelerator(Accelerator())
 
 
 def require_deepspeed() -> None:
