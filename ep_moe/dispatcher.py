@@ -15,6 +15,38 @@ from .layout import count_values
 from .ops import combine, dispatch
 
 
+def group_pairs_by_expert(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None = None
+                          ) -> tuple[Tensor, Tensor]:
+    """Slots of the (row, k) pairs, grouped by expert and each group padded to ``alignment``.
+
+    Args:
+        topk_idx: ``[N, K]`` int64 expert ids in ``[0, num_experts)``, -1 = none.
+        num_slots: M, the output length; None = exactly the padded total (one host sync), else a bound
+            at least that large (the tail is padding).
+
+    Returns:
+        ``pair_of_slot [M]`` int64 (index into ``topk_idx.flatten()``, ``N * K`` for padding slots; pairs
+        of one expert in increasing (row, k)) and ``padded_counts [num_experts]`` int64.
+    """
+    num_pairs = topk_idx.numel()
+    key = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
+    order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
+    counts = count_values(key, num_experts + 1)[:num_experts]
+    padded = (counts + alignment - 1) // alignment * alignment
+    if num_slots is None:
+        num_slots = int(padded.sum())
+    first_pair = torch.cumsum(counts, 0) - counts
+    first_slot = torch.cumsum(padded, 0) - padded
+    sorted_key = key[order]
+    is_pair = sorted_key < num_experts
+    expert = sorted_key.clamp(max=num_experts - 1)
+    position = torch.arange(num_pairs, device=topk_idx.device)
+    slot = torch.where(is_pair, first_slot[expert] + position - first_pair[expert], num_slots)
+    pair_of_slot = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64, device=topk_idx.device)
+    pair_of_slot.scatter_(0, slot, torch.where(is_pair, order, num_pairs))  # non-pairs all land on the spare slot
+    return pair_of_slot[:num_slots], padded
+
+
 @dataclass
 class DispatchContext:
     """What `TokenDispatcher.combine` needs from the matching `TokenDispatcher.dispatch`."""
@@ -73,26 +105,12 @@ class TokenDispatcher:
                        self.num_worst_tokens, num_sms)
         num_rows, num_topk = out.recv_topk_idx.shape
         local = self.num_local_experts
-        flat = out.recv_topk_idx.flatten()
-        key = torch.where(flat >= 0, flat, local)
-        order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
-        counts = count_values(key, local + 1)[:local]
-        padded = out.num_recv_tokens_per_expert
+        num_slots = None  # exact: read on the host; fixed: the most any routing can need, no host sync
         if self.num_worst_tokens:
             num_slots = self.num_worst_tokens * min(num_topk, local) + local * (self.expert_alignment - 1)
-        else:
-            num_slots = int(padded.sum())
-        first_pair = torch.cumsum(counts, 0) - counts
-        first_slot = torch.cumsum(padded, 0) - padded
-        sorted_key = key[order]
-        is_pair = sorted_key < local
-        expert = sorted_key.clamp(max=local - 1)
-        position = torch.arange(order.numel(), device=order.device)
-        slot = torch.where(is_pair, first_slot[expert] + position - first_pair[expert], num_slots)
-        pair_of_slot = torch.full((num_slots + 1,), order.numel(), dtype=torch.int64, device=order.device)
-        pair_of_slot.index_copy_(0, slot, torch.where(is_pair, order, order.numel()))
-        pair_of_slot = pair_of_slot[:num_slots]
-        row_of_slot = torch.where(pair_of_slot < order.numel(), pair_of_slot // max(num_topk, 1), num_rows)
+        pair_of_slot, padded = group_pairs_by_expert(out.recv_topk_idx, local, self.expert_alignment, num_slots)
+        row_of_slot = torch.where(pair_of_slot < out.recv_topk_idx.numel(), pair_of_slot // max(num_topk, 1),
+                                  num_rows)
 
         hidden_size = hidden.shape[1]
         padded_x = torch.cat([out.recv_x, out.recv_x.new_zeros(1, hidden_size)])

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..buffer import Buffer
-from ..dispatcher import TokenDispatcher
+from ..dispatcher import TokenDispatcher, group_pairs_by_expert
 from .experts import GroupedExperts, SwiGLU, scaled_output_std
 from .router import TopKRouter
 
@@ -30,34 +30,6 @@ class LocalDispatchContext:
 
     token_of_slot: Tensor  # [M] int64: token feeding each expert-input slot; T for padding slots
     num_tokens: int        # T
-
-
-def group_pairs_by_expert(topk_idx: Tensor, num_experts: int, alignment: int) -> tuple[Tensor, Tensor]:
-    """Slots of the (token, k) pairs, grouped by expert and padded to ``alignment``.
-
-    Args:
-        topk_idx: ``[N, K]`` int64 expert ids in ``[0, num_experts)``, -1 = none.
-
-    Returns:
-        ``pair_of_slot [M]`` int64 (index into ``topk_idx.flatten()``, ``N * K`` for padding slots; pairs
-        of one expert in increasing (row, k)) and ``padded_counts [num_experts]`` int64.
-    """
-    num_pairs = topk_idx.numel()
-    key = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    padded = (counts + alignment - 1) // alignment * alignment
-    num_slots = int(padded.sum())
-    first_pair = torch.cumsum(counts, 0) - counts
-    first_slot = torch.cumsum(padded, 0) - padded
-    sorted_key = key[order]
-    is_pair = sorted_key < num_experts
-    expert = sorted_key.clamp(max=num_experts - 1)
-    position = torch.arange(num_pairs, device=topk_idx.device)
-    slot = torch.where(is_pair, first_slot[expert] + position - first_pair[expert], num_slots)
-    pair_of_slot = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64, device=topk_idx.device)
-    pair_of_slot.scatter_(0, slot, torch.where(is_pair, order, num_pairs))  # non-pairs all land on the spare slot
-    return pair_of_slot[:num_slots], padded
 
 
 class LocalTokenDispatcher:
