@@ -43,7 +43,7 @@ from ep_moe.train.config import (
     RngSection,
     SchedulerSection,
     TrainSection,
-    _build,
+    build_section,
 )
 
 DISPATCHERS = ("ep_moe", "alltoall", "flex_deepep")
@@ -107,7 +107,7 @@ class MegatronRecipe:
 def parse_recipe(data: dict[str, Any], name: str = "megatron") -> MegatronRecipe:
     """Check a raw ``engine: megatron`` mapping (overrides applied); raise `RecipeError` naming the key."""
     data = {k: v for k, v in data.items() if k != "name"}
-    recipe = _build(MegatronRecipe, data, "")
+    recipe = build_section(MegatronRecipe, data, "")
     recipe.name = name
     m, t = recipe.model, recipe.train
     if m.num_moe_experts % m.expert_model_parallel_size:

@@ -304,7 +304,9 @@ def _unknown_key(path: str, key: str, known: list[str]) -> RecipeError:
     return RecipeError(msg)
 
 
-def _build(cls: type, data: Any, path: str) -> Any:
+def build_section(cls: type, data: Any, path: str = "") -> Any:
+    """Build the dataclass ``cls`` from a mapping, checking every key and type; errors name the dotted
+    ``path`` of the offending key. Also used by the engines' own recipe schemas."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -317,7 +319,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
         tp = keys[key]
         sub = f"{path}.{key}" if path else key
         if dataclasses.is_dataclass(tp):
-            values[key] = _build(tp, value, sub)
+            values[key] = build_section(tp, value, sub)
         else:
             values[key] = _coerce(value, tp, sub)
     return cls(**values)
@@ -391,7 +393,7 @@ def engine_of(data: dict[str, Any]) -> str:
 
 def recipe_from_dict(data: dict[str, Any], source_dir: str = ".", name: str = "recipe") -> Recipe:
     """Check a raw mapping against the schema and the cross-field rules; return the `Recipe`."""
-    recipe = _build(Recipe, data, "")
+    recipe = build_section(Recipe, data, "")
     recipe.source_dir = os.path.abspath(source_dir)
     recipe.name = name
     validate(recipe)
