@@ -155,9 +155,6 @@ class Buffer:
     def get_comm_stream(self) -> torch.cuda.Stream | None:
         return self._comm_stream
 
-    def get_local_buffer_tensor(self, *args, **kwargs):
-        raise NotImplementedError("ep_moe.Buffer.get_local_buffer_tensor is not provided")
-
     # ---------------------------------------------------------------- streams and events
     def _run(self, fn, tensors_in: list, previous_event: EventOverlap | None, async_finish: bool):
         """Run ``fn()`` on the communication stream after ``previous_event`` (or the current stream),

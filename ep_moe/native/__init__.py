@@ -6,6 +6,7 @@ build of torch. Everything here imports without it.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import socket
 
@@ -25,7 +26,10 @@ try:  # the compiled kernels, when they were built
     _IMPORT_ERROR: str | None = None
 except ImportError as exc:  # CPU-only install: report once, when someone asks for the backend
     _C = None
-    _IMPORT_ERROR = str(exc) or type(exc).__name__
+    if importlib.util.find_spec(f"{__name__}._C") is None:
+        _IMPORT_ERROR = "not compiled: setup.py builds it only where a CUDA toolkit and a CUDA torch are found"
+    else:
+        _IMPORT_ERROR = str(exc) or type(exc).__name__
 
 
 def extension_available() -> bool:

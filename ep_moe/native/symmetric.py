@@ -17,8 +17,10 @@ MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0
 
 
 def disable_multicast() -> None:
-    """Keep torch's symmetric memory, NCCL and NVSHMEM off NVLink multicast in this process."""
-    os.environ.update(MULTICAST_OFF)
+    """Keep torch's symmetric memory, NCCL and NVSHMEM off NVLink multicast in this process, unless the
+    user set these variables: the kernels need no multicast, and on shared GPU hosts it must stay off."""
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
 
 
 def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
