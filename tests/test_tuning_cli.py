@@ -130,4 +130,5 @@ def test_dispatch_bench_and_refine_on_gloo():
     (m0, d0, c0, n0, src0, h0), (m1, d1, c1, n1, _, _) = results
     assert m0 == m1 and max(m0[0]) <= 24 and max(m0[1]) <= 25 and 24 <= sum(m0[0]) <= 48 and m0[1][0] > 0
     assert d0 == d1 > 0 and c0 == c1 > 0  # the max over ranks: every rank gets the same numbers
-    assert n0 == n1 and src0 == "refined" and h0 == 3
+    # Real (noisy) timings decide how many candidates refine tries; the budget bounds them.
+    assert n0 == n1 and src0 == "refined" and 1 <= h0 <= 3
