@@ -100,20 +100,25 @@ class Buffer:
 
     # ---------------------------------------------------------------- construction helpers
     def _make_backend(self, requested: str) -> CommBackend:
+        """The backend asked for; sets ``backend_reason``, the one line that says why it was chosen."""
         if requested == "torch":
+            self.backend_reason = "asked for by name"
             return TorchBackend(self.group, self.device, self.timeout_s)
         reason = native.unavailable_reason(self.group, self.device)
         if reason is None:
             from .backends.native_backend import NativeBackend
 
             chosen = NativeBackend(self.group, self.device, self.timeout_s, self.num_nvl_bytes)
+            self.backend_reason = "every peer is NVLink-reachable" if requested == "auto" else "asked for by name"
             if requested == "auto" and self.rank == 0:
-                log.info("ep_moe: using backend 'native' (every peer is NVLink-reachable)")
+                log.info("ep_moe: using backend 'native' (%s)", self.backend_reason)
             return chosen
         if requested == "native":
             raise RuntimeError(f"ep_moe.Buffer: backend 'native' cannot run here: {reason}")
-        if self.rank == 0:
-            log.info("ep_moe: using backend 'torch' (%s)", reason)
+        self.backend_reason = f"native unavailable: {reason}"
+        if self.rank == 0:  # on GPUs someone may have expected the kernels: say it where it is seen
+            log.log(logging.WARNING if self.device.type == "cuda" else logging.INFO,
+                    "ep_moe: using backend 'torch' (%s)", self.backend_reason)
         return TorchBackend(self.group, self.device, self.timeout_s)
 
     @property

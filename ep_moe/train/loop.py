@@ -192,7 +192,8 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
             f"ep-moe train: {ps.world_size} rank(s) on {device.type}, EP {ps.ep_size} x DP {ps.expert_dp_size}, "
             f"{n_params:,} parameters, global batch {t.global_batch_size} x {recipe.model.seq_length} tokens "
             f"(micro {t.micro_batch_size}, accumulation {accum}), {t.train_iters} steps; {dataset.describe()}")
-        backend = model.buffer.backend_name if model.buffer is not None else "none (EP 1: all experts local)"
+        backend = (f"{model.buffer.backend_name} ({model.buffer.backend_reason})" if model.buffer is not None
+                   else "none (EP 1: all experts local)")
         progress.message(f"dispatcher backend: {backend}; metrics: {recipe.metrics_path()}")
         if resumed_from:
             progress.message(f"resumed from {resumed_from} at step {start_step}")
