@@ -62,7 +62,7 @@ def check_topk(op: str, topk_idx: object, topk_weights: object, num_tokens: int,
         check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=device,
                      shape=tuple(topk_idx.shape))
     if check_values and topk_idx.numel() > 0:
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()  # one host sync, not two
         if lo < -1 or hi >= num_experts:
             raise _fail(op, "topk_idx", f"expert ids in [-1, {num_experts}) (num_experts={num_experts})",
                         f"values in [{lo}, {hi}]")

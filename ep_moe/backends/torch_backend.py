@@ -92,16 +92,20 @@ class TorchBackend(CommBackend):
         return recv
 
     # ---------------------------------------------------------------- routes
-    def _route(self, handle: DispatchHandle, count_matrix: torch.Tensor | None = None) -> _Route:
+    def _route(self, handle: DispatchHandle, count_matrix: torch.Tensor | None = None,
+               counts: list[list[int]] | None = None) -> _Route:
+        """Where rows go for ``handle``. Exact mode reads the count matrix on the host once (``counts``,
+        when the caller already has it, saves that sync too)."""
         r, num_ranks = self.rank, self.num_ranks
         is_token_in_rank = handle.is_token_in_rank
         num_tokens = is_token_in_rank.shape[0]
         if handle.num_worst_tokens == 0:
-            # nonzero over [R, T] yields (destination, token) pairs in that order: rows by (dest, t).
-            send_idx = is_token_in_rank.t().nonzero()[:, 1]
-            if count_matrix is None:
-                count_matrix = _counts_from_prefix(handle.rank_prefix_matrix)
-            counts = count_matrix.tolist()
+            if counts is None:
+                counts = (_counts_from_prefix(handle.rank_prefix_matrix) if count_matrix is None
+                          else count_matrix).tolist()
+            # nonzero over [R, T] yields (destination, token) pairs in that order: rows by (dest, t). Its
+            # size is known from the counts, so the static variant adds no host sync.
+            send_idx = torch.nonzero_static(is_token_in_rank.t(), size=sum(counts[r]))[:, 1]
             return _Route(send_idx, counts[r], [row[r] for row in counts], None, None)
         cap = handle.num_worst_tokens
         dest = torch.arange(num_ranks, device=self.device) * cap
@@ -169,10 +173,11 @@ class TorchBackend(CommBackend):
         else:
             count_matrix = self._all_gather_counts(num_tokens_per_rank.to(torch.int64), "dispatch/notify")
             prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32)
-            num_recv = -1 if num_worst_tokens else int(count_matrix[:, self.rank].sum())
+            counts = None if num_worst_tokens else count_matrix.tolist()  # exact mode: the one host sync
+            num_recv = -1 if num_worst_tokens else sum(row[self.rank] for row in counts)
             handle = DispatchHandle(prefix_matrix, torch.empty(0), torch.empty(0), is_token_in_rank,
                                     num_recv, num_worst_tokens)
-        route = self._route(handle, count_matrix)
+        route = self._route(handle, count_matrix, None if cached else counts)
         num_rows = handle.num_recv_rows
         if num_worst_tokens and not cached:
             # Every rank has the whole count matrix: all raise together rather than leave peers waiting.
