@@ -13,6 +13,7 @@ Works with gloo (CPU) and NCCL (GPU, one or many nodes). Rows travel as raw byte
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,6 +58,14 @@ class TorchBackend(CommBackend):
     name = "torch"
     supported_dtypes = (torch.bfloat16, torch.float32, torch.float64)  # fp64 serves gradcheck
 
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+        super().__init__(group, device, timeout_s)
+        # Exact-mode routes of live handles, so that combine and cached dispatch read no counts on the
+        # host again. Keyed by the identity of the handle's rank_prefix_matrix (made fresh by every
+        # dispatch) and is_token_in_rank; an entry goes when its rank_prefix_matrix is freed. A miss
+        # (e.g. a handle rebuilt from saved tensors) only costs the host sync.
+        self._routes: dict[tuple[int, int], _Route] = {}
+
     # ---------------------------------------------------------------- collectives with deadlines
     def _wait(self, work: dist.Work, stage: str) -> None:
         """Wait for ``work``; on CPU with a deadline that turns a missing peer into a TimeoutError."""
@@ -100,13 +109,19 @@ class TorchBackend(CommBackend):
         is_token_in_rank = handle.is_token_in_rank
         num_tokens = is_token_in_rank.shape[0]
         if handle.num_worst_tokens == 0:
+            key = (id(handle.rank_prefix_matrix), id(is_token_in_rank))
+            if key in self._routes:
+                return self._routes[key]
             if counts is None:
                 counts = (_counts_from_prefix(handle.rank_prefix_matrix) if count_matrix is None
                           else count_matrix).tolist()
             # nonzero over [R, T] yields (destination, token) pairs in that order: rows by (dest, t). Its
             # size is known from the counts, so the static variant adds no host sync.
             send_idx = torch.nonzero_static(is_token_in_rank.t(), size=sum(counts[r]))[:, 1]
-            return _Route(send_idx, counts[r], [row[r] for row in counts], None, None)
+            route = _Route(send_idx, counts[r], [row[r] for row in counts], None, None)
+            self._routes[key] = route
+            weakref.finalize(handle.rank_prefix_matrix, self._routes.pop, key, None)
+            return route
         cap = handle.num_worst_tokens
         dest = torch.arange(num_ranks, device=self.device) * cap
         position = torch.cumsum(is_token_in_rank.to(torch.int64), dim=0) - 1
