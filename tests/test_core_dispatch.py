@@ -27,7 +27,7 @@ from ep_moe.backends.base import DispatchResult
 from ep_moe.distributed import run_distributed
 from ep_moe.reference import reference_combine, reference_dispatch
 
-TOKENS = (33, 7, 1, 16)  # different T per rank, multiples of nothing
+TOKENS = (33, 7, 1, 16, 0, 12, 5, 9)  # different T per rank, multiples of nothing
 
 
 def _cases(num_ranks: int) -> list[Case]:
@@ -42,8 +42,8 @@ def _cases(num_ranks: int) -> list[Case]:
         Case("one-rank", ts, 256, 2, 2 * R, "one_rank", "bf16", alignment=128),
         Case("idle-experts-fp8", ts, 640, 2, 4 * R, "sparse", "fp8", alignment=4),
         Case("one-token-each", (1,) * R, 128, 2, 2 * R, "random", "bf16"),
-        Case("zero-token-ranks", (0, 7, 0, 3)[:R], 384, 2, 2 * R, "random", "fp32", alignment=4),
-        Case("rank0-receives-nothing", (5, 0, 9, 2)[:R], 128, 2, 2 * R, "skip_rank0", "bf16"),
+        Case("zero-token-ranks", (0, 7, 0, 3, 0, 0, 11, 1)[:R], 384, 2, 2 * R, "random", "fp32", alignment=4),
+        Case("rank0-receives-nothing", (5, 0, 9, 2, 4, 4, 1, 0)[:R], 128, 2, 2 * R, "skip_rank0", "bf16"),
         Case("all-empty", (0,) * R, 128, 2, 2 * R, "random", "fp8"),
     ]
 
@@ -310,7 +310,7 @@ def _dispatch_worker(rank: int, num_ranks: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_dispatch_combine_equal_reference(num_ranks: int) -> None:
     checked = run_distributed(_dispatch_worker, num_ranks, join_timeout_s=150)
     assert checked == [len(_cases(num_ranks))] * num_ranks
