@@ -1,5 +1,5 @@
 """Shared pytest hooks: tests marked ``gpu`` are skipped, with the reason, where no CUDA GPU exists;
-the ``solo_group`` fixture (a world-size-1 gloo group in the test process)."""
+one intra-op thread per test; the ``solo_group`` fixture (a world-size-1 gloo group in the test process)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tests use tiny tensors: intra-op threads only add contention on a small shared CPU (spawned ranks
+    run one thread too, see `ep_moe.distributed`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

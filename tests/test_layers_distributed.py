@@ -32,15 +32,6 @@ from ep_moe.layers import (
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU (the spawned ranks use one too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _diff(a, b) -> float:
     """Largest violation of |a - b| <= ATOL + RTOL |b| (<= 0 means within tolerance); inf on shape mismatch."""
     if a.shape != b.shape:

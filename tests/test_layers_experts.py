@@ -8,15 +8,6 @@ import torch.nn.functional as F
 from ep_moe.layers import GroupedExperts, LocalTokenDispatcher, ModelConfig, MoELayer
 from ep_moe.layers.experts import GROUPED_MM_ALIGNMENT
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 

@@ -8,15 +8,6 @@ import torch.nn.functional as F
 
 from ep_moe.layers import ModelConfig, MoETransformer, TopKRouter
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 SMALL = dict(vocab_size=32, seq_length=8, num_layers=3, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
              moe_ffn_hidden_size=12, num_moe_experts=4, moe_router_topk=2)
 

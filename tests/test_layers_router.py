@@ -8,15 +8,6 @@ import torch
 from ep_moe.layers import TopKRouter, group_limited_topk
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _router(**kw) -> TopKRouter:
     kw.setdefault("hidden_size", 16)
     kw.setdefault("num_experts", 8)
