@@ -109,6 +109,10 @@ class NativeBackend(CommBackend):
                 self._data = SymmetricBuffer(group, device, num_nvl_bytes)
             self._notify_done = torch.cuda.Event()
             torch.cuda.synchronize(device)
+        # Diagnostics: when True, every dispatch/combine kernel stamps each block's timeline (see
+        # `kernel_trace`) into `last_trace[op]`, an int64 [blocks, TRACE_SLOTS] tensor of global-timer ns.
+        self.trace_kernels = False
+        self.last_trace: dict[str, torch.Tensor] = {}
         dist.barrier(group=group)  # every control block is zero before any peer writes into it
 
     # ---------------------------------------------------------------- health and errors
@@ -200,6 +204,12 @@ class NativeBackend(CommBackend):
             self._scratch = torch.zeros(num_local_experts, dtype=torch.int32, device=self.device)
         return self._scratch
 
+    def _trace(self, op: str, blocks: int) -> torch.Tensor | None:
+        if not self.trace_kernels:
+            return None
+        self.last_trace[op] = torch.zeros(blocks, _c().TRACE_SLOTS, dtype=torch.int64, device=self.device)
+        return self.last_trace[op]
+
     def _kernels_take(self, row_bytes: int, num_local_experts: int = 0) -> bool:
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
@@ -238,7 +248,8 @@ class NativeBackend(CommBackend):
             recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
             recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
             C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
-                       recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks, pushers)
+                       recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks, pushers,
+                       self._trace("dispatch_cached", blocks))
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -276,7 +287,7 @@ class NativeBackend(CommBackend):
         C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
                    topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
                    self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks,
-                   pushers)
+                   pushers, self._trace("dispatch", blocks))
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle)
@@ -315,7 +326,7 @@ class NativeBackend(CommBackend):
         blocks, pushers = self._split(config, "EP_MOE_COMBINE_PUSH_FRACTION")
         C.combine(self._env, self._data.ptrs, regions.y, regions.weights, regions.rows,
                   handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
-                  route[0], y, topk_weights, bias0, bias1, out, out_w, blocks, pushers)
+                  route[0], y, topk_weights, bias0, bias1, out, out_w, blocks, pushers, self._trace("combine", blocks))
         return out, out_w
 
     # ---------------------------------------------------------------- lifecycle

@@ -66,12 +66,14 @@ class CudaEventTimer:
 class RunGate:
     """What precedes each timed run: every rank finishes its GPU work and meets the others.
 
-    On GPU, after the host barrier, a short device sleep lets the host queue the run ahead of the GPU,
-    then a one-element all-reduce releases every GPU at the same moment, so a run does not start on
-    one GPU while its peer is still being launched (host skew would be counted as run time).
+    On GPU, after the host barrier, a device sleep (``head_start_us``, longer than the host needs to
+    queue a call) lets the host queue the whole run ahead of the GPU, then a one-element all-reduce
+    releases every GPU at the same moment. So the time is the GPU's: Python and launch overhead count
+    only where the call waits on the host (an exact-size dispatch reads the counts), and a run does not
+    start on one GPU while its peer is still being launched.
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, head_start_us: float = 50.0) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, head_start_us: float = 2000.0) -> None:
         self.group = group
         self.cuda = device.type == "cuda"
         self._token = torch.ones(1, device=device) if self.cuda else None

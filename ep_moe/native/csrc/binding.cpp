@@ -41,6 +41,15 @@ int elem_type(const at::Tensor& t, const char* name) {
   TORCH_CHECK(false, "ep_moe.native: ", name, " must be bfloat16 or float32, got ", t.scalar_type());
 }
 
+// The per-block timeline buffer of a dispatch or combine (null: no tracing).
+int64_t* trace_ptr(const OptTensor& trace, int64_t num_blocks) {
+  if (!present(trace)) return nullptr;
+  check_cuda(*trace, "trace");
+  TORCH_CHECK(trace->scalar_type() == at::kLong && trace->numel() >= num_blocks * ep_moe::kTraceSlots,
+              "ep_moe.native: trace must be int64 with ", ep_moe::kTraceSlots, " slots per block");
+  return trace->data_ptr<int64_t>();
+}
+
 // What every collective kernel of one rank needs: peers' control blocks, private state, error record.
 struct Env {
   ep_moe::KernelEnv env{};
@@ -139,7 +148,7 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               const OptTensor& recv_topk_idx, const OptTensor& recv_topk_weights, const OptTensor& recv_src_idx,
               const OptTensor& recv_src_rank, const OptTensor& expert_scratch, const OptTensor& num_recv_per_expert,
               int64_t expert_alignment, int64_t rows_capacity, bool write_arrival, int64_t num_blocks,
-              int64_t num_push_blocks) {
+              int64_t num_push_blocks, const OptTensor& trace) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks && offsets.size() == 5,
               "ep_moe.native: data_ptrs must hold R pointers and offsets 5");
@@ -198,6 +207,7 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.write_arrival = write_arrival;
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);
+  p.trace = trace_ptr(trace, num_blocks);
   check_launch(ep_moe::launch_dispatch(p, c10::cuda::getCurrentCUDAStream().stream()), "dispatch");
 }
 
@@ -205,7 +215,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              int64_t rows_capacity, const at::Tensor& rank_prefix_matrix, const at::Tensor& is_token_in_rank,
              const at::Tensor& pos, const at::Tensor& y, const OptTensor& weights, const OptTensor& bias0,
              const OptTensor& bias1, const at::Tensor& out, const OptTensor& out_weights, int64_t num_blocks,
-             int64_t num_push_blocks) {
+             int64_t num_push_blocks, const OptTensor& trace) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
   check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
@@ -249,6 +259,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);
+  p.trace = trace_ptr(trace, num_blocks);
   check_launch(ep_moe::launch_combine(p, c10::cuda::getCurrentCUDAStream().stream()), "combine");
 }
 
@@ -264,6 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("MAX_CHUNKS") = ep_moe::kMaxChunks;
   m.attr("CONTROL_BYTES") = ep_moe::kControlBytes;
   m.attr("ERROR_WORDS") = static_cast<int>(ep_moe::kErrWords);
+  m.attr("TRACE_SLOTS") = static_cast<int>(ep_moe::kTraceSlots);
   pybind11::class_<Env>(m, "Env")
       .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t>(), pybind11::arg("rank"),
            pybind11::arg("ctrl_ptrs"), pybind11::arg("state"), pybind11::arg("error"), pybind11::arg("timeout_ns"));

@@ -44,6 +44,23 @@ __device__ __forceinline__ bool finish_block(const KernelEnv& env, int num_block
   return last;
 }
 
+// Thread 0's stamps of this block's timeline into `trace` (see TraceSlot), when tracing is on.
+struct BlockTrace {
+  int64_t* slots;
+  bool waited = false;
+  __device__ explicit BlockTrace(int64_t* trace)
+      : slots(trace != nullptr && threadIdx.x == 0 ? trace + static_cast<int64_t>(blockIdx.x) * kTraceSlots : nullptr) {
+    stamp(kTraceStart);
+  }
+  __device__ __forceinline__ void stamp(int slot) {
+    if (slots != nullptr) slots[slot] = static_cast<int64_t>(global_timer_ns());
+  }
+  __device__ __forceinline__ void first_wait() {
+    if (!waited) stamp(kTraceFirstWait);
+    waited = true;
+  }
+};
+
 // ========================================================================================== notify
 constexpr int kNotifyThreads = 1024;
 
@@ -136,6 +153,50 @@ __device__ __forceinline__ void notify_scan(const NotifyParams& p, int d) {
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams p) {
   if (blockIdx.x == 0) notify_exchange(p);
   else notify_scan(p, blockIdx.x - 1);
+}
+
+// Pushers' schedule, shared by dispatch and combine. Items are (chunk k, peer) pairs, k-major so that
+// every peer gets its first chunks early; item i goes to push block i % num_push_blocks. Before its
+// first write into a peer's buffer a block waits until that peer entered this operation (`stage`
+// names the wait). `count_of(peer)`: rows this rank sends the peer; `push(peer, k, j0, j1)`: store
+// rows [j0, j1) of chunk k; `flag_of(peer, k)`: the peer's flag that publishes the chunk. Returns
+// false when a wait failed.
+template <typename CountOf, typename Push, typename FlagOf>
+__device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch, int num_push_blocks, int stage,
+                                            int* s_flag, BlockTrace& trace, CountOf count_of, Push push,
+                                            FlagOf flag_of) {
+  const int num_ranks = env.num_ranks, me = env.rank;
+  Control* mine = control_of(env, me);
+  uint32_t arrived = 0;
+  int item = 0;
+  for (int k = 0; k < kMaxChunks; ++k) {
+    bool any = false;
+    for (int j = 1; j < num_ranks; ++j) {
+      const int peer = (me + j) % num_ranks;
+      const int count = count_of(peer);
+      if (k >= num_chunks(count)) continue;
+      any = true;
+      if (item++ % num_push_blocks != static_cast<int>(blockIdx.x)) continue;
+      if (!((arrived >> peer) & 1u)) {
+        if (threadIdx.x == 0) *s_flag = wait_flag(wait_ctx(env), &mine->arrive[peer], epoch, stage, peer, k);
+        __syncthreads();
+        const bool ok = *s_flag;
+        __syncthreads();
+        if (!ok) return false;
+        arrived |= 1u << peer;
+        trace.first_wait();
+      }
+      const int rows = chunk_rows(count);
+      const int j0 = k * rows;
+      push(peer, k, j0, min(count, j0 + rows));
+      // The barrier orders every thread's stores before thread 0's release, which is cumulative at
+      // system scope: one release per chunk publishes the whole block's stores.
+      __syncthreads();
+      if (threadIdx.x == 0) st_release_sys(flag_of(peer, k), epoch);
+    }
+    if (!any) break;
+  }
+  return true;
 }
 
 // ========================================================================================== dispatch
@@ -255,6 +316,7 @@ constexpr int kPadRows = 64;
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
   extern __shared__ int32_t hist[];  // [experts_per_rank] received (row, local expert) pairs
   __shared__ DispatchShared sh;
+  BlockTrace trace(p.trace);
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   const uint64_t epoch = current_epoch(env);
@@ -285,34 +347,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
 
   if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
-    uint32_t arrived = 0;
-    int item = 0;
-    for (int k = 0; k < kMaxChunks && !failed; ++k) {
-      bool any = false;
-      for (int j = 1; j < num_ranks && !failed; ++j) {
-        const int dst = (me + j) % num_ranks;
-        const int count = pair_count(prefix, num_ranks, me, dst);
-        if (k >= num_chunks(count)) continue;
-        any = true;
-        if (item++ % p.num_push_blocks != static_cast<int>(blockIdx.x)) continue;
-        if (!((arrived >> dst) & 1u)) {
-          if (threadIdx.x == 0) sh.flag = wait_flag(wait_ctx(env), &mine->arrive[dst], epoch, kStageDispatchSend, dst, k);
-          __syncthreads();
-          failed = !sh.flag;
-          __syncthreads();
-          if (failed) break;
-          arrived |= 1u << dst;
-        }
-        const int rows = chunk_rows(count);
-        const int j0 = k * rows, j1 = min(count, j0 + rows);
-        const int base = me > 0 ? prefix[(me - 1) * num_ranks + dst] : 0;
-        push_dispatch_rows(p, dst, j0, j1, base);
-        fence_sys();
-        __syncthreads();
-        if (threadIdx.x == 0) st_release_sys(&control_of(env, dst)->dispatch_flag[me][k], epoch);
-      }
-      if (!any) break;
-    }
+    failed = !run_pushers(
+        env, epoch, p.num_push_blocks, kStageDispatchSend, &sh.flag, trace,
+        [&](int dst) { return pair_count(prefix, num_ranks, me, dst); },
+        [&](int dst, int, int j0, int j1) {
+          push_dispatch_rows(p, dst, j0, j1, me > 0 ? prefix[(me - 1) * num_ranks + dst] : 0);
+        },
+        [&](int dst, int k) { return &control_of(env, dst)->dispatch_flag[me][k]; });
   } else if (!skip) {
     // ------------------------------------------------------------------ local blocks
     const int q = blockIdx.x - p.num_push_blocks, num_local = p.num_blocks - p.num_push_blocks;
@@ -338,6 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
         failed = !sh.flag;
         __syncthreads();
         if (failed) break;
+        trace.first_wait();
         const int rows = chunk_rows(count);
         const int j0 = k * rows, j1 = min(count, j0 + rows);
         const int64_t first = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
@@ -352,6 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   }
 
   __syncthreads();
+  trace.stamp(kTraceWorkDone);
   if (count_experts)
     for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x)
       if (hist[i]) atomicAdd(&p.expert_scratch[i], hist[i]);
@@ -369,6 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
       env.state->seq = epoch;
     }
   }
+  trace.stamp(kTraceEnd);
 }
 
 // ========================================================================================== combine
@@ -513,6 +557,7 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
 template <int kType>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ CombineShared sh;
+  BlockTrace trace(p.trace);
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   const uint64_t epoch = current_epoch(env);
@@ -539,44 +584,26 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
 
   if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
-    uint32_t arrived = 0;
-    int item = 0;
-    for (int k = 0; k < kMaxChunks && !failed; ++k) {
-      bool any = false;
-      for (int j = 1; j < num_ranks && !failed; ++j) {
-        const int dst = (me + j) % num_ranks;               // the source rank of these rows
-        const int count = pair_count(prefix, num_ranks, dst, me);
-        if (k >= num_chunks(count)) continue;
-        any = true;
-        if (item++ % p.num_push_blocks != static_cast<int>(blockIdx.x)) continue;
-        if (!((arrived >> dst) & 1u)) {
-          if (threadIdx.x == 0) sh.flag = wait_flag(wait_ctx(env), &mine->arrive[dst], epoch, kStageCombineSend, dst, k);
-          __syncthreads();
-          failed = !sh.flag;
-          __syncthreads();
-          if (failed) break;
-          arrived |= 1u << dst;
-        }
-        const int rows = chunk_rows(count);
-        const int j0 = k * rows, j1 = min(count, j0 + rows);
-        const int64_t my_rows = dst > 0 ? prefix[(dst - 1) * num_ranks + me] : 0;  // rows from dst start here
-        int64_t base = 0;  // rows from lower peers of dst precede this rank's in dst's buffer
-        for (int q = 0; q < me; ++q)
-          if (q != dst) base += pair_count(prefix, num_ranks, dst, q);
-        uint8_t* data = p.data[dst];
-        block_copy16<true>(reinterpret_cast<int4*>(data + p.off_y + (base + j0) * y_bytes),
-                           reinterpret_cast<const int4*>(p.y + (my_rows + j0) * y_bytes),
-                           static_cast<int64_t>(j1 - j0) * y_bytes / 16);
-        if (p.has_weights)
-          block_copy4<true>(reinterpret_cast<int32_t*>(data + p.off_weights) + (base + j0) * p.num_topk,
-                            reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j0) * p.num_topk,
-                            static_cast<int64_t>(j1 - j0) * p.num_topk);
-        fence_sys();
-        __syncthreads();
-        if (threadIdx.x == 0) st_release_sys(&control_of(env, dst)->combine_flag[me][k], epoch);
-      }
-      if (!any) break;
-    }
+    // Rows that `src` sent this rank go back into src's buffer, after the rows src gets back from its
+    // lower peers; they start at row `my_rows` of y (rows of lower sources come first there).
+    const auto push = [&](int src, int, int j0, int j1) {
+      const int64_t my_rows = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
+      int64_t base = 0;
+      for (int q = 0; q < me; ++q)
+        if (q != src) base += pair_count(prefix, num_ranks, src, q);
+      uint8_t* data = p.data[src];
+      block_copy16<true>(reinterpret_cast<int4*>(data + p.off_y + (base + j0) * y_bytes),
+                         reinterpret_cast<const int4*>(p.y + (my_rows + j0) * y_bytes),
+                         static_cast<int64_t>(j1 - j0) * y_bytes / 16);
+      if (p.has_weights)
+        block_copy4<true>(reinterpret_cast<int32_t*>(data + p.off_weights) + (base + j0) * p.num_topk,
+                          reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j0) * p.num_topk,
+                          static_cast<int64_t>(j1 - j0) * p.num_topk);
+    };
+    failed = !run_pushers(
+        env, epoch, p.num_push_blocks, kStageCombineSend, &sh.flag, trace,
+        [&](int src) { return pair_count(prefix, num_ranks, src, me); }, push,
+        [&](int src, int k) { return &control_of(env, src)->combine_flag[me][k]; });
   } else if (!skip) {
     // ------------------------------------------------------------------ reducers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
@@ -630,14 +657,18 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
           }
         }
         reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane);
+        trace.first_wait();
       }
     }
   }
 
+  __syncthreads();
+  trace.stamp(kTraceWorkDone);
   if (finish_block(env, p.num_blocks, &sh.flag) && threadIdx.x == 0) {
     env.state->done = 0;
     env.state->seq = epoch;
   }
+  trace.stamp(kTraceEnd);
 }
 
 // ========================================================================================== barrier

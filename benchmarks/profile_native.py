@@ -1,0 +1,131 @@
+"""Where the native kernels spend their time: per-block timelines at DeepEP's intranode workload.
+
+    torchrun --nproc-per-node 2 benchmarks/profile_native.py --num-sms 16 24 32 --push 0.25 0.33 0.5
+
+For every SM budget and pusher fraction, each operation (fresh dispatch, cached dispatch, dispatch with
+``num_worst_tokens``, combine) is timed three ways, median over ``--runs`` rotating input sets:
+
+* ``call``: CUDA events around the Python call, the GPU released only after the host queued it (a
+  long device sleep first), so host time is not counted unless the call waits on the host;
+* ``host``: the host's time inside the call (Python, checks, allocation, launch, host waits);
+* ``kernel``: first block start to last block end of the dispatch/combine kernel, from the global-timer
+  stamps each block writes (`NativeBackend.trace_kernels`), and inside it when the pushers and the
+  local (dispatch) or reducer (combine) blocks finished their share, relative to the kernel's start.
+
+Rank 0 prints one line per (operation, configuration). Not a replacement for ``ep-moe bench`` (no
+result checks): a diagnostic for tuning the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ep_moe import Buffer, Config
+from ep_moe.benchmarking.workload import make_input_set
+
+SLEEP_CYCLES = 4_000_000  # ~2 ms at H200 clocks: longer than the host needs to queue any call
+
+
+def kernel_phases(trace: torch.Tensor, num_push: int) -> tuple[float, float, float]:
+    """(kernel span, pushers done, local/reducers done) in microseconds from a [blocks, 4] trace."""
+    t = trace.cpu().double()
+    start = t[:, 0].min()
+    span = (t[:, 3].max() - start) / 1e3
+    push_done = (t[:num_push, 2].max() - start) / 1e3 if num_push else 0.0
+    local_done = (t[num_push:, 2].max() - start) / 1e3
+    return float(span), float(push_done), float(local_done)
+
+
+def profile_ops(buf: Buffer, sets: list, cfg: Config, worst: int, measure, num_push: int) -> list:
+    """[(op, measurement)] for fresh, cached and fixed-size dispatch and combine with ``cfg``."""
+    outs = {}
+
+    def fresh(i: int, num_worst_tokens: int = 0) -> None:
+        s = sets[i]
+        outs[i] = buf.dispatch(s.x, num_tokens_per_rank=s.num_tokens_per_rank, is_token_in_rank=s.is_token_in_rank,
+                               num_tokens_per_expert=s.num_tokens_per_expert, topk_idx=s.topk_idx,
+                               topk_weights=s.topk_weights, num_worst_tokens=num_worst_tokens, config=cfg)
+
+    return [("dispatch", measure(fresh, "dispatch", num_push)),
+            ("dispatch_cached", measure(lambda i: buf.dispatch(sets[i].x, handle=outs[i][4], config=cfg),
+                                        "dispatch_cached", num_push)),
+            ("combine", measure(lambda i: buf.combine(outs[i][0], outs[i][4], config=cfg), "combine", num_push)),
+            ("dispatch_worst", measure(lambda i: fresh(i, worst), "dispatch", num_push))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-sms", nargs="+", type=int, default=[24])
+    parser.add_argument("--push", nargs="+", type=float, default=[1 / 3], help="fractions of the SMs that push")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    hint = Buffer.get_buffer_size_hint(args.tokens, args.hidden, world, args.topk)
+    buf = Buffer(num_nvl_bytes=hint, backend="native", check_inputs=False)
+    native = buf.backend
+    sets = [make_input_set(args.tokens, args.hidden, args.experts, args.topk, world, torch.bfloat16, device,
+                           seed=i * 101 + rank) for i in range(3)]
+    token = torch.ones(1, device=device)
+
+    def measure(fn, op: str, num_push: int):
+        calls, hosts, phases = [], [], []
+        for i in range(args.runs + 3):
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SLEEP_CYCLES)
+            dist.all_reduce(token)
+            native.trace_kernels = True
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            fn(i % len(sets))
+            t1 = time.perf_counter()
+            end.record()
+            native.trace_kernels = False
+            end.synchronize()
+            if i >= 3:
+                calls.append(start.elapsed_time(end) * 1e3)
+                hosts.append((t1 - t0) * 1e6)
+                phases.append(kernel_phases(native.last_trace[op], num_push))
+        mine = torch.tensor([statistics.median(calls), statistics.median(hosts),
+                             *(statistics.median(p[j] for p in phases) for j in range(3))], device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return mine.tolist()
+
+    if rank == 0:
+        print(f"profile: {world} ranks, T={args.tokens} H={args.hidden} top-{args.topk} of {args.experts}, bf16; "
+              f"median of {args.runs}, slowest rank; us")
+        print(f"{'op':16s} {'SMs':>4s} {'push':>5s} {'call':>8s} {'host':>8s} {'kernel':>8s} {'pushers':>8s} "
+              f"{'local':>8s}")
+    for sms in args.num_sms:
+        for frac in args.push:
+            os.environ["EP_MOE_DISPATCH_PUSH_FRACTION"] = os.environ["EP_MOE_COMBINE_PUSH_FRACTION"] = str(frac)
+            cfg = Config(num_sms=sms)
+            num_push = native._split(cfg, "EP_MOE_DISPATCH_PUSH_FRACTION")[1]
+            for op, (call, host, span, push_done, local_done) in profile_ops(buf, sets, cfg, world * args.tokens,
+                                                                             measure, num_push):
+                if rank == 0:
+                    print(f"{op:16s} {sms:4d} {frac:5.2f} {call:8.1f} {host:8.1f} {span:8.1f} {push_done:8.1f} "
+                          f"{local_done:8.1f}", flush=True)
+    dist.barrier()
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
