@@ -46,7 +46,6 @@ STAGES = {
     6: "barrier",
     7: "dispatch (receive buffer capacity)",
     8: "combine (receive buffer capacity)",
-    9: "shared-memory pipeline of a block",
 }
 
 

@@ -113,38 +113,19 @@ static __device__ __noinline__ bool wait_flag(WaitCtx ctx, const uint64_t* flag,
 // ------------------------------------------------------------------------------------------ copies
 constexpr int kUnroll = 8;  // 16-byte loads in flight per thread
 
-// One warp copies n16 16-byte words (a row); `src` is read-only input.
-__device__ __forceinline__ void warp_copy16_nc(int4* dst, const int4* src, int n16, int lane) {
+// One warp copies n16 16-byte words (a row). kNc: `src` is read-only input (non-coherent loads);
+// otherwise a peer wrote it during this operation (L2 loads).
+template <bool kNc>
+__device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16, int lane) {
   for (int base = lane; base < n16; base += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (base + u * 32 < n16) v[u] = ld_nc(src + base + u * 32);
+      if (base + u * 32 < n16) v[u] = kNc ? ld_nc(src + base + u * 32) : ld_cg(src + base + u * 32);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + u * 32 < n16) dst[base + u * 32] = v[u];
   }
-}
-
-// The whole block copies n16 16-byte words; kNc: the source is read-only input.
-template <bool kNc>
-__device__ __forceinline__ void block_copy16(int4* dst, const int4* src, int64_t n16) {
-  const int64_t stride = blockDim.x;
-  for (int64_t base = threadIdx.x; base < n16; base += stride * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (base + u * stride < n16) v[u] = kNc ? ld_nc(src + base + u * stride) : ld_cg(src + base + u * stride);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (base + u * stride < n16) dst[base + u * stride] = v[u];
-  }
-}
-
-// The whole block copies n 4-byte words (scales, weights, indices: any 4-byte-aligned data).
-template <bool kNc>
-__device__ __forceinline__ void block_copy4(int32_t* dst, const int32_t* src, int64_t n) {
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = kNc ? __ldg(src + i) : __ldcg(src + i);
 }
 
 // Chunking of the rows one source sends one destination: both sides derive it from the count alone.

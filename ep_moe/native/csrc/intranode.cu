@@ -5,18 +5,20 @@
 // the list of tokens sent there. The dispatch kernel then splits its blocks into
 //   * pushers: copy each row straight to its final position in the receiver's symmetric buffer
 //     (position = rows of lower source ranks + the row's index among those sent to that receiver),
-//     16-byte stores over NVLink, chunk by chunk, each chunk released by a flag in the receiver's
-//     control block;
+//     16-byte stores over NVLink, chunk by chunk; the last warp of the block to finish a chunk
+//     publishes it with a release store to a flag in the receiver's control block;
 //   * local blocks: copy this rank's rows to itself straight into the output, and copy every peer's
-//     chunk out of the symmetric buffer into the output as soon as its flag is set (contiguous, since
-//     the buffer holds the rows in output order).
+//     chunk out of the symmetric buffer into the output as soon as its flag is set (the buffer holds
+//     the rows in output order).
+// Every warp walks its block's chunks on its own, one row per warp at a time: no block-wide barrier
+// inside the loops, so a warp that waits (for a flag, or for a release to reach the peer) holds up
+// only itself.
 // Combine reverses it: pushers send each received row back to its source's buffer (contiguous per
 // source), and reducer warps sum, per token, the rows of the ranks it went to in increasing rank
 // order in fp32 (the own rank's rows read in place), add the biases and round once.
 #include <cuda_bf16.h>
 
 #include "common.cuh"
-#include "pipe.cuh"
 
 namespace ep_moe {
 namespace {
@@ -46,7 +48,7 @@ __device__ __forceinline__ bool finish_block(const KernelEnv& env, int num_block
 }
 
 // Stamps of this block's timeline into `trace` (see TraceSlot), when tracing is on: thread 0 stamps
-// entry, work done and exit; thread 0 or 32 (the first consumer warp of a pipe) the first wait.
+// entry, work done and exit; thread 0 or 32 the first wait (pushers wait in every warp).
 struct BlockTrace {
   int64_t* slots;
   bool waited = false;
@@ -159,11 +161,6 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams p) 
   else notify_scan(p, blockIdx.x - 1);
 }
 
-// Consumer warps only (the producer warp does not take part): named barrier 1.
-__device__ __forceinline__ void consumer_barrier() {
-  asm volatile("bar.sync 1, %0;" ::"r"(kConsumers * 32) : "memory");
-}
-
 // Lane 0 waits for `*flag >= target`; the whole warp gets the verdict.
 __device__ __forceinline__ bool warp_wait_flag(const KernelEnv& env, const uint64_t* flag, uint64_t target, int stage,
                                                int peer, int detail) {
@@ -172,22 +169,35 @@ __device__ __forceinline__ bool warp_wait_flag(const KernelEnv& env, const uint6
   return __shfl_sync(0xffffffffu, ok, 0);
 }
 
+// Shared-memory counter add with acquire-release semantics at block scope (returns the old value).
+__device__ __forceinline__ int32_t atomic_add_acq_rel_block(int32_t* counter, int32_t value) {
+  int32_t old;
+  asm volatile("atom.acq_rel.cta.shared::cta.add.s32 %0, [%1], %2;"
+               : "=r"(old) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(counter))), "r"(value) : "memory");
+  return old;
+}
+
+// Rows of a chunk go to the block's warps in turn: warp w takes rows j0 + w, j0 + w + warps, ...
+__device__ __forceinline__ int first_row_of_warp(int j0) { return j0 + static_cast<int>(threadIdx.x >> 5); }
+__device__ __forceinline__ int warps_per_block() { return static_cast<int>(blockDim.x >> 5); }
+
 // Pushers' schedule, shared by dispatch and combine. Items are (chunk k, peer) pairs, k-major so that
-// every peer gets its first chunks early; item i goes to push block i % num_push_blocks. Every warp of
-// the block walks it: `push_rows(peer, k, j0, j1)` moves rows [j0, j1) of chunk k through the pipe
-// (the producer loads them, consumers store them into the peer's buffer). Consumers store nothing into
-// a peer before it entered this operation (`stage` names that wait), and after a chunk they meet at a
-// barrier, then one thread publishes it with a release store to `flag_of(peer, k)`: the barrier orders
-// every consumer's stores before that release, which is cumulative at system scope. A failed wait
-// makes the warp stop working but keep walking, so that no barrier waits for it forever.
+// every peer gets its first chunks early; item i goes to push block i % num_push_blocks. Every warp
+// walks it on its own (no block barrier): `push_rows(peer, j0, j1)` stores the warp's rows of chunk k
+// into the peer's buffer, after the peer entered this operation (`stage` names that wait). The last
+// warp to finish a chunk publishes it: every warp's lane 0 adds to the chunk's counter with
+// acquire-release semantics after a warp sync, so the last one has observed all the block's stores
+// of that chunk, and its release store to `flag_of(peer, k)` is cumulative at system scope. Only that
+// warp waits for the release; the others go on with the next chunk. `done` holds kMaxChunks *
+// kMaxRanks zeroed counters. A failed wait stops the warp's work; returns false then.
 template <typename CountOf, typename PushRows, typename FlagOf>
 __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch, int num_push_blocks, int stage,
-                                            const RowPipe& pipe, BlockTrace& trace, CountOf count_of,
-                                            PushRows push_rows, FlagOf flag_of) {
+                                            int32_t* done, BlockTrace& trace, CountOf count_of, PushRows push_rows,
+                                            FlagOf flag_of) {
   const int num_ranks = env.num_ranks, me = env.rank;
+  const int lane = threadIdx.x & 31;
   Control* mine = control_of(env, me);
   uint32_t arrived = 0;
-  bool ok = true;
   int item = 0;
   for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
@@ -197,40 +207,31 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
       if (k >= num_chunks(count)) continue;
       any = true;
       if (item++ % num_push_blocks != static_cast<int>(blockIdx.x)) continue;
-      if (ok && !pipe.producer() && !((arrived >> peer) & 1u)) {
-        ok = warp_wait_flag(env, &mine->arrive[peer], epoch, stage, peer, k);
+      if (!((arrived >> peer) & 1u)) {
+        if (!warp_wait_flag(env, &mine->arrive[peer], epoch, stage, peer, k)) return false;
         arrived |= 1u << peer;
         trace.first_wait();
       }
       const int rows = chunk_rows(count);
       const int j0 = k * rows;
-      if (ok) ok = push_rows(peer, k, j0, min(count, j0 + rows));
-      if (!pipe.producer()) {
-        consumer_barrier();
-        if (threadIdx.x == 32 && ok) st_release_sys(flag_of(peer, k), epoch);
-      }
+      push_rows(peer, j0, min(count, j0 + rows));
+      __syncwarp();
+      if (lane == 0 && atomic_add_acq_rel_block(&done[k * kMaxRanks + peer], 1) == warps_per_block() - 1)
+        st_release_sys(flag_of(peer, k), epoch);
     }
     if (!any) break;
   }
-  return ok;
+  return true;
 }
 
 // ========================================================================================== dispatch
 struct DispatchShared {
   int32_t prefix[kMaxRanks * kMaxRanks];
-  PipeShared pipe;
+  int32_t chunk_done[kMaxChunks * kMaxRanks];  // pushers: warps done with (chunk, peer)
   int flag;
 };
 
-// Dynamic shared memory of a dispatch block: the expert histogram, then the pipe's stages.
-__host__ __device__ __forceinline__ int dispatch_hist_bytes(bool has_topk, int experts_per_rank) {
-  return has_topk ? (experts_per_rank * 4 + 127) / 128 * 128 : 0;
-}
-
-// The warp that writes row j's metadata (top-k ids, weights, scales, source) among the consumers.
-__device__ __forceinline__ bool owns_row(int j, int j0) { return (j - j0) % kConsumers == static_cast<int>(threadIdx.x >> 5) - 1; }
-
-// Consumer warp: metadata of token t, sent to rank `dst` as row `row` of dst's buffer.
+// Warp: metadata of token t, sent to rank `dst` as row `row` of dst's buffer.
 __device__ __forceinline__ void push_row_meta(const DispatchParams& p, int dst, int t, int64_t row) {
   const int lane = threadIdx.x & 31;
   uint8_t* data = p.data[dst];
@@ -253,9 +254,11 @@ __device__ __forceinline__ void push_row_meta(const DispatchParams& p, int dst, 
   }
 }
 
-// Consumer warp: metadata of this rank's own token t, received as output row `row`.
-__device__ __forceinline__ void self_row_meta(const DispatchParams& p, int t, int64_t row, int32_t* hist) {
+// Warp: this rank's own token t, received as output row `row` (data and metadata).
+__device__ __forceinline__ void copy_self_row(const DispatchParams& p, int t, int64_t row, int32_t* hist) {
   const int me = p.env.rank, lane = threadIdx.x & 31;
+  warp_copy16<true>(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
+                    reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
   if (p.has_scales)
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] = __ldg(p.scales + static_cast<int64_t>(t) * p.num_scales + c);
@@ -276,10 +279,12 @@ __device__ __forceinline__ void self_row_meta(const DispatchParams& p, int t, in
   }
 }
 
-// Consumer warp: metadata of output row `row`, which rank `src` wrote into this rank's buffer.
-__device__ __forceinline__ void drain_row_meta(const DispatchParams& p, int src, int64_t row, int32_t* hist) {
+// Warp: output row `row`, which rank `src` wrote into this rank's buffer (data and metadata).
+__device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int32_t* hist) {
   const int lane = threadIdx.x & 31;
   const uint8_t* data = p.data[p.env.rank];
+  warp_copy16<false>(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
+                     reinterpret_cast<const int4*>(data + p.off_x + row * p.x_bytes), p.x_bytes / 16, lane);
   if (p.has_scales)
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] = __ldcg(reinterpret_cast<const float*>(data + p.off_scales) + row * p.num_scales + c);
@@ -297,20 +302,6 @@ __device__ __forceinline__ void drain_row_meta(const DispatchParams& p, int src,
       p.recv_src_rank[row] = src;
     }
   }
-}
-
-// Producer warp: queue the rows of tokens list[j0..j1) (x rows gathered by token index).
-__device__ __forceinline__ bool load_token_rows(const DispatchParams& p, RowPipe& pipe, const int32_t* list, int j0,
-                                                int j1) {
-  const int lane = threadIdx.x & 31;
-  for (int jb = j0; jb < j1; jb += 32) {
-    const int t_lane = jb + lane < j1 ? list[jb + lane] : 0;  // 32 indices per load, then one per row
-    for (int i = 0; i < 32 && jb + i < j1; ++i) {
-      const int t = __shfl_sync(0xffffffffu, t_lane, i);
-      if (!pipe_row(pipe, p.x + static_cast<int64_t>(t) * p.x_bytes, nullptr, p.x_bytes)) return false;
-    }
-  }
-  return true;
 }
 
 // Local block: padding rows of a fixed-size (num_worst_tokens) receive, as the torch backend fills them.
@@ -336,20 +327,20 @@ __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, 
 constexpr int kPadRows = 64;
 
 // Local block's share: this rank's own chunks (gathered from x) and the chunks peers wrote into this
-// rank's buffer (contiguous, already in output order), chunk k of every source in turn; then padding.
-__device__ __forceinline__ bool dispatch_local(const DispatchParams& p, RowPipe& pipe, const int32_t* prefix,
-                                               int32_t* hist, uint64_t epoch, BlockTrace& trace) {
+// rank's buffer (already in output order), chunk k of every source in turn; then padding rows. Every
+// warp walks the items on its own and waits for a peer's chunk itself (no block barrier).
+__device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const int32_t* prefix, int32_t* hist,
+                                               uint64_t epoch, BlockTrace& trace) {
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   const int q = blockIdx.x - p.num_push_blocks, num_local = p.num_blocks - p.num_push_blocks;
   const int my_first_row = me > 0 ? prefix[(me - 1) * num_ranks + me] : 0;  // rows from lower sources
   const int total_rows = prefix[(num_ranks - 1) * num_ranks + me];
   const int32_t* my_list = p.send_list + static_cast<int64_t>(me) * p.num_tokens;
-  const uint8_t* buffer_x = p.data[me] + p.off_x;
+  const int warps = warps_per_block();
   Control* mine = control_of(env, me);
-  bool ok = true;
   int item = 0;
-  for (int k = 0; k < kMaxChunks && ok; ++k) {
+  for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
     const int self_count = pair_count(prefix, num_ranks, me, me);
     if (k < num_chunks(self_count)) {
@@ -357,48 +348,33 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, RowPipe&
       if (item++ % num_local == q) {
         const int rows = chunk_rows(self_count);
         const int j0 = k * rows, j1 = min(self_count, j0 + rows);
-        if (pipe.producer()) {
-          ok = load_token_rows(p, pipe, my_list, j0, j1);
-        } else {
-          for (int j = j0; j < j1 && ok; ++j) {
-            const int64_t row = my_first_row + j;
-            ok = pipe_row(pipe, nullptr, p.recv_x + row * p.x_bytes, p.x_bytes);
-            if (owns_row(j, j0)) self_row_meta(p, my_list[j], row, hist);
-          }
-        }
+        for (int j = first_row_of_warp(j0); j < j1; j += warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
       }
     }
-    for (int j = 1; j < num_ranks && ok; ++j) {
+    for (int j = 1; j < num_ranks; ++j) {
       const int src = (me - j + num_ranks) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
       if (k >= num_chunks(count)) continue;
       any = true;
       if (item++ % num_local != q) continue;
-      ok = warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k);
-      if (!ok) break;
+      if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k)) return false;
       trace.first_wait();
       const int rows = chunk_rows(count);
       const int j0 = k * rows, j1 = min(count, j0 + rows);
       const int64_t first = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
-      if (pipe.producer() && (threadIdx.x & 31) == 0) fence_proxy_async_global();
-      for (int jj = j0; jj < j1 && ok; ++jj) {
-        const int64_t row = first + jj;
-        ok = pipe_row(pipe, buffer_x + row * p.x_bytes, p.recv_x + row * p.x_bytes, p.x_bytes);
-        if (!pipe.producer() && owns_row(jj, j0)) drain_row_meta(p, src, row, hist);
-      }
+      for (int jj = first_row_of_warp(j0); jj < j1; jj += warps) drain_row(p, src, first + jj, hist);
     }
     if (!any) break;
   }
-  if (ok && p.num_recv_rows > total_rows) {
+  if (p.num_recv_rows > total_rows) {
     for (int64_t r0 = total_rows; r0 < p.num_recv_rows; r0 += kPadRows)
       if (item++ % num_local == q) pad_rows(p, r0, static_cast<int>(min(static_cast<int64_t>(kPadRows), p.num_recv_rows - r0)));
   }
-  return ok;
+  return true;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
-  extern __shared__ __align__(128) uint8_t dynamic_smem[];
-  int32_t* hist = reinterpret_cast<int32_t*>(dynamic_smem);  // [experts_per_rank] received (row, local expert) pairs
+  extern __shared__ int32_t hist[];  // [experts_per_rank] received (row, local expert) pairs
   __shared__ DispatchShared sh;
   BlockTrace trace(p.trace);
   const KernelEnv& env = p.env;
@@ -407,14 +383,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   if (p.write_arrival && blockIdx.x == 0 && threadIdx.x < num_ranks)
     st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
+  for (int i = threadIdx.x; i < kMaxChunks * kMaxRanks; i += blockDim.x) sh.chunk_done[i] = 0;
   const bool count_experts = p.has_topk;
   if (count_experts)
     for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x) hist[i] = 0;
-  const int reserved = dispatch_hist_bytes(p.has_topk, p.experts_per_rank);
-  const PipeShape shape = pipe_shape(p.x_bytes, reserved);
-  RowPipe pipe{dynamic_smem + reserved, &sh.pipe, shape.stage_bytes, shape.num_stages, wait_ctx(env), 0,
-               static_cast<int>(threadIdx.x >> 5), static_cast<int>(threadIdx.x & 31)};
-  if (threadIdx.x == 0) pipe.init();
   __syncthreads();
   bool skip = !p.write_arrival && *reinterpret_cast<volatile int32_t*>(&env.state->skip) != 0;
   const int32_t* prefix = sh.prefix;
@@ -432,24 +404,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
 
   if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
-    const auto push_rows = [&](int dst, int, int j0, int j1) {
+    const auto push_rows = [&](int dst, int j0, int j1) {
       const int64_t base = me > 0 ? prefix[(me - 1) * num_ranks + dst] : 0;  // rows of lower sources in dst
       const int32_t* list = p.send_list + static_cast<int64_t>(dst) * p.num_tokens;
-      if (pipe.producer()) return load_token_rows(p, pipe, list, j0, j1);
       uint8_t* dst_x = p.data[dst] + p.off_x;
-      for (int j = j0; j < j1; ++j) {
-        if (!pipe_row(pipe, nullptr, dst_x + (base + j) * p.x_bytes, p.x_bytes)) return false;
-        if (owns_row(j, j0)) push_row_meta(p, dst, list[j], base + j);
+      for (int j = first_row_of_warp(j0); j < j1; j += warps_per_block()) {
+        const int t = list[j];
+        warp_copy16<true>(reinterpret_cast<int4*>(dst_x + (base + j) * p.x_bytes),
+                          reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16,
+                          threadIdx.x & 31);
+        push_row_meta(p, dst, t, base + j);
       }
-      return true;
     };
-    run_pushers(env, epoch, p.num_push_blocks, kStageDispatchSend, pipe, trace,
+    run_pushers(env, epoch, p.num_push_blocks, kStageDispatchSend, sh.chunk_done, trace,
                 [&](int dst) { return pair_count(prefix, num_ranks, me, dst); }, push_rows,
                 [&](int dst, int k) { return &control_of(env, dst)->dispatch_flag[me][k]; });
   } else if (!skip) {
-    dispatch_local(p, pipe, prefix, hist, epoch, trace);
+    dispatch_local(p, prefix, hist, epoch, trace);
   }
-  if (pipe.producer()) pipe.drain();
 
   __syncthreads();
   trace.stamp(kTraceWorkDone);
@@ -476,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
 // ========================================================================================== combine
 struct CombineShared {
   int32_t prefix[kMaxRanks * kMaxRanks];
-  PipeShared pipe;
+  int32_t chunk_done[kMaxChunks * kMaxRanks];  // pushers: warps done with (chunk, peer)
   int flag;
 };
 
@@ -615,7 +587,6 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
 
 template <int kType>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
-  extern __shared__ __align__(128) uint8_t dynamic_smem[];  // the pushers' pipe stages
   __shared__ CombineShared sh;
   BlockTrace trace(p.trace);
   const KernelEnv& env = p.env;
@@ -623,11 +594,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   const uint64_t epoch = current_epoch(env);
   if (blockIdx.x == 0 && threadIdx.x < num_ranks) st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
+  for (int i = threadIdx.x; i < kMaxChunks * kMaxRanks; i += blockDim.x) sh.chunk_done[i] = 0;
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
-  const PipeShape shape = pipe_shape(y_bytes, 0);
-  RowPipe pipe{dynamic_smem, &sh.pipe, shape.stage_bytes, shape.num_stages, wait_ctx(env), 0,
-               static_cast<int>(threadIdx.x >> 5), static_cast<int>(threadIdx.x & 31)};
-  if (threadIdx.x == 0 && static_cast<int>(blockIdx.x) < p.num_push_blocks) pipe.init();
   __syncthreads();
   const int32_t* prefix = sh.prefix;
   Control* mine = control_of(env, me);
@@ -650,27 +618,27 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     // ------------------------------------------------------------------ pushers
     // Rows that `src` sent this rank go back into src's buffer, after the rows src gets back from its
     // lower peers; they start at row `my_rows` of y (rows of lower sources come first there).
-    const auto push_rows = [&](int src, int, int j0, int j1) {
+    const auto push_rows = [&](int src, int j0, int j1) {
       const int64_t my_rows = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
       int64_t base = 0;
       for (int q = 0; q < me; ++q)
         if (q != src) base += pair_count(prefix, num_ranks, src, q);
       uint8_t* data = p.data[src];
-      for (int j = j0; j < j1; ++j) {
-        if (!pipe_row(pipe, p.y + (my_rows + j) * y_bytes, data + p.off_y + (base + j) * y_bytes, y_bytes))
-          return false;
-        if (p.has_weights && owns_row(j, j0)) {
+      const int lane = threadIdx.x & 31;
+      for (int j = first_row_of_warp(j0); j < j1; j += warps_per_block()) {
+        warp_copy16<true>(reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes),
+                          reinterpret_cast<const int4*>(p.y + (my_rows + j) * y_bytes), static_cast<int>(y_bytes / 16),
+                          lane);
+        if (p.has_weights) {
           int32_t* dst_w = reinterpret_cast<int32_t*>(data + p.off_weights) + (base + j) * p.num_topk;
           const int32_t* src_w = reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j) * p.num_topk;
-          for (int k = threadIdx.x & 31; k < p.num_topk; k += 32) dst_w[k] = __ldg(src_w + k);
+          for (int k = lane; k < p.num_topk; k += 32) dst_w[k] = __ldg(src_w + k);
         }
       }
-      return true;
     };
-    run_pushers(env, epoch, p.num_push_blocks, kStageCombineSend, pipe, trace,
+    run_pushers(env, epoch, p.num_push_blocks, kStageCombineSend, sh.chunk_done, trace,
                 [&](int src) { return pair_count(prefix, num_ranks, src, me); }, push_rows,
                 [&](int src, int k) { return &control_of(env, src)->combine_flag[me][k]; });
-    if (pipe.producer()) pipe.drain();
   } else if (!skip) {
     // ------------------------------------------------------------------ reducers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
@@ -757,32 +725,15 @@ cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Dynamic shared memory beyond 48 KB must be allowed per kernel (and device): the most a launch asks for.
-template <typename Kernel>
-cudaError_t allow_pipe_smem(Kernel kernel) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipeSmemBytes);
-}
-
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  if (const cudaError_t err = allow_pipe_smem(dispatch_kernel); err != cudaSuccess) return err;
-  const int reserved = dispatch_hist_bytes(p.has_topk, p.experts_per_rank);
-  const PipeShape shape = pipe_shape(p.x_bytes, reserved);
-  if (shape.num_stages < 2) return cudaErrorInvalidValue;  // the binding keeps rows and experts in range
-  dispatch_kernel<<<p.num_blocks, kThreads, reserved + shape.num_stages * shape.stage_bytes, stream>>>(p);
+  const size_t smem = p.has_topk ? sizeof(int32_t) * p.experts_per_rank : 0;
+  dispatch_kernel<<<p.num_blocks, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
-  const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (p.y_type == kBF16 ? 2 : 4);
-  const PipeShape shape = pipe_shape(y_bytes, 0);
-  const size_t smem = static_cast<size_t>(shape.num_stages) * shape.stage_bytes;
-  if (p.y_type == kBF16) {
-    if (const cudaError_t err = allow_pipe_smem(combine_kernel<kBF16>); err != cudaSuccess) return err;
-    combine_kernel<kBF16><<<p.num_blocks, kThreads, smem, stream>>>(p);
-  } else {
-    if (const cudaError_t err = allow_pipe_smem(combine_kernel<kFP32>); err != cudaSuccess) return err;
-    combine_kernel<kFP32><<<p.num_blocks, kThreads, smem, stream>>>(p);
-  }
+  if (p.y_type == kBF16) combine_kernel<kBF16><<<p.num_blocks, kThreads, 0, stream>>>(p);
+  else combine_kernel<kFP32><<<p.num_blocks, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -27,7 +27,6 @@ enum Stage {
   kStageBarrier = 6,         // barrier
   kStageDispatchCapacity = 7,
   kStageCombineCapacity = 8,
-  kStagePipeline = 9,        // a block's own shared-memory pipeline (only after another wait failed)
 };
 
 struct LocalState;
