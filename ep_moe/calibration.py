@@ -149,10 +149,17 @@ def load_rates(topology: Topology, backend: str = "native", path: str | os.PathL
 
 
 # ------------------------------------------------------------------------------------------ timing helpers
+HEAD_START_CYCLES = 4_000_000  # ~2 ms of device sleep: the host queues a whole call before the GPU starts it
+
+
 def _elapsed_us(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    """Run ``fn`` once and return (its result, us): CUDA events on GPU, the wall clock on CPU."""
+    """Run ``fn`` once and return (its result, us): CUDA events on GPU, the wall clock on CPU.
+
+    On GPU the device first sleeps while the host queues the call, so the time is the GPU's (Python
+    overhead counts only where the call waits on the host): that is what the SM count changes."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HEAD_START_CYCLES)
         start.record()
         out = fn()
         end.record()
