@@ -279,11 +279,12 @@ class DispatchBench:
         dist.all_gather(everyone, per_rank, group=self.buffer.group)
         return [t.tolist() for t in everyone]
 
-    def _dispatch(self, x, num_sms: int):
+    def _dispatch(self, x, num_sms: int, num_worst_tokens: int = 0):
         per_rank, _, per_expert, in_rank, _ = self.layout
         return self.buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                     num_tokens_per_expert=per_expert, topk_idx=self.topk_idx,
-                                    topk_weights=self.topk_weights, config=self._config(num_sms))
+                                    topk_weights=self.topk_weights, num_worst_tokens=num_worst_tokens,
+                                    config=self._config(num_sms))
 
     @staticmethod
     def _config(num_sms: int):
@@ -311,13 +312,20 @@ class DispatchBench:
 
     def measure(self, num_sms: int, iters: int = 30, warmup: int = 5) -> tuple[float, float]:
         """(dispatch us, combine us): each rank's median over ``iters`` timed calls, then the max over
-        ranks (every rank returns the same numbers). A barrier precedes every call."""
+        ranks (every rank returns the same numbers). A barrier precedes every call.
+
+        The dispatch is the fixed-size one (``num_worst_tokens``: every rank's tokens), which never
+        waits on the host, so the time is the GPU's and changes with the SM count alone (the exact-size
+        dispatch adds a host round trip that no SM count changes, and the host's jitter)."""
         device, group = self.buffer.device, self.buffer.group
+        most_tokens = torch.tensor([self.shape.tokens], device=device)  # the same bound on every rank
+        dist.all_reduce(most_tokens, op=dist.ReduceOp.MAX, group=group)
+        worst = int(most_tokens.item()) * self.buffer.group_size
         dispatch_us, combine_us = [], []
         for i in range(warmup + iters):
             x = self.xs[i % len(self.xs)]
             self._sync(device, group)
-            (recv_x, _, _, _, handle, _), d_us = _elapsed_us(lambda x=x: self._dispatch(x, num_sms), device)
+            (recv_x, _, _, _, handle, _), d_us = _elapsed_us(lambda x=x: self._dispatch(x, num_sms, worst), device)
             y = self._combine_input(recv_x, i)
             self._sync(device, group)
             _, c_us = _elapsed_us(lambda y=y, h=handle: self.buffer.combine(y, h, config=self._config(num_sms)),

@@ -111,7 +111,7 @@ static __device__ __noinline__ bool wait_flag(WaitCtx ctx, const uint64_t* flag,
 }
 
 // ------------------------------------------------------------------------------------------ copies
-constexpr int kUnroll = 16;  // 16-byte loads in flight per thread
+constexpr int kUnroll = 8;  // 16-byte loads in flight per thread
 
 // One warp copies n16 16-byte words (a row). kNc: `src` is read-only input (non-coherent loads);
 // otherwise a peer wrote it during this operation (L2 loads).
