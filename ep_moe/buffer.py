@@ -187,6 +187,14 @@ class Buffer:
         compute.wait_stream(comm)
         return out, EventOverlap(None)
 
+    def _to_host_list(self, t: torch.Tensor) -> list:
+        """``t.tolist()`` after the communication stream produced it: with ``async_finish`` the current
+        stream has not waited for that stream yet, so the copy is queued behind the kernel that writes ``t``."""
+        if self._comm_stream is None:
+            return t.tolist()
+        with torch.cuda.stream(self._comm_stream):
+            return t.tolist()
+
     def _checking_values(self, num_worst_tokens: int = 0) -> bool:
         if not self.check_inputs or num_worst_tokens:
             return False
@@ -251,7 +259,7 @@ class Buffer:
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         if handle is not None:
             return recv_x, None, None, None, None, event
-        counts_list = [] if num_worst_tokens else result.num_recv_tokens_per_expert.tolist()
+        counts_list = [] if num_worst_tokens else self._to_host_list(result.num_recv_tokens_per_expert)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts_list, result.handle, event
 
     def dispatch_result(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,

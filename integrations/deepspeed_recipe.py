@@ -384,14 +384,14 @@ def train_rank(recipe: dict, device: torch.device) -> dict[str, Any]:
     started = time.perf_counter()
     for step in range(start_step, t["train_iters"]):
         batch = data.batch("train", step, t["global_batch_size"])
-        step_loss = torch.zeros(2, dtype=torch.float64)
+        step_loss = torch.zeros(2, dtype=torch.float64, device=device)  # the group may be NCCL-only
         for micro in range(accum):
             rows = rank_slice(batch, rank, world, t["micro_batch_size"], micro).to(device)
             logits, aux = engine(rows[:, :-1])
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
             engine.backward(ce + m["moe_aux_loss_coeff"] * aux)
             engine.step()
-            step_loss += torch.tensor([ce.item(), aux.item()], dtype=torch.float64)
+            step_loss += torch.stack([ce.detach(), aux.detach()]).to(torch.float64)
         dist.all_reduce(step_loss)
         step_loss /= accum * world
         losses.append(float(step_loss[0]))
@@ -429,7 +429,7 @@ def _evaluate(engine, data, r: dict, rank: int, world: int, device: torch.device
     if not t["eval_iters"]:
         return None
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     per_rank = t["global_batch_size"] // world
     with torch.no_grad():
         for i in range(t["eval_iters"]):
@@ -437,7 +437,7 @@ def _evaluate(engine, data, r: dict, rank: int, world: int, device: torch.device
             rows = rank_slice(batch, rank, world, per_rank, 0).to(device)
             logits, _ = engine(rows[:, :-1])
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1), reduction="sum")
-            total += torch.tensor([ce.item(), rows[:, 1:].numel()], dtype=torch.float64)
+            total += torch.stack([ce.detach().to(torch.float64), ce.new_tensor(rows[:, 1:].numel(), dtype=torch.float64)])
     engine.train()
     dist.all_reduce(total)
     return float(total[0] / total[1])

@@ -318,6 +318,36 @@ def _timeout_worker(rank: int, world: int) -> str:
     return "\n".join(messages)
 
 
+def _async_counts_worker(rank: int, world: int) -> int:
+    """async_finish dispatch: the returned per-expert counts are those of this call, even though the
+    caller's stream has not waited for the communication stream yet (a large dispatch keeps it busy)."""
+    from ep_moe import Buffer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    experts, hidden, tokens = 64, 7168, 8192
+    buf = Buffer(backend="native")
+    checked = 0
+    for seed in range(4):
+        g = torch.Generator(device=device).manual_seed(seed * 31 + rank)
+        skew = torch.rand(experts, generator=g, device=device) ** (seed + 1)  # different counts every call
+        idx = (torch.rand(tokens, experts, generator=g, device=device) * skew).topk(4, dim=1).indices
+        w = torch.rand(tokens, 4, generator=g, device=device)
+        x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+        everyone = [torch.empty_like(idx) for _ in range(world)]
+        torch.distributed.all_gather(everyone, idx)
+        local = experts // world
+        mine = torch.cat(everyone).flatten() - rank * local
+        want = torch.bincount(mine[(mine >= 0) & (mine < local)], minlength=local).tolist()
+        _, _, _, counts, _, event = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts,
+                                                 async_finish=True)
+        assert counts == want, f"seed {seed}: counts {counts} != {want}"
+        event.current_stream_wait()
+        checked += 1
+    torch.cuda.synchronize()
+    buf.destroy()
+    return checked
+
+
 # ------------------------------------------------------------------------------------------ tests
 NUM_CASES = int(os.environ.get("EP_MOE_GPU_CASES", "210"))
 
@@ -340,3 +370,8 @@ def test_forced_timeout():
     _need_gpus()
     messages = run_distributed(_timeout_worker, WORLD, backend="nccl", timeout_s=120, join_timeout_s=300)
     print(messages[0])
+
+
+def test_async_finish_returns_this_calls_counts():
+    _need_gpus()
+    assert run_distributed(_async_counts_worker, WORLD, backend="nccl", timeout_s=120, join_timeout_s=300) == [4] * WORLD
