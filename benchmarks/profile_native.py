@@ -59,6 +59,29 @@ def profile_ops(buf: Buffer, sets: list, cfg: Config, worst: int, measure, num_p
             ("dispatch_worst", measure(lambda i: fresh(i, worst), "dispatch", num_push))]
 
 
+def host_profile(buf: Buffer, sets: list, rank: int, calls: int = 200) -> None:
+    """Rank 0 prints the functions where the host spends its time in cached dispatch + combine (both
+    ranks run the calls; the GPU work is queued behind a long sleep so the host never waits for it)."""
+    import cProfile
+    import pstats
+
+    s = sets[0]
+    out = buf.dispatch(s.x, num_tokens_per_rank=s.num_tokens_per_rank, is_token_in_rank=s.is_token_in_rank,
+                       num_tokens_per_expert=s.num_tokens_per_expert, topk_idx=s.topk_idx, topk_weights=s.topk_weights)
+    torch.cuda.synchronize()
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        buf.dispatch(s.x, handle=out[4])
+        buf.combine(out[0], out[4])
+    profiler.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        print(f"host profile: {calls} x (cached dispatch + combine), top functions by own time")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-sms", nargs="+", type=int, default=[24])
@@ -68,6 +91,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also print where the host's time goes (cProfile of 200 cached dispatches and combines)")
     args = parser.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -122,6 +147,8 @@ def main() -> None:
                 if rank == 0:
                     print(f"{op:16s} {sms:4d} {frac:5.2f} {call:8.1f} {host:8.1f} {span:8.1f} {push_done:8.1f} "
                           f"{local_done:8.1f}", flush=True)
+    if args.host_profile:
+        host_profile(buf, sets, rank)
     dist.barrier()
     buf.destroy()
     dist.destroy_process_group()
