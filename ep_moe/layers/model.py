@@ -13,6 +13,7 @@ generator seeded by ``(seed, module name)``, and every expert by ``(seed, module
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -46,12 +47,12 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 128
     num_moe_experts: int = 8
     moe_router_topk: int = 2
-    moe_layer_freq: int = 1
-    moe_router_score_function: str = "softmax"
+    moe_layer_freq: int | list[int] = 1
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_topk_scaling_factor: float | None = None
-    moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "seq_aux_loss" | "none"
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False
@@ -61,7 +62,7 @@ class ModelConfig:
     rotary_base: float = 10000.0
     init_method_std: float = 0.02
     norm_epsilon: float = 1e-5
-    params_dtype: str = "float32"  # "float32" | "bfloat16"
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
     # extras
     moe_router_pre_softmax: bool = False
     moe_shared_expert_gate: bool = False

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from ..layers.model import ModelConfig
+
 ENGINES = ("ep_moe", "megatron", "deepspeed")
 
 
@@ -29,40 +31,16 @@ class RecipeError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- sections
 @dataclass
-class ModelSection:
-    """The model: `ep_moe.layers.ModelConfig`'s fields plus the expert-parallel size."""
+class ModelSection(ModelConfig):
+    """The model: every `ep_moe.layers.ModelConfig` field (same names, types and defaults), plus the
+    expert-parallel size."""
 
-    vocab_size: int = 256
-    seq_length: int = 128
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 256
-    moe_ffn_hidden_size: int = 128
-    num_moe_experts: int = 8
-    moe_router_topk: int = 2
-    moe_layer_freq: int | list[int] = 1   # MoE in layers 0, N, 2N, ... or a 0/1 flag per layer
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
-    moe_router_num_groups: int | None = None
-    moe_router_group_topk: int | None = None
-    moe_router_topk_scaling_factor: float | None = None
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float | None = None
-    moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_router_force_load_balancing: bool = False
-    rotary_base: float = 10000.0
-    init_method_std: float = 0.02
-    norm_epsilon: float = 1e-5
-    params_dtype: Literal["float32", "bfloat16"] = "float32"
-    moe_router_pre_softmax: bool = False
-    moe_shared_expert_gate: bool = False
-    moe_grouped_gemm: bool = True          # False: always the per-expert loop
-    untie_embeddings_and_output_weights: bool = False
     # Parallelism (not a ModelConfig field): EP groups of this many contiguous ranks.
     expert_model_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        """No checks here: `validate` checks the recipe and names keys by their dotted path; the
+        trainer's `ModelConfig` checks the model again."""
 
     def model_config_kwargs(self) -> dict[str, Any]:
         """The keyword arguments for `ModelConfig` (everything but the parallel sizes)."""
