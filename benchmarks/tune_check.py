@@ -16,6 +16,8 @@ import argparse
 import datetime
 import json
 import os
+import random
+import statistics
 import sys
 import time
 
@@ -41,7 +43,10 @@ WORKLOADS = (
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", default="8:48:2", help="first:last:step SM counts (default 8:48:2)")
-    p.add_argument("--iters", type=int, default=30, help="timed calls per point (median; default 30)")
+    p.add_argument("--iters", type=int, default=30, help="timed calls per point and pass (median; default 30)")
+    p.add_argument("--passes", type=int, default=3,
+                   help="passes over the SM counts, each in a different order; a point's time is the median of its "
+                        "passes, so slow drift (clocks, temperature) does not favour one end of the sweep (default 3)")
     p.add_argument("--use-cached-calibration", action="store_true", help="do not measure the rates again")
     p.add_argument("--refine", action="store_true", help="also run refine() around each plan (budget 5)")
     p.add_argument("--json", help="write every number to this file")
@@ -86,9 +91,15 @@ def main(argv=None) -> int:
         plan = cache.plan(shape)
         bench = DispatchBench(buffer, shape, seed=1)
         bench.check(plan.num_sms)
-        measured: dict[int, tuple[float, float]] = {}
-        for n in sorted(set(counts) | {plan.num_sms, plan.deepep_v2_sms or counts[0]}):
-            measured[n] = bench.measure(n, iters=args.iters)
+        points = sorted(set(counts) | {plan.num_sms, plan.deepep_v2_sms or counts[0]})
+        passes: dict[int, list[tuple[float, float]]] = {n: [] for n in points}
+        for p in range(args.passes):
+            order = points[:]
+            random.Random(p).shuffle(order)  # the same order on every rank (collective calls line up)
+            for n in order:
+                passes[n].append(bench.measure(n, iters=args.iters))
+        measured = {n: (statistics.median(d for d, _ in v), statistics.median(c for _, c in v))
+                    for n, v in passes.items()}
         plan.record(*measured[plan.num_sms])
         total = {n: sum(v) for n, v in measured.items()}
         best_n = min(counts, key=lambda n: total[n])
@@ -120,7 +131,8 @@ def main(argv=None) -> int:
     say("")
     if note:
         say(note)
-    say(f"backend {buffer.backend_name}; {world} x {topology.gpu_name}; median of {args.iters}; times are "
+    say(f"backend {buffer.backend_name}; {world} x {topology.gpu_name}; median of {args.iters} calls, then of "
+        f"{args.passes} passes in shuffled orders; times are "
         f"dispatch + combine in us (max over ranks); sweep {first}..{last} step {step}")
     header = ("#", "workload", "planned SMs", "predicted us", "measured us", "sweep best (SMs, us)",
               "smallest within 5%", "within 10%", "SMs <= smallest", "DeepEP V2 rule (SMs, us)")
