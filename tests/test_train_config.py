@@ -93,7 +93,9 @@ def test_cross_field_rules():
     assert "checkpoint.resume: needs checkpoint.save" in _error({}, ["checkpoint.resume=true"])
     assert "ep_moe.num_sms: must be even" in _error({}, ["ep_moe.num_sms=3"])
     assert "one 0/1 flag per layer (2)" in _error({}, ["model.moe_layer_freq=[1, 0, 1]"])
-    assert "ep_moe.num_worst_tokens: the ep_moe engine's model" in _error({}, ["ep_moe.num_worst_tokens=64"])
+    assert "ep_moe.expert_alignment: the ep_moe engine's experts" in _error({}, ["ep_moe.expert_alignment=16"])
+    assert "ep_moe.num_worst_tokens" in _error({}, ["ep_moe.num_worst_tokens=-1"])
+    assert recipe_from_dict(apply_overrides({}, ["ep_moe.num_worst_tokens=64"])).ep_moe.num_worst_tokens == 64
 
 
 def test_per_layer_num_sms_from_the_recipe_or_a_plan_file(tmp_path):

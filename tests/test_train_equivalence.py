@@ -82,8 +82,10 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict:
 
     cpu = torch.device("cpu")
     out = {}
+    # forced_ep4_fixed: fixed-size dispatch (num_worst_tokens: 4 EP ranks x 4 sequences x 32 tokens per micro-batch)
     for name, ep, extra in [("forced_ep2", 2, FORCED), ("forced_ep4", 4, FORCED), ("forced_ep1", 1, FORCED),
-                            ("learned_ep1", 1, LEARNED), ("learned_ep4", 4, LEARNED)]:
+                            ("learned_ep1", 1, LEARNED), ("learned_ep4", 4, LEARNED),
+                            ("forced_ep4_fixed", 4, FORCED + ["ep_moe.num_worst_tokens=512"])]:
         out[name] = train_rank(_recipe(tmp, name, world, [f"model.expert_model_parallel_size={ep}"] + extra),
                                cpu).losses
     ckpt = os.path.join(tmp, "forced_ep2", "step_0000025")
@@ -123,6 +125,9 @@ def test_losses_do_not_depend_on_ep_size_or_data_parallel_split(tmp_path):
     for name in ("forced_ep1", "forced_ep4"):
         assert four[name][0] == ref[0], name
         assert _max_diff(four[name], ref) <= 2e-5, (name, _max_diff(four[name], ref))
+
+    # Fixed-size dispatch (no host syncs; padding rows skipped by the experts): the same numbers exactly.
+    assert four["forced_ep4_fixed"] == four["forced_ep4"]
 
     # EP size, learned routing: identical start, then statistically the same trajectory.
     a, b = four["learned_ep1"], four["learned_ep4"]

@@ -195,7 +195,8 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block; the FFN is ``self.moe`` (a `MoELayer`) or ``self.mlp`` (a dense SwiGLU)."""
 
-    def __init__(self, config: ModelConfig, layer: int, buffer: Buffer | None, dp_group, num_sms: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, buffer: Buffer | None, dp_group, num_sms: int,
+                 num_worst_tokens: int = 0) -> None:
         super().__init__()
         dtype = config.torch_dtype
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
@@ -205,7 +206,7 @@ class TransformerBlock(nn.Module):
         self.mlp: SwiGLU | None = None
         if config.is_moe_layer(layer):
             impl = "auto" if config.moe_grouped_gemm else "loop"
-            self.moe = MoELayer(config, buffer, dp_group, num_sms, expert_impl=impl)
+            self.moe = MoELayer(config, buffer, dp_group, num_sms, expert_impl=impl, num_worst_tokens=num_worst_tokens)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.ffn_hidden_size, dtype, config.init_method_std,
                               scaled_output_std(config.init_method_std, config.num_layers))
@@ -230,6 +231,7 @@ class MoETransformer(nn.Module):
         dispatcher_backend: the `Buffer` backend (``"auto"``, ``"native"``, ``"torch"``).
         num_sms: SMs for every layer's dispatch/combine (0 = the buffer's default).
         seed: initialisation seed (the same model for every EP size).
+        num_worst_tokens: fixed-size dispatch in every MoE layer (see `MoELayer`); 0 = exact sizes.
 
     Gradient reduction the trainer must do (each rank's loss is the mean over its own tokens): non-expert
     gradients: sum over ``dp_group`` / its size; expert gradients (`expert_parameters`): sum over
@@ -239,7 +241,7 @@ class MoETransformer(nn.Module):
 
     def __init__(self, config: ModelConfig, ep_group: dist.ProcessGroup | None = None,
                  expert_dp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
-                 dispatcher_backend: str = "auto", num_sms: int = 0, seed: int = 0) -> None:
+                 dispatcher_backend: str = "auto", num_sms: int = 0, seed: int = 0, num_worst_tokens: int = 0) -> None:
         super().__init__()
         self.config = config
         self.ep_group, self.expert_dp_group, self.dp_group = ep_group, expert_dp_group, dp_group
@@ -249,7 +251,7 @@ class MoETransformer(nn.Module):
         # Submodules draw a throwaway init from the global RNG; keep the caller's RNG state untouched.
         with torch.random.fork_rng(devices=[]):
             self.embedding = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
-            self.layers = nn.ModuleList(TransformerBlock(config, i, self.buffer, dp_group, num_sms)
+            self.layers = nn.ModuleList(TransformerBlock(config, i, self.buffer, dp_group, num_sms, num_worst_tokens)
                                         for i in range(config.num_layers))
             self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
             self.output_weight: nn.Parameter | None = None

@@ -81,17 +81,23 @@ class MoELayer(nn.Module):
         dp_group: the ranks that see different tokens (for the global aux loss and the expert-bias update).
         num_sms: SMs for this layer's dispatch/combine (0 = the buffer's default).
         expert_impl: `GroupedExperts` ``impl``.
+        num_worst_tokens: > 0: fixed-size dispatch with this many received rows (an upper bound on the rows
+            any EP rank receives, e.g. tokens per rank x EP size): nothing waits on the host, so a step can
+            be captured in a CUDA graph; the experts skip the padding rows. 0: exact sizes (host syncs).
 
     After each forward, ``aux_loss`` is this layer's coefficient-scaled load-balancing + z-loss (0-dim fp32).
     """
 
     def __init__(self, config: ModelConfig, buffer: Buffer | None = None, dp_group: dist.ProcessGroup | None = None,
-                 num_sms: int = 0, expert_impl: str = "auto") -> None:
+                 num_sms: int = 0, expert_impl: str = "auto", num_worst_tokens: int = 0) -> None:
         super().__init__()
         c = config
+        if num_worst_tokens < 0:
+            raise ValueError(f"MoELayer: argument 'num_worst_tokens' must be >= 0, got {num_worst_tokens}")
         self.buffer = buffer
         self.num_experts = c.num_moe_experts
         self.num_sms = num_sms
+        self.num_worst_tokens = num_worst_tokens
         ep_rank, ep_size = (buffer.rank, buffer.group_size) if buffer is not None else (0, 1)
         if c.num_moe_experts % ep_size:
             raise ValueError(f"MoELayer: 'num_moe_experts' ({c.num_moe_experts}) must be divisible by the EP size "
@@ -133,7 +139,8 @@ class MoELayer(nn.Module):
                 self._dispatchers[expert_alignment] = LocalTokenDispatcher(self.num_experts, expert_alignment)
             else:
                 self._dispatchers[expert_alignment] = TokenDispatcher(
-                    self.buffer, self.num_experts, expert_alignment=expert_alignment, num_sms=self.num_sms)
+                    self.buffer, self.num_experts, expert_alignment=expert_alignment,
+                    num_worst_tokens=self.num_worst_tokens, num_sms=self.num_sms)
         return self._dispatchers[expert_alignment]
 
     @property

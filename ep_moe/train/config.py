@@ -135,9 +135,11 @@ class EpMoeSection:
     dispatcher_backend: Literal["auto", "torch", "native"] = "auto"
     num_sms: int | list[int] = 0      # SMs for dispatch/combine: one for all MoE layers or one per MoE layer
     tuning_plan: str | None = None    # YAML/JSON file with ``num_sms: N`` or ``num_sms: [per layer]``
-    # Dispatcher options that ep_moe.layers does not take yet: the ep_moe engine accepts only the defaults
-    # (its experts choose the alignment: 16 rows for torch._grouped_mm on CUDA, else 1).
+    # The experts choose the row alignment themselves (16 for torch._grouped_mm on CUDA, else 1): the
+    # ep_moe engine accepts only the default here.
     expert_alignment: int = 1
+    # > 0: fixed-size dispatch, an upper bound on the rows any EP rank receives per micro-batch (at most
+    # micro_batch_size * seq_length * expert_model_parallel_size): no host syncs in the MoE layers.
     num_worst_tokens: int = 0
 
 
@@ -457,10 +459,8 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     if t.eval_iters > 0 and d.type == "text":
         _require(d.split[1] > 0, "dataset.split", "needs a validation fraction > 0 when train.eval_iters > 0")
     _require(not c.resume or c.save is not None, "checkpoint.resume", "needs checkpoint.save (where to look)")
-    for key, value, default in (("expert_alignment", e.expert_alignment, 1), ("num_worst_tokens", e.num_worst_tokens, 0)):
-        _require(value == default, f"ep_moe.{key}",
-                 f"the ep_moe engine's model (ep_moe.layers.MoETransformer) does not take this dispatcher option yet "
-                 f"(its experts choose the row alignment themselves); leave it at {default}, got {value}")
+    _require(e.expert_alignment == 1, "ep_moe.expert_alignment",
+             f"the ep_moe engine's experts choose the row alignment themselves; leave it at 1, got {e.expert_alignment}")
     if isinstance(e.num_sms, list):
         _require(all(n >= 0 and n % 2 == 0 for n in e.num_sms), "ep_moe.num_sms",
                  f"must be even numbers >= 0, got {e.num_sms}")

@@ -96,7 +96,8 @@ def build_model(recipe: Recipe, ps: ParallelState) -> torch.nn.Module:
     # Built on the CPU (the init draws from CPU generators), then moved.
     model = MoETransformer(config, ep_group=ep_group, expert_dp_group=ps.expert_dp_group,
                            dp_group=ps.dp_group if ps.world_size > 1 else None,
-                           dispatcher_backend=recipe.ep_moe.dispatcher_backend, num_sms=0, seed=recipe.rng.seed)
+                           dispatcher_backend=recipe.ep_moe.dispatcher_backend, num_sms=0, seed=recipe.rng.seed,
+                           num_worst_tokens=recipe.ep_moe.num_worst_tokens)
     model.to(ps.device)
     for moe, num_sms in zip(model.moe_layers, per_layer_num_sms(recipe), strict=True):
         moe.num_sms = num_sms  # read when the layer makes its dispatcher (first forward)
