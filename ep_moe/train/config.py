@@ -139,7 +139,7 @@ class EpMoeSection:
     # ep_moe engine accepts only the default here.
     expert_alignment: int = 1
     # > 0: fixed-size dispatch, an upper bound on the rows any EP rank receives per micro-batch (at most
-    # micro_batch_size * seq_length * expert_model_parallel_size): no host syncs in the MoE layers.
+    # micro_batch_size * seq_length * expert_model_parallel_size): the dispatch never waits on the host.
     num_worst_tokens: int = 0
 
 
