@@ -136,11 +136,15 @@ _buffers: dict[tuple[Any, str], Buffer] = {}
 
 def get_ep_buffer(group: dist.ProcessGroup, backend: str = "auto") -> Buffer:
     """The `ep_moe.Buffer` of ``group`` for ``backend`` ("auto" | "native" | "torch"), made on first use
-    and shared by every layer (creating it is collective over ``group``)."""
+    and shared by every layer (creating it is collective over ``group``).
+
+    It skips value checks (``check_inputs=False``): expert ids come from Megatron's router through
+    `routing_map_to_topk`, in range by construction, and each check would cost a host sync per layer.
+    To check routing maps anyway, pass ``buffer=Buffer(group, check_inputs=True)`` to the dispatcher."""
     key = (group, backend)
     buffer = _buffers.get(key)
     if buffer is None:
-        buffer = Buffer(group=group, backend=backend)
+        buffer = Buffer(group=group, backend=backend, check_inputs=False)
         _buffers[key] = buffer
     return buffer
 

@@ -204,7 +204,8 @@ class Buffer(_CoreBuffer):
     Args: DeepEP's (``group``, ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode`` -- must be False --,
     ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
     ``explicitly_destroy``, ``enable_shrink``, ``comm`` -- must be None); keyword-only ``backend``
-    ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto") and ``timeout_s``.
+    ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto"), ``timeout_s`` and ``check_inputs``
+    (default False, as DeepEP, which does not check expert ids: True checks them at a host sync per call).
     """
 
     num_sms: int = 20  # DeepEP's default SM budget
@@ -213,7 +214,7 @@ class Buffer(_CoreBuffer):
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
-                 backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, check_inputs: bool = False) -> None:
         if comm is not None:
             raise _fail("deep_ep.Buffer", "comm", "None (pass a torch.distributed group)", type(comm).__name__)
         if low_latency_mode:
@@ -221,7 +222,8 @@ class Buffer(_CoreBuffer):
         backend = backend or os.environ.get("EP_MOE_BACKEND", "auto")
         # num_nvl_bytes is a DeepEP ring-buffer size; ep_moe sizes its own memory (0 = on first use).
         super().__init__(group, 0, num_rdma_bytes, False, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
-                         allow_mnnvl, explicitly_destroy, backend=backend, timeout_s=timeout_s)
+                         allow_mnnvl, explicitly_destroy, backend=backend, timeout_s=timeout_s,
+                         check_inputs=check_inputs)
         self.num_nvl_bytes = num_nvl_bytes
         self.low_latency_mode = False
         self.enable_shrink = enable_shrink

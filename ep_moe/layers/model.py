@@ -246,7 +246,10 @@ class MoETransformer(nn.Module):
         self.config = config
         self.ep_group, self.expert_dp_group, self.dp_group = ep_group, expert_dp_group, dp_group
         self.seed = seed
-        self.buffer = Buffer(ep_group, backend=dispatcher_backend) if ep_group is not None else None
+        # Expert ids come from the layers' own routers (in range by construction): no value checks, which
+        # would cost a host sync per MoE layer.
+        self.buffer = (Buffer(ep_group, backend=dispatcher_backend, check_inputs=False)
+                       if ep_group is not None else None)
         dtype = config.torch_dtype
         # Submodules draw a throwaway init from the global RNG; keep the caller's RNG state untouched.
         with torch.random.fork_rng(devices=[]):
