@@ -1,0 +1,176 @@
+"""What one SM can copy: plain copy kernels, local and over NVLink, by SMs, threads and loads in flight.
+
+    torchrun --nproc-per-node 2 benchmarks/copy_rates.py            # local, push (store into the peer), pull
+    python3 benchmarks/copy_rates.py                                 # one GPU: local only
+
+The native dispatch/combine kernels move rows one warp per row; `ep_moe/native/NOTES.md` found them at
+about 65 % of the per-SM rate of GPU.md's copy kernel, whose launch shape was not recorded. This measures
+the ceiling for each shape the kernels could take: grid-stride 16-byte copies (``grid``) and one warp per
+14 KB row (``row``, DeepEP's hidden 7168 in BF16), with ``U`` 16-byte loads in flight per thread, 512 or
+1024 threads per block, one block per SM. 256 MiB per run; both GPUs copy at once for push and pull
+(NVLink carries traffic both ways, as in dispatch). Prints GB/s per SM count, median of 10 runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+CUDA_SOURCE = r"""
+#include <cstdint>
+#include <cuda_runtime.h>
+
+template <int U>
+__global__ void grid_copy(int4* __restrict__ dst, const int4* __restrict__ src, long long n16) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long base = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; base < n16;
+       base += stride * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * stride < n16) v[u] = __ldcg(src + base + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * stride < n16) dst[base + u * stride] = v[u];
+  }
+}
+
+template <int U>
+__global__ void row_copy(int4* __restrict__ dst, const int4* __restrict__ src, int rows, int row16) {
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+    const int4* s = src + static_cast<long long>(r) * row16;
+    int4* d = dst + static_cast<long long>(r) * row16;
+    for (int base = lane; base < row16; base += 32 * U) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * 32 < row16) v[u] = __ldcg(s + base + u * 32);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * 32 < row16) d[base + u * 32] = v[u];
+    }
+  }
+}
+
+template <int U>
+void launch(bool rows, int64_t dst, int64_t src, int64_t nbytes, int row_bytes, int blocks, int threads,
+            cudaStream_t stream) {
+  auto* d = reinterpret_cast<int4*>(dst);
+  auto* s = reinterpret_cast<const int4*>(src);
+  if (rows) {
+    const int row16 = row_bytes / 16;
+    row_copy<U><<<blocks, threads, 0, stream>>>(d, s, static_cast<int>(nbytes / row_bytes), row16);
+  } else {
+    grid_copy<U><<<blocks, threads, 0, stream>>>(d, s, nbytes / 16);
+  }
+}
+
+// Copy nbytes from address src to address dst (any GPU-visible addresses: local or a peer's).
+int copy(bool rows, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t blocks, int64_t threads,
+         int64_t unroll, int64_t stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const int b = static_cast<int>(blocks), t = static_cast<int>(threads), rb = static_cast<int>(row_bytes);
+  switch (unroll) {
+    case 1: launch<1>(rows, dst, src, nbytes, rb, b, t, s); break;
+    case 4: launch<4>(rows, dst, src, nbytes, rb, b, t, s); break;
+    case 8: launch<8>(rows, dst, src, nbytes, rb, b, t, s); break;
+    case 16: launch<16>(rows, dst, src, nbytes, rb, b, t, s); break;
+    default: return -1;
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+"""
+
+CPP_SOURCE = ("int copy(bool rows, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t blocks, "
+              "int64_t threads, int64_t unroll, int64_t stream);")
+
+NBYTES = 256 << 20
+ROW_BYTES = 7168 * 2
+
+
+def build():
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline("ep_moe_copy_rates", CPP_SOURCE, cuda_sources=CUDA_SOURCE, functions=["copy"],
+                       extra_cuda_cflags=["-O3"], verbose=False)
+
+
+def median_gbps(ext, rows: bool, dst: int, src: int, sms: int, threads: int, unroll: int, runs: int = 10) -> float:
+    stream = torch.cuda.current_stream().cuda_stream
+    times = []
+    for i in range(runs + 2):
+        if dist.is_initialized():
+            torch.cuda.synchronize()
+            dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        err = ext.copy(rows, dst, src, NBYTES, ROW_BYTES, sms, threads, unroll, stream)
+        end.record()
+        end.synchronize()
+        if err:
+            raise RuntimeError(f"copy kernel failed: CUDA error {err}")
+        if i >= 2:
+            times.append(start.elapsed_time(end) * 1e-3)
+    return NBYTES / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sms", nargs="+", type=int, default=[1, 2, 4, 8, 16, 24, 32])
+    parser.add_argument("--unroll", nargs="+", type=int, default=[1, 4, 8, 16], choices=[1, 4, 8, 16])
+    parser.add_argument("--threads", nargs="+", type=int, default=[512, 1024])
+    args = parser.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device())
+    if world > 1:
+        dist.init_process_group("nccl", device_id=device)
+    ext = build()
+    src = torch.randn(NBYTES // 4, device=device)
+    dst = torch.empty_like(src)
+    targets = {"local": (dst.data_ptr(), src.data_ptr())}
+    peer_buffer = None
+    if world > 1:
+        from ep_moe.native.symmetric import SymmetricBuffer
+
+        peer_buffer = SymmetricBuffer(dist.group.WORLD, device, NBYTES)
+        peer_buffer.tensor.view(torch.float32).copy_(src)
+        peer = (rank + 1) % world
+        targets["push"] = (peer_buffer.ptrs[peer], src.data_ptr())  # store into the next rank's buffer
+        targets["pull"] = (dst.data_ptr(), peer_buffer.ptrs[peer])  # load from it
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    if rank == 0:
+        print(f"copy rates, {torch.cuda.get_device_name(device)}, {world} GPU(s); 256 MiB, GB/s copied per GPU "
+              f"(median of 10); row = one warp per {ROW_BYTES}-byte row; U = 16-byte loads in flight per thread")
+        print(f"{'op':6s} {'shape':5s} {'thr':>5s} {'U':>3s} " + " ".join(f"{n:>7d}" for n in args.sms)
+              + "   GB/s/SM at the fewest SMs")
+    for op, (d, s) in targets.items():
+        for shape in ("grid", "row"):
+            for threads in args.threads:
+                for unroll in args.unroll:
+                    rates = [median_gbps(ext, shape == "row", d, s, n, threads, unroll) for n in args.sms]
+                    if world > 1:  # the slowest GPU sets the pace
+                        t = torch.tensor(rates, device=device)
+                        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                        rates = t.tolist()
+                    if rank == 0:
+                        print(f"{op:6s} {shape:5s} {threads:5d} {unroll:3d} " + " ".join(f"{r:7.1f}" for r in rates)
+                              + f"   {rates[0] / args.sms[0]:.1f}", flush=True)
+    if world > 1:
+        dist.barrier()
+        peer_buffer.destroy()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
