@@ -259,7 +259,9 @@ class Buffer:
         recv_x = result.recv_x if result.recv_scales is None else (result.recv_x, result.recv_scales)
         if handle is not None:
             return recv_x, None, None, None, None, event
-        counts_list = [] if num_worst_tokens else self._to_host_list(result.num_recv_tokens_per_expert)
+        counts_list = [] if num_worst_tokens else result.num_recv_tokens_per_expert_list
+        if counts_list is None:
+            counts_list = self._to_host_list(result.num_recv_tokens_per_expert)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts_list, result.handle, event
 
     def dispatch_result(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..handle import DispatchHandle
-from ..layout import aligned_expert_counts, local_topk
+from ..layout import aligned_expert_counts, count_values, local_topk
 from .base import CommBackend, DispatchResult
 
 
@@ -186,9 +186,16 @@ class TorchBackend(CommBackend):
             count_matrix = None
             num_worst_tokens = handle.num_worst_tokens
         else:
-            count_matrix = self._all_gather_counts(num_tokens_per_rank.to(torch.int64), "dispatch/notify")
+            # Rows per destination rank and (token, expert) pairs per expert travel together: the receiver
+            # learns its per-expert counts from the same exchange, with no wait for the data.
+            in_range = (topk_idx >= 0) & (topk_idx < num_experts)
+            pairs = count_values(torch.where(in_range, topk_idx, num_experts), num_experts + 1)[:num_experts]
+            gathered = self._all_gather_counts(torch.cat([num_tokens_per_rank.to(torch.int64), pairs]),
+                                               "dispatch/notify")  # [R, R + E]
+            count_matrix = gathered[:, :self.num_ranks]
             prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32)
-            counts = None if num_worst_tokens else count_matrix.tolist()  # exact mode: the one host sync
+            table = None if num_worst_tokens else gathered.tolist()  # exact mode: the one host sync
+            counts = None if table is None else [row[:self.num_ranks] for row in table]
             num_recv = -1 if num_worst_tokens else sum(row[self.rank] for row in counts)
             handle = DispatchHandle(prefix_matrix, torch.empty(0), torch.empty(0), is_token_in_rank,
                                     num_recv, num_worst_tokens)
@@ -228,7 +235,12 @@ class TorchBackend(CommBackend):
         local_idx, local_w = local_topk(recv_idx, recv_w, self.rank, experts_per_rank)
         handle = handle._replace(recv_src_idx=recv_src.to(torch.int32), recv_src_rank=src_rank)
         counts = aligned_expert_counts(local_idx, experts_per_rank, expert_alignment)
-        return DispatchResult(recv_x, recv_scales, local_idx, local_w, counts, handle)
+        counts_list = None
+        if table is not None:
+            first = self.num_ranks + self.rank * experts_per_rank
+            counts_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
+                           for c in (sum(row[first + e] for row in table) for e in range(experts_per_rank))]
+        return DispatchResult(recv_x, recv_scales, local_idx, local_w, counts, handle, counts_list)
 
     def combine(self, y, handle, topk_weights, bias, config=None):
         num_tokens, hidden = handle.num_tokens, y.shape[1]
