@@ -56,6 +56,7 @@ class DispatchContext:
     num_recv_rows: int   # N
     num_tokens: int      # T
     num_sms: int         # SMs the dispatch used; its combine uses the same
+    tokens_per_expert_host: Tensor | None = None  # [L] int64 CPU: the padded group sizes, when known on the host
 
 
 class TokenDispatcher:
@@ -105,7 +106,10 @@ class TokenDispatcher:
                        self.num_worst_tokens, num_sms)
         num_rows, num_topk = out.recv_topk_idx.shape
         local = self.num_local_experts
-        num_slots = None  # exact: read on the host; fixed: the most any routing can need, no host sync
+        # Exact: the padded total, from the host counts when the backend has them, else read from the device
+        # (a host sync); fixed: the most any routing can need, no host sync.
+        host_counts = out.num_recv_tokens_per_expert_host if out.num_recv_tokens_per_expert_host.numel() else None
+        num_slots = int(host_counts.sum()) if host_counts is not None else None
         if self.num_worst_tokens:
             num_slots = self.num_worst_tokens * min(num_topk, local) + local * (self.expert_alignment - 1)
         pair_of_slot, padded = group_pairs_by_expert(out.recv_topk_idx, local, self.expert_alignment, num_slots)
@@ -117,7 +121,7 @@ class TokenDispatcher:
         expert_input = padded_x.index_select(0, row_of_slot)
         padded_w = torch.cat([out.recv_topk_weights.flatten(), out.recv_topk_weights.new_zeros(1)])
         expert_probs = padded_w.index_select(0, pair_of_slot)
-        ctx = DispatchContext(out.handle, row_of_slot, num_rows, hidden.shape[0], num_sms)
+        ctx = DispatchContext(out.handle, row_of_slot, num_rows, hidden.shape[0], num_sms, host_counts)
         return expert_input, expert_probs, padded, ctx
 
     def _num_sms(self, hidden: Tensor, topk_idx: Tensor) -> int:

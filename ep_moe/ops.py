@@ -30,6 +30,9 @@ class DispatchOutput(NamedTuple):
     recv_topk_weights: Tensor           # [N, K] fp32, 0 where not local
     num_recv_tokens_per_expert: Tensor  # [L] int64 on the device, aligned
     handle: DispatchHandle
+    # The same counts as a CPU tensor when the backend knows them without waiting for the GPU (exact-size
+    # dispatch on the torch backend), else an empty CPU tensor.
+    num_recv_tokens_per_expert_host: Tensor
 
 
 def _handle(rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
@@ -61,14 +64,25 @@ def _fresh(t: Tensor) -> Tensor:
 @torch.library.custom_op("ep_moe::dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: int, num_experts: int,
                  expert_alignment: int, num_worst_tokens: int, num_sms: int
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buffer = buffer_by_id(buffer_id)
     result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                                        config=_config(num_sms))
+    host = torch.empty(0, dtype=torch.int64)
+    if _has_host_counts(buffer, num_worst_tokens):
+        listed = result.num_recv_tokens_per_expert_list
+        host = (torch.tensor(listed, dtype=torch.int64) if listed is not None
+                else result.num_recv_tokens_per_expert.cpu())
     outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
             *_handle_tensors(result.handle))
-    return tuple(_fresh(t) for t in outs)
+    return (*(_fresh(t) for t in outs), host)
+
+
+def _has_host_counts(buffer: Buffer, num_worst_tokens: int) -> bool:
+    """Whether the dispatch op returns the per-expert counts on the host (decided from the backend and the
+    mode alone, so that the fake implementation agrees)."""
+    return buffer.backend.host_expert_counts and not num_worst_tokens
 
 
 @_dispatch_op.register_fake
@@ -82,13 +96,15 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_w
             topk_idx.new_empty(num_experts // num_ranks), torch.empty(num_ranks, num_ranks, **int32),
             torch.empty(rows, **int32), torch.empty(rows, **int32),
             torch.empty(x.shape[0], num_ranks, dtype=torch.bool, device=x.device),
-            torch.empty(0, dtype=torch.uint8, device=x.device))
+            torch.empty(0, dtype=torch.uint8, device=x.device),
+            torch.empty(num_experts // num_ranks if _has_host_counts(buffer, num_worst_tokens) else 0,
+                        dtype=torch.int64))
 
 
 def _dispatch_setup(ctx, inputs, output):
     ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = inputs[3], inputs[6], inputs[7]
     ctx.hidden, ctx.x_dtype = inputs[0].shape[1], inputs[0].dtype
-    ctx.save_for_backward(output[1], *output[4:])
+    ctx.save_for_backward(output[1], *output[4:9])  # the received top-k ids and the handle's tensors
 
 
 def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *_):
@@ -194,10 +210,10 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, 
     ``topk_weights [T, K]`` fp32 (see `Buffer.dispatch`). Gradients flow to ``x`` and ``topk_weights``.
     ``num_sms`` > 0 overrides the buffer's SM budget for this call and its backward."""
     (recv_x, recv_idx, recv_w, counts, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-     state) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
-                                        expert_alignment, num_worst_tokens, num_sms)
+     state, host_counts) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
+                                                     expert_alignment, num_worst_tokens, num_sms)
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, state, num_worst_tokens)
-    return DispatchOutput(recv_x, recv_idx, recv_w, counts, handle)
+    return DispatchOutput(recv_x, recv_idx, recv_w, counts, handle, host_counts)
 
 
 def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Tensor | None = None,

@@ -286,7 +286,9 @@ class EpMoETokenDispatcher(MoETokenDispatcher):
     def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(tokens [M, H], tokens_per_expert [L] CPU int64, permuted_probs [M])`` in the router's
         probs dtype."""
-        tokens_per_expert = self._tokens_per_expert.to(device="cpu", dtype=torch.int64)
+        host = self._ctx.tokens_per_expert_host if self._ctx is not None else None
+        # From the host copy the dispatcher got with the count exchange when there is one (no host sync).
+        tokens_per_expert = host if host is not None else self._tokens_per_expert.to(device="cpu", dtype=torch.int64)
         self._tokens_per_expert = None
         return hidden_states, tokens_per_expert, probs.to(self._probs_dtype)
 

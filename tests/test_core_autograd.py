@@ -181,10 +181,17 @@ def _dispatcher_layout(buffer: Buffer, rank: int, num_ranks: int) -> int:
                 check_bits(out.recv_topk_weights[:n], ref.recv_topk_weights, where, "ep_moe.dispatch weights")
                 check_bits(out.num_recv_tokens_per_expert, want_counts, where, "ep_moe.dispatch counts")
                 check_bits(out.handle.recv_src_idx[:n], ref.recv_src_idx, where, "ep_moe.dispatch handle")
+                # Exact mode on the torch backend: the counts also come on the host, from the count exchange.
+                want_host = want_counts if not worst else torch.zeros(0, dtype=torch.int64)
+                check_bits(out.num_recv_tokens_per_expert_host, want_host, where, "ep_moe.dispatch host counts")
                 dispatcher = TokenDispatcher(buffer, E, alignment, worst)
                 expert_input, expert_probs, tokens_per_expert, ctx = dispatcher.dispatch(x, idx, w)
                 m = want_x.shape[0]
                 check_bits(tokens_per_expert, want_counts, where, "tokens_per_expert")
+                if worst:
+                    check(ctx.tokens_per_expert_host is None, where, "no host counts with num_worst_tokens")
+                else:
+                    check_bits(ctx.tokens_per_expert_host, want_counts, where, "tokens_per_expert on the host")
                 check_bits(expert_input[:m], want_x, where, "expert_input (grouped, padded)")
                 check_bits(expert_probs[:m], want_p, where, "expert_probs")
                 if worst:

@@ -34,6 +34,8 @@ class CommBackend(ABC):
 
     name: str = "?"
     supported_dtypes: tuple[torch.dtype, ...] = HIDDEN_DTYPES  # of x in dispatch and combine (FP8 aside)
+    # True: an exact-size fresh dispatch always fills `DispatchResult.num_recv_tokens_per_expert_list`.
+    host_expert_counts: bool = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
         self.group = group

@@ -56,6 +56,7 @@ class _Route:
 
 class TorchBackend(CommBackend):
     name = "torch"
+    host_expert_counts = True
     supported_dtypes = (torch.bfloat16, torch.float32, torch.float64)  # fp64 serves gradcheck
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
