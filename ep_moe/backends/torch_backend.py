@@ -3,8 +3,9 @@
 Works with gloo (CPU) and NCCL (GPU, one or many nodes). Rows travel as raw bytes, so every dtype
 (bf16, fp32, FP8) is copied bit for bit. Two exchange modes:
 
-* exact (``num_worst_tokens == 0``): one all-gather of the per-rank counts, then a variable-split
-  all-to-all. The split sizes are read on the host (one sync on GPU).
+* exact (``num_worst_tokens == 0``): one all-gather of the per-rank row counts and per-expert pair
+  counts, then a variable-split all-to-all. The counts are read on the host once (one sync on GPU),
+  which also gives the receiver its per-expert counts without waiting for the data.
 * fixed (``num_worst_tokens > 0``): every (source, destination) pair gets a slot of
   ``num_worst_tokens`` rows and the all-to-all has equal splits, so nothing waits on the host and the
   calls can be captured in a CUDA graph; received rows are then compacted on the device.
