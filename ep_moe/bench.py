@@ -254,11 +254,14 @@ class _RankBench:
         config = Config(num_sms=sms) if sms is not None else None
         state: dict[str, list] = {"handles": [], "recv": []}
 
-        def fresh(i: int):
+        worst = tokens * self.world  # every rank has `tokens` tokens: no rank receives more rows
+
+        def fresh(i: int, num_worst_tokens: int = 0):
             s = sets[i]
             return buffer.dispatch(payload(dtype, i), num_tokens_per_rank=s.num_tokens_per_rank,
                                    is_token_in_rank=s.is_token_in_rank, num_tokens_per_expert=s.num_tokens_per_expert,
-                                   topk_idx=s.topk_idx, topk_weights=s.topk_weights, config=config)
+                                   topk_idx=s.topk_idx, topk_weights=s.topk_weights,
+                                   num_worst_tokens=num_worst_tokens, config=config)
 
         def setup_and_check() -> list[tuple[str, str]]:
             """Dispatch every set once (keeping handles and received rows for the timed runs) and
@@ -278,6 +281,13 @@ class _RankBench:
                 note("dispatch", f"set {i}: ", compare("num_recv_tokens_per_expert", list(counts), per_expert))
                 cached = buffer.dispatch(payload(dtype, i), handle=handle, config=config)[0]
                 note("dispatch_cached", f"set {i}: ", compare("cached dispatch vs dispatch", cached, recv_x))
+                fixed = fresh(i, worst)[0]  # num_worst_tokens rows: the received ones, then zero padding
+                fixed_parts = fixed if isinstance(fixed, tuple) else (fixed,)
+                exact_parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+                note("dispatch_fixed", f"set {i}: ", compare(
+                    "fixed-size dispatch vs dispatch", [f[:got_rows] for f in fixed_parts], list(exact_parts)))
+                if any(f[got_rows:].contiguous().view(torch.uint8).any() for f in fixed_parts):  # bytes: fp8 too
+                    note("dispatch_fixed", f"set {i}: ", ["fixed-size dispatch: padding rows are not zero"])
                 combined = None
                 if dtype != "fp8":
                     combined = buffer.combine(recv_x, handle, config=config)[0]
@@ -301,7 +311,7 @@ class _RankBench:
         traffic_of = traffic(mean_counts, row_payload_bytes(self.spec.hidden, dtype))
         rows = {op: Row(b.name, op, dtype, tokens, sms, recv_bytes=traffic_of.mean_recv_bytes,
                         link_bytes=traffic_of.link_bytes)
-                for op in (("dispatch", "dispatch_cached") + (() if dtype == "fp8" else ("combine",)))}
+                for op in (("dispatch", "dispatch_cached", "dispatch_fixed") + (() if dtype == "fp8" else ("combine",)))}
         found, errors = _collective(self.group, setup_and_check)
         if errors:
             for row in rows.values():
@@ -314,6 +324,7 @@ class _RankBench:
         self._measure(rows["dispatch_cached"], lambda i: buffer.dispatch(payload(dtype, i), handle=handles[i],
                                                                          config=config),
                       num_sets, problems["dispatch_cached"])
+        self._measure(rows["dispatch_fixed"], lambda i: fresh(i, worst), num_sets, problems["dispatch_fixed"])
         if "combine" in rows:
             self._measure(rows["combine"], lambda i: buffer.combine(recv[i], handles[i], config=config), num_sets,
                           problems["combine"])

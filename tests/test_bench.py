@@ -76,8 +76,10 @@ def test_cpu_bench_end_to_end(tmp_path, capsys, monkeypatch):
         for backend, sms_list in (("torch", [None]), ("torch-sms", [8, 16])):
             expected.add((backend, "layout", None, tokens, None))
             for sms in sms_list:
-                expected |= {(backend, op, "bf16", tokens, sms) for op in ("dispatch", "dispatch_cached", "combine")}
-                expected |= {(backend, op, "fp8", tokens, sms) for op in ("dispatch", "dispatch_cached")}
+                expected |= {(backend, op, "bf16", tokens, sms)
+                             for op in ("dispatch", "dispatch_cached", "dispatch_fixed", "combine")}
+                expected |= {(backend, op, "fp8", tokens, sms)
+                             for op in ("dispatch", "dispatch_cached", "dispatch_fixed")}
     assert keys == expected and len(good) == len(expected)
     wrong = [r for r in good if r["check"] != "ok"]
     assert [(r["backend"], r["op"], r["num_sms"], r["check"]) for r in wrong] == \

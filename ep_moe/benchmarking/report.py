@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .accounting import floor_fraction, floor_us, gbps
 
-OPS = ("layout", "dispatch", "dispatch_cached", "combine")
+OPS = ("layout", "dispatch", "dispatch_cached", "dispatch_fixed", "combine")
 REFERENCE_BACKEND = "torch"
 
 
