@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .buffer import Buffer
 from .handle import DispatchHandle
-from .layout import count_values
+from .layout import count_values, round_up
 from .ops import combine, dispatch
 
 
@@ -32,7 +32,7 @@ def group_pairs_by_expert(topk_idx: Tensor, num_experts: int, alignment: int, nu
     key = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
     order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
     counts = count_values(key, num_experts + 1)[:num_experts]
-    padded = (counts + alignment - 1) // alignment * alignment
+    padded = round_up(counts, alignment)
     if num_slots is None:
         num_slots = int(padded.sum())
     first_pair = torch.cumsum(counts, 0) - counts

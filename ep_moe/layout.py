@@ -65,8 +65,12 @@ def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, rank: 
     return local_idx, local_weights
 
 
+def round_up(counts, alignment: int):
+    """``counts`` (an int, or an int tensor elementwise) rounded up to a multiple of ``alignment``."""
+    return (counts + alignment - 1) // alignment * alignment
+
+
 def aligned_expert_counts(local_topk_idx: torch.Tensor, num_local_experts: int, alignment: int) -> torch.Tensor:
     """Received (token, expert) pairs per local expert, rounded up to ``alignment``: ``[L]`` int64."""
     flat = torch.where(local_topk_idx >= 0, local_topk_idx, num_local_experts).flatten()
-    counts = count_values(flat, num_local_experts + 1)[:num_local_experts]
-    return (counts + alignment - 1) // alignment * alignment
+    return round_up(count_values(flat, num_local_experts + 1)[:num_local_experts], alignment)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..handle import DispatchHandle
-from ..layout import aligned_expert_counts, count_values, local_topk
+from ..layout import aligned_expert_counts, count_values, local_topk, round_up
 from .base import CommBackend, DispatchResult
 
 
@@ -240,8 +240,8 @@ class TorchBackend(CommBackend):
         counts_list = None
         if table is not None:
             first = self.num_ranks + self.rank * experts_per_rank
-            counts_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
-                           for c in (sum(row[first + e] for row in table) for e in range(experts_per_rank))]
+            counts_list = [round_up(sum(row[first + e] for row in table), expert_alignment)
+                           for e in range(experts_per_rank)]
         return DispatchResult(recv_x, recv_scales, local_idx, local_w, counts, handle, counts_list)
 
     def combine(self, y, handle, topk_weights, bias, config=None):

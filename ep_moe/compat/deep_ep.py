@@ -40,6 +40,7 @@ from ..buffer import DEFAULT_TIMEOUT_S
 from ..buffer import Buffer as _CoreBuffer
 from ..config import Config as _CoreConfig
 from ..event import EventOverlap as _CoreEventOverlap
+from ..layout import round_up
 from ..validation import FP8_DTYPES, _fail
 
 log = logging.getLogger("ep_moe")
@@ -324,7 +325,7 @@ class Buffer(_CoreBuffer):
             totals = num_tokens_per_expert.to(torch.int64).clone()
             dist.all_reduce(totals, group=self.group)
             mine = totals[self.rank * local:(self.rank + 1) * local]
-            counts = ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+            counts = round_up(mine, expert_alignment).tolist()
         return recv_x, None, None, counts, handle, _wrap_event(event)
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
