@@ -39,6 +39,7 @@ from ep_moe.train.config import (
     EpMoeSection,
     LoggerSection,
     OptimizerSection,
+    OutputPaths,
     RecipeError,
     RngSection,
     SchedulerSection,
@@ -80,7 +81,7 @@ class MegatronCheckpointSection:
 
 
 @dataclass
-class MegatronRecipe:
+class MegatronRecipe(OutputPaths):
     engine: Literal["megatron"] = "megatron"
     model: MegatronModelSection = field(default_factory=MegatronModelSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -92,12 +93,6 @@ class MegatronRecipe:
     rng: RngSection = field(default_factory=RngSection)
     ep_moe: EpMoeSection = field(default_factory=EpMoeSection)
     name: str = field(default="megatron", metadata={"internal": True})
-
-    def output_dir(self) -> str:
-        return self.checkpoint.save or os.path.join("runs", self.name)
-
-    def metrics_path(self) -> str:
-        return self.logger.metrics_path or os.path.join(self.output_dir(), "metrics.jsonl")
 
     def resolve_path(self, path: str) -> str:
         """An input path of the recipe (``dataset.path``): user-expanded, relative to the working folder."""

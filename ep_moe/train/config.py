@@ -143,8 +143,26 @@ class EpMoeSection:
     num_worst_tokens: int = 0
 
 
+class OutputPaths:
+    """Where a recipe's run writes by default (shared by every engine's recipe class): its ``checkpoint.save``
+    folder, else ``runs/<name>``; needs ``checkpoint.save``, ``logger.metrics_path``, ``logger.plot_path``
+    and ``name``."""
+
+    def output_dir(self) -> str:
+        """Where metrics and the plot go by default: ``checkpoint.save``, else ``runs/<recipe name>``."""
+        return self.checkpoint.save or os.path.join("runs", self.name)
+
+    def metrics_path(self) -> str:
+        return self.logger.metrics_path or os.path.join(self.output_dir(), "metrics.jsonl")
+
+    def plot_path(self) -> str:
+        if self.logger.plot_path:
+            return self.logger.plot_path
+        return os.path.splitext(self.metrics_path())[0] + "_loss.png"
+
+
 @dataclass
-class Recipe:
+class Recipe(OutputPaths):
     engine: Literal["ep_moe", "megatron", "deepspeed"] = "ep_moe"
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -183,18 +201,6 @@ class Recipe:
             return os.path.abspath(expanded)
         beside_recipe = os.path.join(self.source_dir, expanded)
         return beside_recipe if os.path.exists(beside_recipe) else os.path.abspath(expanded)
-
-    def output_dir(self) -> str:
-        """Where metrics and the plot go by default: ``checkpoint.save``, else ``runs/<recipe name>``."""
-        return self.checkpoint.save or os.path.join("runs", self.name)
-
-    def metrics_path(self) -> str:
-        return self.logger.metrics_path or os.path.join(self.output_dir(), "metrics.jsonl")
-
-    def plot_path(self) -> str:
-        if self.logger.plot_path:
-            return self.logger.plot_path
-        return os.path.splitext(self.metrics_path())[0] + "_loss.png"
 
 
 # ---------------------------------------------------------------------------------------------- typing
