@@ -109,8 +109,9 @@ class NativeBackend(CommBackend):
                 self._data = SymmetricBuffer(group, device, num_nvl_bytes)
             self._notify_done = torch.cuda.Event()
             torch.cuda.synchronize(device)
-        # Diagnostics: when True, every dispatch/combine kernel stamps each block's timeline (see
-        # `kernel_trace`) into `last_trace[op]`, an int64 [blocks, TRACE_SLOTS] tensor of global-timer ns.
+        # Diagnostics: when True, every dispatch/combine kernel stamps each block's timeline (the slots of
+        # `TraceSlot` in csrc/kernels.h) into `last_trace[op]`, an int64 [blocks, TRACE_SLOTS] tensor of
+        # global-timer ns (read by benchmarks/profile_native.py).
         self.trace_kernels = False
         self.last_trace: dict[str, torch.Tensor] = {}
         dist.barrier(group=group)  # every control block is zero before any peer writes into it
