@@ -6,9 +6,11 @@
 The native dispatch/combine kernels move rows one warp per row; `ep_moe/native/NOTES.md` found them at
 about 65 % of the per-SM rate of GPU.md's copy kernel, whose launch shape was not recorded. This measures
 the ceiling for each shape the kernels could take: grid-stride 16-byte copies (``grid``) and one warp per
-14 KB row (``row``, DeepEP's hidden 7168 in BF16), with ``U`` 16-byte loads in flight per thread, 512 or
-1024 threads per block, one block per SM. 256 MiB per run; both GPUs copy at once for push and pull
-(NVLink carries traffic both ways, as in dispatch). Prints GB/s per SM count, median of 10 runs.
+14 KB row (``row``, DeepEP's hidden 7168 in BF16; ``row_nc`` with the native kernels' non-coherent loads;
+``row_list`` reading row ``list[r]``, a lookup before every row as the pushers do), with ``U`` 16-byte loads
+in flight per thread, 512 or 1024 threads per block, one block per SM. 256 MiB per run; both GPUs copy at
+once for push and pull (NVLink carries traffic both ways, as in dispatch). Prints GB/s per SM count,
+median of 10 runs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ CUDA_SOURCE = r"""
 #include <cuda_runtime.h>
 
 template <int U>
-__global__ void grid_copy(int4* __restrict__ dst, const int4* __restrict__ src, long long n16) {
+__global__ void __launch_bounds__(1024) grid_copy(int4* __restrict__ dst, const int4* __restrict__ src, long long n16) {
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long base = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; base < n16;
        base += stride * U) {
@@ -39,18 +41,29 @@ __global__ void grid_copy(int4* __restrict__ dst, const int4* __restrict__ src, 
   }
 }
 
-template <int U>
-__global__ void row_copy(int4* __restrict__ dst, const int4* __restrict__ src, int rows, int row16) {
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// One warp per row. kNc: non-coherent loads (as the native kernels read their input); list != null:
+// the source row is list[r] (a send-list lookup before every row, as the native pushers do).
+template <int U, bool kNc>
+__global__ void __launch_bounds__(1024) row_copy(int4* __restrict__ dst, const int4* __restrict__ src, int rows, int row16,
+                                                 const int* __restrict__ list) {
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * (blockDim.x >> 5);
   for (int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-    const int4* s = src + static_cast<long long>(r) * row16;
+    const int from = list != nullptr ? __ldg(list + r) : r;
+    const int4* s = src + static_cast<long long>(from) * row16;
     int4* d = dst + static_cast<long long>(r) * row16;
     for (int base = lane; base < row16; base += 32 * U) {
       int4 v[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (base + u * 32 < row16) v[u] = __ldcg(s + base + u * 32);
+        if (base + u * 32 < row16) v[u] = kNc ? ld_nc(s + base + u * 32) : __ldcg(s + base + u * 32);
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (base + u * 32 < row16) d[base + u * 32] = v[u];
@@ -58,37 +71,40 @@ __global__ void row_copy(int4* __restrict__ dst, const int4* __restrict__ src, i
   }
 }
 
+// shape: 0 grid-stride, 1 one warp per row, 2 the same with non-coherent loads, 3 the same through a
+// row list (`list`, int32 [rows]).
 template <int U>
-void launch(bool rows, int64_t dst, int64_t src, int64_t nbytes, int row_bytes, int blocks, int threads,
-            cudaStream_t stream) {
+void launch(int shape, int64_t dst, int64_t src, int64_t nbytes, int row_bytes, const int* list, int blocks,
+            int threads, cudaStream_t stream) {
   auto* d = reinterpret_cast<int4*>(dst);
   auto* s = reinterpret_cast<const int4*>(src);
-  if (rows) {
-    const int row16 = row_bytes / 16;
-    row_copy<U><<<blocks, threads, 0, stream>>>(d, s, static_cast<int>(nbytes / row_bytes), row16);
-  } else {
-    grid_copy<U><<<blocks, threads, 0, stream>>>(d, s, nbytes / 16);
-  }
+  const int row16 = row_bytes / 16, rows = static_cast<int>(nbytes / row_bytes);
+  if (shape == 0) grid_copy<U><<<blocks, threads, 0, stream>>>(d, s, nbytes / 16);
+  else if (shape == 2) row_copy<U, true><<<blocks, threads, 0, stream>>>(d, s, rows, row16, nullptr);
+  else row_copy<U, false><<<blocks, threads, 0, stream>>>(d, s, rows, row16, shape == 3 ? list : nullptr);
 }
 
 // Copy nbytes from address src to address dst (any GPU-visible addresses: local or a peer's).
-int copy(bool rows, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t blocks, int64_t threads,
-         int64_t unroll, int64_t stream) {
+int copy(int64_t shape, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t list, int64_t blocks,
+         int64_t threads, int64_t unroll, int64_t stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  const int b = static_cast<int>(blocks), t = static_cast<int>(threads), rb = static_cast<int>(row_bytes);
+  const int sh = static_cast<int>(shape), b = static_cast<int>(blocks), t = static_cast<int>(threads);
+  const int rb = static_cast<int>(row_bytes);
+  const int* l = reinterpret_cast<const int*>(list);
   switch (unroll) {
-    case 1: launch<1>(rows, dst, src, nbytes, rb, b, t, s); break;
-    case 4: launch<4>(rows, dst, src, nbytes, rb, b, t, s); break;
-    case 8: launch<8>(rows, dst, src, nbytes, rb, b, t, s); break;
-    case 16: launch<16>(rows, dst, src, nbytes, rb, b, t, s); break;
+    case 1: launch<1>(sh, dst, src, nbytes, rb, l, b, t, s); break;
+    case 4: launch<4>(sh, dst, src, nbytes, rb, l, b, t, s); break;
+    case 8: launch<8>(sh, dst, src, nbytes, rb, l, b, t, s); break;
+    case 16: launch<16>(sh, dst, src, nbytes, rb, l, b, t, s); break;
     default: return -1;
   }
   return static_cast<int>(cudaGetLastError());
 }
 """
 
-CPP_SOURCE = ("int copy(bool rows, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t blocks, "
-              "int64_t threads, int64_t unroll, int64_t stream);")
+CPP_SOURCE = ("int copy(int64_t shape, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t list, "
+              "int64_t blocks, int64_t threads, int64_t unroll, int64_t stream);")
+SHAPES = {"grid": 0, "row": 1, "row_nc": 2, "row_list": 3}
 
 NBYTES = 256 << 20
 ROW_BYTES = 7168 * 2
@@ -101,7 +117,8 @@ def build():
                        extra_cuda_cflags=["-O3"], verbose=False)
 
 
-def median_gbps(ext, rows: bool, dst: int, src: int, sms: int, threads: int, unroll: int, runs: int = 10) -> float:
+def median_gbps(ext, shape: str, dst: int, src: int, row_list: torch.Tensor, sms: int, threads: int, unroll: int,
+                runs: int = 10) -> float:
     stream = torch.cuda.current_stream().cuda_stream
     times = []
     for i in range(runs + 2):
@@ -110,7 +127,7 @@ def median_gbps(ext, rows: bool, dst: int, src: int, sms: int, threads: int, unr
             dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        err = ext.copy(rows, dst, src, NBYTES, ROW_BYTES, sms, threads, unroll, stream)
+        err = ext.copy(SHAPES[shape], dst, src, NBYTES, ROW_BYTES, row_list.data_ptr(), sms, threads, unroll, stream)
         end.record()
         end.synchronize()
         if err:
@@ -125,6 +142,7 @@ def main() -> None:
     parser.add_argument("--sms", nargs="+", type=int, default=[1, 2, 4, 8, 16, 24, 32])
     parser.add_argument("--unroll", nargs="+", type=int, default=[1, 4, 8, 16], choices=[1, 4, 8, 16])
     parser.add_argument("--threads", nargs="+", type=int, default=[512, 1024])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -136,6 +154,7 @@ def main() -> None:
     ext = build()
     src = torch.randn(NBYTES // 4, device=device)
     dst = torch.empty_like(src)
+    row_list = torch.arange(NBYTES // ROW_BYTES, dtype=torch.int32, device=device)  # a send list: sorted rows
     targets = {"local": (dst.data_ptr(), src.data_ptr())}
     peer_buffer = None
     if world > 1:
@@ -152,19 +171,19 @@ def main() -> None:
     if rank == 0:
         print(f"copy rates, {torch.cuda.get_device_name(device)}, {world} GPU(s); 256 MiB, GB/s copied per GPU "
               f"(median of 10); row = one warp per {ROW_BYTES}-byte row; U = 16-byte loads in flight per thread")
-        print(f"{'op':6s} {'shape':5s} {'thr':>5s} {'U':>3s} " + " ".join(f"{n:>7d}" for n in args.sms)
+        print(f"{'op':6s} {'shape':8s} {'thr':>5s} {'U':>3s} " + " ".join(f"{n:>7d}" for n in args.sms)
               + "   GB/s/SM at the fewest SMs")
     for op, (d, s) in targets.items():
-        for shape in ("grid", "row"):
+        for shape in args.shapes:
             for threads in args.threads:
                 for unroll in args.unroll:
-                    rates = [median_gbps(ext, shape == "row", d, s, n, threads, unroll) for n in args.sms]
+                    rates = [median_gbps(ext, shape, d, s, row_list, n, threads, unroll) for n in args.sms]
                     if world > 1:  # the slowest GPU sets the pace
                         t = torch.tensor(rates, device=device)
                         dist.all_reduce(t, op=dist.ReduceOp.MIN)
                         rates = t.tolist()
                     if rank == 0:
-                        print(f"{op:6s} {shape:5s} {threads:5d} {unroll:3d} " + " ".join(f"{r:7.1f}" for r in rates)
+                        print(f"{op:6s} {shape:8s} {threads:5d} {unroll:3d} " + " ".join(f"{r:7.1f}" for r in rates)
                               + f"   {rates[0] / args.sms[0]:.1f}", flush=True)
     if world > 1:
         dist.barrier()
