@@ -76,6 +76,25 @@ def _fraction(name: str, default: float) -> float:
         return default
 
 
+# Chunks (flag-published units) the rows of one source-destination pair are split into, per op: more
+# chunks start the receiver sooner, fewer cost fewer handshakes. Measured on 2 x H200 at DeepEP's
+# workload (ep_moe/native/NOTES.md): dispatch is fastest at 48-96, combine at 128 (its reducers wait
+# for chunks in token order). The variables override them; they must be equal on every rank.
+CHUNKS_ENV = {"dispatch": "EP_MOE_NATIVE_DISPATCH_CHUNKS", "combine": "EP_MOE_NATIVE_COMBINE_CHUNKS"}
+DEFAULT_CHUNKS_PER_PAIR = {"dispatch": 64, "combine": 128}
+
+
+def chunks_per_pair(op: str) -> int:
+    """Chunks per source-destination pair for ``op`` ("dispatch" or "combine")."""
+    value = os.environ.get(CHUNKS_ENV[op])
+    if value is None:
+        return DEFAULT_CHUNKS_PER_PAIR[op]
+    if not value.isdigit() or not 1 <= int(value) <= _c().MAX_CHUNKS:
+        raise ValueError(f"ep_moe native backend: {CHUNKS_ENV[op]} must be an integer in [1, {_c().MAX_CHUNKS}], "
+                         f"got {value!r}")
+    return int(value)
+
+
 class NativeBackend(CommBackend):
     """Dispatch/combine over NVLink with the CUDA kernels of `ep_moe.native` (see the module docstring)."""
 
@@ -99,7 +118,8 @@ class NativeBackend(CommBackend):
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
             self._error = torch.zeros(C.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
             self._host_counts = torch.zeros(C.MAX_RANKS * C.MAX_RANKS, dtype=torch.int32, pin_memory=True)
-            self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9))
+            self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9),
+                              chunks_per_pair("dispatch"), chunks_per_pair("combine"))
             self._data: SymmetricBuffer | None = None
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # rows a handle's calls need in a buffer (from the shared count matrix), by id of its route

@@ -54,8 +54,10 @@ int64_t* trace_ptr(const OptTensor& trace, int64_t num_blocks) {
 struct Env {
   ep_moe::KernelEnv env{};
   at::Tensor state, error;  // kept alive with the Env
+  int combine_chunks_per_pair = 0;  // env.chunks_per_pair is the dispatch's
 
-  Env(int rank, const std::vector<int64_t>& ctrl_ptrs, at::Tensor state_, at::Tensor error_, int64_t timeout_ns)
+  Env(int rank, const std::vector<int64_t>& ctrl_ptrs, at::Tensor state_, at::Tensor error_, int64_t timeout_ns,
+      int64_t dispatch_chunks, int64_t combine_chunks)
       : state(std::move(state_)), error(std::move(error_)) {
     const int num_ranks = static_cast<int>(ctrl_ptrs.size());
     TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "ep_moe.native: group size must be in [1, ", kMaxRanks,
@@ -75,6 +77,11 @@ struct Env {
                 "ep_moe.native: the error record is not device-mapped pinned memory");
     env.error = device_error;
     env.timeout_ns = static_cast<uint64_t>(timeout_ns);
+    for (const int64_t chunks : {dispatch_chunks, combine_chunks})
+      TORCH_CHECK(chunks >= 1 && chunks <= ep_moe::kMaxChunks, "ep_moe.native: chunks per pair must be in [1, ",
+                  ep_moe::kMaxChunks, "], got ", chunks);
+    env.chunks_per_pair = static_cast<int>(dispatch_chunks);
+    combine_chunks_per_pair = static_cast<int>(combine_chunks);
   }
 };
 
@@ -233,6 +240,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
               "ep_moe.native: rows must be 16-byte multiples at 16-byte-aligned addresses");
   ep_moe::CombineParams p{};
   p.env = env.env;
+  p.env.chunks_per_pair = env.combine_chunks_per_pair;
   for (int r = 0; r < num_ranks; ++r) p.data[r] = reinterpret_cast<uint8_t*>(data_ptrs[r]);
   p.off_y = off_y;
   p.off_weights = off_weights;
@@ -277,8 +285,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ERROR_WORDS") = static_cast<int>(ep_moe::kErrWords);
   m.attr("TRACE_SLOTS") = static_cast<int>(ep_moe::kTraceSlots);
   pybind11::class_<Env>(m, "Env")
-      .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t>(), pybind11::arg("rank"),
-           pybind11::arg("ctrl_ptrs"), pybind11::arg("state"), pybind11::arg("error"), pybind11::arg("timeout_ns"));
+      .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t>(),
+           pybind11::arg("rank"), pybind11::arg("ctrl_ptrs"), pybind11::arg("state"), pybind11::arg("error"),
+           pybind11::arg("timeout_ns"), pybind11::arg("dispatch_chunks"),
+           pybind11::arg("combine_chunks"));
   m.def("layout", &layout, "dispatch layout of topk_idx");
   m.def("notify", &notify, "count exchange and per-destination token lists");
   m.def("dispatch", &dispatch, "dispatch rows to their destinations");

@@ -204,7 +204,7 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
     for (int j = 1; j < num_ranks; ++j) {
       const int peer = (me + j) % num_ranks;
       const int count = count_of(peer);
-      if (k >= num_chunks(count)) continue;
+      if (k >= num_chunks(count, env.chunks_per_pair)) continue;
       any = true;
       if (item++ % num_push_blocks != static_cast<int>(blockIdx.x)) continue;
       if (!((arrived >> peer) & 1u)) {
@@ -212,7 +212,7 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
         arrived |= 1u << peer;
         trace.first_wait();
       }
-      const int rows = chunk_rows(count);
+      const int rows = chunk_rows(count, env.chunks_per_pair);
       const int j0 = k * rows;
       push_rows(peer, j0, min(count, j0 + rows));
       __syncwarp();
@@ -257,8 +257,8 @@ __device__ __forceinline__ void push_row_meta(const DispatchParams& p, int dst, 
 // Warp: this rank's own token t, received as output row `row` (data and metadata).
 __device__ __forceinline__ void copy_self_row(const DispatchParams& p, int t, int64_t row, int32_t* hist) {
   const int me = p.env.rank, lane = threadIdx.x & 31;
-  warp_copy16<true>(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
-                    reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
+  warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
+              reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
   if (p.has_scales)
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] = __ldg(p.scales + static_cast<int64_t>(t) * p.num_scales + c);
@@ -283,8 +283,8 @@ __device__ __forceinline__ void copy_self_row(const DispatchParams& p, int t, in
 __device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int32_t* hist) {
   const int lane = threadIdx.x & 31;
   const uint8_t* data = p.data[p.env.rank];
-  warp_copy16<false>(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
-                     reinterpret_cast<const int4*>(data + p.off_x + row * p.x_bytes), p.x_bytes / 16, lane);
+  warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
+              reinterpret_cast<const int4*>(data + p.off_x + row * p.x_bytes), p.x_bytes / 16, lane);
   if (p.has_scales)
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] = __ldcg(reinterpret_cast<const float*>(data + p.off_scales) + row * p.num_scales + c);
@@ -339,14 +339,14 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
   const int32_t* my_list = p.send_list + static_cast<int64_t>(me) * p.num_tokens;
   const int warps = warps_per_block();
   Control* mine = control_of(env, me);
+  const int self_count = pair_count(prefix, num_ranks, me, me);
   int item = 0;
   for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
-    const int self_count = pair_count(prefix, num_ranks, me, me);
-    if (k < num_chunks(self_count)) {
+    if (k < num_chunks(self_count, env.chunks_per_pair)) {
       any = true;
       if (item++ % num_local == q) {
-        const int rows = chunk_rows(self_count);
+        const int rows = chunk_rows(self_count, env.chunks_per_pair);
         const int j0 = k * rows, j1 = min(self_count, j0 + rows);
         for (int j = first_row_of_warp(j0); j < j1; j += warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
       }
@@ -354,12 +354,12 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
     for (int j = 1; j < num_ranks; ++j) {
       const int src = (me - j + num_ranks) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
-      if (k >= num_chunks(count)) continue;
+      if (k >= num_chunks(count, env.chunks_per_pair)) continue;
       any = true;
       if (item++ % num_local != q) continue;
       if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k)) return false;
       trace.first_wait();
-      const int rows = chunk_rows(count);
+      const int rows = chunk_rows(count, env.chunks_per_pair);
       const int j0 = k * rows, j1 = min(count, j0 + rows);
       const int64_t first = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
       for (int jj = first_row_of_warp(j0); jj < j1; jj += warps) drain_row(p, src, first + jj, hist);
@@ -410,9 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
       uint8_t* dst_x = p.data[dst] + p.off_x;
       for (int j = first_row_of_warp(j0); j < j1; j += warps_per_block()) {
         const int t = list[j];
-        warp_copy16<true>(reinterpret_cast<int4*>(dst_x + (base + j) * p.x_bytes),
-                          reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16,
-                          threadIdx.x & 31);
+        warp_copy16(reinterpret_cast<int4*>(dst_x + (base + j) * p.x_bytes),
+                    reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16,
+                    threadIdx.x & 31);
         push_row_meta(p, dst, t, base + j);
       }
     };
@@ -535,20 +535,18 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
       int r = __ffs(m) - 1;
       m &= m - 1;
       const int4* src = shfl_ptr(row_ptr, r);
-      bool local = r == me;
       int4 cur[kReduceUnroll];
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u)
-        if (c0 + u * 32 < n16) cur[u] = local ? ld_nc(src + c0 + u * 32) : ld_cg(src + c0 + u * 32);
+        if (c0 + u * 32 < n16) cur[u] = ld_cg(src + c0 + u * 32);
       while (m) {
         r = __ffs(m) - 1;
         m &= m - 1;
         src = shfl_ptr(row_ptr, r);
-        local = r == me;
         int4 nxt[kReduceUnroll];
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u)
-          if (c0 + u * 32 < n16) nxt[u] = local ? ld_nc(src + c0 + u * 32) : ld_cg(src + c0 + u * 32);
+          if (c0 + u * 32 < n16) nxt[u] = ld_cg(src + c0 + u * 32);
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u)
           if (c0 + u * 32 < n16) V::add(acc[u], cur[u]);
@@ -626,9 +624,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       uint8_t* data = p.data[src];
       const int lane = threadIdx.x & 31;
       for (int j = first_row_of_warp(j0); j < j1; j += warps_per_block()) {
-        warp_copy16<true>(reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes),
-                          reinterpret_cast<const int4*>(p.y + (my_rows + j) * y_bytes), static_cast<int>(y_bytes / 16),
-                          lane);
+        warp_copy16(reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes),
+                    reinterpret_cast<const int4*>(p.y + (my_rows + j) * y_bytes), static_cast<int>(y_bytes / 16),
+                    lane);
         if (p.has_weights) {
           int32_t* dst_w = reinterpret_cast<int32_t*>(data + p.off_weights) + (base + j) * p.num_topk;
           const int32_t* src_w = reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j) * p.num_topk;
@@ -654,46 +652,56 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
         for (int r = 0; r < lane; ++r)
           if (r != me) lane_base += pair_count(prefix, num_ranks, me, r);
       }
-      lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane));
+      lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane), env.chunks_per_pair);
     }
+    // The warp's tokens: items q, q + num_reducers, ... of 2 * num_warps tokens; in each, tokens
+    // warp and warp + num_warps. Lanes < R load the next token's routing while this one is reduced.
     const int tokens_per_item = 2 * num_warps;
-    const int num_items = (p.num_tokens + tokens_per_item - 1) / tokens_per_item;
-    for (int item = q; item < num_items && !failed; item += num_reducers) {
-      for (int t = item * tokens_per_item + warp; t < min(p.num_tokens, (item + 1) * tokens_per_item);
-           t += num_warps) {
-        bool in = false;
-        int pos = -1;
-        if (lane < num_ranks) {
-          in = p.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + lane];
-          pos = p.pos[static_cast<int64_t>(t) * num_ranks + lane];
-        }
-        bool ok = true;
-        if (in && lane != me) {
-          const int k = pos / lane_chunk_rows;
-          if (k != lane_ready_chunk) {
-            ok = wait_flag(wait_ctx(env), &mine->combine_flag[lane][k], epoch, kStageCombineRecv, lane, k);
-            lane_ready_chunk = k;
-          }
-        }
-        if (!__all_sync(0xffffffffu, ok)) {
-          failed = true;
-          break;
-        }
-        const uint32_t mask = __ballot_sync(0xffffffffu, in);
-        uint64_t row_ptr = 0, w_ptr = 0;
-        if (in) {
-          const int64_t row = lane_base + pos;
-          if (lane == me) {
-            row_ptr = reinterpret_cast<uint64_t>(p.y + row * y_bytes);
-            w_ptr = reinterpret_cast<uint64_t>(p.weights + row * p.num_topk);
-          } else {
-            row_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_y + row * y_bytes);
-            w_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_weights + row * p.num_topk * 4);
-          }
-        }
-        reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane);
-        trace.first_wait();
+    const auto next_token = [&](int t) {
+      return t % tokens_per_item < num_warps ? t + num_warps : (t / tokens_per_item + num_reducers) * tokens_per_item + warp;
+    };
+    const auto load_route = [&](int t, bool* in, int* pos) {
+      *in = false;
+      *pos = -1;
+      if (lane < num_ranks && t < p.num_tokens) {
+        *in = p.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + lane];
+        *pos = p.pos[static_cast<int64_t>(t) * num_ranks + lane];
       }
+    };
+    int t = q * tokens_per_item + warp;
+    bool next_in;
+    int next_pos;
+    load_route(t, &next_in, &next_pos);
+    for (; t < p.num_tokens && !failed; t = next_token(t)) {
+      const bool in = next_in;
+      const int pos = next_pos;
+      load_route(next_token(t), &next_in, &next_pos);
+      bool ok = true;
+      if (in && lane != me) {
+        const int k = pos / lane_chunk_rows;
+        if (k != lane_ready_chunk) {
+          ok = wait_flag(wait_ctx(env), &mine->combine_flag[lane][k], epoch, kStageCombineRecv, lane, k);
+          lane_ready_chunk = k;
+        }
+      }
+      if (!__all_sync(0xffffffffu, ok)) {
+        failed = true;
+        break;
+      }
+      const uint32_t mask = __ballot_sync(0xffffffffu, in);
+      uint64_t row_ptr = 0, w_ptr = 0;
+      if (in) {
+        const int64_t row = lane_base + pos;
+        if (lane == me) {
+          row_ptr = reinterpret_cast<uint64_t>(p.y + row * y_bytes);
+          w_ptr = reinterpret_cast<uint64_t>(p.weights + row * p.num_topk);
+        } else {
+          row_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_y + row * y_bytes);
+          w_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_weights + row * p.num_topk * 4);
+        }
+      }
+      reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane);
+      trace.first_wait();
     }
   }
 

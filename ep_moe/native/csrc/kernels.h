@@ -9,7 +9,7 @@
 namespace ep_moe {
 
 constexpr int kMaxRanks = 8;        // one NVLink domain of one host
-constexpr int kMaxChunks = 128;     // signal slots per (source, destination) pair
+constexpr int kMaxChunks = 256;     // signal slots per (source, destination) pair
 constexpr int kMinChunkRows = 4;    // rows per chunk at least
 constexpr int kControlBytes = 64 << 10;
 constexpr int kThreads = 512;       // threads of the dispatch / combine blocks
@@ -43,6 +43,7 @@ struct KernelEnv {
   LocalState* state;          // this rank's private device state
   int32_t* error;             // pinned host error record (device-visible)
   uint64_t timeout_ns;
+  int chunks_per_pair;        // rows one source sends one destination go in at most this many chunks
 };
 
 // ------------------------------------------------------------------------------------------ layout
