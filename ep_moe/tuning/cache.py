@@ -35,7 +35,7 @@ ENV_PLAN = "EP_MOE_PLAN"
 PLAN_FILE_VERSION = 1
 # Keys of a recipe's ``ep_moe`` block that the tuner reads (the trainer owns the others).
 RECIPE_KEYS = ("num_sms", "layer_num_sms", "tuning_plan", "plan_file", "min_sms", "max_sms", "time_tolerance",
-               "margin", "refine", "refine_budget")
+               "knee_cap", "margin", "refine", "refine_budget")
 
 
 def _read_structured(path: Path) -> dict:
@@ -149,7 +149,7 @@ class PlanCache:
             raise ValueError(f"PlanCache.from_recipe: ep_moe.layer_num_sms must map layer names to SM counts, "
                              f"got {type(layers).__name__}")
         policy_args = {}
-        for key in ("min_sms", "max_sms", "time_tolerance", "margin"):
+        for key in ("min_sms", "max_sms", "time_tolerance", "knee_cap", "margin"):
             if block.get(key) is not None:
                 policy_args[key] = block[key]
         try:
