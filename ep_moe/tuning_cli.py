@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ep_moe: fewest SMs within --tolerance of the predicted time at 1.25 x the SMs "
                              "matching the bottleneck link (PlanPolicy.knee_cap); deepep_v2: "
                              "DeepEP V2's rule (1.25 x the SMs matching the bottleneck link)")
-    policy.add_argument("--tolerance", type=float, help="time tolerance of the ep_moe rule (default 0.04)")
+    policy.add_argument("--tolerance", type=float, help="time tolerance of the ep_moe rule (default 0.05)")
     policy.add_argument("--max-sms", type=int, help="upper bound on SMs")
     gpu = p.add_argument_group("on GPU (one process per rank, e.g. torchrun)")
     gpu.add_argument("--measure", action="store_true", help="time dispatch + combine at each plan's SM count")

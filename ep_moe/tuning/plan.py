@@ -55,7 +55,7 @@ class PlanPolicy:
     dispatch_push_fraction: float | None = None
     combine_push_fraction: float | None = None
     margin: float | None = None
-    time_tolerance: float = 0.04
+    time_tolerance: float = 0.05
     knee_cap: float | None = 1.25
     min_sms: int = 2
     max_sms: int | None = None
