@@ -271,6 +271,20 @@ def test_backend_selection(solo_group, caplog) -> None:
         b.destroy()
 
 
+def test_native_chunk_counts_from_the_environment(monkeypatch) -> None:
+    from ep_moe.backends.native_backend import CHUNKS_ENV, DEFAULT_CHUNKS_PER_PAIR, chunks_per_pair
+
+    for op in ("dispatch", "combine"):
+        monkeypatch.delenv(CHUNKS_ENV[op], raising=False)
+        assert chunks_per_pair(op) == DEFAULT_CHUNKS_PER_PAIR[op]
+        monkeypatch.setenv(CHUNKS_ENV[op], "32")
+        assert chunks_per_pair(op) == 32
+        for bad in ("0", "-4", "many", "2.5"):
+            monkeypatch.setenv(CHUNKS_ENV[op], bad)
+            with pytest.raises(ValueError, match=CHUNKS_ENV[op]):
+                chunks_per_pair(op)
+
+
 def test_buffer_needs_initialized_distributed() -> None:
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this test process")
