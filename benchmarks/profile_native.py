@@ -141,7 +141,7 @@ def main() -> None:
         for frac in args.push:
             os.environ["EP_MOE_DISPATCH_PUSH_FRACTION"] = os.environ["EP_MOE_COMBINE_PUSH_FRACTION"] = str(frac)
             cfg = Config(num_sms=sms)
-            num_push = native._split(cfg, "EP_MOE_DISPATCH_PUSH_FRACTION")[1]
+            num_push = native._split(cfg, "dispatch")[1]
             for op, (call, host, span, push_done, local_done) in profile_ops(buf, sets, cfg, world * args.tokens,
                                                                              measure, num_push):
                 if rank == 0:

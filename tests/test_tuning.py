@@ -387,3 +387,10 @@ def test_push_local_split_follows_the_native_backend(monkeypatch):
     monkeypatch.setenv("EP_MOE_DISPATCH_PUSH_FRACTION", "0.1")  # too few pushers for the link: more SMs
     assert plan_layer(V3, H200X2).num_sms > base.num_sms
     assert plan_layer(V3, H200X2, policy=PlanPolicy(dispatch_push_fraction=1 / 3)).num_sms == base.num_sms
+    # the backend splits its blocks with the same reading of the variable
+    from ep_moe.tuning.model import env_push_fraction
+
+    assert env_push_fraction("dispatch") == 0.1 and env_push_fraction("combine") == pytest.approx(1 / 3)
+    for bad in ("1.5", "0", "x"):
+        monkeypatch.setenv("EP_MOE_COMBINE_PUSH_FRACTION", bad)
+        assert env_push_fraction("combine") == pytest.approx(1 / 3)

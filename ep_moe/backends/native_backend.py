@@ -32,6 +32,7 @@ from ..config import Config
 from ..handle import DispatchHandle
 from ..native import sizing
 from ..native.symmetric import SymmetricBuffer
+from ..tuning.model import env_push_fraction
 from .base import CommBackend, DispatchResult
 from .torch_backend import TorchBackend
 
@@ -67,13 +68,6 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
         return None
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _fraction(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 # Chunks (flag-published units) the rows of one source-destination pair are split into, per op: more
@@ -167,13 +161,14 @@ class NativeBackend(CommBackend):
         self._raise_if_failed()
 
     # ---------------------------------------------------------------- sizing
-    def _split(self, config: Config | None, fraction_env: str) -> tuple[int, int]:
-        """(blocks, pusher blocks) from the SM budget: about a third of the SMs push over NVLink (8
-        saturate it); the rest copy locally (own rows, drained chunks) or reduce."""
+    def _split(self, config: Config | None, op: str) -> tuple[int, int]:
+        """(blocks, pusher blocks) for ``op`` from the SM budget: about a third of the SMs push over NVLink
+        (8 saturate it; `env_push_fraction`, as the planner models it); the rest copy locally (own rows,
+        drained chunks) or reduce."""
         num_sms = max(2, int(config.num_sms if config is not None else 24))
         if self.num_ranks == 1:
             return num_sms, 0
-        push = round(num_sms * _fraction(fraction_env, 1 / 3))
+        push = round(num_sms * env_push_fraction(op))
         return num_sms, min(num_sms - 1, max(1, push))
 
     def _ensure_data(self, needed: int) -> None:
@@ -255,7 +250,7 @@ class NativeBackend(CommBackend):
         num_tokens, hidden = x.shape
         num_scales = x_scales.shape[1] if x_scales is not None else 0
         num_ranks, me = self.num_ranks, self.rank
-        blocks, pushers = self._split(config, "EP_MOE_DISPATCH_PUSH_FRACTION")
+        blocks, pushers = self._split(config, "dispatch")
 
         if handle is not None:  # cached: the handle's layout, no count exchange
             route = handle.backend_state if handle.backend_state is not None else self._route_of(handle)
@@ -343,7 +338,7 @@ class NativeBackend(CommBackend):
         out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
         out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk else None
         bias0, bias1 = (b.contiguous() if b is not None else None for b in bias)
-        blocks, pushers = self._split(config, "EP_MOE_COMBINE_PUSH_FRACTION")
+        blocks, pushers = self._split(config, "combine")
         C.combine(self._env, self._data.ptrs, regions.y, regions.weights, regions.rows,
                   handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
                   route[0], y, topk_weights, bias0, bias1, out, out_w, blocks, pushers, self._trace("combine", blocks))

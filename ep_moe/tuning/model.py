@@ -8,6 +8,7 @@ to one rank (a token goes to a rank once, however many of its experts live there
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -213,6 +214,18 @@ class OpCost:
 
 SCHEMES = ("push_local", "channel_pairs", "deepep_v2")
 DEFAULT_PUSH_FRACTION = 1 / 3  # ep_moe's native kernels: a third of the blocks push over NVLink
+PUSH_FRACTION_ENV = {"dispatch": "EP_MOE_DISPATCH_PUSH_FRACTION", "combine": "EP_MOE_COMBINE_PUSH_FRACTION"}
+
+
+def env_push_fraction(op: str) -> float:
+    """The share of SMs that push in ``op`` ("dispatch" or "combine") from ``EP_MOE_<OP>_PUSH_FRACTION``:
+    what the native backend runs with and the planner models. Unset, unparsable or outside (0, 1):
+    `DEFAULT_PUSH_FRACTION`."""
+    try:
+        value = float(os.environ.get(PUSH_FRACTION_ENV[op], DEFAULT_PUSH_FRACTION))
+    except ValueError:
+        return DEFAULT_PUSH_FRACTION
+    return value if 0 < value < 1 else DEFAULT_PUSH_FRACTION
 
 
 def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
@@ -292,5 +305,6 @@ def multinode_cost(shape: LayerShape, topology: Topology, op: str, hybrid: bool,
     return OpCost(op, nvlink * recv_bytes, rdma * recv_bytes, (pool,), recv_bytes)
 
 
-__all__ = ["DEFAULT_PUSH_FRACTION", "DTYPE_BYTES", "SCHEMES", "LayerShape", "OpCost", "RankLoad", "SmPool", "dtype_bytes", "split_sms",
-           "expected_groups", "intranode_cost", "multinode_cost", "rank_loads"]
+__all__ = ["DEFAULT_PUSH_FRACTION", "DTYPE_BYTES", "PUSH_FRACTION_ENV", "SCHEMES", "LayerShape", "OpCost", "RankLoad",
+           "SmPool", "dtype_bytes", "env_push_fraction", "split_sms", "expected_groups", "intranode_cost",
+           "multinode_cost", "rank_loads"]

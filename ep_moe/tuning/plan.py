@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field, replace
 
 from ..config import Config
 from ..topology import Topology
 from .model import (
-    DEFAULT_PUSH_FRACTION,
     SCHEMES,
     LayerShape,
     OpCost,
+    env_push_fraction,
     expected_groups,
     intranode_cost,
     multinode_cost,
@@ -25,8 +24,6 @@ FALLBACK_GPU = "H200"  # planning on a machine without a GPU: assume this one (d
 FALLBACK_DEVICE_SMS = 132
 CHUNK_TARGET_BYTES = 64 << 10  # a channel signals its receiver about every 64 KiB ...
 CHUNKS_PER_CHANNEL = 4  # ... but at least this often, so that small batches still pipeline
-# The native backend splits its blocks with these (ep_moe/backends/native_backend.py); keep them in step.
-PUSH_FRACTION_ENV = {"dispatch": "EP_MOE_DISPATCH_PUSH_FRACTION", "combine": "EP_MOE_COMBINE_PUSH_FRACTION"}
 
 
 @dataclass(frozen=True)
@@ -84,14 +81,7 @@ class PlanPolicy:
     def push_fraction(self, op: str) -> float:
         """The share of SMs that push in ``op`` (the native backend reads the same variables)."""
         value = self.dispatch_push_fraction if op == "dispatch" else self.combine_push_fraction
-        if value is not None:
-            return value
-        env = PUSH_FRACTION_ENV[op]
-        try:
-            value = float(os.environ.get(env, DEFAULT_PUSH_FRACTION))
-        except ValueError:
-            return DEFAULT_PUSH_FRACTION
-        return value if 0 < value < 1 else DEFAULT_PUSH_FRACTION
+        return value if value is not None else env_push_fraction(op)
 
 
 # DeepEP V2's rule: 1.25 x the SMs that keep the bottleneck link busy, even, at least 4.
