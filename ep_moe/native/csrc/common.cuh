@@ -107,13 +107,19 @@ static __device__ __noinline__ bool wait_flag(WaitCtx ctx, const uint64_t* flag,
 // ------------------------------------------------------------------------------------------ copies
 constexpr int kUnroll = 8;  // 16-byte loads in flight per thread
 
+// A lane's U words of a row at base, base + 32, ... (those below n16): one round of loads in flight.
+template <int U>
+__device__ __forceinline__ void load_lane_words(int4 (&v)[U], const int4* src, int base, int n16) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (base + u * 32 < n16) v[u] = ld_cg(src + base + u * 32);
+}
+
 // One warp copies n16 16-byte words (a row), kUnroll loads in flight per lane.
 __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16, int lane) {
   for (int base = lane; base < n16; base += 32 * kUnroll) {
     int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (base + u * 32 < n16) v[u] = ld_cg(src + base + u * 32);
+    load_lane_words(v, src, base, n16);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + u * 32 < n16) dst[base + u * 32] = v[u];

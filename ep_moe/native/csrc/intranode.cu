@@ -536,17 +536,13 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
       m &= m - 1;
       const int4* src = shfl_ptr(row_ptr, r);
       int4 cur[kReduceUnroll];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u)
-        if (c0 + u * 32 < n16) cur[u] = ld_cg(src + c0 + u * 32);
+      load_lane_words(cur, src, c0, n16);
       while (m) {
         r = __ffs(m) - 1;
         m &= m - 1;
         src = shfl_ptr(row_ptr, r);
         int4 nxt[kReduceUnroll];
-#pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u)
-          if (c0 + u * 32 < n16) nxt[u] = ld_cg(src + c0 + u * 32);
+        load_lane_words(nxt, src, c0, n16);
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u)
           if (c0 + u * 32 < n16) V::add(acc[u], cur[u]);
