@@ -52,6 +52,17 @@ def _expect(cond: bool, what: str) -> None:
         raise AssertionError(what)
 
 
+def _call(buffer, fn, kwargs: dict, previous: bool, async_finish: bool) -> list:
+    """``fn(**kwargs)`` (after an event captured now when ``previous``), waited for when ``async_finish``;
+    its results without the trailing event."""
+    if previous:
+        kwargs = dict(kwargs, previous_event=buffer.capture())
+    *results, event = fn(**kwargs)
+    if async_finish:
+        event.current_stream_wait()
+    return results
+
+
 def _compat_worker(rank: int, world: int) -> dict:
     import ep_moe.compat.deep_ep as compat
 
@@ -102,11 +113,8 @@ def _compat_worker(rank: int, world: int) -> dict:
                                 num_tokens_per_expert=n_per_expert, config=config, async_finish=async_finish)
                     if with_topk:
                         args.update(topk_idx=topk_idx, topk_weights=w_rand)
-                    if previous:
-                        args.update(previous_event=buffer.capture())
-                    recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(**args)
-                    if async_finish:
-                        event.current_stream_wait()
+                    recv_x, recv_idx, recv_w, counts, handle = _call(buffer, buffer.dispatch, args, previous,
+                                                                     async_finish)
                     recv = _from_fp8(recv_x) if isinstance(recv_x, tuple) else recv_x
                     prefix = handle[0]
                     _expect(recv.shape[0] == recv_rows, f"{where} received {recv.shape[0]} rows, not {recv_rows}")
@@ -121,9 +129,7 @@ def _compat_worker(rank: int, world: int) -> dict:
                         _expect([int((recv_idx == e).sum()) for e in range(local)] == counts, f"{where} idx counts")
                         _expect(bool((recv_w[recv_idx == -1] == 0).all()), f"{where} non-local weights")
                         worst = dict(args, num_worst_tokens=T * world)
-                        w_x, w_idx, w_w, empty, _, w_event = buffer.dispatch(**worst)
-                        if async_finish:
-                            w_event.current_stream_wait()
+                        w_x, w_idx, w_w, empty, _ = _call(buffer, buffer.dispatch, worst, previous, async_finish)
                         w_data = w_x[0] if isinstance(w_x, tuple) else w_x
                         data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
                         _expect(empty == [] and w_data.shape[0] == T * world, f"{where} num_worst_tokens shape")
@@ -133,11 +139,8 @@ def _compat_worker(rank: int, world: int) -> dict:
                     else:
                         _expect(recv_idx is None and recv_w is None, f"{where} top-k outputs without top-k")
                         cached = dict(x=x, handle=handle, config=config, async_finish=async_finish)
-                        if previous:
-                            cached.update(previous_event=buffer.capture())
-                        again, none_idx, none_w, none_counts, none_handle, event = buffer.dispatch(**cached)
-                        if async_finish:
-                            event.current_stream_wait()
+                        again, none_idx, none_w, none_counts, none_handle = _call(buffer, buffer.dispatch, cached,
+                                                                                  previous, async_finish)
                         again = _from_fp8(again) if isinstance(again, tuple) else again
                         _expect(none_idx is None and none_counts is None and none_handle is None,
                                 f"{where} cached dispatch returns")
@@ -145,11 +148,7 @@ def _compat_worker(rank: int, world: int) -> dict:
                     combine = dict(x=recv, handle=handle, config=config, async_finish=async_finish)
                     if with_topk:
                         combine.update(topk_weights=recv_w)
-                    if previous:
-                        combine.update(previous_event=buffer.capture())
-                    combined, combined_w, event = buffer.combine(**combine)
-                    if async_finish:
-                        event.current_stream_wait()
+                    combined, combined_w = _call(buffer, buffer.combine, combine, previous, async_finish)
                     source = _from_fp8(x) if isinstance(x, tuple) else x
                     times = is_token_in_rank.sum(dim=1, keepdim=True).float()
                     _expect(torch.equal(combined.float(), (source.float() * times).to(torch.bfloat16).float()),
