@@ -112,7 +112,8 @@ class NativeBackend(CommBackend):
             self._error = torch.zeros(C.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
             self._host_counts = torch.zeros(C.MAX_RANKS * C.MAX_RANKS, dtype=torch.int32, pin_memory=True)
             self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9),
-                              chunks_per_pair("dispatch"), chunks_per_pair("combine"))
+                              chunks_per_pair("dispatch"), chunks_per_pair("combine"),
+                              int(os.environ.get("EP_MOE_NATIVE_MIN_CHUNK_ROWS", "4")))
             self._data: SymmetricBuffer | None = None
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # rows a handle's calls need in a buffer (from the shared count matrix), by id of its route

@@ -57,7 +57,8 @@ struct Env {
   int combine_chunks_per_pair = 0;  // env.chunks_per_pair is the dispatch's
 
   Env(int rank, const std::vector<int64_t>& ctrl_ptrs, at::Tensor state_, at::Tensor error_, int64_t timeout_ns,
-      int64_t dispatch_chunks, int64_t combine_chunks)
+      int64_t dispatch_chunks, int64_t combine_chunks,
+      int64_t min_chunk_rows)
       : state(std::move(state_)), error(std::move(error_)) {
     const int num_ranks = static_cast<int>(ctrl_ptrs.size());
     TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "ep_moe.native: group size must be in [1, ", kMaxRanks,
@@ -80,7 +81,9 @@ struct Env {
     for (const int64_t chunks : {dispatch_chunks, combine_chunks})
       TORCH_CHECK(chunks >= 1 && chunks <= ep_moe::kMaxChunks, "ep_moe.native: chunks per pair must be in [1, ",
                   ep_moe::kMaxChunks, "], got ", chunks);
+    TORCH_CHECK(min_chunk_rows >= 1, "ep_moe.native: min_chunk_rows must be >= 1, got ", min_chunk_rows);
     env.chunks_per_pair = static_cast<int>(dispatch_chunks);
+    env.min_chunk_rows = static_cast<int>(min_chunk_rows);
     combine_chunks_per_pair = static_cast<int>(combine_chunks);
   }
 };
@@ -285,10 +288,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ERROR_WORDS") = static_cast<int>(ep_moe::kErrWords);
   m.attr("TRACE_SLOTS") = static_cast<int>(ep_moe::kTraceSlots);
   pybind11::class_<Env>(m, "Env")
-      .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t>(),
+      .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, int64_t>(),
            pybind11::arg("rank"), pybind11::arg("ctrl_ptrs"), pybind11::arg("state"), pybind11::arg("error"),
            pybind11::arg("timeout_ns"), pybind11::arg("dispatch_chunks"),
-           pybind11::arg("combine_chunks"));
+           pybind11::arg("combine_chunks"), pybind11::arg("min_chunk_rows"));
   m.def("layout", &layout, "dispatch layout of topk_idx");
   m.def("notify", &notify, "count exchange and per-destination token lists");
   m.def("dispatch", &dispatch, "dispatch rows to their destinations");

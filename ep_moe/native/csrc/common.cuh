@@ -127,13 +127,13 @@ __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16,
 }
 
 // Chunking of the rows one source sends one destination: both sides derive it from the count alone.
-__host__ __device__ __forceinline__ int chunk_rows(int count, int max_chunks) {
-  const int by_max = (count + max_chunks - 1) / max_chunks;
-  return by_max > kMinChunkRows ? by_max : kMinChunkRows;
+__device__ __forceinline__ int chunk_rows(int count, const KernelEnv& env) {
+  const int by_max = (count + env.chunks_per_pair - 1) / env.chunks_per_pair;
+  return by_max > env.min_chunk_rows ? by_max : env.min_chunk_rows;
 }
-__host__ __device__ __forceinline__ int num_chunks(int count, int max_chunks) {
+__device__ __forceinline__ int num_chunks(int count, const KernelEnv& env) {
   if (count <= 0) return 0;
-  const int rows = chunk_rows(count, max_chunks);
+  const int rows = chunk_rows(count, env);
   return (count + rows - 1) / rows;
 }
 

@@ -204,7 +204,7 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
     for (int j = 1; j < num_ranks; ++j) {
       const int peer = (me + j) % num_ranks;
       const int count = count_of(peer);
-      if (k >= num_chunks(count, env.chunks_per_pair)) continue;
+      if (k >= num_chunks(count, env)) continue;
       any = true;
       if (item++ % num_push_blocks != static_cast<int>(blockIdx.x)) continue;
       if (!((arrived >> peer) & 1u)) {
@@ -212,7 +212,7 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
         arrived |= 1u << peer;
         trace.first_wait();
       }
-      const int rows = chunk_rows(count, env.chunks_per_pair);
+      const int rows = chunk_rows(count, env);
       const int j0 = k * rows;
       push_rows(peer, j0, min(count, j0 + rows));
       __syncwarp();
@@ -343,10 +343,10 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
   int item = 0;
   for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
-    if (k < num_chunks(self_count, env.chunks_per_pair)) {
+    if (k < num_chunks(self_count, env)) {
       any = true;
       if (item++ % num_local == q) {
-        const int rows = chunk_rows(self_count, env.chunks_per_pair);
+        const int rows = chunk_rows(self_count, env);
         const int j0 = k * rows, j1 = min(self_count, j0 + rows);
         for (int j = first_row_of_warp(j0); j < j1; j += warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
       }
@@ -354,12 +354,12 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
     for (int j = 1; j < num_ranks; ++j) {
       const int src = (me - j + num_ranks) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
-      if (k >= num_chunks(count, env.chunks_per_pair)) continue;
+      if (k >= num_chunks(count, env)) continue;
       any = true;
       if (item++ % num_local != q) continue;
       if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k)) return false;
       trace.first_wait();
-      const int rows = chunk_rows(count, env.chunks_per_pair);
+      const int rows = chunk_rows(count, env);
       const int j0 = k * rows, j1 = min(count, j0 + rows);
       const int64_t first = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
       for (int jj = first_row_of_warp(j0); jj < j1; jj += warps) drain_row(p, src, first + jj, hist);
@@ -648,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
         for (int r = 0; r < lane; ++r)
           if (r != me) lane_base += pair_count(prefix, num_ranks, me, r);
       }
-      lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane), env.chunks_per_pair);
+      lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane), env);
     }
     // The warp's tokens: items q, q + num_reducers, ... of 2 * num_warps tokens; in each, tokens
     // warp and warp + num_warps. Lanes < R load the next token's routing while this one is reduced.

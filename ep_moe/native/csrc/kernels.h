@@ -10,7 +10,6 @@ namespace ep_moe {
 
 constexpr int kMaxRanks = 8;        // one NVLink domain of one host
 constexpr int kMaxChunks = 256;     // signal slots per (source, destination) pair
-constexpr int kMinChunkRows = 4;    // rows per chunk at least
 constexpr int kControlBytes = 64 << 10;
 constexpr int kThreads = 512;       // threads of the dispatch / combine blocks
 
@@ -44,6 +43,7 @@ struct KernelEnv {
   int32_t* error;             // pinned host error record (device-visible)
   uint64_t timeout_ns;
   int chunks_per_pair;        // rows one source sends one destination go in at most this many chunks
+  int min_chunk_rows;         // ... of at least this many rows
 };
 
 // ------------------------------------------------------------------------------------------ layout
