@@ -32,14 +32,25 @@ from ep_moe.benchmarking.workload import make_input_set
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H200 clocks: longer than the host needs to queue any call
 
 
-def kernel_phases(trace: torch.Tensor, num_push: int) -> tuple[float, float, float]:
-    """(kernel span, pushers done, local/reducers done) in microseconds from a [blocks, 4] trace."""
+WARPS_PER_BLOCK = 16  # csrc/kernels.h kThreads / 32
+
+
+def kernel_phases(trace: torch.Tensor, num_push: int) -> tuple[float, ...]:
+    """From a [blocks, TRACE_SLOTS] trace, in microseconds: kernel span, pushers done, local/reducers done,
+    then per warp on average: pushers' wait for the peer, pushers' chunk handshakes, local/reducer waits for
+    chunks (a reducer's lanes wait in turn, so its figure sums them)."""
     t = trace.cpu().double()
     start = t[:, 0].min()
     span = (t[:, 3].max() - start) / 1e3
     push_done = (t[:num_push, 2].max() - start) / 1e3 if num_push else 0.0
     local_done = (t[num_push:, 2].max() - start) / 1e3
-    return float(span), float(push_done), float(local_done)
+
+    def per_warp(rows: torch.Tensor, slot: int) -> float:
+        return float(rows[:, slot].sum() / 1e3 / max(1, rows.shape[0] * WARPS_PER_BLOCK))
+
+    pushers, local = t[:num_push], t[num_push:]
+    return (float(span), float(push_done), float(local_done), per_warp(pushers, 4), per_warp(pushers, 5),
+            per_warp(local, 4))
 
 
 def profile_ops(buf: Buffer, sets: list, cfg: Config, worst: int, measure, num_push: int) -> list:
@@ -128,7 +139,7 @@ def main() -> None:
                 hosts.append((t1 - t0) * 1e6)
                 phases.append(kernel_phases(native.last_trace[op], num_push))
         mine = torch.tensor([statistics.median(calls), statistics.median(hosts),
-                             *(statistics.median(p[j] for p in phases) for j in range(3))], device=device)
+                             *(statistics.median(p[j] for p in phases) for j in range(6))], device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         return mine.tolist()
 
@@ -136,17 +147,17 @@ def main() -> None:
         print(f"profile: {world} ranks, T={args.tokens} H={args.hidden} top-{args.topk} of {args.experts}, bf16; "
               f"median of {args.runs}, slowest rank; us")
         print(f"{'op':16s} {'SMs':>4s} {'push':>5s} {'call':>8s} {'host':>8s} {'kernel':>8s} {'pushers':>8s} "
-              f"{'local':>8s}")
+              f"{'local':>8s} {'p.wait':>7s} {'p.sync':>7s} {'l.wait':>7s}   (waits and syncs: us per warp)")
     for sms in args.num_sms:
         for frac in args.push:
             os.environ["EP_MOE_DISPATCH_PUSH_FRACTION"] = os.environ["EP_MOE_COMBINE_PUSH_FRACTION"] = str(frac)
             cfg = Config(num_sms=sms)
             num_push = native._split(cfg, "dispatch")[1]
-            for op, (call, host, span, push_done, local_done) in profile_ops(buf, sets, cfg, world * args.tokens,
-                                                                             measure, num_push):
+            for op, (call, host, span, push_done, local_done, p_wait, p_sync, l_wait) in profile_ops(
+                    buf, sets, cfg, world * args.tokens, measure, num_push):
                 if rank == 0:
                     print(f"{op:16s} {sms:4d} {frac:5.2f} {call:8.1f} {host:8.1f} {span:8.1f} {push_done:8.1f} "
-                          f"{local_done:8.1f}", flush=True)
+                          f"{local_done:8.1f} {p_wait:7.1f} {p_sync:7.1f} {l_wait:7.1f}", flush=True)
     if args.host_profile:
         host_profile(buf, sets, rank)
     dist.barrier()

@@ -48,14 +48,17 @@ __device__ __forceinline__ bool finish_block(const KernelEnv& env, int num_block
 }
 
 // Stamps of this block's timeline into `trace` (see TraceSlot), when tracing is on: thread 0 stamps
-// entry, work done and exit; thread 0 or 32 the first wait (pushers wait in every warp).
+// entry, work done and exit; thread 0 or 32 the first wait (pushers wait in every warp); any thread adds
+// to the wait and handshake sums.
 struct BlockTrace {
   int64_t* slots;
+  int64_t* sums;
   bool waited = false;
   __device__ explicit BlockTrace(int64_t* trace)
       : slots(trace != nullptr && (threadIdx.x == 0 || threadIdx.x == 32)
                   ? trace + static_cast<int64_t>(blockIdx.x) * kTraceSlots
-                  : nullptr) {
+                  : nullptr),
+        sums(trace != nullptr ? trace + static_cast<int64_t>(blockIdx.x) * kTraceSlots : nullptr) {
     stamp(kTraceStart);
   }
   __device__ __forceinline__ void stamp(int slot) {
@@ -64,6 +67,12 @@ struct BlockTrace {
   __device__ __forceinline__ void first_wait() {
     if (slots != nullptr && !waited) slots[kTraceFirstWait] = static_cast<int64_t>(global_timer_ns());
     waited = true;
+  }
+  // Timer for a sum slot: 0 when tracing is off (then `add` does nothing).
+  __device__ __forceinline__ uint64_t now() const { return sums != nullptr ? global_timer_ns() : 0; }
+  __device__ __forceinline__ void add(int slot, uint64_t since) const {
+    if (sums != nullptr)
+      atomicAdd(reinterpret_cast<unsigned long long*>(sums + slot), static_cast<unsigned long long>(global_timer_ns() - since));
   }
 };
 
@@ -161,11 +170,15 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams p) 
   else notify_scan(p, blockIdx.x - 1);
 }
 
-// Lane 0 waits for `*flag >= target`; the whole warp gets the verdict.
+// Lane 0 waits for `*flag >= target`; the whole warp gets the verdict. `trace` sums the time waited.
 __device__ __forceinline__ bool warp_wait_flag(const KernelEnv& env, const uint64_t* flag, uint64_t target, int stage,
-                                               int peer, int detail) {
+                                               int peer, int detail, const BlockTrace& trace) {
   bool ok = true;
-  if ((threadIdx.x & 31) == 0) ok = wait_flag(wait_ctx(env), flag, target, stage, peer, detail);
+  if ((threadIdx.x & 31) == 0) {
+    const uint64_t since = trace.now();
+    ok = wait_flag(wait_ctx(env), flag, target, stage, peer, detail);
+    trace.add(kTraceWaitNs, since);
+  }
   return __shfl_sync(0xffffffffu, ok, 0);
 }
 
@@ -208,7 +221,7 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
       any = true;
       if (item++ % num_push_blocks != static_cast<int>(blockIdx.x)) continue;
       if (!((arrived >> peer) & 1u)) {
-        if (!warp_wait_flag(env, &mine->arrive[peer], epoch, stage, peer, k)) return false;
+        if (!warp_wait_flag(env, &mine->arrive[peer], epoch, stage, peer, k, trace)) return false;
         arrived |= 1u << peer;
         trace.first_wait();
       }
@@ -216,8 +229,12 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
       const int j0 = k * rows;
       push_rows(peer, j0, min(count, j0 + rows));
       __syncwarp();
-      if (lane == 0 && atomic_add_acq_rel_block(&done[k * kMaxRanks + peer], 1) == warps_per_block() - 1)
-        st_release_sys(flag_of(peer, k), epoch);
+      if (lane == 0) {
+        const uint64_t since = trace.now();
+        if (atomic_add_acq_rel_block(&done[k * kMaxRanks + peer], 1) == warps_per_block() - 1)
+          st_release_sys(flag_of(peer, k), epoch);
+        trace.add(kTraceSyncNs, since);
+      }
     }
     if (!any) break;
   }
@@ -357,7 +374,7 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
       if (k >= num_chunks(count, env)) continue;
       any = true;
       if (item++ % num_local != q) continue;
-      if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k)) return false;
+      if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k, trace)) return false;
       trace.first_wait();
       const int rows = chunk_rows(count, env);
       const int j0 = k * rows, j1 = min(count, j0 + rows);
@@ -676,7 +693,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       if (in && lane != me) {
         const int k = pos / lane_chunk_rows;
         if (k != lane_ready_chunk) {
+          const uint64_t since = trace.now();
           ok = wait_flag(wait_ctx(env), &mine->combine_flag[lane][k], epoch, kStageCombineRecv, lane, k);
+          trace.add(kTraceWaitNs, since);
           lane_ready_chunk = k;
         }
       }

@@ -32,8 +32,10 @@ struct LocalState;
 
 // Per-block timeline of a dispatch or combine kernel (diagnostics; written when `trace` is set):
 // entry, the first peer wait satisfied (pushers: the peer entered; local blocks / reducers: the
-// first chunk landed), the block's share of the work done, exit (after the last block closed the epoch).
-enum TraceSlot { kTraceStart = 0, kTraceFirstWait, kTraceWorkDone, kTraceEnd, kTraceSlots };
+// first chunk landed), the block's share of the work done, exit (after the last block closed the epoch);
+// then two sums over the block's warps, in ns: time spent waiting for peers' flags, and (pushers) time
+// spent in the per-chunk handshake (block counter and system-scope release).
+enum TraceSlot { kTraceStart = 0, kTraceFirstWait, kTraceWorkDone, kTraceEnd, kTraceWaitNs, kTraceSyncNs, kTraceSlots };
 
 struct KernelEnv {
   int rank;
@@ -103,7 +105,7 @@ struct DispatchParams {
   int expert_alignment;
   bool write_arrival;             // cached dispatch: this kernel is the operation's first
   int num_blocks, num_push_blocks;
-  int64_t* trace;                 // [num_blocks, 4] global-timer stamps (ns) or null: see kTrace*
+  int64_t* trace;                 // [num_blocks, kTraceSlots] stamps and sums (ns) or null
 };
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 
@@ -129,7 +131,7 @@ struct CombineParams {
   uint8_t* out;                    // [T, hidden] of y_type
   float* out_weights;              // [T, K] or null
   int num_blocks, num_push_blocks;
-  int64_t* trace;                  // [num_blocks, 4] global-timer stamps (ns) or null: see kTrace*
+  int64_t* trace;                  // [num_blocks, kTraceSlots] stamps and sums (ns) or null
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
