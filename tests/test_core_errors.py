@@ -271,18 +271,22 @@ def test_backend_selection(solo_group, caplog) -> None:
         b.destroy()
 
 
-def test_native_chunk_counts_from_the_environment(monkeypatch) -> None:
-    from ep_moe.backends.native_backend import CHUNKS_ENV, DEFAULT_CHUNKS_PER_PAIR, chunks_per_pair
+def test_native_chunking_from_the_environment(monkeypatch) -> None:
+    from ep_moe.backends import native_backend as nb
 
-    for op in ("dispatch", "combine"):
-        monkeypatch.delenv(CHUNKS_ENV[op], raising=False)
-        assert chunks_per_pair(op) == DEFAULT_CHUNKS_PER_PAIR[op]
-        monkeypatch.setenv(CHUNKS_ENV[op], "32")
-        assert chunks_per_pair(op) == 32
+    readers = [(nb.CHUNKS_ENV[op], nb.DEFAULT_CHUNKS_PER_PAIR[op], lambda op=op: nb.chunks_per_pair(op))
+               for op in ("dispatch", "combine")]
+    readers.append((nb.MIN_CHUNK_ROWS_ENV, nb.DEFAULT_MIN_CHUNK_ROWS, nb.min_chunk_rows))
+    for name, default, read in readers:
+        monkeypatch.delenv(name, raising=False)
+        assert read() == default
+        monkeypatch.setenv(name, "32")
+        assert read() == 32
         for bad in ("0", "-4", "many", "2.5"):
-            monkeypatch.setenv(CHUNKS_ENV[op], bad)
-            with pytest.raises(ValueError, match=CHUNKS_ENV[op]):
-                chunks_per_pair(op)
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ValueError, match=name):
+                read()
+        monkeypatch.delenv(name)
 
 
 def test_buffer_needs_initialized_distributed() -> None:

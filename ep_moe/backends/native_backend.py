@@ -73,19 +73,32 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 # Chunks (flag-published units) the rows of one source-destination pair are split into, per op: more
 # chunks start the receiver sooner, fewer cost fewer handshakes. Measured on 2 x H200 at DeepEP's
 # workload (ep_moe/native/NOTES.md): dispatch is fastest at 48-96, combine at 128 (its reducers wait
-# for chunks in token order). The variables override them; they must be equal on every rank.
+# for chunks in token order). A chunk holds at least MIN_CHUNK_ROWS rows: one per warp of a block, so that
+# small batches (128 tokens/rank) keep every warp of a pusher block busy (4 rows per chunk: dispatch
+# 47 -> 26 us kernel time on 2 x H200). The variables override them; they must be equal on every rank.
 CHUNKS_ENV = {"dispatch": "EP_MOE_NATIVE_DISPATCH_CHUNKS", "combine": "EP_MOE_NATIVE_COMBINE_CHUNKS"}
 DEFAULT_CHUNKS_PER_PAIR = {"dispatch": 64, "combine": 128}
+MIN_CHUNK_ROWS_ENV = "EP_MOE_NATIVE_MIN_CHUNK_ROWS"
+DEFAULT_MIN_CHUNK_ROWS = 16
+
+
+def _positive_int_from_env(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit() or int(value) < 1:  # the extension checks upper bounds
+        raise ValueError(f"ep_moe native backend: {name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def chunks_per_pair(op: str) -> int:
     """Chunks per source-destination pair for ``op`` ("dispatch" or "combine")."""
-    value = os.environ.get(CHUNKS_ENV[op])
-    if value is None:
-        return DEFAULT_CHUNKS_PER_PAIR[op]
-    if not value.strip().isdigit() or int(value) < 1:  # the extension checks the upper bound (MAX_CHUNKS)
-        raise ValueError(f"ep_moe native backend: {CHUNKS_ENV[op]} must be a positive integer, got {value!r}")
-    return int(value)
+    return _positive_int_from_env(CHUNKS_ENV[op], DEFAULT_CHUNKS_PER_PAIR[op])
+
+
+def min_chunk_rows() -> int:
+    """Rows a chunk holds at least (unless the pair has fewer)."""
+    return _positive_int_from_env(MIN_CHUNK_ROWS_ENV, DEFAULT_MIN_CHUNK_ROWS)
 
 
 class NativeBackend(CommBackend):
@@ -112,8 +125,7 @@ class NativeBackend(CommBackend):
             self._error = torch.zeros(C.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
             self._host_counts = torch.zeros(C.MAX_RANKS * C.MAX_RANKS, dtype=torch.int32, pin_memory=True)
             self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9),
-                              chunks_per_pair("dispatch"), chunks_per_pair("combine"),
-                              int(os.environ.get("EP_MOE_NATIVE_MIN_CHUNK_ROWS", "4")))
+                              chunks_per_pair("dispatch"), chunks_per_pair("combine"), min_chunk_rows())
             self._data: SymmetricBuffer | None = None
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # rows a handle's calls need in a buffer (from the shared count matrix), by id of its route

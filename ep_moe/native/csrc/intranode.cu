@@ -527,19 +527,20 @@ __device__ __forceinline__ const int4* shfl_ptr(uint64_t ptr, int lane) {
   return reinterpret_cast<const int4*>((static_cast<uint64_t>(hi) << 32) | lo);
 }
 
-// One warp reduces token t over the ranks in `mask`, in increasing rank order. Lane r holds in
-// `row_ptr` the address of rank r's row and in `w_ptr` that of its top-k weights; the own rank's
-// row is read in place from y (`local_rank`).
+// One warp reduces 16-byte columns [col_begin, col_end) of token t over the ranks in `mask`, in
+// increasing rank order, and (`with_weights`) the token's top-k weights. Lane r holds in `row_ptr` the
+// address of rank r's row and in `w_ptr` that of its top-k weights; the own rank's row is read in
+// place from y.
 template <int kType>
 __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint32_t mask, uint64_t row_ptr, uint64_t w_ptr,
-                             int lane) {
+                                             int lane, int col_begin, int col_end, bool with_weights) {
   using V = Vec<kType>;
   constexpr int E = V::kElems;
   const int me = p.env.rank;
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
-  const int n16 = static_cast<int>(y_bytes / 16);
+  const int n16 = col_end;  // the loads' and stores' bound
   int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * y_bytes);
-  for (int c0 = lane; c0 - lane < n16; c0 += 32 * kReduceUnroll) {
+  for (int c0 = col_begin + lane; c0 - lane < n16; c0 += 32 * kReduceUnroll) {
     float acc[kReduceUnroll][E];
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u)
@@ -580,7 +581,7 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
       out[c] = V::pack(acc[u]);
     }
   }
-  if (p.has_weights) {
+  if (p.has_weights && with_weights) {
     for (int k0 = 0; k0 < p.num_topk; k0 += 32) {
       const int k = k0 + lane;
       float acc = 0.f;
@@ -667,28 +668,40 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       }
       lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane), env);
     }
-    // The warp's tokens: items q, q + num_reducers, ... of 2 * num_warps tokens; in each, tokens
-    // warp and warp + num_warps. Lanes < R load the next token's routing while this one is reduced.
-    const int tokens_per_item = 2 * num_warps;
-    const auto next_token = [&](int t) {
-      return t % tokens_per_item < num_warps ? t + num_warps : (t / tokens_per_item + num_reducers) * tokens_per_item + warp;
+    // Work items. Many tokens (at least two per reducer warp): an item is a token, and reducer block q
+    // takes groups q, q + num_reducers, ... of 2 * num_warps tokens (warp w: tokens w and w + num_warps
+    // of each group). Fewer tokens: each token's columns are split into `slices` ranges of whole warp
+    // passes so that every reducer warp has work, and reducer warp g takes items g, g + all warps, ...
+    // (item i: token i / slices, range i % slices). Lanes < R load the next item's routing while this
+    // one is reduced.
+    const int all_warps = num_reducers * num_warps, group = 2 * num_warps;
+    const int n16 = static_cast<int>(y_bytes / 16), pass = 32 * kReduceUnroll;
+    const bool many = p.num_tokens >= 2 * all_warps;
+    const int slices = many ? 1 : max(1, min((n16 + pass - 1) / pass, all_warps / max(1, p.num_tokens)));
+    const int slice_cols = ((n16 + slices - 1) / slices + pass - 1) / pass * pass;
+    const int num_items = p.num_tokens * slices;
+    const auto next_item = [&](int i) {
+      if (!many) return i + all_warps;
+      return i % group < num_warps ? i + num_warps : (i / group + num_reducers) * group + warp;
     };
-    const auto load_route = [&](int t, bool* in, int* pos) {
+    const auto load_route = [&](int i, bool* in, int* pos) {
       *in = false;
       *pos = -1;
-      if (lane < num_ranks && t < p.num_tokens) {
-        *in = p.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + lane];
-        *pos = p.pos[static_cast<int64_t>(t) * num_ranks + lane];
+      if (lane < num_ranks && i < num_items) {
+        const int64_t t = i / slices;
+        *in = p.is_token_in_rank[t * num_ranks + lane];
+        *pos = p.pos[t * num_ranks + lane];
       }
     };
-    int t = q * tokens_per_item + warp;
+    int i = many ? q * group + warp : q * num_warps + warp;
     bool next_in;
     int next_pos;
-    load_route(t, &next_in, &next_pos);
-    for (; t < p.num_tokens && !failed; t = next_token(t)) {
+    load_route(i, &next_in, &next_pos);
+    for (; i < num_items && !failed; i = next_item(i)) {
+      const int t = i / slices, slice = i % slices;
       const bool in = next_in;
       const int pos = next_pos;
-      load_route(next_token(t), &next_in, &next_pos);
+      load_route(next_item(i), &next_in, &next_pos);
       bool ok = true;
       if (in && lane != me) {
         const int k = pos / lane_chunk_rows;
@@ -715,7 +728,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
           w_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_weights + row * p.num_topk * 4);
         }
       }
-      reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane);
+      reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane, slice * slice_cols, min(n16, (slice + 1) * slice_cols),
+                          slice == 0);
       trace.first_wait();
     }
   }
