@@ -688,7 +688,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       *in = false;
       *pos = -1;
       if (lane < num_ranks && i < num_items) {
-        const int64_t t = i / slices;
+        const int64_t t = many ? i : i / slices;
         *in = p.is_token_in_rank[t * num_ranks + lane];
         *pos = p.pos[t * num_ranks + lane];
       }
@@ -698,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     int next_pos;
     load_route(i, &next_in, &next_pos);
     for (; i < num_items && !failed; i = next_item(i)) {
-      const int t = i / slices, slice = i % slices;
+      const int t = many ? i : i / slices, slice = many ? 0 : i % slices;  // (no division in the busy case)
       const bool in = next_in;
       const int pos = next_pos;
       load_route(next_item(i), &next_in, &next_pos);
