@@ -149,25 +149,7 @@ def load_rates(topology: Topology, backend: str = "native", path: str | os.PathL
 
 
 # ------------------------------------------------------------------------------------------ timing helpers
-HEAD_START_CYCLES = 4_000_000  # ~2 ms of device sleep: the host queues a whole call before the GPU starts it
-
-
-def _elapsed_us(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    """Run ``fn`` once and return (its result, us): CUDA events on GPU, the wall clock on CPU.
-
-    On GPU the device first sleeps while the host queues the call, so the time is the GPU's (Python
-    overhead counts only where the call waits on the host): that is what the SM count changes."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HEAD_START_CYCLES)
-        start.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        return out, start.elapsed_time(end) * 1e3
-    t0 = time.perf_counter()
-    out = fn()
-    return out, (time.perf_counter() - t0) * 1e6
+HEAD_START_CYCLES = 4_000_000  # ~2 ms of device sleep per queued call pair: more than the host takes to queue it
 
 
 def _loop_us(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
@@ -312,38 +294,80 @@ class DispatchBench:
 
     def measure(self, num_sms: int, iters: int = 30, warmup: int = 5) -> tuple[float, float]:
         """(dispatch us, combine us): each rank's median over ``iters`` timed calls, then the max over
-        ranks (every rank returns the same numbers). A barrier precedes every call.
+        ranks (every rank returns the same numbers).
 
         The dispatch is the fixed-size one (``num_worst_tokens``: every rank's tokens), which never
         waits on the host, so the time is the GPU's and changes with the SM count alone (the exact-size
-        dispatch adds a host round trip that no SM count changes, and the host's jitter)."""
+        dispatch adds a host round trip that no SM count changes, and the host's jitter). On GPU the
+        ``warmup + iters`` dispatch/combine pairs are queued back to back behind a device sleep, as a
+        training step queues them, and each call is timed between CUDA events on either side of it: the
+        ranks start at slightly different times after a barrier, and queued calls absorb that skew in the
+        warm-up pairs instead of adding it to every timed call. On CPU each call is timed by the wall
+        clock after a barrier."""
         device, group = self.buffer.device, self.buffer.group
         most_tokens = torch.tensor([self.shape.tokens], device=device)  # the same bound on every rank
         dist.all_reduce(most_tokens, op=dist.ReduceOp.MAX, group=group)
         worst = int(most_tokens.item()) * self.buffer.group_size
-        dispatch_us, combine_us = [], []
-        for i in range(warmup + iters):
-            x = self.xs[i % len(self.xs)]
-            self._sync(device, group)
-            (recv_x, _, _, _, handle, _), d_us = _elapsed_us(lambda x=x: self._dispatch(x, num_sms, worst), device)
-            y = self._combine_input(recv_x, i)
-            self._sync(device, group)
-            _, c_us = _elapsed_us(lambda y=y, h=handle: self.buffer.combine(y, h, config=self._config(num_sms)),
-                                  device)
-            if i >= warmup:
-                dispatch_us.append(d_us)
-                combine_us.append(c_us)
+        if device.type == "cuda":
+            dispatch_us, combine_us = self._queued_us(num_sms, worst, iters, warmup)
+        else:
+            dispatch_us, combine_us = self._wall_clock_us(num_sms, worst, iters, warmup)
         mine = torch.tensor([statistics.median(dispatch_us), statistics.median(combine_us)], dtype=torch.float64,
                             device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
         return float(mine[0]), float(mine[1])
 
+    def _queued_us(self, num_sms: int, worst: int, iters: int, warmup: int) -> tuple[list[float], list[float]]:
+        pairs = warmup + iters
+        for attempt in range(3):
+            self._sync(self.buffer.device, self.buffer.group)
+            marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(pairs)]
+            torch.cuda._sleep(HEAD_START_CYCLES * pairs << attempt)
+            sleep_done = torch.cuda.Event()
+            sleep_done.record()
+            for i, (before, between, after) in enumerate(marks):
+                before.record()
+                recv_x, *_, handle, _ = self._dispatch(self.xs[i % len(self.xs)], num_sms, worst)
+                between.record()
+                self.buffer.combine(self._combine_input(recv_x, i), handle, config=self._config(num_sms))
+                after.record()
+            # The device must not have caught up with the host (then host gaps would be timed): every
+            # rank learns whether any did, and all try again with a longer head start together.
+            starved = torch.tensor([1.0 if sleep_done.query() else 0.0], device=self.buffer.device)
+            torch.cuda.synchronize()
+            dist.all_reduce(starved, op=dist.ReduceOp.MAX, group=self.buffer.group)
+            if not starved.item():
+                break
+        else:
+            log.warning("ep_moe: DispatchBench: the host could not queue %d call pairs ahead of the GPU; the "
+                        "times include host gaps", pairs)
+        timed = marks[warmup:]
+        return ([1e3 * b.elapsed_time(m) for b, m, _ in timed], [1e3 * m.elapsed_time(a) for _, m, a in timed])
+
+    def _wall_clock_us(self, num_sms: int, worst: int, iters: int, warmup: int) -> tuple[list[float], list[float]]:
+        dispatch_us, combine_us = [], []
+        for i in range(warmup + iters):
+            self._sync(self.buffer.device, self.buffer.group)
+            t0 = time.perf_counter()
+            recv_x, *_, handle, _ = self._dispatch(self.xs[i % len(self.xs)], num_sms, worst)
+            t1 = time.perf_counter()
+            y = self._combine_input(recv_x, i)
+            self._sync(self.buffer.device, self.buffer.group)
+            t2 = time.perf_counter()
+            self.buffer.combine(y, handle, config=self._config(num_sms))
+            t3 = time.perf_counter()
+            if i >= warmup:
+                dispatch_us.append((t1 - t0) * 1e6)
+                combine_us.append((t3 - t2) * 1e6)
+        return dispatch_us, combine_us
+
     def _combine_input(self, recv_x, i: int) -> torch.Tensor:
         data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
         rows = data.shape[0]
-        pool = self._combine_inputs.setdefault(rows, [
-            torch.randn(rows, self.shape.hidden, device=data.device).to(self.combine_dtype)
-            for _ in range(len(self.xs))])
+        if rows not in self._combine_inputs:  # made once: inside a timed window only in the first pair
+            self._combine_inputs[rows] = [torch.randn(rows, self.shape.hidden, device=data.device).to(self.combine_dtype)
+                                          for _ in range(len(self.xs))]
+        pool = self._combine_inputs[rows]
         return pool[i % len(pool)]
 
     @staticmethod

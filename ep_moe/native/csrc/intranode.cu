@@ -597,7 +597,7 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
   }
 }
 
-template <int kType>
+template <int kType, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ CombineShared sh;
   BlockTrace trace(p.trace);
@@ -670,35 +670,38 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     }
     // Work items. Many tokens (at least two per reducer warp): an item is a token, and reducer block q
     // takes groups q, q + num_reducers, ... of 2 * num_warps tokens (warp w: tokens w and w + num_warps
-    // of each group). Fewer tokens: each token's columns are split into `slices` ranges of whole warp
-    // passes so that every reducer warp has work, and reducer warp g takes items g, g + all warps, ...
-    // (item i: token i / slices, range i % slices). Lanes < R load the next item's routing while this
-    // one is reduced.
-    const int all_warps = num_reducers * num_warps, group = 2 * num_warps;
-    const int n16 = static_cast<int>(y_bytes / 16), pass = 32 * kReduceUnroll;
-    const bool many = p.num_tokens >= 2 * all_warps;
-    const int slices = many ? 1 : max(1, min((n16 + pass - 1) / pass, all_warps / max(1, p.num_tokens)));
-    const int slice_cols = ((n16 + slices - 1) / slices + pass - 1) / pass * pass;
+    // of each group). Fewer tokens (kSplit): each token's columns are split into `slices` ranges of whole
+    // warp passes so that every reducer warp has work, and reducer warp g takes items g, g + all warps, ...
+    // (item i: token i / slices, range i % slices). The two are separate kernels (see launch_combine) so
+    // that the busy one carries none of the split's registers (+2.5 % time at 4096 tokens when they were
+    // one kernel). Lanes < R load the next item's routing while this one is reduced.
+    const int all_warps = num_reducers * num_warps;
+    const int n16 = static_cast<int>(y_bytes / 16);
+    constexpr int kPass = 32 * kReduceUnroll;
+    const int group = 2 * num_warps;
+    const int slices = kSplit ? max(1, min((n16 + kPass - 1) / kPass, all_warps / max(1, p.num_tokens))) : 1;
+    const int slice_cols = kSplit ? ((n16 + slices - 1) / slices + kPass - 1) / kPass * kPass : n16;
     const int num_items = p.num_tokens * slices;
+    const auto token_of = [&](int i) { return kSplit ? i / slices : i; };
     const auto next_item = [&](int i) {
-      if (!many) return i + all_warps;
+      if (kSplit) return i + all_warps;
       return i % group < num_warps ? i + num_warps : (i / group + num_reducers) * group + warp;
     };
     const auto load_route = [&](int i, bool* in, int* pos) {
       *in = false;
       *pos = -1;
       if (lane < num_ranks && i < num_items) {
-        const int64_t t = many ? i : i / slices;
+        const int64_t t = token_of(i);
         *in = p.is_token_in_rank[t * num_ranks + lane];
         *pos = p.pos[t * num_ranks + lane];
       }
     };
-    int i = many ? q * group + warp : q * num_warps + warp;
+    int i = kSplit ? q * num_warps + warp : q * group + warp;
     bool next_in;
     int next_pos;
     load_route(i, &next_in, &next_pos);
-    for (; i < num_items && !failed; i = next_item(i)) {
-      const int t = many ? i : i / slices, slice = many ? 0 : i % slices;  // (no division in the busy case)
+    for (; i < num_items; i = next_item(i)) {
+      const int t = token_of(i), slice = kSplit ? i % slices : 0;
       const bool in = next_in;
       const int pos = next_pos;
       load_route(next_item(i), &next_in, &next_pos);
@@ -728,8 +731,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
           w_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_weights + row * p.num_topk * 4);
         }
       }
-      reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane, slice * slice_cols, min(n16, (slice + 1) * slice_cols),
-                          slice == 0);
+      reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane, slice * slice_cols,
+                          kSplit ? min(n16, (slice + 1) * slice_cols) : n16, slice == 0);
       trace.first_wait();
     }
   }
@@ -769,8 +772,11 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
-  if (p.y_type == kBF16) combine_kernel<kBF16><<<p.num_blocks, kThreads, 0, stream>>>(p);
-  else combine_kernel<kFP32><<<p.num_blocks, kThreads, 0, stream>>>(p);
+  // Fewer than two tokens per reducer warp: the kernel that splits tokens by columns.
+  const bool split = p.num_tokens < 2 * (p.num_blocks - p.num_push_blocks) * (kThreads / 32);
+  const auto kernel = p.y_type == kBF16 ? (split ? combine_kernel<kBF16, true> : combine_kernel<kBF16, false>)
+                                        : (split ? combine_kernel<kFP32, true> : combine_kernel<kFP32, false>);
+  kernel<<<p.num_blocks, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
