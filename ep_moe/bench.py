@@ -46,6 +46,7 @@ from .benchmarking.workload import DTYPES, InputSet, make_input_set, num_input_s
 from .buffer import Buffer
 from .config import Config
 from .distributed import run_distributed
+from .tuning import plan_for_layer
 
 # NVLink multicast stays off on the lent machines (shared/GPU.md); set before any CUDA/NCCL init.
 MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -87,6 +88,7 @@ class BenchSpec:
     measure_link: bool = False
     seed: int = 0
     timeout_s: float = 120.0
+    plan_sms: bool = False  # also time at the tuner's SM count for each shape
     argv: tuple[str, ...] = ()
 
 
@@ -224,9 +226,17 @@ class _RankBench:
                 continue
             self._layout(b, buffer, sets, tokens, num_sets)
             for dtype in spec.dtypes:
-                for sms in (spec.num_sms if b.takes_sms else (None,)):
+                planned = self._planned_sms(tokens, dtype) if b.takes_sms and spec.plan_sms else None
+                budgets = dict.fromkeys(spec.num_sms + ((planned,) if planned else ()))
+                for sms in (sorted(budgets) if b.takes_sms else (None,)):
                     self._dispatch_combine(b, buffer, sets, tokens, num_sets, dtype, sms, payload,
-                                           counts_by_set, experts_by_set, mean_counts, reference)
+                                           counts_by_set, experts_by_set, mean_counts, reference,
+                                           planned=sms is not None and sms == planned)
+
+    def _planned_sms(self, tokens: int, dtype: str) -> int:
+        """The tuner's SM count for this shape (the same on every rank: same shape, topology and rates)."""
+        spec = self.spec
+        return plan_for_layer(spec.experts, spec.topk, spec.hidden, tokens, dtype, num_ranks=self.world).num_sms
 
     def _layout(self, b: BackendSpec, buffer: Buffer, sets: list[InputSet], tokens: int, num_sets: int) -> None:
         experts = self.spec.experts
@@ -250,7 +260,8 @@ class _RankBench:
 
     def _dispatch_combine(self, b: BackendSpec, buffer: Buffer, sets: list[InputSet], tokens: int, num_sets: int,
                           dtype: str, sms: int | None, payload, counts_by_set: torch.Tensor,
-                          experts_by_set: torch.Tensor, mean_counts: list[list[float]], reference: dict) -> None:
+                          experts_by_set: torch.Tensor, mean_counts: list[list[float]], reference: dict,
+                          planned: bool = False) -> None:
         config = Config(num_sms=sms) if sms is not None else None
         state: dict[str, list] = {"handles": [], "recv": []}
 
@@ -309,7 +320,7 @@ class _RankBench:
             return problems
 
         traffic_of = traffic(mean_counts, row_payload_bytes(self.spec.hidden, dtype))
-        rows = {op: Row(b.name, op, dtype, tokens, sms, recv_bytes=traffic_of.mean_recv_bytes,
+        rows = {op: Row(b.name, op, dtype, tokens, sms, planned, recv_bytes=traffic_of.mean_recv_bytes,
                         link_bytes=traffic_of.link_bytes)
                 for op in (("dispatch", "dispatch_cached", "dispatch_fixed") + (() if dtype == "fp8" else ("combine",)))}
         found, errors = _collective(self.group, setup_and_check)
@@ -353,7 +364,7 @@ class _RankBench:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "ranks": self.world, "device": device_name, "timer": self.timer.description,
             "hidden": spec.hidden, "experts": spec.experts, "topk": spec.topk, "tokens": list(spec.tokens),
-            "dtypes": list(spec.dtypes), "num_sms": list(spec.num_sms),
+            "dtypes": list(spec.dtypes), "num_sms": list(spec.num_sms), "plan_sms": spec.plan_sms,
             "backends": [b.name for b in spec.backends],
             "buffer_backends": {n: buf.backend_name for n, buf in self.buffers.items()},
             "runs": spec.runs, "warmup": spec.warmup, "input_sets": dict(self.sets_per_tokens),
@@ -435,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sms", nargs="+", type=int, default=[24], metavar="N",
                    help="SM budgets passed as Config(num_sms=N) to dispatch/combine (even; a sweep when several; "
                         "backends without an SM budget, torch, are timed once and shown as '-') (default: 24)")
+    p.add_argument("--plan-sms", action="store_true",
+                   help="also time each shape at the SM count the tuner plans for it (ep_moe.tuning.plan_for_layer: "
+                        "the calibration cache or datasheet rates; EP_MOE_NUM_SMS overrides), marked * in the table")
     p.add_argument("--runs", type=int, default=50, help="timed runs per operation; the median and p10/p90 are "
                                                           "reported (>= 30 for numbers to quote) (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default: 10)")
@@ -519,7 +533,8 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
         backends=tuple(BACKENDS[n] for n in names), tokens=tuple(dict.fromkeys(args.tokens)), hidden=args.hidden,
         experts=args.experts, topk=args.topk, dtypes=dtypes, num_sms=tuple(dict.fromkeys(args.num_sms)),
         runs=args.runs, warmup=args.warmup, device=args.device, link_gbps=args.link_gbps,
-        measure_link=args.measure_link, seed=args.seed, timeout_s=args.timeout, argv=tuple(argv))
+        measure_link=args.measure_link, seed=args.seed, timeout_s=args.timeout, plan_sms=args.plan_sms,
+        argv=tuple(argv))
     return spec, world
 
 
@@ -554,6 +569,8 @@ def report(result: dict, json_path: str | None = None, plot_path: str | None = N
                       f"({meta['link_source']}); of floor = floor / time")
     else:
         header.append(f"floor, of floor: {meta['link_source']}; wall-clock times of CPU processes, not GPU numbers")
+    if meta.get("plan_sms"):
+        header.append("SMs marked *: the tuner's plan for that shape (ep_moe.tuning.plan_for_layer)")
     notes = []
     if json_path:
         write_json(json_path, meta, rows)

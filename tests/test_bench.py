@@ -114,6 +114,26 @@ def test_cpu_bench_end_to_end(tmp_path, capsys, monkeypatch):
     assert len(lines) - header - 1 >= len(rows)  # every row printed, problems listed after
 
 
+@pytest.mark.timeout(300)
+def test_cpu_bench_times_the_tuners_plan(tmp_path, capsys, monkeypatch):
+    """--plan-sms adds the tuner's SM count for each shape to the sweep (here forced by EP_MOE_NUM_SMS, which
+    the spawned ranks inherit) and marks those rows; a count already in the sweep is timed once."""
+    monkeypatch.setitem(bench.BACKENDS, "torch-sms", bench.BackendSpec("torch-sms", "torch", True))
+    monkeypatch.setenv("EP_MOE_NUM_SMS", "14")
+    out_json = tmp_path / "bench.json"
+    rc = bench.main(["--device", "cpu", "--ranks", "2", "--backends", "torch", "torch-sms", "--tokens", "16",
+                     "--hidden", "128", "--experts", "8", "--topk", "2", "--dtype", "bf16", "--num-sms", "8", "14",
+                     "--plan-sms", "--runs", "3", "--warmup", "0", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["plan_sms"] is True
+    timed = {(r["num_sms"], r["planned"]) for r in data["rows"] if r["backend"] == "torch-sms" and r["op"] != "layout"}
+    assert timed == {(8, False), (14, True)}
+    assert "SMs marked *" in printed
+    assert any(line.split()[:4] == ["torch-sms", "bf16", "16", "14*"] for line in printed.splitlines())
+
+
 def test_accounting_hand_example():
     # Rows sent [source][destination]: rank 0 keeps 3, sends 5 to rank 1; rank 1 sends 2 to 0, keeps 4.
     t = traffic([[3, 5], [2, 4]], row_bytes=10)

@@ -17,13 +17,15 @@ class Row:
     """One measured operation. Times in microseconds: the median / p10 / p90 over runs of the
     slowest rank of each run. ``recv_bytes``: DeepEP-counted bytes a rank receives (mean over ranks
     and input sets); ``link_bytes``: the busiest rank-direction over NVLink (see `accounting`).
-    ``num_sms`` None: the backend does not take an SM budget (torch)."""
+    ``num_sms`` None: the backend does not take an SM budget (torch); ``planned``: ``num_sms`` is the tuner's
+    plan for this shape (`ep_moe.tuning.plan_for_layer`)."""
 
     backend: str
     op: str
     dtype: str | None
     tokens: int
     num_sms: int | None
+    planned: bool = False
     median_us: float | None = None
     p10_us: float | None = None
     p90_us: float | None = None
@@ -75,14 +77,16 @@ def _table_order(r: Row) -> tuple:
 
 def table(rows: list[Row], header: list[str]) -> str:
     """A fixed-width text table after the ``header`` lines: one line per row, grouped by token count,
-    dtype and operation (torch first, then the other backends by SM count), then the problems found."""
+    dtype and operation (torch first, then the other backends by SM count; ``*`` marks the tuner's plan),
+    then the problems found."""
     cols = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p90 us", "GB/s", "floor us",
             "of floor", "vs torch", "check"]
     body = []
     for r in sorted(rows, key=_table_order):
         spread = "-" if r.p10_us is None else f"{r.p10_us:.1f}-{r.p90_us:.1f}"
         median = "error" if r.check == "error" else _num(r.median_us, ".1f")
-        body.append([r.backend, r.dtype or "-", str(r.tokens), "-" if r.num_sms is None else str(r.num_sms),
+        body.append([r.backend, r.dtype or "-", str(r.tokens),
+                     "-" if r.num_sms is None else f"{r.num_sms}{'*' if r.planned else ''}",
                      r.op, median, spread, _gbps(r.gbps), _num(r.floor_us, ".1f"),
                      _num(r.floor_fraction, ".2f"), "-" if r.speedup_vs_torch is None else f"{r.speedup_vs_torch:.2f}x",
                      r.check])
