@@ -1,7 +1,8 @@
 """GPU tests of the native backend: bit-for-bit equality with the torch (NCCL) backend, cached dispatch,
 num_worst_tokens, CUDA-graph capture, long runs without memory growth, and the forced timeout.
 
-Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``.
+Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``; on 4 or 8 GPUs,
+``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/test_native_gpu.py`` runs every test at that EP size.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ep_moe.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
 
-WORLD = 2
+WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of every test
 
 
 def _need_gpus():

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call on an nvidia-h200-x4 / -x8 machine for the EP 4/8 issue: build, the native GPU suite at EP N,
+# ep-moe bench at DeepEP's workload and 8192 tokens (BF16 + FP8, SM sweep + the tuner's count), the tuner's
+# check at EP N, the Megatron / DeepSpeed layer benchmarks and the GPU training recipe at EP N (the same
+# micro-batch per GPU as at EP 2, so tokens/s should grow with N). Logs and JSON under $OUT.
+#
+#   N=8 bash benchmarks/scaling_check.sh          # default N: every visible GPU
+#   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
+#
+# STEPS picks among: build test bench tune layers train (default: all). Multicast stays off (shared/GPU.md).
+set -o pipefail
+cd "$(dirname "$0")/.."
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ep_moe_scaling}
+mkdir -p "$OUT"
+N=${N:-$(nvidia-smi -L | wc -l)}
+STEPS=${STEPS:-"build test bench tune layers train"}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+echo "EP $N on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+
+if has build; then
+  OUT=$OUT/build STEPS=build bash benchmarks/gpu_check.sh 2>&1 | tail -2 || exit 1
+fi
+if has test; then
+  EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/test_native_gpu.py -q -p no:cacheprovider \
+    > "$OUT/tests_ep$N.log" 2>&1
+  echo "native GPU tests at EP $N: rc $?"; grep -E "passed|failed|Error |assert" "$OUT/tests_ep$N.log" | head -12
+fi
+if has bench; then
+  timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 8192 --num-sms 16 24 32 48 --plan-sms --runs 30 \
+    --measure-link --json "$OUT/bench_ep$N.json" --plot "$OUT/bench_ep$N.png" > "$OUT/bench_ep$N.txt" 2>&1
+  echo "bench at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_ep$N.txt"
+fi
+if has tune; then
+  EP_MOE_CALIBRATION="$OUT/calibration_ep$N.json" timeout 600 torchrun --nproc-per-node "$N" benchmarks/tune_check.py \
+    --refine --passes 3 --json "$OUT/tune_check_ep$N.json" > "$OUT/tune_check_ep$N.txt" 2>&1
+  echo "tune_check at EP $N: rc $?"; sed -n '/^sweep/,$p' "$OUT/tune_check_ep$N.txt"
+fi
+if has layers; then
+  if [ -n "${WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ep_moe_site $WHEELS > "$OUT/wheels.log" 2>&1
+    export PYTHONPATH=/tmp/ep_moe_site${PYTHONPATH:+:$PYTHONPATH} DS_BUILD_OPS=0
+  fi
+  timeout 300 python3 benchmarks/megatron_layer_bench.py --nproc "$N" --experts $((4 * N)) --backends native,torch \
+    --json "$OUT/megatron_layer_ep$N.json" > "$OUT/megatron_layer_ep$N.txt" 2>&1
+  echo "megatron layer at EP $N: rc $?"; grep -v Warning "$OUT/megatron_layer_ep$N.txt" | tail -8
+  timeout 300 python3 benchmarks/deepspeed_layer_bench.py --nproc "$N" --experts $((4 * N)) \
+    > "$OUT/deepspeed_layer_ep$N.txt" 2>&1
+  echo "deepspeed layer at EP $N: rc $?"; grep -v Warning "$OUT/deepspeed_layer_ep$N.txt" | tail -8
+fi
+if has train; then
+  timeout 600 torchrun --nproc-per-node "$N" -m ep_moe.train recipes/small-gpu-ep2.yaml \
+    model.expert_model_parallel_size="$N" train.nproc="$N" train.global_batch_size=$((16 * N)) \
+    > "$OUT/train_ep$N.txt" 2>&1
+  echo "training at EP $N: rc $?"; grep -E "^done:" "$OUT/train_ep$N.txt"
+fi
