@@ -11,6 +11,10 @@ the ceiling for each shape the kernels could take: grid-stride 16-byte copies (`
 in flight per thread, 512 or 1024 threads per block, one block per SM. 256 MiB per run; both GPUs copy at
 once for push and pull (NVLink carries traffic both ways, as in dispatch). Prints GB/s per SM count,
 median of 10 runs.
+
+``reduce`` (local only, up to 512 threads) is the combine reducer's inner work without its waits: one warp
+per 14 KB BF16 row adds the rows of two sources in fp32 and writes one row, U 16-byte loads per source in
+flight; its GB/s counts the rows written (it reads twice as many bytes).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 CUDA_SOURCE = r"""
 #include <cstdint>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 template <int U>
@@ -71,8 +76,46 @@ __global__ void __launch_bounds__(1024) row_copy(int4* __restrict__ dst, const i
   }
 }
 
+// Eight BF16 values of a and b added in fp32, rounded once.
+__device__ __forceinline__ int4 add_bf16x8(const int4& a, const int4& b) {
+  int4 out;
+  const auto* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const auto* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
+  auto* po = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+    po[i] = __floats2bfloat162_rn(fa.x + fb.x, fa.y + fb.y);
+  }
+  return out;
+}
+
+// One warp per row: dst[r] = a[r] + b[r] (BF16 rows, fp32 adds), U loads per source in flight per lane.
+template <int U>
+__global__ void __launch_bounds__(512, 1) row_reduce2(int4* __restrict__ dst, const int4* __restrict__ a,
+                                                      const int4* __restrict__ b, int rows, int row16) {
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+    const long long first = static_cast<long long>(r) * row16;
+    for (int base = lane; base < row16; base += 32 * U) {
+      int4 va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * 32 < row16) {
+          va[u] = __ldcg(a + first + base + u * 32);
+          vb[u] = __ldcg(b + first + base + u * 32);
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * 32 < row16) dst[first + base + u * 32] = add_bf16x8(va[u], vb[u]);
+    }
+  }
+}
+
 // shape: 0 grid-stride, 1 one warp per row, 2 the same with non-coherent loads, 3 the same through a
-// row list (`list`, int32 [rows]).
+// row list (`list`, int32 [rows]), 4 the two-source reduction (sources: the two halves of src; nbytes/2
+// written).
 template <int U>
 void launch(int shape, int64_t dst, int64_t src, int64_t nbytes, int row_bytes, const int* list, int blocks,
             int threads, cudaStream_t stream) {
@@ -80,6 +123,7 @@ void launch(int shape, int64_t dst, int64_t src, int64_t nbytes, int row_bytes, 
   auto* s = reinterpret_cast<const int4*>(src);
   const int row16 = row_bytes / 16, rows = static_cast<int>(nbytes / row_bytes);
   if (shape == 0) grid_copy<U><<<blocks, threads, 0, stream>>>(d, s, nbytes / 16);
+  else if (shape == 4) row_reduce2<U><<<blocks, threads, 0, stream>>>(d, s, s + nbytes / 32, rows / 2, row16);
   else if (shape == 2) row_copy<U, true><<<blocks, threads, 0, stream>>>(d, s, rows, row16, nullptr);
   else row_copy<U, false><<<blocks, threads, 0, stream>>>(d, s, rows, row16, shape == 3 ? list : nullptr);
 }
@@ -104,7 +148,7 @@ int copy(int64_t shape, int64_t dst, int64_t src, int64_t nbytes, int64_t row_by
 
 CPP_SOURCE = ("int copy(int64_t shape, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t list, "
               "int64_t blocks, int64_t threads, int64_t unroll, int64_t stream);")
-SHAPES = {"grid": 0, "row": 1, "row_nc": 2, "row_list": 3}
+SHAPES = {"grid": 0, "row": 1, "row_nc": 2, "row_list": 3, "reduce": 4}
 
 NBYTES = 256 << 20
 ROW_BYTES = 7168 * 2
@@ -134,7 +178,8 @@ def median_gbps(ext, shape: str, dst: int, src: int, row_list: torch.Tensor, sms
             raise RuntimeError(f"copy kernel failed: CUDA error {err}")
         if i >= 2:
             times.append(start.elapsed_time(end) * 1e-3)
-    return NBYTES / statistics.median(times) / 1e9
+    written = NBYTES // 2 if shape == "reduce" else NBYTES
+    return written / statistics.median(times) / 1e9
 
 
 def main() -> None:
@@ -175,7 +220,11 @@ def main() -> None:
               + "   GB/s/SM at the fewest SMs")
     for op, (d, s) in targets.items():
         for shape in args.shapes:
+            if shape == "reduce" and op != "local":
+                continue
             for threads in args.threads:
+                if shape == "reduce" and threads > 512:  # its launch bounds
+                    continue
                 for unroll in args.unroll:
                     rates = [median_gbps(ext, shape, d, s, row_list, n, threads, unroll) for n in args.sms]
                     if world > 1:  # the slowest GPU sets the pace
