@@ -170,15 +170,20 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams p) 
   else notify_scan(p, blockIdx.x - 1);
 }
 
-// Lane 0 waits for `*flag >= target`; the whole warp gets the verdict. `trace` sums the time waited.
+// This thread waits for `*flag >= target` (see wait_flag); `trace` sums the time waited.
+__device__ __forceinline__ bool traced_wait_flag(const KernelEnv& env, const uint64_t* flag, uint64_t target, int stage,
+                                                 int peer, int detail, const BlockTrace& trace) {
+  const uint64_t since = trace.now();
+  const bool ok = wait_flag(wait_ctx(env), flag, target, stage, peer, detail);
+  trace.add(kTraceWaitNs, since);
+  return ok;
+}
+
+// Lane 0 waits for `*flag >= target`; the whole warp gets the verdict.
 __device__ __forceinline__ bool warp_wait_flag(const KernelEnv& env, const uint64_t* flag, uint64_t target, int stage,
                                                int peer, int detail, const BlockTrace& trace) {
   bool ok = true;
-  if ((threadIdx.x & 31) == 0) {
-    const uint64_t since = trace.now();
-    ok = wait_flag(wait_ctx(env), flag, target, stage, peer, detail);
-    trace.add(kTraceWaitNs, since);
-  }
+  if ((threadIdx.x & 31) == 0) ok = traced_wait_flag(env, flag, target, stage, peer, detail, trace);
   return __shfl_sync(0xffffffffu, ok, 0);
 }
 
@@ -709,9 +714,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       if (in && lane != me) {
         const int k = pos / lane_chunk_rows;
         if (k != lane_ready_chunk) {
-          const uint64_t since = trace.now();
-          ok = wait_flag(wait_ctx(env), &mine->combine_flag[lane][k], epoch, kStageCombineRecv, lane, k);
-          trace.add(kTraceWaitNs, since);
+          ok = traced_wait_flag(env, &mine->combine_flag[lane][k], epoch, kStageCombineRecv, lane, k, trace);
           lane_ready_chunk = k;
         }
       }
