@@ -272,11 +272,11 @@ def test_backend_selection(solo_group, caplog) -> None:
 
 
 def test_native_chunking_from_the_environment(monkeypatch) -> None:
-    from ep_moe.backends import native_backend as nb
+    from ep_moe.native import chunking
 
-    readers = [(nb.CHUNKS_ENV[op], nb.DEFAULT_CHUNKS_PER_PAIR[op], lambda op=op: nb.chunks_per_pair(op))
-               for op in ("dispatch", "combine")]
-    readers.append((nb.MIN_CHUNK_ROWS_ENV, nb.DEFAULT_MIN_CHUNK_ROWS, nb.min_chunk_rows))
+    readers = [(chunking.CHUNKS_ENV[op], chunking.DEFAULT_CHUNKS_PER_PAIR[op],
+                lambda op=op: chunking.chunks_per_pair(op)) for op in ("dispatch", "combine")]
+    readers.append((chunking.MIN_CHUNK_ROWS_ENV, chunking.DEFAULT_MIN_CHUNK_ROWS, chunking.min_chunk_rows))
     for name, default, read in readers:
         monkeypatch.delenv(name, raising=False)
         assert read() == default
@@ -287,6 +287,20 @@ def test_native_chunking_from_the_environment(monkeypatch) -> None:
             with pytest.raises(ValueError, match=name):
                 read()
         monkeypatch.delenv(name)
+
+
+def test_native_chunk_counts_follow_the_kernels(monkeypatch) -> None:
+    from ep_moe.native import chunking
+
+    for name in (*chunking.CHUNKS_ENV.values(), chunking.MIN_CHUNK_ROWS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    # rows of a pair -> chunks: at most 64 (dispatch) / 128 (combine), each of at least 16 rows
+    cases = {("dispatch", 4096): 64, ("dispatch", 4097): 64, ("combine", 4096): 128, ("dispatch", 510): 32,
+             ("combine", 512): 32, ("dispatch", 17): 2, ("dispatch", 8): 1, ("combine", 0): 0, ("dispatch", 0.4): 0}
+    for (op, rows), chunks in cases.items():
+        assert chunking.num_chunks(rows, op) == chunks, (op, rows)
+    monkeypatch.setenv(chunking.MIN_CHUNK_ROWS_ENV, "1")
+    assert chunking.num_chunks(40, "dispatch") == 40 and chunking.num_chunks(200, "dispatch") == 50
 
 
 def test_buffer_needs_initialized_distributed() -> None:

@@ -22,7 +22,6 @@ and channel (at once where the host waits, else at the next call) and refuses fu
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..handle import DispatchHandle
 from ..native import sizing
+from ..native.chunking import chunks_per_pair, min_chunk_rows
 from ..native.symmetric import SymmetricBuffer
 from ..tuning.model import env_push_fraction
 from .base import CommBackend, DispatchResult
@@ -70,42 +70,14 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-# Chunks (flag-published units) the rows of one source-destination pair are split into, per op: more
-# chunks start the receiver sooner, fewer cost fewer handshakes. Measured on 2 x H200 at DeepEP's
-# workload (ep_moe/native/NOTES.md): dispatch is fastest at 48-96, combine at 128 (its reducers wait
-# for chunks in token order). A chunk holds at least MIN_CHUNK_ROWS rows: one per warp of a block, so that
-# small batches (128 tokens/rank) keep every warp of a pusher block busy (4 rows per chunk: dispatch
-# 47 -> 26 us kernel time on 2 x H200). The variables override them; they must be equal on every rank.
-CHUNKS_ENV = {"dispatch": "EP_MOE_NATIVE_DISPATCH_CHUNKS", "combine": "EP_MOE_NATIVE_COMBINE_CHUNKS"}
-DEFAULT_CHUNKS_PER_PAIR = {"dispatch": 64, "combine": 128}
-MIN_CHUNK_ROWS_ENV = "EP_MOE_NATIVE_MIN_CHUNK_ROWS"
-DEFAULT_MIN_CHUNK_ROWS = 16
-
-
-def _positive_int_from_env(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if not value.strip().isdigit() or int(value) < 1:  # the extension checks upper bounds
-        raise ValueError(f"ep_moe native backend: {name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def chunks_per_pair(op: str) -> int:
-    """Chunks per source-destination pair for ``op`` ("dispatch" or "combine")."""
-    return _positive_int_from_env(CHUNKS_ENV[op], DEFAULT_CHUNKS_PER_PAIR[op])
-
-
-def min_chunk_rows() -> int:
-    """Rows a chunk holds at least (unless the pair has fewer)."""
-    return _positive_int_from_env(MIN_CHUNK_ROWS_ENV, DEFAULT_MIN_CHUNK_ROWS)
-
-
 class NativeBackend(CommBackend):
     """Dispatch/combine over NVLink with the CUDA kernels of `ep_moe.native` (see the module docstring)."""
 
     name = "native"
     supported_dtypes = (torch.bfloat16, torch.float32)
+    # The count exchange also carries per-expert counts (up to MAX_NOTIFY_EXPERTS local experts; above
+    # that the list is read after the dispatch kernel), so the host has them at the one count sync.
+    host_expert_counts = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
                  num_nvl_bytes: int = 0) -> None:
@@ -124,6 +96,7 @@ class NativeBackend(CommBackend):
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
             self._error = torch.zeros(C.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
             self._host_counts = torch.zeros(C.MAX_RANKS * C.MAX_RANKS, dtype=torch.int32, pin_memory=True)
+            self._host_expert_counts = torch.zeros(C.MAX_NOTIFY_EXPERTS, dtype=torch.int64, pin_memory=True)
             self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9),
                               chunks_per_pair("dispatch"), chunks_per_pair("combine"), min_chunk_rows())
             self._data: SymmetricBuffer | None = None
@@ -290,13 +263,19 @@ class NativeBackend(CommBackend):
         regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=x.device)
         route = torch.empty(2, num_tokens, num_ranks, dtype=torch.int32, device=x.device)  # pos, send_list
+        local_experts = num_experts // num_ranks
+        experts_travel = not num_worst_tokens and local_experts <= C.MAX_NOTIFY_EXPERTS
         C.notify(self._env, is_token_in_rank, num_tokens_per_rank.contiguous(), prefix, route[0], route[1],
-                 self._host_counts, num_worst_tokens, regions.rows)
+                 self._host_counts, num_worst_tokens, regions.rows, topk_idx, local_experts, expert_alignment,
+                 self._host_expert_counts if experts_travel else None)
+        counts_list = None
         if num_worst_tokens:
             rows = num_worst_tokens
         else:
             self._wait_on_host()
             counts = self._host_counts[:num_ranks * num_ranks].view(num_ranks, num_ranks).tolist()
+            if experts_travel:
+                counts_list = self._host_expert_counts[:local_experts].tolist()
             rows = sum(counts[s][me] for s in range(num_ranks))
             # Every rank sees the same matrix, so all grow together (or none does).
             most_received = max(sum(counts[s][r] for s in range(num_ranks)) for r in range(num_ranks))
@@ -304,7 +283,6 @@ class NativeBackend(CommBackend):
             self._remember_rows(route, max(most_received, most_sent_away))
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
-        local_experts = num_experts // num_ranks
         dev = x.device
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
         recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=dev) if num_scales else None
@@ -318,7 +296,9 @@ class NativeBackend(CommBackend):
                    pushers, self._trace("dispatch", blocks))
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle)
+        if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
+            counts_list = counts_out.tolist()
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle, counts_list)
 
     def _route_of(self, handle: DispatchHandle) -> torch.Tensor:
         """``[2, T, R]`` int32 (pos, send_list) of a handle made by another backend."""

@@ -113,7 +113,8 @@ std::vector<at::Tensor> layout(const at::Tensor& topk_idx, int64_t num_experts, 
 void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_rank,
             const at::Tensor& rank_prefix_matrix, const at::Tensor& pos, const at::Tensor& send_list,
             const at::Tensor& host_counts,
-            int64_t num_worst_tokens, int64_t rows_capacity) {
+            int64_t num_worst_tokens, int64_t rows_capacity, const OptTensor& topk_idx, int64_t experts_per_rank,
+            int64_t expert_alignment, const OptTensor& host_expert_counts) {
   const int num_ranks = env.env.num_ranks;
   check_cuda(is_token_in_rank, "is_token_in_rank");
   check_cuda(num_tokens_per_rank, "num_tokens_per_rank");
@@ -148,6 +149,27 @@ void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor
   p.host_counts = host_dev;
   p.num_worst_tokens = static_cast<int>(num_worst_tokens);
   p.rows_capacity = rows_capacity;
+  if (present(host_expert_counts)) {  // the per-expert counts travel with the row counts
+    TORCH_CHECK(present(topk_idx) && topk_idx->scalar_type() == at::kLong && topk_idx->dim() == 2 &&
+                    topk_idx->size(0) == num_tokens,
+                "ep_moe.native: topk_idx must be [T, K] int64 when per-expert counts are exchanged");
+    TORCH_CHECK(experts_per_rank >= 1 && experts_per_rank <= ep_moe::kMaxNotifyExperts,
+                "ep_moe.native: experts per rank must be in [1, ", ep_moe::kMaxNotifyExperts, "] to travel in notify, got ",
+                experts_per_rank);
+    TORCH_CHECK(expert_alignment >= 1, "ep_moe.native: expert_alignment must be >= 1");
+    TORCH_CHECK(!host_expert_counts->is_cuda() && host_expert_counts->is_pinned() &&
+                    host_expert_counts->scalar_type() == at::kLong && host_expert_counts->numel() >= experts_per_rank,
+                "ep_moe.native: host_expert_counts must be pinned int64 with room for every local expert");
+    p.topk_idx = ptr_or_null<const int64_t>(topk_idx, "topk_idx");
+    p.num_topk = static_cast<int>(topk_idx->size(1));
+    p.experts_per_rank = static_cast<int>(experts_per_rank);
+    p.expert_alignment = static_cast<int>(expert_alignment);
+    int64_t* host_experts_dev = nullptr;
+    TORCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_experts_dev), host_expert_counts->data_ptr(),
+                                         0) == cudaSuccess,
+                "ep_moe.native: host_expert_counts is not device-mapped");
+    p.host_expert_counts = host_experts_dev;
+  }
   check_launch(ep_moe::launch_notify(p, c10::cuda::getCurrentCUDAStream().stream()), "notify");
 }
 
@@ -285,6 +307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("MAX_RANKS") = ep_moe::kMaxRanks;
   m.attr("MAX_CHUNKS") = ep_moe::kMaxChunks;
   m.attr("CONTROL_BYTES") = ep_moe::kControlBytes;
+  m.attr("MAX_NOTIFY_EXPERTS") = ep_moe::kMaxNotifyExperts;
   m.attr("ERROR_WORDS") = static_cast<int>(ep_moe::kErrWords);
   m.attr("TRACE_SLOTS") = static_cast<int>(ep_moe::kTraceSlots);
   pybind11::class_<Env>(m, "Env")

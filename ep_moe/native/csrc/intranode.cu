@@ -85,8 +85,28 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
   const uint64_t epoch = current_epoch(env);
   const int parity = static_cast<int>(epoch & 1);
   __shared__ int32_t counts[kMaxRanks][kMaxRanks];
+  __shared__ int32_t expert_hist[kMaxRanks * kMaxNotifyExperts];  // this rank's tokens per global expert
   __shared__ int ok;
+  const bool with_experts = p.host_expert_counts != nullptr;
+  const int num_experts = num_ranks * p.experts_per_rank;
   if (threadIdx.x == 0) ok = 1;
+  if (with_experts) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) expert_hist[e] = 0;
+    __syncthreads();
+    const int64_t entries = static_cast<int64_t>(p.num_tokens) * p.num_topk;
+    for (int64_t i = threadIdx.x; i < entries; i += blockDim.x) {
+      const int64_t e = p.topk_idx[i];
+      if (e >= 0 && e < num_experts) atomicAdd(&expert_hist[e], 1);
+    }
+    __syncthreads();
+    // Peer r gets the counts of its own experts; every writer fences so that the count flag released
+    // below (by threads < R, after the barrier) covers these stores too.
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) {
+      const int r = i / p.experts_per_rank;
+      control_of(env, r)->expert_counts[parity][me][i - r * p.experts_per_rank] = expert_hist[i];
+    }
+    fence_sys();
+  }
   __syncthreads();
   if (threadIdx.x < num_ranks) {
     Control* peer = control_of(env, threadIdx.x);
@@ -109,6 +129,15 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
     }
   }
   __syncthreads();
+  if (with_experts && ok) {  // every source's flag was acquired before the barrier
+    Control* mine = control_of(env, me);
+    const int64_t align = p.expert_alignment;
+    for (int e = threadIdx.x; e < p.experts_per_rank; e += blockDim.x) {
+      int64_t sum = 0;
+      for (int s = 0; s < num_ranks; ++s) sum += ld_acquire_sys_s32(&mine->expert_counts[parity][s][e]);
+      reinterpret_cast<volatile int64_t*>(p.host_expert_counts)[e] = (sum + align - 1) / align * align;
+    }
+  }
   if (threadIdx.x != 0) return;
   int skip = ok ? 0 : 1;
   volatile int32_t* host = p.host_counts;
@@ -348,50 +377,49 @@ __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, 
 
 constexpr int kPadRows = 64;
 
-// Local block's share: this rank's own chunks (gathered from x) and the chunks peers wrote into this
-// rank's buffer (already in output order), chunk k of every source in turn; then padding rows. Every
-// warp walks the items on its own and waits for a peer's chunk itself (no block barrier).
+// Local warps of all local blocks together: first this rank's own rows, which need no wait (x is local),
+// warp g of W taking rows g, g + W, ...; then the rows peers wrote into this rank's buffer (already in
+// output order), chunk k of every source in turn, warp g taking rows g, g + W, ... of that sequence once
+// their chunk's flag is set; then padding rows, a block per kPadRows rows. The own rows fill the time
+// while peers' chunks arrive, and every chunk is drained by many warps at once, so no block drains the
+// last chunk alone (measured against blocks taking whole chunks in turn, own and peers' interleaved:
+// cached dispatch 244.1 -> 233.3 us at 24 SMs, 234.7 -> 221.8 at 32; FP8 151.7 -> 143.5 at 32).
 __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const int32_t* prefix, int32_t* hist,
                                                uint64_t epoch, BlockTrace& trace) {
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   const int q = blockIdx.x - p.num_push_blocks, num_local = p.num_blocks - p.num_push_blocks;
-  const int my_first_row = me > 0 ? prefix[(me - 1) * num_ranks + me] : 0;  // rows from lower sources
+  const int warps = warps_per_block();
+  const int all_warps = num_local * warps, g = q * warps + static_cast<int>(threadIdx.x >> 5);
+  const int my_first_row = me > 0 ? prefix[(me - 1) * num_ranks + me] : 0;
   const int total_rows = prefix[(num_ranks - 1) * num_ranks + me];
   const int32_t* my_list = p.send_list + static_cast<int64_t>(me) * p.num_tokens;
-  const int warps = warps_per_block();
   Control* mine = control_of(env, me);
   const int self_count = pair_count(prefix, num_ranks, me, me);
-  int item = 0;
+  for (int j = g; j < self_count; j += all_warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
+  int seen = 0;  // rows of the peers' sequence before chunk k of src
   for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
-    if (k < num_chunks(self_count, env)) {
-      any = true;
-      if (item++ % num_local == q) {
-        const int rows = chunk_rows(self_count, env);
-        const int j0 = k * rows, j1 = min(self_count, j0 + rows);
-        for (int j = first_row_of_warp(j0); j < j1; j += warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
-      }
-    }
     for (int j = 1; j < num_ranks; ++j) {
       const int src = (me - j + num_ranks) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
       if (k >= num_chunks(count, env)) continue;
       any = true;
-      if (item++ % num_local != q) continue;
-      if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k, trace)) return false;
-      trace.first_wait();
       const int rows = chunk_rows(count, env);
       const int j0 = k * rows, j1 = min(count, j0 + rows);
+      const int mine_first = j0 + ((g - seen) % all_warps + all_warps) % all_warps;  // (seen + jj - j0) % W == g
+      seen += j1 - j0;
+      if (mine_first >= j1) continue;
+      if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k, trace)) return false;
+      trace.first_wait();
       const int64_t first = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
-      for (int jj = first_row_of_warp(j0); jj < j1; jj += warps) drain_row(p, src, first + jj, hist);
+      for (int jj = mine_first; jj < j1; jj += all_warps) drain_row(p, src, first + jj, hist);
     }
     if (!any) break;
   }
-  if (p.num_recv_rows > total_rows) {
-    for (int64_t r0 = total_rows; r0 < p.num_recv_rows; r0 += kPadRows)
-      if (item++ % num_local == q) pad_rows(p, r0, static_cast<int>(min(static_cast<int64_t>(kPadRows), p.num_recv_rows - r0)));
-  }
+  int item = 0;
+  for (int64_t r0 = total_rows; r0 < p.num_recv_rows; r0 += kPadRows)
+    if (item++ % num_local == q) pad_rows(p, r0, static_cast<int>(min(static_cast<int64_t>(kPadRows), p.num_recv_rows - r0)));
   return true;
 }
 
@@ -602,7 +630,7 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
   }
 }
 
-template <int kType, bool kSplit>
+template <int kType>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ CombineShared sh;
   BlockTrace trace(p.trace);
@@ -673,43 +701,36 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       }
       lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane), env);
     }
-    // Work items. Many tokens (at least two per reducer warp): an item is a token, and reducer block q
-    // takes groups q, q + num_reducers, ... of 2 * num_warps tokens (warp w: tokens w and w + num_warps
-    // of each group). Fewer tokens (kSplit): each token's columns are split into `slices` ranges of whole
-    // warp passes so that every reducer warp has work, and reducer warp g takes items g, g + all warps, ...
-    // (item i: token i / slices, range i % slices). The two are separate kernels (see launch_combine) so
-    // that the busy one carries none of the split's registers (+2.5 % time at 4096 tokens when they were
-    // one kernel). Lanes < R load the next item's routing while this one is reduced.
+    // Work items: reducer warp g (of all blocks) takes items g, g + all warps, ..., so that all warps walk
+    // the tokens in the order their chunks land. With fewer tokens than warps each token's columns are
+    // split into `slices` ranges of whole warp passes (item i: token i / slices, range i % slices), so
+    // that every warp has work. (Measured against blocks taking groups of 2 x warps tokens: combine 4-6 %
+    // faster at 4096 tokens, 17 % at 512, 24-46 SMs.) Lanes < R load the next item's routing while this
+    // one is reduced.
     const int all_warps = num_reducers * num_warps;
     const int n16 = static_cast<int>(y_bytes / 16);
     constexpr int kPass = 32 * kReduceUnroll;
-    const int group = 2 * num_warps;
-    const int slices = kSplit ? max(1, min((n16 + kPass - 1) / kPass, all_warps / max(1, p.num_tokens))) : 1;
-    const int slice_cols = kSplit ? ((n16 + slices - 1) / slices + kPass - 1) / kPass * kPass : n16;
+    const int slices = max(1, min((n16 + kPass - 1) / kPass, all_warps / max(1, p.num_tokens)));
+    const int slice_cols = ((n16 + slices - 1) / slices + kPass - 1) / kPass * kPass;
     const int num_items = p.num_tokens * slices;
-    const auto token_of = [&](int i) { return kSplit ? i / slices : i; };
-    const auto next_item = [&](int i) {
-      if (kSplit) return i + all_warps;
-      return i % group < num_warps ? i + num_warps : (i / group + num_reducers) * group + warp;
-    };
     const auto load_route = [&](int i, bool* in, int* pos) {
       *in = false;
       *pos = -1;
       if (lane < num_ranks && i < num_items) {
-        const int64_t t = token_of(i);
+        const int64_t t = i / slices;
         *in = p.is_token_in_rank[t * num_ranks + lane];
         *pos = p.pos[t * num_ranks + lane];
       }
     };
-    int i = kSplit ? q * num_warps + warp : q * group + warp;
+    int i = q * num_warps + warp;
     bool next_in;
     int next_pos;
     load_route(i, &next_in, &next_pos);
-    for (; i < num_items; i = next_item(i)) {
-      const int t = token_of(i), slice = kSplit ? i % slices : 0;
+    for (; i < num_items; i += all_warps) {
+      const int t = i / slices, slice = i % slices;
       const bool in = next_in;
       const int pos = next_pos;
-      load_route(next_item(i), &next_in, &next_pos);
+      load_route(i + all_warps, &next_in, &next_pos);
       bool ok = true;
       if (in && lane != me) {
         const int k = pos / lane_chunk_rows;
@@ -735,7 +756,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
         }
       }
       reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane, slice * slice_cols,
-                          kSplit ? min(n16, (slice + 1) * slice_cols) : n16, slice == 0);
+                          min(n16, (slice + 1) * slice_cols), slice == 0);
       trace.first_wait();
     }
   }
@@ -775,10 +796,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
-  // Fewer than two tokens per reducer warp: the kernel that splits tokens by columns.
-  const bool split = p.num_tokens < 2 * (p.num_blocks - p.num_push_blocks) * (kThreads / 32);
-  const auto kernel = p.y_type == kBF16 ? (split ? combine_kernel<kBF16, true> : combine_kernel<kBF16, false>)
-                                        : (split ? combine_kernel<kFP32, true> : combine_kernel<kFP32, false>);
+  const auto kernel = p.y_type == kBF16 ? combine_kernel<kBF16> : combine_kernel<kFP32>;
   kernel<<<p.num_blocks, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

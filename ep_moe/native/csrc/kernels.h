@@ -10,7 +10,8 @@ namespace ep_moe {
 
 constexpr int kMaxRanks = 8;        // one NVLink domain of one host
 constexpr int kMaxChunks = 256;     // signal slots per (source, destination) pair
-constexpr int kControlBytes = 64 << 10;
+constexpr int kMaxNotifyExperts = 1024;  // local experts whose counts travel in the count exchange
+constexpr int kControlBytes = 128 << 10;
 constexpr int kThreads = 512;       // threads of the dispatch / combine blocks
 
 // Error record in pinned host memory (int32 words), written by the first failing wait of a rank.
@@ -71,6 +72,12 @@ struct NotifyParams {
   int32_t* host_counts;           // [R, R] out (pinned): rows s sends r, for the host
   int num_worst_tokens;           // > 0: check capacity on the device (no host sync follows)
   int64_t rows_capacity;          // dispatch rows the receive buffer holds
+  // Per-expert counts (exact-size dispatch; null host_expert_counts: not exchanged): every rank counts its
+  // tokens per expert from topk_idx, sends each peer the counts of that peer's experts, and writes the
+  // aligned sums of what it receives to the host, so the host has them at the count sync.
+  const int64_t* topk_idx;        // [T, K] expert ids, -1 for none
+  int num_topk, experts_per_rank, expert_alignment;
+  int64_t* host_expert_counts;    // [L] out (pinned, device-mapped): aligned counts of rows per local expert
 };
 cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream);
 
