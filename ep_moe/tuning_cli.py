@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--nic-gbps", type=float, help="NIC rate in Gb/s for multi-node plans (with --gpu)")
     policy = p.add_argument_group("policy")
     policy.add_argument("--rule", choices=("ep_moe", "deepep_v2"), default="ep_moe",
-                        help="ep_moe: fewest SMs within --tolerance of the predicted time at 1.25 x the SMs "
+                        help="ep_moe: fewest SMs within --tolerance of the predicted time at 1.6 x the SMs "
                              "matching the bottleneck link (PlanPolicy.knee_cap); deepep_v2: "
                              "DeepEP V2's rule (1.25 x the SMs matching the bottleneck link)")
     policy.add_argument("--tolerance", type=float, help="time tolerance of the ep_moe rule (default 0.05)")

@@ -160,9 +160,26 @@ def test_knee_cap_keeps_the_plan_near_the_knee():
                        sm_peer_write_gbs=32.0).with_fits(KernelFit(1.19, 1.64, 88.8, 1.5), KernelFit(1.06, 1.12, 62.6, 2.0))
     capped = plan_layer(V3, H200X2, rates)
     uncapped = plan_layer(V3, H200X2, rates, PlanPolicy(knee_cap=None))
-    assert uncapped.num_sms >= 64 and capped.num_sms <= 40
+    assert uncapped.num_sms >= 64 and capped.num_sms <= 48  # the reference: 1.6 x the knee, even
     with pytest.raises(ValueError, match="knee_cap"):
         PlanPolicy(knee_cap=0.5)
+
+
+def test_plans_of_the_tune_check_workloads():
+    # 2 x H200 as calibrated in the fifth 2026-11-30 session (benchmarks/tune_check.py, fits made with the
+    # pushers' chunk rounds). Its sweep (dispatch + combine us at 32 / 38 / 48 SMs): DeepEP's workload
+    # 470 / 462 / 434, E64 K6 H4096 T8192 540 / 530 / 486, 512 tokens 123 / 124 / 116.
+    from dataclasses import replace as dc_replace
+
+    from ep_moe.tuning.rates import KernelFit
+
+    rates = dc_replace(Rates.defaults(H200X2), nvlink_gbs=345.1, sm_read_gbs=35.3, sm_write_gbs=32.7,
+                       sm_peer_write_gbs=32.3).with_fits(KernelFit(1.19, 1.35, 50.5, 2.0), KernelFit(0.95, 1.05, 38.7, 6.0))
+    planned = [plan_layer(shape, H200X2, rates).num_sms
+               for shape in (V3, LayerShape(64, 6, 4096, 8192), LayerShape(256, 8, 7168, 512))]
+    assert planned == [38, 38, 32]
+    # at DeepEP V2's 1.25 x the knee the reference (38 SMs) sits before the pushers' next round drop
+    assert plan_layer(V3, H200X2, rates, PlanPolicy(knee_cap=1.25)).num_sms == 32
 
 
 def test_imbalanced_routing_plans_for_the_busiest_rank():
@@ -394,3 +411,31 @@ def test_push_local_split_follows_the_native_backend(monkeypatch):
     for bad in ("1.5", "0", "x"):
         monkeypatch.setenv("EP_MOE_COMBINE_PUSH_FRACTION", bad)
         assert env_push_fraction("combine") == pytest.approx(1 / 3)
+
+
+def test_pusher_chunks_come_in_rounds():
+    """The native pushers take a pair's chunks in turn: n pushers take ceil(chunks / n) rounds, so pusher
+    counts between two round counts buy nothing (2 x H200, 512 tokens: 30 SMs = 10 pushers, 4 rounds of
+    32 chunks, 130 us; 32 SMs = 11 pushers, 3 rounds, 123 us)."""
+    from ep_moe.tuning.model import SmPool, intranode_cost, split_sms
+    from ep_moe.tuning.plan import sm_seconds
+
+    pool = SmPool("push", 1 / 3, 1.0, 0.0, 1.0, items=32)
+    assert pool.effective_sms(10) == 8 and pool.effective_sms(11) == pytest.approx(32 / 3)
+    assert pool.effective_sms(16) == 16 and pool.effective_sms(40) == 32
+    assert pool.effective_sms(10.5) == 10.5  # the knee's continuous counts stay as they are
+    assert SmPool("local", 2 / 3, 1.0, 1.0, 0.0).effective_sms(7) == 7  # no items: divides evenly
+
+    small = LayerShape(256, 8, 7168, 512)
+    load = rank_loads(small, 2)[0]
+    for op in ("dispatch", "combine"):
+        cost = intranode_cost(small, load, op, "push_local", peers=1)
+        push = cost.pools[0]
+        assert push.name == "push" and push.items == 32  # ~510 rows per pair in chunks of 16
+        rates = Rates.defaults(H200X2)
+        push_seconds = [push.work_seconds(rates.sm_read_gbs, rates.sm_write_gbs, rates.sm_peer_write_gbs)
+                        / push.effective_sms(split_sms(cost.pools, n)[0]) for n in (24, 30, 32)]
+        assert push_seconds[0] == push_seconds[1] > push_seconds[2]  # 8 and 10 pushers: 4 rounds; 11: 3
+        assert sm_seconds(cost, rates, 30) >= sm_seconds(cost, rates, 32)
+    # EP 4: three peers' chunks share the pushers
+    assert intranode_cost(V3, rank_loads(V3, 4)[0], "dispatch", "push_local", peers=3).pools[0].items == 3 * 64

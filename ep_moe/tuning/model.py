@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..native.chunking import num_chunks
 from ..topology import Topology
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4,
@@ -177,19 +178,33 @@ def rank_loads(shape: LayerShape, num_ranks: int, routing=None) -> list[RankLoad
 # ------------------------------------------------------------------------------------------ op costs
 @dataclass(frozen=True)
 class SmPool:
-    """SMs doing one job: ``share`` of the call's SMs, moving these bytes."""
+    """SMs doing one job: ``share`` of the call's SMs, moving these bytes.
+
+    ``items``: the work comes in this many equal items that the pool's SMs take in turn (item i to SM
+    i mod n; the native pushers' chunks), so that n SMs take ``ceil(items / n)`` rounds; 0: the work
+    divides evenly over any number of SMs.
+    """
 
     name: str
     share: float
     read_bytes: float
     write_local_bytes: float
     write_peer_bytes: float
+    items: int = 0
 
     def work_seconds(self, sm_read_gbs: float, sm_write_gbs: float, sm_peer_write_gbs: float) -> float:
         """Time this pool's work takes on one SM (reads overlap writes; local and peer stores add up)."""
         read = self.read_bytes / (sm_read_gbs * 1e9)
         write = self.write_local_bytes / (sm_write_gbs * 1e9) + self.write_peer_bytes / (sm_peer_write_gbs * 1e9)
         return max(read, write)
+
+    def effective_sms(self, num_sms: float) -> float:
+        """SMs' worth of throughput ``num_sms`` SMs give this pool: fewer than ``num_sms`` when its items do
+        not divide evenly (the busiest SM takes ``ceil(items / n)`` of them); fractional counts (the knee)
+        are not rounded."""
+        if self.items <= 0 or num_sms != int(num_sms) or num_sms < 1:
+            return num_sms
+        return self.items / math.ceil(self.items / num_sms)
 
 
 def split_sms(pools: Sequence[SmPool], num_sms: int) -> list[float]:
@@ -228,8 +243,16 @@ def env_push_fraction(op: str) -> float:
     return value if 0 < value < 1 else DEFAULT_PUSH_FRACTION
 
 
+def push_items(remote_rows: float, peers: int, op: str) -> int:
+    """Chunks the native pushers of one rank take in turn: the chunks of each peer's rows (``remote_rows``
+    spread evenly over ``peers``), as the kernels cut them."""
+    if peers < 1 or remote_rows <= 0:
+        return 0
+    return peers * num_chunks(remote_rows / peers, op)
+
+
 def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
-                   push_fraction: float = DEFAULT_PUSH_FRACTION) -> OpCost:
+                   push_fraction: float = DEFAULT_PUSH_FRACTION, peers: int = 1) -> OpCost:
     """One rank's cost inside one NVLink domain.
 
     ``push_local`` (ep_moe's native kernels): ``push_fraction`` of the SMs push; in a dispatch they read
@@ -243,6 +266,8 @@ def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
     token's rows and write the sum.
     ``deepep_v2``: one pool of SMs reads the tokens once and stores every row (DeepEP V2's accounting,
     which leaves the receiver's copy epilogue out).
+    ``peers``: the other ranks of the domain (R - 1); the ``push_local`` pushers' chunks are counted per
+    peer (`push_items`).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"intranode_cost: argument 'scheme' must be one of {SCHEMES}, got {scheme!r}")
@@ -268,10 +293,10 @@ def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
         pools = (SmPool("send", 0.5, source_reads, store_local, store_peer),
                  SmPool("recv", 0.5, in_rows * row, sink_writes, 0.0))
     elif op == "dispatch":  # push_local: pushers move remote rows; the rest copy own + received rows
-        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer),
+        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer, push_items(out_remote, peers, op)),
                  SmPool("local", 1 - push_fraction, in_rows * row, sink_writes, 0.0))
     else:  # push_local combine: pushers return rows to remote sources; reducers read every row of a token
-        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer),
+        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer, push_items(out_remote, peers, op)),
                  SmPool("reduce", 1 - push_fraction, in_rows * row, sink_writes, 0.0))
     recv_rows = load.recv_rows if op == "dispatch" else load.sent_rows
     return OpCost(op, nvlink, 0.0, pools, recv_rows * shape.dispatch_row_bytes)
@@ -307,4 +332,4 @@ def multinode_cost(shape: LayerShape, topology: Topology, op: str, hybrid: bool,
 
 __all__ = ["DEFAULT_PUSH_FRACTION", "DTYPE_BYTES", "PUSH_FRACTION_ENV", "SCHEMES", "LayerShape", "OpCost", "RankLoad",
            "SmPool", "dtype_bytes", "env_push_fraction", "split_sms", "expected_groups", "intranode_cost",
-           "multinode_cost", "rank_loads"]
+           "multinode_cost", "push_items", "rank_loads"]

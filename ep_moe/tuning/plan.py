@@ -42,7 +42,10 @@ class PlanPolicy:
             ``knee_cap`` is None or nothing crosses a link).
         time_tolerance, knee_cap: see ``margin``. Past the knee a kernel gains only SM-side latency, which the
             fitted curve extrapolates poorly (on 2 x H200 it predicted 10 % from 40 to 74 SMs where 1.3 % was
-            measured), so the reference stays near the knee.
+            measured), so the reference stays near the knee; 1.6 x reaches the next drop in the pushers'
+            chunk rounds (16 pushers take 64 chunks in 4 rounds), which 2 x H200 measured 5-8 % faster at
+            48 SMs than at 40-46 (three sweeps of benchmarks/tune_check.py: the plan meets the check in all
+            nine workload runs at 1.4 and 1.6, in seven at 1.25).
         min_sms: lower bound (even). max_sms: upper bound (default: the device's SMs).
         hybrid: multi-node mode: hybrid (RDMA to the same-index GPU, then NVLink) or direct.
         num_allocated_qps: cap on QPs (None = no cap).
@@ -53,7 +56,7 @@ class PlanPolicy:
     combine_push_fraction: float | None = None
     margin: float | None = None
     time_tolerance: float = 0.05
-    knee_cap: float | None = 1.25
+    knee_cap: float | None = 1.6
     min_sms: int = 2
     max_sms: int | None = None
     hybrid: bool = True
@@ -192,9 +195,9 @@ def op_costs(shape: LayerShape, topology: Topology, policy: PlanPolicy, routing=
     """(dispatch, combine) costs for each rank worth looking at (the balanced rank, or every rank)."""
     if topology.intranode:
         loads = rank_loads(shape, topology.world_size, routing)
-        return [(intranode_cost(shape, load, "dispatch", policy.scheme, policy.push_fraction("dispatch")),
-                 intranode_cost(shape, load, "combine", policy.scheme, policy.push_fraction("combine")))
-                for load in loads]
+        peers = topology.world_size - 1
+        return [tuple(intranode_cost(shape, load, op, policy.scheme, policy.push_fraction(op), peers)
+                      for op in ("dispatch", "combine")) for load in loads]
     imbalance = 1.0
     if routing is not None:
         loads = rank_loads(shape, topology.world_size, routing)
@@ -216,9 +219,11 @@ def link_seconds(cost: OpCost, rates: Rates) -> dict[str, float]:
 
 def sm_seconds(cost: OpCost, rates: Rates, num_sms: float) -> float:
     """Seconds the slowest SM pool needs when the call has ``num_sms`` SMs (the ideal, unfitted rates).
-    A fractional ``num_sms`` splits the pools by their shares (for the knee, where SMs are continuous)."""
+    An int ``num_sms`` is split as the native backend splits its blocks, and a pool whose work comes in
+    items (the pushers' chunks) counts the rounds its busiest SM takes; a fractional ``num_sms`` splits
+    the pools by their shares (for the knee, where SMs are continuous)."""
     if isinstance(num_sms, int):
-        counts = split_sms(cost.pools, num_sms)
+        counts = [p.effective_sms(k) for p, k in zip(cost.pools, split_sms(cost.pools, num_sms))]
     else:
         counts = [num_sms * p.share for p in cost.pools]
     return max((p.work_seconds(rates.sm_read_gbs, rates.sm_write_gbs, rates.sm_peer_write_gbs) / k
