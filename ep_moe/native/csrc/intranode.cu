@@ -1,21 +1,21 @@
 // Intranode dispatch, combine and barrier over symmetric memory (NVLink peers).
 //
 // Dispatch: a notify kernel exchanges per-destination row counts (every rank writes its row of the
-// count matrix into every peer's control block) and turns `is_token_in_rank` into, per destination,
-// the list of tokens sent there. The dispatch kernel then splits its blocks into
+// count matrix into every peer's control block; with an exact-size dispatch, also its tokens per
+// expert of each peer) and turns `is_token_in_rank` into, per destination, the list of tokens sent
+// there. The dispatch kernel then splits its blocks into
 //   * pushers: copy each row straight to its final position in the receiver's symmetric buffer
 //     (position = rows of lower source ranks + the row's index among those sent to that receiver),
 //     16-byte stores over NVLink, chunk by chunk; the last warp of the block to finish a chunk
 //     publishes it with a release store to a flag in the receiver's control block;
-//   * local blocks: copy this rank's rows to itself straight into the output, and copy every peer's
-//     chunk out of the symmetric buffer into the output as soon as its flag is set (the buffer holds
-//     the rows in output order).
-// Every warp walks its block's chunks on its own, one row per warp at a time: no block-wide barrier
-// inside the loops, so a warp that waits (for a flag, or for a release to reach the peer) holds up
-// only itself.
+//   * local blocks: first copy this rank's rows to itself straight into the output, then copy every
+//     peer's chunk out of the symmetric buffer into the output once its flag is set (the buffer holds
+//     the rows in output order); the local warps of all blocks stride over those rows together.
+// Every warp walks its rows on its own, one row per warp at a time: no block-wide barrier inside the
+// loops, so a warp that waits (for a flag, or for a release to reach the peer) holds up only itself.
 // Combine reverses it: pushers send each received row back to its source's buffer (contiguous per
-// source), and reducer warps sum, per token, the rows of the ranks it went to in increasing rank
-// order in fp32 (the own rank's rows read in place), add the biases and round once.
+// source), and reducer warps (striding over all tokens) sum, per token, the rows of the ranks it went
+// to in increasing rank order in fp32 (the own rank's rows read in place), add the biases and round once.
 #include <cuda_bf16.h>
 
 #include "common.cuh"
