@@ -45,7 +45,7 @@ class PlanPolicy:
             measured), so the reference stays near the knee; 1.6 x reaches the next drop in the pushers'
             chunk rounds (16 pushers take 64 chunks in 4 rounds), which 2 x H200 measured 5-8 % faster at
             48 SMs than at 40-46 (three sweeps of benchmarks/tune_check.py: the plan meets the check in all
-            nine workload runs at 1.4 and 1.6, in seven at 1.25).
+            nine workload runs at 1.4 and 1.6, in eight at 1.25).
         min_sms: lower bound (even). max_sms: upper bound (default: the device's SMs).
         hybrid: multi-node mode: hybrid (RDMA to the same-index GPU, then NVLink) or direct.
         num_allocated_qps: cap on QPs (None = no cap).
