@@ -31,9 +31,14 @@ __device__ __forceinline__ uint64_t current_epoch(const KernelEnv& env) {
   return *reinterpret_cast<volatile uint64_t*>(&env.state->seq) + 1;
 }
 
-// rows source s sends destination r, from the cumulative matrix (in shared memory)
+// Rows destination r receives from sources below s (where s's rows start among r's), from the
+// cumulative matrix (in shared memory).
+__device__ __forceinline__ int rows_from_lower(const int32_t* prefix, int num_ranks, int s, int r) {
+  return s > 0 ? prefix[(s - 1) * num_ranks + r] : 0;
+}
+// Rows source s sends destination r.
 __device__ __forceinline__ int pair_count(const int32_t* prefix, int num_ranks, int s, int r) {
-  return prefix[s * num_ranks + r] - (s > 0 ? prefix[(s - 1) * num_ranks + r] : 0);
+  return prefix[s * num_ranks + r] - rows_from_lower(prefix, num_ranks, s, r);
 }
 
 // The last block of a kernel to finish closes the epoch (`last` tells the caller it is that block).
@@ -391,7 +396,7 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
   const int q = blockIdx.x - p.num_push_blocks, num_local = p.num_blocks - p.num_push_blocks;
   const int warps = warps_per_block();
   const int all_warps = num_local * warps, g = q * warps + static_cast<int>(threadIdx.x >> 5);
-  const int my_first_row = me > 0 ? prefix[(me - 1) * num_ranks + me] : 0;
+  const int my_first_row = rows_from_lower(prefix, num_ranks, me, me);
   const int total_rows = prefix[(num_ranks - 1) * num_ranks + me];
   const int32_t* my_list = p.send_list + static_cast<int64_t>(me) * p.num_tokens;
   Control* mine = control_of(env, me);
@@ -407,13 +412,13 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
       any = true;
       const int rows = chunk_rows(count, env);
       const int j0 = k * rows, j1 = min(count, j0 + rows);
-      const int mine_first = j0 + ((g - seen) % all_warps + all_warps) % all_warps;  // (seen + jj - j0) % W == g
+      const int warp_first = j0 + ((g - seen) % all_warps + all_warps) % all_warps;  // (seen + jj - j0) % W == g
       seen += j1 - j0;
-      if (mine_first >= j1) continue;
+      if (warp_first >= j1) continue;
       if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k, trace)) return false;
       trace.first_wait();
-      const int64_t first = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
-      for (int jj = mine_first; jj < j1; jj += all_warps) drain_row(p, src, first + jj, hist);
+      const int64_t first = rows_from_lower(prefix, num_ranks, src, me);
+      for (int jj = warp_first; jj < j1; jj += all_warps) drain_row(p, src, first + jj, hist);
     }
     if (!any) break;
   }
@@ -455,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
     const auto push_rows = [&](int dst, int j0, int j1) {
-      const int64_t base = me > 0 ? prefix[(me - 1) * num_ranks + dst] : 0;  // rows of lower sources in dst
+      const int64_t base = rows_from_lower(prefix, num_ranks, me, dst);
       const int32_t* list = p.send_list + static_cast<int64_t>(dst) * p.num_tokens;
       uint8_t* dst_x = p.data[dst] + p.off_x;
       for (int j = first_row_of_warp(j0); j < j1; j += warps_per_block()) {
@@ -664,7 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     // Rows that `src` sent this rank go back into src's buffer, after the rows src gets back from its
     // lower peers; they start at row `my_rows` of y (rows of lower sources come first there).
     const auto push_rows = [&](int src, int j0, int j1) {
-      const int64_t my_rows = src > 0 ? prefix[(src - 1) * num_ranks + me] : 0;
+      const int64_t my_rows = rows_from_lower(prefix, num_ranks, src, me);
       int64_t base = 0;
       for (int q = 0; q < me; ++q)
         if (q != src) base += pair_count(prefix, num_ranks, src, q);
@@ -694,7 +699,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     int lane_chunk_rows = 1, lane_ready_chunk = -1;
     if (lane < num_ranks) {
       if (lane == me) {
-        lane_base = me > 0 ? prefix[(me - 1) * num_ranks + me] : 0;
+        lane_base = rows_from_lower(prefix, num_ranks, me, me);
       } else {
         for (int r = 0; r < lane; ++r)
           if (r != me) lane_base += pair_count(prefix, num_ranks, me, r);
