@@ -31,7 +31,7 @@ class DispatchOutput(NamedTuple):
     num_recv_tokens_per_expert: Tensor  # [L] int64 on the device, aligned
     handle: DispatchHandle
     # The same counts as a CPU tensor when the backend knows them without waiting for the GPU (exact-size
-    # dispatch on the torch backend), else an empty CPU tensor.
+    # dispatch on a backend with `host_expert_counts`: torch and native), else an empty CPU tensor.
     num_recv_tokens_per_expert_host: Tensor
 
 

@@ -24,8 +24,8 @@ class DispatchResult(NamedTuple):
     recv_topk_weights: torch.Tensor | None    # [N, K] fp32, 0 where not local
     num_recv_tokens_per_expert: torch.Tensor | None  # [L] int64, aligned counts
     handle: DispatchHandle
-    # The same aligned counts on the host, when the backend knows them without waiting for the GPU (the
-    # torch backend reads them with the count matrix); None: read `num_recv_tokens_per_expert`.
+    # The same aligned counts on the host, when the backend knows them without waiting for the GPU (both
+    # backends exchange them with the row counts); None: read `num_recv_tokens_per_expert`.
     num_recv_tokens_per_expert_list: list[int] | None = None
 
 
