@@ -3,6 +3,7 @@ overrides, JSON round trips, refine(), topology and calibration on CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -149,15 +150,19 @@ def test_tolerance_rule_matches_its_definition():
             assert plan.predicted_us == pytest.approx(total[plan.num_sms])
 
 
+def _calibrated_h200x2(gbs: tuple[float, float, float, float], dispatch: KernelFit, combine: KernelFit) -> Rates:
+    """2 x H200 rates as a calibration measured them: (NVLink, SM read, SM write, SM peer write) GB/s and
+    the two kernel fits."""
+    nvlink, read, write, peer_write = gbs
+    return dataclasses.replace(Rates.defaults(H200X2), nvlink_gbs=nvlink, sm_read_gbs=read, sm_write_gbs=write,
+                               sm_peer_write_gbs=peer_write).with_fits(dispatch, combine)
+
+
 def test_knee_cap_keeps_the_plan_near_the_knee():
     # 2 x H200 as calibrated in the third 2026-11-30 session: the fitted curve kept falling past the knee
     # (30 SMs), so "within 4 % of the time at 132 SMs" asked for 74 SMs where 32-40 measured as fast.
-    from dataclasses import replace as dc_replace
-
-    from ep_moe.tuning.rates import KernelFit
-
-    rates = dc_replace(Rates.defaults(H200X2), nvlink_gbs=341.8, sm_read_gbs=35.2, sm_write_gbs=32.7,
-                       sm_peer_write_gbs=32.0).with_fits(KernelFit(1.19, 1.64, 88.8, 1.5), KernelFit(1.06, 1.12, 62.6, 2.0))
+    rates = _calibrated_h200x2((341.8, 35.2, 32.7, 32.0), KernelFit(1.19, 1.64, 88.8, 1.5),
+                               KernelFit(1.06, 1.12, 62.6, 2.0))
     capped = plan_layer(V3, H200X2, rates)
     uncapped = plan_layer(V3, H200X2, rates, PlanPolicy(knee_cap=None))
     assert uncapped.num_sms >= 64 and capped.num_sms <= 48  # the reference: 1.6 x the knee, even
@@ -169,12 +174,8 @@ def test_plans_of_the_tune_check_workloads():
     # 2 x H200 as calibrated in the fifth 2026-11-30 session (benchmarks/tune_check.py, fits made with the
     # pushers' chunk rounds). Its sweep (dispatch + combine us at 32 / 38 / 48 SMs): DeepEP's workload
     # 470 / 462 / 434, E64 K6 H4096 T8192 540 / 530 / 486, 512 tokens 123 / 124 / 116.
-    from dataclasses import replace as dc_replace
-
-    from ep_moe.tuning.rates import KernelFit
-
-    rates = dc_replace(Rates.defaults(H200X2), nvlink_gbs=345.1, sm_read_gbs=35.3, sm_write_gbs=32.7,
-                       sm_peer_write_gbs=32.3).with_fits(KernelFit(1.19, 1.35, 50.5, 2.0), KernelFit(0.95, 1.05, 38.7, 6.0))
+    rates = _calibrated_h200x2((345.1, 35.3, 32.7, 32.3), KernelFit(1.19, 1.35, 50.5, 2.0),
+                               KernelFit(0.95, 1.05, 38.7, 6.0))
     planned = [plan_layer(shape, H200X2, rates).num_sms
                for shape in (V3, LayerShape(64, 6, 4096, 8192), LayerShape(256, 8, 7168, 512))]
     assert planned == [38, 38, 32]
