@@ -12,6 +12,10 @@ in flight per thread, 512 or 1024 threads per block, one block per SM. 256 MiB p
 once for push and pull (NVLink carries traffic both ways, as in dispatch). Prints GB/s per SM count,
 median of 10 runs.
 
+``tma`` moves each row with two bulk async copies (global -> shared -> global, the Hopper TMA unit): one
+thread per block keeps ``U`` rows in flight (U x 14 KB of shared memory; U = 16 is the most that fits), to
+see what one SM can push over NVLink without 16-byte stores from registers.
+
 ``reduce`` (local only, up to 512 threads) is the combine reducer's inner work without its waits: one warp
 per 14 KB BF16 row adds the rows of two sources in fp32 and writes one row, U 16-byte loads per source in
 flight; its GB/s counts the rows written (it reads twice as many bytes).
@@ -113,16 +117,65 @@ __global__ void __launch_bounds__(512, 1) row_reduce2(int4* __restrict__ dst, co
   }
 }
 
+// ---- TMA (bulk async copies): one thread per block drives a ring of U row slots in shared memory.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bulk_load(void* slot, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(slot)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_loaded(uint64_t* bar, uint32_t phase) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* dst, const void* slot, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(slot)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Rows b, b + grid, ... of this block: row j goes through slot j % U (loaded by TMA, then stored by TMA
+// from shared memory); a slot is reloaded once the store before the latest has read it.
+template <int U>
+__global__ void row_copy_tma(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src, int rows, int row_bytes) {
+  extern __shared__ __align__(128) uint8_t slots[];
+  uint64_t* bars = reinterpret_cast<uint64_t*>(slots + static_cast<size_t>(U) * row_bytes);
+  if (threadIdx.x != 0) return;
+  const int mine = rows > static_cast<int>(blockIdx.x) ? (rows - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const auto row_of = [&](int j) { return static_cast<long long>(blockIdx.x) + static_cast<long long>(j) * gridDim.x; };
+  for (int u = 0; u < U; ++u) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bars + u)));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  for (int j = 0; j < U && j < mine; ++j) bulk_load(slots + j * row_bytes, src + row_of(j) * row_bytes, row_bytes, bars + j);
+  for (int j = 0; j < mine; ++j) {
+    const int slot = j % U;
+    bulk_wait_loaded(bars + slot, (j / U) & 1);
+    bulk_store(dst + row_of(j) * row_bytes, slots + slot * row_bytes, row_bytes);
+    const int next = j - 1 + U;  // reload the slot of row j - 1 once its store has read it
+    if (j >= 1 && next < mine) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      bulk_load(slots + (next % U) * row_bytes, src + row_of(next) * row_bytes, row_bytes, bars + next % U);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 // shape: 0 grid-stride, 1 one warp per row, 2 the same with non-coherent loads, 3 the same through a
 // row list (`list`, int32 [rows]), 4 the two-source reduction (sources: the two halves of src; nbytes/2
-// written).
+// written), 5 TMA bulk copies (U row slots per block, one issuing thread).
 template <int U>
 void launch(int shape, int64_t dst, int64_t src, int64_t nbytes, int row_bytes, const int* list, int blocks,
             int threads, cudaStream_t stream) {
   auto* d = reinterpret_cast<int4*>(dst);
   auto* s = reinterpret_cast<const int4*>(src);
   const int row16 = row_bytes / 16, rows = static_cast<int>(nbytes / row_bytes);
-  if (shape == 0) grid_copy<U><<<blocks, threads, 0, stream>>>(d, s, nbytes / 16);
+  if (shape == 5) {
+    const size_t smem = static_cast<size_t>(U) * row_bytes + U * sizeof(uint64_t);
+    cudaFuncSetAttribute(row_copy_tma<U>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    row_copy_tma<U><<<blocks, 32, smem, stream>>>(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(src),
+                                                  rows, row_bytes);
+  } else if (shape == 0) grid_copy<U><<<blocks, threads, 0, stream>>>(d, s, nbytes / 16);
   else if (shape == 4) row_reduce2<U><<<blocks, threads, 0, stream>>>(d, s, s + nbytes / 32, rows / 2, row16);
   else if (shape == 2) row_copy<U, true><<<blocks, threads, 0, stream>>>(d, s, rows, row16, nullptr);
   else row_copy<U, false><<<blocks, threads, 0, stream>>>(d, s, rows, row16, shape == 3 ? list : nullptr);
@@ -135,6 +188,7 @@ int copy(int64_t shape, int64_t dst, int64_t src, int64_t nbytes, int64_t row_by
   const int sh = static_cast<int>(shape), b = static_cast<int>(blocks), t = static_cast<int>(threads);
   const int rb = static_cast<int>(row_bytes);
   const int* l = reinterpret_cast<const int*>(list);
+  if (sh == 5 && unroll < 2) return -1;  // the TMA ring reloads a slot one row late: it needs two slots
   switch (unroll) {
     case 1: launch<1>(sh, dst, src, nbytes, rb, l, b, t, s); break;
     case 4: launch<4>(sh, dst, src, nbytes, rb, l, b, t, s); break;
@@ -148,7 +202,7 @@ int copy(int64_t shape, int64_t dst, int64_t src, int64_t nbytes, int64_t row_by
 
 CPP_SOURCE = ("int copy(int64_t shape, int64_t dst, int64_t src, int64_t nbytes, int64_t row_bytes, int64_t list, "
               "int64_t blocks, int64_t threads, int64_t unroll, int64_t stream);")
-SHAPES = {"grid": 0, "row": 1, "row_nc": 2, "row_list": 3, "reduce": 4}
+SHAPES = {"grid": 0, "row": 1, "row_nc": 2, "row_list": 3, "reduce": 4, "tma": 5}
 
 NBYTES = 256 << 20
 ROW_BYTES = 7168 * 2
@@ -225,7 +279,11 @@ def main() -> None:
             for threads in args.threads:
                 if shape == "reduce" and threads > 512:  # its launch bounds
                     continue
+                if shape == "tma" and threads != args.threads[0]:  # one issuing thread: threads do not matter
+                    continue
                 for unroll in args.unroll:
+                    if shape == "tma" and unroll < 2:
+                        continue
                     rates = [median_gbps(ext, shape, d, s, row_list, n, threads, unroll) for n in args.sms]
                     if world > 1:  # the slowest GPU sets the pace
                         t = torch.tensor(rates, device=device)
