@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, run N more iterations of each variant under torch.profiler and print "
+                        "rank 0's top GPU kernels and host-side ops (where a dispatcher's time goes)")
     return p
 
 
@@ -86,6 +89,23 @@ def _bench(layer, inputs, grads, warmup: int, iters: int) -> float:
         if i >= warmup:
             times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _profile(name: str, layer, inputs, grads, iters: int) -> None:
+    """Print this rank's top GPU kernels and CPU ops over ``iters`` forward + backward passes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            out, _ = layer(inputs[i % len(inputs)])
+            out.backward(grads[i % len(grads)])
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        averages = prof.key_averages()
+        print(f"\n== {name}: {iters} fwd+bwd under torch.profiler, rank 0, by GPU time", flush=True)
+        print(averages.table(sort_by="device_time_total", row_limit=14), flush=True)
+        print(f"== {name}: by CPU time (self)", flush=True)
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=10), flush=True)
 
 
 def _check(layer, x, g) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +166,8 @@ def run_rank(rank: int, world: int, args) -> dict:
                    (grad - reference[1]).abs().max().item() / reference[1].abs().max().item())
         ms = torch.tensor(_bench(target, inputs, grads, args.warmup, args.iters), device="cuda")
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        if args.profile:
+            _profile(name, target, inputs, grads, args.profile)
         if dispatcher is None:  # say which ep_moe backend the compat module's Buffer chose
             from megatron.core.transformer.moe import fused_a2a
 
