@@ -40,6 +40,14 @@ __device__ __forceinline__ int rows_from_lower(const int32_t* prefix, int num_ra
 __device__ __forceinline__ int pair_count(const int32_t* prefix, int num_ranks, int s, int r) {
   return prefix[s * num_ranks + r] - rows_from_lower(prefix, num_ranks, s, r);
 }
+// Rows rank s gets back in a combine from its peers below r (its own rows are read in place, never
+// sent): where peer r's rows start in s's combine buffer; r = num_ranks gives all of them.
+__device__ __forceinline__ int64_t rows_back_from_lower(const int32_t* prefix, int num_ranks, int s, int r) {
+  int64_t rows = 0;
+  for (int q = 0; q < r; ++q)
+    if (q != s) rows += pair_count(prefix, num_ranks, s, q);
+  return rows;
+}
 
 // The last block of a kernel to finish closes the epoch (`last` tells the caller it is that block).
 __device__ __forceinline__ bool finish_block(const KernelEnv& env, int num_blocks, int* s_flag) {
@@ -688,9 +696,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   // Every rank checks every rank's rows against the (identical) capacity: the same verdict everywhere.
   bool skip = false;
   for (int s = 0; s < num_ranks; ++s) {
-    int64_t rows = 0;  // rows rank s receives back from peers (its own are read in place)
-    for (int r = 0; r < num_ranks; ++r)
-      if (r != s) rows += pair_count(prefix, num_ranks, s, r);
+    const int64_t rows = rows_back_from_lower(prefix, num_ranks, s, num_ranks);
     if (rows > p.rows_capacity) {
       skip = true;
       if (blockIdx.x == 0 && threadIdx.x == 0)
@@ -705,9 +711,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     // lower peers; they start at row `my_rows` of y (rows of lower sources come first there).
     const auto push_rows = [&](int src, int j0, int j1) {
       const int64_t my_rows = rows_from_lower(prefix, num_ranks, src, me);
-      int64_t base = 0;
-      for (int q = 0; q < me; ++q)
-        if (q != src) base += pair_count(prefix, num_ranks, src, q);
+      const int64_t base = rows_back_from_lower(prefix, num_ranks, src, me);
       uint8_t* data = p.data[src];
       const int lane = threadIdx.x & 31;
       for (int j = first_row_of_warp(j0); j < j1; j += warps_per_block()) {
@@ -739,8 +743,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       if (lane == me) {
         lane_base = rows_from_lower(prefix, num_ranks, me, me);
       } else {
-        for (int r = 0; r < lane; ++r)
-          if (r != me) lane_base += pair_count(prefix, num_ranks, me, r);
+        lane_base = rows_back_from_lower(prefix, num_ranks, me, lane);
       }
       lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane), env);
     }
