@@ -137,7 +137,7 @@ def main() -> None:
             if i >= 3:
                 calls.append(start.elapsed_time(end) * 1e3)
                 hosts.append((t1 - t0) * 1e6)
-                phases.append(kernel_phases(native.last_trace[op], num_push))
+                phases.append(kernel_phases(native.last_trace[op], native.last_push_blocks[op]))
         mine = torch.tensor([statistics.median(calls), statistics.median(hosts),
                              *(statistics.median(p[j] for p in phases) for j in range(6))], device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)

@@ -303,6 +303,32 @@ def test_native_chunk_counts_follow_the_kernels(monkeypatch) -> None:
     assert chunking.num_chunks(40, "dispatch") == 40 and chunking.num_chunks(200, "dispatch") == 50
 
 
+def test_native_copy_engine_choice(monkeypatch) -> None:
+    from ep_moe.native import copy_engine
+
+    counts = [[4096, 4090], [4085, 4096]]  # DeepEP's workload on 2 ranks: ~58.6 MB per pair at 14 KB rows
+    assert copy_engine.prefix_matrix(counts) == [4096, 4090, 8181, 8186]
+    assert copy_engine.prefix_matrix([[1, 2, 3], [4, 5, 6], [0, 0, 1]]) == [1, 2, 3, 5, 7, 9, 5, 7, 10]
+    monkeypatch.delenv(copy_engine.MODE_ENV, raising=False)
+    monkeypatch.delenv(copy_engine.CHUNKS_ENV, raising=False)
+    assert copy_engine.chunks() == copy_engine.DEFAULT_CHUNKS
+    # auto: large pairs on 2 ranks only; small pairs, one rank or more ranks keep the pushers
+    assert copy_engine.wanted(counts, 14336)
+    assert not copy_engine.wanted([[128, 128], [128, 128]], 14336)
+    assert not copy_engine.wanted([[4096]], 14336)
+    assert not copy_engine.wanted([[4096] * 4 for _ in range(4)], 14336)
+    monkeypatch.setenv(copy_engine.MODE_ENV, "1")
+    assert copy_engine.wanted([[128, 128], [128, 128]], 14336) and not copy_engine.wanted([[5]], 16)
+    monkeypatch.setenv(copy_engine.MODE_ENV, "0")
+    assert not copy_engine.wanted(counts, 14336)
+    monkeypatch.setenv(copy_engine.MODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=copy_engine.MODE_ENV):
+        copy_engine.wanted(counts, 14336)
+    monkeypatch.setenv(copy_engine.CHUNKS_ENV, "0")
+    with pytest.raises(ValueError, match=copy_engine.CHUNKS_ENV):
+        copy_engine.chunks()
+
+
 def test_buffer_needs_initialized_distributed() -> None:
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this test process")

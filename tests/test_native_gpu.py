@@ -20,6 +20,7 @@ from ep_moe.distributed import run_distributed
 pytestmark = pytest.mark.gpu
 
 WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of every test
+COPY_ENGINE_ENV = "EP_MOE_NATIVE_COMBINE_COPY_ENGINE"
 
 
 def _need_gpus():
@@ -184,7 +185,12 @@ def _check_case(rank: int, world: int, index: int, nat, ref) -> None:
     elif case["bias"] == 2:
         bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
                 torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
-    c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
+    # odd cases force the copy-engine combine where the host knows the layout (exact dispatches)
+    os.environ[COPY_ENGINE_ENV] = "1" if index % 2 else "0"
+    try:
+        c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
+    finally:
+        os.environ.pop(COPY_ENGINE_ENV)
     c_r, cw_r, _ = ref.combine(y, h_r, topk_weights=rw_r, bias=bias, config=config)
     assert_bits_equal(f"{label} combined", c_n, c_r)
     assert_bits_equal(f"{label} combined_weights", cw_n, cw_r)
@@ -315,6 +321,24 @@ def _timeout_worker(rank: int, world: int) -> str:
     else:
         time.sleep(5.0)
     buf.destroy()
+    # 3) the same with the copy-engine combine: rank 0's kernel gives up waiting for rank 1 and still
+    # releases its copy stream, so nothing hangs.
+    os.environ[COPY_ENGINE_ENV] = "1"
+    try:
+        buf = Buffer(backend="native", timeout_s=2.0)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
+        if rank == 0:
+            with pytest.raises(TimeoutError) as info:
+                buf.combine(recv_x, handle, topk_weights=recv_w)
+                buf.barrier()
+            text = str(info.value)
+            assert "combine" in text and "rank 0" in text, text
+            messages.append(text)
+        else:
+            time.sleep(5.0)
+        buf.destroy()
+    finally:
+        os.environ.pop(COPY_ENGINE_ENV)
     torch.cuda.synchronize()
     return "\n".join(messages)
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..handle import DispatchHandle
-from ..native import sizing
+from ..native import copy_engine, sizing
 from ..native.chunking import chunks_per_pair, min_chunk_rows
 from ..native.symmetric import SymmetricBuffer
 from ..tuning.model import env_push_fraction
@@ -101,9 +101,14 @@ class NativeBackend(CommBackend):
                               chunks_per_pair("dispatch"), chunks_per_pair("combine"), min_chunk_rows())
             self._data: SymmetricBuffer | None = None
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
-            # rows a handle's calls need in a buffer (from the shared count matrix), by id of its route
-            # tensor while that tensor lives (tensors cannot be weak dict keys: their == is elementwise)
-            self._route_rows: dict[int, int] = {}
+            # what the host knows of an exact dispatch's layout, by id of its route tensor while that
+            # tensor lives (tensors cannot be weak dict keys: their == is elementwise): the rows its calls
+            # need in a buffer and the [R][R] count matrix (shared by all ranks)
+            self._route_layout: dict[int, tuple[int, list[list[int]]]] = {}
+            # copy-engine combines: their side stream, sequence number and go word (copy_engine.py)
+            self._copy_stream: torch.cuda.Stream | None = None
+            self._copy_seq = 0
+            self._copy_go = torch.zeros(1, dtype=torch.int64, device=device)
             if num_nvl_bytes > 0:
                 self._data = SymmetricBuffer(group, device, num_nvl_bytes)
             self._notify_done = torch.cuda.Event()
@@ -113,6 +118,7 @@ class NativeBackend(CommBackend):
         # global-timer ns (read by benchmarks/profile_native.py).
         self.trace_kernels = False
         self.last_trace: dict[str, torch.Tensor] = {}
+        self.last_push_blocks: dict[str, int] = {}  # pusher blocks of the traced kernel (leading the trace)
         dist.barrier(group=group)  # every control block is zero before any peer writes into it
 
     # ---------------------------------------------------------------- health and errors
@@ -186,16 +192,16 @@ class NativeBackend(CommBackend):
         self._retired.append(self._data)
         self._data = SymmetricBuffer(self.group, self.device, needed + needed // 4)
 
-    def _remember_rows(self, route: torch.Tensor, rows: int) -> None:
+    def _remember_layout(self, route: torch.Tensor, rows: int, counts: list[list[int]]) -> None:
         key = id(route)
-        self._route_rows[key] = rows
-        weakref.finalize(route, self._route_rows.pop, key, None)
+        self._route_layout[key] = (rows, counts)
+        weakref.finalize(route, self._route_layout.pop, key, None)
 
     def _rows_bound(self, handle: DispatchHandle, route: torch.Tensor) -> int | None:
         """Rows a handle's calls need in any rank's buffer, where every rank knows it the same way."""
-        known = self._route_rows.get(id(route))
+        known = self._route_layout.get(id(route))
         if known is not None:
-            return known
+            return known[0]
         if handle.num_worst_tokens:
             return max(1, self.num_ranks - 1) * handle.num_worst_tokens
         return None
@@ -205,9 +211,10 @@ class NativeBackend(CommBackend):
             self._scratch = torch.zeros(num_local_experts, dtype=torch.int32, device=self.device)
         return self._scratch
 
-    def _trace(self, op: str, blocks: int) -> torch.Tensor | None:
+    def _trace(self, op: str, blocks: int, pushers: int) -> torch.Tensor | None:
         if not self.trace_kernels:
             return None
+        self.last_push_blocks[op] = pushers
         self.last_trace[op] = torch.zeros(blocks, _c().TRACE_SLOTS, dtype=torch.int64, device=self.device)
         return self.last_trace[op]
 
@@ -250,7 +257,7 @@ class NativeBackend(CommBackend):
             recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
             C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
                        recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks, pushers,
-                       self._trace("dispatch_cached", blocks))
+                       self._trace("dispatch_cached", blocks, pushers))
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -280,7 +287,7 @@ class NativeBackend(CommBackend):
             # Every rank sees the same matrix, so all grow together (or none does).
             most_received = max(sum(counts[s][r] for s in range(num_ranks)) for r in range(num_ranks))
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
-            self._remember_rows(route, max(most_received, most_sent_away))
+            self._remember_layout(route, max(most_received, most_sent_away), counts)
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         dev = x.device
@@ -293,7 +300,7 @@ class NativeBackend(CommBackend):
         C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
                    topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
                    self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks,
-                   pushers, self._trace("dispatch", blocks))
+                   pushers, self._trace("dispatch", blocks, pushers))
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
@@ -332,10 +339,33 @@ class NativeBackend(CommBackend):
         out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk else None
         bias0, bias1 = (b.contiguous() if b is not None else None for b in bias)
         blocks, pushers = self._split(config, "combine")
-        C.combine(self._env, self._data.ptrs, regions.y, regions.weights, regions.rows,
-                  handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
-                  route[0], y, topk_weights, bias0, bias1, out, out_w, blocks, pushers, self._trace("combine", blocks))
+        args = (self._env, self._data.ptrs, regions.y, regions.weights, regions.rows,
+                handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
+                route[0], y, topk_weights, bias0, bias1, out, out_w, blocks)
+        counts = self._copy_engine_counts(route, hidden * y.element_size())
+        if counts is None:
+            C.combine(*args, pushers, self._trace("combine", blocks, pushers), 0, 0, None, [], 0)
+            return out, out_w
+        # Every block reduces; the rows go back by the copy engine on a side stream that starts after
+        # this stream's inputs are ready, and this stream waits for it (the caller's y is read there).
+        stream = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(stream)
+        self._copy_seq += 1
+        C.combine(*args, 0, self._trace("combine", blocks, 0), self._copy_stream.cuda_stream, self._copy_seq,
+                  self._copy_go, copy_engine.prefix_matrix(counts), copy_engine.chunks())
+        stream.wait_stream(self._copy_stream)
         return out, out_w
+
+    def _copy_engine_counts(self, route: torch.Tensor, row_bytes: int) -> list[list[int]] | None:
+        """The count matrix when this combine goes through the copy engine (`ep_moe.native.copy_engine`),
+        else None: the same answer on every rank."""
+        known = self._route_layout.get(id(route))
+        if known is None or torch.cuda.is_current_stream_capturing():
+            return None
+        counts = known[1]
+        return counts if copy_engine.wanted(counts, row_bytes) else None
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:

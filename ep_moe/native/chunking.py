@@ -20,7 +20,7 @@ MIN_CHUNK_ROWS_ENV = "EP_MOE_NATIVE_MIN_CHUNK_ROWS"
 DEFAULT_MIN_CHUNK_ROWS = 16
 
 
-def _positive_int_from_env(name: str, default: int) -> int:
+def positive_int_from_env(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None:
         return default
@@ -31,12 +31,12 @@ def _positive_int_from_env(name: str, default: int) -> int:
 
 def chunks_per_pair(op: str) -> int:
     """Most chunks per source-destination pair for ``op`` ("dispatch" or "combine")."""
-    return _positive_int_from_env(CHUNKS_ENV[op], DEFAULT_CHUNKS_PER_PAIR[op])
+    return positive_int_from_env(CHUNKS_ENV[op], DEFAULT_CHUNKS_PER_PAIR[op])
 
 
 def min_chunk_rows() -> int:
     """Rows a chunk holds at least (unless the pair has fewer)."""
-    return _positive_int_from_env(MIN_CHUNK_ROWS_ENV, DEFAULT_MIN_CHUNK_ROWS)
+    return positive_int_from_env(MIN_CHUNK_ROWS_ENV, DEFAULT_MIN_CHUNK_ROWS)
 
 
 def num_chunks(rows: float, op: str) -> int:

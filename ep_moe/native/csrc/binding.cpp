@@ -247,7 +247,8 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              int64_t rows_capacity, const at::Tensor& rank_prefix_matrix, const at::Tensor& is_token_in_rank,
              const at::Tensor& pos, const at::Tensor& y, const OptTensor& weights, const OptTensor& bias0,
              const OptTensor& bias1, const at::Tensor& out, const OptTensor& out_weights, int64_t num_blocks,
-             int64_t num_push_blocks, const OptTensor& trace) {
+             int64_t num_push_blocks, const OptTensor& trace, int64_t copy_engine_stream, int64_t copy_engine_seq,
+             const OptTensor& copy_engine_go, const std::vector<int64_t>& host_prefix, int64_t copy_engine_chunks) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
   check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
@@ -293,7 +294,32 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);
   p.trace = trace_ptr(trace, num_blocks);
+  // Copy-engine combine: everything is checked before the kernel starts, since the kernel releases the
+  // copy stream and the copies write into the peers' buffers unchecked.
+  std::vector<int32_t> prefix32;
+  if (copy_engine_seq > 0) {
+    TORCH_CHECK(num_push_blocks == 0 && copy_engine_stream != 0 && present(copy_engine_go),
+                "ep_moe.native: a copy-engine combine needs no pusher blocks, a copy stream and the go word");
+    check_cuda(*copy_engine_go, "copy_engine_go");
+    TORCH_CHECK(copy_engine_go->scalar_type() == at::kLong && copy_engine_go->numel() >= 1,
+                "ep_moe.native: copy_engine_go must be an int64 CUDA tensor");
+    TORCH_CHECK(static_cast<int>(host_prefix.size()) == num_ranks * num_ranks,
+                "ep_moe.native: host_prefix must hold the R x R rank prefix matrix");
+    TORCH_CHECK(copy_engine_chunks >= 1 && copy_engine_chunks <= ep_moe::kMaxChunks,
+                "ep_moe.native: copy_engine_chunks must be in [1, ", ep_moe::kMaxChunks, "], got ", copy_engine_chunks);
+    prefix32.assign(host_prefix.begin(), host_prefix.end());
+    const int64_t most = ep_moe::most_rows_back(prefix32.data(), num_ranks);
+    TORCH_CHECK(most <= rows_capacity, "ep_moe.native: a rank gets ", most,
+                " rows back but the symmetric buffer holds ", rows_capacity);
+    p.env.chunks_per_pair = static_cast<int>(copy_engine_chunks);
+    p.copy_engine_seq = static_cast<uint64_t>(copy_engine_seq);
+    p.copy_engine_go = reinterpret_cast<uint64_t*>(copy_engine_go->data_ptr());
+  }
   check_launch(ep_moe::launch_combine(p, c10::cuda::getCurrentCUDAStream().stream()), "combine");
+  if (copy_engine_seq > 0)
+    check_launch(ep_moe::enqueue_copy_engine_combine(p, prefix32.data(),
+                                                     reinterpret_cast<cudaStream_t>(copy_engine_stream)),
+                 "the combine's copy-engine pushes");
 }
 
 void barrier(const Env& env) {

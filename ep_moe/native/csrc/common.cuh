@@ -23,6 +23,9 @@ struct Control {
   int32_t expert_counts[2][kMaxRanks][kMaxNotifyExperts];  // [epoch parity][source][local expert of the owner]
   uint64_t dispatch_flag[kMaxRanks][kMaxChunks];       // [source][chunk] rows of dispatch landed
   uint64_t combine_flag[kMaxRanks][kMaxChunks];        // [source][chunk] rows of combine landed
+  // [source][chunk] rows of a copy-engine combine landed; holds the host's copy-engine sequence number
+  // (written by the source's copy stream, which knows no epoch), compared with >= like the epochs.
+  uint64_t copy_engine_flag[kMaxRanks][kMaxChunks];
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 
@@ -127,12 +130,31 @@ __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16,
   }
 }
 
+// ------------------------------------------------------------------------------------------ rows
+// Rows destination r receives from sources below s (where s's rows start among r's), from the
+// cumulative matrix (in shared memory on the device; the host copy for the copy engine).
+__host__ __device__ __forceinline__ int rows_from_lower(const int32_t* prefix, int num_ranks, int s, int r) {
+  return s > 0 ? prefix[(s - 1) * num_ranks + r] : 0;
+}
+// Rows source s sends destination r.
+__host__ __device__ __forceinline__ int pair_count(const int32_t* prefix, int num_ranks, int s, int r) {
+  return prefix[s * num_ranks + r] - rows_from_lower(prefix, num_ranks, s, r);
+}
+// Rows rank s gets back in a combine from its peers below r (its own rows are read in place, never
+// sent): where peer r's rows start in s's combine buffer; r = num_ranks gives all of them.
+__host__ __device__ __forceinline__ int64_t rows_back_from_lower(const int32_t* prefix, int num_ranks, int s, int r) {
+  int64_t rows = 0;
+  for (int q = 0; q < r; ++q)
+    if (q != s) rows += pair_count(prefix, num_ranks, s, q);
+  return rows;
+}
+
 // Chunking of the rows one source sends one destination: both sides derive it from the count alone.
-__device__ __forceinline__ int chunk_rows(int count, const KernelEnv& env) {
+__host__ __device__ __forceinline__ int chunk_rows(int count, const KernelEnv& env) {
   const int by_max = (count + env.chunks_per_pair - 1) / env.chunks_per_pair;
   return by_max > env.min_chunk_rows ? by_max : env.min_chunk_rows;
 }
-__device__ __forceinline__ int num_chunks(int count, const KernelEnv& env) {
+__host__ __device__ __forceinline__ int num_chunks(int count, const KernelEnv& env) {
   if (count <= 0) return 0;
   const int rows = chunk_rows(count, env);
   return (count + rows - 1) / rows;

@@ -31,24 +31,6 @@ __device__ __forceinline__ uint64_t current_epoch(const KernelEnv& env) {
   return *reinterpret_cast<volatile uint64_t*>(&env.state->seq) + 1;
 }
 
-// Rows destination r receives from sources below s (where s's rows start among r's), from the
-// cumulative matrix (in shared memory).
-__device__ __forceinline__ int rows_from_lower(const int32_t* prefix, int num_ranks, int s, int r) {
-  return s > 0 ? prefix[(s - 1) * num_ranks + r] : 0;
-}
-// Rows source s sends destination r.
-__device__ __forceinline__ int pair_count(const int32_t* prefix, int num_ranks, int s, int r) {
-  return prefix[s * num_ranks + r] - rows_from_lower(prefix, num_ranks, s, r);
-}
-// Rows rank s gets back in a combine from its peers below r (its own rows are read in place, never
-// sent): where peer r's rows start in s's combine buffer; r = num_ranks gives all of them.
-__device__ __forceinline__ int64_t rows_back_from_lower(const int32_t* prefix, int num_ranks, int s, int r) {
-  int64_t rows = 0;
-  for (int q = 0; q < r; ++q)
-    if (q != s) rows += pair_count(prefix, num_ranks, s, q);
-  return rows;
-}
-
 // The last block of a kernel to finish closes the epoch (`last` tells the caller it is that block).
 __device__ __forceinline__ bool finish_block(const KernelEnv& env, int num_blocks, int* s_flag) {
   __threadfence();
@@ -734,6 +716,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   } else if (!skip) {
     // ------------------------------------------------------------------ reducers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    const bool copy_engine = p.copy_engine_seq != 0;
+    if (copy_engine && blockIdx.x == 0 && warp == 0) {
+      // The copy engine may write into a peer's buffer once the peer entered this combine (the pushers'
+      // handshake). The go word is set even after a failed wait: the copy stream must never hang (the
+      // error is recorded and raised; the buffer is unusable from then on).
+      if (lane < num_ranks && lane != me)
+        wait_flag(wait_ctx(env), &mine->arrive[lane], epoch, kStageCombineSend, lane, 0);
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_system();
+        st_release_sys(p.copy_engine_go, p.copy_engine_seq);
+      }
+    }
+    // Where the peers' rows land: pusher blocks publish epochs in combine_flag, the copy engine its
+    // sequence numbers in copy_engine_flag.
+    const uint64_t(*landed)[kMaxChunks] = copy_engine ? mine->copy_engine_flag : mine->combine_flag;
+    const uint64_t landed_target = copy_engine ? p.copy_engine_seq : epoch;
     const int q = blockIdx.x - p.num_push_blocks, num_reducers = p.num_blocks - p.num_push_blocks;
     // Lane r (< R) caches what it knows about rank r: where its rows start in this buffer, its
     // chunk size, and the last chunk seen complete.
@@ -781,7 +780,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       if (in && lane != me) {
         const int k = pos / lane_chunk_rows;
         if (k != lane_ready_chunk) {
-          ok = traced_wait_flag(env, &mine->combine_flag[lane][k], epoch, kStageCombineRecv, lane, k, trace);
+          ok = traced_wait_flag(env, &landed[lane][k], landed_target, kStageCombineRecv, lane, k, trace);
           lane_ready_chunk = k;
         }
       }

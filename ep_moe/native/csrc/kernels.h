@@ -139,8 +139,23 @@ struct CombineParams {
   float* out_weights;              // [T, K] or null
   int num_blocks, num_push_blocks;
   int64_t* trace;                  // [num_blocks, kTraceSlots] stamps and sums (ns) or null
+  // Copy-engine combine (copy_engine_seq > 0, num_push_blocks 0): the rows go back to their sources by
+  // the copy engine (enqueue_copy_engine_combine), not by pusher blocks; every block reduces. Block 0
+  // sets *copy_engine_go to copy_engine_seq once every peer entered this combine (that starts the
+  // copies), and the reducers wait for copy_engine_flag[source][chunk] >= copy_engine_seq.
+  uint64_t copy_engine_seq;
+  uint64_t* copy_engine_go;        // this rank's device word the copy stream waits on
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
+
+// The copy-engine half of a combine launched with the same `p` (copy_engine_seq > 0), queued on a side
+// stream: wait until *p.copy_engine_go >= seq, then, chunk by chunk (the chunking of p.env) and peer by
+// peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights
+// with its first chunk) followed by a flag write into the peer's copy_engine_flag, which the stream
+// orders after the copy with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
+cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, cudaStream_t stream);
+// Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
+int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
 
 // ------------------------------------------------------------------------------------------ barrier
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);

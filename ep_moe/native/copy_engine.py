@@ -1,0 +1,62 @@
+"""When a native combine sends its rows back through the copy engine instead of pusher blocks.
+
+A combine's rows for one source are contiguous on both sides, so each chunk is one device-to-device copy
+into the source's symmetric buffer (``csrc/copy_engine.cu``), queued on a side stream; then no SM
+pushes and every block of the combine kernel reduces. The host must know the layout's row counts
+(an exact-size dispatch's handle; not ``num_worst_tokens``) and must not be capturing a CUDA graph
+(the copies' flag values are host sequence numbers, which a replay would repeat).
+
+Measured on 2 x H200 (ep_moe/native/NOTES.md, seventh session): one 58.7 MB copy into the peer takes
+160 us, each extra chunk with its flag write ~5 us, while the SM pushers of a 24-SM combine took ~220 us.
+Small combines keep the pushers: the copy stream's start (the go handshake) costs more than they move.
+
+``EP_MOE_NATIVE_COMBINE_COPY_ENGINE``: ``auto`` (default), ``1`` (whenever the host knows the layout) or
+``0`` (never); ``EP_MOE_NATIVE_COPY_ENGINE_CHUNKS``: chunks per source-destination pair (default 8).
+Both must be equal on every rank: every rank decides from them and the shared count matrix alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .chunking import positive_int_from_env
+
+MODE_ENV = "EP_MOE_NATIVE_COMBINE_COPY_ENGINE"
+CHUNKS_ENV = "EP_MOE_NATIVE_COPY_ENGINE_CHUNKS"
+DEFAULT_CHUNKS = 8
+# auto: the largest pair must move at least this much (DeepEP's workload moves 58.7 MB per pair).
+AUTO_MIN_PAIR_BYTES = 8 << 20
+AUTO_MAX_RANKS = 2  # measured only on 2 GPUs: one copy stream serves all peers in turn
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_ENV, "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"ep_moe native backend: {MODE_ENV} must be auto, 0 or 1, got {value!r}")
+    return value
+
+
+def chunks() -> int:
+    return positive_int_from_env(CHUNKS_ENV, DEFAULT_CHUNKS)
+
+
+def prefix_matrix(counts: list[list[int]]) -> list[int]:
+    """The ``[R, R]`` rank prefix matrix (rows ranks 0..s send rank r), flattened, from the count matrix."""
+    num_ranks = len(counts)
+    prefix, running = [], [0] * num_ranks
+    for s in range(num_ranks):
+        running = [running[r] + counts[s][r] for r in range(num_ranks)]
+        prefix.extend(running)
+    return prefix
+
+
+def wanted(counts: list[list[int]], row_bytes: int) -> bool:
+    """Whether a combine of this layout goes through the copy engine (the same answer on every rank)."""
+    choice = mode()
+    num_ranks = len(counts)
+    if choice == "0" or num_ranks < 2:
+        return False
+    if choice == "1":
+        return True
+    largest = max(counts[s][r] for s in range(num_ranks) for r in range(num_ranks) if s != r)
+    return num_ranks <= AUTO_MAX_RANKS and largest * row_bytes >= AUTO_MIN_PAIR_BYTES
