@@ -310,8 +310,10 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
     assert copy_engine.prefix_matrix(counts) == [4096, 4090, 8181, 8186]
     assert copy_engine.prefix_matrix([[1, 2, 3], [4, 5, 6], [0, 0, 1]]) == [1, 2, 3, 5, 7, 9, 5, 7, 10]
     monkeypatch.delenv(copy_engine.MODE_ENV, raising=False)
-    monkeypatch.delenv(copy_engine.CHUNKS_ENV, raising=False)
-    assert copy_engine.chunks() == copy_engine.DEFAULT_CHUNKS
+    monkeypatch.delenv(copy_engine.SHARES_ENV, raising=False)
+    assert copy_engine.shares() == list(copy_engine.DEFAULT_SHARES)
+    monkeypatch.setenv(copy_engine.SHARES_ENV, "1, 3,1")
+    assert copy_engine.shares() == [1, 3, 1]
     # auto: large pairs on 2 ranks only; small pairs, one rank or more ranks keep the pushers
     assert copy_engine.wanted(counts, 14336)
     assert not copy_engine.wanted([[128, 128], [128, 128]], 14336)
@@ -324,9 +326,10 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
     monkeypatch.setenv(copy_engine.MODE_ENV, "sometimes")
     with pytest.raises(ValueError, match=copy_engine.MODE_ENV):
         copy_engine.wanted(counts, 14336)
-    monkeypatch.setenv(copy_engine.CHUNKS_ENV, "0")
-    with pytest.raises(ValueError, match=copy_engine.CHUNKS_ENV):
-        copy_engine.chunks()
+    for bad in ("0", "", "1,,2", "2.5", ",".join(["1"] * 17), "2000"):
+        monkeypatch.setenv(copy_engine.SHARES_ENV, bad)
+        with pytest.raises(ValueError, match=copy_engine.SHARES_ENV):
+            copy_engine.shares()
 
 
 def test_buffer_needs_initialized_distributed() -> None:

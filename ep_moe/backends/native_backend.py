@@ -354,7 +354,7 @@ class NativeBackend(CommBackend):
         self._copy_stream.wait_stream(stream)
         self._copy_seq += 1
         C.combine(*args, 0, self._trace("combine", blocks, 0), self._copy_stream.cuda_stream, self._copy_seq,
-                  self._copy_go, copy_engine.prefix_matrix(counts), copy_engine.chunks())
+                  self._copy_go, copy_engine.prefix_matrix(counts), copy_engine.shares())
         stream.wait_stream(self._copy_stream)
         return out, out_w
 

@@ -11,7 +11,9 @@ Measured on 2 x H200 (ep_moe/native/NOTES.md, seventh session): one 58.7 MB copy
 Small combines keep the pushers: the copy stream's start (the go handshake) costs more than they move.
 
 ``EP_MOE_NATIVE_COMBINE_COPY_ENGINE``: ``auto`` (default), ``1`` (whenever the host knows the layout) or
-``0`` (never); ``EP_MOE_NATIVE_COPY_ENGINE_CHUNKS``: chunks per source-destination pair (default 8).
+``0`` (never); ``EP_MOE_NATIVE_COPY_ENGINE_SHARES``: how a pair's rows are cut into chunks, as relative
+sizes (default ``2,5,6,5,3,2,1``: every chunk costs the copy stream a few us, and the reducers' tail
+after the last copy is that chunk's work, so the chunks are big in the middle and small at the end).
 Both must be equal on every rank: every rank decides from them and the shared count matrix alone.
 """
 
@@ -19,11 +21,10 @@ from __future__ import annotations
 
 import os
 
-from .chunking import positive_int_from_env
-
 MODE_ENV = "EP_MOE_NATIVE_COMBINE_COPY_ENGINE"
-CHUNKS_ENV = "EP_MOE_NATIVE_COPY_ENGINE_CHUNKS"
-DEFAULT_CHUNKS = 8
+SHARES_ENV = "EP_MOE_NATIVE_COPY_ENGINE_SHARES"
+DEFAULT_SHARES = (2, 5, 6, 5, 3, 2, 1)
+MAX_CHUNKS = 16  # kMaxCopyEngineChunks
 # auto: the largest pair must move at least this much (DeepEP's workload moves 58.7 MB per pair).
 AUTO_MIN_PAIR_BYTES = 8 << 20
 AUTO_MAX_RANKS = 2  # measured only on 2 GPUs: one copy stream serves all peers in turn
@@ -36,8 +37,16 @@ def mode() -> str:
     return value
 
 
-def chunks() -> int:
-    return positive_int_from_env(CHUNKS_ENV, DEFAULT_CHUNKS)
+def shares() -> list[int]:
+    """Relative chunk sizes of a pair's rows (1 to 16 integers in [1, 1024])."""
+    value = os.environ.get(SHARES_ENV)
+    if value is None:
+        return list(DEFAULT_SHARES)
+    parts = [p.strip() for p in value.split(",")]
+    if not 1 <= len(parts) <= MAX_CHUNKS or not all(p.isdigit() and 1 <= int(p) <= 1024 for p in parts):
+        raise ValueError(f"ep_moe native backend: {SHARES_ENV} must be 1 to {MAX_CHUNKS} comma-separated integers "
+                         f"in [1, 1024], got {value!r}")
+    return [int(p) for p in parts]
 
 
 def prefix_matrix(counts: list[list[int]]) -> list[int]:

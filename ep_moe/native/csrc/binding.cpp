@@ -248,7 +248,8 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              const at::Tensor& pos, const at::Tensor& y, const OptTensor& weights, const OptTensor& bias0,
              const OptTensor& bias1, const at::Tensor& out, const OptTensor& out_weights, int64_t num_blocks,
              int64_t num_push_blocks, const OptTensor& trace, int64_t copy_engine_stream, int64_t copy_engine_seq,
-             const OptTensor& copy_engine_go, const std::vector<int64_t>& host_prefix, int64_t copy_engine_chunks) {
+             const OptTensor& copy_engine_go, const std::vector<int64_t>& host_prefix,
+             const std::vector<int64_t>& copy_engine_shares) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
   check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
@@ -305,21 +306,36 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
                 "ep_moe.native: copy_engine_go must be an int64 CUDA tensor");
     TORCH_CHECK(static_cast<int>(host_prefix.size()) == num_ranks * num_ranks,
                 "ep_moe.native: host_prefix must hold the R x R rank prefix matrix");
-    TORCH_CHECK(copy_engine_chunks >= 1 && copy_engine_chunks <= ep_moe::kMaxChunks,
-                "ep_moe.native: copy_engine_chunks must be in [1, ", ep_moe::kMaxChunks, "], got ", copy_engine_chunks);
+    const int num_chunks = static_cast<int>(copy_engine_shares.size());
+    TORCH_CHECK(num_chunks >= 1 && num_chunks <= ep_moe::kMaxCopyEngineChunks,
+                "ep_moe.native: copy_engine_shares must hold 1 to ", ep_moe::kMaxCopyEngineChunks, " shares, got ",
+                num_chunks);
+    int64_t total = 0;
+    for (int k = 0; k < num_chunks; ++k) {
+      TORCH_CHECK(copy_engine_shares[k] >= 1 && copy_engine_shares[k] <= 1024,
+                  "ep_moe.native: copy_engine_shares must be in [1, 1024], got ", copy_engine_shares[k]);
+      total += copy_engine_shares[k];
+      p.copy_engine_bounds[k + 1] = static_cast<int32_t>(total);
+    }
+    p.copy_engine_chunks = num_chunks;
     prefix32.assign(host_prefix.begin(), host_prefix.end());
     const int64_t most = ep_moe::most_rows_back(prefix32.data(), num_ranks);
     TORCH_CHECK(most <= rows_capacity, "ep_moe.native: a rank gets ", most,
                 " rows back but the symmetric buffer holds ", rows_capacity);
-    p.env.chunks_per_pair = static_cast<int>(copy_engine_chunks);
     p.copy_engine_seq = static_cast<uint64_t>(copy_engine_seq);
     p.copy_engine_go = reinterpret_cast<uint64_t*>(copy_engine_go->data_ptr());
   }
-  check_launch(ep_moe::launch_combine(p, c10::cuda::getCurrentCUDAStream().stream()), "combine");
-  if (copy_engine_seq > 0)
-    check_launch(ep_moe::enqueue_copy_engine_combine(p, prefix32.data(),
-                                                     reinterpret_cast<cudaStream_t>(copy_engine_stream)),
-                 "the combine's copy-engine pushes");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (copy_engine_seq == 0) {
+    check_launch(ep_moe::launch_combine(p, stream), "combine");
+    return;
+  }
+  // The copies go first (they wait for the kernel's go word), so that a slow host does not start them late.
+  check_launch(ep_moe::enqueue_copy_engine_combine(p, prefix32.data(), reinterpret_cast<cudaStream_t>(copy_engine_stream)),
+               "the combine's copy-engine pushes");
+  const cudaError_t err = ep_moe::launch_combine(p, stream);
+  if (err != cudaSuccess) ep_moe::release_copy_engine(p, stream);
+  check_launch(err, "combine");
 }
 
 void barrier(const Env& env) {

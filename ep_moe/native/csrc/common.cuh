@@ -160,4 +160,10 @@ __host__ __device__ __forceinline__ int num_chunks(int count, const KernelEnv& e
   return (count + rows - 1) / rows;
 }
 
+// End (exclusive) of chunk k of a copy-engine combine's `count` rows of one pair: `bounds` are the n + 1
+// cumulative shares of CombineParams::copy_engine_bounds.
+__host__ __device__ __forceinline__ int copy_engine_chunk_end(const int32_t* bounds, int n, int count, int k) {
+  return static_cast<int>(static_cast<int64_t>(count) * bounds[k + 1] / bounds[n]);
+}
+
 }  // namespace ep_moe

@@ -71,20 +71,18 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (p.y_type == kBF16 ? 2 : 4);
   const int64_t w_bytes = p.has_weights ? static_cast<int64_t>(p.num_topk) * 4 : 0;
   // Chunk k of every peer in turn, so that each peer's first rows land early.
-  for (int k = 0; k < kMaxChunks; ++k) {
-    bool any = false;
+  for (int k = 0; k < p.copy_engine_chunks; ++k) {
     for (int j = 1; j < num_ranks; ++j) {
       const int src = (me + j) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
-      if (k >= num_chunks(count, env)) continue;
-      any = true;
+      const int64_t j0 = copy_engine_chunk_end(p.copy_engine_bounds, p.copy_engine_chunks, count, k - 1);
+      const int64_t j1 = copy_engine_chunk_end(p.copy_engine_bounds, p.copy_engine_chunks, count, k);
+      if (j1 == j0) continue;  // an empty chunk: the reducers never wait for it
       const int64_t my_rows = rows_from_lower(prefix, num_ranks, src, me);
       const int64_t base = rows_back_from_lower(prefix, num_ranks, src, me);
-      const int rows = chunk_rows(count, env);
-      const int64_t j0 = static_cast<int64_t>(k) * rows, j1 = count < j0 + rows ? count : j0 + rows;
       uint8_t* data = p.data[src];
       cudaError_t err;
-      if (k == 0 && w_bytes > 0) {
+      if (j0 == 0 && w_bytes > 0) {  // the top-k weights go with the pair's first rows
         err = cudaMemcpyAsync(data + p.off_weights + base * w_bytes,
                               reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes, count * w_bytes,
                               cudaMemcpyDeviceToDevice, stream);
@@ -98,9 +96,15 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
       res = ops.write(cu_stream, device_word(flag), p.copy_engine_seq, CU_STREAM_WRITE_VALUE_DEFAULT);
       if (res != CUDA_SUCCESS) return from_driver(res);
     }
-    if (!any) break;
   }
   return cudaSuccess;
+}
+
+cudaError_t release_copy_engine(const CombineParams& p, cudaStream_t stream) {
+  const StreamMemOps& ops = stream_mem_ops();
+  if (ops.status != cudaSuccess) return ops.status;
+  return from_driver(ops.write(reinterpret_cast<CUstream>(stream), device_word(p.copy_engine_go), p.copy_engine_seq,
+                               CU_STREAM_WRITE_VALUE_DEFAULT));
 }
 
 }  // namespace ep_moe

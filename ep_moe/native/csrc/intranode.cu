@@ -529,6 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
 struct CombineShared {
   int32_t prefix[kMaxRanks * kMaxRanks];
   int32_t chunk_done[kMaxChunks * kMaxRanks];  // pushers: warps done with (chunk, peer)
+  int32_t copy_engine_bounds[kMaxCopyEngineChunks + 1];
   int flag;
 };
 
@@ -670,6 +671,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   if (blockIdx.x == 0 && threadIdx.x < num_ranks) st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
   for (int i = threadIdx.x; i < kMaxChunks * kMaxRanks; i += blockDim.x) sh.chunk_done[i] = 0;
+#pragma unroll
+  for (int i = 0; i <= kMaxCopyEngineChunks; ++i)  // constant indices: p stays in parameter space
+    if (threadIdx.x == i) sh.copy_engine_bounds[i] = p.copy_engine_bounds[i];
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
   __syncthreads();
   const int32_t* prefix = sh.prefix;
@@ -737,15 +741,24 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     // Lane r (< R) caches what it knows about rank r: where its rows start in this buffer, its
     // chunk size, and the last chunk seen complete.
     int64_t lane_base = 0;
-    int lane_chunk_rows = 1, lane_ready_chunk = -1;
+    int lane_chunk_rows = 1, lane_ready_chunk = -1, lane_count = 0;
     if (lane < num_ranks) {
+      lane_count = pair_count(prefix, num_ranks, me, lane);
       if (lane == me) {
         lane_base = rows_from_lower(prefix, num_ranks, me, me);
       } else {
         lane_base = rows_back_from_lower(prefix, num_ranks, me, lane);
       }
-      lane_chunk_rows = chunk_rows(pair_count(prefix, num_ranks, me, lane), env);
+      lane_chunk_rows = chunk_rows(lane_count, env);
     }
+    // The chunk of rank `lane`'s row `pos`: a lane's rows come in increasing order, so a copy-engine
+    // chunk is searched from the last one waited for.
+    const auto chunk_of = [&](int pos) {
+      if (!copy_engine) return pos / lane_chunk_rows;
+      int k = max(lane_ready_chunk, 0);
+      while (pos >= copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine_chunks, lane_count, k)) ++k;
+      return k;
+    };
     // Work items: reducer warp g (of all blocks) takes items g, g + all warps, ..., so that all warps walk
     // the tokens in the order their chunks land. With fewer tokens than warps each token's columns are
     // split into `slices` ranges of whole warp passes (item i: token i / slices, range i % slices), so
@@ -778,7 +791,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       load_route(i + all_warps, &next_in, &next_pos);
       bool ok = true;
       if (in && lane != me) {
-        const int k = pos / lane_chunk_rows;
+        const int k = chunk_of(pos);
         if (k != lane_ready_chunk) {
           ok = traced_wait_flag(env, &landed[lane][k], landed_target, kStageCombineRecv, lane, k, trace);
           lane_ready_chunk = k;

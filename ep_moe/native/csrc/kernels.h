@@ -13,6 +13,7 @@ constexpr int kMaxChunks = 256;     // signal slots per (source, destination) pa
 constexpr int kMaxNotifyExperts = 1024;  // local experts whose counts travel in the count exchange
 constexpr int kControlBytes = 128 << 10;
 constexpr int kThreads = 512;       // threads of the dispatch / combine blocks
+constexpr int kMaxCopyEngineChunks = 16;  // chunks per pair of a copy-engine combine
 
 // Error record in pinned host memory (int32 words), written by the first failing wait of a rank.
 enum ErrorWord { kErrCode = 0, kErrRank, kErrStage, kErrChannel, kErrPeer, kErrDetail, kErrValueLo, kErrValueHi,
@@ -145,17 +146,25 @@ struct CombineParams {
   // copies), and the reducers wait for copy_engine_flag[source][chunk] >= copy_engine_seq.
   uint64_t copy_engine_seq;
   uint64_t* copy_engine_go;        // this rank's device word the copy stream waits on
+  // Chunks of a pair's rows for the copy engine: chunk k ends at row count * bounds[k + 1] / bounds[n]
+  // (cumulative shares, bounds[0] = 0): big chunks in the middle (each chunk costs the copy stream a
+  // few us), small ones at the end (the reducers' tail after the last copy is its chunk's work).
+  int copy_engine_chunks;          // n
+  int32_t copy_engine_bounds[kMaxCopyEngineChunks + 1];
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
 // The copy-engine half of a combine launched with the same `p` (copy_engine_seq > 0), queued on a side
-// stream: wait until *p.copy_engine_go >= seq, then, chunk by chunk (the chunking of p.env) and peer by
-// peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights
+// stream (before the kernel: it waits for the go word): wait until *p.copy_engine_go >= seq, then, chunk
+// by chunk (p.copy_engine_bounds) and peer by peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights
 // with its first chunk) followed by a flag write into the peer's copy_engine_flag, which the stream
 // orders after the copy with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
 cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, cudaStream_t stream);
 // Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
 int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
+// Sets *p.copy_engine_go from `stream` (when the combine kernel could not be launched after its copies
+// were queued: the copy stream must not wait forever).
+cudaError_t release_copy_engine(const CombineParams& p, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------ barrier
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);
