@@ -344,7 +344,7 @@ class NativeBackend(CommBackend):
                 route[0], y, topk_weights, bias0, bias1, out, out_w, blocks)
         counts = self._copy_engine_counts(route, hidden * y.element_size())
         if counts is None:
-            C.combine(*args, pushers, self._trace("combine", blocks, pushers), 0, 0, None, [], 0)
+            C.combine(*args, pushers, self._trace("combine", blocks, pushers), 0, 0, None, [], [])
             return out, out_w
         # Every block reduces; the rows go back by the copy engine on a side stream that starts after
         # this stream's inputs are ready, and this stream waits for it (the caller's y is read there).

@@ -330,12 +330,12 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
     check_launch(ep_moe::launch_combine(p, stream), "combine");
     return;
   }
-  // The copies go first (they wait for the kernel's go word), so that a slow host does not start them late.
+  // The kernel goes first: the copy stream's first operation waits for the kernel's go word, and streams
+  // can share a hardware queue, where that wait would hold back a kernel queued after it (a deadlock,
+  // seen on 2 x H200 when the copies were queued first).
+  check_launch(ep_moe::launch_combine(p, stream), "combine");
   check_launch(ep_moe::enqueue_copy_engine_combine(p, prefix32.data(), reinterpret_cast<cudaStream_t>(copy_engine_stream)),
                "the combine's copy-engine pushes");
-  const cudaError_t err = ep_moe::launch_combine(p, stream);
-  if (err != cudaSuccess) ep_moe::release_copy_engine(p, stream);
-  check_launch(err, "combine");
 }
 
 void barrier(const Env& env) {

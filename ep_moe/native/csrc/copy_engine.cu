@@ -100,11 +100,4 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
   return cudaSuccess;
 }
 
-cudaError_t release_copy_engine(const CombineParams& p, cudaStream_t stream) {
-  const StreamMemOps& ops = stream_mem_ops();
-  if (ops.status != cudaSuccess) return ops.status;
-  return from_driver(ops.write(reinterpret_cast<CUstream>(stream), device_word(p.copy_engine_go), p.copy_engine_seq,
-                               CU_STREAM_WRITE_VALUE_DEFAULT));
-}
-
 }  // namespace ep_moe
