@@ -40,6 +40,7 @@ from ep_moe.tuning import (
     refine,
     smooth_max,
 )
+from ep_moe.tuning.model import intranode_cost
 
 V3 = LayerShape(256, 8, 7168, 4096)  # DeepSeek-V3's shape, the one DeepEP publishes SM counts for
 H200X2 = Topology.preset("H200", world_size=2, ranks_per_domain=2)
@@ -181,6 +182,19 @@ def test_plans_of_the_tune_check_workloads():
     assert planned == [38, 38, 32]
     # at DeepEP V2's 1.25 x the knee the reference (38 SMs) sits before the pushers' next round drop
     assert plan_layer(V3, H200X2, rates, PlanPolicy(knee_cap=1.25)).num_sms == 32
+
+
+def test_copy_engine_combine_model():
+    load = rank_loads(V3, 2)[0]
+    costs = {ce: intranode_cost(V3, load, "combine", "push_local", peers=1, copy_engine=ce) for ce in (False, True)}
+    assert [p.name for p in costs[False].pools] == ["push", "reduce"]
+    assert [(p.name, p.share) for p in costs[True].pools] == [("reduce", 1.0)]
+    assert costs[True].nvlink_bytes == costs[False].nvlink_bytes  # the copy engine moves the same bytes
+    assert not PlanPolicy().copy_engine() and PlanPolicy(combine_copy_engine=True).copy_engine()
+    assert not PlanPolicy(scheme="channel_pairs", combine_copy_engine=True).copy_engine()
+    # every SM reduces: at equal rates the copy-engine model needs no more SMs than the pushers'
+    ce = plan_layer(V3, H200X2, policy=PlanPolicy(combine_copy_engine=True))
+    assert ce.num_sms <= plan_layer(V3, H200X2).num_sms
 
 
 def test_imbalanced_routing_plans_for_the_busiest_rank():

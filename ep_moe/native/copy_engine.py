@@ -60,7 +60,8 @@ def prefix_matrix(counts: list[list[int]]) -> list[int]:
 
 
 def wanted(counts: list[list[int]], row_bytes: int) -> bool:
-    """Whether a combine of this layout goes through the copy engine (the same answer on every rank)."""
+    """Whether a combine of this layout (``[R][R]`` rows sent) goes through the copy engine (the same answer
+    on every rank)."""
     choice = mode()
     num_ranks = len(counts)
     if choice == "0" or num_ranks < 2:

@@ -252,7 +252,8 @@ def push_items(remote_rows: float, peers: int, op: str) -> int:
 
 
 def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
-                   push_fraction: float = DEFAULT_PUSH_FRACTION, peers: int = 1) -> OpCost:
+                   push_fraction: float = DEFAULT_PUSH_FRACTION, peers: int = 1,
+                   copy_engine: bool = False) -> OpCost:
     """One rank's cost inside one NVLink domain.
 
     ``push_local`` (ep_moe's native kernels): ``push_fraction`` of the SMs push; in a dispatch they read
@@ -268,6 +269,8 @@ def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
     which leaves the receiver's copy epilogue out).
     ``peers``: the other ranks of the domain (R - 1); the ``push_local`` pushers' chunks are counted per
     peer (`push_items`).
+    ``copy_engine``: a ``push_local`` combine whose rows go back by the copy engine
+    (`ep_moe.native.copy_engine`): no SM pushes, all of them reduce, and the link carries the same bytes.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"intranode_cost: argument 'scheme' must be one of {SCHEMES}, got {scheme!r}")
@@ -295,6 +298,8 @@ def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
     elif op == "dispatch":  # push_local: pushers move remote rows; the rest copy own + received rows
         pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer, push_items(out_remote, peers, op)),
                  SmPool("local", 1 - push_fraction, in_rows * row, sink_writes, 0.0))
+    elif copy_engine:  # push_local combine, rows returned by the copy engine: every SM reduces
+        pools = (SmPool("reduce", 1.0, in_rows * row, sink_writes, 0.0),)
     else:  # push_local combine: pushers return rows to remote sources; reducers read every row of a token
         pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer, push_items(out_remote, peers, op)),
                  SmPool("reduce", 1 - push_fraction, in_rows * row, sink_writes, 0.0))

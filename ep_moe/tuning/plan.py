@@ -36,6 +36,11 @@ class PlanPolicy:
         dispatch_push_fraction, combine_push_fraction: share of the SMs that push ("push_local"); None =
             what the native backend uses (``EP_MOE_DISPATCH_PUSH_FRACTION`` /
             ``EP_MOE_COMBINE_PUSH_FRACTION``, default 1/3).
+        combine_copy_engine: model a "push_local" combine that returns its rows by the copy engine (every SM
+            reduces), as the native backend does after an exact-size dispatch with large pairs on 2 ranks
+            (`ep_moe.native.copy_engine`). Off by default: combines after a fixed-size dispatch
+            (``num_worst_tokens``, what the calibration probes and ``benchmarks/tune_check.py`` time) use
+            pushers, and the pusher model asks for at least as many SMs as the copy engine needs.
         margin: if set, SMs = ``margin`` x the SMs whose throughput matches the bottleneck link (the knee;
             DeepEP V2 uses 1.25). If None, the fewest SMs whose predicted dispatch + combine time is within
             ``time_tolerance`` of the time at the reference count: ``knee_cap`` x the knee (``max_sms`` when
@@ -54,6 +59,7 @@ class PlanPolicy:
     scheme: str = "push_local"
     dispatch_push_fraction: float | None = None
     combine_push_fraction: float | None = None
+    combine_copy_engine: bool = False
     margin: float | None = None
     time_tolerance: float = 0.05
     knee_cap: float | None = 1.6
@@ -85,6 +91,10 @@ class PlanPolicy:
         """The share of SMs that push in ``op`` (the native backend reads the same variables)."""
         value = self.dispatch_push_fraction if op == "dispatch" else self.combine_push_fraction
         return value if value is not None else env_push_fraction(op)
+
+    def copy_engine(self) -> bool:
+        """Whether the combine is modelled as returning its rows by the copy engine."""
+        return self.scheme == "push_local" and self.combine_copy_engine
 
 
 # DeepEP V2's rule: 1.25 x the SMs that keep the bottleneck link busy, even, at least 4.
@@ -196,7 +206,8 @@ def op_costs(shape: LayerShape, topology: Topology, policy: PlanPolicy, routing=
     if topology.intranode:
         loads = rank_loads(shape, topology.world_size, routing)
         peers = topology.world_size - 1
-        return [tuple(intranode_cost(shape, load, op, policy.scheme, policy.push_fraction(op), peers)
+        return [tuple(intranode_cost(shape, load, op, policy.scheme, policy.push_fraction(op), peers,
+                                     copy_engine=policy.copy_engine() and op == "combine")
                       for op in ("dispatch", "combine")) for load in loads]
     imbalance = 1.0
     if routing is not None:
