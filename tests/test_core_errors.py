@@ -317,6 +317,8 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
     # auto: large pairs on 2 ranks only; small pairs, one rank or more ranks keep the pushers
     assert copy_engine.wanted(counts, 14336)
     assert not copy_engine.wanted([[128, 128], [128, 128]], 14336)
+    assert not copy_engine.wanted([[512, 512], [512, 512]], 14336)  # 7.3 MB: measured slower than pushers
+    assert copy_engine.wanted([[2048, 2048], [2048, 2048]], 14336)  # 29 MB: measured faster
     assert not copy_engine.wanted([[4096]], 14336)
     assert not copy_engine.wanted([[4096] * 4 for _ in range(4)], 14336)
     monkeypatch.setenv(copy_engine.MODE_ENV, "1")

@@ -11,7 +11,9 @@ flags) and a data buffer that receives rows. A dispatch runs
    local blocks copy the own rank's rows and drain the peers' chunks into the outputs.
 
 A combine sends every received row back to its source's buffer and sums per token in increasing
-rank order in fp32. Results equal the ``torch`` backend bit for bit. Shapes the kernels do not take
+rank order in fp32: by pusher blocks, or, after an exact-size dispatch whose pairs are large (2 ranks,
+`ep_moe.native.copy_engine`), by the copy engine on a side stream while every block reduces. Results
+equal the ``torch`` backend bit for bit. Shapes the kernels do not take
 (rows that are not a multiple of 16 bytes, more than 8192 local experts) go to an internal `TorchBackend`
 on the same group; every rank decides that from shapes alone, so all ranks take the same path.
 

@@ -8,7 +8,8 @@ pushes and every block of the combine kernel reduces. The host must know the lay
 
 Measured on 2 x H200 (ep_moe/native/NOTES.md, seventh session): one 58.7 MB copy into the peer takes
 160 us, each extra chunk with its flag write ~5 us, while the SM pushers of a 24-SM combine took ~220 us.
-Small combines keep the pushers: the copy stream's start (the go handshake) costs more than they move.
+Small combines keep the pushers: below ~17 MB per pair the copy stream's fixed costs (the go handshake,
+a few us per chunk) outweigh the SMs it frees.
 
 ``EP_MOE_NATIVE_COMBINE_COPY_ENGINE``: ``auto`` (default), ``1`` (whenever the host knows the layout) or
 ``0`` (never); ``EP_MOE_NATIVE_COPY_ENGINE_SHARES``: how a pair's rows are cut into chunks, as relative
@@ -25,8 +26,10 @@ MODE_ENV = "EP_MOE_NATIVE_COMBINE_COPY_ENGINE"
 SHARES_ENV = "EP_MOE_NATIVE_COPY_ENGINE_SHARES"
 DEFAULT_SHARES = (2, 5, 6, 5, 3, 2, 1)
 MAX_CHUNKS = 16  # kMaxCopyEngineChunks
-# auto: the largest pair must move at least this much (DeepEP's workload moves 58.7 MB per pair).
-AUTO_MIN_PAIR_BYTES = 8 << 20
+# auto: the largest pair must move at least this much. 2 x H200, hidden 7168 BF16, 24 SMs (combine call us,
+# pushers / copy engine): 512 tokens (7.3 MB per pair) 64.4 / 88.0, 2048 (29 MB) 175.5 / 146.1, 4096
+# (58.7 MB) 261.5 / 242.3; the lines cross near 17 MB.
+AUTO_MIN_PAIR_BYTES = 16 << 20
 AUTO_MAX_RANKS = 2  # measured only on 2 GPUs: one copy stream serves all peers in turn
 
 

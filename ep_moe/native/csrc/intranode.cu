@@ -16,6 +16,8 @@
 // Combine reverses it: pushers send each received row back to its source's buffer (contiguous per
 // source), and reducer warps (striding over all tokens) sum, per token, the rows of the ranks it went
 // to in increasing rank order in fp32 (the own rank's rows read in place), add the biases and round once.
+// In a copy-engine combine (copy_engine.cu) there are no pushers: every block reduces, and block 0 tells
+// the copy stream when every peer entered the combine.
 #include <cuda_bf16.h>
 
 #include "common.cuh"
