@@ -309,36 +309,24 @@ def _timeout_worker(rank: int, world: int) -> str:
         time.sleep(4.0)  # keep this rank's buffer alive while rank 0 writes into it and times out
     buf.destroy()
     # 2) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
-    buf = Buffer(backend="native", timeout_s=2.0)
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
-    if rank == 0:
-        with pytest.raises(TimeoutError) as info:
-            buf.combine(recv_x, handle, topk_weights=recv_w)
-            buf.barrier()
-        text = str(info.value)
-        assert "combine" in text and "rank 0" in text, text
-        messages.append(text)
-    else:
-        time.sleep(5.0)
-    buf.destroy()
-    # 3) the same with the copy-engine combine: rank 0's kernel gives up waiting for rank 1 and still
-    # releases its copy stream, so nothing hangs.
-    os.environ[COPY_ENGINE_ENV] = "1"
-    try:
-        buf = Buffer(backend="native", timeout_s=2.0)
-        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
-        if rank == 0:
-            with pytest.raises(TimeoutError) as info:
-                buf.combine(recv_x, handle, topk_weights=recv_w)
-                buf.barrier()
-            text = str(info.value)
-            assert "combine" in text and "rank 0" in text, text
-            messages.append(text)
-        else:
-            time.sleep(5.0)
-        buf.destroy()
-    finally:
-        os.environ.pop(COPY_ENGINE_ENV)
+    # With pushers, then with the copy engine, whose stream rank 0's kernel must still release (no hang).
+    for copy_engine in ("0", "1"):
+        os.environ[COPY_ENGINE_ENV] = copy_engine
+        try:
+            buf = Buffer(backend="native", timeout_s=2.0)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
+            if rank == 0:
+                with pytest.raises(TimeoutError) as info:
+                    buf.combine(recv_x, handle, topk_weights=recv_w)
+                    buf.barrier()
+                text = str(info.value)
+                assert "combine" in text and "rank 0" in text, text
+                messages.append(text)
+            else:
+                time.sleep(5.0)
+            buf.destroy()
+        finally:
+            os.environ.pop(COPY_ENGINE_ENV)
     torch.cuda.synchronize()
     return "\n".join(messages)
 
