@@ -7,14 +7,16 @@
 #   N=8 bash benchmarks/scaling_check.sh          # default N: every visible GPU
 #   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
 #
-# STEPS picks among: build test bench tune layers train (default: all). Multicast stays off (shared/GPU.md).
+# STEPS picks among: build test bench copyengine tune layers train (default: all). Multicast stays off
+# (shared/GPU.md). `copyengine`: the combine by pushers and by the copy engine at EP N (its `auto` is off
+# above 2 ranks until this is measured; the GPU suite above forces it in half its cases).
 set -o pipefail
 cd "$(dirname "$0")/.."
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ep_moe_scaling}
 mkdir -p "$OUT"
 N=${N:-$(nvidia-smi -L | wc -l)}
-STEPS=${STEPS:-"build test bench tune layers train"}
+STEPS=${STEPS:-"build test bench copyengine tune layers train"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 echo "EP $N on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 
@@ -30,6 +32,13 @@ if has bench; then
   timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 8192 --num-sms 16 24 32 48 --plan-sms --runs 30 \
     --measure-link --json "$OUT/bench_ep$N.json" --plot "$OUT/bench_ep$N.png" > "$OUT/bench_ep$N.txt" 2>&1
   echo "bench at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_ep$N.txt"
+fi
+if has copyengine; then
+  for ce in 0 1; do
+    EP_MOE_NATIVE_COMBINE_COPY_ENGINE=$ce timeout 120 torchrun --nproc-per-node "$N" benchmarks/profile_native.py \
+      --num-sms 24 32 --runs 15 --tokens 4096 > "$OUT/profile_ce${ce}_ep$N.txt" 2>&1
+    echo "profile at EP $N, combine copy engine $ce: rc $?"; grep -E "^(op|combine) " "$OUT/profile_ce${ce}_ep$N.txt"
+  done
 fi
 if has tune; then
   EP_MOE_CALIBRATION="$OUT/calibration_ep$N.json" timeout 600 torchrun --nproc-per-node "$N" benchmarks/tune_check.py \
