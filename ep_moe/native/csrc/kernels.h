@@ -155,14 +155,13 @@ struct CombineParams {
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
 // The copy-engine half of a combine launched with the same `p` (copy_engine_seq > 0), queued on a side
-// stream after the kernel: wait until *p.copy_engine_go >= seq, then, chunk
-// by chunk (p.copy_engine_bounds) and peer by peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights
-// with its first chunk) followed by a flag write into the peer's copy_engine_flag, which the stream
+// stream after the kernel: wait until *p.copy_engine_go >= seq, then, chunk by chunk (p.copy_engine_bounds)
+// and peer by peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k
+// weights with its first chunk) followed by a flag write into the peer's copy_engine_flag, which the stream
 // orders after the copy with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
 cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, cudaStream_t stream);
 // Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
 int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
-
 
 // ------------------------------------------------------------------------------------------ barrier
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);
