@@ -309,29 +309,38 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
     counts = [[4096, 4090], [4085, 4096]]  # DeepEP's workload on 2 ranks: ~58.6 MB per pair at 14 KB rows
     assert copy_engine.prefix_matrix(counts) == [4096, 4090, 8181, 8186]
     assert copy_engine.prefix_matrix([[1, 2, 3], [4, 5, 6], [0, 0, 1]]) == [1, 2, 3, 5, 7, 9, 5, 7, 10]
-    monkeypatch.delenv(copy_engine.MODE_ENV, raising=False)
-    monkeypatch.delenv(copy_engine.SHARES_ENV, raising=False)
-    assert copy_engine.shares() == list(copy_engine.DEFAULT_SHARES)
-    monkeypatch.setenv(copy_engine.SHARES_ENV, "1, 3,1")
-    assert copy_engine.shares() == [1, 3, 1]
-    # auto: large pairs on 2 ranks only; small pairs, one rank or more ranks keep the pushers
+    for op in copy_engine.OPS:
+        monkeypatch.delenv(copy_engine.MODE_ENV[op], raising=False)
+        monkeypatch.delenv(copy_engine.SHARES_ENV[op], raising=False)
+        assert copy_engine.mode(op) == "auto" and copy_engine.shares(op) == list(copy_engine.DEFAULT_SHARES[op])
+        monkeypatch.setenv(copy_engine.SHARES_ENV[op], "1, 3,1")
+        assert copy_engine.shares(op) == [1, 3, 1]
+        for bad in ("0", "", "1,,2", "2.5", ",".join(["1"] * 17), "2000"):
+            monkeypatch.setenv(copy_engine.SHARES_ENV[op], bad)
+            with pytest.raises(ValueError, match=copy_engine.SHARES_ENV[op]):
+                copy_engine.shares(op)
+        monkeypatch.setenv(copy_engine.MODE_ENV[op], "sometimes")
+        with pytest.raises(ValueError, match=copy_engine.MODE_ENV[op]):
+            copy_engine.mode(op)
+        monkeypatch.delenv(copy_engine.MODE_ENV[op])
+    # combine, auto: large pairs on 2 ranks only; small pairs, one rank or more ranks keep the pushers
     assert copy_engine.wanted(counts, 14336)
     assert not copy_engine.wanted([[128, 128], [128, 128]], 14336)
     assert not copy_engine.wanted([[512, 512], [512, 512]], 14336)  # 7.3 MB: measured slower than pushers
     assert copy_engine.wanted([[2048, 2048], [2048, 2048]], 14336)  # 29 MB: measured faster
     assert not copy_engine.wanted([[4096]], 14336)
     assert not copy_engine.wanted([[4096] * 4 for _ in range(4)], 14336)
-    monkeypatch.setenv(copy_engine.MODE_ENV, "1")
+    # cached dispatch, auto: also every peer must receive nearly all of every source's tokens
+    assert copy_engine.wanted_for_dispatch(counts, [4096, 4096], 14336)
+    assert not copy_engine.wanted_for_dispatch([[4096, 2048], [4085, 4096]], [4096, 4096], 14336)
+    assert not copy_engine.wanted_for_dispatch([[512, 512], [512, 512]], [512, 512], 14336)
+    monkeypatch.setenv(copy_engine.MODE_ENV["combine"], "1")
     assert copy_engine.wanted([[128, 128], [128, 128]], 14336) and not copy_engine.wanted([[5]], 16)
-    monkeypatch.setenv(copy_engine.MODE_ENV, "0")
+    assert not copy_engine.wanted_for_dispatch([[4096, 2048], [4085, 4096]], [4096, 4096], 14336)  # per op
+    monkeypatch.setenv(copy_engine.MODE_ENV["dispatch"], "1")
+    assert copy_engine.wanted_for_dispatch([[4096, 2048], [4085, 4096]], [4096, 4096], 14336)
+    monkeypatch.setenv(copy_engine.MODE_ENV["combine"], "0")
     assert not copy_engine.wanted(counts, 14336)
-    monkeypatch.setenv(copy_engine.MODE_ENV, "sometimes")
-    with pytest.raises(ValueError, match=copy_engine.MODE_ENV):
-        copy_engine.wanted(counts, 14336)
-    for bad in ("0", "", "1,,2", "2.5", ",".join(["1"] * 17), "2000"):
-        monkeypatch.setenv(copy_engine.SHARES_ENV, bad)
-        with pytest.raises(ValueError, match=copy_engine.SHARES_ENV):
-            copy_engine.shares()
 
 
 def test_buffer_needs_initialized_distributed() -> None:

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.gpu
 
 WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of every test
 COPY_ENGINE_ENV = "EP_MOE_NATIVE_COMBINE_COPY_ENGINE"
+DISPATCH_COPY_ENGINE_ENV = "EP_MOE_NATIVE_DISPATCH_COPY_ENGINE"
 
 
 def _need_gpus():
@@ -195,10 +196,15 @@ def _check_case(rank: int, world: int, index: int, nat, ref) -> None:
     assert_bits_equal(f"{label} combined", c_n, c_r)
     assert_bits_equal(f"{label} combined_weights", cw_n, cw_r)
 
-    # cached dispatch of fresh data with the same layout
+    # cached dispatch of fresh data with the same layout (odd cases: x by the copy engine where the host
+    # knows the layout)
     if index % 3 == 0:
         data2, _, _ = make_inputs(case, rank, world, device, seed=index + 100_000)
-        cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
+        os.environ[DISPATCH_COPY_ENGINE_ENV] = "1" if index % 2 else "0"
+        try:
+            cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
+        finally:
+            os.environ.pop(DISPATCH_COPY_ENGINE_ENV)
         cx_r = ref.dispatch(data2, handle=h_r, config=config)[0]
         if isinstance(cx_n, tuple):
             assert_bits_equal(f"{label} cached recv_x", cx_n[0], cx_r[0])
@@ -280,6 +286,32 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
     return elapsed / iterations
 
 
+def _rank0_times_out_alone(rank: int, env: dict, what: str, call, x, idx, w) -> str:
+    """Under the variables ``env``, after a dispatch together, rank 0 makes ``call(buf, handle, recv_x,
+    recv_w)``, which rank 1 skips: rank 0 must raise a TimeoutError naming ``what`` and rank 0 by its next
+    call, while rank 1 keeps its buffer alive. Returns rank 0's message ('' on rank 1)."""
+    from ep_moe import Buffer
+
+    os.environ.update(env)
+    try:
+        buf = Buffer(backend="native", timeout_s=2.0)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
+        text = ""
+        if rank == 0:
+            with pytest.raises(TimeoutError) as info:
+                call(buf, handle, recv_x, recv_w)
+                buf.barrier()
+            text = str(info.value)
+            assert what in text and "rank 0" in text, text
+        else:
+            time.sleep(5.0)
+        buf.destroy()
+        return text
+    finally:
+        for name in env:
+            os.environ.pop(name)
+
+
 def _timeout_worker(rank: int, world: int) -> str:
     from ep_moe import Buffer
     from ep_moe.backends.native_backend import NativeTimeoutError
@@ -308,27 +340,18 @@ def _timeout_worker(rank: int, world: int) -> str:
     else:
         time.sleep(4.0)  # keep this rank's buffer alive while rank 0 writes into it and times out
     buf.destroy()
-    # 2) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
-    # With pushers, then with the copy engine, whose stream rank 0's kernel must still release (no hang).
+    # 2) rank 1 skips a cached dispatch whose x goes by the copy engine: rank 0's kernel gives up waiting
+    # and still releases its copy stream (no hang); the error surfaces at the next call.
+    messages.append(_rank0_times_out_alone(rank, {DISPATCH_COPY_ENGINE_ENV: "1"}, "dispatch",
+                                           lambda buf, handle, *_: buf.dispatch(x, handle=handle), x, idx, w))
+    # 3) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
+    # With pushers, then with the copy engine, whose stream rank 0's kernel must still release.
     for copy_engine in ("0", "1"):
-        os.environ[COPY_ENGINE_ENV] = copy_engine
-        try:
-            buf = Buffer(backend="native", timeout_s=2.0)
-            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
-            if rank == 0:
-                with pytest.raises(TimeoutError) as info:
-                    buf.combine(recv_x, handle, topk_weights=recv_w)
-                    buf.barrier()
-                text = str(info.value)
-                assert "combine" in text and "rank 0" in text, text
-                messages.append(text)
-            else:
-                time.sleep(5.0)
-            buf.destroy()
-        finally:
-            os.environ.pop(COPY_ENGINE_ENV)
+        messages.append(_rank0_times_out_alone(
+            rank, {COPY_ENGINE_ENV: copy_engine}, "combine",
+            lambda buf, handle, recv_x, recv_w: buf.combine(recv_x, handle, topk_weights=recv_w), x, idx, w))
     torch.cuda.synchronize()
-    return "\n".join(messages)
+    return "\n".join(m for m in messages if m)
 
 
 def _async_counts_worker(rank: int, world: int) -> int:

@@ -24,6 +24,7 @@ and channel (at once where the host waits, else at the next call) and refuses fu
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -97,7 +98,8 @@ class NativeBackend(CommBackend):
             self._state = torch.zeros(8, dtype=torch.int64, device=device)  # LocalState (64 bytes)
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
             self._error = torch.zeros(C.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
-            self._host_counts = torch.zeros(C.MAX_RANKS * C.MAX_RANKS, dtype=torch.int32, pin_memory=True)
+            # [R * R] rows s sends r, then [R] tokens of every rank (written by notify)
+            self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1), dtype=torch.int32, pin_memory=True)
             self._host_expert_counts = torch.zeros(C.MAX_NOTIFY_EXPERTS, dtype=torch.int64, pin_memory=True)
             self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9),
                               chunks_per_pair("dispatch"), chunks_per_pair("combine"), min_chunk_rows())
@@ -105,8 +107,8 @@ class NativeBackend(CommBackend):
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # what the host knows of an exact dispatch's layout, by id of its route tensor while that
             # tensor lives (tensors cannot be weak dict keys: their == is elementwise): the rows its calls
-            # need in a buffer and the [R][R] count matrix (shared by all ranks)
-            self._route_layout: dict[int, tuple[int, list[list[int]]]] = {}
+            # need in a buffer, the [R][R] count matrix and every rank's tokens (shared by all ranks)
+            self._route_layout: dict[int, tuple[int, list[list[int]], list[int]]] = {}
             # copy-engine combines: their side stream, sequence number and go word (copy_engine.py)
             self._copy_stream: torch.cuda.Stream | None = None
             self._copy_seq = 0
@@ -194,9 +196,9 @@ class NativeBackend(CommBackend):
         self._retired.append(self._data)
         self._data = SymmetricBuffer(self.group, self.device, needed + needed // 4)
 
-    def _remember_layout(self, route: torch.Tensor, rows: int, counts: list[list[int]]) -> None:
+    def _remember_layout(self, route: torch.Tensor, rows: int, counts: list[list[int]], tokens: list[int]) -> None:
         key = id(route)
-        self._route_layout[key] = (rows, counts)
+        self._route_layout[key] = (rows, counts, tokens)
         weakref.finalize(route, self._route_layout.pop, key, None)
 
     def _rows_bound(self, handle: DispatchHandle, route: torch.Tensor) -> int | None:
@@ -254,12 +256,18 @@ class NativeBackend(CommBackend):
             self._ensure_data(sizing.data_bytes_for(num_ranks * max(num_tokens, 1), hidden, x.element_size(),
                                                     num_scales, 0))
             self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0)
+            tokens = self._copy_engine_tokens(route, row + 4 * num_scales, hidden, x.element_size(), num_scales)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, 0)
             recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
             recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
-            C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
-                       recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks, pushers,
-                       self._trace("dispatch_cached", blocks, pushers))
+            args = (self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
+                    recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
+            if tokens is None:
+                C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), 0, 0, None, [], [], None)
+            else:  # every block copies locally; x goes to the peers by the copy engine (see combine)
+                with self._copy_engine_stream() as (stream, seq):
+                    C.dispatch(*args, 0, self._trace("dispatch_cached", blocks, 0), stream, seq, self._copy_go,
+                               copy_engine.shares("dispatch"), tokens, handle.recv_src_idx)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -282,14 +290,16 @@ class NativeBackend(CommBackend):
             rows = num_worst_tokens
         else:
             self._wait_on_host()
-            counts = self._host_counts[:num_ranks * num_ranks].view(num_ranks, num_ranks).tolist()
+            host = self._host_counts[:num_ranks * (num_ranks + 1)].tolist()
+            counts = [host[s * num_ranks:(s + 1) * num_ranks] for s in range(num_ranks)]
+            tokens = host[num_ranks * num_ranks:]
             if experts_travel:
                 counts_list = self._host_expert_counts[:local_experts].tolist()
             rows = sum(counts[s][me] for s in range(num_ranks))
             # Every rank sees the same matrix, so all grow together (or none does).
             most_received = max(sum(counts[s][r] for s in range(num_ranks)) for r in range(num_ranks))
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
-            self._remember_layout(route, max(most_received, most_sent_away), counts)
+            self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         dev = x.device
@@ -302,7 +312,7 @@ class NativeBackend(CommBackend):
         C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
                    topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
                    self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks,
-                   pushers, self._trace("dispatch", blocks, pushers))
+                   pushers, self._trace("dispatch", blocks, pushers), 0, 0, None, [], [], None)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
@@ -347,27 +357,54 @@ class NativeBackend(CommBackend):
         counts = self._copy_engine_counts(route, hidden * y.element_size())
         if counts is None:
             C.combine(*args, pushers, self._trace("combine", blocks, pushers), 0, 0, None, [], [])
-            return out, out_w
-        # Every block reduces; the rows go back by the copy engine on a side stream that starts after
-        # this stream's inputs are ready, and this stream waits for it (the caller's y is read there).
+        else:  # every block reduces; the rows go back by the copy engine
+            with self._copy_engine_stream() as (stream, seq):
+                C.combine(*args, 0, self._trace("combine", blocks, 0), stream, seq, self._copy_go,
+                          copy_engine.prefix_matrix(counts), copy_engine.shares("combine"))
+        return out, out_w
+
+    # ---------------------------------------------------------------- copy engine
+    @contextlib.contextmanager
+    def _copy_engine_stream(self):
+        """``(stream handle, sequence number)`` for one copy-engine call: the side stream starts after this
+        stream's inputs are ready, and this stream waits for it afterwards (the caller's inputs are read
+        there)."""
         stream = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         self._copy_stream.wait_stream(stream)
         self._copy_seq += 1
-        C.combine(*args, 0, self._trace("combine", blocks, 0), self._copy_stream.cuda_stream, self._copy_seq,
-                  self._copy_go, copy_engine.prefix_matrix(counts), copy_engine.shares())
+        yield self._copy_stream.cuda_stream, self._copy_seq
         stream.wait_stream(self._copy_stream)
-        return out, out_w
+
+    def _copy_engine_layout(self, route: torch.Tensor) -> tuple[int, list[list[int]], list[int]] | None:
+        """What the host knows of the handle's layout when a copy-engine call is possible, else None."""
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        return self._route_layout.get(id(route))
 
     def _copy_engine_counts(self, route: torch.Tensor, row_bytes: int) -> list[list[int]] | None:
         """The count matrix when this combine goes through the copy engine (`ep_moe.native.copy_engine`),
         else None: the same answer on every rank."""
-        known = self._route_layout.get(id(route))
-        if known is None or torch.cuda.is_current_stream_capturing():
+        known = self._copy_engine_layout(route)
+        if known is None:
             return None
         counts = known[1]
         return counts if copy_engine.wanted(counts, row_bytes) else None
+
+    def _copy_engine_tokens(self, route: torch.Tensor, staged_bytes: int, hidden: int, elem_size: int,
+                            num_scales: int) -> list[int] | None:
+        """Every rank's tokens when this cached dispatch sends x by the copy engine, else None (the same
+        answer on every rank). The buffer grows (collectively) until every rank's tokens fit its slot."""
+        known = self._copy_engine_layout(route)
+        if known is None:
+            return None
+        _, counts, tokens = known
+        if not copy_engine.wanted_for_dispatch(counts, tokens, staged_bytes):
+            return None
+        self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, 0)
+        slot = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, 0).rows // self.num_ranks
+        return tokens if max(tokens) <= slot else None
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:

@@ -132,8 +132,8 @@ void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor
   TORCH_CHECK(pos.numel() == num_tokens * num_ranks && send_list.numel() == num_tokens * num_ranks &&
                   pos.scalar_type() == at::kInt && send_list.scalar_type() == at::kInt,
               "ep_moe.native: pos and send_list must hold T * R int32");
-  TORCH_CHECK(!host_counts.is_cuda() && host_counts.is_pinned() && host_counts.numel() >= num_ranks * num_ranks,
-              "ep_moe.native: host_counts must be pinned");
+  TORCH_CHECK(!host_counts.is_cuda() && host_counts.is_pinned() && host_counts.numel() >= num_ranks * (num_ranks + 1),
+              "ep_moe.native: host_counts must be pinned, R * R + R int32");
   int32_t* host_dev = nullptr;
   TORCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host_counts.data_ptr(), 0) == cudaSuccess,
               "ep_moe.native: host_counts is not device-mapped");
@@ -173,6 +173,33 @@ void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor
   check_launch(ep_moe::launch_notify(p, c10::cuda::getCurrentCUDAStream().stream()), "notify");
 }
 
+// The copy-engine half's parameters (seq 0: none); checked before any kernel starts, since the kernel
+// releases the copy stream and the copies write into the peers' buffers unchecked.
+ep_moe::CopyEngineParams copy_engine_params(int64_t stream, int64_t seq, const OptTensor& go,
+                                            const std::vector<int64_t>& shares, int64_t num_push_blocks) {
+  ep_moe::CopyEngineParams ce{};
+  if (seq == 0) return ce;
+  TORCH_CHECK(seq > 0 && num_push_blocks == 0 && stream != 0 && present(go),
+              "ep_moe.native: a copy-engine call needs no pusher blocks, a copy stream and the go word");
+  check_cuda(*go, "copy_engine_go");
+  TORCH_CHECK(go->scalar_type() == at::kLong && go->numel() >= 1, "ep_moe.native: copy_engine_go must be an int64 "
+              "CUDA tensor");
+  const int num_chunks = static_cast<int>(shares.size());
+  TORCH_CHECK(num_chunks >= 1 && num_chunks <= ep_moe::kMaxCopyEngineChunks, "ep_moe.native: copy_engine_shares must "
+              "hold 1 to ", ep_moe::kMaxCopyEngineChunks, " shares, got ", num_chunks);
+  int64_t total = 0;
+  for (int k = 0; k < num_chunks; ++k) {
+    TORCH_CHECK(shares[k] >= 1 && shares[k] <= 1024, "ep_moe.native: copy_engine_shares must be in [1, 1024], got ",
+                shares[k]);
+    total += shares[k];
+    ce.bounds[k + 1] = static_cast<int32_t>(total);
+  }
+  ce.chunks = num_chunks;
+  ce.seq = static_cast<uint64_t>(seq);
+  ce.go = reinterpret_cast<uint64_t*>(go->data_ptr());
+  return ce;
+}
+
 void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::vector<int64_t>& offsets,
               const at::Tensor& rank_prefix_matrix, const at::Tensor& send_list, const at::Tensor& x,
               const OptTensor& scales, const OptTensor& topk_idx, const OptTensor& topk_weights,
@@ -180,7 +207,9 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               const OptTensor& recv_topk_idx, const OptTensor& recv_topk_weights, const OptTensor& recv_src_idx,
               const OptTensor& recv_src_rank, const OptTensor& expert_scratch, const OptTensor& num_recv_per_expert,
               int64_t expert_alignment, int64_t rows_capacity, bool write_arrival, int64_t num_blocks,
-              int64_t num_push_blocks, const OptTensor& trace) {
+              int64_t num_push_blocks, const OptTensor& trace, int64_t copy_engine_stream, int64_t copy_engine_seq,
+              const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
+              const std::vector<int64_t>& copy_engine_tokens, const OptTensor& cached_src_idx) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks && offsets.size() == 5,
               "ep_moe.native: data_ptrs must hold R pointers and offsets 5");
@@ -240,7 +269,33 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);
   p.trace = trace_ptr(trace, num_blocks);
-  check_launch(ep_moe::launch_dispatch(p, c10::cuda::getCurrentCUDAStream().stream()), "dispatch");
+  p.copy_engine = copy_engine_params(copy_engine_stream, copy_engine_seq, copy_engine_go, copy_engine_shares,
+                                     num_push_blocks);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (copy_engine_seq == 0) {
+    check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
+    return;
+  }
+  // Copy-engine cached dispatch: every source's tokens must fit its slot (the copies are not bounds-checked).
+  TORCH_CHECK(!p.has_topk && static_cast<int>(copy_engine_tokens.size()) == num_ranks && present(cached_src_idx),
+              "ep_moe.native: a copy-engine dispatch is a cached one, with every rank's tokens and recv_src_idx");
+  check_cuda(*cached_src_idx, "cached_src_idx");
+  TORCH_CHECK(cached_src_idx->scalar_type() == at::kInt && cached_src_idx->numel() >= recv_x.size(0),
+              "ep_moe.native: cached_src_idx must be int32 with a row per received row");
+  p.copy_engine_slot_rows = rows_capacity / num_ranks;
+  for (int r = 0; r < num_ranks; ++r) {
+    TORCH_CHECK(copy_engine_tokens[r] >= 0 && copy_engine_tokens[r] <= p.copy_engine_slot_rows,
+                "ep_moe.native: rank ", r, "'s ", copy_engine_tokens[r], " tokens do not fit its slot of ",
+                p.copy_engine_slot_rows, " rows");
+    p.copy_engine_tokens[r] = static_cast<int32_t>(copy_engine_tokens[r]);
+  }
+  TORCH_CHECK(p.copy_engine_tokens[env.env.rank] == p.num_tokens, "ep_moe.native: x has ", p.num_tokens,
+              " tokens but the layout ", p.copy_engine_tokens[env.env.rank]);
+  p.cached_src_idx = cached_src_idx->data_ptr<int32_t>();
+  // The kernel goes first: the copy stream's first operation waits for its go word (see combine).
+  check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
+  check_launch(ep_moe::enqueue_copy_engine_dispatch(p, reinterpret_cast<cudaStream_t>(copy_engine_stream)),
+               "the dispatch's copy-engine pushes");
 }
 
 void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_y, int64_t off_weights,
@@ -295,35 +350,16 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);
   p.trace = trace_ptr(trace, num_blocks);
-  // Copy-engine combine: everything is checked before the kernel starts, since the kernel releases the
-  // copy stream and the copies write into the peers' buffers unchecked.
+  p.copy_engine = copy_engine_params(copy_engine_stream, copy_engine_seq, copy_engine_go, copy_engine_shares,
+                                     num_push_blocks);
   std::vector<int32_t> prefix32;
-  if (copy_engine_seq > 0) {
-    TORCH_CHECK(num_push_blocks == 0 && copy_engine_stream != 0 && present(copy_engine_go),
-                "ep_moe.native: a copy-engine combine needs no pusher blocks, a copy stream and the go word");
-    check_cuda(*copy_engine_go, "copy_engine_go");
-    TORCH_CHECK(copy_engine_go->scalar_type() == at::kLong && copy_engine_go->numel() >= 1,
-                "ep_moe.native: copy_engine_go must be an int64 CUDA tensor");
+  if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit
     TORCH_CHECK(static_cast<int>(host_prefix.size()) == num_ranks * num_ranks,
                 "ep_moe.native: host_prefix must hold the R x R rank prefix matrix");
-    const int num_chunks = static_cast<int>(copy_engine_shares.size());
-    TORCH_CHECK(num_chunks >= 1 && num_chunks <= ep_moe::kMaxCopyEngineChunks,
-                "ep_moe.native: copy_engine_shares must hold 1 to ", ep_moe::kMaxCopyEngineChunks, " shares, got ",
-                num_chunks);
-    int64_t total = 0;
-    for (int k = 0; k < num_chunks; ++k) {
-      TORCH_CHECK(copy_engine_shares[k] >= 1 && copy_engine_shares[k] <= 1024,
-                  "ep_moe.native: copy_engine_shares must be in [1, 1024], got ", copy_engine_shares[k]);
-      total += copy_engine_shares[k];
-      p.copy_engine_bounds[k + 1] = static_cast<int32_t>(total);
-    }
-    p.copy_engine_chunks = num_chunks;
     prefix32.assign(host_prefix.begin(), host_prefix.end());
     const int64_t most = ep_moe::most_rows_back(prefix32.data(), num_ranks);
     TORCH_CHECK(most <= rows_capacity, "ep_moe.native: a rank gets ", most,
                 " rows back but the symmetric buffer holds ", rows_capacity);
-    p.copy_engine_seq = static_cast<uint64_t>(copy_engine_seq);
-    p.copy_engine_go = reinterpret_cast<uint64_t*>(copy_engine_go->data_ptr());
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   if (copy_engine_seq == 0) {

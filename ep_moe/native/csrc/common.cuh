@@ -20,6 +20,7 @@ struct Control {
   uint64_t arrive[kMaxRanks];                          // arrive[p]: last epoch rank p entered
   uint64_t count_flag[2][kMaxRanks];                   // [epoch parity][source]
   int32_t counts[2][kMaxRanks][kMaxRanks];             // [epoch parity][source][destination]
+  int32_t tokens[2][kMaxRanks];                        // [epoch parity][source]: the source's tokens
   int32_t expert_counts[2][kMaxRanks][kMaxNotifyExperts];  // [epoch parity][source][local expert of the owner]
   uint64_t dispatch_flag[kMaxRanks][kMaxChunks];       // [source][chunk] rows of dispatch landed
   uint64_t combine_flag[kMaxRanks][kMaxChunks];        // [source][chunk] rows of combine landed

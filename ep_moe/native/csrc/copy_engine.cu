@@ -1,7 +1,9 @@
-// The copy-engine half of a combine: this rank's rows go back to their sources as plain device-to-device
-// copies into the peers' symmetric buffers, queued on a side stream, so that no SM pushes and every
-// block of the combine kernel reduces. A combine's rows for one source are contiguous on both sides
-// (y rows [rows_from_lower(src, me), +count) -> the source's buffer at rows_back_from_lower(src, me)),
+// The copy-engine halves of a combine and of a cached dispatch: rows travel as plain device-to-device copies
+// into the peers' symmetric buffers, queued on a side stream, so that no SM pushes (every block of the
+// kernel reduces or copies locally). Dispatch: this rank's whole x goes, token-indexed, into its slot of
+// every peer's buffer (the peer picks the rows it receives; worth it where nearly every token goes to every
+// peer, as with top-8 of 256 experts on 2 ranks). Combine: the rows for one source are contiguous on both
+// sides (y rows [rows_from_lower(src, me), +count) -> the source's buffer at rows_back_from_lower(src, me)),
 // so each chunk is one copy. Measured on 2 x H200 (NOTES.md): the copy engine moves 58.7 MB into the
 // peer in 160 us as one copy and ~5 us more per extra chunk with its flag write; SM pushers took ~220 us.
 //
@@ -47,7 +49,41 @@ cudaError_t from_driver(CUresult res) {
   return res == CUDA_SUCCESS ? cudaSuccess : static_cast<cudaError_t>(res);
 }
 
-CUdeviceptr device_word(const void* p) { return reinterpret_cast<CUdeviceptr>(p); }
+// What one copy-engine call queues on its stream: the wait for the kernel's go word, device-to-device
+// copies, and per chunk the flag write into a peer's copy_engine_flag[this rank][chunk].
+class CopyStream {
+ public:
+  CopyStream(const KernelEnv& env, const CopyEngineParams& ce, cudaStream_t stream) : env_(env), ce_(ce), stream_(stream) {}
+
+  cudaError_t wait_for_go() const {
+    const StreamMemOps& ops = stream_mem_ops();
+    if (ops.status != cudaSuccess) return ops.status;
+    return from_driver(ops.wait(cu_stream(), reinterpret_cast<CUdeviceptr>(ce_.go), ce_.seq, CU_STREAM_WAIT_VALUE_GEQ));
+  }
+  cudaError_t copy(uint8_t* dst, const uint8_t* src, int64_t bytes) const {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
+  }
+  // Default flags: the write waits for the stream's earlier writes (a system-wide fence first).
+  cudaError_t publish(int peer, int chunk) const {
+    const uint64_t* flag = &reinterpret_cast<const Control*>(env_.ctrl[peer])->copy_engine_flag[env_.rank][chunk];
+    return from_driver(stream_mem_ops().write(cu_stream(), reinterpret_cast<CUdeviceptr>(flag), ce_.seq,
+                                              CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
+  // First row of chunk k of n rows (k = chunks: n).
+  int64_t chunk_start(int n, int k) const { return copy_engine_chunk_end(ce_.bounds, ce_.chunks, n, k - 1); }
+
+ private:
+  CUstream cu_stream() const { return reinterpret_cast<CUstream>(stream_); }
+  const KernelEnv& env_;
+  const CopyEngineParams& ce_;
+  cudaStream_t stream_;
+};
+
+#define EP_MOE_TRY(expr)                        \
+  do {                                          \
+    const cudaError_t err_ = (expr);            \
+    if (err_ != cudaSuccess) return err_;       \
+  } while (0)
 
 }  // namespace
 
@@ -61,40 +97,49 @@ int64_t most_rows_back(const int32_t* prefix, int num_ranks) {
 }
 
 cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* prefix, cudaStream_t stream) {
-  const StreamMemOps& ops = stream_mem_ops();
-  if (ops.status != cudaSuccess) return ops.status;
-  const KernelEnv& env = p.env;
-  const int num_ranks = env.num_ranks, me = env.rank;
-  const auto cu_stream = reinterpret_cast<CUstream>(stream);
-  CUresult res = ops.wait(cu_stream, device_word(p.copy_engine_go), p.copy_engine_seq, CU_STREAM_WAIT_VALUE_GEQ);
-  if (res != CUDA_SUCCESS) return from_driver(res);
+  const CopyStream cs(p.env, p.copy_engine, stream);
+  EP_MOE_TRY(cs.wait_for_go());
+  const int num_ranks = p.env.num_ranks, me = p.env.rank;
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (p.y_type == kBF16 ? 2 : 4);
   const int64_t w_bytes = p.has_weights ? static_cast<int64_t>(p.num_topk) * 4 : 0;
   // Chunk k of every peer in turn, so that each peer's first rows land early.
-  for (int k = 0; k < p.copy_engine_chunks; ++k) {
+  for (int k = 0; k < p.copy_engine.chunks; ++k) {
     for (int j = 1; j < num_ranks; ++j) {
       const int src = (me + j) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
-      const int64_t j0 = copy_engine_chunk_end(p.copy_engine_bounds, p.copy_engine_chunks, count, k - 1);
-      const int64_t j1 = copy_engine_chunk_end(p.copy_engine_bounds, p.copy_engine_chunks, count, k);
+      const int64_t j0 = cs.chunk_start(count, k), j1 = cs.chunk_start(count, k + 1);
       if (j1 == j0) continue;  // an empty chunk: the reducers never wait for it
       const int64_t my_rows = rows_from_lower(prefix, num_ranks, src, me);
       const int64_t base = rows_back_from_lower(prefix, num_ranks, src, me);
       uint8_t* data = p.data[src];
-      cudaError_t err;
-      if (j0 == 0 && w_bytes > 0) {  // the top-k weights go with the pair's first rows
-        err = cudaMemcpyAsync(data + p.off_weights + base * w_bytes,
-                              reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes, count * w_bytes,
-                              cudaMemcpyDeviceToDevice, stream);
-        if (err != cudaSuccess) return err;
-      }
-      err = cudaMemcpyAsync(data + p.off_y + (base + j0) * y_bytes, p.y + (my_rows + j0) * y_bytes,
-                            (j1 - j0) * y_bytes, cudaMemcpyDeviceToDevice, stream);
-      if (err != cudaSuccess) return err;
-      const uint64_t* flag = &reinterpret_cast<const Control*>(env.ctrl[src])->copy_engine_flag[me][k];
-      // Default flags: the write waits for the stream's earlier writes (a system-wide fence first).
-      res = ops.write(cu_stream, device_word(flag), p.copy_engine_seq, CU_STREAM_WRITE_VALUE_DEFAULT);
-      if (res != CUDA_SUCCESS) return from_driver(res);
+      if (j0 == 0 && w_bytes > 0)  // the top-k weights go with the pair's first rows
+        EP_MOE_TRY(cs.copy(data + p.off_weights + base * w_bytes,
+                           reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes, count * w_bytes));
+      EP_MOE_TRY(cs.copy(data + p.off_y + (base + j0) * y_bytes, p.y + (my_rows + j0) * y_bytes, (j1 - j0) * y_bytes));
+      EP_MOE_TRY(cs.publish(src, k));
+    }
+  }
+  return cudaSuccess;
+}
+
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  const CopyStream cs(p.env, p.copy_engine, stream);
+  EP_MOE_TRY(cs.wait_for_go());
+  const int num_ranks = p.env.num_ranks, me = p.env.rank;
+  const int64_t scale_bytes = p.has_scales ? static_cast<int64_t>(p.num_scales) * 4 : 0;
+  const int64_t slot = static_cast<int64_t>(me) * p.copy_engine_slot_rows;  // this rank's rows in a peer's buffer
+  const auto* scales = reinterpret_cast<const uint8_t*>(p.scales);
+  for (int k = 0; k < p.copy_engine.chunks; ++k) {
+    const int64_t t0 = cs.chunk_start(p.num_tokens, k), t1 = cs.chunk_start(p.num_tokens, k + 1);
+    if (t1 == t0) continue;  // an empty chunk: no receiver waits for it
+    for (int j = 1; j < num_ranks; ++j) {
+      const int dst = (me + j) % num_ranks;
+      uint8_t* data = p.data[dst];
+      EP_MOE_TRY(cs.copy(data + p.off_x + (slot + t0) * p.x_bytes, p.x + t0 * p.x_bytes, (t1 - t0) * p.x_bytes));
+      if (scale_bytes > 0)
+        EP_MOE_TRY(cs.copy(data + p.off_scales + (slot + t0) * scale_bytes, scales + t0 * scale_bytes,
+                           (t1 - t0) * scale_bytes));
+      EP_MOE_TRY(cs.publish(dst, k));
     }
   }
   return cudaSuccess;

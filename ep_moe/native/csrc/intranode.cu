@@ -112,6 +112,7 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
                                        : static_cast<const int32_t*>(p.num_tokens_per_rank)[r];
       peer->counts[parity][me][r] = c;
     }
+    peer->tokens[parity][me] = p.num_tokens;
     fence_sys();
     st_release_sys(&peer->count_flag[parity][me], epoch);
     st_release_sys(&peer->arrive[me], epoch);
@@ -121,6 +122,8 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
     Control* mine = control_of(env, me);
     if (wait_flag(wait_ctx(env), &mine->count_flag[parity][src], epoch, kStageNotify, src, 0)) {
       for (int r = 0; r < num_ranks; ++r) counts[src][r] = ld_acquire_sys_s32(&mine->counts[parity][src][r]);
+      reinterpret_cast<volatile int32_t*>(p.host_counts)[num_ranks * num_ranks + src] =
+          ld_acquire_sys_s32(&mine->tokens[parity][src]);
     } else {
       ok = 0;
     }
@@ -213,6 +216,29 @@ __device__ __forceinline__ bool warp_wait_flag(const KernelEnv& env, const uint6
   return __shfl_sync(0xffffffffu, ok, 0);
 }
 
+// Warp 0 of block 0 of a copy-engine operation: once every peer entered it (so its buffer is free), set
+// the go word that starts this rank's copy stream. Set even after a failed wait: the copy stream must
+// never hang (the error is recorded and raised; the buffer is unusable from then on).
+__device__ __forceinline__ void start_copy_engine(const KernelEnv& env, const CopyEngineParams& ce, uint64_t epoch,
+                                                  int stage) {
+  const int lane = threadIdx.x & 31;
+  if (lane < env.num_ranks && lane != env.rank)
+    wait_flag(wait_ctx(env), &control_of(env, env.rank)->arrive[lane], epoch, stage, lane, 0);
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence_system();
+    st_release_sys(ce.go, ce.seq);
+  }
+}
+
+// Copies the chunk bounds into shared memory with constant indices (a dynamic index into a kernel
+// parameter would copy the parameter struct to local memory). Followed by a block barrier.
+__device__ __forceinline__ void load_copy_engine_bounds(const CopyEngineParams& ce, int32_t* bounds) {
+#pragma unroll
+  for (int i = 0; i <= kMaxCopyEngineChunks; ++i)
+    if (static_cast<int>(threadIdx.x) == i) bounds[i] = ce.bounds[i];
+}
+
 // Shared-memory counter add with acquire-release semantics at block scope (returns the old value).
 __device__ __forceinline__ int32_t atomic_add_acq_rel_block(int32_t* counter, int32_t value) {
   int32_t old;
@@ -276,6 +302,8 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
 struct DispatchShared {
   int32_t prefix[kMaxRanks * kMaxRanks];
   int32_t chunk_done[kMaxChunks * kMaxRanks];  // pushers: warps done with (chunk, peer)
+  int32_t copy_engine_bounds[kMaxCopyEngineChunks + 1];
+  int32_t copy_engine_tokens[kMaxRanks];
   int flag;
 };
 
@@ -356,16 +384,18 @@ __device__ __forceinline__ void copy_self_row(const DispatchParams& p, int t, in
   }
 }
 
-// Warp: output row `row`, which rank `src` wrote into this rank's buffer (data and metadata).
-__device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int32_t* hist) {
+// Warp: output row `row`, which rank `src` wrote into this rank's buffer at row `staged` (data and
+// metadata): pushers write rows in output order (staged == row), the copy engine token-indexed slots.
+__device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int64_t staged, int32_t* hist) {
   const int lane = threadIdx.x & 31;
   const uint8_t* data = p.data[p.env.rank];
   warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
-              reinterpret_cast<const int4*>(data + p.off_x + row * p.x_bytes), p.x_bytes / 16, lane);
+              reinterpret_cast<const int4*>(data + p.off_x + staged * p.x_bytes), p.x_bytes / 16, lane);
   if (p.has_scales)
     for (int c = lane; c < p.num_scales; c += 32)
-      p.recv_scales[row * p.num_scales + c] = __ldcg(reinterpret_cast<const float*>(data + p.off_scales) + row * p.num_scales + c);
-  if (p.has_topk) {
+      p.recv_scales[row * p.num_scales + c] =
+          __ldcg(reinterpret_cast<const float*>(data + p.off_scales) + staged * p.num_scales + c);
+  if (p.has_topk) {  // pushers only (a copy-engine dispatch is a cached one)
     const long long* src_idx = reinterpret_cast<const long long*>(data + p.off_idx) + row * p.num_topk;
     const int32_t* src_w = reinterpret_cast<const int32_t*>(data + p.off_weights) + row * p.num_topk;
     for (int k = lane; k < p.num_topk; k += 32) {
@@ -401,6 +431,40 @@ __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, 
   }
 }
 
+// Local warps of a copy-engine dispatch, after the own rows: the rows of every peer in turn, warp g of W
+// taking rows g, g + W, ... of the sequence; row j of source s is its token cached_src_idx[j], staged in
+// s's slot once the chunk of that token landed (a warp's tokens of one source increase, so it searches a
+// chunk from the last one it waited for).
+__device__ __forceinline__ bool drain_copy_engine_rows(const DispatchParams& p, const DispatchShared& sh, int g,
+                                                       int all_warps, BlockTrace& trace) {
+  const KernelEnv& env = p.env;
+  const int num_ranks = env.num_ranks, me = env.rank;
+  Control* mine = control_of(env, me);
+  int seen = 0;  // rows of the peers' sequence before src's
+  for (int j = 1; j < num_ranks; ++j) {
+    const int src = (me - j + num_ranks) % num_ranks;
+    const int count = pair_count(sh.prefix, num_ranks, src, me);
+    const int tokens = sh.copy_engine_tokens[src];
+    const int64_t first = rows_from_lower(sh.prefix, num_ranks, src, me);
+    const int64_t slot = static_cast<int64_t>(src) * p.copy_engine_slot_rows;
+    int ready = -1;  // the last chunk this warp waited for
+    for (int jj = ((g - seen) % all_warps + all_warps) % all_warps; jj < count; jj += all_warps) {
+      const int t = p.cached_src_idx[first + jj];
+      int k = max(ready, 0);
+      while (t >= copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, tokens, k)) ++k;
+      if (k != ready) {
+        if (!warp_wait_flag(env, &mine->copy_engine_flag[src][k], p.copy_engine.seq, kStageDispatchRecv, src, k, trace))
+          return false;
+        trace.first_wait();
+        ready = k;
+      }
+      drain_row(p, src, first + jj, slot + t, nullptr);
+    }
+    seen += count;
+  }
+  return true;
+}
+
 constexpr int kPadRows = 64;
 
 // Local warps of all local blocks together: first this rank's own rows, which need no wait (x is local),
@@ -410,8 +474,9 @@ constexpr int kPadRows = 64;
 // while peers' chunks arrive, and every chunk is drained by many warps at once, so no block drains the
 // last chunk alone (measured against blocks taking whole chunks in turn, own and peers' interleaved:
 // cached dispatch 244.1 -> 233.3 us at 24 SMs, 234.7 -> 221.8 at 32; FP8 151.7 -> 143.5 at 32).
-__device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const int32_t* prefix, int32_t* hist,
+__device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const DispatchShared& sh, int32_t* hist,
                                                uint64_t epoch, BlockTrace& trace) {
+  const int32_t* prefix = sh.prefix;
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   const int q = blockIdx.x - p.num_push_blocks, num_local = p.num_blocks - p.num_push_blocks;
@@ -423,6 +488,7 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
   Control* mine = control_of(env, me);
   const int self_count = pair_count(prefix, num_ranks, me, me);
   for (int j = g; j < self_count; j += all_warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
+  if (p.copy_engine.seq != 0) return drain_copy_engine_rows(p, sh, g, all_warps, trace);
   int seen = 0;  // rows of the peers' sequence before chunk k of src
   for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
@@ -439,7 +505,7 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const in
       if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k, trace)) return false;
       trace.first_wait();
       const int64_t first = rows_from_lower(prefix, num_ranks, src, me);
-      for (int jj = warp_first; jj < j1; jj += all_warps) drain_row(p, src, first + jj, hist);
+      for (int jj = warp_first; jj < j1; jj += all_warps) drain_row(p, src, first + jj, first + jj, hist);
     }
     if (!any) break;
   }
@@ -460,6 +526,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
     st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
   for (int i = threadIdx.x; i < kMaxChunks * kMaxRanks; i += blockDim.x) sh.chunk_done[i] = 0;
+  load_copy_engine_bounds(p.copy_engine, sh.copy_engine_bounds);
+#pragma unroll
+  for (int i = 0; i < kMaxRanks; ++i)  // constant indices, as for the bounds
+    if (static_cast<int>(threadIdx.x) == i) sh.copy_engine_tokens[i] = p.copy_engine_tokens[i];
   const bool count_experts = p.has_topk;
   if (count_experts)
     for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x) hist[i] = 0;
@@ -477,6 +547,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
                      (static_cast<int64_t>(rows) << 32) | (p.rows_capacity & 0xffffffff));
     }
   }
+
+  // A copy-engine dispatch starts its copy stream whatever the verdict (the host checked that every
+  // source's tokens fit its slot, so the copies stay in bounds): the stream must never wait forever.
+  if (p.copy_engine.seq != 0 && blockIdx.x == 0 && threadIdx.x < 32)
+    start_copy_engine(env, p.copy_engine, epoch, kStageDispatchSend);
 
   if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
@@ -502,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
                 [&](int dst) { return pair_count(prefix, num_ranks, me, dst); }, push_rows,
                 [&](int dst, int k) { return &control_of(env, dst)->dispatch_flag[me][k]; });
   } else if (!skip) {
-    dispatch_local(p, prefix, hist, epoch, trace);
+    dispatch_local(p, sh, hist, epoch, trace);
   }
 
   __syncthreads();
@@ -673,9 +748,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   if (blockIdx.x == 0 && threadIdx.x < num_ranks) st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
   for (int i = threadIdx.x; i < kMaxChunks * kMaxRanks; i += blockDim.x) sh.chunk_done[i] = 0;
-#pragma unroll
-  for (int i = 0; i <= kMaxCopyEngineChunks; ++i)  // constant indices: p stays in parameter space
-    if (threadIdx.x == i) sh.copy_engine_bounds[i] = p.copy_engine_bounds[i];
+  load_copy_engine_bounds(p.copy_engine, sh.copy_engine_bounds);
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
   __syncthreads();
   const int32_t* prefix = sh.prefix;
@@ -722,23 +795,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   } else if (!skip) {
     // ------------------------------------------------------------------ reducers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    const bool copy_engine = p.copy_engine_seq != 0;
-    if (copy_engine && blockIdx.x == 0 && warp == 0) {
-      // The copy engine may write into a peer's buffer once the peer entered this combine (the pushers'
-      // handshake). The go word is set even after a failed wait: the copy stream must never hang (the
-      // error is recorded and raised; the buffer is unusable from then on).
-      if (lane < num_ranks && lane != me)
-        wait_flag(wait_ctx(env), &mine->arrive[lane], epoch, kStageCombineSend, lane, 0);
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence_system();
-        st_release_sys(p.copy_engine_go, p.copy_engine_seq);
-      }
-    }
+    const bool copy_engine = p.copy_engine.seq != 0;
+    if (copy_engine && blockIdx.x == 0 && warp == 0) start_copy_engine(env, p.copy_engine, epoch, kStageCombineSend);
     // Where the peers' rows land: pusher blocks publish epochs in combine_flag, the copy engine its
     // sequence numbers in copy_engine_flag.
     const uint64_t(*landed)[kMaxChunks] = copy_engine ? mine->copy_engine_flag : mine->combine_flag;
-    const uint64_t landed_target = copy_engine ? p.copy_engine_seq : epoch;
+    const uint64_t landed_target = copy_engine ? p.copy_engine.seq : epoch;
     const int q = blockIdx.x - p.num_push_blocks, num_reducers = p.num_blocks - p.num_push_blocks;
     // Lane r (< R) caches what it knows about rank r: where its rows start in this buffer, its
     // chunk size, and the last chunk seen complete.
@@ -758,7 +820,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     const auto chunk_of = [&](int pos) {
       if (!copy_engine) return pos / lane_chunk_rows;
       int k = max(lane_ready_chunk, 0);
-      while (pos >= copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine_chunks, lane_count, k)) ++k;
+      while (pos >= copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, lane_count, k)) ++k;
       return k;
     };
     // Work items: reducer warp g (of all blocks) takes items g, g + all warps, ..., so that all warps walk

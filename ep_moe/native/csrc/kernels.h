@@ -70,7 +70,7 @@ struct NotifyParams {
   int32_t* rank_prefix_matrix;    // [R, R] out: rows ranks 0..s send rank r (cumulative over s)
   int32_t* pos;                   // [T, R] out: row of token t among those sent to r, or -1
   int32_t* send_list;             // [R, T] out: send_list[r][j] = token of the j-th row sent to r
-  int32_t* host_counts;           // [R, R] out (pinned): rows s sends r, for the host
+  int32_t* host_counts;           // [R * R + R] out (pinned): rows s sends r, then every source's tokens
   int num_worst_tokens;           // > 0: check capacity on the device (no host sync follows)
   int64_t rows_capacity;          // dispatch rows the receive buffer holds
   // Per-expert counts (exact-size dispatch; null host_expert_counts: not exchanged): every rank counts its
@@ -81,6 +81,19 @@ struct NotifyParams {
   int64_t* host_expert_counts;    // [L] out (pinned, device-mapped): aligned counts of rows per local expert
 };
 cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------ copy engine
+// What a kernel and its copy stream share when rows travel by the copy engine (seq > 0): the host's sequence
+// number of the operation, which the copy stream writes into the receivers' copy_engine_flag; the go word
+// that block 0 sets once every peer entered the operation (the copy stream waits for it, since it may then
+// write into the peers' buffers); and the chunks: chunk k of n rows ends at n * bounds[k + 1] / bounds[chunks]
+// (cumulative shares, bounds[0] = 0).
+struct CopyEngineParams {
+  uint64_t seq;
+  uint64_t* go;
+  int chunks;
+  int32_t bounds[kMaxCopyEngineChunks + 1];
+};
 
 // ------------------------------------------------------------------------------------------ dispatch
 struct DispatchParams {
@@ -114,8 +127,20 @@ struct DispatchParams {
   bool write_arrival;             // cached dispatch: this kernel is the operation's first
   int num_blocks, num_push_blocks;
   int64_t* trace;                 // [num_blocks, kTraceSlots] stamps and sums (ns) or null
+  // Copy-engine cached dispatch (copy_engine.seq > 0, num_push_blocks 0): every source's whole x (and
+  // scales) lands, token-indexed, in its slot of this rank's buffer (source s: rows [s * slot_rows, +
+  // tokens[s])) by the source's copy stream (enqueue_copy_engine_dispatch), chunks cutting the tokens;
+  // every block copies locally: the own rows, then row j of source s from its token cached_src_idx[j].
+  CopyEngineParams copy_engine;
+  int32_t copy_engine_tokens[kMaxRanks];
+  int64_t copy_engine_slot_rows;
+  const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx
 };
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
+// The copy-engine half of a dispatch launched with the same `p`, queued on a side stream after the kernel:
+// wait until *go >= seq, then chunk by chunk and peer by peer one copy of x's rows (and one of the scales)
+// into this rank's slot of the peer's buffer, each chunk followed by its flag write (stream-ordered, fenced).
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------ combine
 enum ElemType { kNone = 0, kBF16 = 1, kFP32 = 2 };
@@ -140,28 +165,22 @@ struct CombineParams {
   float* out_weights;              // [T, K] or null
   int num_blocks, num_push_blocks;
   int64_t* trace;                  // [num_blocks, kTraceSlots] stamps and sums (ns) or null
-  // Copy-engine combine (copy_engine_seq > 0, num_push_blocks 0): the rows go back to their sources by
-  // the copy engine (enqueue_copy_engine_combine), not by pusher blocks; every block reduces. Block 0
-  // sets *copy_engine_go to copy_engine_seq once every peer entered this combine (that starts the
-  // copies), and the reducers wait for copy_engine_flag[source][chunk] >= copy_engine_seq.
-  uint64_t copy_engine_seq;
-  uint64_t* copy_engine_go;        // this rank's device word the copy stream waits on
-  // Chunks of a pair's rows for the copy engine: chunk k ends at row count * bounds[k + 1] / bounds[n]
-  // (cumulative shares, bounds[0] = 0): big chunks in the middle (each chunk costs the copy stream a
-  // few us), small ones at the end (the reducers' tail after the last copy is its chunk's work).
-  int copy_engine_chunks;          // n
-  int32_t copy_engine_bounds[kMaxCopyEngineChunks + 1];
+  // Copy-engine combine (copy_engine.seq > 0, num_push_blocks 0): the rows go back to their sources by
+  // the copy engine (enqueue_copy_engine_combine), not by pusher blocks; every block reduces, waiting for
+  // copy_engine_flag[source][chunk] >= copy_engine.seq. Chunks cut each pair's rows.
+  CopyEngineParams copy_engine;
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
-// The copy-engine half of a combine launched with the same `p` (copy_engine_seq > 0), queued on a side
-// stream after the kernel: wait until *p.copy_engine_go >= seq, then, chunk by chunk (p.copy_engine_bounds)
-// and peer by peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k
-// weights with its first chunk) followed by a flag write into the peer's copy_engine_flag, which the stream
-// orders after the copy with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
+// The copy-engine half of a combine launched with the same `p` (copy_engine.seq > 0), queued on a side
+// stream after the kernel: wait until *go >= seq, then, chunk by chunk and peer by peer, one
+// device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights with its first
+// chunk) followed by a flag write into the peer's copy_engine_flag, which the stream orders after the copy
+// with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
 cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, cudaStream_t stream);
 // Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
 int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
+
 
 // ------------------------------------------------------------------------------------------ barrier
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);
