@@ -448,8 +448,11 @@ __device__ __forceinline__ bool drain_copy_engine_rows(const DispatchParams& p, 
     const int64_t first = rows_from_lower(sh.prefix, num_ranks, src, me);
     const int64_t slot = static_cast<int64_t>(src) * p.copy_engine_slot_rows;
     int ready = -1;  // the last chunk this warp waited for
-    for (int jj = ((g - seen) % all_warps + all_warps) % all_warps; jj < count; jj += all_warps) {
-      const int t = p.cached_src_idx[first + jj];
+    int jj = ((g - seen) % all_warps + all_warps) % all_warps;
+    int next_t = jj < count ? p.cached_src_idx[first + jj] : 0;  // loaded a row ahead, as the pushers do
+    for (; jj < count; jj += all_warps) {
+      const int t = next_t;
+      if (jj + all_warps < count) next_t = p.cached_src_idx[first + jj + all_warps];
       int k = max(ready, 0);
       while (t >= copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, tokens, k)) ++k;
       if (k != ready) {
