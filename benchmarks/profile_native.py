@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ep_moe import Buffer, Config
+from ep_moe import native as native_kernels
 from ep_moe.benchmarking.workload import make_input_set
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H200 clocks: longer than the host needs to queue any call
@@ -51,6 +52,22 @@ def kernel_phases(trace: torch.Tensor, num_push: int) -> tuple[float, ...]:
     pushers, local = t[:num_push], t[num_push:]
     return (float(span), float(push_done), float(local_done), per_warp(pushers, 4), per_warp(pushers, 5),
             per_warp(local, 4))
+
+
+def copy_engine_timeline(trace: torch.Tensor, blocks: torch.Tensor, chunks_per_source: int) -> str:
+    """The copy-engine timeline of a traced call, in us after the kernel's first block started: when the go
+    word was set and when each source's chunks were first seen landed ('' when the call had no copy engine)."""
+    never = torch.iinfo(torch.int64).max
+    t = trace.cpu().tolist()
+    if t[0] == never:
+        return ""
+    start = int(blocks.cpu()[:, 0].min())
+    parts = [f"go {(t[0] - start) / 1e3:.1f}"]
+    for src in range((len(t) - 1) // chunks_per_source):
+        landed = [v for v in t[1 + src * chunks_per_source:1 + (src + 1) * chunks_per_source] if v != never]
+        if landed:
+            parts.append(f"rank {src} chunks " + " ".join(f"{(v - start) / 1e3:.1f}" for v in landed))
+    return "copy engine (us after the kernel's start): " + "; ".join(parts)
 
 
 def profile_ops(buf: Buffer, sets: list, cfg: Config, worst: int, measure, num_push: int) -> list:
@@ -117,6 +134,8 @@ def main() -> None:
                            seed=i * 101 + rank) for i in range(3)]
     token = torch.ones(1, device=device)
 
+    timelines: dict[str, str] = {}  # op -> this rank's copy-engine timeline of its last traced call
+
     def measure(fn, op: str, num_push: int):
         calls, hosts, phases = [], [], []
         for i in range(args.runs + 3):
@@ -138,6 +157,8 @@ def main() -> None:
                 calls.append(start.elapsed_time(end) * 1e3)
                 hosts.append((t1 - t0) * 1e6)
                 phases.append(kernel_phases(native.last_trace[op], native.last_push_blocks[op]))
+                timelines[op] = copy_engine_timeline(native.last_copy_engine_trace[op], native.last_trace[op],
+                                                     native_kernels._C.MAX_COPY_ENGINE_CHUNKS)
         mine = torch.tensor([statistics.median(calls), statistics.median(hosts),
                              *(statistics.median(p[j] for p in phases) for j in range(6))], device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
@@ -158,6 +179,8 @@ def main() -> None:
                 if rank == 0:
                     print(f"{op:16s} {sms:4d} {frac:5.2f} {call:8.1f} {host:8.1f} {span:8.1f} {push_done:8.1f} "
                           f"{local_done:8.1f} {p_wait:7.1f} {p_sync:7.1f} {l_wait:7.1f}", flush=True)
+                    if timelines.get(op):
+                        print(f"    {timelines.pop(op)}", flush=True)
     if args.host_profile:
         host_profile(buf, sets, rank)
     dist.barrier()

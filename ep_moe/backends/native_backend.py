@@ -123,6 +123,8 @@ class NativeBackend(CommBackend):
         self.trace_kernels = False
         self.last_trace: dict[str, torch.Tensor] = {}
         self.last_push_blocks: dict[str, int] = {}  # pusher blocks of the traced kernel (leading the trace)
+        # copy-engine calls: [0] go set, [1 + s * MAX_COPY_ENGINE_CHUNKS + k] source s's chunk k landed (ns)
+        self.last_copy_engine_trace: dict[str, torch.Tensor] = {}
         dist.barrier(group=group)  # every control block is zero before any peer writes into it
 
     # ---------------------------------------------------------------- health and errors
@@ -216,11 +218,17 @@ class NativeBackend(CommBackend):
         return self._scratch
 
     def _trace(self, op: str, blocks: int, pushers: int) -> torch.Tensor | None:
+        """The trace buffer of a traced call (None when tracing is off): the blocks' slots, then the
+        copy-engine timeline (INT64_MAX until stamped; see `CopyEngineParams::trace` in csrc/kernels.h)."""
         if not self.trace_kernels:
             return None
+        C = _c()
+        flat = torch.zeros(blocks * C.TRACE_SLOTS + C.COPY_ENGINE_TRACE_SLOTS, dtype=torch.int64, device=self.device)
+        flat[blocks * C.TRACE_SLOTS:] = torch.iinfo(torch.int64).max
         self.last_push_blocks[op] = pushers
-        self.last_trace[op] = torch.zeros(blocks, _c().TRACE_SLOTS, dtype=torch.int64, device=self.device)
-        return self.last_trace[op]
+        self.last_trace[op] = flat[:blocks * C.TRACE_SLOTS].view(blocks, C.TRACE_SLOTS)
+        self.last_copy_engine_trace[op] = flat[blocks * C.TRACE_SLOTS:]
+        return flat
 
     def _kernels_take(self, row_bytes: int, num_local_experts: int = 0) -> bool:
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS

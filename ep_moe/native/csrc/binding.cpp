@@ -41,6 +41,14 @@ int elem_type(const at::Tensor& t, const char* name) {
   TORCH_CHECK(false, "ep_moe.native: ", name, " must be bfloat16 or float32, got ", t.scalar_type());
 }
 
+// The copy-engine timeline after the blocks' slots of a trace buffer (null: no tracing or no copy engine).
+int64_t* copy_engine_trace_ptr(const OptTensor& trace, int64_t num_blocks, int64_t copy_engine_seq) {
+  if (!present(trace) || copy_engine_seq == 0) return nullptr;
+  TORCH_CHECK(trace->numel() >= num_blocks * ep_moe::kTraceSlots + ep_moe::kCopyEngineTraceSlots,
+              "ep_moe.native: a copy-engine call's trace needs ", ep_moe::kCopyEngineTraceSlots, " slots after the blocks'");
+  return trace->data_ptr<int64_t>() + num_blocks * ep_moe::kTraceSlots;
+}
+
 // The per-block timeline buffer of a dispatch or combine (null: no tracing).
 int64_t* trace_ptr(const OptTensor& trace, int64_t num_blocks) {
   if (!present(trace)) return nullptr;
@@ -271,6 +279,7 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.trace = trace_ptr(trace, num_blocks);
   p.copy_engine = copy_engine_params(copy_engine_stream, copy_engine_seq, copy_engine_go, copy_engine_shares,
                                      num_push_blocks);
+  p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   if (copy_engine_seq == 0) {
     check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
@@ -352,6 +361,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.trace = trace_ptr(trace, num_blocks);
   p.copy_engine = copy_engine_params(copy_engine_stream, copy_engine_seq, copy_engine_go, copy_engine_shares,
                                      num_push_blocks);
+  p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
   std::vector<int32_t> prefix32;
   if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit
     TORCH_CHECK(static_cast<int>(host_prefix.size()) == num_ranks * num_ranks,
@@ -388,6 +398,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("MAX_NOTIFY_EXPERTS") = ep_moe::kMaxNotifyExperts;
   m.attr("ERROR_WORDS") = static_cast<int>(ep_moe::kErrWords);
   m.attr("TRACE_SLOTS") = static_cast<int>(ep_moe::kTraceSlots);
+  m.attr("COPY_ENGINE_TRACE_SLOTS") = ep_moe::kCopyEngineTraceSlots;
+  m.attr("MAX_COPY_ENGINE_CHUNKS") = ep_moe::kMaxCopyEngineChunks;
   pybind11::class_<Env>(m, "Env")
       .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, int64_t>(),
            pybind11::arg("rank"), pybind11::arg("ctrl_ptrs"), pybind11::arg("state"), pybind11::arg("error"),

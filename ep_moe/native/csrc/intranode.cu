@@ -228,7 +228,15 @@ __device__ __forceinline__ void start_copy_engine(const KernelEnv& env, const Co
   if (lane == 0) {
     __threadfence_system();
     st_release_sys(ce.go, ce.seq);
+    if (ce.trace != nullptr) ce.trace[0] = static_cast<int64_t>(global_timer_ns());
   }
+}
+
+// Diagnostics: the first time any warp saw chunk k of source src landed (see CopyEngineParams::trace).
+__device__ __forceinline__ void stamp_landed(const CopyEngineParams& ce, int src, int k) {
+  if (ce.trace != nullptr)
+    atomicMin(reinterpret_cast<unsigned long long*>(ce.trace + 1 + src * kMaxCopyEngineChunks + k),
+              static_cast<unsigned long long>(global_timer_ns()));
 }
 
 // Copies the chunk bounds into shared memory with constant indices (a dynamic index into a kernel
@@ -458,6 +466,7 @@ __device__ __forceinline__ bool drain_copy_engine_rows(const DispatchParams& p, 
       if (k != ready) {
         if (!warp_wait_flag(env, &mine->copy_engine_flag[src][k], p.copy_engine.seq, kStageDispatchRecv, src, k, trace))
           return false;
+        if ((threadIdx.x & 31) == 0) stamp_landed(p.copy_engine, src, k);
         trace.first_wait();
         ready = k;
       }
@@ -861,6 +870,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
         const int k = chunk_of(pos);
         if (k != lane_ready_chunk) {
           ok = traced_wait_flag(env, &landed[lane][k], landed_target, kStageCombineRecv, lane, k, trace);
+          if (ok && copy_engine) stamp_landed(p.copy_engine, lane, k);
           lane_ready_chunk = k;
         }
       }

@@ -93,7 +93,11 @@ struct CopyEngineParams {
   uint64_t* go;
   int chunks;
   int32_t bounds[kMaxCopyEngineChunks + 1];
+  // Diagnostics (null: off): global-timer ns when the go word was set ([0]) and when a warp first saw
+  // chunk k of source s landed ([1 + s * kMaxCopyEngineChunks + k]; the host fills them with INT64_MAX).
+  int64_t* trace;
 };
+constexpr int kCopyEngineTraceSlots = 1 + kMaxRanks * kMaxCopyEngineChunks;
 
 // ------------------------------------------------------------------------------------------ dispatch
 struct DispatchParams {
