@@ -123,10 +123,17 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     side_group = torch.distributed.new_group(backend="gloo")
     for index in range(num_cases):
         error = None
+        # odd cases force the copy engine for dispatch and combine where the host knows the layout
+        # (exact-size dispatches and their cached re-dispatches and combines)
+        forced = "1" if index % 2 else "0"
+        os.environ.update({DISPATCH_COPY_ENGINE_ENV: forced, COPY_ENGINE_ENV: forced})
         try:
             _check_case(rank, world, index, nat, ref)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
+        finally:
+            for name in (DISPATCH_COPY_ENGINE_ENV, COPY_ENGINE_ENV):
+                os.environ.pop(name)
         if not _all_ok(error is None, side_group):
             raise AssertionError(f"case {index} {make_case(index)} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
@@ -186,25 +193,15 @@ def _check_case(rank: int, world: int, index: int, nat, ref) -> None:
     elif case["bias"] == 2:
         bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
                 torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
-    # odd cases force the copy-engine combine where the host knows the layout (exact dispatches)
-    os.environ[COPY_ENGINE_ENV] = "1" if index % 2 else "0"
-    try:
-        c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
-    finally:
-        os.environ.pop(COPY_ENGINE_ENV)
+    c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
     c_r, cw_r, _ = ref.combine(y, h_r, topk_weights=rw_r, bias=bias, config=config)
     assert_bits_equal(f"{label} combined", c_n, c_r)
     assert_bits_equal(f"{label} combined_weights", cw_n, cw_r)
 
-    # cached dispatch of fresh data with the same layout (odd cases: x by the copy engine where the host
-    # knows the layout)
+    # cached dispatch of fresh data with the same layout
     if index % 3 == 0:
         data2, _, _ = make_inputs(case, rank, world, device, seed=index + 100_000)
-        os.environ[DISPATCH_COPY_ENGINE_ENV] = "1" if index % 2 else "0"
-        try:
-            cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
-        finally:
-            os.environ.pop(DISPATCH_COPY_ENGINE_ENV)
+        cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
         cx_r = ref.dispatch(data2, handle=h_r, config=config)[0]
         if isinstance(cx_n, tuple):
             assert_bits_equal(f"{label} cached recv_x", cx_n[0], cx_r[0])

@@ -12,7 +12,9 @@ flags) and a data buffer that receives rows. A dispatch runs
 
 A combine sends every received row back to its source's buffer and sums per token in increasing
 rank order in fp32: by pusher blocks, or, after an exact-size dispatch whose pairs are large (2 ranks,
-`ep_moe.native.copy_engine`), by the copy engine on a side stream while every block reduces. Results
+`ep_moe.native.copy_engine`), by the copy engine on a side stream while every block reduces. Likewise an
+exact-size or cached dispatch where nearly every token goes to every peer sends each rank's whole x by the
+copy engine, and every block copies the received rows out of the buffer. Results
 equal the ``torch`` backend bit for bit. Shapes the kernels do not take
 (rows that are not a multiple of 16 bytes, more than 8192 local experts) go to an internal `TorchBackend`
 on the same group; every rank decides that from shapes alone, so all ranks take the same path.
@@ -264,18 +266,21 @@ class NativeBackend(CommBackend):
             self._ensure_data(sizing.data_bytes_for(num_ranks * max(num_tokens, 1), hidden, x.element_size(),
                                                     num_scales, 0))
             self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0)
-            tokens = self._copy_engine_tokens(route, row + 4 * num_scales, hidden, x.element_size(), num_scales)
+            layout = self._route_layout.get(id(route))
+            tokens = None if layout is None else self._copy_engine_tokens(layout[1], layout[2], hidden,
+                                                                          x.element_size(), num_scales, 0)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, 0)
             recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
             recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
             args = (self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
-                C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), 0, 0, None, [], [], None)
+                C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), 0, 0, None, [], [], [], None)
             else:  # every block copies locally; x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_stream() as (stream, seq):
                     C.dispatch(*args, 0, self._trace("dispatch_cached", blocks, 0), stream, seq, self._copy_go,
-                               copy_engine.shares("dispatch"), tokens, handle.recv_src_idx)
+                               copy_engine.shares("dispatch"), tokens, copy_engine.prefix_matrix(layout[1]),
+                               handle.recv_src_idx)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -294,6 +299,7 @@ class NativeBackend(CommBackend):
                  self._host_counts, num_worst_tokens, regions.rows, topk_idx, local_experts, expert_alignment,
                  self._host_expert_counts if experts_travel else None)
         counts_list = None
+        tokens = None  # every rank's tokens when x goes by the copy engine
         if num_worst_tokens:
             rows = num_worst_tokens
         else:
@@ -309,6 +315,7 @@ class NativeBackend(CommBackend):
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
             self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
+            tokens = self._copy_engine_tokens(counts, tokens, hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         dev = x.device
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
@@ -317,10 +324,15 @@ class NativeBackend(CommBackend):
         recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
         recv_src = torch.empty(2, rows, dtype=torch.int32, device=dev)  # source index, source rank
         counts_out = torch.empty(local_experts, dtype=torch.int64, device=dev)
-        C.dispatch(self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
-                   topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
-                   self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks,
-                   pushers, self._trace("dispatch", blocks, pushers), 0, 0, None, [], [], None)
+        args = (self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx, topk_weights,
+                local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
+                self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks)
+        if tokens is None:
+            C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), 0, 0, None, [], [], [], None)
+        else:  # every block copies locally; x, the top-k and the send lists go by the copy engine
+            with self._copy_engine_stream() as (stream, seq):
+                C.dispatch(*args, 0, self._trace("dispatch", blocks, 0), stream, seq, self._copy_go,
+                           copy_engine.shares("dispatch"), tokens, copy_engine.prefix_matrix(counts), None)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
@@ -400,19 +412,18 @@ class NativeBackend(CommBackend):
         counts = known[1]
         return counts if copy_engine.wanted(counts, row_bytes) else None
 
-    def _copy_engine_tokens(self, route: torch.Tensor, staged_bytes: int, hidden: int, elem_size: int,
-                            num_scales: int) -> list[int] | None:
-        """Every rank's tokens when this cached dispatch sends x by the copy engine, else None (the same
-        answer on every rank). The buffer grows (collectively) until every rank's tokens fit its slot."""
-        known = self._copy_engine_layout(route)
-        if known is None:
+    def _copy_engine_tokens(self, counts: list[list[int]], tokens: list[int], hidden: int, elem_size: int,
+                            num_scales: int, num_topk: int) -> list[int] | None:
+        """``tokens`` when this dispatch sends x by the copy engine, else None (the same answer on every
+        rank; never during graph capture). The buffer grows (collectively) until every rank's tokens fit its
+        slot."""
+        if torch.cuda.is_current_stream_capturing():
             return None
-        _, counts, tokens = known
-        if not copy_engine.wanted_for_dispatch(counts, tokens, staged_bytes):
+        if not copy_engine.wanted_for_dispatch(counts, tokens, hidden * elem_size + 4 * num_scales):
             return None
-        self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, 0)
-        slot = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, 0).rows // self.num_ranks
-        return tokens if max(tokens) <= slot else None
+        self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk)
+        regions = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, num_topk)
+        return tokens if max(tokens) <= regions.rows // self.num_ranks else None
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:

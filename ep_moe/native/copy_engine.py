@@ -4,11 +4,12 @@ Combine: a combine's rows for one source are contiguous on both sides, so each c
 device-to-device copy into the source's symmetric buffer (``csrc/copy_engine.cu``), queued on a side
 stream; then no SM pushes and every block of the combine kernel reduces.
 
-Cached dispatch: where nearly every token goes to every peer (top-8 of 256 experts on 2 ranks: 99.6 %),
-each rank's whole ``x`` (and scales) goes by the copy engine into its slot of every peer's buffer, token
-by token in order, and the receiver's blocks, all of them local, copy the rows they receive out of it
-(the handle's ``recv_src_idx`` names the token of every received row). The link carries the unrouted
-tokens too, hence the density condition.
+Dispatch: where nearly every token goes to every peer (top-8 of 256 experts on 2 ranks: 99.6 %), each
+rank's whole ``x`` (and scales) goes by the copy engine into its slot of every peer's buffer, token by
+token in order, and the receiver's blocks, all of them local, copy the rows they receive out of it: a
+cached dispatch finds each row's token in the handle's ``recv_src_idx``, a fresh one in the sender's send
+list, which the copy stream sends first together with the whole top-k (converted to local experts by the
+receiver). The link carries the unrouted tokens too, hence the density condition.
 
 Either needs the layout's counts on the host (a handle of an exact-size dispatch; not
 ``num_worst_tokens``) and no CUDA-graph capture (the copies' flag values are host sequence numbers,
@@ -101,8 +102,8 @@ def wanted(counts: list[list[int]], row_bytes: int) -> bool:
 
 
 def wanted_for_dispatch(counts: list[list[int]], tokens: list[int], row_bytes: int) -> bool:
-    """Whether a cached dispatch of this layout (``[R][R]`` rows sent, ``[R]`` tokens per rank) sends every
-    rank's whole ``x`` by the copy engine (the same answer on every rank)."""
+    """Whether a dispatch of this layout (``[R][R]`` rows sent, ``[R]`` tokens per rank) sends every rank's
+    whole ``x`` by the copy engine (the same answer on every rank)."""
     num_ranks = len(counts)
     forced = _forced("dispatch", num_ranks)
     if forced is not None:

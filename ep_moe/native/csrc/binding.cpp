@@ -217,7 +217,8 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               int64_t expert_alignment, int64_t rows_capacity, bool write_arrival, int64_t num_blocks,
               int64_t num_push_blocks, const OptTensor& trace, int64_t copy_engine_stream, int64_t copy_engine_seq,
               const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
-              const std::vector<int64_t>& copy_engine_tokens, const OptTensor& cached_src_idx) {
+              const std::vector<int64_t>& copy_engine_tokens, const std::vector<int64_t>& host_prefix,
+              const OptTensor& cached_src_idx) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks && offsets.size() == 5,
               "ep_moe.native: data_ptrs must hold R pointers and offsets 5");
@@ -285,12 +286,12 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
     check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
     return;
   }
-  // Copy-engine cached dispatch: every source's tokens must fit its slot (the copies are not bounds-checked).
-  TORCH_CHECK(!p.has_topk && static_cast<int>(copy_engine_tokens.size()) == num_ranks && present(cached_src_idx),
-              "ep_moe.native: a copy-engine dispatch is a cached one, with every rank's tokens and recv_src_idx");
-  check_cuda(*cached_src_idx, "cached_src_idx");
-  TORCH_CHECK(cached_src_idx->scalar_type() == at::kInt && cached_src_idx->numel() >= recv_x.size(0),
-              "ep_moe.native: cached_src_idx must be int32 with a row per received row");
+  // Copy-engine dispatch: every source's tokens must fit its slot (the copies are not bounds-checked). A
+  // cached one reads the handle's recv_src_idx; a fresh one the send lists its peers' copy streams stage.
+  TORCH_CHECK(static_cast<int>(copy_engine_tokens.size()) == num_ranks &&
+                  static_cast<int>(host_prefix.size()) == num_ranks * num_ranks && p.has_topk != present(cached_src_idx),
+              "ep_moe.native: a copy-engine dispatch needs every rank's tokens, the R x R prefix matrix, and "
+              "recv_src_idx exactly when cached");
   p.copy_engine_slot_rows = rows_capacity / num_ranks;
   for (int r = 0; r < num_ranks; ++r) {
     TORCH_CHECK(copy_engine_tokens[r] >= 0 && copy_engine_tokens[r] <= p.copy_engine_slot_rows,
@@ -300,10 +301,18 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   }
   TORCH_CHECK(p.copy_engine_tokens[env.env.rank] == p.num_tokens, "ep_moe.native: x has ", p.num_tokens,
               " tokens but the layout ", p.copy_engine_tokens[env.env.rank]);
-  p.cached_src_idx = cached_src_idx->data_ptr<int32_t>();
+  const std::vector<int32_t> prefix32(host_prefix.begin(), host_prefix.end());
+  TORCH_CHECK(p.num_recv_rows == prefix32[(num_ranks - 1) * num_ranks + env.env.rank],
+              "ep_moe.native: a copy-engine dispatch receives exactly its rows (no padding)");
+  if (present(cached_src_idx)) {
+    check_cuda(*cached_src_idx, "cached_src_idx");
+    TORCH_CHECK(cached_src_idx->scalar_type() == at::kInt && cached_src_idx->numel() >= recv_x.size(0),
+                "ep_moe.native: cached_src_idx must be int32 with a row per received row");
+    p.cached_src_idx = cached_src_idx->data_ptr<int32_t>();
+  }
   // The kernel goes first: the copy stream's first operation waits for its go word (see combine).
   check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
-  check_launch(ep_moe::enqueue_copy_engine_dispatch(p, reinterpret_cast<cudaStream_t>(copy_engine_stream)),
+  check_launch(ep_moe::enqueue_copy_engine_dispatch(p, prefix32.data(), reinterpret_cast<cudaStream_t>(copy_engine_stream)),
                "the dispatch's copy-engine pushes");
 }
 

@@ -122,23 +122,42 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
   return cudaSuccess;
 }
 
-cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, cudaStream_t stream) {
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* prefix, cudaStream_t stream) {
   const CopyStream cs(p.env, p.copy_engine, stream);
   EP_MOE_TRY(cs.wait_for_go());
   const int num_ranks = p.env.num_ranks, me = p.env.rank;
   const int64_t scale_bytes = p.has_scales ? static_cast<int64_t>(p.num_scales) * 4 : 0;
   const int64_t slot = static_cast<int64_t>(me) * p.copy_engine_slot_rows;  // this rank's rows in a peer's buffer
   const auto* scales = reinterpret_cast<const uint8_t*>(p.scales);
-  for (int k = 0; k < p.copy_engine.chunks; ++k) {
-    const int64_t t0 = cs.chunk_start(p.num_tokens, k), t1 = cs.chunk_start(p.num_tokens, k + 1);
-    if (t1 == t0) continue;  // an empty chunk: no receiver waits for it
+  if (p.has_topk) {  // fresh dispatch: the send list to each peer and the whole top-k go before the first chunk
+    const int64_t idx_bytes = static_cast<int64_t>(p.num_topk) * 8, w_bytes = static_cast<int64_t>(p.num_topk) * 4;
     for (int j = 1; j < num_ranks; ++j) {
       const int dst = (me + j) % num_ranks;
       uint8_t* data = p.data[dst];
-      EP_MOE_TRY(cs.copy(data + p.off_x + (slot + t0) * p.x_bytes, p.x + t0 * p.x_bytes, (t1 - t0) * p.x_bytes));
-      if (scale_bytes > 0)
-        EP_MOE_TRY(cs.copy(data + p.off_scales + (slot + t0) * scale_bytes, scales + t0 * scale_bytes,
-                           (t1 - t0) * scale_bytes));
+      const int count = pair_count(prefix, num_ranks, me, dst);
+      if (count > 0)
+        EP_MOE_TRY(cs.copy(data + p.off_src + slot * 4,
+                           reinterpret_cast<const uint8_t*>(p.send_list + static_cast<int64_t>(dst) * p.num_tokens),
+                           static_cast<int64_t>(count) * 4));
+      EP_MOE_TRY(cs.copy(data + p.off_idx + slot * idx_bytes, reinterpret_cast<const uint8_t*>(p.topk_idx),
+                         p.num_tokens * idx_bytes));
+      EP_MOE_TRY(cs.copy(data + p.off_weights + slot * w_bytes, reinterpret_cast<const uint8_t*>(p.topk_weights),
+                         p.num_tokens * w_bytes));
+    }
+  }
+  for (int k = 0; k < p.copy_engine.chunks; ++k) {
+    const int64_t t0 = cs.chunk_start(p.num_tokens, k), t1 = cs.chunk_start(p.num_tokens, k + 1);
+    // An empty chunk has no waiter, except chunk 0 of a fresh dispatch (the send list comes with it).
+    if (t1 == t0 && !(k == 0 && p.has_topk)) continue;
+    for (int j = 1; j < num_ranks; ++j) {
+      const int dst = (me + j) % num_ranks;
+      uint8_t* data = p.data[dst];
+      if (t1 > t0) {
+        EP_MOE_TRY(cs.copy(data + p.off_x + (slot + t0) * p.x_bytes, p.x + t0 * p.x_bytes, (t1 - t0) * p.x_bytes));
+        if (scale_bytes > 0)
+          EP_MOE_TRY(cs.copy(data + p.off_scales + (slot + t0) * scale_bytes, scales + t0 * scale_bytes,
+                             (t1 - t0) * scale_bytes));
+      }
       EP_MOE_TRY(cs.publish(dst, k));
     }
   }

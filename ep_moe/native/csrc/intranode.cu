@@ -368,33 +368,45 @@ __device__ __forceinline__ void store_row_meta(const DispatchParams& p, int dst,
 }
 
 // Warp: this rank's own token t, received as output row `row` (data and metadata).
+// Warp: output row `row`'s top-k from a token's global expert ids and fp32 weights (`idx`, `w`: K each; in
+// this rank's input, or written by a peer's copy engine, then read through L2): ids of this rank's experts
+// become local ids, the others -1 with weight 0; `hist` counts the local ones. Then the row's source.
+template <bool kPeerWritten>
+__device__ __forceinline__ void store_local_topk(const DispatchParams& p, int64_t row, const int64_t* idx,
+                                                 const int32_t* w, int src, int t, int32_t* hist) {
+  const int lane = threadIdx.x & 31;
+  const int64_t lo = static_cast<int64_t>(p.env.rank) * p.experts_per_rank;
+  for (int k = lane; k < p.num_topk; k += 32) {
+    const int64_t e = kPeerWritten ? __ldcg(reinterpret_cast<const long long*>(idx) + k) : __ldg(idx + k);
+    const bool local = e >= lo && e < lo + p.experts_per_rank;
+    p.recv_topk_idx[row * p.num_topk + k] = local ? e - lo : -1;
+    reinterpret_cast<int32_t*>(p.recv_topk_weights)[row * p.num_topk + k] =
+        local ? (kPeerWritten ? __ldcg(w + k) : __ldg(w + k)) : 0;
+    if (local) atomicAdd(&hist[e - lo], 1);
+  }
+  if (lane == 0) {
+    p.recv_src_idx[row] = t;
+    p.recv_src_rank[row] = src;
+  }
+}
+
+// Warp: this rank's own token t, received as output row `row` (data and metadata).
 __device__ __forceinline__ void copy_self_row(const DispatchParams& p, int t, int64_t row, int32_t* hist) {
-  const int me = p.env.rank, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
               reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
   if (p.has_scales)
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] = __ldg(p.scales + static_cast<int64_t>(t) * p.num_scales + c);
-  if (p.has_topk) {
-    const int64_t lo = static_cast<int64_t>(me) * p.experts_per_rank;
-    for (int k = lane; k < p.num_topk; k += 32) {
-      const int64_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * p.num_topk + k);
-      const bool local = e >= lo && e < lo + p.experts_per_rank;
-      p.recv_topk_idx[row * p.num_topk + k] = local ? e - lo : -1;
-      reinterpret_cast<int32_t*>(p.recv_topk_weights)[row * p.num_topk + k] =
-          local ? __ldg(reinterpret_cast<const int32_t*>(p.topk_weights) + static_cast<int64_t>(t) * p.num_topk + k) : 0;
-      if (local) atomicAdd(&hist[e - lo], 1);
-    }
-    if (lane == 0) {
-      p.recv_src_idx[row] = t;
-      p.recv_src_rank[row] = me;
-    }
-  }
+  if (p.has_topk)
+    store_local_topk<false>(p, row, p.topk_idx + static_cast<int64_t>(t) * p.num_topk,
+                            reinterpret_cast<const int32_t*>(p.topk_weights) + static_cast<int64_t>(t) * p.num_topk,
+                            p.env.rank, t, hist);
 }
 
-// Warp: output row `row`, which rank `src` wrote into this rank's buffer at row `staged` (data and
-// metadata): pushers write rows in output order (staged == row), the copy engine token-indexed slots.
-__device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int64_t staged, int32_t* hist) {
+// Warp: the data of output row `row` (x, scales) from row `staged` of this rank's buffer, where a peer
+// wrote it: pushers in output order (staged == row), the copy engine token-indexed in the peer's slot.
+__device__ __forceinline__ void copy_staged_data(const DispatchParams& p, int64_t row, int64_t staged) {
   const int lane = threadIdx.x & 31;
   const uint8_t* data = p.data[p.env.rank];
   warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
@@ -403,7 +415,15 @@ __device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int6
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] =
           __ldcg(reinterpret_cast<const float*>(data + p.off_scales) + staged * p.num_scales + c);
-  if (p.has_topk) {  // pushers only (a copy-engine dispatch is a cached one)
+}
+
+// Warp: output row `row`, which rank `src`'s pushers wrote into this rank's buffer (data and metadata;
+// the pushers converted the top-k to this rank's local ids).
+__device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int32_t* hist) {
+  const int lane = threadIdx.x & 31;
+  const uint8_t* data = p.data[p.env.rank];
+  copy_staged_data(p, row, row);
+  if (p.has_topk) {
     const long long* src_idx = reinterpret_cast<const long long*>(data + p.off_idx) + row * p.num_topk;
     const int32_t* src_w = reinterpret_cast<const int32_t*>(data + p.off_weights) + row * p.num_topk;
     for (int k = lane; k < p.num_topk; k += 32) {
@@ -440,14 +460,17 @@ __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, 
 }
 
 // Local warps of a copy-engine dispatch, after the own rows: the rows of every peer in turn, warp g of W
-// taking rows g, g + W, ... of the sequence; row j of source s is its token cached_src_idx[j], staged in
-// s's slot once the chunk of that token landed (a warp's tokens of one source increase, so it searches a
-// chunk from the last one it waited for).
+// taking rows g, g + W, ... of the sequence. Row j of source s is its token t: cached_src_idx[j] (cached
+// dispatch), or entry j of s's send list to this rank, which s's copy stream wrote into s's slot of the
+// source-index region before its first chunk (fresh dispatch). The token's data (and, fresh, its top-k in
+// global ids) sit at row t of s's slot once the chunk of t landed; a warp's tokens of one source increase,
+// so it searches a chunk from the last one it waited for.
 __device__ __forceinline__ bool drain_copy_engine_rows(const DispatchParams& p, const DispatchShared& sh, int g,
-                                                       int all_warps, BlockTrace& trace) {
+                                                       int all_warps, int32_t* hist, BlockTrace& trace) {
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   Control* mine = control_of(env, me);
+  const uint8_t* data = p.data[me];
   int seen = 0;  // rows of the peers' sequence before src's
   for (int j = 1; j < num_ranks; ++j) {
     const int src = (me - j + num_ranks) % num_ranks;
@@ -456,23 +479,34 @@ __device__ __forceinline__ bool drain_copy_engine_rows(const DispatchParams& p, 
     const int64_t first = rows_from_lower(sh.prefix, num_ranks, src, me);
     const int64_t slot = static_cast<int64_t>(src) * p.copy_engine_slot_rows;
     int ready = -1;  // the last chunk this warp waited for
+    const auto wait_chunk = [&](int k) {
+      if (!warp_wait_flag(env, &mine->copy_engine_flag[src][k], p.copy_engine.seq, kStageDispatchRecv, src, k, trace))
+        return false;
+      if ((threadIdx.x & 31) == 0) stamp_landed(p.copy_engine, src, k);
+      trace.first_wait();
+      ready = k;
+      return true;
+    };
     int jj = ((g - seen) % all_warps + all_warps) % all_warps;
-    int next_t = jj < count ? p.cached_src_idx[first + jj] : 0;  // loaded a row ahead, as the pushers do
+    seen += count;
+    if (jj >= count) continue;
+    const int32_t* list = p.cached_src_idx != nullptr ? p.cached_src_idx + first
+                                                      : reinterpret_cast<const int32_t*>(data + p.off_src) + slot;
+    if (p.cached_src_idx == nullptr && !wait_chunk(0)) return false;  // the send list came with chunk 0
+    int next_t = __ldcg(list + jj);  // loaded a row ahead, as the pushers do
     for (; jj < count; jj += all_warps) {
       const int t = next_t;
-      if (jj + all_warps < count) next_t = p.cached_src_idx[first + jj + all_warps];
+      if (jj + all_warps < count) next_t = __ldcg(list + jj + all_warps);
       int k = max(ready, 0);
       while (t >= copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, tokens, k)) ++k;
-      if (k != ready) {
-        if (!warp_wait_flag(env, &mine->copy_engine_flag[src][k], p.copy_engine.seq, kStageDispatchRecv, src, k, trace))
-          return false;
-        if ((threadIdx.x & 31) == 0) stamp_landed(p.copy_engine, src, k);
-        trace.first_wait();
-        ready = k;
-      }
-      drain_row(p, src, first + jj, slot + t, nullptr);
+      if (k != ready && !wait_chunk(k)) return false;
+      copy_staged_data(p, first + jj, slot + t);
+      if (p.has_topk)
+        store_local_topk<true>(p, first + jj,
+                               reinterpret_cast<const int64_t*>(data + p.off_idx) + (slot + t) * p.num_topk,
+                               reinterpret_cast<const int32_t*>(data + p.off_weights) + (slot + t) * p.num_topk,
+                               src, t, hist);
     }
-    seen += count;
   }
   return true;
 }
@@ -500,7 +534,7 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const Di
   Control* mine = control_of(env, me);
   const int self_count = pair_count(prefix, num_ranks, me, me);
   for (int j = g; j < self_count; j += all_warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
-  if (p.copy_engine.seq != 0) return drain_copy_engine_rows(p, sh, g, all_warps, trace);
+  if (p.copy_engine.seq != 0) return drain_copy_engine_rows(p, sh, g, all_warps, hist, trace);
   int seen = 0;  // rows of the peers' sequence before chunk k of src
   for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
@@ -517,7 +551,7 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const Di
       if (!warp_wait_flag(env, &mine->dispatch_flag[src][k], epoch, kStageDispatchRecv, src, k, trace)) return false;
       trace.first_wait();
       const int64_t first = rows_from_lower(prefix, num_ranks, src, me);
-      for (int jj = warp_first; jj < j1; jj += all_warps) drain_row(p, src, first + jj, first + jj, hist);
+      for (int jj = warp_first; jj < j1; jj += all_warps) drain_row(p, src, first + jj, hist);
     }
     if (!any) break;
   }

@@ -131,20 +131,22 @@ struct DispatchParams {
   bool write_arrival;             // cached dispatch: this kernel is the operation's first
   int num_blocks, num_push_blocks;
   int64_t* trace;                 // [num_blocks, kTraceSlots] stamps and sums (ns) or null
-  // Copy-engine cached dispatch (copy_engine.seq > 0, num_push_blocks 0): every source's whole x (and
-  // scales) lands, token-indexed, in its slot of this rank's buffer (source s: rows [s * slot_rows, +
-  // tokens[s])) by the source's copy stream (enqueue_copy_engine_dispatch), chunks cutting the tokens;
-  // every block copies locally: the own rows, then row j of source s from its token cached_src_idx[j].
+  // Copy-engine dispatch (copy_engine.seq > 0, num_push_blocks 0): every source's whole x (and scales;
+  // in a fresh dispatch also its top-k in global ids and its send list to this rank) lands, token-indexed,
+  // in its slot of this rank's buffer (source s: rows [s * slot_rows, + tokens[s])) by the source's copy
+  // stream (enqueue_copy_engine_dispatch), chunks cutting the tokens; every block copies locally: the own
+  // rows, then row j of source s from its token (cached_src_idx[j], or entry j of the staged send list).
   CopyEngineParams copy_engine;
   int32_t copy_engine_tokens[kMaxRanks];
   int64_t copy_engine_slot_rows;
-  const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx
+  const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx (cached dispatch), or null (fresh)
 };
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 // The copy-engine half of a dispatch launched with the same `p`, queued on a side stream after the kernel:
-// wait until *go >= seq, then chunk by chunk and peer by peer one copy of x's rows (and one of the scales)
-// into this rank's slot of the peer's buffer, each chunk followed by its flag write (stream-ordered, fenced).
-cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, cudaStream_t stream);
+// wait until *go >= seq; a fresh dispatch first copies each peer its send list and the whole top-k; then
+// chunk by chunk and peer by peer one copy of x's rows (and one of the scales) into this rank's slot of the
+// peer's buffer, each chunk followed by its flag write (stream-ordered, fenced). `host_prefix`: [R, R].
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* host_prefix, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------ combine
 enum ElemType { kNone = 0, kBF16 = 1, kFP32 = 2 };
