@@ -257,24 +257,33 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
         assert_bits_equal(f"graph replay {seed} combined_weights", g_combined_w, r_cw)
     del graph
 
-    # Long run, exact mode (host sync per dispatch): no growth of allocated GPU memory.
+    # Long run, exact mode (host sync per dispatch): no growth of allocated GPU memory, with pushers for
+    # half the iterations and the copy engine (dispatch and combine) for the other half.
     x, idx, w = inputs(99)
-    # Warm up holding the same live tensors (rx, rw, h, combined) as the loop leaves behind, so that
-    # `before` and `after` count the same things (a first run without `combined` read as 1 MiB of growth:
-    # exactly one [256, 2048] bf16 output).
-    for _ in range(3):
-        rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
-        combined, _, _ = buf.combine(rx, h, topk_weights=rw)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated(device)
-    start = time.perf_counter()
-    for _ in range(iterations):
-        rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
-        combined, _, _ = buf.combine(rx, h, topk_weights=rw)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    after = torch.cuda.memory_allocated(device)
-    assert after <= before, f"GPU memory grew from {before} to {after} bytes over {iterations} iterations"
+    elapsed = 0.0
+    for copy_engine in ("0", "1"):
+        os.environ.update({DISPATCH_COPY_ENGINE_ENV: copy_engine, COPY_ENGINE_ENV: copy_engine})
+        try:
+            # Warm up holding the same live tensors (rx, rw, h, combined) as the loop leaves behind, so that
+            # `before` and `after` count the same things (a first run without `combined` read as 1 MiB of
+            # growth: exactly one [256, 2048] bf16 output).
+            for _ in range(3):
+                rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
+                combined, _, _ = buf.combine(rx, h, topk_weights=rw)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+            for _ in range(iterations // 2):
+                rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
+                combined, _, _ = buf.combine(rx, h, topk_weights=rw)
+            torch.cuda.synchronize()
+            elapsed += time.perf_counter() - start
+            after = torch.cuda.memory_allocated(device)
+        finally:
+            for name in (DISPATCH_COPY_ENGINE_ENV, COPY_ENGINE_ENV):
+                os.environ.pop(name)
+        assert after <= before, (f"GPU memory grew from {before} to {after} bytes over {iterations // 2} iterations "
+                                 f"(copy engine {copy_engine})")
     r_x, _, r_w, _, r_h, _ = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
     r_c, _, _ = ref.combine(r_x, r_h, topk_weights=r_w)
     assert_bits_equal("soak combined", combined, r_c)
