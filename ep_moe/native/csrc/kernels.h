@@ -187,7 +187,6 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* h
 // Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
 int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
 
-
 // ------------------------------------------------------------------------------------------ barrier
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);
 
