@@ -81,8 +81,9 @@ def main() -> None:
         return sorted(times[3:])[args.runs // 2]
 
     cases = [(1, False, False, False), (8, False, False, False), (16, False, False, False), (64, False, False, False),
-             (8, True, False, False), (16, True, False, False), (8, False, True, False), (16, True, True, False),
-             (1, False, False, True), (8, True, False, True)]
+             (4, True, False, False), (8, True, False, False), (16, True, False, False), (8, False, True, False),
+             (4, True, True, False), (8, True, True, False), (16, True, True, False), (1, False, False, True),
+             (8, True, False, True), (8, True, True, True)]
     for pieces, with_flags, two_streams, busy in cases:
         us = timed(pieces, with_flags, two_streams, busy)
         if rank == 0:

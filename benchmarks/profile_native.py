@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ep_moe import Buffer, Config
 from ep_moe import native as native_kernels
-from ep_moe.benchmarking.workload import make_input_set
+from ep_moe.benchmarking.workload import make_input_set, to_fp8_blocks
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H200 clocks: longer than the host needs to queue any call
 
@@ -70,21 +70,24 @@ def copy_engine_timeline(trace: torch.Tensor, blocks: torch.Tensor, chunks_per_s
     return "copy engine (us after the kernel's start): " + "; ".join(parts)
 
 
-def profile_ops(buf: Buffer, sets: list, cfg: Config, worst: int, measure, num_push: int) -> list:
-    """[(op, measurement)] for fresh, cached and fixed-size dispatch and combine with ``cfg``."""
+def profile_ops(buf: Buffer, sets: list, cfg: Config, worst: int, measure, num_push: int, fp8: bool) -> list:
+    """[(op, measurement)] for fresh, cached and fixed-size dispatch and (BF16 only) combine with ``cfg``."""
     outs = {}
+    xs = [to_fp8_blocks(s.x) if fp8 else s.x for s in sets]
 
     def fresh(i: int, num_worst_tokens: int = 0) -> None:
         s = sets[i]
-        outs[i] = buf.dispatch(s.x, num_tokens_per_rank=s.num_tokens_per_rank, is_token_in_rank=s.is_token_in_rank,
+        outs[i] = buf.dispatch(xs[i], num_tokens_per_rank=s.num_tokens_per_rank, is_token_in_rank=s.is_token_in_rank,
                                num_tokens_per_expert=s.num_tokens_per_expert, topk_idx=s.topk_idx,
                                topk_weights=s.topk_weights, num_worst_tokens=num_worst_tokens, config=cfg)
 
-    return [("dispatch", measure(fresh, "dispatch", num_push)),
-            ("dispatch_cached", measure(lambda i: buf.dispatch(sets[i].x, handle=outs[i][4], config=cfg),
-                                        "dispatch_cached", num_push)),
-            ("combine", measure(lambda i: buf.combine(outs[i][0], outs[i][4], config=cfg), "combine", num_push)),
-            ("dispatch_worst", measure(lambda i: fresh(i, worst), "dispatch", num_push))]
+    ops = [("dispatch", measure(fresh, "dispatch", num_push)),
+           ("dispatch_cached", measure(lambda i: buf.dispatch(xs[i], handle=outs[i][4], config=cfg),
+                                       "dispatch_cached", num_push))]
+    if not fp8:  # the combine takes BF16 rows
+        ops.append(("combine", measure(lambda i: buf.combine(outs[i][0], outs[i][4], config=cfg), "combine",
+                                       num_push)))
+    return ops + [("dispatch_worst", measure(lambda i: fresh(i, worst), "dispatch", num_push))]
 
 
 def host_profile(buf: Buffer, sets: list, rank: int, calls: int = 200) -> None:
@@ -119,6 +122,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--fp8", action="store_true", help="dispatch FP8 rows with their scales (no combine)")
     parser.add_argument("--host-profile", action="store_true",
                         help="also print where the host's time goes (cProfile of 200 cached dispatches and combines)")
     args = parser.parse_args()
@@ -165,7 +169,8 @@ def main() -> None:
         return mine.tolist()
 
     if rank == 0:
-        print(f"profile: {world} ranks, T={args.tokens} H={args.hidden} top-{args.topk} of {args.experts}, bf16; "
+        print(f"profile: {world} ranks, T={args.tokens} H={args.hidden} top-{args.topk} of {args.experts}, "
+              f"{'fp8' if args.fp8 else 'bf16'}; "
               f"median of {args.runs}, slowest rank; us")
         print(f"{'op':16s} {'SMs':>4s} {'push':>5s} {'call':>8s} {'host':>8s} {'kernel':>8s} {'pushers':>8s} "
               f"{'local':>8s} {'p.wait':>7s} {'p.sync':>7s} {'l.wait':>7s}   (waits and syncs: us per warp)")
@@ -175,7 +180,7 @@ def main() -> None:
             cfg = Config(num_sms=sms)
             num_push = native._split(cfg, "dispatch")[1]
             for op, (call, host, span, push_done, local_done, p_wait, p_sync, l_wait) in profile_ops(
-                    buf, sets, cfg, world * args.tokens, measure, num_push):
+                    buf, sets, cfg, world * args.tokens, measure, num_push, args.fp8):
                 if rank == 0:
                     print(f"{op:16s} {sms:4d} {frac:5.2f} {call:8.1f} {host:8.1f} {span:8.1f} {push_done:8.1f} "
                           f"{local_done:8.1f} {p_wait:7.1f} {p_sync:7.1f} {l_wait:7.1f}", flush=True)

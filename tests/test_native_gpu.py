@@ -114,6 +114,16 @@ def _all_ok(ok: bool, side_group) -> bool:
     return int(flag) == 0
 
 
+def _copy_engine_env(forced: bool, mixed: bool = False, num_sms: int = 24) -> dict[str, str]:
+    """Variables that force the copy engine on or off for dispatch and combine; ``mixed``: over two side
+    streams, with SM pushers beside it for the last chunks (as many as the SMs allow)."""
+    env = {DISPATCH_COPY_ENGINE_ENV: "1" if forced else "0", COPY_ENGINE_ENV: "1" if forced else "0"}
+    for op in ("DISPATCH", "COMBINE"):
+        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_STREAMS"] = "2" if mixed else "1"
+        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_PUSH_SHARES"] = ("2,1" if num_sms > 2 else "1") if mixed else ""
+    return env
+
+
 def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     from ep_moe import Buffer
 
@@ -124,15 +134,16 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     for index in range(num_cases):
         error = None
         # odd cases force the copy engine for dispatch and combine where the host knows the layout
-        # (exact-size dispatches and their cached re-dispatches and combines)
-        forced = "1" if index % 2 else "0"
-        os.environ.update({DISPATCH_COPY_ENGINE_ENV: forced, COPY_ENGINE_ENV: forced})
+        # (exact-size dispatches and their cached re-dispatches and combines); every other one of them on
+        # one side stream per op, the rest on two with the last chunks pushed by SMs beside it
+        env = _copy_engine_env(index % 2 == 1, index % 4 == 3, make_case(index)["num_sms"])
+        os.environ.update(env)
         try:
             _check_case(rank, world, index, nat, ref)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
         finally:
-            for name in (DISPATCH_COPY_ENGINE_ENV, COPY_ENGINE_ENV):
+            for name in env:
                 os.environ.pop(name)
         if not _all_ok(error is None, side_group):
             raise AssertionError(f"case {index} {make_case(index)} failed on "
@@ -262,7 +273,9 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
     x, idx, w = inputs(99)
     elapsed = 0.0
     for copy_engine in ("0", "1"):
-        os.environ.update({DISPATCH_COPY_ENGINE_ENV: copy_engine, COPY_ENGINE_ENV: copy_engine})
+        # the copy-engine half with SM pushers beside it (and two side streams): every path at once
+        env = _copy_engine_env(copy_engine == "1", mixed=copy_engine == "1")
+        os.environ.update(env)
         try:
             # Warm up holding the same live tensors (rx, rw, h, combined) as the loop leaves behind, so that
             # `before` and `after` count the same things (a first run without `combined` read as 1 MiB of
@@ -280,7 +293,7 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
             elapsed += time.perf_counter() - start
             after = torch.cuda.memory_allocated(device)
         finally:
-            for name in (DISPATCH_COPY_ENGINE_ENV, COPY_ENGINE_ENV):
+            for name in env:
                 os.environ.pop(name)
         assert after <= before, (f"GPU memory grew from {before} to {after} bytes over {iterations // 2} iterations "
                                  f"(copy engine {copy_engine})")
@@ -348,13 +361,16 @@ def _timeout_worker(rank: int, world: int) -> str:
     buf.destroy()
     # 2) rank 1 skips a cached dispatch whose x goes by the copy engine: rank 0's kernel gives up waiting
     # and still releases its copy stream (no hang); the error surfaces at the next call.
-    messages.append(_rank0_times_out_alone(rank, {DISPATCH_COPY_ENGINE_ENV: "1"}, "dispatch",
-                                           lambda buf, handle, *_: buf.dispatch(x, handle=handle), x, idx, w))
+    # Alone, then with SM pushers beside it (they give up waiting too).
+    for mixed in (False, True):
+        messages.append(_rank0_times_out_alone(rank, _copy_engine_env(True, mixed), "dispatch",
+                                               lambda buf, handle, *_: buf.dispatch(x, handle=handle), x, idx, w))
     # 3) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
-    # With pushers, then with the copy engine, whose stream rank 0's kernel must still release.
-    for copy_engine in ("0", "1"):
+    # With pushers, then with the copy engine (alone and with SM pushers), whose streams rank 0's kernel
+    # must still release.
+    for forced, mixed in ((False, False), (True, False), (True, True)):
         messages.append(_rank0_times_out_alone(
-            rank, {COPY_ENGINE_ENV: copy_engine}, "combine",
+            rank, _copy_engine_env(forced, mixed), "combine",
             lambda buf, handle, recv_x, recv_w: buf.combine(recv_x, handle, topk_weights=recv_w), x, idx, w))
     torch.cuda.synchronize()
     return "\n".join(m for m in messages if m)

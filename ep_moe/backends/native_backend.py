@@ -111,8 +111,8 @@ class NativeBackend(CommBackend):
             # tensor lives (tensors cannot be weak dict keys: their == is elementwise): the rows its calls
             # need in a buffer, the [R][R] count matrix and every rank's tokens (shared by all ranks)
             self._route_layout: dict[int, tuple[int, list[list[int]], list[int]]] = {}
-            # copy-engine combines: their side stream, sequence number and go word (copy_engine.py)
-            self._copy_stream: torch.cuda.Stream | None = None
+            # copy-engine calls: their side streams, sequence number and go word (copy_engine.py)
+            self._copy_streams: list[torch.cuda.Stream] = []
             self._copy_seq = 0
             self._copy_go = torch.zeros(1, dtype=torch.int64, device=device)
             if num_nvl_bytes > 0:
@@ -275,12 +275,11 @@ class NativeBackend(CommBackend):
             args = (self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
-                C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), 0, 0, None, [], [], [], None)
-            else:  # every block copies locally; x goes to the peers by the copy engine (see combine)
-                with self._copy_engine_stream() as (stream, seq):
-                    C.dispatch(*args, 0, self._trace("dispatch_cached", blocks, 0), stream, seq, self._copy_go,
-                               copy_engine.shares("dispatch"), tokens, copy_engine.prefix_matrix(layout[1]),
-                               handle.recv_src_idx)
+                C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
+                           [], [], None)
+            else:  # x goes to the peers by the copy engine (see combine)
+                with self._copy_engine_call("dispatch", "dispatch_cached", blocks) as ce:
+                    C.dispatch(*args, *ce, tokens, copy_engine.prefix_matrix(layout[1]), handle.recv_src_idx)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -328,11 +327,10 @@ class NativeBackend(CommBackend):
                 local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
                 self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks)
         if tokens is None:
-            C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), 0, 0, None, [], [], [], None)
-        else:  # every block copies locally; x, the top-k and the send lists go by the copy engine
-            with self._copy_engine_stream() as (stream, seq):
-                C.dispatch(*args, 0, self._trace("dispatch", blocks, 0), stream, seq, self._copy_go,
-                           copy_engine.shares("dispatch"), tokens, copy_engine.prefix_matrix(counts), None)
+            C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None)
+        else:  # x, the top-k and the send lists go by the copy engine
+            with self._copy_engine_call("dispatch", "dispatch", blocks) as ce:
+                C.dispatch(*args, *ce, tokens, copy_engine.prefix_matrix(counts), None)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
@@ -376,26 +374,38 @@ class NativeBackend(CommBackend):
                 route[0], y, topk_weights, bias0, bias1, out, out_w, blocks)
         counts = self._copy_engine_counts(route, hidden * y.element_size())
         if counts is None:
-            C.combine(*args, pushers, self._trace("combine", blocks, pushers), 0, 0, None, [], [])
-        else:  # every block reduces; the rows go back by the copy engine
-            with self._copy_engine_stream() as (stream, seq):
-                C.combine(*args, 0, self._trace("combine", blocks, 0), stream, seq, self._copy_go,
-                          copy_engine.prefix_matrix(counts), copy_engine.shares("combine"))
+            C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [])
+        else:  # the rows go back by the copy engine
+            with self._copy_engine_call("combine", "combine", blocks) as ce:
+                C.combine(*args, *ce, copy_engine.prefix_matrix(counts))
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine
+    # the copy-engine arguments of a call without it: streams, sequence number, go word, shares, push shares
+    _NO_COPY_ENGINE = ([], 0, None, [], [])
+
     @contextlib.contextmanager
-    def _copy_engine_stream(self):
-        """``(stream handle, sequence number)`` for one copy-engine call: the side stream starts after this
-        stream's inputs are ready, and this stream waits for it afterwards (the caller's inputs are read
-        there)."""
+    def _copy_engine_call(self, op: str, trace_op: str, blocks: int):
+        """The kernel arguments from the pusher count to the push shares of one copy-engine ``op``
+        (`ep_moe.native.copy_engine`): one pusher block per chunk pushed beside the copy engine, the rest
+        copy locally or reduce. Its side streams start after this stream's inputs are ready, and this
+        stream waits for them afterwards (the caller's inputs are read there)."""
+        pushed = copy_engine.push_shares(op)
+        if len(pushed) >= blocks:
+            raise ValueError(f"ep_moe[native]: {copy_engine.PUSH_SHARES_ENV[op]} asks for {len(pushed)} pusher "
+                             f"blocks, but the {op} has {blocks} (Config.num_sms)")
         stream = torch.cuda.current_stream(self.device)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self._copy_stream.wait_stream(stream)
+        wanted = copy_engine.num_streams(op)
+        while len(self._copy_streams) < wanted:
+            self._copy_streams.append(torch.cuda.Stream(self.device))
+        streams = self._copy_streams[:wanted]
+        for side in streams:
+            side.wait_stream(stream)
         self._copy_seq += 1
-        yield self._copy_stream.cuda_stream, self._copy_seq
-        stream.wait_stream(self._copy_stream)
+        yield (len(pushed), self._trace(trace_op, blocks, len(pushed)), [side.cuda_stream for side in streams],
+               self._copy_seq, self._copy_go, copy_engine.shares(op), pushed)
+        for side in streams:
+            stream.wait_stream(side)
 
     def _copy_engine_layout(self, route: torch.Tensor) -> tuple[int, list[list[int]], list[int]] | None:
         """What the host knows of the handle's layout when a copy-engine call is possible, else None."""

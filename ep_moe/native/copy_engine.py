@@ -11,6 +11,11 @@ cached dispatch finds each row's token in the handle's ``recv_src_idx``, a fresh
 list, which the copy stream sends first together with the whole top-k (converted to local experts by the
 receiver). The link carries the unrouted tokens too, hence the density condition.
 
+Beside the copy engine, pusher blocks of the kernel can move the last chunks by SM stores (the link
+carries more than the copy engine alone moves): ``EP_MOE_NATIVE_<OP>_COPY_ENGINE_PUSH_SHARES``, their
+relative sizes after the copy engine's (one block each; none by default). The copy engine's chunks can be
+spread over side streams (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_STREAMS``).
+
 Either needs the layout's counts on the host (a handle of an exact-size dispatch; not
 ``num_worst_tokens``) and no CUDA-graph capture (the copies' flag values are host sequence numbers,
 which a replay would repeat).
@@ -36,6 +41,15 @@ MODE_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE" for op in OPS}
 SHARES_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_SHARES" for op in OPS}
 DEFAULT_SHARES = {"dispatch": (6, 5, 4, 3, 2, 1), "combine": (2, 5, 6, 5, 3, 2, 1)}
 MAX_CHUNKS = 16  # kMaxCopyEngineChunks
+PUSH_SHARES_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_PUSH_SHARES" for op in OPS}
+DEFAULT_PUSH_SHARES: dict[str, tuple[int, ...]] = {"dispatch": (), "combine": ()}
+STREAMS_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_STREAMS" for op in OPS}
+# 2 x H200, 24 SMs, 4096 tokens (eighth session): two streams let one chunk's copy run while another's
+# flag write waits for its copy to drain (cached dispatch 224.1 -> 212.2 us, FP8 160.8 -> 145.6), but they
+# move the first two chunks at once, so the first lands later (combine, whose reducers wait for it, 250.7 ->
+# 279.0).
+DEFAULT_STREAMS = {"dispatch": 2, "combine": 1}
+MAX_STREAMS = 4  # kMaxCopyStreams
 # auto: the largest pair must move at least this much. 2 x H200, hidden 7168 BF16, 24 SMs (combine call us,
 # pushers / copy engine): 512 tokens (7.3 MB per pair) 64.4 / 88.0, 2048 (29 MB) 175.5 / 146.1, 4096
 # (58.7 MB) 261.5 / 242.3; the lines cross near 17 MB.
@@ -55,17 +69,39 @@ def mode(op: str) -> str:
     return value
 
 
-def shares(op: str) -> list[int]:
-    """Relative chunk sizes for ``op`` (1 to 16 integers in [1, 1024])."""
-    name = SHARES_ENV[op]
-    value = os.environ.get(name)
-    if value is None:
-        return list(DEFAULT_SHARES[op])
-    parts = [p.strip() for p in value.split(",")]
-    if not 1 <= len(parts) <= MAX_CHUNKS or not all(p.isdigit() and 1 <= int(p) <= 1024 for p in parts):
-        raise ValueError(f"ep_moe native backend: {name} must be 1 to {MAX_CHUNKS} comma-separated integers "
-                         f"in [1, 1024], got {value!r}")
+def _share_list(name: str, value: str, allow_empty: bool) -> list[int]:
+    parts = [p.strip() for p in value.split(",")] if value.strip() else []
+    if not (0 if allow_empty else 1) <= len(parts) <= MAX_CHUNKS or not all(
+            p.isdigit() and 1 <= int(p) <= 1024 for p in parts):
+        raise ValueError(f"ep_moe native backend: {name} must be {'0' if allow_empty else '1'} to {MAX_CHUNKS} "
+                         f"comma-separated integers in [1, 1024], got {value!r}")
     return [int(p) for p in parts]
+
+
+def shares(op: str) -> list[int]:
+    """Relative sizes of the chunks the copy engine moves for ``op`` (1 to 16 integers in [1, 1024])."""
+    value = os.environ.get(SHARES_ENV[op])
+    return list(DEFAULT_SHARES[op]) if value is None else _share_list(SHARES_ENV[op], value, allow_empty=False)
+
+
+def push_shares(op: str) -> list[int]:
+    """Relative sizes of the chunks pusher blocks move beside the copy engine for ``op``, after its chunks (the
+    last rows; one block each; none by default). With `shares` at most 16 chunks in all."""
+    name = PUSH_SHARES_ENV[op]
+    value = os.environ.get(name, ",".join(map(str, DEFAULT_PUSH_SHARES[op])))
+    pushed = _share_list(name, value, allow_empty=True)
+    if len(pushed) + len(shares(op)) > MAX_CHUNKS:
+        raise ValueError(f"ep_moe native backend: {SHARES_ENV[op]} and {name} hold more than {MAX_CHUNKS} chunks")
+    return pushed
+
+
+def num_streams(op: str) -> int:
+    """Side streams a copy-engine ``op`` spreads its chunks over, round robin (1 to 4)."""
+    name = STREAMS_ENV[op]
+    value = os.environ.get(name, str(DEFAULT_STREAMS[op])).strip()
+    if not value.isdigit() or not 1 <= int(value) <= MAX_STREAMS:
+        raise ValueError(f"ep_moe native backend: {name} must be an integer in [1, {MAX_STREAMS}], got {value!r}")
+    return int(value)
 
 
 def prefix_matrix(counts: list[list[int]]) -> list[int]:

@@ -6,6 +6,8 @@
 // sides (y rows [rows_from_lower(src, me), +count) -> the source's buffer at rows_back_from_lower(src, me)),
 // so each chunk is one copy. Measured on 2 x H200 (NOTES.md): the copy engine moves 58.7 MB into the
 // peer in 160 us as one copy and ~5 us more per extra chunk with its flag write; SM pushers took ~220 us.
+// The last chunks may go by pusher blocks of the kernel instead (CopyEngineParams::copy_chunks), beside
+// the copy engine's; the copies here cover chunks [0, copy_chunks) only.
 //
 // Stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64) come from the driver through the
 // runtime's entry-point query, so the extension does not link libcuda.
@@ -44,46 +46,55 @@ const StreamMemOps& stream_mem_ops() {
   return ops;
 }
 
+#define EP_MOE_TRY(expr)                        \
+  do {                                          \
+    const cudaError_t err_ = (expr);            \
+    if (err_ != cudaSuccess) return err_;       \
+  } while (0)
+
 cudaError_t from_driver(CUresult res) {
   // The driver's and the runtime's error codes coincide for the errors these calls return.
   return res == CUDA_SUCCESS ? cudaSuccess : static_cast<cudaError_t>(res);
 }
 
-// What one copy-engine call queues on its stream: the wait for the kernel's go word, device-to-device
-// copies, and per chunk the flag write into a peer's copy_engine_flag[this rank][chunk].
-class CopyStream {
+// What one copy-engine call queues on its streams: on each, the wait for the kernel's go word; then chunk
+// k's device-to-device copies and, per peer, its flag write into the peer's copy_engine_flag[this rank][k]
+// on stream k % num_streams. With two or more streams one chunk's copies run while another's flag write
+// waits for its copies to drain (the fence in front of every flag write empties the copy pipeline).
+class CopyStreams {
  public:
-  CopyStream(const KernelEnv& env, const CopyEngineParams& ce, cudaStream_t stream) : env_(env), ce_(ce), stream_(stream) {}
+  CopyStreams(const KernelEnv& env, const CopyEngineParams& ce, const cudaStream_t* streams, int num_streams)
+      : env_(env), ce_(ce), streams_(streams), num_streams_(num_streams) {}
 
   cudaError_t wait_for_go() const {
     const StreamMemOps& ops = stream_mem_ops();
     if (ops.status != cudaSuccess) return ops.status;
-    return from_driver(ops.wait(cu_stream(), reinterpret_cast<CUdeviceptr>(ce_.go), ce_.seq, CU_STREAM_WAIT_VALUE_GEQ));
+    for (int i = 0; i < num_streams_; ++i)
+      EP_MOE_TRY(from_driver(ops.wait(cu_stream(i), reinterpret_cast<CUdeviceptr>(ce_.go), ce_.seq,
+                                      CU_STREAM_WAIT_VALUE_GEQ)));
+    return cudaSuccess;
   }
-  cudaError_t copy(uint8_t* dst, const uint8_t* src, int64_t bytes) const {
-    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
+  // A copy that belongs to chunk k.
+  cudaError_t copy(int k, uint8_t* dst, const uint8_t* src, int64_t bytes) const {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, streams_[k % num_streams_]);
   }
-  // Default flags: the write waits for the stream's earlier writes (a system-wide fence first).
-  cudaError_t publish(int peer, int chunk) const {
-    const uint64_t* flag = &reinterpret_cast<const Control*>(env_.ctrl[peer])->copy_engine_flag[env_.rank][chunk];
-    return from_driver(stream_mem_ops().write(cu_stream(), reinterpret_cast<CUdeviceptr>(flag), ce_.seq,
+  // Chunk k landed in `peer`. Default flags: the write waits for the stream's earlier writes (a system-wide
+  // fence first).
+  cudaError_t publish(int peer, int k) const {
+    const uint64_t* flag = &reinterpret_cast<const Control*>(env_.ctrl[peer])->copy_engine_flag[env_.rank][k];
+    return from_driver(stream_mem_ops().write(cu_stream(k), reinterpret_cast<CUdeviceptr>(flag), ce_.seq,
                                               CU_STREAM_WRITE_VALUE_DEFAULT));
   }
   // First row of chunk k of n rows (k = chunks: n).
   int64_t chunk_start(int n, int k) const { return copy_engine_chunk_end(ce_.bounds, ce_.chunks, n, k - 1); }
 
  private:
-  CUstream cu_stream() const { return reinterpret_cast<CUstream>(stream_); }
+  CUstream cu_stream(int k) const { return reinterpret_cast<CUstream>(streams_[k % num_streams_]); }
   const KernelEnv& env_;
   const CopyEngineParams& ce_;
-  cudaStream_t stream_;
+  const cudaStream_t* streams_;
+  int num_streams_;
 };
-
-#define EP_MOE_TRY(expr)                        \
-  do {                                          \
-    const cudaError_t err_ = (expr);            \
-    if (err_ != cudaSuccess) return err_;       \
-  } while (0)
 
 }  // namespace
 
@@ -96,14 +107,15 @@ int64_t most_rows_back(const int32_t* prefix, int num_ranks) {
   return most;
 }
 
-cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* prefix, cudaStream_t stream) {
-  const CopyStream cs(p.env, p.copy_engine, stream);
+cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* prefix, const cudaStream_t* streams,
+                                        int num_streams) {
+  const CopyStreams cs(p.env, p.copy_engine, streams, num_streams);
   EP_MOE_TRY(cs.wait_for_go());
   const int num_ranks = p.env.num_ranks, me = p.env.rank;
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (p.y_type == kBF16 ? 2 : 4);
   const int64_t w_bytes = p.has_weights ? static_cast<int64_t>(p.num_topk) * 4 : 0;
   // Chunk k of every peer in turn, so that each peer's first rows land early.
-  for (int k = 0; k < p.copy_engine.chunks; ++k) {
+  for (int k = 0; k < p.copy_engine.copy_chunks; ++k) {
     for (int j = 1; j < num_ranks; ++j) {
       const int src = (me + j) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
@@ -112,40 +124,42 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
       const int64_t my_rows = rows_from_lower(prefix, num_ranks, src, me);
       const int64_t base = rows_back_from_lower(prefix, num_ranks, src, me);
       uint8_t* data = p.data[src];
-      if (j0 == 0 && w_bytes > 0)  // the top-k weights go with the pair's first rows
-        EP_MOE_TRY(cs.copy(data + p.off_weights + base * w_bytes,
-                           reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes, count * w_bytes));
-      EP_MOE_TRY(cs.copy(data + p.off_y + (base + j0) * y_bytes, p.y + (my_rows + j0) * y_bytes, (j1 - j0) * y_bytes));
+      if (j0 == 0 && w_bytes > 0)  // the top-k weights of the copy engine's rows go with its first chunk
+        EP_MOE_TRY(cs.copy(k, data + p.off_weights + base * w_bytes,
+                           reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes,
+                           cs.chunk_start(count, p.copy_engine.copy_chunks) * w_bytes));
+      EP_MOE_TRY(cs.copy(k, data + p.off_y + (base + j0) * y_bytes, p.y + (my_rows + j0) * y_bytes, (j1 - j0) * y_bytes));
       EP_MOE_TRY(cs.publish(src, k));
     }
   }
   return cudaSuccess;
 }
 
-cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* prefix, cudaStream_t stream) {
-  const CopyStream cs(p.env, p.copy_engine, stream);
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* prefix, const cudaStream_t* streams,
+                                         int num_streams) {
+  const CopyStreams cs(p.env, p.copy_engine, streams, num_streams);
   EP_MOE_TRY(cs.wait_for_go());
   const int num_ranks = p.env.num_ranks, me = p.env.rank;
   const int64_t scale_bytes = p.has_scales ? static_cast<int64_t>(p.num_scales) * 4 : 0;
   const int64_t slot = static_cast<int64_t>(me) * p.copy_engine_slot_rows;  // this rank's rows in a peer's buffer
   const auto* scales = reinterpret_cast<const uint8_t*>(p.scales);
-  if (p.has_topk) {  // fresh dispatch: the send list to each peer and the whole top-k go before the first chunk
+  if (p.has_topk) {  // fresh dispatch: the send list to each peer and the whole top-k go ahead of chunk 0, on its stream
     const int64_t idx_bytes = static_cast<int64_t>(p.num_topk) * 8, w_bytes = static_cast<int64_t>(p.num_topk) * 4;
     for (int j = 1; j < num_ranks; ++j) {
       const int dst = (me + j) % num_ranks;
       uint8_t* data = p.data[dst];
       const int count = pair_count(prefix, num_ranks, me, dst);
       if (count > 0)
-        EP_MOE_TRY(cs.copy(data + p.off_src + slot * 4,
+        EP_MOE_TRY(cs.copy(0, data + p.off_src + slot * 4,
                            reinterpret_cast<const uint8_t*>(p.send_list + static_cast<int64_t>(dst) * p.num_tokens),
                            static_cast<int64_t>(count) * 4));
-      EP_MOE_TRY(cs.copy(data + p.off_idx + slot * idx_bytes, reinterpret_cast<const uint8_t*>(p.topk_idx),
+      EP_MOE_TRY(cs.copy(0, data + p.off_idx + slot * idx_bytes, reinterpret_cast<const uint8_t*>(p.topk_idx),
                          p.num_tokens * idx_bytes));
-      EP_MOE_TRY(cs.copy(data + p.off_weights + slot * w_bytes, reinterpret_cast<const uint8_t*>(p.topk_weights),
+      EP_MOE_TRY(cs.copy(0, data + p.off_weights + slot * w_bytes, reinterpret_cast<const uint8_t*>(p.topk_weights),
                          p.num_tokens * w_bytes));
     }
   }
-  for (int k = 0; k < p.copy_engine.chunks; ++k) {
+  for (int k = 0; k < p.copy_engine.copy_chunks; ++k) {
     const int64_t t0 = cs.chunk_start(p.num_tokens, k), t1 = cs.chunk_start(p.num_tokens, k + 1);
     // An empty chunk has no waiter, except chunk 0 of a fresh dispatch (the send list comes with it).
     if (t1 == t0 && !(k == 0 && p.has_topk)) continue;
@@ -153,9 +167,9 @@ cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t*
       const int dst = (me + j) % num_ranks;
       uint8_t* data = p.data[dst];
       if (t1 > t0) {
-        EP_MOE_TRY(cs.copy(data + p.off_x + (slot + t0) * p.x_bytes, p.x + t0 * p.x_bytes, (t1 - t0) * p.x_bytes));
+        EP_MOE_TRY(cs.copy(k, data + p.off_x + (slot + t0) * p.x_bytes, p.x + t0 * p.x_bytes, (t1 - t0) * p.x_bytes));
         if (scale_bytes > 0)
-          EP_MOE_TRY(cs.copy(data + p.off_scales + (slot + t0) * scale_bytes, scales + t0 * scale_bytes,
+          EP_MOE_TRY(cs.copy(k, data + p.off_scales + (slot + t0) * scale_bytes, scales + t0 * scale_bytes,
                              (t1 - t0) * scale_bytes));
       }
       EP_MOE_TRY(cs.publish(dst, k));

@@ -13,7 +13,8 @@ constexpr int kMaxChunks = 256;     // signal slots per (source, destination) pa
 constexpr int kMaxNotifyExperts = 1024;  // local experts whose counts travel in the count exchange
 constexpr int kControlBytes = 128 << 10;
 constexpr int kThreads = 512;       // threads of the dispatch / combine blocks
-constexpr int kMaxCopyEngineChunks = 16;  // chunks per pair of a copy-engine combine
+constexpr int kMaxCopyEngineChunks = 16;  // chunks per pair of a copy-engine call
+constexpr int kMaxCopyStreams = 4;  // side streams one copy-engine call spreads its chunks over
 
 // Error record in pinned host memory (int32 words), written by the first failing wait of a rank.
 enum ErrorWord { kErrCode = 0, kErrRank, kErrStage, kErrChannel, kErrPeer, kErrDetail, kErrValueLo, kErrValueHi,
@@ -92,6 +93,9 @@ struct CopyEngineParams {
   uint64_t seq;
   uint64_t* go;
   int chunks;
+  // Chunks [0, copy_chunks) go by the copy engine, [copy_chunks, chunks) by the kernel's pusher blocks
+  // (SM stores beside the copy engine's, the same flags).
+  int copy_chunks;
   int32_t bounds[kMaxCopyEngineChunks + 1];
   // Diagnostics (null: off): global-timer ns when the go word was set ([0]) and when a warp first saw
   // chunk k of source s landed ([1 + s * kMaxCopyEngineChunks + k]; the host fills them with INT64_MAX).
@@ -142,11 +146,13 @@ struct DispatchParams {
   const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx (cached dispatch), or null (fresh)
 };
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
-// The copy-engine half of a dispatch launched with the same `p`, queued on a side stream after the kernel:
+// The copy-engine half of a dispatch launched with the same `p`, queued on side streams after the kernel
+// (chunk k on streams[k % num_streams]):
 // wait until *go >= seq; a fresh dispatch first copies each peer its send list and the whole top-k; then
 // chunk by chunk and peer by peer one copy of x's rows (and one of the scales) into this rank's slot of the
 // peer's buffer, each chunk followed by its flag write (stream-ordered, fenced). `host_prefix`: [R, R].
-cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* host_prefix, cudaStream_t stream);
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* host_prefix, const cudaStream_t* streams,
+                                         int num_streams);
 
 // ------------------------------------------------------------------------------------------ combine
 enum ElemType { kNone = 0, kBF16 = 1, kFP32 = 2 };
@@ -178,12 +184,13 @@ struct CombineParams {
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
-// The copy-engine half of a combine launched with the same `p` (copy_engine.seq > 0), queued on a side
-// stream after the kernel: wait until *go >= seq, then, chunk by chunk and peer by peer, one
+// The copy-engine half of a combine launched with the same `p` (copy_engine.seq > 0), queued on side
+// streams after the kernel (chunk k on streams[k % num_streams]): wait until *go >= seq, then, chunk by chunk and peer by peer, one
 // device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights with its first
 // chunk) followed by a flag write into the peer's copy_engine_flag, which the stream orders after the copy
 // with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
-cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, cudaStream_t stream);
+cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, const cudaStream_t* streams,
+                                        int num_streams);
 // Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
 int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
 
