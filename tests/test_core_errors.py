@@ -320,22 +320,8 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
             with pytest.raises(ValueError, match=copy_engine.SHARES_ENV[op]):
                 copy_engine.shares(op)
         monkeypatch.delenv(copy_engine.SHARES_ENV[op])
-        monkeypatch.delenv(copy_engine.PUSH_SHARES_ENV[op], raising=False)
         monkeypatch.delenv(copy_engine.STREAMS_ENV[op], raising=False)
-        assert copy_engine.push_shares(op) == list(copy_engine.DEFAULT_PUSH_SHARES[op])
         assert copy_engine.num_streams(op) == copy_engine.DEFAULT_STREAMS[op]
-        monkeypatch.setenv(copy_engine.PUSH_SHARES_ENV[op], "")
-        assert copy_engine.push_shares(op) == []
-        monkeypatch.setenv(copy_engine.PUSH_SHARES_ENV[op], "2,1")
-        assert copy_engine.push_shares(op) == [2, 1]
-        monkeypatch.setenv(copy_engine.SHARES_ENV[op], ",".join(["1"] * 15))  # 17 chunks in all
-        with pytest.raises(ValueError, match=copy_engine.PUSH_SHARES_ENV[op]):
-            copy_engine.push_shares(op)
-        monkeypatch.delenv(copy_engine.SHARES_ENV[op])
-        monkeypatch.setenv(copy_engine.PUSH_SHARES_ENV[op], "1,x")
-        with pytest.raises(ValueError, match=copy_engine.PUSH_SHARES_ENV[op]):
-            copy_engine.push_shares(op)
-        monkeypatch.delenv(copy_engine.PUSH_SHARES_ENV[op])
         for bad in ("0", "5", "two", ""):
             monkeypatch.setenv(copy_engine.STREAMS_ENV[op], bad)
             with pytest.raises(ValueError, match=copy_engine.STREAMS_ENV[op]):

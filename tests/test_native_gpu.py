@@ -114,13 +114,12 @@ def _all_ok(ok: bool, side_group) -> bool:
     return int(flag) == 0
 
 
-def _copy_engine_env(forced: bool, mixed: bool = False, num_sms: int = 24) -> dict[str, str]:
-    """Variables that force the copy engine on or off for dispatch and combine; ``mixed``: over two side
-    streams, with SM pushers beside it for the last chunks (as many as the SMs allow)."""
+def _copy_engine_env(forced: bool, streams: int = 1) -> dict[str, str]:
+    """Variables that force the copy engine on or off for dispatch and combine, with its chunks spread
+    over ``streams`` side streams."""
     env = {DISPATCH_COPY_ENGINE_ENV: "1" if forced else "0", COPY_ENGINE_ENV: "1" if forced else "0"}
     for op in ("DISPATCH", "COMBINE"):
-        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_STREAMS"] = "2" if mixed else "1"
-        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_PUSH_SHARES"] = ("2,1" if num_sms > 2 else "1") if mixed else ""
+        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_STREAMS"] = str(streams)
     return env
 
 
@@ -135,8 +134,8 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
         error = None
         # odd cases force the copy engine for dispatch and combine where the host knows the layout
         # (exact-size dispatches and their cached re-dispatches and combines); every other one of them on
-        # one side stream per op, the rest on two with the last chunks pushed by SMs beside it
-        env = _copy_engine_env(index % 2 == 1, index % 4 == 3, make_case(index)["num_sms"])
+        # one side stream per op, the rest on two
+        env = _copy_engine_env(index % 2 == 1, 2 if index % 4 == 3 else 1)
         os.environ.update(env)
         try:
             _check_case(rank, world, index, nat, ref)
@@ -273,8 +272,8 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
     x, idx, w = inputs(99)
     elapsed = 0.0
     for copy_engine in ("0", "1"):
-        # the copy-engine half with SM pushers beside it (and two side streams): every path at once
-        env = _copy_engine_env(copy_engine == "1", mixed=copy_engine == "1")
+        # the copy-engine half on two side streams
+        env = _copy_engine_env(copy_engine == "1", streams=2)
         os.environ.update(env)
         try:
             # Warm up holding the same live tensors (rx, rw, h, combined) as the loop leaves behind, so that
@@ -361,16 +360,16 @@ def _timeout_worker(rank: int, world: int) -> str:
     buf.destroy()
     # 2) rank 1 skips a cached dispatch whose x goes by the copy engine: rank 0's kernel gives up waiting
     # and still releases its copy stream (no hang); the error surfaces at the next call.
-    # Alone, then with SM pushers beside it (they give up waiting too).
-    for mixed in (False, True):
-        messages.append(_rank0_times_out_alone(rank, _copy_engine_env(True, mixed), "dispatch",
+    # On one side stream, then on two (each must be released).
+    for streams in (1, 2):
+        messages.append(_rank0_times_out_alone(rank, _copy_engine_env(True, streams), "dispatch",
                                                lambda buf, handle, *_: buf.dispatch(x, handle=handle), x, idx, w))
     # 3) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
-    # With pushers, then with the copy engine (alone and with SM pushers), whose streams rank 0's kernel
-    # must still release.
-    for forced, mixed in ((False, False), (True, False), (True, True)):
+    # With pushers, then with the copy engine (on one and on two side streams), whose streams rank 0's
+    # kernel must still release.
+    for forced, streams in ((False, 1), (True, 1), (True, 2)):
         messages.append(_rank0_times_out_alone(
-            rank, _copy_engine_env(forced, mixed), "combine",
+            rank, _copy_engine_env(forced, streams), "combine",
             lambda buf, handle, recv_x, recv_w: buf.combine(recv_x, handle, topk_weights=recv_w), x, idx, w))
     torch.cuda.synchronize()
     return "\n".join(m for m in messages if m)

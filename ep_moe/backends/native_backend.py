@@ -381,19 +381,15 @@ class NativeBackend(CommBackend):
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine
-    # the copy-engine arguments of a call without it: streams, sequence number, go word, shares, push shares
-    _NO_COPY_ENGINE = ([], 0, None, [], [])
+    # the copy-engine arguments of a call without it: streams, sequence number, go word, shares
+    _NO_COPY_ENGINE = ([], 0, None, [])
 
     @contextlib.contextmanager
     def _copy_engine_call(self, op: str, trace_op: str, blocks: int):
-        """The kernel arguments from the pusher count to the push shares of one copy-engine ``op``
-        (`ep_moe.native.copy_engine`): one pusher block per chunk pushed beside the copy engine, the rest
-        copy locally or reduce. Its side streams start after this stream's inputs are ready, and this
-        stream waits for them afterwards (the caller's inputs are read there)."""
-        pushed = copy_engine.push_shares(op)
-        if len(pushed) >= blocks:
-            raise ValueError(f"ep_moe[native]: {copy_engine.PUSH_SHARES_ENV[op]} asks for {len(pushed)} pusher "
-                             f"blocks, but the {op} has {blocks} (Config.num_sms)")
+        """The kernel arguments from the pusher count to the chunk shares of one copy-engine ``op``
+        (`ep_moe.native.copy_engine`; no pushers: every block copies locally or reduces). Its side streams
+        start after this stream's inputs are ready, and this stream waits for them afterwards (the caller's
+        inputs are read there)."""
         stream = torch.cuda.current_stream(self.device)
         wanted = copy_engine.num_streams(op)
         while len(self._copy_streams) < wanted:
@@ -402,8 +398,8 @@ class NativeBackend(CommBackend):
         for side in streams:
             side.wait_stream(stream)
         self._copy_seq += 1
-        yield (len(pushed), self._trace(trace_op, blocks, len(pushed)), [side.cuda_stream for side in streams],
-               self._copy_seq, self._copy_go, copy_engine.shares(op), pushed)
+        yield (0, self._trace(trace_op, blocks, 0), [side.cuda_stream for side in streams], self._copy_seq,
+               self._copy_go, copy_engine.shares(op))
         for side in streams:
             stream.wait_stream(side)
 

@@ -11,10 +11,7 @@ cached dispatch finds each row's token in the handle's ``recv_src_idx``, a fresh
 list, which the copy stream sends first together with the whole top-k (converted to local experts by the
 receiver). The link carries the unrouted tokens too, hence the density condition.
 
-Beside the copy engine, pusher blocks of the kernel can move the last chunks by SM stores (the link
-carries more than the copy engine alone moves): ``EP_MOE_NATIVE_<OP>_COPY_ENGINE_PUSH_SHARES``, their
-relative sizes after the copy engine's (one block each; none by default). The copy engine's chunks can be
-spread over side streams (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_STREAMS``).
+The chunks can be spread over side streams, round robin (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_STREAMS``).
 
 Either needs the layout's counts on the host (a handle of an exact-size dispatch; not
 ``num_worst_tokens``) and no CUDA-graph capture (the copies' flag values are host sequence numbers,
@@ -41,8 +38,6 @@ MODE_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE" for op in OPS}
 SHARES_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_SHARES" for op in OPS}
 DEFAULT_SHARES = {"dispatch": (6, 5, 4, 3, 2, 1), "combine": (2, 5, 6, 5, 3, 2, 1)}
 MAX_CHUNKS = 16  # kMaxCopyEngineChunks
-PUSH_SHARES_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_PUSH_SHARES" for op in OPS}
-DEFAULT_PUSH_SHARES: dict[str, tuple[int, ...]] = {"dispatch": (), "combine": ()}
 STREAMS_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_STREAMS" for op in OPS}
 # 2 x H200, 24 SMs, 4096 tokens (eighth session): two streams let one chunk's copy run while another's
 # flag write waits for its copy to drain (cached dispatch 224.1 -> 212.2 us, FP8 160.8 -> 145.6), but they
@@ -69,30 +64,17 @@ def mode(op: str) -> str:
     return value
 
 
-def _share_list(name: str, value: str, allow_empty: bool) -> list[int]:
-    parts = [p.strip() for p in value.split(",")] if value.strip() else []
-    if not (0 if allow_empty else 1) <= len(parts) <= MAX_CHUNKS or not all(
-            p.isdigit() and 1 <= int(p) <= 1024 for p in parts):
-        raise ValueError(f"ep_moe native backend: {name} must be {'0' if allow_empty else '1'} to {MAX_CHUNKS} "
-                         f"comma-separated integers in [1, 1024], got {value!r}")
-    return [int(p) for p in parts]
-
-
 def shares(op: str) -> list[int]:
-    """Relative sizes of the chunks the copy engine moves for ``op`` (1 to 16 integers in [1, 1024])."""
-    value = os.environ.get(SHARES_ENV[op])
-    return list(DEFAULT_SHARES[op]) if value is None else _share_list(SHARES_ENV[op], value, allow_empty=False)
-
-
-def push_shares(op: str) -> list[int]:
-    """Relative sizes of the chunks pusher blocks move beside the copy engine for ``op``, after its chunks (the
-    last rows; one block each; none by default). With `shares` at most 16 chunks in all."""
-    name = PUSH_SHARES_ENV[op]
-    value = os.environ.get(name, ",".join(map(str, DEFAULT_PUSH_SHARES[op])))
-    pushed = _share_list(name, value, allow_empty=True)
-    if len(pushed) + len(shares(op)) > MAX_CHUNKS:
-        raise ValueError(f"ep_moe native backend: {SHARES_ENV[op]} and {name} hold more than {MAX_CHUNKS} chunks")
-    return pushed
+    """Relative chunk sizes for ``op`` (1 to 16 integers in [1, 1024])."""
+    name = SHARES_ENV[op]
+    value = os.environ.get(name)
+    if value is None:
+        return list(DEFAULT_SHARES[op])
+    parts = [p.strip() for p in value.split(",")]
+    if not 1 <= len(parts) <= MAX_CHUNKS or not all(p.isdigit() and 1 <= int(p) <= 1024 for p in parts):
+        raise ValueError(f"ep_moe native backend: {name} must be 1 to {MAX_CHUNKS} comma-separated integers "
+                         f"in [1, 1024], got {value!r}")
+    return [int(p) for p in parts]
 
 
 def num_streams(op: str) -> int:

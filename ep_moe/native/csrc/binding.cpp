@@ -191,14 +191,11 @@ std::vector<cudaStream_t> as_streams(const std::vector<int64_t>& handles) {
 // The copy-engine half's parameters (seq 0: none); checked before any kernel starts, since the kernel
 // releases the copy stream and the copies write into the peers' buffers unchecked.
 ep_moe::CopyEngineParams copy_engine_params(const std::vector<int64_t>& streams, int64_t seq, const OptTensor& go,
-                                            const std::vector<int64_t>& shares, const std::vector<int64_t>& push_shares,
-                                            int64_t num_blocks, int64_t num_push_blocks) {
+                                            const std::vector<int64_t>& shares, int64_t num_push_blocks) {
   ep_moe::CopyEngineParams ce{};
   if (seq == 0) return ce;
-  TORCH_CHECK(seq > 0 && present(go), "ep_moe.native: a copy-engine call needs its sequence number and the go word");
-  TORCH_CHECK(push_shares.empty() ? num_push_blocks == 0 : num_push_blocks >= 1 && num_push_blocks < num_blocks,
-              "ep_moe.native: a copy-engine call has pusher blocks exactly when chunks are pushed by SMs "
-              "(copy_engine_push_shares), and fewer than its blocks; got ", num_push_blocks, " of ", num_blocks);
+  TORCH_CHECK(seq > 0 && num_push_blocks == 0 && present(go),
+              "ep_moe.native: a copy-engine call needs no pusher blocks and the go word");
   TORCH_CHECK(!streams.empty() && static_cast<int>(streams.size()) <= ep_moe::kMaxCopyStreams &&
                   std::find(streams.begin(), streams.end(), 0) == streams.end(),
               "ep_moe.native: copy_engine_streams must hold 1 to ", ep_moe::kMaxCopyStreams,
@@ -206,21 +203,17 @@ ep_moe::CopyEngineParams copy_engine_params(const std::vector<int64_t>& streams,
   check_cuda(*go, "copy_engine_go");
   TORCH_CHECK(go->scalar_type() == at::kLong && go->numel() >= 1, "ep_moe.native: copy_engine_go must be an int64 "
               "CUDA tensor");
-  std::vector<int64_t> all(shares);
-  all.insert(all.end(), push_shares.begin(), push_shares.end());
-  const int num_chunks = static_cast<int>(all.size());
-  TORCH_CHECK(!shares.empty() && num_chunks <= ep_moe::kMaxCopyEngineChunks, "ep_moe.native: copy_engine_shares "
-              "must hold at least one share and, with copy_engine_push_shares, at most ", ep_moe::kMaxCopyEngineChunks,
-              "; got ", shares.size(), " and ", push_shares.size());
+  const int num_chunks = static_cast<int>(shares.size());
+  TORCH_CHECK(num_chunks >= 1 && num_chunks <= ep_moe::kMaxCopyEngineChunks, "ep_moe.native: copy_engine_shares must "
+              "hold 1 to ", ep_moe::kMaxCopyEngineChunks, " shares, got ", num_chunks);
   int64_t total = 0;
   for (int k = 0; k < num_chunks; ++k) {
-    TORCH_CHECK(all[k] >= 1 && all[k] <= 1024, "ep_moe.native: copy-engine chunk shares must be in [1, 1024], got ",
-                all[k]);
-    total += all[k];
+    TORCH_CHECK(shares[k] >= 1 && shares[k] <= 1024, "ep_moe.native: copy_engine_shares must be in [1, 1024], got ",
+                shares[k]);
+    total += shares[k];
     ce.bounds[k + 1] = static_cast<int32_t>(total);
   }
   ce.chunks = num_chunks;
-  ce.copy_chunks = static_cast<int>(shares.size());
   ce.seq = static_cast<uint64_t>(seq);
   ce.go = reinterpret_cast<uint64_t*>(go->data_ptr());
   return ce;
@@ -236,7 +229,6 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
               int64_t copy_engine_seq,
               const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
-              const std::vector<int64_t>& copy_engine_push_shares,
               const std::vector<int64_t>& copy_engine_tokens, const std::vector<int64_t>& host_prefix,
               const OptTensor& cached_src_idx) {
   const int num_ranks = env.env.num_ranks;
@@ -299,7 +291,7 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.num_push_blocks = static_cast<int>(num_push_blocks);
   p.trace = trace_ptr(trace, num_blocks);
   p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_seq, copy_engine_go, copy_engine_shares,
-                                     copy_engine_push_shares, num_blocks, num_push_blocks);
+                                     num_push_blocks);
   p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   if (copy_engine_seq == 0) {
@@ -344,7 +336,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              const OptTensor& bias1, const at::Tensor& out, const OptTensor& out_weights, int64_t num_blocks,
              int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
              int64_t copy_engine_seq, const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
-             const std::vector<int64_t>& copy_engine_push_shares, const std::vector<int64_t>& host_prefix) {
+             const std::vector<int64_t>& host_prefix) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
   check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
@@ -391,7 +383,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.num_push_blocks = static_cast<int>(num_push_blocks);
   p.trace = trace_ptr(trace, num_blocks);
   p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_seq, copy_engine_go, copy_engine_shares,
-                                     copy_engine_push_shares, num_blocks, num_push_blocks);
+                                     num_push_blocks);
   p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
   std::vector<int32_t> prefix32;
   if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit

@@ -131,29 +131,6 @@ __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n16,
   }
 }
 
-// The block copies a contiguous range (e.g. into a peer's buffer): n16 16-byte words, kUnroll loads in
-// flight per thread; or n4 4-byte words.
-// Not inlined: its registers stay out of the kernel's other paths (inlined into the combine it made the
-// reducers spill).
-static __device__ __noinline__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t n16) {
-  constexpr int U = kUnroll;
-  int4* d = reinterpret_cast<int4*>(dst);
-  const int4* s = reinterpret_cast<const int4*>(src);
-  const int64_t stride = blockDim.x;
-  for (int64_t base = threadIdx.x; base < n16; base += stride * U) {
-    int4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (base + u * stride < n16) v[u] = ld_cg(s + base + u * stride);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (base + u * stride < n16) d[base + u * stride] = v[u];
-  }
-}
-__device__ __forceinline__ void block_copy_words(int32_t* dst, const int32_t* src, int64_t n4) {
-  for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) dst[i] = __ldg(src + i);
-}
-
 // ------------------------------------------------------------------------------------------ rows
 // Rows destination r receives from sources below s (where s's rows start among r's), from the
 // cumulative matrix (in shared memory on the device; the host copy for the copy engine).

@@ -6,8 +6,6 @@
 // sides (y rows [rows_from_lower(src, me), +count) -> the source's buffer at rows_back_from_lower(src, me)),
 // so each chunk is one copy. Measured on 2 x H200 (NOTES.md): the copy engine moves 58.7 MB into the
 // peer in 160 us as one copy and ~5 us more per extra chunk with its flag write; SM pushers took ~220 us.
-// The last chunks may go by pusher blocks of the kernel instead (CopyEngineParams::copy_chunks), beside
-// the copy engine's; the copies here cover chunks [0, copy_chunks) only.
 //
 // Stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64) come from the driver through the
 // runtime's entry-point query, so the extension does not link libcuda.
@@ -115,7 +113,7 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (p.y_type == kBF16 ? 2 : 4);
   const int64_t w_bytes = p.has_weights ? static_cast<int64_t>(p.num_topk) * 4 : 0;
   // Chunk k of every peer in turn, so that each peer's first rows land early.
-  for (int k = 0; k < p.copy_engine.copy_chunks; ++k) {
+  for (int k = 0; k < p.copy_engine.chunks; ++k) {
     for (int j = 1; j < num_ranks; ++j) {
       const int src = (me + j) % num_ranks;
       const int count = pair_count(prefix, num_ranks, src, me);
@@ -124,10 +122,9 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
       const int64_t my_rows = rows_from_lower(prefix, num_ranks, src, me);
       const int64_t base = rows_back_from_lower(prefix, num_ranks, src, me);
       uint8_t* data = p.data[src];
-      if (j0 == 0 && w_bytes > 0)  // the top-k weights of the copy engine's rows go with its first chunk
+      if (j0 == 0 && w_bytes > 0)  // the top-k weights go with the pair's first rows
         EP_MOE_TRY(cs.copy(k, data + p.off_weights + base * w_bytes,
-                           reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes,
-                           cs.chunk_start(count, p.copy_engine.copy_chunks) * w_bytes));
+                           reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes, count * w_bytes));
       EP_MOE_TRY(cs.copy(k, data + p.off_y + (base + j0) * y_bytes, p.y + (my_rows + j0) * y_bytes, (j1 - j0) * y_bytes));
       EP_MOE_TRY(cs.publish(src, k));
     }
@@ -159,7 +156,7 @@ cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t*
                          p.num_tokens * w_bytes));
     }
   }
-  for (int k = 0; k < p.copy_engine.copy_chunks; ++k) {
+  for (int k = 0; k < p.copy_engine.chunks; ++k) {
     const int64_t t0 = cs.chunk_start(p.num_tokens, k), t1 = cs.chunk_start(p.num_tokens, k + 1);
     // An empty chunk has no waiter, except chunk 0 of a fresh dispatch (the send list comes with it).
     if (t1 == t0 && !(k == 0 && p.has_topk)) continue;

@@ -306,42 +306,6 @@ __device__ __forceinline__ bool run_pushers(const KernelEnv& env, uint64_t epoch
   return true;
 }
 
-// Pusher blocks of a copy-engine call: chunks [copy_chunks, chunks) of every peer go by SM stores beside
-// the copy engine's chunks (the link carries more than the copy engine alone moves). Items (chunk k, peer),
-// k-major, go to push block i % num_push_blocks; once the peer entered the operation the whole block
-// copies the item (`copy_item(peer, k)`), then, after a block barrier, thread 0 publishes
-// copy_engine_flag[this rank][k] in the peer with the operation's sequence number, fenced at system scope
-// as the copy stream's flag writes are. Returns false after a failed wait.
-template <typename CopyItem>
-__device__ __forceinline__ bool push_copy_engine_chunks(const KernelEnv& env, const CopyEngineParams& ce, uint64_t epoch,
-                                                        int num_push_blocks, int stage, BlockTrace& trace,
-                                                        CopyItem copy_item) {
-  const int num_ranks = env.num_ranks, me = env.rank;
-  Control* mine = control_of(env, me);
-  uint32_t arrived = 0;
-  int item = 0;
-  for (int k = ce.copy_chunks; k < ce.chunks; ++k) {
-    for (int j = 1; j < num_ranks; ++j) {
-      const int peer = (me + j) % num_ranks;
-      if (item++ % num_push_blocks != static_cast<int>(blockIdx.x)) continue;
-      if (!((arrived >> peer) & 1u)) {
-        bool ok = true;
-        if (threadIdx.x == 0) ok = traced_wait_flag(env, &mine->arrive[peer], epoch, stage, peer, k, trace);
-        if (__syncthreads_or(!ok)) return false;
-        arrived |= 1u << peer;
-        trace.first_wait();
-      }
-      copy_item(peer, k);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence_system();
-        st_release_sys(&control_of(env, peer)->copy_engine_flag[me][k], ce.seq);
-      }
-    }
-  }
-  return true;
-}
-
 // ========================================================================================== dispatch
 struct DispatchShared {
   int32_t prefix[kMaxRanks * kMaxRanks];
@@ -635,22 +599,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   if (p.copy_engine.seq != 0 && blockIdx.x == 0 && threadIdx.x < 32)
     start_copy_engine(env, p.copy_engine, epoch, kStageDispatchSend);
 
-  if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks && p.copy_engine.seq != 0) {
-    // ------------------------------------------------------------------ pushers beside the copy engine
-    // Chunk k: this rank's tokens [t0, t1) into its slot of the peer's buffer, as the copy stream sends.
-    const int64_t slot = static_cast<int64_t>(me) * p.copy_engine_slot_rows;
-    const int64_t scale_words = p.has_scales ? p.num_scales : 0;
-    push_copy_engine_chunks(env, p.copy_engine, epoch, p.num_push_blocks, kStageDispatchSend, trace, [&](int dst, int k) {
-      const int t0 = copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, p.num_tokens, k - 1);
-      const int t1 = copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, p.num_tokens, k);
-      uint8_t* data = p.data[dst];
-      block_copy(data + p.off_x + (slot + t0) * p.x_bytes, p.x + static_cast<int64_t>(t0) * p.x_bytes,
-                 static_cast<int64_t>(t1 - t0) * p.x_bytes / 16);
-      if (scale_words > 0)
-        block_copy_words(reinterpret_cast<int32_t*>(data + p.off_scales) + (slot + t0) * scale_words,
-                         reinterpret_cast<const int32_t*>(p.scales) + t0 * scale_words, (t1 - t0) * scale_words);
-    });
-  } else if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
+  if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
     const auto push_rows = [&](int dst, int j0, int j1) {
       const int64_t base = rows_from_lower(prefix, num_ranks, me, dst);
@@ -863,24 +812,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   }
   bool failed = false;
 
-  if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks && p.copy_engine.seq != 0) {
-    // ------------------------------------------------------------------ pushers beside the copy engine
-    // Chunk k of the rows `src` sent: back into src's buffer as the copy stream sends them, with their
-    // top-k weights (the copy stream sends only its own chunks' weights).
-    push_copy_engine_chunks(env, p.copy_engine, epoch, p.num_push_blocks, kStageCombineSend, trace, [&](int src, int k) {
-      const int count = pair_count(prefix, num_ranks, src, me);
-      const int j0 = copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, count, k - 1);
-      const int j1 = copy_engine_chunk_end(sh.copy_engine_bounds, p.copy_engine.chunks, count, k);
-      const int64_t my_rows = rows_from_lower(prefix, num_ranks, src, me) + j0;
-      const int64_t base = rows_back_from_lower(prefix, num_ranks, src, me) + j0;
-      uint8_t* data = p.data[src];
-      block_copy(data + p.off_y + base * y_bytes, p.y + my_rows * y_bytes, (j1 - j0) * y_bytes / 16);
-      if (p.has_weights)
-        block_copy_words(reinterpret_cast<int32_t*>(data + p.off_weights) + base * p.num_topk,
-                         reinterpret_cast<const int32_t*>(p.weights) + my_rows * p.num_topk,
-                         static_cast<int64_t>(j1 - j0) * p.num_topk);
-    });
-  } else if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
+  if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
     // Rows that `src` sent this rank go back into src's buffer, after the rows src gets back from its
     // lower peers; they start at row `my_rows` of y (rows of lower sources come first there).
@@ -910,12 +842,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     // ------------------------------------------------------------------ reducers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     const bool copy_engine = p.copy_engine.seq != 0;
+    if (copy_engine && blockIdx.x == 0 && warp == 0) start_copy_engine(env, p.copy_engine, epoch, kStageCombineSend);
     // Where the peers' rows land: pusher blocks publish epochs in combine_flag, the copy engine its
     // sequence numbers in copy_engine_flag.
     const uint64_t(*landed)[kMaxChunks] = copy_engine ? mine->copy_engine_flag : mine->combine_flag;
     const uint64_t landed_target = copy_engine ? p.copy_engine.seq : epoch;
     const int q = blockIdx.x - p.num_push_blocks, num_reducers = p.num_blocks - p.num_push_blocks;
-    if (copy_engine && q == 0 && warp == 0) start_copy_engine(env, p.copy_engine, epoch, kStageCombineSend);
     // Lane r (< R) caches what it knows about rank r: where its rows start in this buffer, its
     // chunk size, and the last chunk seen complete.
     int64_t lane_base = 0;

@@ -93,9 +93,6 @@ struct CopyEngineParams {
   uint64_t seq;
   uint64_t* go;
   int chunks;
-  // Chunks [0, copy_chunks) go by the copy engine, [copy_chunks, chunks) by the kernel's pusher blocks
-  // (SM stores beside the copy engine's, the same flags).
-  int copy_chunks;
   int32_t bounds[kMaxCopyEngineChunks + 1];
   // Diagnostics (null: off): global-timer ns when the go word was set ([0]) and when a warp first saw
   // chunk k of source s landed ([1 + s * kMaxCopyEngineChunks + k]; the host fills them with INT64_MAX).
