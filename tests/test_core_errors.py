@@ -342,6 +342,7 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
     assert not copy_engine.wanted([[4096] * 4 for _ in range(4)], 14336)
     # cached dispatch, auto: also every peer must receive nearly all of every source's tokens
     assert copy_engine.wanted_for_dispatch(counts, [4096, 4096], 14336)
+    assert not copy_engine.wanted_for_dispatch(counts, [4096, 4096], 14336, cached=False)  # fresh: pushers
     assert not copy_engine.wanted_for_dispatch([[4096, 2048], [4085, 4096]], [4096, 4096], 14336)
     assert not copy_engine.wanted_for_dispatch([[512, 512], [512, 512]], [512, 512], 14336)
     monkeypatch.setenv(copy_engine.MODE_ENV["combine"], "1")
@@ -349,6 +350,7 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
     assert not copy_engine.wanted_for_dispatch([[4096, 2048], [4085, 4096]], [4096, 4096], 14336)  # per op
     monkeypatch.setenv(copy_engine.MODE_ENV["dispatch"], "1")
     assert copy_engine.wanted_for_dispatch([[4096, 2048], [4085, 4096]], [4096, 4096], 14336)
+    assert copy_engine.wanted_for_dispatch(counts, [4096, 4096], 14336, cached=False)
     monkeypatch.setenv(copy_engine.MODE_ENV["combine"], "0")
     assert not copy_engine.wanted(counts, 14336)
 

@@ -267,7 +267,7 @@ class NativeBackend(CommBackend):
                                                     num_scales, 0))
             self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0)
             layout = self._route_layout.get(id(route))
-            tokens = None if layout is None else self._copy_engine_tokens(layout[1], layout[2], hidden,
+            tokens = None if layout is None else self._copy_engine_tokens(True, layout[1], layout[2], hidden,
                                                                           x.element_size(), num_scales, 0)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, 0)
             recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
@@ -314,7 +314,7 @@ class NativeBackend(CommBackend):
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
             self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
-            tokens = self._copy_engine_tokens(counts, tokens, hidden, x.element_size(), num_scales, num_topk)
+            tokens = self._copy_engine_tokens(False, counts, tokens, hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         dev = x.device
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
@@ -418,14 +418,14 @@ class NativeBackend(CommBackend):
         counts = known[1]
         return counts if copy_engine.wanted(counts, row_bytes) else None
 
-    def _copy_engine_tokens(self, counts: list[list[int]], tokens: list[int], hidden: int, elem_size: int,
-                            num_scales: int, num_topk: int) -> list[int] | None:
-        """``tokens`` when this dispatch sends x by the copy engine, else None (the same answer on every
-        rank; never during graph capture). The buffer grows (collectively) until every rank's tokens fit its
-        slot."""
+    def _copy_engine_tokens(self, cached: bool, counts: list[list[int]], tokens: list[int], hidden: int,
+                            elem_size: int, num_scales: int, num_topk: int) -> list[int] | None:
+        """``tokens`` when this dispatch (``cached``: a re-dispatch with a handle) sends x by the copy engine,
+        else None (the same answer on every rank; never during graph capture). The buffer grows
+        (collectively) until every rank's tokens fit its slot."""
         if torch.cuda.is_current_stream_capturing():
             return None
-        if not copy_engine.wanted_for_dispatch(counts, tokens, hidden * elem_size + 4 * num_scales):
+        if not copy_engine.wanted_for_dispatch(counts, tokens, hidden * elem_size + 4 * num_scales, cached):
             return None
         self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk)
         regions = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, num_topk)
