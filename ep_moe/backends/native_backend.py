@@ -12,9 +12,9 @@ flags) and a data buffer that receives rows. A dispatch runs
 
 A combine sends every received row back to its source's buffer and sums per token in increasing
 rank order in fp32: by pusher blocks, or, after an exact-size dispatch whose pairs are large (2 ranks,
-`ep_moe.native.copy_engine`), by the copy engine on a side stream while every block reduces. Likewise an
-exact-size or cached dispatch where nearly every token goes to every peer sends each rank's whole x by the
-copy engine, and every block copies the received rows out of the buffer. Results
+`ep_moe.native.copy_engine`), by the copy engine on a side stream while every block reduces. Likewise a
+cached dispatch where nearly every token goes to every peer (or, when forced, an exact-size one) sends each
+rank's whole x by the copy engine, and every block copies the received rows out of the buffer. Results
 equal the ``torch`` backend bit for bit. Shapes the kernels do not take
 (rows that are not a multiple of 16 bytes, more than 8192 local experts) go to an internal `TorchBackend`
 on the same group; every rank decides that from shapes alone, so all ranks take the same path.

@@ -9,7 +9,9 @@ rank's whole ``x`` (and scales) goes by the copy engine into its slot of every p
 token in order, and the receiver's blocks, all of them local, copy the rows they receive out of it: a
 cached dispatch finds each row's token in the handle's ``recv_src_idx``, a fresh one in the sender's send
 list, which the copy stream sends first together with the whole top-k (converted to local experts by the
-receiver). The link carries the unrouted tokens too, hence the density condition.
+receiver). The link carries the unrouted tokens too, hence the density condition. ``auto`` takes it for
+cached dispatches only (see `wanted_for_dispatch`); 2 x H200, 4096 tokens, 24 SMs (eighth session): cached
+dispatch 223.9 -> 210.3 us, FP8 149.6 -> 141.6, at 16 SMs 309.3 -> 215.6.
 
 The chunks can be spread over side streams, round robin (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_STREAMS``).
 
