@@ -140,7 +140,8 @@ cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t*
   const int64_t scale_bytes = p.has_scales ? static_cast<int64_t>(p.num_scales) * 4 : 0;
   const int64_t slot = static_cast<int64_t>(me) * p.copy_engine_slot_rows;  // this rank's rows in a peer's buffer
   const auto* scales = reinterpret_cast<const uint8_t*>(p.scales);
-  if (p.has_topk) {  // fresh dispatch: the send list to each peer and the whole top-k go ahead of chunk 0, on its stream
+  // A fresh dispatch: the send list to each peer and the whole top-k go ahead of chunk 0, on its stream.
+  if (p.has_topk) {
     const int64_t idx_bytes = static_cast<int64_t>(p.num_topk) * 8, w_bytes = static_cast<int64_t>(p.num_topk) * 4;
     for (int j = 1; j < num_ranks; ++j) {
       const int dst = (me + j) % num_ranks;
