@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import os
 
+from .chunking import positive_int_from_env
+
 OPS = ("dispatch", "combine")
 MODE_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE" for op in OPS}
 SHARES_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_SHARES" for op in OPS}
@@ -82,10 +84,10 @@ def shares(op: str) -> list[int]:
 def num_streams(op: str) -> int:
     """Side streams a copy-engine ``op`` spreads its chunks over, round robin (1 to 4)."""
     name = STREAMS_ENV[op]
-    value = os.environ.get(name, str(DEFAULT_STREAMS[op])).strip()
-    if not value.isdigit() or not 1 <= int(value) <= MAX_STREAMS:
-        raise ValueError(f"ep_moe native backend: {name} must be an integer in [1, {MAX_STREAMS}], got {value!r}")
-    return int(value)
+    value = positive_int_from_env(name, DEFAULT_STREAMS[op])
+    if value > MAX_STREAMS:
+        raise ValueError(f"ep_moe native backend: {name} must be an integer in [1, {MAX_STREAMS}], got {value}")
+    return value
 
 
 def prefix_matrix(counts: list[list[int]]) -> list[int]:
