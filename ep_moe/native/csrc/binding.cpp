@@ -227,8 +227,7 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               const OptTensor& recv_src_rank, const OptTensor& expert_scratch, const OptTensor& num_recv_per_expert,
               int64_t expert_alignment, int64_t rows_capacity, bool write_arrival, int64_t num_blocks,
               int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
-              int64_t copy_engine_seq,
-              const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
+              int64_t copy_engine_seq, const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
               const std::vector<int64_t>& copy_engine_tokens, const std::vector<int64_t>& host_prefix,
               const OptTensor& cached_src_idx) {
   const int num_ranks = env.env.num_ranks;

@@ -24,8 +24,8 @@ struct Control {
   int32_t expert_counts[2][kMaxRanks][kMaxNotifyExperts];  // [epoch parity][source][local expert of the owner]
   uint64_t dispatch_flag[kMaxRanks][kMaxChunks];       // [source][chunk] rows of dispatch landed
   uint64_t combine_flag[kMaxRanks][kMaxChunks];        // [source][chunk] rows of combine landed
-  // [source][chunk] rows of a copy-engine combine landed; holds the host's copy-engine sequence number
-  // (written by the source's copy stream, which knows no epoch), compared with >= like the epochs.
+  // [source][chunk] rows of a copy-engine dispatch or combine landed; holds the host's copy-engine sequence
+  // number (written by the source's copy stream, which knows no epoch), compared with >= like the epochs.
   uint64_t copy_engine_flag[kMaxRanks][kMaxChunks];
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
@@ -151,18 +151,18 @@ __host__ __device__ __forceinline__ int64_t rows_back_from_lower(const int32_t* 
 }
 
 // Chunking of the rows one source sends one destination: both sides derive it from the count alone.
-__host__ __device__ __forceinline__ int chunk_rows(int count, const KernelEnv& env) {
+__device__ __forceinline__ int chunk_rows(int count, const KernelEnv& env) {
   const int by_max = (count + env.chunks_per_pair - 1) / env.chunks_per_pair;
   return by_max > env.min_chunk_rows ? by_max : env.min_chunk_rows;
 }
-__host__ __device__ __forceinline__ int num_chunks(int count, const KernelEnv& env) {
+__device__ __forceinline__ int num_chunks(int count, const KernelEnv& env) {
   if (count <= 0) return 0;
   const int rows = chunk_rows(count, env);
   return (count + rows - 1) / rows;
 }
 
-// End (exclusive) of chunk k of a copy-engine combine's `count` rows of one pair: `bounds` are the n + 1
-// cumulative shares of CombineParams::copy_engine_bounds.
+// End (exclusive) of chunk k of `count` rows cut into n copy-engine chunks (a combine's rows of one pair, a
+// dispatch's tokens of one source): `bounds` are the n + 1 cumulative shares of CopyEngineParams::bounds.
 __host__ __device__ __forceinline__ int copy_engine_chunk_end(const int32_t* bounds, int n, int count, int k) {
   return static_cast<int>(static_cast<int64_t>(count) * bounds[k + 1] / bounds[n]);
 }

@@ -367,7 +367,6 @@ __device__ __forceinline__ void store_row_meta(const DispatchParams& p, int dst,
   }
 }
 
-// Warp: this rank's own token t, received as output row `row` (data and metadata).
 // Warp: output row `row`'s top-k from a token's global expert ids and fp32 weights (`idx`, `w`: K each; in
 // this rank's input, or written by a peer's copy engine, then read through L2): ids of this rank's experts
 // become local ids, the others -1 with weight 0; `hist` counts the local ones. Then the row's source.

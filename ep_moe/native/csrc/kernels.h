@@ -144,10 +144,10 @@ struct DispatchParams {
 };
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 // The copy-engine half of a dispatch launched with the same `p`, queued on side streams after the kernel
-// (chunk k on streams[k % num_streams]):
-// wait until *go >= seq; a fresh dispatch first copies each peer its send list and the whole top-k; then
-// chunk by chunk and peer by peer one copy of x's rows (and one of the scales) into this rank's slot of the
-// peer's buffer, each chunk followed by its flag write (stream-ordered, fenced). `host_prefix`: [R, R].
+// (chunk k on streams[k % num_streams]): wait until *go >= seq; a fresh dispatch first copies each peer its
+// send list and the whole top-k; then chunk by chunk and peer by peer one copy of x's rows (and one of the
+// scales) into this rank's slot of the peer's buffer, each chunk followed by its flag write (stream-ordered,
+// fenced). `host_prefix`: [R, R].
 cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* host_prefix, const cudaStream_t* streams,
                                          int num_streams);
 
@@ -182,10 +182,10 @@ struct CombineParams {
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
 // The copy-engine half of a combine launched with the same `p` (copy_engine.seq > 0), queued on side
-// streams after the kernel (chunk k on streams[k % num_streams]): wait until *go >= seq, then, chunk by chunk and peer by peer, one
-// device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights with its first
-// chunk) followed by a flag write into the peer's copy_engine_flag, which the stream orders after the copy
-// with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
+// streams after the kernel (chunk k on streams[k % num_streams]): wait until *go >= seq, then, chunk by
+// chunk and peer by peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's
+// top-k weights with its first chunk) followed by a flag write into the peer's copy_engine_flag, which the
+// stream orders after the copy with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
 cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, const cudaStream_t* streams,
                                         int num_streams);
 // Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
