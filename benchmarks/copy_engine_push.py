@@ -4,10 +4,12 @@
 
 Both ranks push at once (``copy_`` of contiguous views is one ``cudaMemcpyAsync``): the bytes as one copy
 and in 8 / 16 / 64 pieces, with a ``cuStreamWriteValue64`` flag after each piece (what
-`ep_moe.native.copy_engine` queues), split over two streams, and beside a local copy on another stream
-(SM and HBM traffic, as the reducers make). A device sleep first lets the host queue everything, so the
-times are the GPU's. 2 x H200, 58.7 MB (seventh session): one copy 160 us (367 GB/s); 8 / 16 / 64 pieces
-181 / 203 / 326 us; 8 pieces with flags 201 us; with a 117 MB local copy alongside no slower.
+`ep_moe.native.copy_engine` queues), split over two streams, with the flags on a stream of their own
+(each after an event behind its copy), and beside a local copy on another stream (SM and HBM traffic, as
+the reducers make). A device sleep first lets the host queue everything, so the times are the GPU's.
+2 x H200, 58.7 MB (eighth session): one copy 159.6 us (368 GB/s); 8 / 16 / 64 pieces 182.6 / 205.0 /
+326.5 us; 4 / 8 / 16 pieces with flags 180.8 / 200.7 / 248.4, on 2 streams 175.7 / 189.4 / 226.0; with a
+117 MB local copy alongside 166.0 (1 piece). Flags on their own stream: not yet run.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ def main() -> None:
     write_value = ctypes.CDLL("libcuda.so.1").cuStreamWriteValue64_v2
     write_value.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    flag_stream = torch.cuda.Stream()
+    events = [torch.cuda.Event() for _ in range(1024)]
     busy_stream = torch.cuda.Stream()
     seq = 0
 
-    def timed(pieces: int, with_flags: bool = False, two_streams: bool = False, busy: bool = False) -> float:
+    def timed(pieces: int, with_flags: bool = False, two_streams: bool = False, busy: bool = False,
+              flags_apart: bool = False) -> float:
         nonlocal seq
         times = []
         for _ in range(args.runs + 3):
@@ -68,26 +73,35 @@ def main() -> None:
                 stream = streams[i % 2] if two_streams else streams[0]
                 with torch.cuda.stream(stream):
                     dst[at:at + step].copy_(src[at:at + step], non_blocking=True)
-                    if with_flags:
-                        seq += 1
-                        err = write_value(stream.cuda_stream, flags.data_ptr() + 8 * (i % 1024), seq, 0)
-                        if err:
-                            raise RuntimeError(f"cuStreamWriteValue64 failed: CUresult {err}")
+                if with_flags:
+                    seq += 1
+                    writer = stream
+                    if flags_apart:  # the flag waits for an event behind the copy, on a stream of its own
+                        events[i % 1024].record(stream)
+                        flag_stream.wait_event(events[i % 1024])
+                        writer = flag_stream
+                    err = write_value(writer.cuda_stream, flags.data_ptr() + 8 * (i % 1024), seq, 0)
+                    if err:
+                        raise RuntimeError(f"cuStreamWriteValue64 failed: CUresult {err}")
             streams[0].wait_stream(streams[1])
+            streams[0].wait_stream(flag_stream)
             with torch.cuda.stream(streams[0]):
                 end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
         return sorted(times[3:])[args.runs // 2]
 
-    cases = [(1, False, False, False), (8, False, False, False), (16, False, False, False), (64, False, False, False),
-             (4, True, False, False), (8, True, False, False), (16, True, False, False), (8, False, True, False),
-             (4, True, True, False), (8, True, True, False), (16, True, True, False), (1, False, False, True),
-             (8, True, False, True), (8, True, True, True)]
-    for pieces, with_flags, two_streams, busy in cases:
-        us = timed(pieces, with_flags, two_streams, busy)
+    cases = [(1, False, False, False, False), (8, False, False, False, False), (16, False, False, False, False),
+             (64, False, False, False, False), (4, True, False, False, False), (8, True, False, False, False),
+             (16, True, False, False, False), (8, False, True, False, False), (4, True, True, False, False),
+             (8, True, True, False, False), (16, True, True, False, False), (4, True, False, False, True),
+             (8, True, False, False, True), (16, True, False, False, True), (1, False, False, True, False),
+             (8, True, False, True, False), (8, True, True, True, False), (8, True, False, True, True)]
+    for pieces, with_flags, two_streams, busy, flags_apart in cases:
+        us = timed(pieces, with_flags, two_streams, busy, flags_apart)
         if rank == 0:
             what = (f"{pieces:3d} piece(s)" + (" + flags" if with_flags else "") + (" on 2 streams" if two_streams else "")
+                    + (" (flags on their own stream)" if flags_apart else "")
                     + (f" + local copy of {2 * nbytes / 1e6:.0f} MB" if busy else ""))
             print(f"copy engine push of {nbytes / 1e6:.1f} MB, {what:45s} {us:8.1f} us {nbytes / us / 1e3:7.1f} GB/s",
                   flush=True)

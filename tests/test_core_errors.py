@@ -326,6 +326,14 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
             monkeypatch.setenv(copy_engine.STREAMS_ENV[op], bad)
             with pytest.raises(ValueError, match=copy_engine.STREAMS_ENV[op]):
                 copy_engine.num_streams(op)
+        monkeypatch.delenv(copy_engine.FLAG_STREAM_ENV[op], raising=False)
+        assert not copy_engine.flag_stream(op)
+        monkeypatch.setenv(copy_engine.FLAG_STREAM_ENV[op], "1")
+        assert copy_engine.flag_stream(op)
+        monkeypatch.setenv(copy_engine.FLAG_STREAM_ENV[op], "yes")
+        with pytest.raises(ValueError, match=copy_engine.FLAG_STREAM_ENV[op]):
+            copy_engine.flag_stream(op)
+        monkeypatch.delenv(copy_engine.FLAG_STREAM_ENV[op])
         monkeypatch.setenv(copy_engine.STREAMS_ENV[op], "3")
         assert copy_engine.num_streams(op) == 3
         monkeypatch.delenv(copy_engine.STREAMS_ENV[op])

@@ -114,12 +114,13 @@ def _all_ok(ok: bool, side_group) -> bool:
     return int(flag) == 0
 
 
-def _copy_engine_env(forced: bool, streams: int = 1) -> dict[str, str]:
+def _copy_engine_env(forced: bool, streams: int = 1, flag_stream: bool = False) -> dict[str, str]:
     """Variables that force the copy engine on or off for dispatch and combine, with its chunks spread
-    over ``streams`` side streams."""
+    over ``streams`` side streams and its flag writes on a stream of their own or not."""
     env = {DISPATCH_COPY_ENGINE_ENV: "1" if forced else "0", COPY_ENGINE_ENV: "1" if forced else "0"}
     for op in ("DISPATCH", "COMBINE"):
         env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_STREAMS"] = str(streams)
+        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_FLAG_STREAM"] = "1" if flag_stream else "0"
     return env
 
 
@@ -133,9 +134,10 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     for index in range(num_cases):
         error = None
         # odd cases force the copy engine for dispatch and combine where the host knows the layout
-        # (exact-size dispatches and their cached re-dispatches and combines); every other one of them on
-        # one side stream per op, the rest on two
-        env = _copy_engine_env(index % 2 == 1, 2 if index % 4 == 3 else 1)
+        # (exact-size dispatches and their cached re-dispatches and combines), in turn on one side stream
+        # per op, on two, and on one with the flag writes on a stream of their own
+        variant = (index // 2) % 3
+        env = _copy_engine_env(index % 2 == 1, 2 if variant == 1 else 1, variant == 2)
         os.environ.update(env)
         try:
             _check_case(rank, world, index, nat, ref)
@@ -272,8 +274,8 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
     x, idx, w = inputs(99)
     elapsed = 0.0
     for copy_engine in ("0", "1"):
-        # the copy-engine half on two side streams
-        env = _copy_engine_env(copy_engine == "1", streams=2)
+        # the copy-engine half on two side streams, flags on a third
+        env = _copy_engine_env(copy_engine == "1", streams=2, flag_stream=True)
         os.environ.update(env)
         try:
             # Warm up holding the same live tensors (rx, rw, h, combined) as the loop leaves behind, so that
@@ -360,16 +362,16 @@ def _timeout_worker(rank: int, world: int) -> str:
     buf.destroy()
     # 2) rank 1 skips a cached dispatch whose x goes by the copy engine: rank 0's kernel gives up waiting
     # and still releases its copy stream (no hang); the error surfaces at the next call.
-    # On one side stream, then on two (each must be released).
-    for streams in (1, 2):
-        messages.append(_rank0_times_out_alone(rank, _copy_engine_env(True, streams), "dispatch",
+    # On one side stream, on two, and on one with a flag stream (each must be released).
+    for streams, flag_stream in ((1, False), (2, False), (1, True)):
+        messages.append(_rank0_times_out_alone(rank, _copy_engine_env(True, streams, flag_stream), "dispatch",
                                                lambda buf, handle, *_: buf.dispatch(x, handle=handle), x, idx, w))
     # 3) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
-    # With pushers, then with the copy engine (on one and on two side streams), whose streams rank 0's
-    # kernel must still release.
-    for forced, streams in ((False, 1), (True, 1), (True, 2)):
+    # With pushers, then with the copy engine (on one and on two side streams, and with a flag stream),
+    # whose streams rank 0's kernel must still release.
+    for forced, streams, flag_stream in ((False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True)):
         messages.append(_rank0_times_out_alone(
-            rank, _copy_engine_env(forced, streams), "combine",
+            rank, _copy_engine_env(forced, streams, flag_stream), "combine",
             lambda buf, handle, recv_x, recv_w: buf.combine(recv_x, handle, topk_weights=recv_w), x, idx, w))
     torch.cuda.synchronize()
     return "\n".join(m for m in messages if m)

@@ -113,6 +113,7 @@ class NativeBackend(CommBackend):
             self._route_layout: dict[int, tuple[int, list[list[int]], list[int]]] = {}
             # copy-engine calls: their side streams, sequence number and go word (copy_engine.py)
             self._copy_streams: list[torch.cuda.Stream] = []
+            self._copy_flag_stream: torch.cuda.Stream | None = None
             self._copy_seq = 0
             self._copy_go = torch.zeros(1, dtype=torch.int64, device=device)
             if num_nvl_bytes > 0:
@@ -381,15 +382,15 @@ class NativeBackend(CommBackend):
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine
-    # the copy-engine arguments of a call without it: streams, sequence number, go word, shares
-    _NO_COPY_ENGINE = ([], 0, None, [])
+    # the copy-engine arguments of a call without it: streams, flag stream, sequence number, go word, shares
+    _NO_COPY_ENGINE = ([], 0, 0, None, [])
 
     @contextlib.contextmanager
     def _copy_engine_call(self, op: str, trace_op: str, blocks: int):
         """The kernel arguments from the pusher count to the chunk shares of one copy-engine ``op``
-        (`ep_moe.native.copy_engine`; no pushers: every block copies locally or reduces). Its side streams
-        start after this stream's inputs are ready, and this stream waits for them afterwards (the caller's
-        inputs are read there)."""
+        (`ep_moe.native.copy_engine`; no pushers: every block copies locally or reduces). Its copy streams
+        start after this stream's inputs are ready, and this stream waits for them (and the flag stream)
+        afterwards (the caller's inputs are read there)."""
         stream = torch.cuda.current_stream(self.device)
         wanted = copy_engine.num_streams(op)
         while len(self._copy_streams) < wanted:
@@ -397,10 +398,15 @@ class NativeBackend(CommBackend):
         streams = self._copy_streams[:wanted]
         for side in streams:
             side.wait_stream(stream)
+        flags = None
+        if copy_engine.flag_stream(op):  # its work waits for the copy streams' events only
+            if self._copy_flag_stream is None:
+                self._copy_flag_stream = torch.cuda.Stream(self.device)
+            flags = self._copy_flag_stream
         self._copy_seq += 1
-        yield (0, self._trace(trace_op, blocks, 0), [side.cuda_stream for side in streams], self._copy_seq,
-               self._copy_go, copy_engine.shares(op))
-        for side in streams:
+        yield (0, self._trace(trace_op, blocks, 0), [side.cuda_stream for side in streams],
+               0 if flags is None else flags.cuda_stream, self._copy_seq, self._copy_go, copy_engine.shares(op))
+        for side in streams + ([] if flags is None else [flags]):
             stream.wait_stream(side)
 
     def _copy_engine_layout(self, route: torch.Tensor) -> tuple[int, list[list[int]], list[int]] | None:

@@ -13,7 +13,10 @@ receiver). The link carries the unrouted tokens too, hence the density condition
 cached dispatches only (see `wanted_for_dispatch`); 2 x H200, 4096 tokens, 24 SMs (eighth session): cached
 dispatch 223.9 -> 210.3 us, FP8 149.6 -> 141.6, at 16 SMs 309.3 -> 215.6.
 
-The chunks can be spread over side streams, round robin (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_STREAMS``).
+The chunks can be spread over side streams, round robin (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_STREAMS``), and
+their flag writes moved to a stream of their own (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_FLAG_STREAM=1``): each
+chunk's flags then wait for an event behind its copies, and the copy stream goes on with the next chunk at
+once instead of waiting for the flag write's fence to drain the copy.
 
 Either needs the layout's counts on the host (a handle of an exact-size dispatch; not
 ``num_worst_tokens``) and no CUDA-graph capture (the copies' flag values are host sequence numbers,
@@ -48,6 +51,7 @@ STREAMS_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_STREAMS" for op in O
 # move the first two chunks at once, so the first lands later (combine, whose reducers wait for it, 250.7 ->
 # 279.0).
 DEFAULT_STREAMS = {"dispatch": 2, "combine": 1}
+FLAG_STREAM_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_FLAG_STREAM" for op in OPS}
 MAX_STREAMS = 4  # kMaxCopyStreams
 # auto: the largest pair must move at least this much. 2 x H200, hidden 7168 BF16, 24 SMs (combine call us,
 # pushers / copy engine): 512 tokens (7.3 MB per pair) 64.4 / 88.0, 2048 (29 MB) 175.5 / 146.1, 4096
@@ -88,6 +92,15 @@ def num_streams(op: str) -> int:
     if value > MAX_STREAMS:
         raise ValueError(f"ep_moe native backend: {name} must be an integer in [1, {MAX_STREAMS}], got {value}")
     return value
+
+
+def flag_stream(op: str) -> bool:
+    """Whether a copy-engine ``op`` writes its flags on a stream of their own (default: no)."""
+    name = FLAG_STREAM_ENV[op]
+    value = os.environ.get(name, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"ep_moe native backend: {name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def prefix_matrix(counts: list[list[int]]) -> list[int]:

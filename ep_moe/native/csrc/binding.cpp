@@ -188,10 +188,16 @@ std::vector<cudaStream_t> as_streams(const std::vector<int64_t>& handles) {
   return streams;
 }
 
+// Copy streams and the flag stream (0: flag writes on the copy streams); `copy` must outlive the set.
+ep_moe::CopyStreamSet stream_set(const std::vector<cudaStream_t>& copy, int64_t flag_stream) {
+  return {copy.data(), static_cast<int>(copy.size()), reinterpret_cast<cudaStream_t>(flag_stream)};
+}
+
 // The copy-engine half's parameters (seq 0: none); checked before any kernel starts, since the kernel
 // releases the copy stream and the copies write into the peers' buffers unchecked.
-ep_moe::CopyEngineParams copy_engine_params(const std::vector<int64_t>& streams, int64_t seq, const OptTensor& go,
-                                            const std::vector<int64_t>& shares, int64_t num_push_blocks) {
+ep_moe::CopyEngineParams copy_engine_params(const std::vector<int64_t>& streams, int64_t flag_stream, int64_t seq,
+                                            const OptTensor& go, const std::vector<int64_t>& shares,
+                                            int64_t num_push_blocks) {
   ep_moe::CopyEngineParams ce{};
   if (seq == 0) return ce;
   TORCH_CHECK(seq > 0 && num_push_blocks == 0 && present(go),
@@ -200,6 +206,8 @@ ep_moe::CopyEngineParams copy_engine_params(const std::vector<int64_t>& streams,
                   std::find(streams.begin(), streams.end(), 0) == streams.end(),
               "ep_moe.native: copy_engine_streams must hold 1 to ", ep_moe::kMaxCopyStreams,
               " side streams (not the legacy default stream), got ", streams.size());
+  TORCH_CHECK(std::find(streams.begin(), streams.end(), flag_stream) == streams.end(),
+              "ep_moe.native: copy_engine_flag_stream must not be one of the copy streams");
   check_cuda(*go, "copy_engine_go");
   TORCH_CHECK(go->scalar_type() == at::kLong && go->numel() >= 1, "ep_moe.native: copy_engine_go must be an int64 "
               "CUDA tensor");
@@ -227,7 +235,8 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               const OptTensor& recv_src_rank, const OptTensor& expert_scratch, const OptTensor& num_recv_per_expert,
               int64_t expert_alignment, int64_t rows_capacity, bool write_arrival, int64_t num_blocks,
               int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
-              int64_t copy_engine_seq, const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
+              int64_t copy_engine_flag_stream, int64_t copy_engine_seq,
+              const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
               const std::vector<int64_t>& copy_engine_tokens, const std::vector<int64_t>& host_prefix,
               const OptTensor& cached_src_idx) {
   const int num_ranks = env.env.num_ranks;
@@ -289,8 +298,8 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);
   p.trace = trace_ptr(trace, num_blocks);
-  p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_seq, copy_engine_go, copy_engine_shares,
-                                     num_push_blocks);
+  p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                                     copy_engine_shares, num_push_blocks);
   p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   if (copy_engine_seq == 0) {
@@ -324,9 +333,9 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   // The kernel goes first: the copy stream's first operation waits for its go word (see combine).
   check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
   const std::vector<cudaStream_t> copy_streams = as_streams(copy_engine_streams);
-  check_launch(ep_moe::enqueue_copy_engine_dispatch(p, prefix32.data(), copy_streams.data(),
-                                                    static_cast<int>(copy_streams.size())),
-               "the dispatch's copy-engine pushes");
+  check_launch(
+      ep_moe::enqueue_copy_engine_dispatch(p, prefix32.data(), stream_set(copy_streams, copy_engine_flag_stream)),
+      "the dispatch's copy-engine pushes");
 }
 
 void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_y, int64_t off_weights,
@@ -334,7 +343,8 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              const at::Tensor& pos, const at::Tensor& y, const OptTensor& weights, const OptTensor& bias0,
              const OptTensor& bias1, const at::Tensor& out, const OptTensor& out_weights, int64_t num_blocks,
              int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
-             int64_t copy_engine_seq, const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
+             int64_t copy_engine_flag_stream, int64_t copy_engine_seq, const OptTensor& copy_engine_go,
+             const std::vector<int64_t>& copy_engine_shares,
              const std::vector<int64_t>& host_prefix) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
@@ -381,8 +391,8 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.num_blocks = static_cast<int>(num_blocks);
   p.num_push_blocks = static_cast<int>(num_push_blocks);
   p.trace = trace_ptr(trace, num_blocks);
-  p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_seq, copy_engine_go, copy_engine_shares,
-                                     num_push_blocks);
+  p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                                     copy_engine_shares, num_push_blocks);
   p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
   std::vector<int32_t> prefix32;
   if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit
@@ -403,9 +413,9 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   // seen on 2 x H200 when the copies were queued first).
   check_launch(ep_moe::launch_combine(p, stream), "combine");
   const std::vector<cudaStream_t> copy_streams = as_streams(copy_engine_streams);
-  check_launch(ep_moe::enqueue_copy_engine_combine(p, prefix32.data(), copy_streams.data(),
-                                                   static_cast<int>(copy_streams.size())),
-               "the combine's copy-engine pushes");
+  check_launch(
+      ep_moe::enqueue_copy_engine_combine(p, prefix32.data(), stream_set(copy_streams, copy_engine_flag_stream)),
+      "the combine's copy-engine pushes");
 }
 
 void barrier(const Env& env) {

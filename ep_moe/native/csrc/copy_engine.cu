@@ -11,6 +11,10 @@
 // runtime's entry-point query, so the extension does not link libcuda.
 #include <cuda.h>
 
+#include <array>
+#include <map>
+#include <mutex>
+
 #include "common.cuh"
 
 namespace ep_moe {
@@ -55,43 +59,81 @@ cudaError_t from_driver(CUresult res) {
   return res == CUDA_SUCCESS ? cudaSuccess : static_cast<cudaError_t>(res);
 }
 
-// What one copy-engine call queues on its streams: on each, the wait for the kernel's go word; then chunk
-// k's device-to-device copies and, per peer, its flag write into the peer's copy_engine_flag[this rank][k]
-// on stream k % num_streams. With two or more streams one chunk's copies run while another's flag write
-// waits for its copies to drain (the fence in front of every flag write empties the copy pipeline).
+// An event per chunk for the flag stream to wait on, created once per device (reused by every call: a
+// stream wait takes the event's state when it is queued, so a later record does not disturb it).
+cudaError_t chunk_event(int k, cudaEvent_t* event) {
+  static std::mutex mutex;
+  static std::map<int, std::array<cudaEvent_t, kMaxCopyEngineChunks>> pools;
+  int device = 0;
+  EP_MOE_TRY(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = pools.find(device);
+  if (it == pools.end()) {
+    std::array<cudaEvent_t, kMaxCopyEngineChunks> pool{};
+    for (cudaEvent_t& e : pool) EP_MOE_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    it = pools.emplace(device, pool).first;
+  }
+  *event = it->second[k];
+  return cudaSuccess;
+}
+
+// What one copy-engine call queues on its streams (CopyStreamSet): on each copy stream, the wait for the
+// kernel's go word; then chunk k's device-to-device copies on copy stream k % num_copy and, per peer, its
+// flag write into the peer's copy_engine_flag[this rank][k]: on the same stream after the peer's copies, or,
+// with a flag stream, on it after an event behind all peers' copies of the chunk. Two copy streams let one
+// chunk's copies run while another's flag write drains; a flag stream keeps the copies back to back.
 class CopyStreams {
  public:
-  CopyStreams(const KernelEnv& env, const CopyEngineParams& ce, const cudaStream_t* streams, int num_streams)
-      : env_(env), ce_(ce), streams_(streams), num_streams_(num_streams) {}
+  CopyStreams(const KernelEnv& env, const CopyEngineParams& ce, const CopyStreamSet& set)
+      : env_(env), ce_(ce), set_(set) {}
 
   cudaError_t wait_for_go() const {
     const StreamMemOps& ops = stream_mem_ops();
     if (ops.status != cudaSuccess) return ops.status;
-    for (int i = 0; i < num_streams_; ++i)
-      EP_MOE_TRY(from_driver(ops.wait(cu_stream(i), reinterpret_cast<CUdeviceptr>(ce_.go), ce_.seq,
+    for (int i = 0; i < set_.num_copy; ++i)
+      EP_MOE_TRY(from_driver(ops.wait(cu_stream(set_.copy[i]), reinterpret_cast<CUdeviceptr>(ce_.go), ce_.seq,
                                       CU_STREAM_WAIT_VALUE_GEQ)));
     return cudaSuccess;
   }
   // A copy that belongs to chunk k.
   cudaError_t copy(int k, uint8_t* dst, const uint8_t* src, int64_t bytes) const {
-    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, streams_[k % num_streams_]);
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, copy_stream(k));
   }
-  // Chunk k landed in `peer`. Default flags: the write waits for the stream's earlier writes (a system-wide
-  // fence first).
-  cudaError_t publish(int peer, int k) const {
-    const uint64_t* flag = &reinterpret_cast<const Control*>(env_.ctrl[peer])->copy_engine_flag[env_.rank][k];
-    return from_driver(stream_mem_ops().write(cu_stream(k), reinterpret_cast<CUdeviceptr>(flag), ce_.seq,
-                                              CU_STREAM_WRITE_VALUE_DEFAULT));
+  // Chunk k's copies into `peer` are queued: its flag write now (inline), or with the chunk's other peers
+  // at chunk_queued (flag stream).
+  cudaError_t peer_queued(int peer, int k) {
+    if (set_.flags == nullptr) return publish(copy_stream(k), peer, k);
+    pending_ |= 1u << peer;
+    return cudaSuccess;
+  }
+  // Every peer's copies of chunk k are queued (flag stream: event, wait, the pending peers' flag writes).
+  cudaError_t chunk_queued(int k) {
+    if (set_.flags == nullptr || pending_ == 0) return cudaSuccess;
+    cudaEvent_t event;
+    EP_MOE_TRY(chunk_event(k, &event));
+    EP_MOE_TRY(cudaEventRecord(event, copy_stream(k)));
+    EP_MOE_TRY(cudaStreamWaitEvent(set_.flags, event, 0));
+    for (int peer = 0; peer < env_.num_ranks; ++peer)
+      if ((pending_ >> peer) & 1u) EP_MOE_TRY(publish(set_.flags, peer, k));
+    pending_ = 0;
+    return cudaSuccess;
   }
   // First row of chunk k of n rows (k = chunks: n).
   int64_t chunk_start(int n, int k) const { return copy_engine_chunk_end(ce_.bounds, ce_.chunks, n, k - 1); }
 
  private:
-  CUstream cu_stream(int k) const { return reinterpret_cast<CUstream>(streams_[k % num_streams_]); }
+  cudaStream_t copy_stream(int k) const { return set_.copy[k % set_.num_copy]; }
+  static CUstream cu_stream(cudaStream_t s) { return reinterpret_cast<CUstream>(s); }
+  // Default flags: the write waits for the stream's earlier work and writes (a system-wide fence first).
+  cudaError_t publish(cudaStream_t stream, int peer, int k) const {
+    const uint64_t* flag = &reinterpret_cast<const Control*>(env_.ctrl[peer])->copy_engine_flag[env_.rank][k];
+    return from_driver(stream_mem_ops().write(cu_stream(stream), reinterpret_cast<CUdeviceptr>(flag), ce_.seq,
+                                              CU_STREAM_WRITE_VALUE_DEFAULT));
+  }
   const KernelEnv& env_;
   const CopyEngineParams& ce_;
-  const cudaStream_t* streams_;
-  int num_streams_;
+  const CopyStreamSet& set_;
+  uint32_t pending_ = 0;  // peers whose flag for the current chunk waits for chunk_queued
 };
 
 }  // namespace
@@ -105,9 +147,8 @@ int64_t most_rows_back(const int32_t* prefix, int num_ranks) {
   return most;
 }
 
-cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* prefix, const cudaStream_t* streams,
-                                        int num_streams) {
-  const CopyStreams cs(p.env, p.copy_engine, streams, num_streams);
+cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* prefix, const CopyStreamSet& streams) {
+  CopyStreams cs(p.env, p.copy_engine, streams);
   EP_MOE_TRY(cs.wait_for_go());
   const int num_ranks = p.env.num_ranks, me = p.env.rank;
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (p.y_type == kBF16 ? 2 : 4);
@@ -126,15 +167,15 @@ cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* p
         EP_MOE_TRY(cs.copy(k, data + p.off_weights + base * w_bytes,
                            reinterpret_cast<const uint8_t*>(p.weights) + my_rows * w_bytes, count * w_bytes));
       EP_MOE_TRY(cs.copy(k, data + p.off_y + (base + j0) * y_bytes, p.y + (my_rows + j0) * y_bytes, (j1 - j0) * y_bytes));
-      EP_MOE_TRY(cs.publish(src, k));
+      EP_MOE_TRY(cs.peer_queued(src, k));
     }
+    EP_MOE_TRY(cs.chunk_queued(k));
   }
   return cudaSuccess;
 }
 
-cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* prefix, const cudaStream_t* streams,
-                                         int num_streams) {
-  const CopyStreams cs(p.env, p.copy_engine, streams, num_streams);
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* prefix, const CopyStreamSet& streams) {
+  CopyStreams cs(p.env, p.copy_engine, streams);
   EP_MOE_TRY(cs.wait_for_go());
   const int num_ranks = p.env.num_ranks, me = p.env.rank;
   const int64_t scale_bytes = p.has_scales ? static_cast<int64_t>(p.num_scales) * 4 : 0;
@@ -170,8 +211,9 @@ cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t*
           EP_MOE_TRY(cs.copy(k, data + p.off_scales + (slot + t0) * scale_bytes, scales + t0 * scale_bytes,
                              (t1 - t0) * scale_bytes));
       }
-      EP_MOE_TRY(cs.publish(dst, k));
+      EP_MOE_TRY(cs.peer_queued(dst, k));
     }
+    EP_MOE_TRY(cs.chunk_queued(k));
   }
   return cudaSuccess;
 }

@@ -99,6 +99,15 @@ struct CopyEngineParams {
   int64_t* trace;
 };
 constexpr int kCopyEngineTraceSlots = 1 + kMaxRanks * kMaxCopyEngineChunks;
+// The host streams of a copy-engine call: chunk k's copies go on copy[k % num_copy], each peer's flag write
+// for it after them on the same stream, or, with a flag stream, on that stream once an event recorded
+// behind the chunk's copies completed (the copy stream then starts the next chunk without waiting for the
+// flag write's fence to drain the copies).
+struct CopyStreamSet {
+  const cudaStream_t* copy;
+  int num_copy;
+  cudaStream_t flags;  // null: flag writes on the copy streams
+};
 
 // ------------------------------------------------------------------------------------------ dispatch
 struct DispatchParams {
@@ -143,13 +152,13 @@ struct DispatchParams {
   const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx (cached dispatch), or null (fresh)
 };
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
-// The copy-engine half of a dispatch launched with the same `p`, queued on side streams after the kernel
-// (chunk k on streams[k % num_streams]): wait until *go >= seq; a fresh dispatch first copies each peer its
-// send list and the whole top-k; then chunk by chunk and peer by peer one copy of x's rows (and one of the
-// scales) into this rank's slot of the peer's buffer, each chunk followed by its flag write (stream-ordered,
-// fenced). `host_prefix`: [R, R].
-cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* host_prefix, const cudaStream_t* streams,
-                                         int num_streams);
+// The copy-engine half of a dispatch launched with the same `p`, queued after the kernel on `streams`
+// (CopyStreamSet): wait until *go >= seq; a fresh dispatch first copies each peer its send list and the whole
+// top-k; then chunk by chunk and peer by peer one copy of x's rows (and one of the scales) into this rank's
+// slot of the peer's buffer, each chunk's flag write ordered after its copies with a memory fence.
+// `host_prefix`: [R, R].
+cudaError_t enqueue_copy_engine_dispatch(const DispatchParams& p, const int32_t* host_prefix,
+                                         const CopyStreamSet& streams);
 
 // ------------------------------------------------------------------------------------------ combine
 enum ElemType { kNone = 0, kBF16 = 1, kFP32 = 2 };
@@ -181,13 +190,13 @@ struct CombineParams {
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
-// The copy-engine half of a combine launched with the same `p` (copy_engine.seq > 0), queued on side
-// streams after the kernel (chunk k on streams[k % num_streams]): wait until *go >= seq, then, chunk by
-// chunk and peer by peer, one device-to-device copy of this rank's rows into the peer's buffer (the peer's
-// top-k weights with its first chunk) followed by a flag write into the peer's copy_engine_flag, which the
-// stream orders after the copy with a memory fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
-cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix, const cudaStream_t* streams,
-                                        int num_streams);
+// The copy-engine half of a combine launched with the same `p` (copy_engine.seq > 0), queued after the
+// kernel on `streams` (CopyStreamSet): wait until *go >= seq, then, chunk by chunk and peer by peer, one
+// device-to-device copy of this rank's rows into the peer's buffer (the peer's top-k weights with its first
+// chunk), each chunk's flag write into the peer's copy_engine_flag ordered after its copies with a memory
+// fence. `host_prefix`: the [R, R] rank prefix matrix on the host.
+cudaError_t enqueue_copy_engine_combine(const CombineParams& p, const int32_t* host_prefix,
+                                        const CopyStreamSet& streams);
 // Most rows any rank gets back in a combine of this layout (host; [R, R] prefix matrix on the host).
 int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
 
