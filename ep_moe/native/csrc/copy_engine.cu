@@ -59,9 +59,10 @@ cudaError_t from_driver(CUresult res) {
   return res == CUDA_SUCCESS ? cudaSuccess : static_cast<cudaError_t>(res);
 }
 
-// An event per chunk for the flag stream to wait on, created once per device (reused by every call: a
-// stream wait takes the event's state when it is queued, so a later record does not disturb it).
-cudaError_t chunk_event(int k, cudaEvent_t* event) {
+// `after` waits for the work queued so far on `before`, through an event per chunk k created once per
+// device. The lock covers the record and the wait together: a stream wait takes the event's state when it is
+// queued, so the event can be reused by the next call, but not re-recorded in between by another thread.
+cudaError_t wait_for_chunk(int k, cudaStream_t before, cudaStream_t after) {
   static std::mutex mutex;
   static std::map<int, std::array<cudaEvent_t, kMaxCopyEngineChunks>> pools;
   int device = 0;
@@ -73,8 +74,8 @@ cudaError_t chunk_event(int k, cudaEvent_t* event) {
     for (cudaEvent_t& e : pool) EP_MOE_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     it = pools.emplace(device, pool).first;
   }
-  *event = it->second[k];
-  return cudaSuccess;
+  EP_MOE_TRY(cudaEventRecord(it->second[k], before));
+  return cudaStreamWaitEvent(after, it->second[k], 0);
 }
 
 // What one copy-engine call queues on its streams (CopyStreamSet): on each copy stream, the wait for the
@@ -109,10 +110,7 @@ class CopyStreams {
   // Every peer's copies of chunk k are queued (flag stream: event, wait, the pending peers' flag writes).
   cudaError_t chunk_queued(int k) {
     if (set_.flags == nullptr || pending_ == 0) return cudaSuccess;
-    cudaEvent_t event;
-    EP_MOE_TRY(chunk_event(k, &event));
-    EP_MOE_TRY(cudaEventRecord(event, copy_stream(k)));
-    EP_MOE_TRY(cudaStreamWaitEvent(set_.flags, event, 0));
+    EP_MOE_TRY(wait_for_chunk(k, copy_stream(k), set_.flags));
     for (int peer = 0; peer < env_.num_ranks; ++peer)
       if ((pending_ >> peer) & 1u) EP_MOE_TRY(publish(set_.flags, peer, k));
     pending_ = 0;
