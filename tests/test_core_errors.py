@@ -313,8 +313,10 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
         monkeypatch.delenv(copy_engine.MODE_ENV[op], raising=False)
         monkeypatch.delenv(copy_engine.SHARES_ENV[op], raising=False)
         assert copy_engine.mode(op) == "auto" and copy_engine.shares(op) == list(copy_engine.DEFAULT_SHARES[op])
+        fp8_default = copy_engine.DEFAULT_FP8_DISPATCH_SHARES if op == "dispatch" else copy_engine.DEFAULT_SHARES[op]
+        assert copy_engine.shares(op, fp8=True) == list(fp8_default)
         monkeypatch.setenv(copy_engine.SHARES_ENV[op], "1, 3,1")
-        assert copy_engine.shares(op) == [1, 3, 1]
+        assert copy_engine.shares(op) == copy_engine.shares(op, fp8=True) == [1, 3, 1]
         for bad in ("0", "", "1,,2", "2.5", ",".join(["1"] * 17), "2000"):
             monkeypatch.setenv(copy_engine.SHARES_ENV[op], bad)
             with pytest.raises(ValueError, match=copy_engine.SHARES_ENV[op]):

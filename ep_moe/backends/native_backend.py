@@ -279,7 +279,7 @@ class NativeBackend(CommBackend):
                 C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
                            [], [], None)
             else:  # x goes to the peers by the copy engine (see combine)
-                with self._copy_engine_call("dispatch", "dispatch_cached", blocks) as ce:
+                with self._copy_engine_call("dispatch", "dispatch_cached", blocks, fp8=num_scales > 0) as ce:
                     C.dispatch(*args, *ce, tokens, copy_engine.prefix_matrix(layout[1]), handle.recv_src_idx)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
@@ -330,7 +330,7 @@ class NativeBackend(CommBackend):
         if tokens is None:
             C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None)
         else:  # x, the top-k and the send lists go by the copy engine
-            with self._copy_engine_call("dispatch", "dispatch", blocks) as ce:
+            with self._copy_engine_call("dispatch", "dispatch", blocks, fp8=num_scales > 0) as ce:
                 C.dispatch(*args, *ce, tokens, copy_engine.prefix_matrix(counts), None)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
@@ -386,9 +386,10 @@ class NativeBackend(CommBackend):
     _NO_COPY_ENGINE = ([], 0, 0, None, [])
 
     @contextlib.contextmanager
-    def _copy_engine_call(self, op: str, trace_op: str, blocks: int):
+    def _copy_engine_call(self, op: str, trace_op: str, blocks: int, fp8: bool = False):
         """The kernel arguments from the pusher count to the chunk shares of one copy-engine ``op``
-        (`ep_moe.native.copy_engine`; no pushers: every block copies locally or reduces). Its copy streams
+        (`ep_moe.native.copy_engine`; no pushers: every block copies locally or reduces; ``fp8``: FP8 rows,
+        which have their own default shares). Its copy streams
         start after this stream's inputs are ready, and this stream waits for them (and the flag stream)
         afterwards (the caller's inputs are read there)."""
         stream = torch.cuda.current_stream(self.device)
@@ -405,7 +406,8 @@ class NativeBackend(CommBackend):
             flags = self._copy_flag_stream
         self._copy_seq += 1
         yield (0, self._trace(trace_op, blocks, 0), [side.cuda_stream for side in streams],
-               0 if flags is None else flags.cuda_stream, self._copy_seq, self._copy_go, copy_engine.shares(op))
+               0 if flags is None else flags.cuda_stream, self._copy_seq, self._copy_go,
+               copy_engine.shares(op, fp8))
         for side in streams + ([] if flags is None else [flags]):
             stream.wait_stream(side)
 
