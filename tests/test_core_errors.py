@@ -329,9 +329,11 @@ def test_native_copy_engine_choice(monkeypatch) -> None:
             with pytest.raises(ValueError, match=copy_engine.STREAMS_ENV[op]):
                 copy_engine.num_streams(op)
         monkeypatch.delenv(copy_engine.FLAG_STREAM_ENV[op], raising=False)
-        assert not copy_engine.flag_stream(op)
+        assert copy_engine.flag_stream(op) == copy_engine.DEFAULT_FLAG_STREAM[op]
         monkeypatch.setenv(copy_engine.FLAG_STREAM_ENV[op], "1")
         assert copy_engine.flag_stream(op)
+        monkeypatch.setenv(copy_engine.FLAG_STREAM_ENV[op], "0")
+        assert not copy_engine.flag_stream(op)
         monkeypatch.setenv(copy_engine.FLAG_STREAM_ENV[op], "yes")
         with pytest.raises(ValueError, match=copy_engine.FLAG_STREAM_ENV[op]):
             copy_engine.flag_stream(op)

@@ -11,12 +11,14 @@ cached dispatch finds each row's token in the handle's ``recv_src_idx``, a fresh
 list, which the copy stream sends first together with the whole top-k (converted to local experts by the
 receiver). The link carries the unrouted tokens too, hence the density condition. ``auto`` takes it for
 cached dispatches only (see `wanted_for_dispatch`); 2 x H200, 4096 tokens, 24 SMs (eighth session): cached
-dispatch 223.9 -> 210.3 us, FP8 149.6 -> 141.6, at 16 SMs 309.3 -> 215.6.
+dispatch 223.9 -> 210.3 us, FP8 149.6 -> 141.6, at 16 SMs 309.3 -> 215.6; with the flag stream (ninth) 198.4,
+FP8 126.2, at 16 SMs 199.5.
 
 The chunks can be spread over side streams, round robin (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_STREAMS``), and
-their flag writes moved to a stream of their own (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_FLAG_STREAM=1``): each
-chunk's flags then wait for an event behind its copies, and the copy stream goes on with the next chunk at
-once instead of waiting for the flag write's fence to drain the copy.
+their flag writes moved to a stream of their own (``EP_MOE_NATIVE_<OP>_COPY_ENGINE_FLAG_STREAM``, 1 or 0):
+each chunk's flags then wait for an event behind its copies, and the copy stream goes on with the next chunk
+at once instead of waiting for the flag write's fence to drain the copy. Defaults: the dispatch one copy
+stream and a flag stream, the combine one copy stream with its flags inline (measured below).
 
 Either needs the layout's counts on the host (a handle of an exact-size dispatch; not
 ``num_worst_tokens``) and no CUDA-graph capture (the copies' flag values are host sequence numbers,
@@ -46,16 +48,19 @@ SHARES_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_SHARES" for op in OPS
 DEFAULT_SHARES = {"dispatch": (6, 5, 4, 3, 2, 1), "combine": (2, 5, 6, 5, 3, 2, 1)}
 # FP8 rows (x and its scales: two copies per chunk, half the bytes) take fewer chunks. 2 x H200, 4096 tokens,
 # 24 SMs, cached dispatch on two streams (eighth session, one profile each, call us): 6,5,4,3,2,1 143.2,
-# 4,3,2,1 136.0, 3,2,1 132.7.
+# 4,3,2,1 136.0, 3,2,1 132.7; ninth session, one stream and a flag stream: 6,5,4,3,2,1 142.2, 3,2,1 126.0.
 DEFAULT_FP8_DISPATCH_SHARES = (3, 2, 1)
 MAX_CHUNKS = 16  # kMaxCopyEngineChunks
 STREAMS_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_STREAMS" for op in OPS}
 # 2 x H200, 24 SMs, 4096 tokens (eighth session): two streams let one chunk's copy run while another's
 # flag write waits for its copy to drain (cached dispatch 224.1 -> 212.2 us, FP8 160.8 -> 145.6), but they
 # move the first two chunks at once, so the first lands later (combine, whose reducers wait for it, 250.7 ->
-# 279.0).
-DEFAULT_STREAMS = {"dispatch": 2, "combine": 1}
+# 279.0). A flag stream does the same for the dispatch without moving two chunks at once (ninth session,
+# bench: cached dispatch 210.3 -> 198.4 us, FP8 141.6 -> 126.2), but the combine's reducers lose by it (one
+# profile, call us: 240.5 -> 253.7 at 24 SMs; 228.2 -> 225.7 at 32).
+DEFAULT_STREAMS = {"dispatch": 1, "combine": 1}
 FLAG_STREAM_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE_FLAG_STREAM" for op in OPS}
+DEFAULT_FLAG_STREAM = {"dispatch": True, "combine": False}
 MAX_STREAMS = 4  # kMaxCopyStreams
 # auto: the largest pair must move at least this much. 2 x H200, hidden 7168 BF16, 24 SMs (combine call us,
 # pushers / copy engine): 512 tokens (7.3 MB per pair) 64.4 / 88.0, 2048 (29 MB) 175.5 / 146.1, 4096
@@ -100,9 +105,10 @@ def num_streams(op: str) -> int:
 
 
 def flag_stream(op: str) -> bool:
-    """Whether a copy-engine ``op`` writes its flags on a stream of their own (default: no)."""
+    """Whether a copy-engine ``op`` writes its flags on a stream of their own (default: dispatch yes,
+    combine no)."""
     name = FLAG_STREAM_ENV[op]
-    value = os.environ.get(name, "0").strip()
+    value = os.environ.get(name, "1" if DEFAULT_FLAG_STREAM[op] else "0").strip()
     if value not in ("0", "1"):
         raise ValueError(f"ep_moe native backend: {name} must be 0 or 1, got {value!r}")
     return value == "1"
