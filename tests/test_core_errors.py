@@ -303,6 +303,21 @@ def test_native_chunk_counts_follow_the_kernels(monkeypatch) -> None:
     assert chunking.num_chunks(40, "dispatch") == 40 and chunking.num_chunks(200, "dispatch") == 50
 
 
+def test_native_bulk_reduce_choice(monkeypatch) -> None:
+    from ep_moe.native import reducers
+
+    monkeypatch.delenv(reducers.BULK_REDUCE_ENV, raising=False)
+    assert reducers.bulk_reduce(copy_engine=True) and not reducers.bulk_reduce(copy_engine=False)
+    for value, expected in (("1", True), ("0", False), (" AUTO ", None)):
+        monkeypatch.setenv(reducers.BULK_REDUCE_ENV, value)
+        for carried in (True, False):
+            assert reducers.bulk_reduce(copy_engine=carried) == (carried if expected is None else expected)
+    for bad in ("yes", "", "2"):
+        monkeypatch.setenv(reducers.BULK_REDUCE_ENV, bad)
+        with pytest.raises(ValueError, match=reducers.BULK_REDUCE_ENV):
+            reducers.bulk_reduce(copy_engine=True)
+
+
 def test_native_copy_engine_choice(monkeypatch) -> None:
     from ep_moe.native import copy_engine
 

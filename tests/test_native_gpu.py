@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of every test
 COPY_ENGINE_ENV = "EP_MOE_NATIVE_COMBINE_COPY_ENGINE"
 DISPATCH_COPY_ENGINE_ENV = "EP_MOE_NATIVE_DISPATCH_COPY_ENGINE"
+BULK_REDUCE_ENV = "EP_MOE_NATIVE_COMBINE_BULK_REDUCE"
 
 
 def _need_gpus():
@@ -114,10 +115,12 @@ def _all_ok(ok: bool, side_group) -> bool:
     return int(flag) == 0
 
 
-def _copy_engine_env(forced: bool, streams: int = 1, flag_stream: bool = False) -> dict[str, str]:
+def _copy_engine_env(forced: bool, streams: int = 1, flag_stream: bool = False, bulk: str = "auto") -> dict[str, str]:
     """Variables that force the copy engine on or off for dispatch and combine, with its chunks spread
-    over ``streams`` side streams and its flag writes on a stream of their own or not."""
-    env = {DISPATCH_COPY_ENGINE_ENV: "1" if forced else "0", COPY_ENGINE_ENV: "1" if forced else "0"}
+    over ``streams`` side streams and its flag writes on a stream of their own or not, and the combine's
+    reducers on bulk copies (``bulk``: auto, 1 or 0)."""
+    env = {DISPATCH_COPY_ENGINE_ENV: "1" if forced else "0", COPY_ENGINE_ENV: "1" if forced else "0",
+           BULK_REDUCE_ENV: bulk}
     for op in ("DISPATCH", "COMBINE"):
         env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_STREAMS"] = str(streams)
         env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_FLAG_STREAM"] = "1" if flag_stream else "0"
@@ -135,9 +138,11 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
         error = None
         # odd cases force the copy engine for dispatch and combine where the host knows the layout
         # (exact-size dispatches and their cached re-dispatches and combines), in turn on one side stream
-        # per op, on two, and on one with the flag writes on a stream of their own
+        # per op, on two, and on one with the flag writes on a stream of their own; the combine's reducers
+        # on bulk copies where auto takes them (with the copy engine), always, or never
         variant = (index // 2) % 3
-        env = _copy_engine_env(index % 2 == 1, 2 if variant == 1 else 1, variant == 2)
+        env = _copy_engine_env(index % 2 == 1, 2 if variant == 1 else 1, variant == 2,
+                               ("auto", "1", "0")[(index // 6) % 3])
         os.environ.update(env)
         try:
             _check_case(rank, world, index, nat, ref)
@@ -367,11 +372,13 @@ def _timeout_worker(rank: int, world: int) -> str:
         messages.append(_rank0_times_out_alone(rank, _copy_engine_env(True, streams, flag_stream), "dispatch",
                                                lambda buf, handle, *_: buf.dispatch(x, handle=handle), x, idx, w))
     # 3) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
-    # With pushers, then with the copy engine (on one and on two side streams, and with a flag stream),
-    # whose streams rank 0's kernel must still release.
-    for forced, streams, flag_stream in ((False, 1, False), (True, 1, False), (True, 2, False), (True, 1, True)):
+    # With pushers (register and bulk-copy reducers), then with the copy engine (on one and on two side
+    # streams, and with a flag stream; bulk-copy reducers, then register ones), whose streams rank 0's kernel
+    # must still release.
+    for forced, streams, flag_stream, bulk in ((False, 1, False, "0"), (False, 1, False, "1"), (True, 1, False, "auto"),
+                                               (True, 2, False, "0"), (True, 1, True, "auto")):
         messages.append(_rank0_times_out_alone(
-            rank, _copy_engine_env(forced, streams, flag_stream), "combine",
+            rank, _copy_engine_env(forced, streams, flag_stream, bulk), "combine",
             lambda buf, handle, recv_x, recv_w: buf.combine(recv_x, handle, topk_weights=recv_w), x, idx, w))
     torch.cuda.synchronize()
     return "\n".join(m for m in messages if m)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..handle import DispatchHandle
-from ..native import copy_engine, sizing
+from ..native import copy_engine, reducers, sizing
 from ..native.chunking import chunks_per_pair, min_chunk_rows
 from ..native.symmetric import SymmetricBuffer
 from ..tuning.model import env_push_fraction
@@ -374,11 +374,12 @@ class NativeBackend(CommBackend):
                 handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
                 route[0], y, topk_weights, bias0, bias1, out, out_w, blocks)
         counts = self._copy_engine_counts(route, hidden * y.element_size())
+        bulk = reducers.bulk_reduce(copy_engine=counts is not None)
         if counts is None:
-            C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [])
+            C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk)
         else:  # the rows go back by the copy engine
             with self._copy_engine_call("combine", "combine", blocks) as ce:
-                C.combine(*args, *ce, copy_engine.prefix_matrix(counts))
+                C.combine(*args, *ce, copy_engine.prefix_matrix(counts), bulk)
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine

@@ -345,7 +345,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
              int64_t copy_engine_flag_stream, int64_t copy_engine_seq, const OptTensor& copy_engine_go,
              const std::vector<int64_t>& copy_engine_shares,
-             const std::vector<int64_t>& host_prefix) {
+             const std::vector<int64_t>& host_prefix, bool bulk_reduce) {
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
   check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
@@ -394,6 +394,7 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                                      copy_engine_shares, num_push_blocks);
   p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
+  p.bulk_reduce = bulk_reduce;
   std::vector<int32_t> prefix32;
   if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit
     TORCH_CHECK(static_cast<int>(host_prefix.size()) == num_ranks * num_ranks,

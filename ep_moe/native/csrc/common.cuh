@@ -63,6 +63,40 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // benchmarks/copy_rates.py on H200: the non-coherent path (ld.global.nc) copies 6-11 % slower.
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 
+// ------------------------------------------------------------------------------------------ bulk copies
+// cp.async.bulk moves a whole row segment from global into shared memory with one instruction, completing
+// on an mbarrier (transaction bytes); a warp keeps many such segments in flight without registers.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Makes initialized mbarriers visible to the async proxy, which completes the bulk copies on them.
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// This thread's arrival, announcing `bytes` of bulk copies that complete on the barrier's current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// Until the barrier's phase of this parity completed (its bulk copies landed in shared memory).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// `bytes` (a multiple of 16, 16-byte aligned both sides) from global into this block's shared memory.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+// Orders this thread's earlier generic-proxy accesses (and what it acquired) before its later bulk copies:
+// of global memory (rows whose landing flag was acquired), of shared memory (a stage the warp read).
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ------------------------------------------------------------------------------------------ errors
 // What a failing wait needs to report (scalars, so that no kernel parameter is copied to local memory).
 struct WaitCtx {

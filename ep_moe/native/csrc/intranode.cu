@@ -713,6 +713,24 @@ __device__ __forceinline__ const int4* shfl_ptr(uint64_t ptr, int lane) {
   return reinterpret_cast<const int4*>((static_cast<uint64_t>(hi) << 32) | lo);
 }
 
+// One warp sums token t's top-k weights over the ranks in `mask` (when the combine has weights); lane r
+// holds in `w_ptr` the address of rank r's.
+__device__ __forceinline__ void reduce_weights(const CombineParams& p, int t, uint32_t mask, uint64_t w_ptr, int lane) {
+  if (!p.has_weights) return;
+  for (int k0 = 0; k0 < p.num_topk; k0 += 32) {
+    const int k = k0 + lane;
+    float acc = 0.f;
+    uint32_t m = mask;
+    while (m) {
+      const int r = __ffs(m) - 1;
+      m &= m - 1;
+      const float* w = reinterpret_cast<const float*>(shfl_ptr(w_ptr, r));
+      if (k < p.num_topk) acc = acc + (r == p.env.rank ? __ldg(w + k) : __ldcg(w + k));
+    }
+    if (k < p.num_topk) p.out_weights[static_cast<int64_t>(t) * p.num_topk + k] = acc;
+  }
+}
+
 // One warp reduces 16-byte columns [col_begin, col_end) of token t over the ranks in `mask`, in
 // increasing rank order, and (`with_weights`) the token's top-k weights. Lane r holds in `row_ptr` the
 // address of rank r's row and in `w_ptr` that of its top-k weights; the own rank's row is read in
@@ -722,7 +740,6 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
                                              int lane, int col_begin, int col_end, bool with_weights) {
   using V = Vec<kType>;
   constexpr int E = V::kElems;
-  const int me = p.env.rank;
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
   const int n16 = col_end;  // the loads' and stores' bound
   int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * y_bytes);
@@ -767,20 +784,117 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
       out[c] = V::pack(acc[u]);
     }
   }
-  if (p.has_weights && with_weights) {
-    for (int k0 = 0; k0 < p.num_topk; k0 += 32) {
-      const int k = k0 + lane;
-      float acc = 0.f;
-      uint32_t m = mask;
-      while (m) {
-        const int r = __ffs(m) - 1;
-        m &= m - 1;
-        const float* w = reinterpret_cast<const float*>(shfl_ptr(w_ptr, r));
-        if (k < p.num_topk) acc = acc + (r == me ? __ldg(w + k) : __ldcg(w + k));
-      }
-      if (k < p.num_topk) p.out_weights[static_cast<int64_t>(t) * p.num_topk + k] = acc;
-    }
+  if (with_weights) reduce_weights(p, t, mask, w_ptr, lane);
+}
+
+// A reducer warp's work item: token t (columns of its slice), the ranks whose rows it sums (`mask`) and, in
+// lane r, the addresses of rank r's row and top-k weights.
+struct ReduceItem {
+  int t, slice;
+  uint32_t mask;
+  uint64_t row_ptr, w_ptr;
+};
+
+// Bulk-copy reducers (p.bulk_piece16 > 0). Dynamic shared memory: every warp's kBulkStages mbarriers, then
+// their stage headers (token, first column, columns, sources), then the stages' rows: per warp and stage
+// one segment of bulk_piece16 16-byte words per source.
+constexpr int kBulkStages = 2;
+constexpr int kReduceWarps = kThreads / 32;
+constexpr int kBulkHeaderBytes = (kReduceWarps * kBulkStages * (8 + 16) + 127) / 128 * 128;
+constexpr int kBulkSmemBudget = 200 << 10;  // beside the kernel's static shared memory (~8.5 KB)
+
+__host__ __device__ __forceinline__ int64_t bulk_smem_bytes(int num_ranks, int piece16) {
+  return kBulkHeaderBytes + static_cast<int64_t>(kReduceWarps) * kBulkStages * num_ranks * piece16 * 16;
+}
+
+// One warp's reduction through shared memory: each item's columns go in pieces of at most p.bulk_piece16
+// words; lane 0 bulk-copies every source's segment of a piece into a stage (completing on its mbarrier)
+// while the warp sums the piece of the stage before, so that a warp keeps kBulkStages pieces of all its
+// sources in flight (the register reducer: 4 words per lane and source). `next_item(&item, &fresh)`:
+// 1 (item filled in; `fresh`: a lane acquired a newly landed chunk), 0 (none left) or -1 (a wait failed).
+// Returns false when a wait failed.
+template <int kType, class NextItem>
+__device__ __forceinline__ bool bulk_reduce(const CombineParams& p, uint8_t* smem, int warp, int lane,
+                                            int slice_cols, int n16, NextItem&& next_item, BlockTrace& trace) {
+  using V = Vec<kType>;
+  constexpr int E = V::kElems;
+  const int num_ranks = p.env.num_ranks, piece16 = p.bulk_piece16;
+  const int64_t y_bytes = static_cast<int64_t>(n16) * 16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * kBulkStages;
+  int4* headers = reinterpret_cast<int4*>(smem + kReduceWarps * kBulkStages * 8) + warp * kBulkStages;
+  int4* rows = reinterpret_cast<int4*>(smem + kBulkHeaderBytes) +
+               static_cast<int64_t>(warp) * kBulkStages * num_ranks * piece16;
+  if (lane == 0) {
+    for (int s = 0; s < kBulkStages; ++s) mbar_init(bars + s, 1);
+    fence_mbar_init();
   }
+  __syncwarp();
+
+  ReduceItem item;
+  int col = 0, col_end = 0, issued = 0;  // the producer's next column in its item, the item's end
+  bool ok = true;
+  // Queues the next piece into stage `issued % kBulkStages` (free: its last piece was summed); false when
+  // no piece is left or a wait failed (then ok is false).
+  const auto issue = [&]() -> bool {
+    if (col >= col_end) {
+      bool fresh = false;
+      const int got = next_item(&item, &fresh);
+      if (got <= 0) {
+        ok = got == 0;
+        return false;
+      }
+      col = item.slice * slice_cols;
+      col_end = min(n16, col + slice_cols);
+      if (item.slice == 0) reduce_weights(p, item.t, item.mask, item.w_ptr, lane);
+      if (fresh) {  // lane r acquired rank r's chunk; lane 0's copies read it through the async proxy
+        __syncwarp();
+        if (lane == 0) fence_proxy_async_global();
+      }
+    }
+    const int s = issued % kBulkStages, len = min(piece16, col_end - col), sources = __popc(item.mask);
+    int4* stage = rows + s * num_ranks * piece16;
+    if (lane == 0) {
+      headers[s] = make_int4(item.t, col, len, sources);
+      fence_proxy_async_shared();  // the warp's reads of this stage's last piece come first
+      mbar_arrive_expect_tx(bars + s, static_cast<uint32_t>(sources * len * 16));
+    }
+    uint32_t m = item.mask;
+    for (int j = 0; m; ++j) {
+      const int r = __ffs(m) - 1;
+      m &= m - 1;
+      const int4* src = shfl_ptr(item.row_ptr, r);
+      if (lane == 0) bulk_load(stage + j * piece16, src + col, static_cast<uint32_t>(len * 16), bars + s);
+    }
+    col += len;
+    ++issued;
+    return true;
+  };
+
+  bool more = true;
+  for (int s = 0; s < kBulkStages && more; ++s) more = issue();
+  for (int done = 0; done < issued; ++done) {
+    const int s = done % kBulkStages;
+    mbar_wait(bars + s, static_cast<uint32_t>(done / kBulkStages) & 1);
+    const int4 h = headers[s];  // token, first column, columns, sources
+    const int4* stage = rows + s * num_ranks * piece16;
+    int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(h.x) * y_bytes) + h.y;
+#pragma unroll 1  // (either loop unrolled, the kernel spills: it sits at its 128-register bound)
+    for (int c = lane; c < h.z; c += 32) {
+      float acc[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = 0.f;
+#pragma unroll 1
+      for (int j = 0; j < h.w; ++j) V::add(acc, stage[j * piece16 + c]);  // rank order, as in reduce_token
+      const int64_t first = static_cast<int64_t>(h.x) * p.hidden + static_cast<int64_t>(h.y + c) * E;
+      if (p.bias0_type != kNone) add_bias<E>(acc, p.bias0, p.bias0_type, first);
+      if (p.bias1_type != kNone) add_bias<E>(acc, p.bias1, p.bias1_type, first);
+      out[c] = V::pack(acc);
+    }
+    __syncwarp();
+    trace.first_wait();
+    if (more) more = issue();
+  }
+  return ok;
 }
 
 template <int kType>
@@ -893,39 +1007,53 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     bool next_in;
     int next_pos;
     load_route(i, &next_in, &next_pos);
-    for (; i < num_items; i += all_warps) {
-      const int t = i / slices, slice = i % slices;
+    const auto next_item = [&](ReduceItem* item, bool* fresh) -> int {
+      if (i >= num_items) return 0;
       const bool in = next_in;
       const int pos = next_pos;
+      item->t = i / slices;
+      item->slice = i % slices;
       load_route(i + all_warps, &next_in, &next_pos);
-      bool ok = true;
+      i += all_warps;
+      bool ok = true, waited = false;
       if (in && lane != me) {
         const int k = chunk_of(pos);
         if (k != lane_ready_chunk) {
           ok = traced_wait_flag(env, &landed[lane][k], landed_target, kStageCombineRecv, lane, k, trace);
           if (ok && copy_engine) stamp_landed(p.copy_engine, lane, k);
           lane_ready_chunk = k;
+          waited = true;
         }
       }
-      if (!__all_sync(0xffffffffu, ok)) {
-        failed = true;
-        break;
-      }
-      const uint32_t mask = __ballot_sync(0xffffffffu, in);
-      uint64_t row_ptr = 0, w_ptr = 0;
+      if (!__all_sync(0xffffffffu, ok)) return -1;
+      *fresh = __any_sync(0xffffffffu, waited);
+      item->mask = __ballot_sync(0xffffffffu, in);
+      item->row_ptr = item->w_ptr = 0;
       if (in) {
         const int64_t row = lane_base + pos;
         if (lane == me) {
-          row_ptr = reinterpret_cast<uint64_t>(p.y + row * y_bytes);
-          w_ptr = reinterpret_cast<uint64_t>(p.weights + row * p.num_topk);
+          item->row_ptr = reinterpret_cast<uint64_t>(p.y + row * y_bytes);
+          item->w_ptr = reinterpret_cast<uint64_t>(p.weights + row * p.num_topk);
         } else {
-          row_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_y + row * y_bytes);
-          w_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_weights + row * p.num_topk * 4);
+          item->row_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_y + row * y_bytes);
+          item->w_ptr = reinterpret_cast<uint64_t>(p.data[me] + p.off_weights + row * p.num_topk * 4);
         }
       }
-      reduce_token<kType>(p, t, mask, row_ptr, w_ptr, lane, slice * slice_cols,
-                          min(n16, (slice + 1) * slice_cols), slice == 0);
-      trace.first_wait();
+      return 1;
+    };
+    if (p.bulk_piece16 > 0) {
+      extern __shared__ __align__(128) uint8_t bulk_smem[];
+      failed = !bulk_reduce<kType>(p, bulk_smem, warp, lane, slice_cols, n16, next_item, trace);
+    } else {
+      ReduceItem item;
+      bool fresh;
+      int got;
+      while ((got = next_item(&item, &fresh)) > 0) {
+        reduce_token<kType>(p, item.t, item.mask, item.row_ptr, item.w_ptr, lane, item.slice * slice_cols,
+                            min(n16, (item.slice + 1) * slice_cols), item.slice == 0);
+        trace.first_wait();
+      }
+      failed = got < 0;
     }
   }
 
@@ -963,9 +1091,27 @@ cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream) {
+// 16-byte words per source and stage of a bulk-copy combine: the row cut into even pieces, each whole warp
+// passes, as large as the budget allows; 0 where not even one warp pass per source fits.
+static int bulk_piece16(int num_ranks, int n16) {
+  const int64_t most = (kBulkSmemBudget - kBulkHeaderBytes) / (static_cast<int64_t>(kReduceWarps) * kBulkStages *
+                                                               num_ranks * 16) / 32 * 32;
+  if (most < 32 || n16 <= 0) return 0;
+  const int64_t pieces = (n16 + most - 1) / most;
+  return static_cast<int>(((n16 + pieces - 1) / pieces + 31) / 32 * 32);
+}
+
+cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream) {
+  CombineParams p = params;
   const auto kernel = p.y_type == kBF16 ? combine_kernel<kBF16> : combine_kernel<kFP32>;
-  kernel<<<p.num_blocks, kThreads, 0, stream>>>(p);
+  const int n16 = static_cast<int>(static_cast<int64_t>(p.hidden) * (p.y_type == kBF16 ? 2 : 4) / 16);
+  p.bulk_piece16 = p.bulk_reduce ? bulk_piece16(p.env.num_ranks, n16) : 0;
+  const int64_t smem = p.bulk_piece16 > 0 ? bulk_smem_bytes(p.env.num_ranks, p.bulk_piece16) : 0;
+  if (smem > 0) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<p.num_blocks, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -187,6 +187,11 @@ struct CombineParams {
   // the copy engine (enqueue_copy_engine_combine), not by pusher blocks; every block reduces, waiting for
   // copy_engine_flag[source][chunk] >= copy_engine.seq. Chunks cut each pair's rows.
   CopyEngineParams copy_engine;
+  // Reducers load the rows with bulk copies into shared memory (a few pieces of rows per warp in flight)
+  // instead of into registers. launch_combine sets bulk_piece16 (16-byte words of one source's segment per
+  // stage; 0: register reducers) where the block's shared memory holds at least a warp pass per source.
+  bool bulk_reduce;
+  int bulk_piece16;
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 

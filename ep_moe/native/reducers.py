@@ -1,0 +1,26 @@
+"""How the combine's reducer warps read the rows they sum (``csrc/intranode.cu``).
+
+Register reducers load four 16-byte words per lane and source, add them and load the next ones: a warp
+has a few KB in flight. Bulk reducers have lane 0 copy pieces of the rows (~3 KB per source at 2 ranks)
+into shared memory with ``cp.async.bulk`` while the warp sums the piece before: two pieces of every
+source per warp in flight, ~190 KB per SM. The reduction is the same (fp32, rank order, one rounding), so
+the results are equal bit for bit.
+
+``EP_MOE_NATIVE_COMBINE_BULK_REDUCE``: ``auto`` (default: when the copy engine carries the combine, so that
+every block reduces), ``1`` (always) or ``0`` (never).
+"""
+
+from __future__ import annotations
+
+import os
+
+BULK_REDUCE_ENV = "EP_MOE_NATIVE_COMBINE_BULK_REDUCE"
+
+
+def bulk_reduce(copy_engine: bool) -> bool:
+    """Whether a combine's reducers load rows by bulk copies; ``copy_engine``: the copy engine carries its
+    rows (no pusher blocks)."""
+    value = os.environ.get(BULK_REDUCE_ENV, "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"ep_moe native backend: {BULK_REDUCE_ENV} must be auto, 0 or 1, got {value!r}")
+    return copy_engine if value == "auto" else value == "1"
