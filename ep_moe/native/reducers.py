@@ -6,6 +6,11 @@ into shared memory with ``cp.async.bulk`` while the warp sums the piece before: 
 source per warp in flight, ~190 KB per SM. The reduction is the same (fp32, rank order, one rounding), so
 the results are equal bit for bit.
 
+Measured on 2 x H200 at DeepEP's workload (4096 tokens, hidden 7168; ep_moe/native/NOTES.md, ninth session):
+the register reducers of a copy-engine combine move ~45 GB/s per SM and fall behind the copies below 32 SMs
+(call 300.7 / 244.9 / 223.9 us at 16 / 24 / 32 SMs); bulk ones 253.5 / 226.7 / 226.5. Beside pusher blocks
+they lose (24 SMs: 266.5 -> 285.7 us), hence ``auto``.
+
 ``EP_MOE_NATIVE_COMBINE_BULK_REDUCE``: ``auto`` (default: when the copy engine carries the combine, so that
 every block reduces), ``1`` (always) or ``0`` (never).
 """
