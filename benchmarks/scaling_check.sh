@@ -8,8 +8,9 @@
 #   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
 #
 # STEPS picks among: build test bench copyengine tune layers train (default: all). Multicast stays off
-# (shared/GPU.md). `copyengine`: the combine by pushers and by the copy engine at EP N (its `auto` is off
-# above 2 ranks until this is measured; the GPU suite above forces it in half its cases).
+# (shared/GPU.md). `copyengine`: cached dispatch and combine by pushers and by the copy engine at EP N (its
+# `auto` is off above 2 ranks until this is measured; the GPU suite above forces it in half its cases), the
+# combine's reducers with and without bulk copies.
 set -o pipefail
 cd "$(dirname "$0")/.."
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -34,10 +35,14 @@ if has bench; then
   echo "bench at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_ep$N.txt"
 fi
 if has copyengine; then
-  for ce in 0 1; do
-    EP_MOE_NATIVE_COMBINE_COPY_ENGINE=$ce timeout 120 torchrun --nproc-per-node "$N" benchmarks/profile_native.py \
-      --num-sms 24 32 --runs 15 --tokens 4096 > "$OUT/profile_ce${ce}_ep$N.txt" 2>&1
-    echo "profile at EP $N, combine copy engine $ce: rc $?"; grep -E "^(op|combine) " "$OUT/profile_ce${ce}_ep$N.txt"
+  # copy engine for dispatch and combine (0 / 1) and the combine's reducers (bulk copies: auto / 0 / 1)
+  for variant in "0 auto" "0 1" "1 auto" "1 0"; do
+    read -r ce bulk <<< "$variant"
+    EP_MOE_NATIVE_COMBINE_COPY_ENGINE=$ce EP_MOE_NATIVE_DISPATCH_COPY_ENGINE=$ce EP_MOE_NATIVE_COMBINE_BULK_REDUCE=$bulk \
+      timeout 120 torchrun --nproc-per-node "$N" benchmarks/profile_native.py --num-sms 24 32 --runs 15 --tokens 4096 \
+      > "$OUT/profile_ce${ce}_bulk${bulk}_ep$N.txt" 2>&1
+    echo "profile at EP $N, copy engine $ce, bulk reducers $bulk: rc $?"
+    grep -E "^(op|dispatch_cached|combine) " "$OUT/profile_ce${ce}_bulk${bulk}_ep$N.txt"
   done
 fi
 if has tune; then
