@@ -29,6 +29,15 @@ def positive_int_from_env(name: str, default: int) -> int:
     return int(value)
 
 
+def choice_from_env(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """The variable's value (stripped, lower case) if it is one of ``choices``, else ``default`` when unset."""
+    value = os.environ.get(name, default).strip().lower()
+    if value not in choices:
+        allowed = ", ".join(choices[:-1]) + " or " + choices[-1]
+        raise ValueError(f"ep_moe native backend: {name} must be {allowed}, got {value!r}")
+    return value
+
+
 def chunks_per_pair(op: str) -> int:
     """Most chunks per source-destination pair for ``op`` ("dispatch" or "combine")."""
     return positive_int_from_env(CHUNKS_ENV[op], DEFAULT_CHUNKS_PER_PAIR[op])

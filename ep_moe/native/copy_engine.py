@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 
-from .chunking import positive_int_from_env
+from .chunking import choice_from_env, positive_int_from_env
 
 OPS = ("dispatch", "combine")
 MODE_ENV = {op: f"EP_MOE_NATIVE_{op.upper()}_COPY_ENGINE" for op in OPS}
@@ -74,11 +74,7 @@ AUTO_MIN_DISPATCH_DENSITY = 0.9
 
 def mode(op: str) -> str:
     """``auto``, ``1`` or ``0`` for ``op`` ("dispatch" or "combine")."""
-    name = MODE_ENV[op]
-    value = os.environ.get(name, "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"ep_moe native backend: {name} must be auto, 0 or 1, got {value!r}")
-    return value
+    return choice_from_env(MODE_ENV[op], "auto", ("auto", "0", "1"))
 
 
 def shares(op: str, fp8: bool = False) -> list[int]:
@@ -107,11 +103,7 @@ def num_streams(op: str) -> int:
 def flag_stream(op: str) -> bool:
     """Whether a copy-engine ``op`` writes its flags on a stream of their own (default: dispatch yes,
     combine no)."""
-    name = FLAG_STREAM_ENV[op]
-    value = os.environ.get(name, "1" if DEFAULT_FLAG_STREAM[op] else "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"ep_moe native backend: {name} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return choice_from_env(FLAG_STREAM_ENV[op], "1" if DEFAULT_FLAG_STREAM[op] else "0", ("0", "1")) == "1"
 
 
 def prefix_matrix(counts: list[list[int]]) -> list[int]:

@@ -17,7 +17,7 @@ every block reduces), ``1`` (always) or ``0`` (never).
 
 from __future__ import annotations
 
-import os
+from .chunking import choice_from_env
 
 BULK_REDUCE_ENV = "EP_MOE_NATIVE_COMBINE_BULK_REDUCE"
 
@@ -25,7 +25,5 @@ BULK_REDUCE_ENV = "EP_MOE_NATIVE_COMBINE_BULK_REDUCE"
 def bulk_reduce(copy_engine: bool) -> bool:
     """Whether a combine's reducers load rows by bulk copies; ``copy_engine``: the copy engine carries its
     rows (no pusher blocks)."""
-    value = os.environ.get(BULK_REDUCE_ENV, "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"ep_moe native backend: {BULK_REDUCE_ENV} must be auto, 0 or 1, got {value!r}")
+    value = choice_from_env(BULK_REDUCE_ENV, "auto", ("auto", "0", "1"))
     return copy_engine if value == "auto" else value == "1"
