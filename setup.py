@@ -63,8 +63,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["ep_moe", "ep_moe.*"]) + ["ep_moe.integrations"],
-    package_dir={"ep_moe.integrations": "integrations"},
+    packages=find_packages(include=["ep_moe", "ep_moe.*"]),
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout", "ruff"],

@@ -67,6 +67,7 @@ def _fill_defaults(args: argparse.Namespace, cuda: bool) -> argparse.Namespace:
 
 def _layers(args, rank: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
     from ep_moe.integrations.deepspeed import replace_deepspeed_moe
 
     world = dist.get_world_size()
@@ -189,6 +190,7 @@ def bench(rank: int, world: int, raw_args: dict) -> dict | None:
     args = _fill_defaults(argparse.Namespace(**raw_args), device.type == "cuda")
     import deepspeed
     from deepspeed.utils import logger as ds_logger
+
     from ep_moe.integrations.deepspeed import init_deepspeed_comm, release_buffers
 
     ds_logger.setLevel("WARNING")

@@ -121,10 +121,11 @@ def run_rank(rank: int, world: int, args) -> dict:
     import ep_moe.compat.deep_ep as compat
 
     compat.install()
-    from ep_moe.integrations import megatron as integ
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ep_moe.integrations import megatron as integ
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
     model_parallel_cuda_manual_seed(1234)

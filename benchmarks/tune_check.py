@@ -29,9 +29,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ep_moe import Buffer  # noqa: E402
-from ep_moe.calibration import DispatchBench, calibrate  # noqa: E402
-from ep_moe.topology import detect_topology  # noqa: E402
 from ep_moe.tuning import LayerShape, PlanCache, refine  # noqa: E402
+from ep_moe.tuning.calibration import DispatchBench, calibrate  # noqa: E402
+from ep_moe.tuning.topology import detect_topology  # noqa: E402
 
 WORKLOADS = (
     ("DeepEP intranode: E256 K8 H7168 T4096", LayerShape(256, 8, 7168, 4096)),

@@ -1,2 +1,2 @@
-"""Helpers of ``ep-moe bench`` (`ep_moe.bench`): byte and floor accounting, timing loops, workloads,
+"""Helpers of ``ep-moe bench`` (`ep_moe.benchmarking.cli`): byte and floor accounting, timing loops, workloads,
 result checks and the report. Each module has one job; none of them starts processes."""

@@ -6,7 +6,7 @@
   with `ep_moe.distributed.run_distributed`. Ctrl-C reaches every rank (and is forwarded to them), each
   finishes its step, a checkpoint is saved, and the command exits with status 130.
 * ``engine: megatron`` / ``engine: deepspeed``: the overrides are applied to the raw recipe and
-  ``ep_moe.integrations.<engine>_recipe.train(recipe)`` runs it.
+  ``ep_moe.train.engines.<engine>.train(recipe)`` runs it.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def run_torchrun(recipe, device: str, env: tuple[int, int, int]) -> dict[str, An
 
 
 def run_engine(engine: str, data: dict) -> int:
-    """Hand the raw recipe (overrides applied) to ``ep_moe.integrations.<engine>_recipe.train``."""
-    module_name = f"ep_moe.integrations.{engine}_recipe"
+    """Hand the raw recipe (overrides applied) to ``ep_moe.train.engines.<engine>.train``."""
+    module_name = f"ep_moe.train.engines.{engine}"
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -22,11 +22,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from ..topology import Topology, detect_topology
 from .model import LayerShape, dtype_bytes
 from .plan import CommPlan, PlanPolicy, check_num_sms, plan_layer
 from .rates import Rates
 from .refine import MeasureFn, refine
+from .topology import Topology, detect_topology
 
 log = logging.getLogger("ep_moe")
 
@@ -175,7 +175,7 @@ class PlanCache:
     def rates(self) -> Rates:
         """The rates plans are made with (loaded from the calibration cache on first use)."""
         if self._rates is None:
-            from ..calibration import load_rates
+            from .calibration import load_rates
 
             self._rates = load_rates(self.topology)
         return self._rates

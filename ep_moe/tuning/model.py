@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..native.chunking import num_chunks
-from ..topology import Topology
+from .topology import Topology
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4,
                "float": 4, "fp8": 1, "e4m3": 1, "float8_e4m3fn": 1}

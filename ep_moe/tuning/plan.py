@@ -6,7 +6,6 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from ..config import Config
-from ..topology import Topology
 from .model import (
     SCHEMES,
     LayerShape,
@@ -19,6 +18,7 @@ from .model import (
     split_sms,
 )
 from .rates import Rates, smooth_max
+from .topology import Topology
 
 FALLBACK_GPU = "H200"  # planning on a machine without a GPU: assume this one (datasheet numbers)
 FALLBACK_DEVICE_SMS = 132

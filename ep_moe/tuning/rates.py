@@ -1,5 +1,5 @@
 """The rates the bandwidth model runs on: link bandwidths, per-SM read/write throughput, and the fitted
-corrections for one backend's kernels. Datasheet defaults here; `ep_moe.calibration` measures them."""
+corrections for one backend's kernels. Datasheet defaults here; `ep_moe.tuning.calibration` measures them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from ..topology import Topology
+from .topology import Topology
 
 # Defaults, measured on H200 (see shared/GPU.md): a grid-stride 16-byte copy moves ~48 GB/s per SM
 # locally and pushes ~45 GB/s per SM into a peer; stores of 8 SMs saturate NVLink at ~360 of the raw

@@ -1,0 +1,599 @@
+"""``ep-moe bench``: time layout, dispatch and combine of every backend in one run, on the same routing.
+
+For each token count, every backend gets the same random inputs (DeepEP's intranode workload by
+default: 4096 tokens per rank, hidden 7168, top-8 of 256 experts). Before anything is timed, the
+results are checked: layout against the reference, received rows and per-expert counts against every
+rank's layout, cached dispatch against dispatch, ``combine(dispatch(x))`` against ``x`` summed once per
+rank it went to, FP8 rows against the quantized BF16 rows, and every backend bit for bit against the
+first one (torch). Then each operation is timed (see `ep_moe.benchmarking.timing`) and reported with
+DeepEP-counted GB/s and the fraction of the NVLink floor it reaches (`ep_moe.benchmarking.accounting`).
+
+Launch: on GPUs, one NCCL process per visible GPU (spawned here, or under ``torchrun``); on CPU,
+``--ranks`` gloo processes with small sizes and wall-clock times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import native
+from ..buffer import Buffer
+from ..config import Config
+from ..distributed import run_distributed
+from ..tuning import plan_for_layer
+from .accounting import row_payload_bytes, traffic
+from .checks import (
+    check_layout,
+    compare,
+    expected_recv_counts,
+    round_trip_reference,
+)
+from .report import Row, finalize, plot, table, write_json
+from .timing import (
+    CudaEventTimer,
+    RunGate,
+    WallTimer,
+    slowest_rank_per_run,
+    summarize,
+    time_runs,
+)
+from .workload import DTYPES, InputSet, make_input_set, num_input_sets, to_fp8_blocks
+
+# NVLink multicast stays off on the lent machines (shared/GPU.md); set before any CUDA/NCCL init.
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+GPU_DEFAULTS = {"tokens": [4096], "hidden": 7168, "experts": 256, "topk": 8}  # DeepEP's intranode test
+CPU_DEFAULTS = {"tokens": [128], "hidden": 256, "experts": 16, "topk": 4}
+DEFAULT_LINK_GBPS = 394.0  # copy-engine peer copy, H200 pair over NV18 (shared/GPU.md)
+MAX_INPUT_SETS = 32
+L2_FALLBACK_BYTES = 60 << 20
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend to benchmark: its label in the report, the ``Buffer(backend=...)`` it builds, and
+    whether it takes an SM budget (then it is timed at every ``--num-sms``; else once, SMs "-")."""
+
+    name: str
+    buffer_backend: str
+    takes_sms: bool
+
+
+BACKENDS = {"torch": BackendSpec("torch", "torch", False), "native": BackendSpec("native", "native", True)}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Everything a rank needs to run the benchmark (picklable: it travels to spawned ranks)."""
+
+    backends: tuple[BackendSpec, ...]
+    tokens: tuple[int, ...]
+    hidden: int
+    experts: int
+    topk: int
+    dtypes: tuple[str, ...]
+    num_sms: tuple[int, ...]
+    runs: int
+    warmup: int
+    device: str  # "cuda" or "cpu"
+    link_gbps: float
+    measure_link: bool = False
+    seed: int = 0
+    timeout_s: float = 120.0
+    plan_sms: bool = False  # also time at the tuner's SM count for each shape
+    argv: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------------------------------ per rank
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def _capped(problems: list[str], keep: int = 6) -> list[str]:
+    """The first few problems (a broken kernel fails the same way in every set and rank)."""
+    return problems[:keep] + ([f"... and {len(problems) - keep} more"] if len(problems) > keep else [])
+
+
+def _collective(group: dist.ProcessGroup, fn: Callable[[], object]) -> tuple[list, list[str]]:
+    """Run ``fn()`` on every rank and share the outcome: returns (each rank's value, errors by rank).
+
+    An exception on one rank becomes an error every rank sees, so all of them skip the same work
+    instead of waiting for each other in the next collective. ``fn`` must return something small.
+    """
+    try:
+        value, error = fn(), None
+    except Exception as exc:  # reported in the table, traceback on this rank's stderr
+        traceback.print_exc()
+        value, error = None, f"{type(exc).__name__}: {exc}"
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (error, value), group=group)
+    errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
+    return [v for _, v in everyone], errors
+
+
+class _RankBench:
+    """One rank's share of the benchmark; every rank runs the same sequence of collectives."""
+
+    def __init__(self, rank: int, world: int, spec: BenchSpec) -> None:
+        self.rank, self.world, self.spec = rank, world, spec
+        self.group = dist.group.WORLD
+        self.cuda = spec.device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.timer = CudaEventTimer() if self.cuda else WallTimer()
+        self.gate = RunGate(self.group, self.device)
+        self.cache_bytes = 0
+        if self.cuda:
+            props = torch.cuda.get_device_properties(self.device)
+            self.cache_bytes = int(getattr(props, "L2_cache_size", 0) or L2_FALLBACK_BYTES)
+        self.rows: list[Row] = []
+        self.buffers: dict[str, Buffer] = {}
+        self.sets_per_tokens: dict[int, int] = {}
+
+    # -------------------------------------------------------------- rows
+    def _emit(self, row: Row) -> None:
+        self.rows.append(row)
+        sms = "-" if row.num_sms is None else row.num_sms
+        what = f"[bench] {row.backend:<7} {row.dtype or '-':<4} T={row.tokens:<6} SMs={sms:<3} {row.op:<15}"
+        if row.median_us is None:
+            _say(self.rank, f"{what} {row.check}: {'; '.join(row.problems)}")
+        else:
+            _say(self.rank, f"{what} {row.median_us:10.1f} us (p10 {row.p10_us:.1f}, p90 {row.p90_us:.1f})"
+                            f"  check {row.check}")
+
+    def _measure(self, row: Row, fn: Callable[[int], object], num_sets: int, problems: list[str]) -> None:
+        """Time ``fn`` on every rank, fill ``row`` with the slowest-rank statistics, emit it."""
+        samples, errors = _collective(self.group, lambda: time_runs(
+            fn, runs=self.spec.runs, warmup=self.spec.warmup, num_sets=num_sets, timer=self.timer, gate=self.gate))
+        row.problems = _capped(problems)
+        row.check = "FAIL" if problems else "ok"
+        if errors:
+            row.check, row.problems = "error", row.problems + _capped(errors)
+        else:
+            stats = summarize(slowest_rank_per_run(samples))
+            row.median_us, row.p10_us, row.p90_us, row.runs = stats.median_us, stats.p10_us, stats.p90_us, stats.runs
+            row.rank_median_us = [summarize(s).median_us for s in samples]
+        self._emit(row)
+
+    # -------------------------------------------------------------- setup
+    def make_buffers(self) -> None:
+        spec = self.spec
+        elem = max(4 if d == "fp32" else 2 for d in spec.dtypes)
+        nvl_bytes = Buffer.get_buffer_size_hint(max(spec.tokens), spec.hidden, self.world, spec.topk,
+                                                dtype=torch.float32 if elem == 4 else torch.bfloat16)
+        for b in spec.backends:
+            made: dict[str, Buffer] = {}
+
+            def make(b=b, made=made):
+                made["buffer"] = Buffer(self.group, num_nvl_bytes=nvl_bytes if b.buffer_backend != "torch" else 0,
+                                        backend=b.buffer_backend, timeout_s=spec.timeout_s, check_inputs=False)
+                return made["buffer"].backend_name
+
+            _, errors = _collective(self.group, make)
+            if errors:
+                self._emit(Row(b.name, "setup", None, 0, None, check="error", problems=errors))
+            else:
+                self.buffers[b.name] = made["buffer"]
+
+    def destroy_buffers(self) -> None:
+        for buffer in self.buffers.values():
+            try:
+                buffer.destroy()
+            except Exception:
+                traceback.print_exc()
+        self.buffers.clear()
+
+    # -------------------------------------------------------------- one token count
+    def run_tokens(self, tokens: int) -> None:
+        spec = self.spec
+        base = torch.float32 if spec.dtypes == ("fp32",) else torch.bfloat16
+        set_bytes = tokens * spec.hidden * base.itemsize * (1 + min(self.world, spec.topk))
+        num_sets = num_input_sets(set_bytes, self.cache_bytes, max_sets=MAX_INPUT_SETS)
+        self.sets_per_tokens[tokens] = num_sets
+        sets = [make_input_set(tokens, spec.hidden, spec.experts, spec.topk, self.world, base, self.device,
+                               seed=spec.seed * 1_000_003 + tokens * 1009 + i * 101 + self.rank)
+                for i in range(num_sets)]
+        # Every rank's layout of every set: [sets, R, R + E] (rows per destination, then per expert).
+        mine = torch.stack([torch.cat([s.num_tokens_per_rank.to(torch.int64), s.num_tokens_per_expert.to(torch.int64)])
+                            for s in sets])
+        gathered = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine, group=self.group)
+        layouts = torch.stack(gathered, dim=1).cpu()  # [sets, source, R + E]
+        counts_by_set = layouts[:, :, :self.world]
+        experts_by_set = layouts[:, :, self.world:]
+        mean_counts = counts_by_set.double().mean(dim=0).tolist()
+
+        payload_cache: dict[tuple[str, int], object] = {}
+
+        def payload(dtype: str, i: int):
+            if (dtype, i) not in payload_cache:
+                x = sets[i].x
+                payload_cache[(dtype, i)] = to_fp8_blocks(x) if dtype == "fp8" else x.to(DTYPES[dtype])
+            return payload_cache[(dtype, i)]
+
+        reference: dict[str, dict] = {}  # per dtype: the first backend's set-0 outputs
+        for b in spec.backends:
+            buffer = self.buffers.get(b.name)
+            if buffer is None:
+                continue
+            self._layout(b, buffer, sets, tokens, num_sets)
+            for dtype in spec.dtypes:
+                planned = self._planned_sms(tokens, dtype) if b.takes_sms and spec.plan_sms else None
+                budgets = dict.fromkeys(spec.num_sms + ((planned,) if planned else ()))
+                for sms in (sorted(budgets) if b.takes_sms else (None,)):
+                    self._dispatch_combine(b, buffer, sets, tokens, num_sets, dtype, sms, payload,
+                                           counts_by_set, experts_by_set, mean_counts, reference,
+                                           planned=sms is not None and sms == planned)
+
+    def _planned_sms(self, tokens: int, dtype: str) -> int:
+        """The tuner's SM count for this shape (the same on every rank: same shape, topology and rates)."""
+        spec = self.spec
+        return plan_for_layer(spec.experts, spec.topk, spec.hidden, tokens, dtype, num_ranks=self.world).num_sms
+
+    def _layout(self, b: BackendSpec, buffer: Buffer, sets: list[InputSet], tokens: int, num_sets: int) -> None:
+        experts = self.spec.experts
+
+        def check() -> list[str]:
+            problems = []
+            for i, s in enumerate(sets):
+                per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(s.topk_idx, experts)
+                problems += [f"set {i}: {p}" for p in check_layout(
+                    (per_rank, per_expert, in_rank), (s.num_tokens_per_rank, s.num_tokens_per_expert, s.is_token_in_rank))]
+            return problems
+
+        row = Row(b.name, "layout", None, tokens, None)
+        found, errors = _collective(self.group, check)
+        if errors:
+            row.check, row.problems = "error", _capped(errors)
+            self._emit(row)
+            return
+        problems = [f"rank {r}: {p}" for r, ps in enumerate(found) for p in ps]
+        self._measure(row, lambda i: buffer.get_dispatch_layout(sets[i].topk_idx, experts), num_sets, problems)
+
+    def _dispatch_combine(self, b: BackendSpec, buffer: Buffer, sets: list[InputSet], tokens: int, num_sets: int,
+                          dtype: str, sms: int | None, payload, counts_by_set: torch.Tensor,
+                          experts_by_set: torch.Tensor, mean_counts: list[list[float]], reference: dict,
+                          planned: bool = False) -> None:
+        config = Config(num_sms=sms) if sms is not None else None
+        state: dict[str, list] = {"handles": [], "recv": []}
+
+        worst = tokens * self.world  # every rank has `tokens` tokens: no rank receives more rows
+
+        def fresh(i: int, num_worst_tokens: int = 0):
+            s = sets[i]
+            return buffer.dispatch(payload(dtype, i), num_tokens_per_rank=s.num_tokens_per_rank,
+                                   is_token_in_rank=s.is_token_in_rank, num_tokens_per_expert=s.num_tokens_per_expert,
+                                   topk_idx=s.topk_idx, topk_weights=s.topk_weights,
+                                   num_worst_tokens=num_worst_tokens, config=config)
+
+        def setup_and_check() -> list[tuple[str, str]]:
+            """Dispatch every set once (keeping handles and received rows for the timed runs) and
+            check the results; returns (operation, mismatch) pairs."""
+            problems: list[tuple[str, str]] = []
+
+            def note(op: str, where: str, found: list[str]) -> None:
+                problems.extend((op, f"{where}{p}") for p in found)
+
+            for i, s in enumerate(sets):
+                recv_x, recv_idx, recv_w, counts, handle, _ = fresh(i)
+                state["handles"].append(handle)
+                state["recv"].append(recv_x)
+                rows, per_expert = expected_recv_counts(counts_by_set[i], experts_by_set[i], self.rank)
+                got_rows = (recv_x[0] if dtype == "fp8" else recv_x).shape[0]
+                note("dispatch", f"set {i}: ", compare("received rows", got_rows, rows))
+                note("dispatch", f"set {i}: ", compare("num_recv_tokens_per_expert", list(counts), per_expert))
+                cached = buffer.dispatch(payload(dtype, i), handle=handle, config=config)[0]
+                note("dispatch_cached", f"set {i}: ", compare("cached dispatch vs dispatch", cached, recv_x))
+                fixed = fresh(i, worst)[0]  # num_worst_tokens rows: the received ones, then zero padding
+                fixed_parts = fixed if isinstance(fixed, tuple) else (fixed,)
+                exact_parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+                note("dispatch_fixed", f"set {i}: ", compare(
+                    "fixed-size dispatch vs dispatch", [f[:got_rows] for f in fixed_parts], list(exact_parts)))
+                if any(f[got_rows:].contiguous().view(torch.uint8).any() for f in fixed_parts):  # bytes: fp8 too
+                    note("dispatch_fixed", f"set {i}: ", ["fixed-size dispatch: padding rows are not zero"])
+                combined = None
+                if dtype != "fp8":
+                    combined = buffer.combine(recv_x, handle, config=config)[0]
+                    want = round_trip_reference(payload(dtype, i), s.is_token_in_rank)
+                    note("combine", f"set {i}: ", compare("combine(dispatch(x))", combined, want))
+                if i > 0:
+                    continue
+                outputs = {"recv_x": ("dispatch", recv_x), "recv_topk_idx": ("dispatch", recv_idx),
+                           "recv_topk_weights": ("dispatch", recv_w), "counts": ("dispatch", list(counts))}
+                if combined is not None:
+                    outputs["combined"] = ("combine", combined)
+                elif "bf16" in reference:  # quantizing received rows = receiving quantized rows
+                    note("dispatch", "set 0: ", compare("fp8 recv_x vs quantized bf16 recv_x", recv_x,
+                                                        to_fp8_blocks(reference["bf16"]["outputs"]["recv_x"][1])))
+                first = reference.setdefault(dtype, {"backend": b.name, "outputs": outputs})
+                if first["backend"] != b.name:  # bit for bit against the first backend (torch)
+                    for key, (op, want) in first["outputs"].items():
+                        note(op, "set 0: ", compare(f"{key} vs backend {first['backend']}", outputs[key][1], want))
+            return problems
+
+        traffic_of = traffic(mean_counts, row_payload_bytes(self.spec.hidden, dtype))
+        rows = {op: Row(b.name, op, dtype, tokens, sms, planned, recv_bytes=traffic_of.mean_recv_bytes,
+                        link_bytes=traffic_of.link_bytes)
+                for op in (("dispatch", "dispatch_cached", "dispatch_fixed") + (() if dtype == "fp8" else ("combine",)))}
+        found, errors = _collective(self.group, setup_and_check)
+        if errors:
+            for row in rows.values():
+                row.check, row.problems = "error", _capped(errors)
+                self._emit(row)
+            return
+        problems = {op: [f"rank {r}: {p}" for r, ps in enumerate(found) for o, p in ps if o == op] for op in rows}
+        handles, recv = state["handles"], state["recv"]
+        self._measure(rows["dispatch"], fresh, num_sets, problems["dispatch"])
+        self._measure(rows["dispatch_cached"], lambda i: buffer.dispatch(payload(dtype, i), handle=handles[i],
+                                                                         config=config),
+                      num_sets, problems["dispatch_cached"])
+        self._measure(rows["dispatch_fixed"], lambda i: fresh(i, worst), num_sets, problems["dispatch_fixed"])
+        if "combine" in rows:
+            self._measure(rows["combine"], lambda i: buffer.combine(recv[i], handles[i], config=config), num_sets,
+                          problems["combine"])
+
+    # -------------------------------------------------------------- link
+    def link_speed(self) -> tuple[float | None, str]:
+        spec = self.spec
+        if not self.cuda:
+            return None, "n/a (CPU ranks: no NVLink)"
+        if not spec.measure_link:
+            return spec.link_gbps, "given" if spec.link_gbps != DEFAULT_LINK_GBPS else "shared/GPU.md default"
+        from .link import measure_peer_copy_gbps
+
+        values, errors = _collective(self.group, lambda: measure_peer_copy_gbps(self.group, self.device, self.timer))
+        if errors:
+            _say(self.rank, f"[bench] link measurement failed, using {spec.link_gbps:g} GB/s: {'; '.join(errors)}")
+            return spec.link_gbps, f"given (measurement failed: {errors[0]})"
+        _say(self.rank, f"[bench] copy-engine peer copy, 1 GiB, all ranks at once: {values[0]:.1f} GB/s per direction")
+        return values[0], "measured: copy-engine peer copy in this run"
+
+    def meta(self, link_gbps: float | None, link_source: str) -> dict:
+        spec = self.spec
+        device_name = torch.cuda.get_device_name(self.device) if self.cuda else "CPU (gloo)"
+        return {
+            "command": "ep-moe bench " + " ".join(spec.argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "ranks": self.world, "device": device_name, "timer": self.timer.description,
+            "hidden": spec.hidden, "experts": spec.experts, "topk": spec.topk, "tokens": list(spec.tokens),
+            "dtypes": list(spec.dtypes), "num_sms": list(spec.num_sms), "plan_sms": spec.plan_sms,
+            "backends": [b.name for b in spec.backends],
+            "buffer_backends": {n: buf.backend_name for n, buf in self.buffers.items()},
+            "runs": spec.runs, "warmup": spec.warmup, "input_sets": dict(self.sets_per_tokens),
+            "link_gbps": link_gbps, "link_source": link_source,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": _nccl_version() if self.cuda else None,
+            "env": {k: os.environ.get(k) for k in MULTICAST_OFF},
+        }
+
+
+def _nccl_version() -> str | None:
+    try:
+        version = torch.cuda.nccl.version()
+        return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception:  # informational only
+        return None
+
+
+def run_rank(rank: int, world: int, spec: BenchSpec) -> dict | None:
+    """The benchmark on one rank of an initialized process group; rank 0 returns
+    ``{"meta": dict, "rows": [Row]}`` (derived columns not filled yet), the others None."""
+    os.environ.update(MULTICAST_OFF)
+    bench = _RankBench(rank, world, spec)
+    bench.make_buffers()
+    try:
+        for tokens in spec.tokens:
+            bench.run_tokens(tokens)
+            if bench.cuda:
+                torch.cuda.empty_cache()  # this token count's inputs and outputs are gone
+        link_gbps, link_source = bench.link_speed()
+        meta = bench.meta(link_gbps, link_source)
+    finally:
+        bench.destroy_buffers()
+    return {"meta": meta, "rows": bench.rows} if rank == 0 else None
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _run_torchrun(spec: BenchSpec) -> dict | None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if spec.device == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    try:
+        return run_rank(rank, world, spec)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ep-moe bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time get_dispatch_layout, dispatch, cached dispatch and combine of every backend in one run,\n"
+                    "on the same routing, after checking their results (bit for bit against the torch backend).\n"
+                    "Prints a progress line per measurement, then one table.",
+        epilog="GPU: one NCCL rank per visible GPU, CUDA-event times; or run under\n"
+               "  torchrun --nproc-per-node N -m ep_moe.cli bench ...\n"
+               "CPU: --ranks gloo processes, small default sizes, wall-clock times, no NVLink floor.\n"
+               "Defaults on GPU: DeepEP's intranode workload (--tokens 4096 --hidden 7168 --experts 256\n"
+               "--topk 8); on CPU: --tokens 128 --hidden 256 --experts 16 --topk 4.\n"
+               "Exit status: 0 when every check passed, 1 when a check failed or an operation raised.")
+    p.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=None,
+                   help="backends to compare (default: torch, and native when its extension is built)")
+    p.add_argument("--tokens", nargs="+", type=int, default=None, metavar="T",
+                   help="tokens per rank; several values make a sweep (e.g. 128 256 ... 16384)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size H (a multiple of 128 for fp8)")
+    p.add_argument("--experts", type=int, default=None, help="number of experts E (divisible by the ranks)")
+    p.add_argument("--topk", type=int, default=None, help="experts per token K")
+    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8", "fp32"], default=["bf16", "fp8"], dest="dtypes",
+                   help="hidden-state types; fp8 is the pair (x_e4m3, scales[T, H/128]) and is dispatched only "
+                        "(default: bf16 fp8)")
+    p.add_argument("--num-sms", nargs="+", type=int, default=[24], metavar="N",
+                   help="SM budgets passed as Config(num_sms=N) to dispatch/combine (even; a sweep when several; "
+                        "backends without an SM budget, torch, are timed once and shown as '-') (default: 24)")
+    p.add_argument("--plan-sms", action="store_true",
+                   help="also time each shape at the SM count the tuner plans for it (ep_moe.tuning.plan_for_layer: "
+                        "the calibration cache or datasheet rates; EP_MOE_NUM_SMS overrides), marked * in the table")
+    p.add_argument("--runs", type=int, default=50, help="timed runs per operation; the median and p10/p90 are "
+                                                          "reported (>= 30 for numbers to quote) (default: 50)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default: 10)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="processes to spawn: GPUs to use (default: all visible) or CPU ranks (default: 2); "
+                        "ignored under torchrun")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="where to run (default: cuda when a GPU is visible, else cpu)")
+    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+                   help=f"one-way peer bandwidth for the floor, GB/s (default: {DEFAULT_LINK_GBPS:g}, the "
+                        "copy-engine peer copy measured on the H200 pair)")
+    p.add_argument("--measure-link", action="store_true",
+                   help="measure the peer bandwidth in this run (1 GiB copy-engine copy into the next rank's "
+                        "symmetric buffer, all ranks at once) and use it for the floor")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens and routing (default: 0)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any wait for a peer may last before it fails (default: 120)")
+    p.add_argument("--json", metavar="PATH", help="write the meta data and every row as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: time vs tokens and time vs SMs")
+    return p
+
+
+def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> tuple[BenchSpec, int]:
+    """Check the arguments, fill the defaults for the device; return the spec and the rank count."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    if _under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+    elif args.device == "cuda":
+        visible = torch.cuda.device_count()
+        world = visible if args.ranks is None else args.ranks
+        if not 1 <= world <= visible:
+            parser.error(f"--ranks: must be between 1 and the {visible} visible GPUs, got {world}")
+    else:
+        world = 2 if args.ranks is None else args.ranks
+        if world < 1:
+            parser.error(f"--ranks: must be >= 1, got {world}")
+    defaults = GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
+    experts_given = args.experts is not None
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not experts_given and args.experts % world:
+        args.experts = max(world, args.experts // world * world)  # as DeepEP's test: (256 // R) * R
+    if any(t < 1 for t in args.tokens):
+        parser.error(f"--tokens: every value must be >= 1, got {args.tokens}")
+    if args.hidden < 1:
+        parser.error(f"--hidden: must be >= 1, got {args.hidden}")
+    if args.experts < 1 or args.experts % world:
+        parser.error(f"--experts: must be a positive multiple of the {world} ranks, got {args.experts}")
+    if not 1 <= args.topk <= args.experts:
+        parser.error(f"--topk: must be between 1 and --experts ({args.experts}), got {args.topk}")
+    if "fp8" in args.dtypes:
+        if args.hidden % 128:
+            parser.error(f"--hidden: must be a multiple of 128 for --dtype fp8, got {args.hidden}")
+        if not hasattr(torch, "float8_e4m3fn"):
+            parser.error("--dtype fp8: this torch has no float8_e4m3fn")
+    if any(n < 2 or n % 2 for n in args.num_sms):
+        parser.error(f"--num-sms: every value must be an even number >= 2, got {args.num_sms}")
+    if args.runs < 1:
+        parser.error(f"--runs: must be >= 1, got {args.runs}")
+    if args.warmup < 0:
+        parser.error(f"--warmup: must be >= 0, got {args.warmup}")
+    if args.link_gbps <= 0:
+        parser.error(f"--link-gbps: must be positive, got {args.link_gbps}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout: must be positive, got {args.timeout}")
+    names = args.backends
+    if names is None:
+        names = ["torch"] + (["native"] if native.extension_available() and args.device == "cuda" else [])
+    elif "native" in names:
+        if args.device != "cuda":
+            parser.error("--backends native: the native backend needs CUDA GPUs (this run is on CPU)")
+        if not native.extension_available():
+            parser.error("--backends native: the CUDA extension ep_moe.native._C is not built here")
+    # torch first: the other backends are compared with it, bit for bit, and timed against it.
+    names = sorted(dict.fromkeys(names), key=lambda n: (n != "torch", n))
+    dtypes = tuple(sorted(dict.fromkeys(args.dtypes), key=lambda d: d == "fp8"))  # bf16 before fp8: fp8 is checked against it
+    spec = BenchSpec(
+        backends=tuple(BACKENDS[n] for n in names), tokens=tuple(dict.fromkeys(args.tokens)), hidden=args.hidden,
+        experts=args.experts, topk=args.topk, dtypes=dtypes, num_sms=tuple(dict.fromkeys(args.num_sms)),
+        runs=args.runs, warmup=args.warmup, device=args.device, link_gbps=args.link_gbps,
+        measure_link=args.measure_link, seed=args.seed, timeout_s=args.timeout, plan_sms=args.plan_sms,
+        argv=tuple(argv))
+    return spec, world
+
+
+def run(spec: BenchSpec, world: int) -> dict | None:
+    """Run the benchmark (spawning ranks, or as one rank under torchrun). Returns rank 0's result
+    (None on the other torchrun ranks)."""
+    os.environ.update(MULTICAST_OFF)  # inherited by spawned ranks, before any CUDA/NCCL init there
+    if _under_torchrun():
+        return _run_torchrun(spec)
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    return run_distributed(run_rank, world, spec, backend=backend, timeout_s=spec.timeout_s,
+                           join_timeout_s=3600.0)[0]
+
+
+def report(result: dict, json_path: str | None = None, plot_path: str | None = None) -> tuple[str, bool]:
+    """Fill derived columns, write JSON/PNG; return the table and whether every check passed."""
+    meta, rows = result["meta"], result["rows"]
+    finalize(rows, meta["link_gbps"])
+    runs = meta["runs"]
+    sets = ", ".join(f"{n} at T={t}" for t, n in meta["input_sets"].items())
+    header = [
+        f"ep-moe bench: {meta['ranks']} ranks on {meta['device']}; hidden {meta['hidden']}, top-{meta['topk']} of "
+        f"{meta['experts']} experts, random scores (DeepEP's intranode routing)",
+        f"time: {meta['timer']}, median and p10-p90 of {runs} runs (slowest rank of each run), {meta['warmup']} "
+        f"warm-up runs, barrier between runs, rotating input sets ({sets})"
+        + ("" if runs >= 30 else f"  [only {runs} runs: do not quote]"),
+        "GB/s: DeepEP-counted received bytes (own tokens included) / median time; "
+        "vs torch: torch's time / this time",
+    ]
+    if meta["link_gbps"]:
+        header.append(f"floor: busiest rank's bytes over NVLink (hidden states only) at {meta['link_gbps']:.1f} GB/s "
+                      f"({meta['link_source']}); of floor = floor / time")
+    else:
+        header.append(f"floor, of floor: {meta['link_source']}; wall-clock times of CPU processes, not GPU numbers")
+    if meta.get("plan_sms"):
+        header.append("SMs marked *: the tuner's plan for that shape (ep_moe.tuning.plan_for_layer)")
+    notes = []
+    if json_path:
+        write_json(json_path, meta, rows)
+        notes.append(f"wrote {json_path}")
+    if plot_path:
+        why_not = plot(plot_path, rows, title=header[0], num_sms=meta["num_sms"])
+        notes.append(f"plot skipped: {why_not}" if why_not else f"wrote {plot_path}")
+    all_ok = bool(rows) and all(r.check == "ok" for r in rows)
+    return "\n".join(notes + ["", table(rows, header)]), all_ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    os.environ.update(MULTICAST_OFF)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    spec, world = _resolve(args, parser, argv)
+    result = run(spec, world)
+    if result is None:  # a torchrun rank other than 0
+        return 0
+    text, all_ok = report(result, args.json, args.plot)
+    print(text, flush=True)
+    return 0 if all_ok else 1
+
+
+__all__ = ["BACKENDS", "BackendSpec", "BenchSpec", "build_parser", "main", "report", "run", "run_rank"]

@@ -1,0 +1,38 @@
+"""The ``ep-moe`` command: one entry point, a subcommand per job. Each subcommand lives in its own
+module with a ``main(argv) -> int`` and is imported only when it runs."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("ep_moe.train", "train an MoE model from a YAML recipe (ep-moe train RECIPE.yaml key=value ...)"),
+    "bench": ("ep_moe.benchmarking.cli", "benchmark dispatch/combine of every backend in one run"),
+    "tune": ("ep_moe.tuning.cli", "print the per-layer SM/QP plan of a recipe or of given shapes"),
+    "demo": ("ep_moe.cli.demo", "a small dispatch/combine round trip on spawned CPU ranks"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: ep-moe COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<6} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'ep-moe COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ep-moe: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""``ep-moe tune``: print the per-layer SM/QP plan of a recipe or of shapes given on the command line.
+
+    ep-moe tune recipes/small-gpu-ep2.yaml
+    ep-moe tune --experts 256 --topk 8 --hidden 7168 --tokens 4096 512 --ranks 2 [--gpu H200]
+    torchrun --nproc-per-node 2 -m ep_moe.cli tune --experts 256 --topk 8 --hidden 7168 --tokens 4096 \\
+        --ranks 2 --measure [--refine] [--calibrate] --json plans.json
+
+Without a GPU the plan is made for a datasheet GPU (``--gpu``, default H200). ``--measure``, ``--refine``
+and ``--calibrate`` run dispatch/combine through `ep_moe.Buffer` and need one process per rank (torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from . import DEEPEP_V2_POLICY, LayerShape, PlanCache, Rates, dtype_bytes, format_table
+from .plan import FALLBACK_GPU
+from .topology import DATASHEET, Topology, detect_topology
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ep-moe tune", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", nargs="?", help="a YAML recipe (reads its model and ep_moe blocks)")
+    shape = p.add_argument_group("shapes (instead of a recipe)")
+    shape.add_argument("--experts", type=int, help="number of experts E")
+    shape.add_argument("--topk", type=int, help="experts per token K")
+    shape.add_argument("--hidden", type=int, help="hidden size H")
+    shape.add_argument("--tokens", type=int, nargs="+", help="tokens per rank (one plan per value)")
+    shape.add_argument("--dtype", default="bf16", help="dispatch dtype: bf16, fp8 or fp32 (default bf16)")
+    topo = p.add_argument_group("topology")
+    topo.add_argument("--ranks", type=int, help="EP group size (default: the recipe's, else the world size)")
+    topo.add_argument("--ranks-per-node", type=int, help="ranks per NVLink domain (default: all ranks)")
+    topo.add_argument("--gpu", choices=sorted(DATASHEET), help="plan for this GPU's datasheet instead of detecting")
+    topo.add_argument("--nic-gbps", type=float, help="NIC rate in Gb/s for multi-node plans (with --gpu)")
+    policy = p.add_argument_group("policy")
+    policy.add_argument("--rule", choices=("ep_moe", "deepep_v2"), default="ep_moe",
+                        help="ep_moe: fewest SMs within --tolerance of the predicted time at 1.6 x the SMs "
+                             "matching the bottleneck link (PlanPolicy.knee_cap); deepep_v2: "
+                             "DeepEP V2's rule (1.25 x the SMs matching the bottleneck link)")
+    policy.add_argument("--tolerance", type=float, help="time tolerance of the ep_moe rule (default 0.05)")
+    policy.add_argument("--max-sms", type=int, help="upper bound on SMs")
+    gpu = p.add_argument_group("on GPU (one process per rank, e.g. torchrun)")
+    gpu.add_argument("--measure", action="store_true", help="time dispatch + combine at each plan's SM count")
+    gpu.add_argument("--refine", action="store_true", help="search +-2/+-4 SMs around each plan, keep the best")
+    gpu.add_argument("--budget", type=int, default=5, help="measurements per plan for --refine")
+    gpu.add_argument("--calibrate", action="store_true", help="measure the rates again (copy kernels and probe)")
+    gpu.add_argument("--backend", default="auto", choices=("auto", "native", "torch"), help="Buffer backend")
+    p.add_argument("--calibration", help="calibration cache file (default: $EP_MOE_CALIBRATION or ~/.cache/ep_moe)")
+    p.add_argument("--json", help="write the plans (and measurements) to this JSON file")
+    p.add_argument("--trainer-plan", help="with a recipe: write {num_sms: [one per MoE layer]} here, the form "
+                                          "the trainer's ep_moe.tuning_plan reads")
+    return p
+
+
+# ------------------------------------------------------------------------------------------ recipes
+def _lookup(recipe: Mapping, key: str, blocks=("model", "train", "dataset")):
+    for block in blocks:
+        section = recipe.get(block)
+        if isinstance(section, Mapping) and section.get(key) is not None:
+            return section[key]
+    return None
+
+
+def recipe_layers(recipe: Mapping) -> tuple[LayerShape, int, list[int]]:
+    """(shape, EP size, the model layers that are MoE layers) from a recipe's ``model`` (and ``train``)
+    block. Plans name MoE layers by their ordinal in that list."""
+    model = recipe.get("model")
+    if not isinstance(model, Mapping):
+        raise ValueError("recipe: a 'model' block is required")
+    values = {}
+    for key in ("num_moe_experts", "moe_router_topk", "hidden_size"):
+        if model.get(key) is None:
+            raise ValueError(f"recipe: model.{key} is required for tuning")
+        values[key] = int(model[key])
+    seq, mbs = _lookup(recipe, "seq_length"), _lookup(recipe, "micro_batch_size")
+    if seq is None or mbs is None:
+        raise ValueError("recipe: model.seq_length and micro_batch_size (model or train block) are required: "
+                         "tokens per rank = micro_batch_size x seq_length")
+    dtype = model.get("params_dtype")
+    if dtype is None:  # Megatron's flags; its default is fp32
+        dtype = "bf16" if model.get("bf16") else "fp16" if model.get("fp16") else "fp32"
+    shape = LayerShape(values["num_moe_experts"], values["moe_router_topk"], values["hidden_size"],
+                       int(mbs) * int(seq), dtype_bytes(dtype))
+    ep = int(model.get("expert_model_parallel_size") or 1)
+    num_layers = int(model.get("num_layers") or 1)
+    freq = model.get("moe_layer_freq", 1)
+    if isinstance(freq, list | tuple):
+        moe = [i for i, flag in enumerate(freq) if flag]
+    else:
+        moe = [i for i in range(num_layers) if i % max(1, int(freq)) == 0]
+    return shape, ep, moe
+
+
+# ------------------------------------------------------------------------------------------ distributed
+def _init_distributed():
+    """Join the torchrun group (NCCL on GPU, gloo on CPU); returns (rank, world_size)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("ep-moe tune: --measure/--refine/--calibrate need one process per rank: run under "
+                         "torchrun --nproc-per-node R (R = --ranks)")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local),
+                                timeout=datetime.timedelta(seconds=300))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.calibration:
+        os.environ["EP_MOE_CALIBRATION"] = args.calibration
+    on_device = args.measure or args.refine or args.calibrate
+    rank, world = _init_distributed() if on_device else (0, None)
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    recipe_block: Mapping = {}
+    layers: list[str] = []  # MoE layer ordinals
+    model_layers: list[int] = []
+    if args.recipe:
+        import yaml
+
+        try:
+            recipe = yaml.safe_load(Path(args.recipe).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            print(f"ep-moe tune: cannot read recipe {args.recipe}: {exc}", file=sys.stderr)
+            return 2
+        try:
+            shape, ep, model_layers = recipe_layers(recipe)
+            layers = [str(i) for i in range(len(model_layers))]
+        except ValueError as exc:
+            print(f"ep-moe tune: {exc}", file=sys.stderr)
+            return 2
+        shapes = [shape]
+        recipe_block = recipe.get("ep_moe") or {}
+        ranks = args.ranks or ep
+    else:
+        missing = [f"--{n}" for n in ("experts", "topk", "hidden", "tokens") if getattr(args, n) is None]
+        if missing:
+            print(f"ep-moe tune: give a recipe or all of --experts --topk --hidden --tokens (missing {' '.join(missing)})",
+                  file=sys.stderr)
+            return 2
+        try:
+            shapes = [LayerShape(args.experts, args.topk, args.hidden, t, dtype_bytes(args.dtype)) for t in args.tokens]
+        except ValueError as exc:
+            print(f"ep-moe tune: {exc}", file=sys.stderr)
+            return 2
+        ranks = args.ranks or world or 1
+    if args.trainer_plan and not args.recipe:
+        print("ep-moe tune: --trainer-plan needs a recipe", file=sys.stderr)
+        return 2
+    if world is not None and ranks != world:
+        print(f"ep-moe tune: --ranks {ranks} must equal the number of processes ({world}) to measure", file=sys.stderr)
+        return 2
+    per_node = args.ranks_per_node or ranks
+    if args.gpu:
+        topology = Topology.preset(args.gpu, ranks, per_node, nic_gbps=args.nic_gbps)
+    else:
+        topology = detect_topology(world_size=ranks, local_world_size=per_node)
+        if not topology.has_gpu:
+            say(f"(no GPU here: planning for the {FALLBACK_GPU} datasheet; --gpu picks another)")
+            topology = Topology.preset(FALLBACK_GPU, ranks, per_node, nic_gbps=args.nic_gbps)
+
+    buffer = None
+    if on_device:
+        from ..buffer import Buffer
+        from .calibration import PROBE_SHAPES
+
+        sized = list(shapes) + (list(PROBE_SHAPES) if args.calibrate else [])
+        nvl_bytes = max(Buffer.get_buffer_size_hint(s.tokens, s.hidden, ranks, s.topk) for s in sized)
+        buffer = Buffer(num_nvl_bytes=nvl_bytes, backend=args.backend)
+        if buffer.backend_name != "native":
+            say(f"note: backend {buffer.backend_name!r} ignores the SM count: measured times will not depend on it")
+    rates = None
+    if args.calibrate:
+        from .calibration import calibrate
+
+        rates = calibrate(topology=topology, buffer=buffer, force=True, say=say)
+    try:
+        if args.rule == "deepep_v2":
+            rates = Rates.deepep_v2(topology)
+        base_dir = os.path.dirname(os.path.abspath(args.recipe)) if args.recipe else None
+        cache = PlanCache.from_recipe(recipe_block, topology, rates, base_dir=base_dir)
+        if args.rule == "deepep_v2":
+            cache.policy = replace(DEEPEP_V2_POLICY, max_sms=args.max_sms)
+        if args.tolerance is not None or args.max_sms is not None:
+            cache.policy = replace(cache.policy, time_tolerance=cache.policy.time_tolerance if args.tolerance is None
+                                   else args.tolerance, max_sms=args.max_sms or cache.policy.max_sms)
+        plans = [cache.plan(shape, layer) for shape in shapes for layer in (layers or [None])]
+    except ValueError as exc:
+        print(f"ep-moe tune: {exc}", file=sys.stderr)
+        return 2
+
+    if buffer is not None:
+        from .calibration import DispatchBench, buffer_measure_fn
+
+        for shape in shapes:
+            for layer in layers or [None]:
+                plan = cache.plan(shape, layer)
+                if plan.measured_us is not None:
+                    continue
+                if args.refine:
+                    cache.refine(shape, buffer_measure_fn(buffer, shape), args.budget, layer=layer)
+                else:
+                    plan.record(*DispatchBench(buffer, shape).measure(plan.num_sms))
+        plans = cache.plans()
+
+    say(f"topology: {topology.describe()}")
+    say("rates:    " + cache.rates.describe().replace("\n", "\n          "))
+    if layers:
+        shown = ", ".join(f"{i}=layer {j}" for i, j in list(enumerate(model_layers))[:8])
+        say(f"MoE layers: {len(layers)} ({shown}{' ...' if len(layers) > 8 else ''}); tokens per rank "
+            f"{shapes[0].tokens}")
+    unique = list({id(p): p for p in plans}.values())  # layers of one shape share a plan
+    say(format_table(unique))
+    say("times in us; g = distinct ranks per token; * = SM-bound at the planned SMs; V2 SMs = DeepEP V2's rule "
+        "on this topology")
+    if args.json and rank == 0:
+        cache.save(args.json)
+        say(f"wrote {args.json}")
+    if args.trainer_plan and rank == 0:
+        counts = [cache.plan(shapes[0], layer).num_sms for layer in layers]
+        Path(args.trainer_plan).write_text(json.dumps({"num_sms": counts}) + "\n")
+        say(f"wrote {args.trainer_plan} (ep_moe.tuning_plan for the trainer: num_sms per MoE layer)")
+    if buffer is not None:
+        buffer.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
