@@ -8,12 +8,17 @@ Main entry points:
 * `TokenDispatcher`: what an MoE layer calls (groups received tokens by local expert).
 """
 
-from .buffer import Buffer
-from .config import Config
-from .dispatcher import DispatchContext, TokenDispatcher
-from .event import EventOverlap
-from .handle import DispatchHandle
-from .ops import DispatchOutput, cached_dispatch, combine, dispatch
+from .distributed import disable_multicast
+
+# Before anything of this package (or the caller) creates symmetric memory or an NCCL communicator.
+disable_multicast()
+
+from .buffer import Buffer  # noqa: E402
+from .config import Config  # noqa: E402
+from .dispatcher import DispatchContext, TokenDispatcher  # noqa: E402
+from .event import EventOverlap  # noqa: E402
+from .handle import DispatchHandle  # noqa: E402
+from .ops import DispatchOutput, cached_dispatch, combine, dispatch  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -14,10 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .sizing import buffer_size_hint
-from .symmetric import disable_multicast
 
 log = logging.getLogger("ep_moe")
-disable_multicast()  # before anything in this process can create symmetric memory or an NCCL communicator
 
 MAX_RANKS = 8  # the kernels address at most this many NVLink peers
 

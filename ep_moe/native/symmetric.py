@@ -1,26 +1,16 @@
 """One block of symmetric memory per EP group: the same size on every rank, every rank's copy
 addressable from every GPU of the group (peer pointers), on `torch.distributed._symmetric_memory`.
 
-NVLink multicast stays off (`disable_multicast`): the kernels only use unicast peer stores and loads.
+The kernels only use unicast peer stores and loads: NVLink multicast stays off (`ep_moe.distributed.disable_multicast`,
+when ``ep_moe`` is imported).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
 
 from .sizing import align_up
-
-MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def disable_multicast() -> None:
-    """Keep torch's symmetric memory, NCCL and NVSHMEM off NVLink multicast in this process, unless the
-    user set these variables: the kernels need no multicast, and on shared GPU hosts it must stay off."""
-    for name, value in MULTICAST_OFF.items():
-        os.environ.setdefault(name, value)
 
 
 def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -57,7 +47,6 @@ class SymmetricBuffer:
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
-        disable_multicast()
         self.nbytes = align_up(max(int(nbytes), 1))
         self.group = group
         self.rank = dist.get_rank(group)
