@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_NUM_SMS = 24
+"""SMs of a dispatch or combine when nothing else decides (see `ep_moe.tuning.cache` for the order)."""
+
 
 @dataclass(frozen=True)
 class Config:
@@ -14,5 +17,5 @@ class Config:
         chunk_tokens: tokens a channel moves before it signals the receiver (0 = backend default).
     """
 
-    num_sms: int = 24
+    num_sms: int = DEFAULT_NUM_SMS
     chunk_tokens: int = 0

@@ -12,6 +12,7 @@ generator seeded by ``(seed, module name)``, and every expert by ``(seed, module
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -220,16 +221,20 @@ class TransformerBlock(nn.Module):
 class MoETransformer(nn.Module):
     """Decoder-only MoE language model.
 
+    Parallelism is applied from outside: the caller makes the expert-parallel `Buffer` (one per EP group,
+    shared by every MoE layer; see `ep_moe.train.parallel.build_ep_buffer`) and the SM count of each MoE
+    layer, and passes them in.
+
     Args:
         config: the `ModelConfig`.
-        ep_group: the expert-parallel group (experts split over its ranks through one `Buffer` shared by
-            all MoE layers); None = all experts in this process, no communication.
+        buffer: the EP group's `Buffer` (experts split over its ranks); None = all experts in this process,
+            no communication.
         expert_dp_group: the ranks holding the same experts (kept as ``self.expert_dp_group`` for the
             trainer's gradient reduction; the model itself never uses it).
         dp_group: the ranks that see different tokens (the whole data-parallel world, EP ranks included):
             the global aux loss and the expert-bias update sum token counts over it.
-        dispatcher_backend: the `Buffer` backend (``"auto"``, ``"native"``, ``"torch"``).
-        num_sms: SMs for every layer's dispatch/combine (0 = the buffer's default).
+        num_sms: SMs of each MoE layer's dispatch/combine: one count for all, or one per MoE layer (in layer
+            order); 0 = decided by the layer's `TokenDispatcher` on its first call.
         seed: initialisation seed (the same model for every EP size).
         num_worst_tokens: fixed-size dispatch in every MoE layer (see `MoELayer`); 0 = exact sizes.
 
@@ -239,23 +244,30 @@ class MoETransformer(nn.Module):
     EP rank's loss through the dispatcher's backward, so they are divided by the same total.
     """
 
-    def __init__(self, config: ModelConfig, ep_group: dist.ProcessGroup | None = None,
+    def __init__(self, config: ModelConfig, *, buffer: Buffer | None = None,
                  expert_dp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
-                 dispatcher_backend: str = "auto", num_sms: int = 0, seed: int = 0, num_worst_tokens: int = 0) -> None:
+                 num_sms: int | Sequence[int] = 0, seed: int = 0, num_worst_tokens: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.ep_group, self.expert_dp_group, self.dp_group = ep_group, expert_dp_group, dp_group
+        self.buffer = buffer
+        self.ep_group = buffer.group if buffer is not None else None
+        self.expert_dp_group, self.dp_group = expert_dp_group, dp_group
         self.seed = seed
-        # Expert ids come from the layers' own routers (in range by construction): no value checks, which
-        # would cost a host sync per MoE layer.
-        self.buffer = (Buffer(ep_group, backend=dispatcher_backend, check_inputs=False)
-                       if ep_group is not None else None)
+        moe_layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+        if isinstance(num_sms, int):
+            layer_sms = [num_sms] * len(moe_layers)
+        else:
+            layer_sms = list(num_sms)
+            if len(layer_sms) != len(moe_layers):
+                raise ValueError(f"MoETransformer: argument 'num_sms' must be an int or one count per MoE layer "
+                                 f"({len(moe_layers)}), got {len(layer_sms)} counts")
+        sms_of_layer = dict(zip(moe_layers, layer_sms))
         dtype = config.torch_dtype
         # Submodules draw a throwaway init from the global RNG; keep the caller's RNG state untouched.
         with torch.random.fork_rng(devices=[]):
             self.embedding = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
-            self.layers = nn.ModuleList(TransformerBlock(config, i, self.buffer, dp_group, num_sms, num_worst_tokens)
-                                        for i in range(config.num_layers))
+            self.layers = nn.ModuleList(TransformerBlock(config, i, buffer, dp_group, sms_of_layer.get(i, 0),
+                                                         num_worst_tokens) for i in range(config.num_layers))
             self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
             self.output_weight: nn.Parameter | None = None
             if config.untie_embeddings_and_output_weights:

@@ -79,7 +79,7 @@ class MoELayer(nn.Module):
         config: a `ModelConfig` (its ``moe_*`` fields, ``hidden_size``, ``init_method_std``, ``params_dtype``).
         buffer: the EP group's `Buffer`, shared by all layers; None = every expert in this process.
         dp_group: the ranks that see different tokens (for the global aux loss and the expert-bias update).
-        num_sms: SMs for this layer's dispatch/combine (0 = the buffer's default).
+        num_sms: SMs for this layer's dispatch/combine (0 = decided by its `TokenDispatcher` on the first call).
         expert_impl: `GroupedExperts` ``impl``.
         num_worst_tokens: > 0: fixed-size dispatch with this many received rows (an upper bound on the rows
             any EP rank receives, e.g. tokens per rank x EP size): nothing waits on the host, so a step can

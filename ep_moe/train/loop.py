@@ -22,14 +22,16 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .config import Recipe, per_layer_num_sms
+from .config import Recipe
 from .data import build_dataset, rank_slice
 from .metrics import MetricsFile, Progress, format_summary, read_records
 from .parallel import (
     ParallelState,
+    build_ep_buffer,
     build_parallel_state,
     clip_grad_norm,
     enable_determinism,
+    layer_num_sms,
     sync_gradients,
 )
 from .schedule import recipe_lr
@@ -88,20 +90,18 @@ class RunResult:
 
 
 def build_model(recipe: Recipe, ps: ParallelState) -> torch.nn.Module:
-    """`MoETransformer` of the recipe on this rank's device, with the per-layer SM counts applied."""
+    """`MoETransformer` of the recipe on this rank's device: its EP `Buffer` and every MoE layer's SM count are
+    decided first (`build_ep_buffer`, `layer_num_sms`) and passed in."""
     from ep_moe.layers.model import ModelConfig, MoETransformer
 
     config = ModelConfig(**recipe.model.model_config_kwargs())
-    ep_group = ps.ep_group if ps.ep_size > 1 else None  # EP 1: the in-process dispatcher, same numbers
+    buffer = build_ep_buffer(ps, recipe.ep_moe.dispatcher_backend)
+    num_sms = layer_num_sms(recipe, buffer)
     # Built on the CPU (the init draws from CPU generators), then moved.
-    model = MoETransformer(config, ep_group=ep_group, expert_dp_group=ps.expert_dp_group,
-                           dp_group=ps.dp_group if ps.world_size > 1 else None,
-                           dispatcher_backend=recipe.ep_moe.dispatcher_backend, num_sms=0, seed=recipe.rng.seed,
-                           num_worst_tokens=recipe.ep_moe.num_worst_tokens)
-    model.to(ps.device)
-    for moe, num_sms in zip(model.moe_layers, per_layer_num_sms(recipe), strict=True):
-        moe.num_sms = num_sms  # read when the layer makes its dispatcher (first forward)
-    return model
+    model = MoETransformer(config, buffer=buffer, expert_dp_group=ps.expert_dp_group,
+                           dp_group=ps.dp_group if ps.world_size > 1 else None, num_sms=num_sms,
+                           seed=recipe.rng.seed, num_worst_tokens=recipe.ep_moe.num_worst_tokens)
+    return model.to(ps.device)
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:

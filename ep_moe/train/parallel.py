@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..buffer import Buffer
+from ..tuning.cache import PlanCache, recipe_layers
+from .config import Recipe
+
 
 @dataclass
 class ParallelState:
@@ -30,10 +34,6 @@ class ParallelState:
     dp_group: dist.ProcessGroup         # the world: non-expert weights are replicated everywhere
     device: torch.device
     deterministic: bool = False
-
-    @property
-    def ep_group_index(self) -> int:
-        return self.rank // self.ep_size
 
     @property
     def expert_dp_size(self) -> int:
@@ -51,6 +51,30 @@ def build_parallel_state(ep_size: int, device: torch.device, deterministic: bool
     expert_dp_group, _ = dist.new_subgroups_by_enumeration(edp_groups)
     return ParallelState(rank, world, ep_size, rank % ep_size, ep_group, expert_dp_group, dist.group.WORLD,
                          device, deterministic)
+
+
+def build_ep_buffer(ps: ParallelState, backend: str) -> Buffer | None:
+    """The `Buffer` of this rank's EP group, shared by every MoE layer; None at EP 1 (the layers then keep all
+    experts in-process, with the same numbers). Collective over the EP group."""
+    if ps.ep_size == 1:
+        return None
+    # Expert ids come from the layers' own routers (in range by construction): no value checks, which would
+    # cost a host sync per MoE layer.
+    return Buffer(ps.ep_group, backend=backend, check_inputs=False)
+
+
+def layer_num_sms(recipe: Recipe, buffer: Buffer | None) -> list[int]:
+    """The SM count of each MoE layer of ``recipe``: its ``ep_moe.num_sms`` (per layer or for all), else its
+    ``ep_moe.tuning_plan``, else the tuner where the backend takes an SM count (native), else
+    `ep_moe.config.DEFAULT_NUM_SMS` (`ep_moe.tuning.cache` has the whole order; ``ep-moe tune RECIPE`` prints
+    the same plans). Raises `ValueError` for a bad count or plan file. Every rank computes the same counts."""
+    data = recipe.to_dict()
+    if recipe.ep_moe.tuning_plan is not None:
+        data["ep_moe"]["tuning_plan"] = recipe.resolve_path(recipe.ep_moe.tuning_plan)
+    shape, ep_size, moe_layers = recipe_layers(data)
+    cache = PlanCache.from_recipe(data["ep_moe"], num_moe_layers=len(moe_layers))
+    takes_sms = buffer is not None and buffer.backend_name == "native"
+    return cache.num_sms_per_layer(shape, len(moe_layers), num_ranks=ep_size, use_model=takes_sms)
 
 
 def enable_determinism() -> None:

@@ -15,6 +15,7 @@ from .cache import (
                     format_table,
                     load_plans,
                     plan_for_layer,
+                    recipe_layers,
                     set_default_cache,
 )
 from .model import LayerShape, RankLoad, dtype_bytes, expected_groups, rank_loads
@@ -34,4 +35,5 @@ from .refine import refine
 __all__ = ["DEEPEP_V2_POLICY", "ENV_NUM_SMS", "ENV_PLAN", "RECIPE_KEYS", "CommPlan", "FitSample", "KernelFit",
            "LayerShape", "PlanCache", "PlanPolicy", "RankLoad", "Rates", "deepep_v2_num_sms", "default_cache",
            "dtype_bytes", "expected_groups", "fit_kernel", "format_table", "load_plans", "num_qps", "op_costs",
-           "plan_for_layer", "plan_layer", "predict_us", "rank_loads", "refine", "set_default_cache", "smooth_max"]
+           "plan_for_layer", "plan_layer", "predict_us", "rank_loads", "recipe_layers", "refine", "set_default_cache",
+           "smooth_max"]

@@ -1,16 +1,18 @@
 """`PlanCache`: one plan per layer shape, with overrides, JSON files, a printable table and refinement.
 
 Layers are named by their ordinal among the model's MoE layers (``"0"``, ``"1"``, ...), as the
-trainer's per-layer lists are. Where a layer's SM count comes from, first match wins (0 or "auto" in any
-of them means "no override here"):
+trainer's per-layer lists are. This is the one place a layer's SM count is decided; first match wins (0 or
+"auto" in any of them means "no override here"):
 
 1. ``EP_MOE_NUM_SMS`` (environment; every layer) -- for quick sweeps;
-2. the recipe's ``ep_moe.num_sms`` as a list (one per MoE layer) or ``ep_moe.layer_num_sms`` (a mapping);
+2. an explicit per-layer value: the recipe's ``ep_moe.num_sms`` as a list (one per MoE layer), or
+   ``PlanCache(layer_num_sms=...)``;
 3. the recipe's ``ep_moe.num_sms`` as a number (every layer);
-4. a plan file (``EP_MOE_PLAN=path``, else the recipe's ``ep_moe.tuning_plan`` / ``plan_file``): either
-   the trainer's form ``num_sms: N | [per MoE layer]`` or the plans `PlanCache.save` writes (the entry
-   for that layer, else for that shape); JSON or YAML;
-5. the bandwidth model (`plan_layer`) with the calibrated rates.
+4. a plan file (``EP_MOE_PLAN=path``, else the recipe's ``ep_moe.tuning_plan``): either the form
+   ``num_sms: N | [per MoE layer]`` (``ep-moe tune --trainer-plan``) or the plans `PlanCache.save` writes (the
+   entry for that layer, else for that shape); JSON or YAML;
+5. the bandwidth model (`plan_layer`) with the calibrated rates, where the backend takes an SM count;
+6. else `ep_moe.config.DEFAULT_NUM_SMS` (`PlanCache.num_sms_per_layer` with ``use_model=False``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from ..config import DEFAULT_NUM_SMS
 from .model import LayerShape, dtype_bytes
 from .plan import CommPlan, PlanPolicy, check_num_sms, plan_layer
 from .rates import Rates
@@ -34,8 +37,8 @@ ENV_NUM_SMS = "EP_MOE_NUM_SMS"
 ENV_PLAN = "EP_MOE_PLAN"
 PLAN_FILE_VERSION = 1
 # Keys of a recipe's ``ep_moe`` block that the tuner reads (the trainer owns the others).
-RECIPE_KEYS = ("num_sms", "layer_num_sms", "tuning_plan", "plan_file", "min_sms", "max_sms", "time_tolerance",
-               "knee_cap", "margin", "refine", "refine_budget")
+RECIPE_KEYS = ("num_sms", "tuning_plan", "min_sms", "max_sms", "time_tolerance", "knee_cap", "margin")
+POLICY_KEYS = ("min_sms", "max_sms", "time_tolerance", "knee_cap", "margin")
 
 
 def _read_structured(path: Path) -> dict:
@@ -77,10 +80,13 @@ def _auto(value) -> bool:
     return value is None or value == 0 or (isinstance(value, str) and value.strip().lower() in ("auto", "", "0"))
 
 
-def split_num_sms(where: str, value) -> tuple[int | None, dict[str, int]]:
+def split_num_sms(where: str, value, num_moe_layers: int | None = None) -> tuple[int | None, dict[str, int]]:
     """``num_sms`` as (one count for every layer or None, {MoE layer ordinal: count}); a list gives one
-    count per MoE layer, 0 / "auto" entries meaning "the model's"."""
+    count per MoE layer (exactly ``num_moe_layers`` of them, when given), 0 / "auto" entries meaning "the
+    model's"."""
     if isinstance(value, list | tuple):
+        if num_moe_layers is not None and len(value) != num_moe_layers:
+            raise ValueError(f"{where}: num_sms needs one entry per MoE layer ({num_moe_layers}), got {len(value)}")
         return None, {str(i): check_num_sms(where, f"num_sms[{i}]", n) for i, n in enumerate(value) if not _auto(n)}
     return (None if _auto(value) else check_num_sms(where, "num_sms", value)), {}
 
@@ -96,16 +102,20 @@ class PlanCache:
         layer_num_sms: per-layer SM counts, by layer name (``str(layer)``).
         plan_file: plans to use where they match (a layer's entry first, then the shape's).
         use_env: read ``EP_MOE_NUM_SMS`` and ``EP_MOE_PLAN``.
+        num_moe_layers: the model's MoE layers: a list of SM counts (``num_sms`` or the plan file's) must have
+            exactly this many entries (None: not checked).
+
+    Every argument and file is checked here; the topology is detected on first use.
     """
 
     def __init__(self, topology: Topology | None = None, rates: Rates | None = None,
                  policy: PlanPolicy | None = None, *, num_sms: int | str | list | None = None,
                  layer_num_sms: Mapping | None = None, plan_file: str | os.PathLike | None = None,
-                 use_env: bool = True) -> None:
-        self.topology = topology if topology is not None else detect_topology()
+                 use_env: bool = True, num_moe_layers: int | None = None) -> None:
+        self._topology = topology
         self._rates = rates
         self.policy = policy or PlanPolicy()
-        self.num_sms, self.layer_num_sms = split_num_sms("PlanCache", num_sms)
+        self.num_sms, self.layer_num_sms = split_num_sms("PlanCache", num_sms, num_moe_layers)
         self.layer_num_sms.update({str(k): check_num_sms("PlanCache", f"layer_num_sms[{k!r}]", v)
                                    for k, v in (layer_num_sms or {}).items() if not _auto(v)})
         self.env_num_sms: int | None = None
@@ -123,53 +133,47 @@ class PlanCache:
                 data = _read_structured(Path(plan_file))
                 self.file_plans = load_plans(plan_file) if "plans" in data else []
                 self.file_num_sms, self.file_layer_num_sms = split_num_sms(f"plan file {str(plan_file)!r}",
-                                                                           data.get("num_sms"))
+                                                                           data.get("num_sms"), num_moe_layers)
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
         self.plan_file = str(plan_file) if plan_file else None
         self._plans: dict[tuple[str, int, str | None], CommPlan] = {}
-        # Whether the trainer should `refine` each shape's plan during warm-up, and with how many runs
-        # (the recipe's ep_moe.refine / ep_moe.refine_budget; the cache itself never measures).
-        self.refine_warmup = False
-        self.refine_budget = 5
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_recipe(cls, block: Mapping | None, topology: Topology | None = None, rates: Rates | None = None,
-                    strict: bool = False, base_dir: str | os.PathLike | None = None) -> PlanCache:
-        """A cache configured by a recipe's ``ep_moe`` block (keys in `RECIPE_KEYS`; others are the
-        trainer's and ignored unless ``strict``). A relative plan file path is taken from ``base_dir``
-        (the recipe's folder)."""
+                    strict: bool = False, base_dir: str | os.PathLike | None = None,
+                    num_moe_layers: int | None = None) -> PlanCache:
+        """A cache configured by a recipe's ``ep_moe`` block: ``num_sms`` (one count, or one per MoE layer,
+        exactly ``num_moe_layers`` of them when given), ``tuning_plan`` (a plan file; relative paths are taken
+        from ``base_dir``, the recipe's folder) and the `PlanPolicy` keys ``min_sms``, ``max_sms``,
+        ``time_tolerance``, ``knee_cap``, ``margin`` (None = the policy's default). Other keys are the
+        trainer's and ignored unless ``strict``."""
         block = dict(block or {})
         if strict and (unknown := sorted(set(block) - set(RECIPE_KEYS))):
             raise ValueError(f"PlanCache.from_recipe: unknown key(s) ep_moe.{', ep_moe.'.join(unknown)}; "
                              f"known: {', '.join(RECIPE_KEYS)}")
-        layers = block.get("layer_num_sms") or {}
-        if not isinstance(layers, Mapping):
-            raise ValueError(f"PlanCache.from_recipe: ep_moe.layer_num_sms must map layer names to SM counts, "
-                             f"got {type(layers).__name__}")
-        policy_args = {}
-        for key in ("min_sms", "max_sms", "time_tolerance", "knee_cap", "margin"):
-            if block.get(key) is not None:
-                policy_args[key] = block[key]
+        policy_args = {key: block[key] for key in POLICY_KEYS if block.get(key) is not None}
         try:
             policy = PlanPolicy(**policy_args)
         except ValueError as exc:
             raise ValueError(f"PlanCache.from_recipe: ep_moe block: {exc}") from None
-        plan_file = block.get("tuning_plan") or block.get("plan_file")
+        plan_file = block.get("tuning_plan")
         if plan_file and base_dir is not None and not os.path.isabs(os.path.expanduser(str(plan_file))):
             plan_file = os.path.join(base_dir, str(plan_file))
         try:
-            cache = cls(topology, rates, policy, num_sms=block.get("num_sms"), layer_num_sms=layers,
-                        plan_file=os.path.expanduser(str(plan_file)) if plan_file else None)
+            return cls(topology, rates, policy, num_sms=block.get("num_sms"),
+                       plan_file=os.path.expanduser(str(plan_file)) if plan_file else None,
+                       num_moe_layers=num_moe_layers)
         except ValueError as exc:
             raise ValueError(f"PlanCache.from_recipe: ep_moe block: {exc}") from None
-        cache.refine_warmup = bool(block.get("refine", False))
-        budget = block.get("refine_budget", cache.refine_budget)
-        if not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"PlanCache.from_recipe: ep_moe.refine_budget must be an int >= 1, got {budget!r}")
-        cache.refine_budget = budget
-        return cache
+
+    @property
+    def topology(self) -> Topology:
+        """The machine plans are made for (detected on first use unless given)."""
+        if self._topology is None:
+            self._topology = detect_topology()
+        return self._topology
 
     @property
     def rates(self) -> Rates:
@@ -244,8 +248,20 @@ class PlanCache:
             return self.file_num_sms, "override:file num_sms"
         return None
 
-    def num_sms_for(self, shape: LayerShape, layer: str | int | None = None, num_ranks: int | None = None) -> int:
-        return self.plan(shape, layer, num_ranks).num_sms
+    def num_sms_per_layer(self, shape: LayerShape, num_moe_layers: int, num_ranks: int | None = None,
+                      use_model: bool = True) -> list[int]:
+        """The SM count of each of ``num_moe_layers`` MoE layers of ``shape`` (see the module docstring for the
+        order). ``use_model=False`` (a backend that takes no SM count): overrides where given, else
+        `DEFAULT_NUM_SMS`; the model (and the topology) is never consulted then."""
+        if use_model:
+            return [self.plan(shape, layer, num_ranks).num_sms for layer in range(num_moe_layers)]
+        counts = []
+        n_ranks = num_ranks if num_ranks is not None else self.topology.world_size
+        for layer in range(num_moe_layers):
+            override = self._override(str(layer))
+            plan = None if override else self._file_plan(shape.key(), n_ranks, str(layer))
+            counts.append(override[0] if override else plan.num_sms if plan else DEFAULT_NUM_SMS)
+        return counts
 
     def plans(self) -> list[CommPlan]:
         return list(self._plans.values())
@@ -321,6 +337,49 @@ def format_table(plans: list[CommPlan]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------ recipes
+def _lookup(recipe: Mapping, key: str, blocks=("model", "train", "dataset")):
+    for block in blocks:
+        section = recipe.get(block)
+        if isinstance(section, Mapping) and section.get(key) is not None:
+            return section[key]
+    return None
+
+
+def recipe_layers(recipe: Mapping) -> tuple[LayerShape, int, list[int]]:
+    """(shape, EP size, the model layers that are MoE layers) from a recipe mapping's ``model`` (and
+    ``train``) block: what ``ep-moe tune RECIPE`` plans and the trainer runs. Tokens per rank per call =
+    ``micro_batch_size x seq_length``; the dispatched dtype is bf16 under ``train.precision: bf16`` (autocast),
+    else the model's ``params_dtype``. Plans name MoE layers by their ordinal in the returned list."""
+    model = recipe.get("model")
+    if not isinstance(model, Mapping):
+        raise ValueError("recipe: a 'model' block is required")
+    values = {}
+    for key in ("num_moe_experts", "moe_router_topk", "hidden_size"):
+        if model.get(key) is None:
+            raise ValueError(f"recipe: model.{key} is required for tuning")
+        values[key] = int(model[key])
+    seq, mbs = _lookup(recipe, "seq_length"), _lookup(recipe, "micro_batch_size")
+    if seq is None or mbs is None:
+        raise ValueError("recipe: model.seq_length and micro_batch_size (model or train block) are required: "
+                         "tokens per rank = micro_batch_size x seq_length")
+    train = recipe.get("train")
+    dtype = "bf16" if isinstance(train, Mapping) and train.get("precision") == "bf16" else model.get("params_dtype")
+    if dtype is None:  # Megatron's flags; its default is fp32
+        dtype = "bf16" if model.get("bf16") else "fp16" if model.get("fp16") else "fp32"
+    shape = LayerShape(values["num_moe_experts"], values["moe_router_topk"], values["hidden_size"],
+                       int(mbs) * int(seq), dtype_bytes(dtype))
+    ep = int(model.get("expert_model_parallel_size") or 1)
+    num_layers = int(model.get("num_layers") or 1)
+    freq = model.get("moe_layer_freq", 1)
+    if isinstance(freq, list | tuple):
+        moe = [i for i, flag in enumerate(freq) if flag]
+    else:
+        moe = [i for i in range(num_layers) if i % max(1, int(freq)) == 0]
+    return shape, ep, moe
+
+
+
 # ------------------------------------------------------------------------------------------ process default
 _default_cache: PlanCache | None = None
 
@@ -352,4 +411,4 @@ def plan_for_layer(num_experts: int, topk: int, hidden: int, tokens: int, dtype=
 
 
 __all__ = ["ENV_NUM_SMS", "ENV_PLAN", "RECIPE_KEYS", "PlanCache", "default_cache", "format_table", "load_plans",
-           "plan_for_layer", "set_default_cache"]
+           "plan_for_layer", "recipe_layers", "set_default_cache"]

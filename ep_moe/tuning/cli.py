@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import DEEPEP_V2_POLICY, LayerShape, PlanCache, Rates, dtype_bytes, format_table
+from .cache import recipe_layers
 from .plan import FALLBACK_GPU
 from .topology import DATASHEET, Topology, detect_topology
 
@@ -58,45 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-plan", help="with a recipe: write {num_sms: [one per MoE layer]} here, the form "
                                           "the trainer's ep_moe.tuning_plan reads")
     return p
-
-
-# ------------------------------------------------------------------------------------------ recipes
-def _lookup(recipe: Mapping, key: str, blocks=("model", "train", "dataset")):
-    for block in blocks:
-        section = recipe.get(block)
-        if isinstance(section, Mapping) and section.get(key) is not None:
-            return section[key]
-    return None
-
-
-def recipe_layers(recipe: Mapping) -> tuple[LayerShape, int, list[int]]:
-    """(shape, EP size, the model layers that are MoE layers) from a recipe's ``model`` (and ``train``)
-    block. Plans name MoE layers by their ordinal in that list."""
-    model = recipe.get("model")
-    if not isinstance(model, Mapping):
-        raise ValueError("recipe: a 'model' block is required")
-    values = {}
-    for key in ("num_moe_experts", "moe_router_topk", "hidden_size"):
-        if model.get(key) is None:
-            raise ValueError(f"recipe: model.{key} is required for tuning")
-        values[key] = int(model[key])
-    seq, mbs = _lookup(recipe, "seq_length"), _lookup(recipe, "micro_batch_size")
-    if seq is None or mbs is None:
-        raise ValueError("recipe: model.seq_length and micro_batch_size (model or train block) are required: "
-                         "tokens per rank = micro_batch_size x seq_length")
-    dtype = model.get("params_dtype")
-    if dtype is None:  # Megatron's flags; its default is fp32
-        dtype = "bf16" if model.get("bf16") else "fp16" if model.get("fp16") else "fp32"
-    shape = LayerShape(values["num_moe_experts"], values["moe_router_topk"], values["hidden_size"],
-                       int(mbs) * int(seq), dtype_bytes(dtype))
-    ep = int(model.get("expert_model_parallel_size") or 1)
-    num_layers = int(model.get("num_layers") or 1)
-    freq = model.get("moe_layer_freq", 1)
-    if isinstance(freq, list | tuple):
-        moe = [i for i, flag in enumerate(freq) if flag]
-    else:
-        moe = [i for i in range(num_layers) if i % max(1, int(freq)) == 0]
-    return shape, ep, moe
 
 
 # ------------------------------------------------------------------------------------------ distributed

@@ -139,8 +139,8 @@ def _model_case(rank, world, results):
     non-expert grads summed over the world / world, expert grads (expert-DP size 1 here) / world."""
     config = ModelConfig(**MODEL_KW)
     ref = MoETransformer(config, seed=3)
-    ep = MoETransformer(config, ep_group=dist.group.WORLD, dp_group=dist.group.WORLD,
-                        dispatcher_backend="torch", seed=3)
+    ep = MoETransformer(config, buffer=Buffer(dist.group.WORLD, backend="torch", check_inputs=False),
+                        dp_group=dist.group.WORLD, seed=3)
     ids, labels = _batch(world)
     ids[1] = ids[2]  # the same sequence on two ranks
     mine = slice(2 * rank, 2 * rank + 2)
@@ -175,8 +175,8 @@ def _model_grad_case(rank, world, results):
     trainer's reduction: non-expert sum over world / world; expert (expert-DP size 1) / world."""
     config = ModelConfig(**MODEL_KW)
     ref = MoETransformer(config, seed=4)
-    ep = MoETransformer(config, ep_group=dist.group.WORLD, dp_group=dist.group.WORLD,
-                        dispatcher_backend="torch", seed=4)
+    ep = MoETransformer(config, buffer=Buffer(dist.group.WORLD, backend="torch", check_inputs=False),
+                        dp_group=dist.group.WORLD, seed=4)
     ids, labels = _batch(world, seed=1)
     labels[labels == -100] = 0
     mine = slice(2 * rank, 2 * rank + 2)

@@ -30,6 +30,14 @@ def test_structure_freq_tying_and_parameter_split():
     assert [layer.moe is not None for layer in listed.layers] == [False, True, True]
 
 
+def test_sm_counts_are_given_per_moe_layer_at_construction():
+    model = MoETransformer(ModelConfig(**SMALL, moe_layer_freq=[1, 0, 1]), num_sms=[8, 12])
+    assert [moe.num_sms for moe in model.moe_layers] == [8, 12]
+    assert [moe.num_sms for moe in MoETransformer(ModelConfig(**SMALL), num_sms=16).moe_layers] == [16, 16, 16]
+    with pytest.raises(ValueError, match=r"'num_sms' must be an int or one count per MoE layer \(2\), got 3"):
+        MoETransformer(ModelConfig(**SMALL, moe_layer_freq=[1, 0, 1]), num_sms=[8, 12, 16])
+
+
 def test_init_depends_on_seed_only_not_on_global_rng():
     torch.manual_seed(0)
     a = MoETransformer(ModelConfig(**SMALL), seed=5)

@@ -244,12 +244,12 @@ def test_plans_are_cached_per_shape_and_shared_by_layers():
 
 def test_overrides_env_recipe_and_file(tmp_path, monkeypatch):
     rates = Rates.defaults(H200X2)
-    recipe = {"num_sms": "auto", "layer_num_sms": {3: 10}, "backend": "native"}  # 'backend' is the trainer's
+    recipe = {"num_sms": [0, 0, 0, 10, 0], "dispatcher_backend": "native"}  # the trainer's keys are ignored
     cache = PlanCache.from_recipe(recipe, H200X2, rates)
     assert cache.plan(V3, layer=3).num_sms == 10 and cache.plan(V3, layer=3).source.startswith("override:recipe")
     model_plan = cache.plan(V3, layer=4)
     assert model_plan.source == "model" and model_plan.num_sms != 10
-    fixed = PlanCache.from_recipe({"num_sms": 16, "layer_num_sms": {"2": 8}}, H200X2, rates)
+    fixed = PlanCache(H200X2, rates, num_sms=16, layer_num_sms={"2": 8})
     assert fixed.plan(V3, 0).num_sms == 16 and fixed.plan(V3, 2).num_sms == 8
     assert fixed.plan(V3, 0).predicted_us > 0  # predicted at the overridden count
 
@@ -258,14 +258,14 @@ def test_overrides_env_recipe_and_file(tmp_path, monkeypatch):
     saved.plan(V3).num_sms = 22
     saved.plan(V3).record(150.0, 170.0)
     saved.save(path)
-    from_file = PlanCache.from_recipe({"plan_file": str(path)}, H200X2, rates)
+    from_file = PlanCache.from_recipe({"tuning_plan": "plans.json"}, H200X2, rates, base_dir=tmp_path)
     plan = from_file.plan(V3, layer=1)
     assert plan.num_sms == 22 and plan.measured_us == 320.0 and plan.source.startswith("file:")
 
     monkeypatch.setenv("EP_MOE_PLAN", str(path))
     assert PlanCache(H200X2, rates).plan(V3).num_sms == 22
     monkeypatch.setenv("EP_MOE_NUM_SMS", "14")  # the environment beats every other source
-    env = PlanCache.from_recipe({"num_sms": 16, "layer_num_sms": {"3": 10}}, H200X2, rates)
+    env = PlanCache.from_recipe({"num_sms": [0, 0, 0, 10]}, H200X2, rates)
     assert env.plan(V3, 3).num_sms == 14 and env.plan(V3, 3).source == "override:EP_MOE_NUM_SMS"
     monkeypatch.setenv("EP_MOE_NUM_SMS", "15")
     with pytest.raises(ValueError, match="EP_MOE_NUM_SMS"):
@@ -276,13 +276,51 @@ def test_overrides_env_recipe_and_file(tmp_path, monkeypatch):
         PlanCache(H200X2, rates)
     monkeypatch.delenv("EP_MOE_PLAN")
     with pytest.raises(ValueError, match="layer_num_sms"):
-        PlanCache.from_recipe({"layer_num_sms": {"1": 3}}, H200X2, rates)
-    tuned = PlanCache.from_recipe({"refine": True, "refine_budget": 3}, H200X2, rates)
-    assert tuned.refine_warmup and tuned.refine_budget == 3 and not cache.refine_warmup
-    with pytest.raises(ValueError, match="refine_budget"):
-        PlanCache.from_recipe({"refine_budget": 0}, H200X2, rates)
+        PlanCache(H200X2, rates, layer_num_sms={"1": 3})
+    with pytest.raises(ValueError, match="knee_cap"):
+        PlanCache.from_recipe({"knee_cap": 0.5}, H200X2, rates)
     with pytest.raises(ValueError, match="unknown"):
         PlanCache.from_recipe({"num_sm": 8}, H200X2, rates, strict=True)
+    with pytest.raises(ValueError, match="unknown"):  # accepted once, never read: no longer a key
+        PlanCache.from_recipe({"refine": True}, H200X2, rates, strict=True)
+
+
+def test_layer_num_sms_one_source(tmp_path, monkeypatch):
+    """Per MoE layer: explicit value, else the plan file, else the model (native) or DEFAULT_NUM_SMS."""
+    from ep_moe.config import DEFAULT_NUM_SMS
+
+    rates = Rates.defaults(H200X2)
+    mixed = PlanCache.from_recipe({"num_sms": [8, 0, 12]}, H200X2, rates, num_moe_layers=3)
+    model = PlanCache(H200X2, rates).plan(V3, num_ranks=2).num_sms
+    assert mixed.num_sms_per_layer(V3, 3, num_ranks=2) == [8, model, 12]
+    assert mixed.num_sms_per_layer(V3, 3, num_ranks=2, use_model=False) == [8, DEFAULT_NUM_SMS, 12]
+    with pytest.raises(ValueError, match=r"one entry per MoE layer \(3\), got 2"):
+        PlanCache.from_recipe({"num_sms": [8, 10]}, H200X2, rates, num_moe_layers=3)
+
+    trainer_plan = tmp_path / "trainer.json"
+    trainer_plan.write_text('{"num_sms": [12, 20]}')
+    from_file = PlanCache.from_recipe({"tuning_plan": str(trainer_plan)}, H200X2, rates, num_moe_layers=2)
+    assert from_file.num_sms_per_layer(V3, 2, num_ranks=2, use_model=False) == [12, 20]
+    with pytest.raises(ValueError, match=r"one entry per MoE layer \(3\)"):
+        PlanCache.from_recipe({"tuning_plan": str(trainer_plan)}, H200X2, rates, num_moe_layers=3)
+    assert PlanCache.from_recipe({"num_sms": 16}, H200X2, rates).num_sms_per_layer(V3, 2, 2, use_model=False) == [16, 16]
+    # Nothing given and a backend without SM counts: the default, without detecting the machine.
+    monkeypatch.setattr("ep_moe.tuning.cache.detect_topology", lambda *a, **k: pytest.fail("detected"))
+    assert PlanCache.from_recipe({}, rates=rates).num_sms_per_layer(V3, 2, 2, use_model=False) == [DEFAULT_NUM_SMS] * 2
+
+
+def test_recipe_layers_plans_what_the_trainer_dispatches():
+    """The shape of a recipe: tokens = micro batch x sequence; bf16 under bf16 autocast, else the params dtype."""
+    from ep_moe.tuning import recipe_layers
+
+    recipe = {"model": {"num_moe_experts": 16, "moe_router_topk": 2, "hidden_size": 512, "seq_length": 256,
+                        "num_layers": 4, "moe_layer_freq": 2, "expert_model_parallel_size": 2},
+              "train": {"micro_batch_size": 4}}
+    shape, ep, layers = recipe_layers(recipe)
+    assert (shape.num_experts, shape.topk, shape.hidden, shape.tokens, shape.dtype_bytes) == (16, 2, 512, 1024, 4)
+    assert ep == 2 and layers == [0, 2]
+    recipe["train"]["precision"] = "bf16"
+    assert recipe_layers(recipe)[0].dtype_bytes == 2
 
 
 def test_json_round_trip(tmp_path):

@@ -60,10 +60,8 @@ model:
 train:
   micro_batch_size: 4
 ep_moe:
-  backend: auto
-  num_sms: auto
-  layer_num_sms:
-    1: 10
+  dispatcher_backend: auto
+  num_sms: [0, 10]   # MoE layer 0: the model's count; MoE layer 1: 10
 """
 
 
@@ -82,12 +80,10 @@ def test_tune_reads_a_recipe(capsys, tmp_path):
     assert by_layer["*"].endswith("model") and by_layer["*"].split()[6] == "2"
     model_sms = int(by_layer["*"].split()[9])
     assert json.loads(trainer_plan.read_text()) == {"num_sms": [model_sms, 10]}
-    # the trainer's own form: num_sms as a list per MoE layer, a tuning_plan file with num_sms
-    path.write_text(RECIPE.replace("  layer_num_sms:\n    1: 10\n", "").replace("num_sms: auto", "num_sms: [0, 12]"))
-    assert ep_moe_main(["tune", str(path), "--gpu", "H200"]) == 0
-    assert "override:recipe layer 1" in capsys.readouterr().out
+    # a tuning_plan file with num_sms (what --trainer-plan writes), relative to the recipe's folder
     (tmp_path / "tp.yaml").write_text("num_sms: 14\n")
-    path.write_text(RECIPE.replace("  layer_num_sms:\n    1: 10\n", "  tuning_plan: tp.yaml\n"))
+    path.write_text(RECIPE.replace("  num_sms: [0, 10]   # MoE layer 0: the model's count; MoE layer 1: 10\n",
+                                   "  tuning_plan: tp.yaml\n"))
     assert ep_moe_main(["tune", str(path), "--gpu", "H200"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "E16 K2" in line]
     assert len(rows) == 1 and rows[0].split()[9] == "14" and rows[0].endswith("override:file num_sms")
