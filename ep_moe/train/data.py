@@ -25,7 +25,6 @@ one), ``floor = mean over topics of (H(pi) + (S - order) h) / S``.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from dataclasses import dataclass
 
@@ -269,7 +268,3 @@ def rank_slice(global_batch: torch.Tensor, rank: int, world_size: int, micro_bat
     """
     first = (micro_step * world_size + rank) * micro_batch_size
     return global_batch[first:first + micro_batch_size]
-
-
-def uniform_entropy(vocab_size: int) -> float:
-    return math.log(vocab_size)
