@@ -7,7 +7,8 @@
 
 Each op has a fake (meta) implementation, so ``torch.compile`` traces through them, and selective
 activation checkpointing can name them (``torch.ops.ep_moe.dispatch.default``). The buffer is passed by
-its integer id; the dispatch handle travels as its tensors.
+its integer id; a dispatch handle travels flattened (`_handle_args`: its five tensors, then its
+``num_worst_tokens``) and is rebuilt by `_handle`.
 """
 
 from __future__ import annotations
@@ -37,17 +38,21 @@ class DispatchOutput(NamedTuple):
 
 def _handle(rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
             backend_state: Tensor, num_worst_tokens: int) -> DispatchHandle:
+    """The `DispatchHandle` flattened by `_handle_args`."""
     num_recv = -1 if num_worst_tokens else recv_src_idx.shape[0]
     state = backend_state if backend_state.numel() else None
     return DispatchHandle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, num_recv,
                           num_worst_tokens, state)
 
 
-def _handle_tensors(handle: DispatchHandle) -> tuple[Tensor, ...]:
+def _handle_args(handle: DispatchHandle) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """A handle as custom-op arguments: its tensors (an empty one for no backend state), then
+    ``num_worst_tokens``, which says how to read them (``num_recv_tokens`` follows from both)."""
     state = handle.backend_state
     if state is None:
         state = torch.empty(0, dtype=torch.uint8, device=handle.is_token_in_rank.device)
-    return handle.rank_prefix_matrix, handle.recv_src_idx, handle.recv_src_rank, handle.is_token_in_rank, state
+    return (handle.rank_prefix_matrix, handle.recv_src_idx, handle.recv_src_rank, handle.is_token_in_rank, state,
+            handle.num_worst_tokens)
 
 
 def _config(num_sms: int) -> Config | None:
@@ -75,7 +80,7 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: i
         host = (torch.tensor(listed, dtype=torch.int64) if listed is not None
                 else result.num_recv_tokens_per_expert.cpu())
     outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
-            *_handle_tensors(result.handle))
+            *_handle_args(result.handle)[:5])
     return (*(_fresh(t) for t in outs), host)
 
 
@@ -117,7 +122,7 @@ def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *_):
     # Only the entries local to this rank were copied from the input weights; the others are constant 0.
     grad_w = torch.where(recv_idx >= 0, grad_w, torch.zeros_like(grad_w))
     combined, combined_w = torch.ops.ep_moe.combine(grad_x.contiguous(), grad_w, None, None, *handle_tensors,
-                                                    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms)
+                                                    ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms)
     return combined, None, combined_w, None, None, None, None, None
 
 
@@ -128,7 +133,7 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 @torch.library.custom_op("ep_moe::combine", mutates_args=())
 def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, bias_1: Tensor | None,
                 rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
-                backend_state: Tensor, buffer_id: int, num_worst_tokens: int, num_sms: int
+                backend_state: Tensor, num_worst_tokens: int, buffer_id: int, num_sms: int
                 ) -> tuple[Tensor, Tensor]:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
                      num_worst_tokens)
@@ -141,14 +146,14 @@ def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, b
 
 @_combine_op.register_fake
 def _(x, topk_weights, bias_0, bias_1, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-      backend_state, buffer_id, num_worst_tokens, num_sms):
+      backend_state, num_worst_tokens, buffer_id, num_sms):
     num_tokens = is_token_in_rank.shape[0]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     return x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens, num_topk, dtype=torch.float32)
 
 
 def _combine_setup(ctx, inputs, output):
-    x, topk_weights, bias_0, bias_1, *handle_tensors, buffer_id, num_worst_tokens, num_sms = inputs
+    x, topk_weights, bias_0, bias_1, *handle_tensors, num_worst_tokens, buffer_id, num_sms = inputs
     ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = buffer_id, num_worst_tokens, num_sms
     ctx.has_weights = topk_weights is not None
     ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (bias_0, bias_1))
@@ -157,14 +162,14 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, grad_out, grad_w):
     handle_tensors = ctx.saved_tensors
-    grad_x = torch.ops.ep_moe.cached_dispatch(grad_out.contiguous(), *handle_tensors, ctx.buffer_id,
-                                              ctx.num_worst_tokens, ctx.num_sms)
+    grad_x = torch.ops.ep_moe.cached_dispatch(grad_out.contiguous(), *handle_tensors, ctx.num_worst_tokens,
+                                              ctx.buffer_id, ctx.num_sms)
     grad_weights = None
     if ctx.has_weights and grad_w is not None:
         num_topk = grad_w.shape[1]
         padded = torch.nn.functional.pad(grad_w, (0, -num_topk % 4))  # 16-byte rows for every backend
-        grad_weights = torch.ops.ep_moe.cached_dispatch(padded.contiguous(), *handle_tensors, ctx.buffer_id,
-                                                        ctx.num_worst_tokens, ctx.num_sms)[:, :num_topk]
+        grad_weights = torch.ops.ep_moe.cached_dispatch(padded.contiguous(), *handle_tensors, ctx.num_worst_tokens,
+                                                        ctx.buffer_id, ctx.num_sms)[:, :num_topk]
     grad_bias = [grad_out.to(d) if d is not None else None for d in ctx.bias_dtypes]
     return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None, None)
 
@@ -175,8 +180,8 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 # ------------------------------------------------------------------------------------------ cached dispatch
 @torch.library.custom_op("ep_moe::cached_dispatch", mutates_args=())
 def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor,
-                        is_token_in_rank: Tensor, backend_state: Tensor, buffer_id: int,
-                        num_worst_tokens: int, num_sms: int) -> Tensor:
+                        is_token_in_rank: Tensor, backend_state: Tensor, num_worst_tokens: int,
+                        buffer_id: int, num_sms: int) -> Tensor:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
                      num_worst_tokens)
     recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle, config=_config(num_sms))
@@ -184,19 +189,19 @@ def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Ten
 
 
 @_cached_dispatch_op.register_fake
-def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, buffer_id,
-      num_worst_tokens, num_sms):
+def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, num_worst_tokens,
+      buffer_id, num_sms):
     return x.new_empty(recv_src_idx.shape[0], x.shape[1])
 
 
 def _cached_dispatch_setup(ctx, inputs, output):
-    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = inputs[6], inputs[7], inputs[8]
+    ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms = inputs[6], inputs[7], inputs[8]
     ctx.save_for_backward(*inputs[1:6])
 
 
 def _cached_dispatch_backward(ctx, grad):
     combined, _ = torch.ops.ep_moe.combine(grad.contiguous(), None, None, None, *ctx.saved_tensors,
-                                           ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms)
+                                           ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms)
     return (combined, None, None, None, None, None, None, None, None)
 
 
@@ -222,12 +227,11 @@ def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Ten
     """Differentiable combine of ``x [N, H]`` (see `Buffer.combine`). Returns ``(combined [T, H],
     combined_topk_weights [T, K] or None)``; gradients flow to ``x``, ``topk_weights`` and the biases."""
     bias_0, bias_1 = bias if isinstance(bias, tuple | list) else (bias, None)
-    combined, combined_w = torch.ops.ep_moe.combine(x, topk_weights, bias_0, bias_1, *_handle_tensors(handle),
-                                                    buffer.buffer_id, handle.num_worst_tokens, num_sms)
+    combined, combined_w = torch.ops.ep_moe.combine(x, topk_weights, bias_0, bias_1, *_handle_args(handle),
+                                                    buffer.buffer_id, num_sms)
     return combined, (combined_w if topk_weights is not None else None)
 
 
 def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:
     """Differentiable re-dispatch of ``x [T, H]`` with an earlier dispatch's layout: ``[N, H]``."""
-    return torch.ops.ep_moe.cached_dispatch(x, *_handle_tensors(handle), buffer.buffer_id,
-                                            handle.num_worst_tokens, num_sms)
+    return torch.ops.ep_moe.cached_dispatch(x, *_handle_args(handle), buffer.buffer_id, num_sms)
