@@ -1,6 +1,12 @@
-"""Single-process reference of dispatch and combine over all ranks' inputs at once (DESIGN §2).
+"""Single-process reference of the layout, dispatch, combine and expert grouping over all ranks' inputs at
+once (`docs/semantics.md`).
 
-Plain loops over ranks and tokens: slow, obviously right, and what every backend is tested against.
+Plain loops over ranks, tokens and top-k entries, written from the stated semantics alone: nothing here is
+shared with the backends, the layers or `ep_moe.layout` (which the torch backend uses), so a mistake there
+cannot hide in the oracle too. Slow and obviously right; every backend and every shared helper is tested
+against it.
+
+Notation: R ranks, E experts, L = E / R local experts, T_s tokens of rank s, K top-k, H hidden, A alignment.
 """
 
 from __future__ import annotations
@@ -9,12 +15,33 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import aligned_expert_counts, dispatch_layout, local_topk
+
+def _round_up(count: int, alignment: int) -> int:
+    return -(-count // alignment) * alignment
+
+
+def reference_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``get_dispatch_layout`` of one rank's ``topk_idx [T, K]`` (-1 = none): ``(num_tokens_per_rank [R] int32,
+    num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``, on the CPU. Expert ``e`` lives on rank
+    ``e // L``; a token counts once per rank however many of its experts live there."""
+    experts_per_rank = num_experts // num_ranks
+    rows = topk_idx.tolist()
+    in_rank = [[False] * num_ranks for _ in rows]
+    per_expert = [0] * num_experts
+    for t, experts in enumerate(rows):
+        for e in experts:
+            if e >= 0:
+                in_rank[t][e // experts_per_rank] = True
+                per_expert[e] += 1
+    per_rank = [sum(row[r] for row in in_rank) for r in range(num_ranks)]
+    return (torch.tensor(per_rank, dtype=torch.int32), torch.tensor(per_expert, dtype=torch.int32),
+            torch.tensor(in_rank, dtype=torch.bool).reshape(len(rows), num_ranks))
 
 
 @dataclass
 class ReferenceDispatch:
-    """Expected dispatch outputs on one rank."""
+    """Expected dispatch outputs on one rank (N received rows)."""
 
     recv_x: torch.Tensor               # [N, H]
     recv_scales: torch.Tensor | None   # [N, H/128] for FP8
@@ -29,33 +56,49 @@ class ReferenceDispatch:
 def reference_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
                        num_experts: int, expert_alignment: int = 1,
                        scales: list[torch.Tensor] | None = None) -> list[ReferenceDispatch]:
-    """Dispatch of every rank ``s``'s ``xs[s] [T_s, H]`` as seen by every rank ``r``."""
+    """Dispatch of every rank ``s``'s ``xs[s] [T_s, H]`` as seen by every rank ``r``: the rows of every source
+    rank in rank order, each source's in token order, once per rank the token has an expert on; top-k ids made
+    local (``e - r * L``, -1 elsewhere) with their weights (0 elsewhere); per local expert the received
+    (token, expert) pairs rounded up to ``expert_alignment``."""
     num_ranks = len(xs)
-    per_rank = num_experts // num_ranks
-    layouts = [dispatch_layout(idx, num_experts, num_ranks)[2] for idx in topk_idxs]
-    counts = torch.stack([lay.sum(0, dtype=torch.int64) for lay in layouts])  # [source, dest]
-    prefix = torch.cumsum(counts, 0).to(torch.int32)
+    experts_per_rank = num_experts // num_ranks
+    in_rank = [reference_layout(idx, num_experts, num_ranks)[2].tolist() for idx in topk_idxs]
+    counts = [[sum(row[r] for row in in_rank[s]) for r in range(num_ranks)] for s in range(num_ranks)]
+    prefix = [[sum(counts[q][r] for q in range(s + 1)) for r in range(num_ranks)] for s in range(num_ranks)]
+    num_topk = topk_idxs[0].shape[1]
     out = []
     for r in range(num_ranks):
-        rows, src_rank, src_idx = [], [], []
-        for s in range(num_ranks):
-            for t in range(xs[s].shape[0]):
-                if layouts[s][t, r]:
-                    rows.append((s, t))
-                    src_rank.append(s)
-                    src_idx.append(t)
-        def gather(tensors, rows=rows):
+        first = r * experts_per_rank
+        sources = [(s, t) for s in range(num_ranks) for t in range(xs[s].shape[0]) if in_rank[s][t][r]]
+        local_idx, local_w = [], []
+        pairs = [0] * experts_per_rank
+        for s, t in sources:
+            ids, weights = topk_idxs[s][t].tolist(), topk_weights[s][t]
+            row_idx, row_w = [], []
+            for k, e in enumerate(ids):
+                if first <= e < first + experts_per_rank:
+                    row_idx.append(e - first)
+                    row_w.append(weights[k])
+                    pairs[e - first] += 1
+                else:
+                    row_idx.append(-1)
+                    row_w.append(torch.zeros((), dtype=weights.dtype))
+            local_idx.append(row_idx)
+            local_w.append(torch.stack(row_w) if row_w else weights.new_zeros(0))
+
+        def gather(tensors, rows=sources):
             if not rows:
                 return tensors[0].new_empty(0, *tensors[0].shape[1:])
             return torch.stack([tensors[s][t] for s, t in rows])
-        recv_idx = gather(topk_idxs)
-        local_idx, local_w = local_topk(recv_idx, gather(topk_weights), r, per_rank)
+
         out.append(ReferenceDispatch(
             recv_x=gather(xs), recv_scales=gather(scales) if scales is not None else None,
-            recv_topk_idx=local_idx, recv_topk_weights=local_w,
-            num_recv_tokens_per_expert=aligned_expert_counts(local_idx, per_rank, expert_alignment).tolist(),
-            recv_src_rank=torch.tensor(src_rank, dtype=torch.int32),
-            recv_src_idx=torch.tensor(src_idx, dtype=torch.int32), rank_prefix_matrix=prefix))
+            recv_topk_idx=torch.tensor(local_idx, dtype=torch.int64).reshape(len(sources), num_topk),
+            recv_topk_weights=(torch.stack(local_w) if local_w else topk_weights[0].new_zeros(0, num_topk)),
+            num_recv_tokens_per_expert=[_round_up(n, expert_alignment) for n in pairs],
+            recv_src_rank=torch.tensor([s for s, _ in sources], dtype=torch.int32),
+            recv_src_idx=torch.tensor([t for _, t in sources], dtype=torch.int32),
+            rank_prefix_matrix=torch.tensor(prefix, dtype=torch.int32)))
     return out
 
 
@@ -88,3 +131,20 @@ def reference_combine(ys: list[torch.Tensor], dispatched: list[ReferenceDispatch
                     acc = acc + b.to(acc_dtype)
         results.append((acc.to(dtype), acc_w))
     return results
+
+
+def reference_expert_groups(topk_idx: torch.Tensor, num_experts: int, alignment: int
+                            ) -> tuple[list[int], list[int]]:
+    """How a dispatcher lays out the (row, k) pairs of ``topk_idx [N, K]`` (expert ids in ``[0, num_experts)``,
+    -1 = none) for a grouped GEMM: expert 0's pairs in increasing (row, k), then padding up to a multiple of
+    ``alignment``, then expert 1's, and so on. Returns ``(pair_of_slot, padded_counts)``: the flat index
+    ``row * K + k`` of each slot's pair (``N * K`` for a padding slot) and each expert's padded group size."""
+    num_rows, num_topk = topk_idx.shape
+    ids = topk_idx.tolist()
+    pair_of_slot, padded = [], []
+    for e in range(num_experts):
+        group = [row * num_topk + k for row in range(num_rows) for k in range(num_topk) if ids[row][k] == e]
+        size = _round_up(len(group), alignment)
+        pair_of_slot += group + [num_rows * num_topk] * (size - len(group))
+        padded.append(size)
+    return pair_of_slot, padded

@@ -83,5 +83,5 @@ def check_layout(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> l
     problems = []
     for name, g, w in zip(names, got, want):
         if not isinstance(g, torch.Tensor) or g.shape != w.shape or not torch.equal(g.to(w.dtype), w):
-            problems.append(f"layout {name}: differs from ep_moe.layout.dispatch_layout")
+            problems.append(f"layout {name}: differs from ep_moe.reference.reference_layout")
     return problems

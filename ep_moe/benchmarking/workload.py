@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import dispatch_layout
+from ..reference import reference_layout
 from .accounting import FP8_BLOCK
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # "fp8" is the pair (x_e4m3, scales)
@@ -18,7 +18,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 @dataclass
 class InputSet:
     """One rank's inputs for one dispatch: ``x [T, H]`` (bf16/fp32), ``topk_idx [T, K]`` int64,
-    ``topk_weights [T, K]`` fp32, and the reference layout (`ep_moe.layout.dispatch_layout`):
+    ``topk_weights [T, K]`` fp32, and the reference layout (`ep_moe.reference.reference_layout`, which shares
+    no code with any backend):
     ``num_tokens_per_rank [R]`` int32, ``num_tokens_per_expert [E]`` int32, ``is_token_in_rank [T, R]`` bool."""
 
     x: torch.Tensor
@@ -46,7 +47,7 @@ def make_input_set(tokens: int, hidden: int, num_experts: int, num_topk: int, nu
     top_scores, topk_idx = torch.topk(scores, num_topk, dim=-1, largest=True, sorted=False)
     topk_weights = torch.softmax(top_scores, dim=-1).to(torch.float32)
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
-    per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
+    per_rank, per_expert, in_rank = (t.to(device) for t in reference_layout(topk_idx, num_experts, num_ranks))
     return InputSet(x, topk_idx.contiguous(), topk_weights.contiguous(), per_rank, per_expert, in_rank)
 
 

@@ -1,0 +1,95 @@
+"""The shared torch-op helpers (`ep_moe.layout`, the dispatchers' expert grouping) against the independent
+loop reference (`ep_moe.reference`, which shares no code with them), on random and adversarial routings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_moe.dispatcher import group_pairs_by_expert
+from ep_moe.layers import LocalTokenDispatcher
+from ep_moe.layout import aligned_expert_counts, dispatch_layout, local_topk
+from ep_moe.reference import reference_dispatch, reference_expert_groups, reference_layout
+
+ROUTINGS = ("random", "with_minus_one", "all_minus_one", "one_expert", "last_expert", "one_rank", "empty")
+
+
+def _routing(kind: str, tokens: int, topk: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "empty":
+        return torch.zeros(0, topk, dtype=torch.int64)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    if kind == "with_minus_one":
+        idx[torch.rand(idx.shape, generator=gen) < 0.3] = -1
+    elif kind == "all_minus_one":
+        idx[:] = -1
+    elif kind == "one_expert":
+        idx[:, 1:] = -1
+        idx[:, 0] = 3
+    elif kind == "last_expert":
+        idx[:, 0] = experts - 1
+        idx[:, 1:] = -1
+    elif kind == "one_rank":  # every expert of rank 1 (of 4), nothing else
+        idx = torch.stack([torch.randperm(experts // 4, generator=gen)[:topk] + experts // 4 for _ in range(tokens)])
+    return idx
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+def test_dispatch_layout_equals_the_reference(kind, num_ranks):
+    gen = torch.Generator().manual_seed(num_ranks * 31 + len(kind))
+    experts = 12 if num_ranks == 3 else 16
+    idx = _routing(kind, 37, 3, experts, gen)
+    for got, want in zip(dispatch_layout(idx, experts, num_ranks), reference_layout(idx, experts, num_ranks)):
+        assert got.dtype == want.dtype and torch.equal(got, want), kind
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_receiver_view_helpers_equal_the_reference(kind, alignment):
+    """`local_topk` and `aligned_expert_counts` (what the torch backend applies to received rows) give the
+    reference dispatch's receiver view on every rank."""
+    num_ranks, experts = 4, 16
+    gen = torch.Generator().manual_seed(7 + alignment)
+    idxs = [_routing(kind, 5 + 3 * s, 3, experts, gen) for s in range(num_ranks)]
+    weights = [torch.rand(i.shape, generator=gen) for i in idxs]
+    xs = [torch.randn(i.shape[0], 8, generator=gen) for i in idxs]
+    refs = reference_dispatch(xs, idxs, weights, experts, alignment)
+    for r, ref in enumerate(refs):
+        rows = list(zip(ref.recv_src_rank.tolist(), ref.recv_src_idx.tolist()))
+        received = torch.stack([idxs[s][t] for s, t in rows]) if rows else torch.zeros(0, 3, dtype=torch.int64)
+        received_w = torch.stack([weights[s][t] for s, t in rows]) if rows else torch.zeros(0, 3)
+        local_idx, local_w = local_topk(received, received_w, r, experts // num_ranks)
+        assert torch.equal(local_idx, ref.recv_topk_idx), (kind, r)
+        assert torch.equal(local_w, ref.recv_topk_weights), (kind, r)
+        counts = aligned_expert_counts(local_idx, experts // num_ranks, alignment).tolist()
+        assert counts == ref.num_recv_tokens_per_expert, (kind, r)
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("alignment", [1, 3, 16])
+def test_expert_grouping_equals_the_reference(kind, alignment):
+    gen = torch.Generator().manual_seed(11 * alignment)
+    experts = 16
+    idx = _routing(kind, 29, 3, experts, gen)
+    want_slots, want_counts = reference_expert_groups(idx, experts, alignment)
+    slots, counts = group_pairs_by_expert(idx, experts, alignment)
+    assert slots.tolist() == want_slots and counts.tolist() == want_counts
+    # With a bound on the slot count (fixed-size dispatch): the same slots, then padding only.
+    bound = len(want_slots) + 5
+    slots, counts = group_pairs_by_expert(idx, experts, alignment, num_slots=bound)
+    assert slots.tolist() == want_slots + [idx.numel()] * 5 and counts.tolist() == want_counts
+
+
+def test_local_dispatcher_feeds_each_slot_its_reference_row():
+    gen = torch.Generator().manual_seed(5)
+    idx = _routing("with_minus_one", 19, 2, 6, gen)
+    hidden = torch.randn(19, 4, generator=gen)
+    weights = torch.rand(19, 2, generator=gen)
+    expert_input, expert_probs, counts, _ = LocalTokenDispatcher(6, expert_alignment=4).dispatch(hidden, idx, weights)
+    pair_of_slot, want_counts = reference_expert_groups(idx, 6, 4)
+    assert counts.tolist() == want_counts
+    for slot, pair in enumerate(pair_of_slot):
+        padding = pair == idx.numel()
+        want_row = torch.zeros(4) if padding else hidden[pair // 2]
+        want_prob = 0.0 if padding else float(weights[pair // 2, pair % 2])
+        assert torch.equal(expert_input[slot], want_row) and float(expert_probs[slot]) == want_prob, slot
