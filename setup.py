@@ -4,33 +4,58 @@ The pure-Python package installs everywhere. The CUDA extension ``ep_moe.native.
 intranode kernels) is compiled only when both a CUDA toolkit and a CUDA build of torch are present
 at build time; install with ``--no-build-isolation`` so that the build sees the installed torch.
 Elsewhere the package installs without it and runs on the ``torch`` backend.
+
+The decision is printed to stderr (pip shows it only with ``-v``) and recorded in
+``ep_moe/native/build_info.json`` (shipped with the package), which ``ep-moe env`` and
+``python -m ep_moe.native`` report.
 """
 
 from __future__ import annotations
 
+import datetime
 import glob
+import json
 import os
 import sys
 
 from setuptools import find_packages, setup
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD_RECORD = os.path.join("ep_moe", "native", "build_info.json")  # read by ep_moe.native
 
-def _cuda_extension():
-    """Return ``(ext_modules, cmdclass)`` for the native kernels, or empty ones with a reason."""
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _cuda_extension() -> tuple[list, dict, dict]:
+    """``(ext_modules, cmdclass, record)`` for the native kernels: empty ones when they cannot be built,
+    and the build record (fields documented in ``ep_moe.native.read_build_record``). The record says
+    ``built: true`` only once the compile has succeeded (`_recording`)."""
+    record = {"built": False, "reason": None, "python": sys.executable, "prefix": sys.prefix, "torch": None,
+              "torch_cuda": None, "cuda_home": None, "cuda_arch": None,
+              "time": _now()}
+
+    def without(reason: str) -> tuple[list, dict, dict]:
+        record["reason"] = reason
+        return [], {}, record
+
     if os.environ.get("EP_MOE_SKIP_NATIVE", "0") == "1":
-        return [], {}, "EP_MOE_SKIP_NATIVE=1"
+        return without("EP_MOE_SKIP_NATIVE=1")
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except Exception as exc:  # torch absent from the build environment (e.g. build isolation)
-        return [], {}, f"torch is not importable at build time ({type(exc).__name__})"
+        return without(f"torch is not importable at build time ({type(exc).__name__}: {exc}); install with "
+                       "--no-build-isolation into the environment that has torch")
+    record.update(torch=torch.__version__, torch_cuda=torch.version.cuda)
     if torch.version.cuda is None:
-        return [], {}, f"torch {torch.__version__} is a CPU build"
+        return without(f"torch {torch.__version__} is a CPU build")
     if CUDA_HOME is None:
-        return [], {}, "no CUDA toolkit (CUDA_HOME) was found"
+        return without("no CUDA toolkit (CUDA_HOME) was found")
     sources = sorted(glob.glob("ep_moe/native/csrc/*.cu") + glob.glob("ep_moe/native/csrc/*.cpp"))
     if not sources:
-        return [], {}, "no native sources under ep_moe/native/csrc"
+        return without("no native sources under ep_moe/native/csrc")
     arch = os.environ.get("EP_MOE_CUDA_ARCH", "90a")
     nvcc_flags = [
         "-O3",
@@ -48,12 +73,42 @@ def _cuda_extension():
         include_dirs=[os.path.abspath("ep_moe/native/csrc")],
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, ""
+    record.update(reason="the compile of the kernels did not finish (pip install -v shows its output)",
+                  cuda_home=CUDA_HOME, cuda_arch=arch)
+    return [ext], {"build_ext": _recording(BuildExtension.with_options(use_ninja=True), record)}, record
 
 
-ext_modules, cmdclass, skip_reason = _cuda_extension()
-if skip_reason:
-    print(f"ep_moe: building without the native CUDA kernels ({skip_reason}); "
+def _recording(build_ext: type, record: dict) -> type:
+    """``build_ext`` that records ``built: true`` once the kernels compiled: in the source tree (in-place
+    and editable installs import from there) and in the build folder that a wheel is made from."""
+
+    class RecordingBuildExt(build_ext):
+        def run(self) -> None:
+            super().run()
+            built = dict(record, built=True, reason=None, time=_now())
+            _write_build_record(built, HERE)
+            if not self.inplace:
+                _write_build_record(built, self.build_lib)
+
+    return RecordingBuildExt
+
+
+def _write_build_record(record: dict, root: str) -> None:
+    """Write the record under ``root``; a read-only tree loses the record, not the build."""
+    path = os.path.join(root, BUILD_RECORD)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+    except OSError as exc:
+        print(f"ep_moe: could not write the build record {path}: {exc}", file=sys.stderr)
+
+
+ext_modules, cmdclass, build_record = _cuda_extension()
+_write_build_record(build_record, HERE)
+if not ext_modules:
+    print(f"ep_moe: building without the native CUDA kernels ({build_record['reason']}); "
           "the 'torch' backend will be used.", file=sys.stderr)
 
 setup(
@@ -64,6 +119,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["ep_moe", "ep_moe.*"]),
+    package_data={"ep_moe.native": ["build_info.json"]},
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout", "ruff"],

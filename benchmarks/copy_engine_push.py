@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # NVLink multicast stays off
+from ep_moe.distributed import init_from_torchrun  # importing ep_moe keeps NVLink multicast off
+
 HEAD_START_CYCLES = 4_000_000  # ~2 ms at ~2 GHz: longer than the host needs to queue one run
 
 
@@ -31,9 +31,8 @@ def main() -> None:
     parser.add_argument("--mbytes", type=float, default=4096 * 14336 / 1e6, help="MB per rank (DeepEP's workload)")
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    init_from_torchrun("cuda", timeout_s=600.0)
+    rank = dist.get_rank()
     peer = (rank + 1) % dist.get_world_size()
     nbytes = int(args.mbytes * 1e6) // 16 * 16
     buf = symm_mem.empty(nbytes + 8192, dtype=torch.uint8, device="cuda")

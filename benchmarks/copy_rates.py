@@ -24,11 +24,12 @@ flight; its GB/s counts the rows written (it reads twice as many bytes).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 import torch.distributed as dist
+
+from ep_moe.distributed import TorchrunEnv, init_from_torchrun, torchrun_env
 
 CUDA_SOURCE = r"""
 #include <cstdint>
@@ -244,12 +245,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device())
+    rank, world, local_rank = torchrun_env() or TorchrunEnv(rank=0, world_size=1, local_rank=0)
     if world > 1:
-        dist.init_process_group("nccl", device_id=device)
+        device = init_from_torchrun("cuda", timeout_s=600.0)
+    else:  # one GPU, no process group: local copies only
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     ext = build()
     src = torch.randn(NBYTES // 4, device=device)
     dst = torch.empty_like(src)

@@ -28,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ep_moe.distributed import launch, torchrun_env
+
 MODES = ("deepspeed-capacity", "ep_moe-capacity", "deepspeed-dropless", "ep_moe-dropless")
 
 
@@ -237,27 +239,13 @@ def _spawned(rank: int, world: int, raw_args: dict) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    raw = vars(args)
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        import datetime
-
-        local = int(os.environ["LOCAL_RANK"])
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local),
-                                    timeout=datetime.timedelta(seconds=300))
-        else:
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-        try:
-            result = bench(dist.get_rank(), dist.get_world_size(), raw)
-        finally:
-            dist.destroy_process_group()
-    else:
-        from ep_moe.distributed import run_distributed
-
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
-        result = run_distributed(_spawned, args.nproc, raw, backend=backend, timeout_s=300,
-                                 join_timeout_s=1800)[0]
+    # Under torchrun this process is one rank on its GPU (--nproc ignored); otherwise --nproc ranks are
+    # spawned, on GPUs when there are enough of them, else on the CPU.
+    under_torchrun = torchrun_env() is not None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device_type = "cuda" if gpus and (under_torchrun or gpus >= args.nproc) else "cpu"
+    result = launch(_spawned, args.nproc, vars(args), device_type=device_type, timeout_s=300,
+                    join_timeout_s=1800)[0]
     if result is not None:
         print(_table(result), flush=True)
         if args.json:

@@ -4,10 +4,10 @@
 #   bash benchmarks/gpu_check.sh            # build, test, bench (logs under $OUT, a table printed last)
 #   STEPS="build bench" bash benchmarks/gpu_check.sh
 #
-# STEPS picks among: build test bench sweep. Multicast stays off in every process (shared/GPU.md).
+# STEPS picks among: build test bench sweep. Multicast stays off in every process (ep_moe's import turns it off).
 set -o pipefail
 cd "$(dirname "$0")/.."
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ep_moe_gpu_check}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"build test bench sweep"}
@@ -46,12 +46,11 @@ import torch
 import torch.distributed as dist
 
 from ep_moe import Buffer, Config
+from ep_moe.distributed import init_from_torchrun
 from ep_moe.layout import dispatch_layout
 
-rank = int(os.environ["RANK"])
-torch.cuda.set_device(rank)
-dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-world = dist.get_world_size()
+init_from_torchrun("cuda", timeout_s=600.0)
+rank, world = dist.get_rank(), dist.get_world_size()
 buf = Buffer(backend="native")
 T, H, E, K = 4096, 7168, 256, 8
 SMS = [int(s) for s in os.environ.get("SWEEP_SMS", "16 24 32").split()]

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
+
+from ep_moe.distributed import launch, torchrun_env
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -117,7 +118,6 @@ def _check(layer, x, g) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_rank(rank: int, world: int, args) -> dict:
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import ep_moe.compat.deep_ep as compat
 
     compat.install()
@@ -200,22 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < 1:
         print("megatron_layer_bench: needs CUDA GPUs", file=sys.stderr)
         return 2
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        result = run_rank(dist.get_rank(), dist.get_world_size(), args)
-        dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return 0
-    else:
-        from ep_moe.distributed import run_distributed
-
-        if torch.cuda.device_count() < args.nproc:
-            print(f"megatron_layer_bench: --nproc {args.nproc} needs as many GPUs", file=sys.stderr)
-            return 2
-        result = run_distributed(_spawned, args.nproc, vars(args), backend="nccl", timeout_s=600,
-                                 join_timeout_s=3000)[0]
+    torchrun = torchrun_env()
+    if torchrun is None and torch.cuda.device_count() < args.nproc:
+        print(f"megatron_layer_bench: --nproc {args.nproc} needs as many GPUs", file=sys.stderr)
+        return 2
+    # Under torchrun this process is one rank (--nproc ignored); otherwise --nproc ranks are spawned.
+    result = launch(_spawned, args.nproc, vars(args), device_type="cuda", timeout_s=600, join_timeout_s=3000)[0]
+    if torchrun is not None and torchrun.rank != 0:
+        return 0
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

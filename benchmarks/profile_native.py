@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ep_moe import Buffer, Config
 from ep_moe import native as native_kernels
 from ep_moe.benchmarking.workload import make_input_set, to_fp8_blocks
+from ep_moe.distributed import init_from_torchrun
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H200 clocks: longer than the host needs to queue any call
 
@@ -127,10 +128,8 @@ def main() -> None:
                         help="also print where the host's time goes (cProfile of 200 cached dispatches and combines)")
     args = parser.parse_args()
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = init_from_torchrun("cuda", timeout_s=600.0)
+    rank, world = dist.get_rank(), dist.get_world_size()
     hint = Buffer.get_buffer_size_hint(args.tokens, args.hidden, world, args.topk)
     buf = Buffer(num_nvl_bytes=hint, backend="native", check_inputs=False)
     native = buf.backend

@@ -8,12 +8,12 @@
 #   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
 #
 # STEPS picks among: build test bench copyengine tune layers train (default: all). Multicast stays off
-# (shared/GPU.md). `copyengine`: cached dispatch and combine by pushers and by the copy engine at EP N (its
-# `auto` is off above 2 ranks until this is measured; the GPU suite above forces it in half its cases), the
-# combine's reducers with and without bulk copies.
+# (importing ep_moe turns it off). `copyengine`: cached dispatch and combine by pushers and by the copy engine
+# at EP N (its `auto` is off above 2 ranks until this is measured; the GPU suite above forces it in half its
+# cases), the combine's reducers with and without bulk copies.
 set -o pipefail
 cd "$(dirname "$0")/.."
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ep_moe_scaling}
 mkdir -p "$OUT"
 N=${N:-$(nvidia-smi -L | wc -l)}

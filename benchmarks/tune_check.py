@@ -13,25 +13,20 @@ falls back to the torch backend and says so (that backend ignores the SM count, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import random
 import statistics
 import sys
 import time
 
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # NVLink multicast stays off
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from ep_moe import Buffer  # noqa: E402
-from ep_moe.tuning import LayerShape, PlanCache, refine  # noqa: E402
-from ep_moe.tuning.calibration import DispatchBench, calibrate  # noqa: E402
-from ep_moe.tuning.topology import detect_topology  # noqa: E402
+from ep_moe import Buffer
+from ep_moe.distributed import init_from_torchrun
+from ep_moe.tuning import LayerShape, PlanCache, refine
+from ep_moe.tuning.calibration import DispatchBench, calibrate
+from ep_moe.tuning.topology import detect_topology
 
 WORKLOADS = (
     ("DeepEP intranode: E256 K8 H7168 T4096", LayerShape(256, 8, 7168, 4096)),
@@ -58,12 +53,9 @@ def main(argv=None) -> int:
     first, last, step = (int(v) for v in args.sweep.split(":"))
     workloads = WORKLOADS
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local),
-                                timeout=datetime.timedelta(seconds=600))
+        init_from_torchrun("cuda", timeout_s=600.0)
     else:  # a dry run of this script's own logic on CPU (gloo, torch backend, shrunken shapes)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        init_from_torchrun("cpu", timeout_s=600.0)
         workloads = tuple((f"{label} (CPU dry run: /16 tokens, H 256)",
                            LayerShape(s.num_experts, s.topk, 256, max(1, s.tokens // 16))) for label, s in WORKLOADS)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -68,14 +68,29 @@ def _join(backend: str, rank: int, world_size: int, timeout_s: float, device: to
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
 
+DEVICE_TYPES = ("cuda", "cpu")
+
+
+def _check_device_type(device_type: str) -> None:
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"ep_moe.distributed: device_type must be one of {DEVICE_TYPES}, got {device_type!r}")
+
+
 def init_from_torchrun(device_type: str = "cuda", timeout_s: float = 300.0) -> torch.device:
     """Join the ``torchrun`` job's group: NCCL on ``cuda:LOCAL_RANK`` for ``device_type="cuda"``, gloo for
-    ``"cpu"``. Returns this rank's device. Raises `RuntimeError` outside ``torchrun``."""
+    ``"cpu"``; ``timeout_s`` bounds each collective. Returns this rank's device. Raises `ValueError` for
+    another ``device_type``, `RuntimeError` outside ``torchrun`` or when ``cuda:LOCAL_RANK`` does not exist."""
+    _check_device_type(device_type)
     env = torchrun_env()
     if env is None:
         raise RuntimeError("ep_moe.distributed.init_from_torchrun: RANK, WORLD_SIZE and LOCAL_RANK are not set "
                            "(start the program with torchrun)")
     if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        if env.local_rank >= visible:
+            raise RuntimeError(f"ep_moe.distributed.init_from_torchrun: LOCAL_RANK is {env.local_rank} but "
+                               f"{visible} CUDA devices are visible (one GPU per rank: --nproc-per-node at most "
+                               f"{visible})")
         device = torch.device("cuda", env.local_rank)
         _join("nccl", env.rank, env.world_size, timeout_s, device)
         return device
@@ -134,8 +149,9 @@ def launch(fn: Callable, nproc: int, *args: Any, device_type: str = "cpu", timeo
     Under ``torchrun`` this process is one rank (`init_from_torchrun`; ``nproc`` is ignored) and the result
     is ``[its value]``; otherwise ``nproc`` ranks are spawned (`run_distributed`: gloo for ``device_type``
     ``"cpu"``, NCCL with one GPU per rank for ``"cuda"``) and the result is every rank's value, by rank.
-    The group is destroyed when ``fn`` returns.
+    The group is destroyed when ``fn`` returns. Raises `ValueError` for another ``device_type``.
     """
+    _check_device_type(device_type)
     env = torchrun_env()
     if env is None:
         return run_distributed(fn, nproc, *args, backend="nccl" if device_type == "cuda" else "gloo",
@@ -145,6 +161,15 @@ def launch(fn: Callable, nproc: int, *args: Any, device_type: str = "cpu", timeo
         return [fn(env.rank, env.world_size, *args)]
     finally:
         dist.destroy_process_group()
+
+
+def nccl_version() -> str | None:
+    """The NCCL version torch was built with (e.g. ``"2.27.5"``), or None where torch has no NCCL."""
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # a CPU build of torch, or NCCL not loadable
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _forward_signals() -> dict:

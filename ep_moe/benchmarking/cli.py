@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .. import native
 from ..buffer import Buffer
 from ..config import Config
-from ..distributed import run_distributed
+from ..distributed import MULTICAST_OFF, launch, nccl_version, torchrun_env
 from ..tuning import plan_for_layer
 from .accounting import row_payload_bytes, traffic
 from .checks import (
@@ -48,8 +48,6 @@ from .timing import (
 )
 from .workload import DTYPES, InputSet, make_input_set, num_input_sets, to_fp8_blocks
 
-# NVLink multicast stays off on the lent machines (shared/GPU.md); set before any CUDA/NCCL init.
-MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 GPU_DEFAULTS = {"tokens": [4096], "hidden": 7168, "experts": 256, "topk": 8}  # DeepEP's intranode test
 CPU_DEFAULTS = {"tokens": [128], "hidden": 256, "experts": 16, "topk": 4}
 DEFAULT_LINK_GBPS = 394.0  # copy-engine peer copy, H200 pair over NV18 (shared/GPU.md)
@@ -370,23 +368,14 @@ class _RankBench:
             "runs": spec.runs, "warmup": spec.warmup, "input_sets": dict(self.sets_per_tokens),
             "link_gbps": link_gbps, "link_source": link_source,
             "torch": torch.__version__, "cuda": torch.version.cuda,
-            "nccl": _nccl_version() if self.cuda else None,
-            "env": {k: os.environ.get(k) for k in MULTICAST_OFF},
+            "nccl": nccl_version() if self.cuda else None,
+            "env": {k: os.environ.get(k) for k in MULTICAST_OFF},  # as ep_moe's import left them
         }
-
-
-def _nccl_version() -> str | None:
-    try:
-        version = torch.cuda.nccl.version()
-        return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-    except Exception:  # informational only
-        return None
 
 
 def run_rank(rank: int, world: int, spec: BenchSpec) -> dict | None:
     """The benchmark on one rank of an initialized process group; rank 0 returns
     ``{"meta": dict, "rows": [Row]}`` (derived columns not filled yet), the others None."""
-    os.environ.update(MULTICAST_OFF)
     bench = _RankBench(rank, world, spec)
     bench.make_buffers()
     try:
@@ -399,25 +388,6 @@ def run_rank(rank: int, world: int, spec: BenchSpec) -> dict | None:
     finally:
         bench.destroy_buffers()
     return {"meta": meta, "rows": bench.rows} if rank == 0 else None
-
-
-def _under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def _run_torchrun(spec: BenchSpec) -> dict | None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    if spec.device == "cuda":
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    try:
-        return run_rank(rank, world, spec)
-    finally:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -477,8 +447,9 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
         args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
-    if _under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
+    torchrun = torchrun_env()
+    if torchrun is not None:
+        world = torchrun.world_size
     elif args.device == "cuda":
         visible = torch.cuda.device_count()
         world = visible if args.ranks is None else args.ranks
@@ -541,12 +512,8 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
 def run(spec: BenchSpec, world: int) -> dict | None:
     """Run the benchmark (spawning ranks, or as one rank under torchrun). Returns rank 0's result
     (None on the other torchrun ranks)."""
-    os.environ.update(MULTICAST_OFF)  # inherited by spawned ranks, before any CUDA/NCCL init there
-    if _under_torchrun():
-        return _run_torchrun(spec)
-    backend = "nccl" if spec.device == "cuda" else "gloo"
-    return run_distributed(run_rank, world, spec, backend=backend, timeout_s=spec.timeout_s,
-                           join_timeout_s=3600.0)[0]
+    return launch(run_rank, world, spec, device_type=spec.device, timeout_s=spec.timeout_s,
+                  join_timeout_s=3600.0)[0]
 
 
 def report(result: dict, json_path: str | None = None, plot_path: str | None = None) -> tuple[str, bool]:
@@ -584,7 +551,6 @@ def report(result: dict, json_path: str | None = None, plot_path: str | None = N
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    os.environ.update(MULTICAST_OFF)
     parser = build_parser()
     args = parser.parse_args(argv)
     spec, world = _resolve(args, parser, argv)

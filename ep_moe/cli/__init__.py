@@ -11,6 +11,8 @@ COMMANDS = {
     "bench": ("ep_moe.benchmarking.cli", "benchmark dispatch/combine of every backend in one run"),
     "tune": ("ep_moe.tuning.cli", "print the per-layer SM/QP plan of a recipe or of given shapes"),
     "demo": ("ep_moe.cli.demo", "a small dispatch/combine round trip on spawned CPU ranks"),
+    "env": ("ep_moe.cli.env", "report the installation: versions, GPUs, whether the native kernels are built "
+                              "(and why not)"),
 }
 
 

@@ -1,14 +1,21 @@
 """Native intranode kernels (CUDA, over symmetric memory) and the check of whether they can run.
 
 The extension ``ep_moe.native._C`` exists only where ``setup.py`` found a CUDA toolkit and a CUDA
-build of torch. Everything here imports without it.
+build of torch; ``setup.py`` records what it decided, and why, in ``build_info.json`` beside this file
+(`read_build_record`), which is what `extension_unavailable_reason` quotes. Everything here imports
+without the extension. ``python -m ep_moe.native`` prints the environment report (``ep-moe env``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import os
 import socket
+import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,20 +26,101 @@ log = logging.getLogger("ep_moe")
 
 MAX_RANKS = 8  # the kernels address at most this many NVLink peers
 
+BUILD_RECORD = Path(__file__).with_name("build_info.json")  # written by setup.py, shipped with the package
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "built": (bool,), "reason": (str, type(None)), "python": (str,), "prefix": (str,), "time": (str,),
+    "torch": (str, type(None)), "torch_cuda": (str, type(None)), "cuda_home": (str, type(None)),
+    "cuda_arch": (str, type(None)),
+}
+
+
+def read_build_record(path: str | os.PathLike = BUILD_RECORD) -> dict[str, Any] | None:
+    """``setup.py``'s record of the native build, or None when there is no such file.
+
+    Fields: ``built`` (bool: the kernels compiled), ``reason`` (str, why not, when not built), ``python``
+    and ``prefix`` (``sys.executable`` and ``sys.prefix`` of the interpreter that ran ``setup.py``),
+    ``torch`` and ``torch_cuda`` (the torch it saw, None when it could not import one), ``cuda_home`` and
+    ``cuda_arch`` (when it compiled), ``time`` (UTC, ISO 8601). Raises `ValueError` naming the file when it
+    is not such a record.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(f"build record {path}: cannot be read ({exc})") from exc
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"build record {path}: not JSON ({exc})") from exc
+    if not isinstance(record, dict):
+        raise ValueError(f"build record {path}: expected a JSON object, got {type(record).__name__}")
+    for field, types in _RECORD_TYPES.items():
+        if field not in record:
+            raise ValueError(f"build record {path}: field {field!r} is missing")
+        if not isinstance(record[field], types):
+            raise ValueError(f"build record {path}: field {field!r} has the wrong type "
+                             f"({type(record[field]).__name__})")
+    if not record["built"] and not record["reason"]:
+        raise ValueError(f"build record {path}: 'built' is false but no 'reason' is given")
+    return record
+
+
+def _other_interpreter(record: dict[str, Any]) -> str | None:
+    """Says so when ``setup.py`` ran under another interpreter or environment than this one."""
+    same_binary = os.path.realpath(record["python"]) == os.path.realpath(sys.executable)
+    if record["python"] == sys.executable or (same_binary and record["prefix"] == sys.prefix):
+        return None
+    return f"setup.py ran under {record['python']} (prefix {record['prefix']}), this is {sys.executable} " \
+           f"(prefix {sys.prefix})"
+
+
+def explain_missing_extension(import_error: str | None, record_path: str | os.PathLike = BUILD_RECORD) -> str:
+    """Why ``ep_moe.native._C`` cannot be used, from ``setup.py``'s build record (`read_build_record`).
+
+    ``import_error``: the error of importing a ``_C`` that exists, None when there is no ``_C`` file.
+    Says whether ``setup.py`` built the kernels and why not, which interpreter (and torch) built them
+    when that is not this one, and the import error.
+    """
+    try:
+        record = read_build_record(record_path)
+    except ValueError as exc:
+        parts = [f"unreadable {exc}"]
+    else:
+        if record is None:
+            parts = ["no build record: ep_moe was installed without running setup.py here"]
+        elif not record["built"]:
+            parts = [f"setup.py built without the kernels: {record['reason']}"]
+        else:
+            cuda = f"CUDA {record['torch_cuda']}, sm_{record['cuda_arch']}"
+            parts = [f"setup.py built the kernels ({record['time']}, torch {record['torch']}, {cuda}) but "
+                     + ("they do not import" if import_error else f"no compiled _C is in {Path(__file__).parent}")]
+            if record["torch"] != torch.__version__:
+                parts.append(f"torch here is {torch.__version__}")
+        if record is not None and (other := _other_interpreter(record)):
+            parts.append(other)
+    if import_error:
+        parts.append(f"import error: {import_error}")
+    return "; ".join(parts)
+
+
 try:  # the compiled kernels, when they were built
     from . import _C  # type: ignore[attr-defined]
     _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # CPU-only install: report once, when someone asks for the backend
+except ImportError as exc:  # reported when someone asks for the backend or runs ep-moe env
     _C = None
-    if importlib.util.find_spec(f"{__name__}._C") is None:
-        _IMPORT_ERROR = "not compiled: setup.py builds it only where a CUDA toolkit and a CUDA torch are found"
-    else:
-        _IMPORT_ERROR = str(exc) or type(exc).__name__
+    _found = importlib.util.find_spec(f"{__name__}._C") is not None
+    _IMPORT_ERROR = explain_missing_extension((str(exc) or type(exc).__name__) if _found else None)
 
 
 def extension_available() -> bool:
     """True when the CUDA extension was built and imports."""
     return _C is not None
+
+
+def extension_unavailable_reason() -> str | None:
+    """Why the CUDA extension cannot be used here (`explain_missing_extension`), None when it imports."""
+    return _IMPORT_ERROR
 
 
 def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
@@ -41,7 +129,7 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
     Collective: every rank of ``group`` must call it (it gathers host names and devices).
     """
     if _C is None:
-        return f"the CUDA extension ep_moe.native._C is not built ({_IMPORT_ERROR})"
+        return f"the CUDA extension ep_moe.native._C is unavailable ({_IMPORT_ERROR})"
     if device.type != "cuda":
         return f"the group runs on {device.type}, not CUDA"
     num_ranks = dist.get_world_size(group)
@@ -67,9 +155,10 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     """The layout kernel: same outputs as `ep_moe.layout.dispatch_layout` (``[R]`` int32 tokens per
     rank, ``[E]`` int32 tokens per expert, ``[T, R]`` bool), on the current CUDA stream."""
     if _C is None:
-        raise RuntimeError(f"ep_moe.native: the CUDA extension is not built ({_IMPORT_ERROR})")
+        raise RuntimeError(f"ep_moe.native: the CUDA extension is unavailable ({_IMPORT_ERROR})")
     per_rank, per_expert, in_rank = _C.layout(topk_idx.contiguous(), num_experts, num_ranks)
     return per_rank, per_expert, in_rank
 
 
-__all__ = ["MAX_RANKS", "buffer_size_hint", "dispatch_layout", "extension_available", "unavailable_reason"]
+__all__ = ["BUILD_RECORD", "MAX_RANKS", "buffer_size_hint", "dispatch_layout", "explain_missing_extension",
+           "extension_available", "extension_unavailable_reason", "read_build_record", "unavailable_reason"]

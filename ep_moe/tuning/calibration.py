@@ -193,10 +193,9 @@ def measure_peer_rates(group: dist.ProcessGroup, device: torch.device,
                        sms: tuple[int, ...] = PEER_PROBE_SMS) -> dict[str, float]:
     """Every rank stores into the next rank's symmetric buffer at once. Returns GB/s per direction:
     ``push_<k>`` with k SMs, ``copy_engine`` with ``copy_``, ``per_sm`` (push on few SMs / k), ``link``
-    (the best push). Collective; multicast stays off."""
+    (the best push). Collective; multicast stays off (``import ep_moe`` turned it off)."""
     if triton is None:
         raise RuntimeError(_TRITON_ERROR)
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import torch.distributed._symmetric_memory as symm_mem
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)

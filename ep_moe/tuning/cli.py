@@ -12,7 +12,6 @@ and ``--calibrate`` run dispatch/combine through `ep_moe.Buffer` and need one pr
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -20,6 +19,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from ..distributed import init_from_torchrun, torchrun_env
 from . import DEEPEP_V2_POLICY, LayerShape, PlanCache, Rates, dtype_bytes, format_table
 from .cache import recipe_layers
 from .plan import FALLBACK_GPU
@@ -61,35 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ------------------------------------------------------------------------------------------ distributed
-def _init_distributed():
-    """Join the torchrun group (NCCL on GPU, gloo on CPU); returns (rank, world_size)."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ:
-        raise SystemExit("ep-moe tune: --measure/--refine/--calibrate need one process per rank: run under "
-                         "torchrun --nproc-per-node R (R = --ranks)")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local),
-                                timeout=datetime.timedelta(seconds=300))
-    else:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    return dist.get_rank(), dist.get_world_size()
-
-
+# ------------------------------------------------------------------------------------------ command line
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    on_device = args.measure or args.refine or args.calibrate
+    if not on_device or dist.is_initialized():  # a plan only, or a caller that joined its group already
+        return _run(args)
+    if torchrun_env() is None:
+        raise SystemExit("ep-moe tune: --measure/--refine/--calibrate need one process per rank: run under "
+                         "torchrun --nproc-per-node R (R = --ranks)")
+    init_from_torchrun("cuda" if torch.cuda.is_available() else "cpu", timeout_s=300.0)
+    try:
+        return _run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.calibration:
         os.environ["EP_MOE_CALIBRATION"] = args.calibration
     on_device = args.measure or args.refine or args.calibrate
-    rank, world = _init_distributed() if on_device else (0, None)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if on_device else (0, None)
     say = print if rank == 0 else (lambda *a, **k: None)
 
     recipe_block: Mapping = {}

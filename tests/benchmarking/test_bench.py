@@ -20,13 +20,6 @@ TABLE_COLUMNS = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p9
                  "of floor", "vs torch", "check"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_multicast_env(monkeypatch):
-    """``bench.main`` turns NVLink multicast off in the environment; restore it after each test."""
-    for name, value in bench.MULTICAST_OFF.items():
-        monkeypatch.setenv(name, value)
-
-
 def _rank_with_a_wrong_combine(rank: int, world_size: int, spec) -> dict | None:
     """`bench.run_rank` where combine flips the sign of a row when called with ``Config(num_sms=16)``:
     a kernel bug that the benchmark's checks must report (spawned ranks import this module)."""

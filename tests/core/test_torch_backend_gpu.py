@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -28,7 +26,6 @@ def _inputs(rank: int, tokens: int, hidden: int, experts: int, topk: int):
 
 
 def _equal_to_reference(rank: int, world: int) -> bool:
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     tokens, hidden, experts, topk = 257, 512, 16, 4
     inputs = [_inputs(r, tokens + r, hidden, experts, topk) for r in range(world)]
     ref = reference_dispatch([i[0] for i in inputs], [i[1] for i in inputs], [i[2] for i in inputs], experts, 4)

@@ -63,7 +63,6 @@ def _max_diff(a: dict, b: dict, relative: bool) -> dict[str, float]:
 
 def _gpu_layers(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("EP_MOE_BACKEND", BACKEND)  # the compat module's Buffer (flex path) too
     import ep_moe.compat.deep_ep as compat
 

@@ -3,8 +3,6 @@ same ones, and the cache file round-trips them. The planner-vs-sweep check is be
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,7 +12,6 @@ pytestmark = pytest.mark.gpu
 
 
 def _calibrate_worker(rank, world_size, path):
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from ep_moe.tuning.calibration import calibrate, load_rates
     from ep_moe.tuning.topology import detect_topology
 
