@@ -59,8 +59,8 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// Bulk row loads, input and peer-written data alike: L2 only (never a stale L1 line). Measured by
-// benchmarks/copy_rates.py on H200: the non-coherent path (ld.global.nc) copies 6-11 % slower.
+// Bulk row loads, input and peer-written data alike: L2 only (never a stale L1 line). The non-coherent
+// path (ld.global.nc) copies slower (benchmarks/copy_rates.py; docs/native.md).
 __device__ __forceinline__ int4 ld_cg(const int4* p) { return __ldcg(p); }
 
 // ------------------------------------------------------------------------------------------ bulk copies

@@ -4,8 +4,8 @@
 // every peer's buffer (the peer picks the rows it receives; worth it where nearly every token goes to every
 // peer, as with top-8 of 256 experts on 2 ranks). Combine: the rows for one source are contiguous on both
 // sides (y rows [rows_from_lower(src, me), +count) -> the source's buffer at rows_back_from_lower(src, me)),
-// so each chunk is one copy. Measured on 2 x H200 (NOTES.md): the copy engine moves 58.7 MB into the
-// peer in 160 us as one copy and ~5 us more per extra chunk with its flag write; SM pushers took ~220 us.
+// so each chunk is one copy. Every chunk adds a fixed cost (its copy call and flag write), so a call cuts its
+// rows into a few chunks only; measurements against SM pushers are in docs/native.md.
 //
 // Stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64) come from the driver through the
 // runtime's entry-point query, so the extension does not link libcuda.

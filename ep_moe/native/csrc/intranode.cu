@@ -319,7 +319,7 @@ struct DispatchShared {
 
 // A row's metadata in the lanes' registers: the pushers load it before the row's data and store it after,
 // so that its loads' latency hides behind the copy (loads after the copy cost every row one more
-// dependent latency: measured 2 % of the cached dispatch, sixth session). Lanes hold scales c and c + 32
+// dependent latency; docs/native.md has the measurement). Lanes hold scales c and c + 32
 // and top-k slot k = lane; `store_row_meta` sends the rest of wider rows (> 64 scales, > 32 slots) itself.
 struct RowMeta {
   float scale[2];
@@ -519,8 +519,8 @@ constexpr int kPadRows = 64;
 // output order), chunk k of every source in turn, warp g taking rows g, g + W, ... of that sequence once
 // their chunk's flag is set; then padding rows, a block per kPadRows rows. The own rows fill the time
 // while peers' chunks arrive, and every chunk is drained by many warps at once, so no block drains the
-// last chunk alone (measured against blocks taking whole chunks in turn, own and peers' interleaved:
-// cached dispatch 244.1 -> 233.3 us at 24 SMs, 234.7 -> 221.8 at 32; FP8 151.7 -> 143.5 at 32).
+// last chunk alone (faster than blocks taking whole chunks in turn, own and peers' interleaved; see
+// docs/native.md).
 __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const DispatchShared& sh, int32_t* hist,
                                                uint64_t epoch, BlockTrace& trace) {
   const int32_t* prefix = sh.prefix;
@@ -987,9 +987,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     // Work items: reducer warp g (of all blocks) takes items g, g + all warps, ..., so that all warps walk
     // the tokens in the order their chunks land. With fewer tokens than warps each token's columns are
     // split into `slices` ranges of whole warp passes (item i: token i / slices, range i % slices), so
-    // that every warp has work. (Measured against blocks taking groups of 2 x warps tokens: combine 4-6 %
-    // faster at 4096 tokens, 17 % at 512, 24-46 SMs.) Lanes < R load the next item's routing while this
-    // one is reduced.
+    // that every warp has work. (Faster than blocks taking groups of 2 x warps tokens at every size
+    // measured; see docs/native.md.) Lanes < R load the next item's routing while this one is reduced.
     const int all_warps = num_reducers * num_warps;
     const int n16 = static_cast<int>(y_bytes / 16);
     constexpr int kPass = 32 * kReduceUnroll;
