@@ -1,4 +1,5 @@
-"""Settings of dispatch and combine: `Config` (per call) and `NativeOptions` (the native kernels' settings)."""
+"""Settings of dispatch and combine: `Config` (per call) and `NativeOptions` (the native kernels' settings,
+per `Buffer`, or per call through ``Config.native``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ RENAMED_VARIABLES = {"EP_MOE_DISPATCH_PUSH_FRACTION": "EP_MOE_NATIVE_DISPATCH_PU
 @dataclass(frozen=True)
 class NativeOptions:
     """Settings of the native kernels (the torch backend ignores them). Every rank of a group must hold
-    equal options: every rank decides its path from them and from the counts all ranks share.
+    equal options: every rank decides its path from them and from the counts all ranks share; the native
+    backend checks that once per distinct value (a `ValueError` naming the field and the ranks).
 
     Attributes:
         dispatch_chunks, combine_chunks: most flag-published chunks the rows of one source-destination
@@ -188,12 +190,23 @@ def _parse(raw: str, like: object) -> object | None:
 
 @dataclass(frozen=True)
 class Config:
-    """Performance knobs of one dispatch or combine call (the native backend reads them).
+    """Settings of one dispatch or combine call (DeepEP passes one per call).
 
     Args:
-        num_sms: streaming multiprocessors the kernels may use (even; 2 per channel).
+        num_sms: streaming multiprocessors the native kernels may use (int >= 1; at least 2 are used).
         chunk_tokens: tokens a channel moves before it signals the receiver (0 = backend default).
+        native: the native kernels' settings for this call; None: the buffer's (`Buffer.native_options`).
+            Every rank must pass equal values in the same call; a value new to the buffer is checked across
+            the ranks on its first use (which must not be inside a CUDA-graph capture).
     """
 
     num_sms: int = DEFAULT_NUM_SMS
     chunk_tokens: int = 0
+    native: NativeOptions | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool) or self.num_sms < 1:
+            raise ValueError(f"ep_moe.Config: argument 'num_sms' must be an int >= 1, got {self.num_sms!r}")
+        if self.native is not None and not isinstance(self.native, NativeOptions):
+            raise ValueError(f"ep_moe.Config: argument 'native' must be an ep_moe.NativeOptions or None, got "
+                             f"{type(self.native).__name__}")

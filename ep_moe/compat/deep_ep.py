@@ -144,6 +144,7 @@ class Config(_CoreConfig):
         if num_sms % 2:
             raise _fail("Config", "num_sms", "even (two SMs per channel)", num_sms)
         object.__setattr__(self, "num_sms", num_sms)
+        object.__setattr__(self, "native", None)
         object.__setattr__(self, "chunk_tokens", num_max_nvl_chunked_send_tokens)
         object.__setattr__(self, "_deep_ep", tuple(values.values())[1:])
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ..config import Config
+from ..config import Config, NativeOptions
+from ..native.policy import push_fraction
 from .model import (
     SCHEMES,
     LayerShape,
     OpCost,
-    env_push_fraction,
     expected_groups,
     intranode_cost,
     multinode_cost,
@@ -33,12 +33,12 @@ class PlanPolicy:
     Attributes:
         scheme: kernel structure for intranode groups: "push_local" (ep_moe's native kernels),
             "channel_pairs" (DeepEP V1) or "deepep_v2"; multi-node groups use DeepEP V2's accounting.
-        dispatch_push_fraction, combine_push_fraction: share of the SMs that push ("push_local"); None =
-            what the native backend uses (``EP_MOE_DISPATCH_PUSH_FRACTION`` /
-            ``EP_MOE_COMBINE_PUSH_FRACTION``, default 1/3).
+        native: the native kernels' settings the "push_local" scheme models (the share of SMs that push,
+            the pushers' chunks); None: `NativeOptions.from_env`, read when a plan is made (what a `Buffer`
+            made without ``native_options`` runs with).
         combine_copy_engine: model a "push_local" combine that returns its rows by the copy engine (every SM
             reduces), as the native backend does after an exact-size dispatch with large pairs on 2 ranks
-            (`ep_moe.native.copy_engine`). Off by default: combines after a fixed-size dispatch
+            (`ep_moe.native.policy.wanted`). Off by default: combines after a fixed-size dispatch
             (``num_worst_tokens``, what the calibration probes and ``benchmarks/tune_check.py`` time) use
             pushers, and the pusher model asks for at least as many SMs as the copy engine needs.
         margin: if set, SMs = ``margin`` x the SMs whose throughput matches the bottleneck link (the knee;
@@ -57,8 +57,7 @@ class PlanPolicy:
     """
 
     scheme: str = "push_local"
-    dispatch_push_fraction: float | None = None
-    combine_push_fraction: float | None = None
+    native: NativeOptions | None = None
     combine_copy_engine: bool = False
     margin: float | None = None
     time_tolerance: float = 0.05
@@ -71,10 +70,9 @@ class PlanPolicy:
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"PlanPolicy: argument 'scheme' must be one of {SCHEMES}, got {self.scheme!r}")
-        for name in ("dispatch_push_fraction", "combine_push_fraction"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < 1:
-                raise ValueError(f"PlanPolicy: argument '{name}' must be in (0, 1) or None, got {value!r}")
+        if self.native is not None and not isinstance(self.native, NativeOptions):
+            raise ValueError(f"PlanPolicy: argument 'native' must be an ep_moe.NativeOptions or None, got "
+                             f"{type(self.native).__name__}")
         if self.margin is not None and not self.margin > 0:
             raise ValueError(f"PlanPolicy: argument 'margin' must be > 0 or None, got {self.margin!r}")
         if self.knee_cap is not None and not self.knee_cap >= 1:
@@ -87,10 +85,9 @@ class PlanPolicy:
             raise ValueError(f"PlanPolicy: argument 'max_sms' must be an int >= min_sms ({self.min_sms}), "
                              f"got {self.max_sms!r}")
 
-    def push_fraction(self, op: str) -> float:
-        """The share of SMs that push in ``op`` (the native backend reads the same variables)."""
-        value = self.dispatch_push_fraction if op == "dispatch" else self.combine_push_fraction
-        return value if value is not None else env_push_fraction(op)
+    def native_options(self) -> NativeOptions:
+        """The native kernels' settings to model: ``native``, else `NativeOptions.from_env` (read now)."""
+        return self.native if self.native is not None else NativeOptions.from_env()
 
     def copy_engine(self) -> bool:
         """Whether the combine is modelled as returning its rows by the copy engine."""
@@ -206,8 +203,9 @@ def op_costs(shape: LayerShape, topology: Topology, policy: PlanPolicy, routing=
     if topology.intranode:
         loads = rank_loads(shape, topology.world_size, routing)
         peers = topology.world_size - 1
-        return [tuple(intranode_cost(shape, load, op, policy.scheme, policy.push_fraction(op), peers,
-                                     copy_engine=policy.copy_engine() and op == "combine")
+        native = policy.native_options()
+        return [tuple(intranode_cost(shape, load, op, policy.scheme, peers,
+                                     copy_engine=policy.copy_engine() and op == "combine", native=native)
                       for op in ("dispatch", "combine")) for load in loads]
     imbalance = 1.0
     if routing is not None:
@@ -331,7 +329,7 @@ def plan_layer(shape: LayerShape, topology: Topology, rates: Rates | None = None
     if topology.intranode and policy.scheme == "channel_pairs":
         channels = n // 2
     elif topology.intranode and policy.scheme == "push_local":
-        channels = max(1, round(n * policy.push_fraction("dispatch")))
+        channels = max(1, round(n * push_fraction(policy.native_options(), "dispatch")))
     recv_rows = dispatch.recv_bytes / shape.dispatch_row_bytes
     return CommPlan(key=shape.key(), shape=shape, num_sms=n,
                     num_qps=num_qps(n, topology, policy.hybrid, policy.num_allocated_qps),
