@@ -194,14 +194,12 @@ class Config:
 
     Args:
         num_sms: streaming multiprocessors the native kernels may use (int >= 1; at least 2 are used).
-        chunk_tokens: tokens a channel moves before it signals the receiver (0 = backend default).
         native: the native kernels' settings for this call; None: the buffer's (`Buffer.native_options`).
             Every rank must pass equal values in the same call; a value new to the buffer is checked across
             the ranks on its first use (which must not be inside a CUDA-graph capture).
     """
 
     num_sms: int = DEFAULT_NUM_SMS
-    chunk_tokens: int = 0
     native: NativeOptions | None = None
 
     def __post_init__(self) -> None:

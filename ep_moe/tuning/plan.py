@@ -1,12 +1,11 @@
-"""Turning a layer shape and a topology into a `CommPlan`: SMs, QPs, chunk size, predicted times."""
+"""Turning a layer shape and a topology into a `CommPlan`: SMs, QPs, predicted times."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ..config import Config, NativeOptions
-from ..native.policy import push_fraction
+from ..config import NativeOptions
 from .model import (
     SCHEMES,
     LayerShape,
@@ -22,8 +21,6 @@ from .topology import Topology
 
 FALLBACK_GPU = "H200"  # planning on a machine without a GPU: assume this one (datasheet numbers)
 FALLBACK_DEVICE_SMS = 132
-CHUNK_TARGET_BYTES = 64 << 10  # a channel signals its receiver about every 64 KiB ...
-CHUNKS_PER_CHANNEL = 4  # ... but at least this often, so that small batches still pipeline
 
 
 @dataclass(frozen=True)
@@ -105,7 +102,6 @@ class CommPlan:
     Attributes:
         key: the shape's cache key. layer: the layer it was asked for (None = any layer of the shape).
         num_sms: SMs for dispatch and combine (even). num_qps: RDMA queue pairs (0 intranode).
-        chunk_tokens: rows a channel sends before it signals the receiver.
         bottleneck: "nvlink", "rdma" or "none" (nothing crosses a link). sm_bound: the plan's SMs, not the
             link, limit the predicted time.
         mode: "intranode", "hybrid" or "direct". expected_ranks: distinct ranks per token (g).
@@ -121,7 +117,6 @@ class CommPlan:
     shape: LayerShape
     num_sms: int
     num_qps: int
-    chunk_tokens: int
     bottleneck: str
     sm_bound: bool
     mode: str
@@ -148,10 +143,6 @@ class CommPlan:
             total_us = dispatch_us + combine_us
         self.measured_us = total_us
 
-    def config(self, with_chunks: bool = False) -> Config:
-        """The `ep_moe.Config` for this plan (``chunk_tokens`` only when asked: 0 = backend default)."""
-        return Config(num_sms=self.num_sms, chunk_tokens=self.chunk_tokens if with_chunks else 0)
-
     def to_dict(self) -> dict:
         data = asdict(self)
         data["history"] = [list(h) for h in self.history]
@@ -159,6 +150,7 @@ class CommPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> CommPlan:
+        """The plan ``to_dict`` wrote; keys it no longer has (``chunk_tokens`` of older files) are ignored."""
         values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         values["shape"] = LayerShape(**values["shape"]) if isinstance(values.get("shape"), dict) else values["shape"]
         values["history"] = [(int(n), float(t)) for n, t in values.get("history", [])]
@@ -288,13 +280,6 @@ def choose_num_sms(costs: list[tuple[OpCost, OpCost]], rates: Rates, policy: Pla
     return reference
 
 
-def chunk_tokens(recv_rows: float, num_channels: int, row_bytes: int) -> int:
-    """Rows per signal: about `CHUNK_TARGET_BYTES`, but at least `CHUNKS_PER_CHANNEL` chunks per channel."""
-    per_channel = math.ceil(recv_rows / max(1, num_channels))
-    by_bytes = max(1, CHUNK_TARGET_BYTES // max(1, row_bytes))
-    return max(1, min(by_bytes, math.ceil(per_channel / CHUNKS_PER_CHANNEL)))
-
-
 def plan_layer(shape: LayerShape, topology: Topology, rates: Rates | None = None, policy: PlanPolicy | None = None,
                routing=None, layer: str | None = None, num_sms: int | None = None) -> CommPlan:
     """The plan for one layer shape on ``topology``.
@@ -325,15 +310,8 @@ def plan_layer(shape: LayerShape, topology: Topology, rates: Rates | None = None
     link_s = max(links.values(), default=0.0) / fit.link_scale
     sm_bound = sm_seconds(dispatch, rates, n) / fit.sm_scale > link_s
     mode = "intranode" if topology.intranode else ("hybrid" if policy.hybrid else "direct")
-    channels = n
-    if topology.intranode and policy.scheme == "channel_pairs":
-        channels = n // 2
-    elif topology.intranode and policy.scheme == "push_local":
-        channels = max(1, round(n * push_fraction(policy.native_options(), "dispatch")))
-    recv_rows = dispatch.recv_bytes / shape.dispatch_row_bytes
     return CommPlan(key=shape.key(), shape=shape, num_sms=n,
                     num_qps=num_qps(n, topology, policy.hybrid, policy.num_allocated_qps),
-                    chunk_tokens=chunk_tokens(recv_rows, channels, shape.dispatch_row_bytes),
                     bottleneck=bottleneck, sm_bound=sm_bound, mode=mode, num_ranks=topology.world_size,
                     expected_ranks=expected_groups(shape.num_experts, shape.topk, topology.world_size),
                     predicted_dispatch_us=dispatch_us, predicted_combine_us=combine_us,
@@ -366,5 +344,5 @@ def deepep_v2_num_sms(shape: LayerShape, topology: Topology, nvlink_gbs: float |
     return choose_num_sms([(dispatch, dispatch)], rates, DEEPEP_V2_POLICY, topology.num_sms or FALLBACK_DEVICE_SMS)
 
 
-__all__ = ["DEEPEP_V2_POLICY", "CommPlan", "PlanPolicy", "check_num_sms", "choose_num_sms", "chunk_tokens",
+__all__ = ["DEEPEP_V2_POLICY", "CommPlan", "PlanPolicy", "check_num_sms", "choose_num_sms",
            "deepep_v2_num_sms", "device_sms", "num_qps", "op_costs", "plan_layer", "predict_us"]
