@@ -125,6 +125,16 @@ def _copy_engine_options(forced: bool, streams: int = 1, flag_stream: bool = Fal
                          dispatch_copy_engine_flag_stream=flag_stream, combine_copy_engine_flag_stream=flag_stream)
 
 
+def _case_options(index: int) -> NativeOptions:
+    """Odd cases force the copy engine for dispatch and combine where the host knows the layout (exact-size
+    dispatches and their cached re-dispatches and combines), in turn on one side stream per op, on two, and
+    on one with the flag writes on a stream of their own; the combine's reducers on bulk copies where auto
+    takes them (with the copy engine), always, or never."""
+    variant = (index // 2) % 3
+    return _copy_engine_options(index % 2 == 1, 2 if variant == 1 else 1, variant == 2,
+                                ("auto", "on", "off")[(index // 6) % 3])
+
+
 def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     from ep_moe import Buffer
 
@@ -132,15 +142,13 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     ref = Buffer(backend="torch")
     assert nat.backend_name == "native", nat.backend_name
     side_group = torch.distributed.new_group(backend="gloo")
+    # The first use of each options value is a collective check: make them all now, so that a case failing
+    # on one rank cannot leave the others waiting in one.
+    for options in dict.fromkeys(_case_options(index) for index in range(num_cases)):
+        nat.backend._env_for(options)
     for index in range(num_cases):
         error = None
-        # odd cases force the copy engine for dispatch and combine where the host knows the layout
-        # (exact-size dispatches and their cached re-dispatches and combines), in turn on one side stream
-        # per op, on two, and on one with the flag writes on a stream of their own; the combine's reducers
-        # on bulk copies where auto takes them (with the copy engine), always, or never
-        variant = (index // 2) % 3
-        options = _copy_engine_options(index % 2 == 1, 2 if variant == 1 else 1, variant == 2,
-                                       ("auto", "on", "off")[(index // 6) % 3])
+        options = _case_options(index)
         try:
             _check_case(rank, world, index, nat, ref, options)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
