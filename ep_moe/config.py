@@ -86,8 +86,8 @@ class NativeOptions:
         Field ``f`` is read from ``EP_MOE_NATIVE_<F>`` (`NATIVE_OPTION_VARIABLES`): ints and floats as
         written, bools as ``1``/``0``/``true``/``false``/``on``/``off``, modes as ``auto``/``on``/``off``
         (or ``1``/``0``), shares as comma-separated ints. ``EP_MOE_NATIVE_DISPATCH_COPY_ENGINE_SHARES`` sets
-        the BF16/FP32 dispatch's shares only; the FP8 dispatch's come from
-        ``EP_MOE_NATIVE_DISPATCH_COPY_ENGINE_FP8_SHARES``.
+        the BF16/FP32 dispatch's shares only (it no longer sets the FP8 dispatch's too): those have their
+        own variable, ``EP_MOE_NATIVE_DISPATCH_COPY_ENGINE_FP8_SHARES``.
 
         Raises `ValueError` naming the variable and the field for a bad value, for an ``EP_MOE_NATIVE_*``
         variable that names no field (with the closest known name), and for the renamed
@@ -101,7 +101,7 @@ class NativeOptions:
             if name.startswith(ENV_PREFIX) and name not in NATIVE_OPTION_VARIABLES:
                 closest = difflib.get_close_matches(name, NATIVE_OPTION_VARIABLES, n=1, cutoff=0.0)
                 raise ValueError(f"ep_moe.NativeOptions: unknown environment variable {name} (did you mean "
-                                 f"{closest[0]}?); the known ones: {', '.join(NATIVE_OPTION_VARIABLES)}")
+                                 f"{closest[0]}?); ep_moe.config.NATIVE_OPTION_VARIABLES lists the known ones")
         values = {}
         for field in fields(cls):
             variable = ENV_PREFIX + field.name.upper()
