@@ -4,7 +4,7 @@
 
 Both ranks push at once (``copy_`` of contiguous views is one ``cudaMemcpyAsync``): the bytes as one copy
 and in 8 / 16 / 64 pieces, with a ``cuStreamWriteValue64`` flag after each piece (what
-`ep_moe.native.copy_engine` queues), split over two streams, with the flags on a stream of their own
+the native backend's copy-engine calls queue), split over two streams, with the flags on a stream of their own
 (each after an event behind its copy), and beside a local copy on another stream (SM and HBM traffic, as
 the reducers make). A device sleep first lets the host queue everything, so the times are the GPU's.
 2 x H200, 58.7 MB (eighth session): one copy 159.6 us (368 GB/s); 8 / 16 / 64 pieces 182.6 / 205.0 /

@@ -39,6 +39,7 @@ if has sweep; then
   # Native only, DeepEP's workload: SM budget x pusher fraction (where the time goes).
   start=$SECONDS
   cat >/tmp/ep_moe_native_sweep.py <<'PY'
+import dataclasses
 import os
 import statistics
 
@@ -95,9 +96,8 @@ rows.append(("layout native", median_us(lambda i: buf.backend.get_dispatch_layou
 rows.append(("layout torch", median_us(lambda i: dispatch_layout(sets[i][1], E, world), 3)))
 for sms in SMS:
     for frac in FRACS:
-        os.environ["EP_MOE_DISPATCH_PUSH_FRACTION"] = str(frac)
-        os.environ["EP_MOE_COMBINE_PUSH_FRACTION"] = str(frac)
-        cfg = Config(num_sms=sms)
+        cfg = Config(num_sms=sms, native=dataclasses.replace(buf.native_options, dispatch_push_fraction=frac,
+                                                             combine_push_fraction=frac))
 
         def dispatch(i, worst=0, cfg=cfg):
             per_rank, per_expert, in_rank = layouts[i]
@@ -113,8 +113,6 @@ for sms in SMS:
         rows.append(("  cached", cached))
         rows.append(("  num_worst (no host sync)", worst))
         rows.append((f"combine  sms={sms} push={frac:.2f}", c))
-os.environ.pop("EP_MOE_DISPATCH_PUSH_FRACTION")
-os.environ.pop("EP_MOE_COMBINE_PUSH_FRACTION")
 small = [inputs(128, s) for s in range(3)]
 
 

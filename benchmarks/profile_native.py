@@ -19,7 +19,7 @@ result checks): a diagnostic for tuning the kernels.
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import statistics
 import time
 
@@ -175,8 +175,9 @@ def main() -> None:
               f"{'local':>8s} {'p.wait':>7s} {'p.sync':>7s} {'l.wait':>7s}   (waits and syncs: us per warp)")
     for sms in args.num_sms:
         for frac in args.push:
-            os.environ["EP_MOE_DISPATCH_PUSH_FRACTION"] = os.environ["EP_MOE_COMBINE_PUSH_FRACTION"] = str(frac)
-            cfg = Config(num_sms=sms)
+            native_options = dataclasses.replace(buf.native_options, dispatch_push_fraction=frac,
+                                                 combine_push_fraction=frac)
+            cfg = Config(num_sms=sms, native=native_options)
             num_push = native._split(cfg, "dispatch")[1]
             for op, (call, host, span, push_done, local_done, p_wait, p_sync, l_wait) in profile_ops(
                     buf, sets, cfg, world * args.tokens, measure, num_push, args.fp8):

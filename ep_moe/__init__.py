@@ -14,7 +14,7 @@ from .distributed import disable_multicast
 disable_multicast()
 
 from .buffer import Buffer  # noqa: E402
-from .config import Config  # noqa: E402
+from .config import Config, NativeOptions  # noqa: E402
 from .dispatcher import DispatchContext, TokenDispatcher  # noqa: E402
 from .event import EventOverlap  # noqa: E402
 from .handle import DispatchHandle  # noqa: E402
@@ -29,6 +29,7 @@ __all__ = [
     "DispatchHandle",
     "DispatchOutput",
     "EventOverlap",
+    "NativeOptions",
     "TokenDispatcher",
     "cached_dispatch",
     "combine",

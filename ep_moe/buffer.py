@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import native
 from .backends.base import CommBackend, DispatchResult
 from .backends.torch_backend import TorchBackend
-from .config import Config
+from .config import DEFAULT_NUM_SMS, Config, NativeOptions
 from .event import EventOverlap
 from .handle import DispatchHandle
 from .validation import (
@@ -68,20 +68,29 @@ class Buffer:
         timeout_s: seconds any wait for a peer may last before it raises (naming rank and stage).
         check_inputs: also check values (expert ids in range), which costs a host sync on GPU; skipped
             during CUDA-graph capture and with ``num_worst_tokens``, where a device assert is used.
+        native_options: the native kernels' settings (kept as ``native_options``; a call's
+            ``config.native`` overrides them for that call); None: `NativeOptions.from_env`. They must be
+            equal on every rank: the native backend checks that here (a `ValueError` naming the field and
+            the ranks). The torch backend ignores them.
     """
 
-    num_sms: int = 24
+    num_sms: int = DEFAULT_NUM_SMS  # the SM budget of calls without a Config (`set_num_sms`)
 
     def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, *, backend: str = "auto",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, check_inputs: bool = True) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, check_inputs: bool = True,
+                 native_options: NativeOptions | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ep_moe.Buffer: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
         if backend not in BACKENDS:
             raise _fail("Buffer", "backend", f"one of {BACKENDS}", repr(backend))
+        if native_options is not None and not isinstance(native_options, NativeOptions):
+            raise _fail("Buffer", "native_options", "an ep_moe.NativeOptions or None",
+                        type(native_options).__name__)
+        self.native_options = NativeOptions.from_env() if native_options is None else native_options
         if low_latency_mode:
             raise _fail("Buffer", "low_latency_mode", "False (low-latency mode is not implemented)", True)
         self.group = group if group is not None else dist.group.WORLD
@@ -108,7 +117,8 @@ class Buffer:
         if reason is None:
             from .backends.native_backend import NativeBackend
 
-            chosen = NativeBackend(self.group, self.device, self.timeout_s, self.num_nvl_bytes)
+            chosen = NativeBackend(self.group, self.device, self.timeout_s, self.num_nvl_bytes,
+                                   options=self.native_options)
             self.backend_reason = "every peer is NVLink-reachable" if requested == "auto" else "asked for by name"
             if requested == "auto" and self.rank == 0:
                 log.info("ep_moe: using backend 'native' (%s)", self.backend_reason)

@@ -12,12 +12,16 @@ flags) and a data buffer that receives rows. A dispatch runs
 
 A combine sends every received row back to its source's buffer and sums per token in increasing
 rank order in fp32: by pusher blocks, or, after an exact-size dispatch whose pairs are large (2 ranks,
-`ep_moe.native.copy_engine`), by the copy engine on a side stream while every block reduces. Likewise a
+`ep_moe.native.policy`), by the copy engine on a side stream while every block reduces. Likewise a
 cached dispatch where nearly every token goes to every peer (or, when forced, an exact-size one) sends each
 rank's whole x by the copy engine, and every block copies the received rows out of the buffer. Results
 equal the ``torch`` backend bit for bit. Shapes the kernels do not take
 (rows that are not a multiple of 16 bytes, more than 8192 local experts) go to an internal `TorchBackend`
 on the same group; every rank decides that from shapes alone, so all ranks take the same path.
+
+The kernels' settings are a `NativeOptions`: the buffer's, or a call's ``config.native``. Every rank decides
+from them, so they must be equal on every rank: the buffer's options are checked once at construction, a
+call's the first time the buffer sees that value (one collective each).
 
 Every wait in a kernel has a deadline (``timeout_s``). A kernel that misses it writes an error record
 into pinned host memory and returns; the backend raises `NativeTimeoutError` naming the rank, stage
@@ -32,12 +36,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, NativeOptions
 from ..handle import DispatchHandle
-from ..native import copy_engine, reducers, sizing
-from ..native.chunking import chunks_per_pair, min_chunk_rows
+from ..native import policy, sizing
 from ..native.symmetric import SymmetricBuffer
-from ..tuning.model import env_push_fraction
 from .base import CommBackend, DispatchResult
 from .torch_backend import TorchBackend
 
@@ -85,12 +87,14 @@ class NativeBackend(CommBackend):
     host_expert_counts = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
-                 num_nvl_bytes: int = 0) -> None:
+                 num_nvl_bytes: int = 0, *, options: NativeOptions) -> None:
         super().__init__(group, device, timeout_s)
         C = _c()
         if self.num_ranks > C.MAX_RANKS:
             raise ValueError(f"ep_moe.Buffer: argument 'group' must have at most {C.MAX_RANKS} ranks for the "
                              f"native backend, got {self.num_ranks}")
+        policy.check_same_on_every_rank(options, group)
+        self.options = options
         self._fallback = TorchBackend(group, device, timeout_s)
         self._broken: str | None = None
         self._destroyed = False
@@ -103,15 +107,16 @@ class NativeBackend(CommBackend):
             # [R * R] rows s sends r, then [R] tokens of every rank (written by notify)
             self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1), dtype=torch.int32, pin_memory=True)
             self._host_expert_counts = torch.zeros(C.MAX_NOTIFY_EXPERTS, dtype=torch.int64, pin_memory=True)
-            self._env = C.Env(self.rank, self._control.ptrs, self._state, self._error, int(timeout_s * 1e9),
-                              chunks_per_pair("dispatch"), chunks_per_pair("combine"), min_chunk_rows())
+            # the kernels' Env of each options value in use (chunk counts are fixed per Env), checked equal
+            # on every rank before its first use
+            self._envs = {options: self._new_env(options)}
             self._data: SymmetricBuffer | None = None
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # what the host knows of an exact dispatch's layout, by id of its route tensor while that
             # tensor lives (tensors cannot be weak dict keys: their == is elementwise): the rows its calls
             # need in a buffer, the [R][R] count matrix and every rank's tokens (shared by all ranks)
             self._route_layout: dict[int, tuple[int, list[list[int]], list[int]]] = {}
-            # copy-engine calls: their side streams, sequence number and go word (copy_engine.py)
+            # copy-engine calls: their side streams, sequence number and go word (csrc/copy_engine.cu)
             self._copy_streams: list[torch.cuda.Stream] = []
             self._copy_flag_stream: torch.cuda.Stream | None = None
             self._copy_seq = 0
@@ -161,15 +166,37 @@ class NativeBackend(CommBackend):
         self._notify_done.synchronize()
         self._raise_if_failed()
 
+    # ---------------------------------------------------------------- options
+    def _new_env(self, options: NativeOptions):
+        return _c().Env(self.rank, self._control.ptrs, self._state, self._error, int(self.timeout_s * 1e9),
+                        options.dispatch_chunks, options.combine_chunks, options.min_chunk_rows)
+
+    def _options_of(self, config: Config) -> NativeOptions:
+        """A call's options: ``config.native``, else the buffer's."""
+        return config.native if config.native is not None else self.options
+
+    def _env_for(self, options: NativeOptions):
+        """The kernels' Env of ``options``. A value this buffer has not used yet is first checked equal on
+        every rank (a collective, so every rank must pass it in the same call; not during graph capture)."""
+        env = self._envs.get(options)
+        if env is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("ep_moe[native]: config.native holds options this buffer has not used "
+                                   "yet; their first use checks them on every rank, which cannot happen during "
+                                   "CUDA-graph capture: run one call with them before capturing")
+            policy.check_same_on_every_rank(options, self.group)
+            env = self._envs[options] = self._new_env(options)
+        return env
+
     # ---------------------------------------------------------------- sizing
-    def _split(self, config: Config | None, op: str) -> tuple[int, int]:
-        """(blocks, pusher blocks) for ``op`` from the SM budget: about a third of the SMs push over NVLink
-        (8 saturate it; `env_push_fraction`, as the planner models it); the rest copy locally (own rows,
-        drained chunks) or reduce."""
-        num_sms = max(2, int(config.num_sms if config is not None else 24))
+    def _split(self, config: Config, op: str) -> tuple[int, int]:
+        """(blocks, pusher blocks) for ``op`` from the SM budget: a share of the SMs push over NVLink
+        (`ep_moe.native.policy.push_fraction`, as the planner models it), at least one, and at least one
+        block is left to copy locally (own rows, drained chunks) or reduce."""
+        num_sms = max(2, config.num_sms)
         if self.num_ranks == 1:
             return num_sms, 0
-        push = round(num_sms * env_push_fraction(op))
+        push = round(num_sms * policy.push_fraction(self._options_of(config), op))
         return num_sms, min(num_sms - 1, max(1, push))
 
     def _ensure_data(self, needed: int) -> None:
@@ -245,7 +272,7 @@ class NativeBackend(CommBackend):
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
-                 num_experts, expert_alignment, num_worst_tokens, config=None) -> DispatchResult:
+                 num_experts, expert_alignment, num_worst_tokens, config: Config) -> DispatchResult:
         self._raise_if_failed()
         row = x.shape[1] * x.element_size()
         local_experts = num_experts // self.num_ranks if handle is None else 0
@@ -254,6 +281,8 @@ class NativeBackend(CommBackend):
                                            num_tokens_per_rank, handle, num_experts, expert_alignment,
                                            num_worst_tokens, config)
         C = _c()
+        options = self._options_of(config)
+        env = self._env_for(options)
         x, x_scales = _aligned(x), _aligned(x_scales)
         num_tokens, hidden = x.shape
         num_scales = x_scales.shape[1] if x_scales is not None else 0
@@ -268,19 +297,21 @@ class NativeBackend(CommBackend):
                                                     num_scales, 0))
             self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0)
             layout = self._route_layout.get(id(route))
-            tokens = None if layout is None else self._copy_engine_tokens(True, layout[1], layout[2], hidden,
-                                                                          x.element_size(), num_scales, 0)
+            tokens = None
+            if layout is not None:
+                tokens = self._copy_engine_tokens(options, True, layout[1], layout[2], hidden,
+                                                  x.element_size(), num_scales, 0)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, 0)
             recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
             recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
-            args = (self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
+            args = (env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
                 C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
                            [], [], None)
             else:  # x goes to the peers by the copy engine (see combine)
-                with self._copy_engine_call("dispatch", "dispatch_cached", blocks, fp8=num_scales > 0) as ce:
-                    C.dispatch(*args, *ce, tokens, copy_engine.prefix_matrix(layout[1]), handle.recv_src_idx)
+                with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
+                    C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -295,7 +326,7 @@ class NativeBackend(CommBackend):
         route = torch.empty(2, num_tokens, num_ranks, dtype=torch.int32, device=x.device)  # pos, send_list
         local_experts = num_experts // num_ranks
         experts_travel = not num_worst_tokens and local_experts <= C.MAX_NOTIFY_EXPERTS
-        C.notify(self._env, is_token_in_rank, num_tokens_per_rank.contiguous(), prefix, route[0], route[1],
+        C.notify(env, is_token_in_rank, num_tokens_per_rank.contiguous(), prefix, route[0], route[1],
                  self._host_counts, num_worst_tokens, regions.rows, topk_idx, local_experts, expert_alignment,
                  self._host_expert_counts if experts_travel else None)
         counts_list = None
@@ -315,7 +346,8 @@ class NativeBackend(CommBackend):
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
             self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
-            tokens = self._copy_engine_tokens(False, counts, tokens, hidden, x.element_size(), num_scales, num_topk)
+            tokens = self._copy_engine_tokens(options, False, counts, tokens, hidden, x.element_size(),
+                                              num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         dev = x.device
         recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
@@ -324,14 +356,14 @@ class NativeBackend(CommBackend):
         recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
         recv_src = torch.empty(2, rows, dtype=torch.int32, device=dev)  # source index, source rank
         counts_out = torch.empty(local_experts, dtype=torch.int64, device=dev)
-        args = (self._env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx, topk_weights,
-                local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
+        args = (env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
+                topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
                 self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks)
         if tokens is None:
             C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None)
         else:  # x, the top-k and the send lists go by the copy engine
-            with self._copy_engine_call("dispatch", "dispatch", blocks, fp8=num_scales > 0) as ce:
-                C.dispatch(*args, *ce, tokens, copy_engine.prefix_matrix(counts), None)
+            with self._copy_engine_call(options, "dispatch", "dispatch", blocks, num_scales) as ce:
+                C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
@@ -352,12 +384,14 @@ class NativeBackend(CommBackend):
         return torch.stack([pos.to(torch.int32), send_list.view(num_tokens, num_ranks)])
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y, handle, topk_weights, bias, config=None):
+    def combine(self, y, handle, topk_weights, bias, config: Config):
         self._raise_if_failed()
         if not self._kernels_take(y.shape[1] * y.element_size()) or any(
                 b is not None and b.dtype not in self.supported_dtypes for b in bias):
             return self._fallback.combine(y, handle, topk_weights, bias, config)
         C = _c()
+        options = self._options_of(config)
+        env = self._env_for(options)
         y, topk_weights = _aligned(y), (topk_weights.contiguous() if topk_weights is not None else None)
         num_tokens, hidden = handle.num_tokens, y.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
@@ -370,16 +404,16 @@ class NativeBackend(CommBackend):
         out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk else None
         bias0, bias1 = (b.contiguous() if b is not None else None for b in bias)
         blocks, pushers = self._split(config, "combine")
-        args = (self._env, self._data.ptrs, regions.y, regions.weights, regions.rows,
+        args = (env, self._data.ptrs, regions.y, regions.weights, regions.rows,
                 handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
                 route[0], y, topk_weights, bias0, bias1, out, out_w, blocks)
-        counts = self._copy_engine_counts(route, hidden * y.element_size())
-        bulk = reducers.bulk_reduce(copy_engine=counts is not None)
+        counts = self._copy_engine_counts(options, route, hidden * y.element_size())
+        bulk = policy.bulk_reduce(options, copy_engine=counts is not None)
         if counts is None:
             C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk)
         else:  # the rows go back by the copy engine
-            with self._copy_engine_call("combine", "combine", blocks) as ce:
-                C.combine(*args, *ce, copy_engine.prefix_matrix(counts), bulk)
+            with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
+                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk)
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine
@@ -387,28 +421,29 @@ class NativeBackend(CommBackend):
     _NO_COPY_ENGINE = ([], 0, 0, None, [])
 
     @contextlib.contextmanager
-    def _copy_engine_call(self, op: str, trace_op: str, blocks: int, fp8: bool = False):
+    def _copy_engine_call(self, options: NativeOptions, op: str, trace_op: str, blocks: int,
+                          num_scales: int = 0):
         """The kernel arguments from the pusher count to the chunk shares of one copy-engine ``op``
-        (`ep_moe.native.copy_engine`; no pushers: every block copies locally or reduces; ``fp8``: FP8 rows,
-        which have their own default shares). Its copy streams
-        start after this stream's inputs are ready, and this stream waits for them (and the flag stream)
-        afterwards (the caller's inputs are read there)."""
+        (`ep_moe.native.policy`; no pushers: every block copies locally or reduces; ``num_scales`` > 0:
+        FP8 rows, which have their own shares). Its copy streams start after this stream's inputs are
+        ready, and this stream waits for them (and the flag stream) afterwards (the caller's inputs are
+        read there)."""
         stream = torch.cuda.current_stream(self.device)
-        wanted = copy_engine.num_streams(op)
+        wanted = policy.copy_engine_streams(options, op)
         while len(self._copy_streams) < wanted:
             self._copy_streams.append(torch.cuda.Stream(self.device))
         streams = self._copy_streams[:wanted]
         for side in streams:
             side.wait_stream(stream)
         flags = None
-        if copy_engine.flag_stream(op):  # its work waits for the copy streams' events only
+        if policy.copy_engine_flag_stream(options, op):  # its work waits for the copy streams' events only
             if self._copy_flag_stream is None:
                 self._copy_flag_stream = torch.cuda.Stream(self.device)
             flags = self._copy_flag_stream
         self._copy_seq += 1
         yield (0, self._trace(trace_op, blocks, 0), [side.cuda_stream for side in streams],
                0 if flags is None else flags.cuda_stream, self._copy_seq, self._copy_go,
-               copy_engine.shares(op, fp8))
+               policy.copy_engine_shares(options, op, fp8=num_scales > 0))
         for side in streams + ([] if flags is None else [flags]):
             stream.wait_stream(side)
 
@@ -418,23 +453,26 @@ class NativeBackend(CommBackend):
             return None
         return self._route_layout.get(id(route))
 
-    def _copy_engine_counts(self, route: torch.Tensor, row_bytes: int) -> list[list[int]] | None:
-        """The count matrix when this combine goes through the copy engine (`ep_moe.native.copy_engine`),
+    def _copy_engine_counts(self, options: NativeOptions, route: torch.Tensor, row_bytes: int
+                            ) -> list[list[int]] | None:
+        """The count matrix when this combine goes through the copy engine (`ep_moe.native.policy.wanted`),
         else None: the same answer on every rank."""
         known = self._copy_engine_layout(route)
         if known is None:
             return None
         counts = known[1]
-        return counts if copy_engine.wanted(counts, row_bytes) else None
+        return counts if policy.wanted(options, counts, row_bytes) else None
 
-    def _copy_engine_tokens(self, cached: bool, counts: list[list[int]], tokens: list[int], hidden: int,
-                            elem_size: int, num_scales: int, num_topk: int) -> list[int] | None:
+    def _copy_engine_tokens(self, options: NativeOptions, cached: bool, counts: list[list[int]],
+                            tokens: list[int], hidden: int, elem_size: int, num_scales: int, num_topk: int
+                            ) -> list[int] | None:
         """``tokens`` when this dispatch (``cached``: a re-dispatch with a handle) sends x by the copy engine,
         else None (the same answer on every rank; never during graph capture). The buffer grows
         (collectively) until every rank's tokens fit its slot."""
         if torch.cuda.is_current_stream_capturing():
             return None
-        if not copy_engine.wanted_for_dispatch(counts, tokens, hidden * elem_size + 4 * num_scales, cached):
+        row_bytes = hidden * elem_size + 4 * num_scales
+        if not policy.wanted_for_dispatch(options, counts, tokens, row_bytes, cached):
             return None
         self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk)
         regions = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, num_topk)
@@ -443,7 +481,7 @@ class NativeBackend(CommBackend):
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:
         self._raise_if_failed()
-        _c().barrier(self._env)
+        _c().barrier(self._envs[self.options])
         self._wait_on_host()
 
     def destroy(self) -> None:

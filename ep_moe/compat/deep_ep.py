@@ -32,12 +32,14 @@ import os
 import runpy
 import sys
 import types
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from ..buffer import DEFAULT_TIMEOUT_S
 from ..buffer import Buffer as _CoreBuffer
+from ..config import DEFAULT_NUM_SMS, NativeOptions
 from ..config import Config as _CoreConfig
 from ..event import EventOverlap as _CoreEventOverlap
 from ..layout import round_up
@@ -54,6 +56,13 @@ __version__ = f"{DEEP_EP_API_VERSION}+ep_moe"
 
 _NVL_PEERS = 8      # ranks one NVLink domain holds in DeepEP's sizing
 _SIZING_TOPK = 128  # top-k columns and FP8 scale columns a ring row reserves (DeepEP-style sizing)
+# DeepEP's chunk fields: its constructor's defaults, and the values of the recommended configs
+# (`Buffer.get_dispatch_config`), which a caller may pass without being warned.
+_CHUNK_FIELDS = ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                 "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
+_DEFAULT_CHUNKS = (6, 256, 6, 256)
+_RECOMMENDED_CHUNKS = (8, 256, 16, 128)
+_chunk_fields_warned = False  # the warning about ignored chunk fields is given once per process
 
 
 def _cuda_in_use() -> bool:
@@ -127,31 +136,35 @@ def _wrap_event(core: _CoreEventOverlap) -> EventOverlap:
 class Config(_CoreConfig):
     """DeepEP's ``Config(num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
     num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)``, usable wherever an
-    `ep_moe.Config` is: ``num_sms`` is the SM budget and ``chunk_tokens`` (the tokens a channel moves
-    before signalling) is ``num_max_nvl_chunked_send_tokens``. The recommended configs of
-    `Buffer.get_dispatch_config` leave ``chunk_tokens`` at 0 (the backend's tuned default)."""
+    `ep_moe.Config` is: ``num_sms`` (positive, even) is its SM budget. The four chunk sizes have no ep_moe
+    counterpart: they are kept (callers read them back; the size hints use them) and otherwise ignored;
+    values other than those of the recommended configs (`Buffer.get_dispatch_config`) warn once per process
+    (`ep_moe.NativeOptions` sets the native kernels' chunking). Omitted ones take DeepEP's defaults."""
 
-    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
-                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
-                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
-        values = {"num_sms": num_sms, "num_max_nvl_chunked_send_tokens": num_max_nvl_chunked_send_tokens,
-                  "num_max_nvl_chunked_recv_tokens": num_max_nvl_chunked_recv_tokens,
-                  "num_max_rdma_chunked_send_tokens": num_max_rdma_chunked_send_tokens,
-                  "num_max_rdma_chunked_recv_tokens": num_max_rdma_chunked_recv_tokens}
-        for name, value in values.items():
+    def __init__(self, num_sms: int = DEFAULT_NUM_SMS, num_max_nvl_chunked_send_tokens: int | None = None,
+                 num_max_nvl_chunked_recv_tokens: int | None = None,
+                 num_max_rdma_chunked_send_tokens: int | None = None,
+                 num_max_rdma_chunked_recv_tokens: int | None = None) -> None:
+        given = (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+                 num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
+        chunks = tuple(default if value is None else value for value, default in zip(given, _DEFAULT_CHUNKS))
+        for name, value in (("num_sms", num_sms), *zip(_CHUNK_FIELDS, chunks)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise _fail("Config", name, "a positive int", repr(value))
         if num_sms % 2:
             raise _fail("Config", "num_sms", "even (two SMs per channel)", num_sms)
         object.__setattr__(self, "num_sms", num_sms)
-        object.__setattr__(self, "chunk_tokens", num_max_nvl_chunked_send_tokens)
-        object.__setattr__(self, "_deep_ep", tuple(values.values())[1:])
+        object.__setattr__(self, "native", None)
+        object.__setattr__(self, "_deep_ep", chunks)
+        ignored = [f"{name}={value}" for name, value, recommended in zip(_CHUNK_FIELDS, given,
+                                                                         _RECOMMENDED_CHUNKS)
+                   if value is not None and value != recommended]
+        if ignored:
+            _warn_chunk_fields_ignored(ignored)
 
     @classmethod
     def _recommended(cls, num_sms: int) -> Config:
-        config = cls(num_sms, 8, 256, 16, 128)
-        object.__setattr__(config, "chunk_tokens", 0)  # let the backend choose
-        return config
+        return cls(num_sms, *_RECOMMENDED_CHUNKS)
 
     @property
     def num_max_nvl_chunked_send_tokens(self) -> int:
@@ -188,7 +201,17 @@ class Config(_CoreConfig):
 
     def __repr__(self) -> str:
         return (f"deep_ep.Config(num_sms={self.num_sms}, nvl_send={self._deep_ep[0]}, nvl_recv={self._deep_ep[1]}, "
-                f"rdma_send={self._deep_ep[2]}, rdma_recv={self._deep_ep[3]}, chunk_tokens={self.chunk_tokens})")
+                f"rdma_send={self._deep_ep[2]}, rdma_recv={self._deep_ep[3]})")
+
+
+def _warn_chunk_fields_ignored(ignored: list[str]) -> None:
+    global _chunk_fields_warned
+    if _chunk_fields_warned:
+        return
+    _chunk_fields_warned = True
+    warnings.warn(f"ep_moe.compat.deep_ep.Config: {', '.join(ignored)} ignored: DeepEP's chunk sizes have no "
+                  "ep_moe counterpart; ep_moe.NativeOptions (Buffer(native_options=...)) sets the native "
+                  "kernels' chunking (warned once per process)", UserWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------ buffer
@@ -205,17 +228,18 @@ class Buffer(_CoreBuffer):
     Args: DeepEP's (``group``, ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode`` -- must be False --,
     ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
     ``explicitly_destroy``, ``enable_shrink``, ``comm`` -- must be None); keyword-only ``backend``
-    ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto"), ``timeout_s`` and ``check_inputs``
-    (default False, as DeepEP, which does not check expert ids: True checks them at a host sync per call).
+    ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto"), ``timeout_s``, ``check_inputs``
+    (default False, as DeepEP, which does not check expert ids: True checks them at a host sync per call)
+    and ``native_options`` (as `ep_moe.Buffer`'s). The SM budget of calls without a config is ep_moe's
+    (`ep_moe.Buffer.num_sms`, shared with it).
     """
-
-    num_sms: int = 20  # DeepEP's default SM budget
 
     def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
-                 backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, check_inputs: bool = False) -> None:
+                 backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, check_inputs: bool = False,
+                 native_options: NativeOptions | None = None) -> None:
         if comm is not None:
             raise _fail("deep_ep.Buffer", "comm", "None (pass a torch.distributed group)", type(comm).__name__)
         if low_latency_mode:
@@ -224,7 +248,7 @@ class Buffer(_CoreBuffer):
         # num_nvl_bytes is a DeepEP ring-buffer size; ep_moe sizes its own memory (0 = on first use).
         super().__init__(group, 0, num_rdma_bytes, False, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
                          allow_mnnvl, explicitly_destroy, backend=backend, timeout_s=timeout_s,
-                         check_inputs=check_inputs)
+                         check_inputs=check_inputs, native_options=native_options)
         self.num_nvl_bytes = num_nvl_bytes
         self.low_latency_mode = False
         self.enable_shrink = enable_shrink
@@ -232,10 +256,11 @@ class Buffer(_CoreBuffer):
     # ----------------------------------------------------------------- static API
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """The SM budget of the recommended configs (even)."""
+        """The SM budget of the recommended configs and of calls without a config (even; `ep_moe.Buffer`'s
+        too: one budget per process)."""
         if not isinstance(new_num_sms, int) or isinstance(new_num_sms, bool) or new_num_sms < 2 or new_num_sms % 2:
             raise _fail("deep_ep.Buffer.set_num_sms", "new_num_sms", "an even int >= 2", repr(new_num_sms))
-        Buffer.num_sms = new_num_sms
+        _CoreBuffer.num_sms = new_num_sms
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -314,8 +314,8 @@ class PlanCache:
         return format_table(self.plans())
 
 
-COLUMNS = ("layer", "shape", "EP", "g", "bottleneck", "SMs", "QPs", "chunk", "pred disp", "pred comb",
-           "meas disp", "meas comb", "V2 SMs", "source")
+COLUMNS = ("layer", "shape", "EP", "g", "bottleneck", "SMs", "QPs", "pred disp", "pred comb", "meas disp",
+           "meas comb", "V2 SMs", "source")
 
 
 def _us(value: float | None) -> str:
@@ -328,7 +328,7 @@ def format_table(plans: list[CommPlan]) -> str:
     for p in plans:
         rows.append((p.layer or "*", p.shape.label(), str(p.num_ranks), f"{p.expected_ranks:.2f}",
                      p.bottleneck + ("*" if p.sm_bound else ""), str(p.num_sms), str(p.num_qps),
-                     str(p.chunk_tokens), _us(p.predicted_dispatch_us), _us(p.predicted_combine_us),
+                     _us(p.predicted_dispatch_us), _us(p.predicted_combine_us),
                      _us(p.measured_dispatch_us), _us(p.measured_combine_us),
                      "-" if p.deepep_v2_sms is None else str(p.deepep_v2_sms), p.source))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]

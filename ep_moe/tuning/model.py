@@ -8,11 +8,11 @@ to one rank (a token goes to a rank once, however many of its experts live there
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..native.chunking import num_chunks
+from ..config import NativeOptions
+from ..native.policy import num_chunks, push_fraction
 from .topology import Topology
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4,
@@ -228,36 +228,22 @@ class OpCost:
 
 
 SCHEMES = ("push_local", "channel_pairs", "deepep_v2")
-DEFAULT_PUSH_FRACTION = 1 / 3  # ep_moe's native kernels: a third of the blocks push over NVLink
-PUSH_FRACTION_ENV = {"dispatch": "EP_MOE_DISPATCH_PUSH_FRACTION", "combine": "EP_MOE_COMBINE_PUSH_FRACTION"}
 
 
-def env_push_fraction(op: str) -> float:
-    """The share of SMs that push in ``op`` ("dispatch" or "combine") from ``EP_MOE_<OP>_PUSH_FRACTION``:
-    what the native backend runs with and the planner models. Unset, unparsable or outside (0, 1):
-    `DEFAULT_PUSH_FRACTION`."""
-    try:
-        value = float(os.environ.get(PUSH_FRACTION_ENV[op], DEFAULT_PUSH_FRACTION))
-    except ValueError:
-        return DEFAULT_PUSH_FRACTION
-    return value if 0 < value < 1 else DEFAULT_PUSH_FRACTION
-
-
-def push_items(remote_rows: float, peers: int, op: str) -> int:
+def push_items(remote_rows: float, peers: int, op: str, native: NativeOptions) -> int:
     """Chunks the native pushers of one rank take in turn: the chunks of each peer's rows (``remote_rows``
-    spread evenly over ``peers``), as the kernels cut them."""
+    spread evenly over ``peers``), as the kernels cut them with the options ``native``."""
     if peers < 1 or remote_rows <= 0:
         return 0
-    return peers * num_chunks(remote_rows / peers, op)
+    return peers * num_chunks(native, op, remote_rows / peers)
 
 
-def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
-                   push_fraction: float = DEFAULT_PUSH_FRACTION, peers: int = 1,
-                   copy_engine: bool = False) -> OpCost:
-    """One rank's cost inside one NVLink domain.
+def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str, peers: int = 1,
+                   copy_engine: bool = False, *, native: NativeOptions) -> OpCost:
+    """One rank's cost inside one NVLink domain, for native kernels run with the options ``native``.
 
-    ``push_local`` (ep_moe's native kernels): ``push_fraction`` of the SMs push; in a dispatch they read
-    the rows bound for other ranks and store them into the receivers' buffers, while the other SMs copy
+    ``push_local`` (ep_moe's native kernels): the options' push fraction of the SMs push; in a dispatch they
+    read the rows bound for other ranks and store them into the receivers' buffers, while the other SMs copy
     the rank's own rows and drain the received chunks into the output. In a combine the pushers send
     each received row back to its source, and the others reduce a token's rows (the own rank's read in
     place) and write the sum.
@@ -270,12 +256,10 @@ def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
     ``peers``: the other ranks of the domain (R - 1); the ``push_local`` pushers' chunks are counted per
     peer (`push_items`).
     ``copy_engine``: a ``push_local`` combine whose rows go back by the copy engine
-    (`ep_moe.native.copy_engine`): no SM pushes, all of them reduce, and the link carries the same bytes.
+    (`ep_moe.native.policy`): no SM pushes, all of them reduce, and the link carries the same bytes.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"intranode_cost: argument 'scheme' must be one of {SCHEMES}, got {scheme!r}")
-    if not 0 < push_fraction < 1:
-        raise ValueError(f"intranode_cost: argument 'push_fraction' must be in (0, 1), got {push_fraction!r}")
     if op == "dispatch":
         row = shape.dispatch_row_bytes
         out_rows, out_remote, in_rows, in_remote = load.sent_rows, load.sent_remote_rows, load.recv_rows, \
@@ -296,13 +280,15 @@ def intranode_cost(shape: LayerShape, load: RankLoad, op: str, scheme: str,
         pools = (SmPool("send", 0.5, source_reads, store_local, store_peer),
                  SmPool("recv", 0.5, in_rows * row, sink_writes, 0.0))
     elif op == "dispatch":  # push_local: pushers move remote rows; the rest copy own + received rows
-        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer, push_items(out_remote, peers, op)),
-                 SmPool("local", 1 - push_fraction, in_rows * row, sink_writes, 0.0))
+        share, chunks = push_fraction(native, op), push_items(out_remote, peers, op, native)
+        pools = (SmPool("push", share, store_peer, 0.0, store_peer, chunks),
+                 SmPool("local", 1 - share, in_rows * row, sink_writes, 0.0))
     elif copy_engine:  # push_local combine, rows returned by the copy engine: every SM reduces
         pools = (SmPool("reduce", 1.0, in_rows * row, sink_writes, 0.0),)
     else:  # push_local combine: pushers return rows to remote sources; reducers read every row of a token
-        pools = (SmPool("push", push_fraction, store_peer, 0.0, store_peer, push_items(out_remote, peers, op)),
-                 SmPool("reduce", 1 - push_fraction, in_rows * row, sink_writes, 0.0))
+        share, chunks = push_fraction(native, op), push_items(out_remote, peers, op, native)
+        pools = (SmPool("push", share, store_peer, 0.0, store_peer, chunks),
+                 SmPool("reduce", 1 - share, in_rows * row, sink_writes, 0.0))
     recv_rows = load.recv_rows if op == "dispatch" else load.sent_rows
     return OpCost(op, nvlink, 0.0, pools, recv_rows * shape.dispatch_row_bytes)
 
@@ -335,6 +321,5 @@ def multinode_cost(shape: LayerShape, topology: Topology, op: str, hybrid: bool,
     return OpCost(op, nvlink * recv_bytes, rdma * recv_bytes, (pool,), recv_bytes)
 
 
-__all__ = ["DEFAULT_PUSH_FRACTION", "DTYPE_BYTES", "PUSH_FRACTION_ENV", "SCHEMES", "LayerShape", "OpCost", "RankLoad",
-           "SmPool", "dtype_bytes", "env_push_fraction", "split_sms", "expected_groups", "intranode_cost",
-           "multinode_cost", "push_items", "rank_loads"]
+__all__ = ["DTYPE_BYTES", "SCHEMES", "LayerShape", "OpCost", "RankLoad", "SmPool", "dtype_bytes", "split_sms",
+           "expected_groups", "intranode_cost", "multinode_cost", "push_items", "rank_loads"]

@@ -1,16 +1,15 @@
-"""Turning a layer shape and a topology into a `CommPlan`: SMs, QPs, chunk size, predicted times."""
+"""Turning a layer shape and a topology into a `CommPlan`: SMs, QPs, predicted times."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ..config import Config
+from ..config import NativeOptions
 from .model import (
     SCHEMES,
     LayerShape,
     OpCost,
-    env_push_fraction,
     expected_groups,
     intranode_cost,
     multinode_cost,
@@ -22,8 +21,6 @@ from .topology import Topology
 
 FALLBACK_GPU = "H200"  # planning on a machine without a GPU: assume this one (datasheet numbers)
 FALLBACK_DEVICE_SMS = 132
-CHUNK_TARGET_BYTES = 64 << 10  # a channel signals its receiver about every 64 KiB ...
-CHUNKS_PER_CHANNEL = 4  # ... but at least this often, so that small batches still pipeline
 
 
 @dataclass(frozen=True)
@@ -33,12 +30,12 @@ class PlanPolicy:
     Attributes:
         scheme: kernel structure for intranode groups: "push_local" (ep_moe's native kernels),
             "channel_pairs" (DeepEP V1) or "deepep_v2"; multi-node groups use DeepEP V2's accounting.
-        dispatch_push_fraction, combine_push_fraction: share of the SMs that push ("push_local"); None =
-            what the native backend uses (``EP_MOE_DISPATCH_PUSH_FRACTION`` /
-            ``EP_MOE_COMBINE_PUSH_FRACTION``, default 1/3).
+        native: the native kernels' settings the "push_local" scheme models (the share of SMs that push,
+            the pushers' chunks); None: `NativeOptions.from_env`, read when a plan is made (what a `Buffer`
+            made without ``native_options`` runs with).
         combine_copy_engine: model a "push_local" combine that returns its rows by the copy engine (every SM
             reduces), as the native backend does after an exact-size dispatch with large pairs on 2 ranks
-            (`ep_moe.native.copy_engine`). Off by default: combines after a fixed-size dispatch
+            (`ep_moe.native.policy.wanted`). Off by default: combines after a fixed-size dispatch
             (``num_worst_tokens``, what the calibration probes and ``benchmarks/tune_check.py`` time) use
             pushers, and the pusher model asks for at least as many SMs as the copy engine needs.
         margin: if set, SMs = ``margin`` x the SMs whose throughput matches the bottleneck link (the knee;
@@ -57,8 +54,7 @@ class PlanPolicy:
     """
 
     scheme: str = "push_local"
-    dispatch_push_fraction: float | None = None
-    combine_push_fraction: float | None = None
+    native: NativeOptions | None = None
     combine_copy_engine: bool = False
     margin: float | None = None
     time_tolerance: float = 0.05
@@ -71,10 +67,9 @@ class PlanPolicy:
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"PlanPolicy: argument 'scheme' must be one of {SCHEMES}, got {self.scheme!r}")
-        for name in ("dispatch_push_fraction", "combine_push_fraction"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < 1:
-                raise ValueError(f"PlanPolicy: argument '{name}' must be in (0, 1) or None, got {value!r}")
+        if self.native is not None and not isinstance(self.native, NativeOptions):
+            raise ValueError(f"PlanPolicy: argument 'native' must be an ep_moe.NativeOptions or None, got "
+                             f"{type(self.native).__name__}")
         if self.margin is not None and not self.margin > 0:
             raise ValueError(f"PlanPolicy: argument 'margin' must be > 0 or None, got {self.margin!r}")
         if self.knee_cap is not None and not self.knee_cap >= 1:
@@ -87,10 +82,9 @@ class PlanPolicy:
             raise ValueError(f"PlanPolicy: argument 'max_sms' must be an int >= min_sms ({self.min_sms}), "
                              f"got {self.max_sms!r}")
 
-    def push_fraction(self, op: str) -> float:
-        """The share of SMs that push in ``op`` (the native backend reads the same variables)."""
-        value = self.dispatch_push_fraction if op == "dispatch" else self.combine_push_fraction
-        return value if value is not None else env_push_fraction(op)
+    def native_options(self) -> NativeOptions:
+        """The native kernels' settings to model: ``native``, else `NativeOptions.from_env` (read now)."""
+        return self.native if self.native is not None else NativeOptions.from_env()
 
     def copy_engine(self) -> bool:
         """Whether the combine is modelled as returning its rows by the copy engine."""
@@ -108,7 +102,6 @@ class CommPlan:
     Attributes:
         key: the shape's cache key. layer: the layer it was asked for (None = any layer of the shape).
         num_sms: SMs for dispatch and combine (even). num_qps: RDMA queue pairs (0 intranode).
-        chunk_tokens: rows a channel sends before it signals the receiver.
         bottleneck: "nvlink", "rdma" or "none" (nothing crosses a link). sm_bound: the plan's SMs, not the
             link, limit the predicted time.
         mode: "intranode", "hybrid" or "direct". expected_ranks: distinct ranks per token (g).
@@ -124,7 +117,6 @@ class CommPlan:
     shape: LayerShape
     num_sms: int
     num_qps: int
-    chunk_tokens: int
     bottleneck: str
     sm_bound: bool
     mode: str
@@ -151,10 +143,6 @@ class CommPlan:
             total_us = dispatch_us + combine_us
         self.measured_us = total_us
 
-    def config(self, with_chunks: bool = False) -> Config:
-        """The `ep_moe.Config` for this plan (``chunk_tokens`` only when asked: 0 = backend default)."""
-        return Config(num_sms=self.num_sms, chunk_tokens=self.chunk_tokens if with_chunks else 0)
-
     def to_dict(self) -> dict:
         data = asdict(self)
         data["history"] = [list(h) for h in self.history]
@@ -162,6 +150,7 @@ class CommPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> CommPlan:
+        """The plan ``to_dict`` wrote; keys it no longer has (``chunk_tokens`` of older files) are ignored."""
         values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         values["shape"] = LayerShape(**values["shape"]) if isinstance(values.get("shape"), dict) else values["shape"]
         values["history"] = [(int(n), float(t)) for n, t in values.get("history", [])]
@@ -206,8 +195,9 @@ def op_costs(shape: LayerShape, topology: Topology, policy: PlanPolicy, routing=
     if topology.intranode:
         loads = rank_loads(shape, topology.world_size, routing)
         peers = topology.world_size - 1
-        return [tuple(intranode_cost(shape, load, op, policy.scheme, policy.push_fraction(op), peers,
-                                     copy_engine=policy.copy_engine() and op == "combine")
+        native = policy.native_options()
+        return [tuple(intranode_cost(shape, load, op, policy.scheme, peers,
+                                     copy_engine=policy.copy_engine() and op == "combine", native=native)
                       for op in ("dispatch", "combine")) for load in loads]
     imbalance = 1.0
     if routing is not None:
@@ -290,13 +280,6 @@ def choose_num_sms(costs: list[tuple[OpCost, OpCost]], rates: Rates, policy: Pla
     return reference
 
 
-def chunk_tokens(recv_rows: float, num_channels: int, row_bytes: int) -> int:
-    """Rows per signal: about `CHUNK_TARGET_BYTES`, but at least `CHUNKS_PER_CHANNEL` chunks per channel."""
-    per_channel = math.ceil(recv_rows / max(1, num_channels))
-    by_bytes = max(1, CHUNK_TARGET_BYTES // max(1, row_bytes))
-    return max(1, min(by_bytes, math.ceil(per_channel / CHUNKS_PER_CHANNEL)))
-
-
 def plan_layer(shape: LayerShape, topology: Topology, rates: Rates | None = None, policy: PlanPolicy | None = None,
                routing=None, layer: str | None = None, num_sms: int | None = None) -> CommPlan:
     """The plan for one layer shape on ``topology``.
@@ -327,15 +310,8 @@ def plan_layer(shape: LayerShape, topology: Topology, rates: Rates | None = None
     link_s = max(links.values(), default=0.0) / fit.link_scale
     sm_bound = sm_seconds(dispatch, rates, n) / fit.sm_scale > link_s
     mode = "intranode" if topology.intranode else ("hybrid" if policy.hybrid else "direct")
-    channels = n
-    if topology.intranode and policy.scheme == "channel_pairs":
-        channels = n // 2
-    elif topology.intranode and policy.scheme == "push_local":
-        channels = max(1, round(n * policy.push_fraction("dispatch")))
-    recv_rows = dispatch.recv_bytes / shape.dispatch_row_bytes
     return CommPlan(key=shape.key(), shape=shape, num_sms=n,
                     num_qps=num_qps(n, topology, policy.hybrid, policy.num_allocated_qps),
-                    chunk_tokens=chunk_tokens(recv_rows, channels, shape.dispatch_row_bytes),
                     bottleneck=bottleneck, sm_bound=sm_bound, mode=mode, num_ranks=topology.world_size,
                     expected_ranks=expected_groups(shape.num_experts, shape.topk, topology.world_size),
                     predicted_dispatch_us=dispatch_us, predicted_combine_us=combine_us,
@@ -368,5 +344,5 @@ def deepep_v2_num_sms(shape: LayerShape, topology: Topology, nvlink_gbs: float |
     return choose_num_sms([(dispatch, dispatch)], rates, DEEPEP_V2_POLICY, topology.num_sms or FALLBACK_DEVICE_SMS)
 
 
-__all__ = ["DEEPEP_V2_POLICY", "CommPlan", "PlanPolicy", "check_num_sms", "choose_num_sms", "chunk_tokens",
+__all__ = ["DEEPEP_V2_POLICY", "CommPlan", "PlanPolicy", "check_num_sms", "choose_num_sms",
            "deepep_v2_num_sms", "device_sms", "num_qps", "op_costs", "plan_layer", "predict_us"]

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -167,8 +168,8 @@ def _compat_worker(rank: int, world: int) -> dict:
     _expect(deep_ep.Buffer.get_combine_config(world).num_sms == 24, "get_combine_config")
     nvl = default.get_nvl_buffer_size_hint(H * 2, world)
     _expect(isinstance(nvl, int) and nvl > 0 and default.get_rdma_buffer_size_hint(H * 2, world) == 0, "size hints")
-    _expect(config.num_sms == 24 and config.chunk_tokens == 8 and config.num_max_nvl_chunked_recv_tokens == 256,
-            "Config fields")
+    _expect(config.num_sms == 24 and config.num_max_nvl_chunked_send_tokens == 8
+            and config.num_max_nvl_chunked_recv_tokens == 256, "Config fields")
     _expect(buffer.num_nvl_bytes == int(1e6) and buffer.group is group, "recorded constructor arguments")
     _expect(deep_ep.Buffer.is_sm90_compiled() is True, "FP8 dispatch available")
     errors = {}
@@ -198,6 +199,33 @@ def test_deep_ep_surface_on_gloo():
         assert errors["low_latency"].startswith("NotImplementedError") and "low-latency" in errors["low_latency"]
         assert "num_sms" in errors["odd_sms"] and "new_num_sms" in errors["set_odd_sms"]
         assert "topk_weights" in errors["weights_without_idx"]
+
+
+def test_config_maps_num_sms_and_warns_once_about_chunk_sizes(monkeypatch):
+    import ep_moe
+    import ep_moe.compat.deep_ep as compat
+
+    monkeypatch.setattr(compat, "_chunk_fields_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the recommended configs and omitted chunk sizes warn of nothing
+        recommended = compat.Buffer.get_dispatch_config(2)
+        omitted = compat.Config()
+        compat.Config(16, 8, 256)
+    assert isinstance(recommended, ep_moe.Config) and recommended.native is None
+    assert omitted.num_sms == ep_moe.config.DEFAULT_NUM_SMS and omitted.native is None
+    assert (omitted.num_max_nvl_chunked_send_tokens, omitted.num_max_nvl_chunked_recv_tokens,
+            omitted.num_max_rdma_chunked_send_tokens, omitted.num_max_rdma_chunked_recv_tokens) == (6, 256, 6, 256)
+    with pytest.warns(UserWarning, match=r"num_max_nvl_chunked_send_tokens=6 ignored: .*ep_moe\.NativeOptions"):
+        tuned = compat.Config(24, 6, 256)
+    assert tuned.num_max_nvl_chunked_send_tokens == 6  # kept: callers read it back
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.Config(24, 12, 512, 8, 64)  # once per process
+    # one SM default, shared with ep_moe.Buffer
+    assert compat.Buffer.num_sms == ep_moe.Buffer.num_sms == ep_moe.config.DEFAULT_NUM_SMS
+    monkeypatch.setattr(ep_moe.Buffer, "num_sms", ep_moe.Buffer.num_sms)  # restored afterwards
+    compat.Buffer.set_num_sms(16)
+    assert ep_moe.Buffer.num_sms == 16 and compat.Buffer.get_combine_config(2).num_sms == 16
 
 
 def test_install_refuses_a_foreign_deep_ep(monkeypatch):

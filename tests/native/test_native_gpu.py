@@ -1,5 +1,7 @@
 """GPU tests of the native backend: bit-for-bit equality with the torch (NCCL) backend, cached dispatch,
-num_worst_tokens, CUDA-graph capture, long runs without memory growth, and the forced timeout.
+num_worst_tokens, CUDA-graph capture, long runs without memory growth, the forced timeout, and the check
+that every rank holds equal `NativeOptions`. Paths (copy engine, its streams, bulk-copy reducers) are forced
+per case through ``Config(native=...)`` or ``Buffer(native_options=...)``.
 
 Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``; on 4 or 8 GPUs,
 ``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/test_native_gpu.py`` runs every test at that EP size.
@@ -14,15 +16,12 @@ import time
 import pytest
 import torch
 
-from ep_moe import native
+from ep_moe import Config, NativeOptions, native
 from ep_moe.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
 
 WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of every test
-COPY_ENGINE_ENV = "EP_MOE_NATIVE_COMBINE_COPY_ENGINE"
-DISPATCH_COPY_ENGINE_ENV = "EP_MOE_NATIVE_DISPATCH_COPY_ENGINE"
-BULK_REDUCE_ENV = "EP_MOE_NATIVE_COMBINE_BULK_REDUCE"
 
 
 def _need_gpus():
@@ -115,16 +114,25 @@ def _all_ok(ok: bool, side_group) -> bool:
     return int(flag) == 0
 
 
-def _copy_engine_env(forced: bool, streams: int = 1, flag_stream: bool = False, bulk: str = "auto") -> dict[str, str]:
-    """Variables that force the copy engine on or off for dispatch and combine, with its chunks spread
-    over ``streams`` side streams and its flag writes on a stream of their own or not, and the combine's
-    reducers on bulk copies (``bulk``: auto, 1 or 0)."""
-    env = {DISPATCH_COPY_ENGINE_ENV: "1" if forced else "0", COPY_ENGINE_ENV: "1" if forced else "0",
-           BULK_REDUCE_ENV: bulk}
-    for op in ("DISPATCH", "COMBINE"):
-        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_STREAMS"] = str(streams)
-        env[f"EP_MOE_NATIVE_{op}_COPY_ENGINE_FLAG_STREAM"] = "1" if flag_stream else "0"
-    return env
+def _copy_engine_options(forced: bool, streams: int = 1, flag_stream: bool = False, bulk: str = "auto"
+                         ) -> NativeOptions:
+    """Options that force the copy engine on or off for dispatch and combine, with its chunks spread over
+    ``streams`` side streams and its flag writes on a stream of their own or not, and the combine's reducers
+    on bulk copies (``bulk``: auto, on or off)."""
+    mode = "on" if forced else "off"
+    return NativeOptions(dispatch_copy_engine=mode, combine_copy_engine=mode, combine_bulk_reduce=bulk,
+                         dispatch_copy_engine_streams=streams, combine_copy_engine_streams=streams,
+                         dispatch_copy_engine_flag_stream=flag_stream, combine_copy_engine_flag_stream=flag_stream)
+
+
+def _case_options(index: int) -> NativeOptions:
+    """Odd cases force the copy engine for dispatch and combine where the host knows the layout (exact-size
+    dispatches and their cached re-dispatches and combines), in turn on one side stream per op, on two, and
+    on one with the flag writes on a stream of their own; the combine's reducers on bulk copies where auto
+    takes them (with the copy engine), always, or never."""
+    variant = (index // 2) % 3
+    return _copy_engine_options(index % 2 == 1, 2 if variant == 1 else 1, variant == 2,
+                                ("auto", "on", "off")[(index // 6) % 3])
 
 
 def _equality_worker(rank: int, world: int, num_cases: int) -> int:
@@ -134,23 +142,17 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     ref = Buffer(backend="torch")
     assert nat.backend_name == "native", nat.backend_name
     side_group = torch.distributed.new_group(backend="gloo")
+    # The first use of each options value is a collective check: make them all now, so that a case failing
+    # on one rank cannot leave the others waiting in one.
+    for options in dict.fromkeys(_case_options(index) for index in range(num_cases)):
+        nat.backend._env_for(options)
     for index in range(num_cases):
         error = None
-        # odd cases force the copy engine for dispatch and combine where the host knows the layout
-        # (exact-size dispatches and their cached re-dispatches and combines), in turn on one side stream
-        # per op, on two, and on one with the flag writes on a stream of their own; the combine's reducers
-        # on bulk copies where auto takes them (with the copy engine), always, or never
-        variant = (index // 2) % 3
-        env = _copy_engine_env(index % 2 == 1, 2 if variant == 1 else 1, variant == 2,
-                               ("auto", "1", "0")[(index // 6) % 3])
-        os.environ.update(env)
+        options = _case_options(index)
         try:
-            _check_case(rank, world, index, nat, ref)
+            _check_case(rank, world, index, nat, ref, options)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
-        finally:
-            for name in env:
-                os.environ.pop(name)
         if not _all_ok(error is None, side_group):
             raise AssertionError(f"case {index} {make_case(index)} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
@@ -160,9 +162,7 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     return num_cases
 
 
-def _check_case(rank: int, world: int, index: int, nat, ref) -> None:
-    from ep_moe import Config
-
+def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOptions) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     case = make_case(index)
     data, idx, weights = make_inputs(case, rank, world, device, seed=index)
@@ -170,7 +170,7 @@ def _check_case(rank: int, world: int, index: int, nat, ref) -> None:
     worst = 0
     if case["worst"]:
         worst = world * max(case["tokens"], 1) + 5
-    config = Config(num_sms=case["num_sms"])
+    config = Config(num_sms=case["num_sms"], native=options)  # the torch backend ignores the options
     label = f"case {index} {case}"
     # layout kernel equals the torch layout
     from ep_moe.layout import dispatch_layout
@@ -278,29 +278,24 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
     # half the iterations and the copy engine (dispatch and combine) for the other half.
     x, idx, w = inputs(99)
     elapsed = 0.0
-    for copy_engine in ("0", "1"):
+    for copy_engine in (False, True):
         # the copy-engine half on two side streams, flags on a third
-        env = _copy_engine_env(copy_engine == "1", streams=2, flag_stream=True)
-        os.environ.update(env)
-        try:
-            # Warm up holding the same live tensors (rx, rw, h, combined) as the loop leaves behind, so that
-            # `before` and `after` count the same things (a first run without `combined` read as 1 MiB of
-            # growth: exactly one [256, 2048] bf16 output).
-            for _ in range(3):
-                rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
-                combined, _, _ = buf.combine(rx, h, topk_weights=rw)
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated(device)
-            start = time.perf_counter()
-            for _ in range(iterations // 2):
-                rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
-                combined, _, _ = buf.combine(rx, h, topk_weights=rw)
-            torch.cuda.synchronize()
-            elapsed += time.perf_counter() - start
-            after = torch.cuda.memory_allocated(device)
-        finally:
-            for name in env:
-                os.environ.pop(name)
+        config = Config(native=_copy_engine_options(copy_engine, streams=2, flag_stream=True))
+        # Warm up holding the same live tensors (rx, rw, h, combined) as the loop leaves behind, so that
+        # `before` and `after` count the same things (a first run without `combined` read as 1 MiB of
+        # growth: exactly one [256, 2048] bf16 output).
+        for _ in range(3):
+            rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, config=config)
+            combined, _, _ = buf.combine(rx, h, topk_weights=rw, config=config)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        for _ in range(iterations // 2):
+            rx, _, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, config=config)
+            combined, _, _ = buf.combine(rx, h, topk_weights=rw, config=config)
+        torch.cuda.synchronize()
+        elapsed += time.perf_counter() - start
+        after = torch.cuda.memory_allocated(device)
         assert after <= before, (f"GPU memory grew from {before} to {after} bytes over {iterations // 2} iterations "
                                  f"(copy engine {copy_engine})")
     r_x, _, r_w, _, r_h, _ = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
@@ -311,30 +306,25 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
     return elapsed / iterations
 
 
-def _rank0_times_out_alone(rank: int, env: dict, what: str, call, x, idx, w) -> str:
-    """Under the variables ``env``, after a dispatch together, rank 0 makes ``call(buf, handle, recv_x,
+def _rank0_times_out_alone(rank: int, options: NativeOptions, what: str, call, x, idx, w) -> str:
+    """On a buffer with ``options``, after a dispatch together, rank 0 makes ``call(buf, handle, recv_x,
     recv_w)``, which rank 1 skips: rank 0 must raise a TimeoutError naming ``what`` and rank 0 by its next
     call, while rank 1 keeps its buffer alive. Returns rank 0's message ('' on rank 1)."""
     from ep_moe import Buffer
 
-    os.environ.update(env)
-    try:
-        buf = Buffer(backend="native", timeout_s=2.0)
-        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
-        text = ""
-        if rank == 0:
-            with pytest.raises(TimeoutError) as info:
-                call(buf, handle, recv_x, recv_w)
-                buf.barrier()
-            text = str(info.value)
-            assert what in text and "rank 0" in text, text
-        else:
-            time.sleep(5.0)
-        buf.destroy()
-        return text
-    finally:
-        for name in env:
-            os.environ.pop(name)
+    buf = Buffer(backend="native", timeout_s=2.0, native_options=options)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
+    text = ""
+    if rank == 0:
+        with pytest.raises(TimeoutError) as info:
+            call(buf, handle, recv_x, recv_w)
+            buf.barrier()
+        text = str(info.value)
+        assert what in text and "rank 0" in text, text
+    else:
+        time.sleep(5.0)
+    buf.destroy()
+    return text
 
 
 def _timeout_worker(rank: int, world: int) -> str:
@@ -369,16 +359,16 @@ def _timeout_worker(rank: int, world: int) -> str:
     # and still releases its copy stream (no hang); the error surfaces at the next call.
     # On one side stream, on two, and on one with a flag stream (each must be released).
     for streams, flag_stream in ((1, False), (2, False), (1, True)):
-        messages.append(_rank0_times_out_alone(rank, _copy_engine_env(True, streams, flag_stream), "dispatch",
+        messages.append(_rank0_times_out_alone(rank, _copy_engine_options(True, streams, flag_stream), "dispatch",
                                                lambda buf, handle, *_: buf.dispatch(x, handle=handle), x, idx, w))
     # 3) rank 1 skips a combine: rank 0's combine kernel times out; the error surfaces at the next call.
     # With pushers (register and bulk-copy reducers), then with the copy engine (on one and on two side
     # streams, and with a flag stream; bulk-copy reducers, then register ones), whose streams rank 0's kernel
     # must still release.
-    for forced, streams, flag_stream, bulk in ((False, 1, False, "0"), (False, 1, False, "1"), (True, 1, False, "auto"),
-                                               (True, 2, False, "0"), (True, 1, True, "auto")):
+    for forced, streams, flag_stream, bulk in ((False, 1, False, "off"), (False, 1, False, "on"),
+                                               (True, 1, False, "auto"), (True, 2, False, "off"), (True, 1, True, "auto")):
         messages.append(_rank0_times_out_alone(
-            rank, _copy_engine_env(forced, streams, flag_stream, bulk), "combine",
+            rank, _copy_engine_options(forced, streams, flag_stream, bulk), "combine",
             lambda buf, handle, recv_x, recv_w: buf.combine(recv_x, handle, topk_weights=recv_w), x, idx, w))
     torch.cuda.synchronize()
     return "\n".join(m for m in messages if m)
@@ -414,6 +404,41 @@ def _async_counts_worker(rank: int, world: int) -> int:
     return checked
 
 
+def _options_worker(rank: int, world: int) -> list[str]:
+    """Options that differ between ranks are refused, at construction and at a call's first use of a value
+    (before any kernel runs: the buffer stays usable), and a first use during graph capture is refused."""
+    from ep_moe import Buffer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(64, 1024, device=device).to(torch.bfloat16)
+    idx = torch.rand(64, 16, device=device).topk(2, 1).indices
+    w = torch.rand(64, 2, device=device)
+    messages = []
+    with pytest.raises(ValueError) as info:
+        Buffer(backend="native", native_options=NativeOptions(combine_chunks=64 if rank == 1 else 128))
+    messages.append(str(info.value))
+    buf = Buffer(backend="native", native_options=NativeOptions(combine_chunks=64))
+    with pytest.raises(ValueError) as info:
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16,
+                     config=Config(native=NativeOptions(min_chunk_rows=4 if rank == 1 else 8)))
+    messages.append(str(info.value))
+    same = Config(native=NativeOptions(min_chunk_rows=4))
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16, config=same)
+    combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=same)
+    assert torch.equal(combined, buf.combine(recv_x, handle, topk_weights=recv_w)[0])  # the buffer's options
+    torch.cuda.synchronize()
+    graph, unused = torch.cuda.CUDAGraph(), NativeOptions(min_chunk_rows=2)
+    with torch.cuda.graph(graph):
+        doubled = x * 2
+        with pytest.raises(RuntimeError, match="CUDA-graph capture") as info:
+            buf.backend._env_for(unused)
+    messages.append(str(info.value))
+    graph.replay()
+    assert torch.equal(doubled, x * 2) and unused not in buf.backend._envs
+    buf.destroy()
+    return messages
+
+
 # ------------------------------------------------------------------------------------------ tests
 NUM_CASES = int(os.environ.get("EP_MOE_GPU_CASES", "210"))
 
@@ -441,3 +466,13 @@ def test_forced_timeout():
 def test_async_finish_returns_this_calls_counts():
     _need_gpus()
     assert run_distributed(_async_counts_worker, WORLD, backend="nccl", timeout_s=120, join_timeout_s=300) == [4] * WORLD
+
+
+def test_options_must_be_equal_on_every_rank():
+    _need_gpus()
+    messages = run_distributed(_options_worker, WORLD, backend="nccl", timeout_s=120, join_timeout_s=300)
+    construction, call, capture = messages[0]
+    assert all(m == messages[0] for m in messages)  # every rank raises the same errors
+    assert "field 'combine_chunks'" in construction and "64 on rank 1" in construction, construction
+    assert "field 'min_chunk_rows'" in call and "4 on rank 1" in call, call
+    print(capture)

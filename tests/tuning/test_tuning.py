@@ -12,6 +12,7 @@ from fractions import Fraction
 
 import pytest
 
+from ep_moe import NativeOptions
 from ep_moe.tuning import (
     DEEPEP_V2_POLICY,
     FitSample,
@@ -114,7 +115,7 @@ def test_sms_are_even_bounded_and_at_least_two():
             plan = plan_layer(shape, topo, policy=policy)
             assert plan.num_sms % 2 == 0 and 2 <= plan.num_sms <= topo.num_sms, (shape, topo, policy)
             assert plan.num_sms <= (policy.max_sms or topo.num_sms)
-            assert plan.chunk_tokens >= 1 and plan.predicted_dispatch_us > 0 and plan.predicted_combine_us > 0
+            assert plan.predicted_dispatch_us > 0 and plan.predicted_combine_us > 0
 
 
 def test_more_link_bandwidth_needs_more_sms_and_faster_sms_need_fewer():
@@ -186,7 +187,8 @@ def test_plans_of_the_tune_check_workloads():
 
 def test_copy_engine_combine_model():
     load = rank_loads(V3, 2)[0]
-    costs = {ce: intranode_cost(V3, load, "combine", "push_local", peers=1, copy_engine=ce) for ce in (False, True)}
+    costs = {ce: intranode_cost(V3, load, "combine", "push_local", peers=1, copy_engine=ce, native=NativeOptions())
+             for ce in (False, True)}
     assert [p.name for p in costs[False].pools] == ["push", "reduce"]
     assert [(p.name, p.share) for p in costs[True].pools] == [("reduce", 1.0)]
     assert costs[True].nvlink_bytes == costs[False].nvlink_bytes  # the copy engine moves the same bytes
@@ -334,6 +336,11 @@ def test_json_round_trip(tmp_path):
     loaded = load_plans(path)
     assert [p.to_dict() for p in loaded] == [p.to_dict() for p in cache.plans()]
     assert PlanCache.load(path).topology == h100(16)
+    older = json.loads(path.read_text())  # files written before plans dropped their chunk size still load
+    for plan in older["plans"]:
+        plan["chunk_tokens"] = 32
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert [p.to_dict() for p in load_plans(tmp_path / "older.json")] == [p.to_dict() for p in cache.plans()]
     (tmp_path / "bad.json").write_text(json.dumps({"plans": [{"key": "x"}]}))
     with pytest.raises(ValueError, match="malformed"):
         load_plans(tmp_path / "bad.json")
@@ -344,7 +351,7 @@ def test_json_round_trip(tmp_path):
 def test_plan_for_layer_and_table():
     cache = PlanCache(H200X2, Rates.defaults(H200X2))
     plan = plan_for_layer(256, 8, 7168, 4096, "bf16", cache=cache, layer=0)
-    assert plan is cache.plan(V3) and plan.config().num_sms == plan.num_sms
+    assert plan is cache.plan(V3)
     table = cache.table()
     assert "E256 K8 H7168 T4096 bf16" in table and str(plan.num_sms) in table.splitlines()[2]
 
@@ -448,22 +455,30 @@ def test_fit_kernel_recovers_a_synthetic_kernel():
 
 
 def test_push_local_split_follows_the_native_backend(monkeypatch):
+    """The planner models the native kernels' options: the policy's, else the environment's (what a Buffer
+    made without options runs with), read through the same validated parser."""
     from ep_moe.tuning.model import intranode_cost, split_sms
 
-    pools = intranode_cost(V3, rank_loads(V3, 2)[0], "dispatch", "push_local").pools
+    pools = intranode_cost(V3, rank_loads(V3, 2)[0], "dispatch", "push_local", native=NativeOptions()).pools
     assert [p.name for p in pools] == ["push", "local"]
     assert split_sms(pools, 24) == [8.0, 16.0] and split_sms(pools, 4) == [1.0, 3.0] and split_sms(pools, 2) == [1.0, 1.0]
     base = plan_layer(V3, H200X2)
-    monkeypatch.setenv("EP_MOE_DISPATCH_PUSH_FRACTION", "0.1")  # too few pushers for the link: more SMs
-    assert plan_layer(V3, H200X2).num_sms > base.num_sms
-    assert plan_layer(V3, H200X2, policy=PlanPolicy(dispatch_push_fraction=1 / 3)).num_sms == base.num_sms
-    # the backend splits its blocks with the same reading of the variable
-    from ep_moe.tuning.model import env_push_fraction
-
-    assert env_push_fraction("dispatch") == 0.1 and env_push_fraction("combine") == pytest.approx(1 / 3)
-    for bad in ("1.5", "0", "x"):
-        monkeypatch.setenv("EP_MOE_COMBINE_PUSH_FRACTION", bad)
-        assert env_push_fraction("combine") == pytest.approx(1 / 3)
+    few_pushers = PlanPolicy(native=NativeOptions(dispatch_push_fraction=0.1))  # too few for the link: more SMs
+    assert plan_layer(V3, H200X2, policy=few_pushers).num_sms > base.num_sms
+    monkeypatch.setenv("EP_MOE_NATIVE_DISPATCH_PUSH_FRACTION", "0.1")
+    assert plan_layer(V3, H200X2).num_sms == plan_layer(V3, H200X2, policy=few_pushers).num_sms
+    assert plan_layer(V3, H200X2, policy=PlanPolicy(native=NativeOptions())).num_sms == base.num_sms
+    assert PlanPolicy().native_options() == NativeOptions(dispatch_push_fraction=0.1)
+    for bad in ("1.5", "0", "x"):  # raise, never fall back to the default
+        monkeypatch.setenv("EP_MOE_NATIVE_COMBINE_PUSH_FRACTION", bad)
+        with pytest.raises(ValueError, match="EP_MOE_NATIVE_COMBINE_PUSH_FRACTION"):
+            plan_layer(V3, H200X2)
+    monkeypatch.delenv("EP_MOE_NATIVE_COMBINE_PUSH_FRACTION")
+    monkeypatch.setenv("EP_MOE_COMBINE_PUSH_FRACTION", "0.5")
+    with pytest.raises(ValueError, match="renamed to EP_MOE_NATIVE_COMBINE_PUSH_FRACTION"):
+        plan_layer(V3, H200X2)
+    with pytest.raises(ValueError, match="'native'"):
+        PlanPolicy(native={"dispatch_push_fraction": 0.1})
 
 
 def test_pusher_chunks_come_in_rounds():
@@ -482,7 +497,7 @@ def test_pusher_chunks_come_in_rounds():
     small = LayerShape(256, 8, 7168, 512)
     load = rank_loads(small, 2)[0]
     for op in ("dispatch", "combine"):
-        cost = intranode_cost(small, load, op, "push_local", peers=1)
+        cost = intranode_cost(small, load, op, "push_local", peers=1, native=NativeOptions())
         push = cost.pools[0]
         assert push.name == "push" and push.items == 32  # ~510 rows per pair in chunks of 16
         rates = Rates.defaults(H200X2)
@@ -490,5 +505,9 @@ def test_pusher_chunks_come_in_rounds():
                         / push.effective_sms(split_sms(cost.pools, n)[0]) for n in (24, 30, 32)]
         assert push_seconds[0] == push_seconds[1] > push_seconds[2]  # 8 and 10 pushers: 4 rounds; 11: 3
         assert sm_seconds(cost, rates, 30) >= sm_seconds(cost, rates, 32)
-    # EP 4: three peers' chunks share the pushers
-    assert intranode_cost(V3, rank_loads(V3, 4)[0], "dispatch", "push_local", peers=3).pools[0].items == 3 * 64
+    # EP 4: three peers' chunks share the pushers; the chunk counts are the options'
+    ep4 = rank_loads(V3, 4)[0]
+    assert intranode_cost(V3, ep4, "dispatch", "push_local", peers=3, native=NativeOptions()).pools[0].items == 3 * 64
+    fewer = NativeOptions(dispatch_chunks=8, combine_chunks=4)
+    assert [intranode_cost(V3, ep4, op, "push_local", peers=3, native=fewer).pools[0].items
+            for op in ("dispatch", "combine")] == [3 * 8, 3 * 4]
