@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Dispatch/combine benchmark of every backend, on the same routing: the same program as
-``ep-moe bench`` (see ``benchmarks/README.md``; ``--help`` lists the options).
+``ep-moe bench`` (see ``docs/benchmarks.md``; ``--help`` lists the options).
 
     python3 benchmarks/bench_dispatch.py --tokens 128 256 512 1024 2048 4096 8192 16384 --num-sms 8 16 24 32
     torchrun --nproc-per-node 2 benchmarks/bench_dispatch.py --json bench.json

@@ -7,9 +7,7 @@ and in 8 / 16 / 64 pieces, with a ``cuStreamWriteValue64`` flag after each piece
 the native backend's copy-engine calls queue), split over two streams, with the flags on a stream of their own
 (each after an event behind its copy), and beside a local copy on another stream (SM and HBM traffic, as
 the reducers make). A device sleep first lets the host queue everything, so the times are the GPU's.
-2 x H200, 58.7 MB (eighth session): one copy 159.6 us (368 GB/s); 8 / 16 / 64 pieces 182.6 / 205.0 /
-326.5 us; 4 / 8 / 16 pieces with flags 180.8 / 200.7 / 248.4, on 2 streams 175.7 / 189.4 / 226.0; with a
-117 MB local copy alongside 166.0 (1 piece). Flags on their own stream: not yet run.
+Results: docs/native.md.
 """
 
 from __future__ import annotations

@@ -24,13 +24,13 @@ if has build; then
     exit 1
   fi
   echo "build: $((SECONDS - start)) s"
-  python3 -c "import ep_moe.native as n; assert n.extension_available(), n._IMPORT_ERROR; print('native extension imports')" \
+  python3 -c "import ep_moe.native as n; assert n.extension_available(), n.extension_unavailable_reason(); print('native extension imports')" \
     || exit 1
 fi
 
 if has test; then
   start=$SECONDS
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_native_gpu.py -q -s -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/native/test_native_gpu.py -q -s -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} \
     2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -40 || status=1
   echo "tests: $((SECONDS - start)) s (status $status)"
 fi

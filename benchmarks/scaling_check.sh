@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on an nvidia-h200-x4 / -x8 machine for the EP 4/8 issue: build, the native GPU suite at EP N,
+# One device call on a 4- or 8-GPU NVLink machine for the EP 4/8 issue: build, the native GPU suite at EP N,
 # ep-moe bench at DeepEP's workload and 8192 tokens (BF16 + FP8, SM sweep + the tuner's count), the tuner's
 # check at EP N, the Megatron / DeepSpeed layer benchmarks and the GPU training recipe at EP N (the same
 # micro-batch per GPU as at EP 2, so tokens/s should grow with N). Logs and JSON under $OUT.
@@ -25,7 +25,7 @@ if has build; then
   OUT=$OUT/build STEPS=build bash benchmarks/gpu_check.sh 2>&1 | tail -2 || exit 1
 fi
 if has test; then
-  EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/test_native_gpu.py -q -p no:cacheprovider \
+  EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/native/test_native_gpu.py -q -p no:cacheprovider \
     > "$OUT/tests_ep$N.log" 2>&1
   echo "native GPU tests at EP $N: rc $?"; grep -E "passed|failed|Error |assert" "$OUT/tests_ep$N.log" | head -12
 fi

@@ -67,7 +67,8 @@ class Buffer:
             one line saying which and why), ``"native"`` or ``"torch"`` (raise if they cannot run).
         timeout_s: seconds any wait for a peer may last before it raises (naming rank and stage).
         check_inputs: also check values (expert ids in range), which costs a host sync on GPU; skipped
-            during CUDA-graph capture and with ``num_worst_tokens``, where a device assert is used.
+            during CUDA-graph capture and with ``num_worst_tokens`` (no host sync allowed there): the ids are
+            then the caller's responsibility.
         native_options: the native kernels' settings (kept as ``native_options``; a call's
             ``config.native`` overrides them for that call); None: `NativeOptions.from_env`. They must be
             equal on every rank: the native backend checks that here (a `ValueError` naming the field and

@@ -1,4 +1,4 @@
-"""Dispatch layout: which rank and expert every token goes to (DESIGN §2), in plain torch ops.
+"""Dispatch layout: which rank and expert every token goes to (docs/semantics.md), in plain torch ops.
 
 This is the reference implementation and the one the ``torch`` backend uses; the native backend has
 a kernel that must agree with it exactly.

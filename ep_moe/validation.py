@@ -1,5 +1,5 @@
 """Argument checks for dispatch and combine. Every check runs before any communication, and every
-error names the argument and what was expected (DESIGN §2)."""
+error names the argument and what was expected (docs/semantics.md)."""
 
 from __future__ import annotations
 

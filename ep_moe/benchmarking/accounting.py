@@ -1,6 +1,6 @@
 """Bytes moved by dispatch and combine, and the physical floor they imply (pure arithmetic).
 
-Conventions (those of DeepEP's intranode test and of ``shared/GPU.md``):
+Conventions (those of DeepEP's intranode test and of ``docs/benchmarks.md``):
 
 * **DeepEP-counted bytes** of a rank: every row it receives, its own tokens included, times the
   payload of one row (``recv_x.numel() * element_size``; FP8 adds its scales). Combine is counted

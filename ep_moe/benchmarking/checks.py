@@ -56,7 +56,7 @@ def _difference(got: torch.Tensor | None, want: torch.Tensor | None) -> str:
 
 def round_trip_reference(x: torch.Tensor, is_token_in_rank: torch.Tensor) -> torch.Tensor:
     """What ``combine(dispatch(x))`` returns when every rank sends back the rows it received: each
-    token summed once per rank it went to, in fp32, one rank after the other, then cast (DESIGN §2)."""
+    token summed once per rank it went to, in fp32, one rank after the other, then cast (docs/semantics.md)."""
     copies = is_token_in_rank.sum(dim=1)
     acc = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     xf = x.to(acc.dtype)

@@ -50,7 +50,7 @@ from .workload import DTYPES, InputSet, make_input_set, num_input_sets, to_fp8_b
 
 GPU_DEFAULTS = {"tokens": [4096], "hidden": 7168, "experts": 256, "topk": 8}  # DeepEP's intranode test
 CPU_DEFAULTS = {"tokens": [128], "hidden": 256, "experts": 16, "topk": 4}
-DEFAULT_LINK_GBPS = 394.0  # copy-engine peer copy, H200 pair over NV18 (shared/GPU.md)
+DEFAULT_LINK_GBPS = 394.0  # copy-engine peer copy, H200 pair over NV18 (docs/native.md, baselines)
 MAX_INPUT_SETS = 32
 L2_FALLBACK_BYTES = 60 << 20
 
@@ -344,7 +344,7 @@ class _RankBench:
         if not self.cuda:
             return None, "n/a (CPU ranks: no NVLink)"
         if not spec.measure_link:
-            return spec.link_gbps, "given" if spec.link_gbps != DEFAULT_LINK_GBPS else "shared/GPU.md default"
+            return spec.link_gbps, "given" if spec.link_gbps != DEFAULT_LINK_GBPS else "default (2 x H200, NV18)"
         from .link import measure_peer_copy_gbps
 
         values, errors = _collective(self.group, lambda: measure_peer_copy_gbps(self.group, self.device, self.timer))

@@ -1,4 +1,4 @@
-"""Per-layer SM/QP planning from a calibrated bandwidth model (DESIGN section 4).
+"""Per-layer SM/QP planning from a calibrated bandwidth model (docs/native.md).
 
 `plan_layer` turns a layer shape and a `Topology` into a `CommPlan`; `PlanCache` keeps one plan per layer
 shape with overrides (``EP_MOE_NUM_SMS``, ``EP_MOE_PLAN``, a recipe's ``ep_moe`` block) and JSON files;

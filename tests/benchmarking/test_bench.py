@@ -140,7 +140,7 @@ def test_accounting_hand_example():
     assert floor_fraction(0.05, 0.1) == pytest.approx(0.5)
     assert floor_fraction(0.0, 0.1) is None and floor_fraction(None, 1.0) is None
 
-    # DeepEP's workload on 2 H200s (shared/GPU.md): ~4080 of 4096 tokens reach each rank.
+    # DeepEP's workload on 2 H200s (docs/native.md): ~4080 of 4096 tokens reach each rank.
     bf16_row = row_payload_bytes(7168, "bf16")
     assert bf16_row == 14336 and row_payload_bytes(7168, "fp8") == 7392 == bf16_row * (1 + 4 / 128) / 2
     deepep = traffic([[4080, 4080], [4080, 4080]], bf16_row)

@@ -1,5 +1,5 @@
 """Core dispatch/combine on the torch backend over gloo, checked bit for bit against the
-single-process reference (`ep_moe.reference`) on random and adversarial routings (DESIGN §2).
+single-process reference (`ep_moe.reference`) on random and adversarial routings (docs/semantics.md).
 
 Each spawned group (2, 3 and 4 ranks) runs every case of `_cases`; every rank regenerates all
 ranks' inputs from the case seed and checks its own outputs. A mismatch raises at once with the case

@@ -1,5 +1,5 @@
 """Bad input raises a ValueError naming the argument before any communication; a missing peer ends in
-a TimeoutError naming the stage and the rank; backend selection (DESIGN §2, issue 2 items 3-4)."""
+a TimeoutError naming the stage and the rank; backend selection (docs/semantics.md)."""
 
 from __future__ import annotations
 

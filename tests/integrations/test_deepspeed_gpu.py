@@ -8,7 +8,7 @@ Training: per-step losses within 1e-3 nats over 100 steps (differences at the 1e
 Adam keeps at that relative level unless a near-tie in the routing flips; a wrong gradient moves the loss
 by > 1e-2 within a few steps).
 
-Run on the 2-GPU machine: ``python3 -m pytest -q -s -m gpu tests/test_deepspeed_gpu.py``.
+Run on a 2-GPU machine: ``python3 -m pytest -q -s -m gpu tests/integrations/test_deepspeed_gpu.py``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@
   rounding alone gives, so only a real difference in what is computed fails it.
 
 Run on the 2-GPU machine (megatron-core carried as wheels): ``python -m pytest -q -s -m gpu
-tests/test_megatron_gpu.py`` (``EP_MOE_TEST_BACKEND=torch|native`` forces a backend; default "auto").
+tests/integrations/test_megatron_gpu.py`` (``EP_MOE_TEST_BACKEND=torch|native`` forces a backend; default "auto").
 """
 
 from __future__ import annotations

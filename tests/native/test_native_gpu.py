@@ -4,7 +4,7 @@ that every rank holds equal `NativeOptions`. Paths (copy engine, its streams, bu
 per case through ``Config(native=...)`` or ``Buffer(native_options=...)``.
 
 Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``; on 4 or 8 GPUs,
-``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/test_native_gpu.py`` runs every test at that EP size.
+``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/native/test_native_gpu.py`` runs every test at that EP size.
 """
 
 from __future__ import annotations
