@@ -1,9 +1,10 @@
 """The MoE trainer: ``ep-moe train RECIPE.yaml [key=value ...]`` (also ``python -m ep_moe.train``).
 
-Modules: `config` (recipe schema, YAML, overrides), `data` (synthetic topic corpus, text files),
-`schedule` (learning rate), `parallel` (process groups, gradient reduction), `loop` (one rank's
+Modules: `config` (the recipe schema of every engine, YAML, overrides), `data` (synthetic topic corpus,
+text files), `schedule` (learning rate), `parallel` (process groups, gradient reduction), `loop` (one rank's
 training), `checkpoint` (EP-size-independent checkpoints), `metrics` / `plot` (what a user sees),
-`launch` (spawned CPU ranks, torchrun, other engines).
+`launch` (the command: device, checks, ranks through `ep_moe.distributed.launch`), `engines` (the megatron
+and deepspeed recipe runners).
 """
 
 from __future__ import annotations

@@ -1,22 +1,26 @@
-"""Recipe schema, YAML loading and ``key=value`` overrides.
+"""Recipe schema of the three engines, YAML loading and ``key=value`` overrides.
 
-A recipe is a YAML mapping with Megatron-Bridge style sections (``model``, ``train``, ``optimizer``,
-``scheduler``, ``dataset``, ``checkpoint``, ``logger``, ``rng``, ``ep_moe``) plus a top-level ``engine``.
-Every section is a dataclass below; its fields are the only keys accepted. Loading checks each value's
-type and reports problems with the key's full dotted path (``train.global_batch_size``) and, for an
-unknown key, the closest known one. Overrides (``train.train_iters=50``) are parsed as YAML scalars and
-go through the same checks.
+A recipe is a YAML mapping with Megatron-Bridge style sections plus a top-level ``engine``: ``ep_moe``
+(this package's trainer), ``megatron`` (a Megatron-core ``GPTModel``) or ``deepspeed`` (a model trained
+through ``deepspeed.initialize``). Every engine shares the ``train``, ``optimizer``, ``scheduler``,
+``dataset``, ``checkpoint``, ``logger``, ``rng`` and ``ep_moe`` sections; each has its own ``model``
+section, and ``deepspeed`` a ``deepspeed`` section. Every section is a dataclass below; its fields are the
+only keys accepted. Loading checks each value's type and reports problems with the key's full dotted path
+(``train.global_batch_size``) and, for an unknown key, the closest known one. Overrides
+(``train.train_iters=50``) are parsed as YAML scalars and go through the same checks. A shared key that an
+engine does not use is an error when it is set to anything but its default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -29,26 +33,7 @@ class RecipeError(ValueError):
     """A recipe or override that cannot be used; the message names the key's dotted path."""
 
 
-# ---------------------------------------------------------------------------------------------- sections
-@dataclass
-class ModelSection(ModelConfig):
-    """The model: every `ep_moe.layers.ModelConfig` field (same names, types and defaults), plus the
-    expert-parallel size."""
-
-    # Parallelism (not a ModelConfig field): EP groups of this many contiguous ranks.
-    expert_model_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        """No checks here: `validate` checks the recipe and names keys by their dotted path; the
-        trainer's `ModelConfig` checks the model again."""
-
-    def model_config_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments for `ModelConfig` (everything but the parallel sizes)."""
-        kwargs = dataclasses.asdict(self)
-        kwargs.pop("expert_model_parallel_size")
-        return kwargs
-
-
+# ---------------------------------------------------------------------------------------------- shared sections
 @dataclass
 class TrainSection:
     """Batching, length, evaluation cadence, processes and device."""
@@ -69,7 +54,8 @@ class TrainSection:
 
 @dataclass
 class OptimizerSection:
-    """AdamW (decoupled weight decay on matrices; norms, biases and the expert bias are not decayed)."""
+    """AdamW. The ep_moe and megatron engines decay matrices only (not norms, biases or the expert bias);
+    the deepspeed engine hands ``weight_decay`` to DeepSpeed's AdamW for every parameter."""
 
     optimizer: Literal["adamw"] = "adamw"
     lr: float = 3e-3
@@ -81,7 +67,8 @@ class OptimizerSection:
 
 @dataclass
 class SchedulerSection:
-    """Linear warm-up from 0 to ``optimizer.lr``, then cosine/linear decay to ``min_lr`` or constant."""
+    """Linear warm-up from 0 to ``optimizer.lr``, then cosine/linear decay to ``min_lr`` or constant
+    (`ep_moe.train.schedule`, for every engine)."""
 
     lr_warmup_iters: int = 0
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
@@ -101,7 +88,7 @@ class DatasetSection:
     branching: int = 4                # successors per state in each chain
     concentration: float = 1.0        # Dirichlet concentration of the successor probabilities
     # text
-    path: str | None = None           # relative paths are resolved against the recipe's folder, then the cwd
+    path: str | None = None           # relative paths are resolved against the cwd, then the recipe's folder
     tokenizer: Literal["char", "byte"] = "char"
     split: list[float] = field(default_factory=lambda: [0.95, 0.05])   # train, validation fractions
 
@@ -143,28 +130,16 @@ class EpMoeSection:
     num_worst_tokens: int = 0
 
 
-class OutputPaths:
-    """Where a recipe's run writes by default (shared by every engine's recipe class): its ``checkpoint.save``
-    folder, else ``runs/<name>``; needs ``checkpoint.save``, ``logger.metrics_path``, ``logger.plot_path``
-    and ``name``."""
-
-    def output_dir(self) -> str:
-        """Where metrics and the plot go by default: ``checkpoint.save``, else ``runs/<recipe name>``."""
-        return self.checkpoint.save or os.path.join("runs", self.name)
-
-    def metrics_path(self) -> str:
-        return self.logger.metrics_path or os.path.join(self.output_dir(), "metrics.jsonl")
-
-    def plot_path(self) -> str:
-        if self.logger.plot_path:
-            return self.logger.plot_path
-        return os.path.splitext(self.metrics_path())[0] + "_loss.png"
-
-
+# ---------------------------------------------------------------------------------------------- recipes
 @dataclass
-class Recipe(OutputPaths):
+class RecipeBase:
+    """What every engine's recipe has: the shared sections, where the recipe came from, where a run writes.
+
+    Subclasses add ``model`` (and their own sections), narrow ``engine`` to their name, list the shared keys
+    they do not use in ``UNSUPPORTED`` (``dotted key -> why``) and check their own rules in `engine_rules`.
+    """
+
     engine: Literal["ep_moe", "megatron", "deepspeed"] = "ep_moe"
-    model: ModelSection = field(default_factory=ModelSection)
     train: TrainSection = field(default_factory=TrainSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
@@ -178,12 +153,17 @@ class Recipe(OutputPaths):
     # Not a key: the recipe file's name without extension (names the default output folder).
     name: str = field(default="recipe", metadata={"internal": True})
 
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+
+    def engine_rules(self, world_size: int, device: str | None) -> None:
+        """The engine's own cross-field rules (``device``: the resolved device type, None before that)."""
+
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain YAML-able data (what a checkpoint and the metrics header store)."""
         out = dataclasses.asdict(self)
         out.pop("source_dir")
         out.pop("name")
-        return out
+        return {"engine": out.pop("engine"), "model": out.pop("model"), **out}  # the order of a recipe file
 
     # ------------------------------------------------------------------ derived quantities
     @property
@@ -202,6 +182,189 @@ class Recipe(OutputPaths):
         beside_recipe = os.path.join(self.source_dir, expanded)
         return beside_recipe if os.path.exists(beside_recipe) else os.path.abspath(expanded)
 
+    # ------------------------------------------------------------------ outputs
+    def output_dir(self) -> str:
+        """Where metrics and the plot go by default: ``checkpoint.save``, else ``runs/<recipe name>``."""
+        return self.checkpoint.save or os.path.join("runs", self.name)
+
+    def metrics_path(self) -> str:
+        return self.logger.metrics_path or os.path.join(self.output_dir(), "metrics.jsonl")
+
+    def plot_path(self) -> str:
+        if self.logger.plot_path:
+            return self.logger.plot_path
+        return os.path.splitext(self.metrics_path())[0] + "_loss.png"
+
+
+# ------------------------------------------------------------------------------ engine: ep_moe
+@dataclass
+class ModelSection(ModelConfig):
+    """The model: every `ep_moe.layers.ModelConfig` field (same names, types and defaults), plus the
+    expert-parallel size."""
+
+    # Parallelism (not a ModelConfig field): EP groups of this many contiguous ranks.
+    expert_model_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        """No checks here: `validate` checks the recipe and names keys by their dotted path; the
+        trainer's `ModelConfig` checks the model again."""
+
+    def model_config_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for `ModelConfig` (everything but the parallel sizes)."""
+        kwargs = dataclasses.asdict(self)
+        kwargs.pop("expert_model_parallel_size")
+        return kwargs
+
+
+@dataclass
+class Recipe(RecipeBase):
+    """An ``engine: ep_moe`` recipe: the trainer of this package (`ep_moe.train.loop`). Uses every key."""
+
+    engine: Literal["ep_moe"] = "ep_moe"
+    model: ModelSection = field(default_factory=ModelSection)
+
+    def engine_rules(self, world_size: int, device: str | None) -> None:
+        m, e = self.model, self.ep_moe
+        _require(m.ffn_hidden_size >= 1, "model.ffn_hidden_size", f"must be >= 1, got {m.ffn_hidden_size}")
+        if isinstance(m.moe_layer_freq, list):
+            _require(len(m.moe_layer_freq) == m.num_layers and set(m.moe_layer_freq) <= {0, 1},
+                     "model.moe_layer_freq",
+                     f"a list needs one 0/1 flag per layer ({m.num_layers}), got {m.moe_layer_freq}")
+        else:
+            _require(m.moe_layer_freq >= 1, "model.moe_layer_freq", f"must be >= 1, got {m.moe_layer_freq}")
+        _require(e.expert_alignment == 1, "ep_moe.expert_alignment", "the ep_moe engine's experts choose the row "
+                 f"alignment themselves; leave it at 1, got {e.expert_alignment}")
+        _require(not (self.train.precision == "bf16" and m.params_dtype == "bfloat16"), "train.precision",
+                 "bf16 autocast keeps fp32 master weights; leave model.params_dtype at float32")
+
+
+# ------------------------------------------------------------------------------ engines megatron and deepspeed
+@dataclass
+class MoELMSection:
+    """The model fields of the megatron and deepspeed engines (Megatron ``TransformerConfig`` names): a
+    decoder-only LM whose every layer is MoE, plus the expert-parallel size."""
+
+    vocab_size: int = 64
+    seq_length: int = 64
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 2
+    moe_ffn_hidden_size: int = 64
+    num_moe_experts: int = 4
+    moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 0.01
+    init_method_std: float = 0.02
+    expert_model_parallel_size: int = 2
+
+
+# Keys the megatron and deepspeed runners leave alone (the ep_moe trainer's checkpoint and display options).
+_NOT_IN_RUNNERS = {
+    "checkpoint.resume": "no resume",
+    "checkpoint.keep_last": "no checkpoint pruning",
+    "logger.plot_path": "no loss plot",
+    "logger.progress_bar": "no progress bar",
+}
+
+
+@dataclass
+class MegatronModelSection(MoELMSection):
+    """``engine: megatron``: a Megatron-core ``GPTModel`` (local layer spec) whose token dispatcher is
+    ``ep_moe`` (`EpMoELayer`), ``alltoall`` (Megatron's own; CUDA only) or ``flex_deepep`` (Megatron's
+    flex dispatcher on ``ep_moe.compat.deep_ep``)."""
+
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    moe_z_loss_coeff: float | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    moe_token_dispatcher: Literal["ep_moe", "alltoall", "flex_deepep"] = "ep_moe"
+
+
+@dataclass
+class MegatronRecipe(RecipeBase):
+    """An ``engine: megatron`` recipe (`ep_moe.train.engines.megatron`). With ``checkpoint.save`` each rank's
+    final ``state_dict`` is saved; of the ``ep_moe`` block it uses ``dispatcher_backend`` and one ``num_sms``."""
+
+    engine: Literal["megatron"] = "megatron"
+    model: MegatronModelSection = field(default_factory=MegatronModelSection)
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "checkpoint.save_interval": "it saves each rank's final state_dict only",
+        "checkpoint.load": "it starts from its own initialisation",
+        **_NOT_IN_RUNNERS,
+        **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend and ep_moe.num_sms"
+           for key in ("tuning_plan", "expert_alignment", "num_worst_tokens")},
+    }
+
+    def engine_rules(self, world_size: int, device: str | None) -> None:
+        m = self.model
+        if m.moe_shared_expert_intermediate_size is not None:
+            _require(m.moe_shared_expert_intermediate_size >= 1, "model.moe_shared_expert_intermediate_size",
+                     f"must be >= 1 (or null: no shared expert), got {m.moe_shared_expert_intermediate_size}")
+        _require(not isinstance(self.ep_moe.num_sms, list), "ep_moe.num_sms",
+                 f"engine megatron takes one SM count for all layers, got {self.ep_moe.num_sms}")
+        if device == "cpu":
+            _require(m.moe_token_dispatcher != "alltoall", "model.moe_token_dispatcher",
+                     "Megatron's alltoall dispatcher needs CUDA (use ep_moe)")
+            _require(m.position_embedding_type != "rope", "model.position_embedding_type",
+                     "Megatron's rope needs CUDA (use learned_absolute)")
+
+
+@dataclass
+class DeepSpeedModelSection(MoELMSection):
+    """``engine: deepspeed``: a small LM whose MoE layers are DeepSpeed's ``deepspeed.moe.layer.MoE``
+    (``moe_layer: deepspeed``) or ep_moe's drop-in (``moe_layer: ep_moe``), with DeepSpeed ``MoE``
+    arguments under Megatron-style names."""
+
+    moe_layer: Literal["ep_moe", "deepspeed"] = "ep_moe"
+    moe_drop_tokens: bool = False                 # False: dropless; True: DeepSpeed's capacity semantics
+    moe_capacity_factor: float = 1.0
+    moe_eval_capacity_factor: float = 1.0
+    moe_min_capacity: int = 4
+    moe_use_rts: bool = True                      # random token selection when dropping
+    moe_top2_2nd_expert_sampling: bool = True
+    moe_noisy_gate_policy: Literal["None", "Jitter", "RSample"] | None = None
+
+
+@dataclass
+class DeepSpeedSection:
+    """``engine: deepspeed`` only: the ZeRO stage of the generated DeepSpeed config, and extra config."""
+
+    zero_stage: Literal[0, 1, 2] = 2
+    config: dict[str, Any] = field(default_factory=dict)   # merged over the generated DeepSpeed config
+
+
+@dataclass
+class DeepSpeedRecipe(RecipeBase):
+    """An ``engine: deepspeed`` recipe (`ep_moe.train.engines.deepspeed`): evaluates once, at the end;
+    DeepSpeed checkpoints (``checkpoint.save``/``save_interval``/``load``); of the ``ep_moe`` block it uses
+    ``dispatcher_backend``."""
+
+    engine: Literal["deepspeed"] = "deepspeed"
+    model: DeepSpeedModelSection = field(default_factory=DeepSpeedModelSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "train.eval_interval": "it evaluates once, at the end",
+        "train.deterministic": "no deterministic mode",
+        **_NOT_IN_RUNNERS,
+        **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend"
+           for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens")},
+    }
+
+    def engine_rules(self, world_size: int, device: str | None) -> None:
+        m = self.model
+        _require(m.moe_capacity_factor > 0, "model.moe_capacity_factor", f"must be > 0, got {m.moe_capacity_factor}")
+        _require(m.moe_eval_capacity_factor > 0, "model.moe_eval_capacity_factor",
+                 f"must be > 0, got {m.moe_eval_capacity_factor}")
+        _require(m.moe_min_capacity >= 0, "model.moe_min_capacity", f"must be >= 0, got {m.moe_min_capacity}")
+
+
+RECIPE_CLASSES: dict[str, type[RecipeBase]] = {"ep_moe": Recipe, "megatron": MegatronRecipe,
+                                               "deepspeed": DeepSpeedRecipe}
+AnyRecipe = Recipe | MegatronRecipe | DeepSpeedRecipe
+
 
 # ---------------------------------------------------------------------------------------------- typing
 def _type_name(tp: Any) -> str:
@@ -215,6 +378,8 @@ def _type_name(tp: Any) -> str:
         return f"a list of {_type_name(item)}"
     if tp is type(None):
         return "null"
+    if origin is dict:
+        return "a mapping"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -249,6 +414,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, list | tuple):
             raise RecipeError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
         return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # a free-form mapping (another framework's config): string keys, values as given
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise RecipeError(f"{path}: expected a mapping with string keys, got {_describe(value)}")
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -292,7 +461,7 @@ def _unknown_key(path: str, key: str, known: list[str]) -> RecipeError:
 
 def build_section(cls: type, data: Any, path: str = "") -> Any:
     """Build the dataclass ``cls`` from a mapping, checking every key and type; errors name the dotted
-    ``path`` of the offending key. Also used by the engines' own recipe schemas."""
+    ``path`` of the offending key."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -377,16 +546,19 @@ def engine_of(data: dict[str, Any]) -> str:
     return engine
 
 
-def recipe_from_dict(data: dict[str, Any], source_dir: str = ".", name: str = "recipe") -> Recipe:
-    """Check a raw mapping against the schema and the cross-field rules; return the `Recipe`."""
-    recipe = build_section(Recipe, data, "")
+def recipe_from_dict(data: dict[str, Any], source_dir: str = ".", name: str = "recipe") -> AnyRecipe:
+    """Check a raw mapping against its engine's schema (``engine``, default ``ep_moe``) and rules; return
+    that engine's recipe (`Recipe`, `MegatronRecipe` or `DeepSpeedRecipe`)."""
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe: expected a mapping, got {_describe(data)}")
+    recipe = build_section(RECIPE_CLASSES[engine_of(data)], data, "")
     recipe.source_dir = os.path.abspath(source_dir)
     recipe.name = name
     validate(recipe)
     return recipe
 
 
-def load_recipe(path: str, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(path: str, overrides: list[str] | None = None) -> AnyRecipe:
     data = apply_overrides(read_yaml(path), list(overrides or []))
     return recipe_from_dict(data, os.path.dirname(os.path.abspath(path)),
                             os.path.splitext(os.path.basename(path))[0])
@@ -398,14 +570,34 @@ def _require(ok: bool, path: str, message: str) -> None:
         raise RecipeError(f"{path}: {message}")
 
 
-def validate(recipe: Recipe, world_size: int | None = None) -> None:
-    """Cross-field rules. ``world_size`` defaults to ``train.nproc`` (torchrun passes its own)."""
+def validate(recipe: AnyRecipe, world_size: int | None = None, device: str | None = None) -> None:
+    """Every rule of ``recipe``'s engine: shared keys it does not use left at their defaults, the rules
+    shared by all engines, then its own (`RecipeBase.engine_rules`). ``world_size`` defaults to
+    ``train.nproc`` (torchrun passes its own); ``device`` (the resolved ``cpu``/``cuda``) adds the rules
+    that depend on it."""
+    _check_supported(recipe)
+    world = recipe.train.nproc if world_size is None else world_size
+    _shared_rules(recipe, world)
+    recipe.engine_rules(world, device)
+
+
+def _check_supported(recipe: AnyRecipe) -> None:
+    """A shared key the engine does not use must keep its default (it would be silently ignored)."""
+    for path, why in recipe.UNSUPPORTED.items():
+        section_name, key = path.split(".")
+        section = getattr(recipe, section_name)
+        value, default = getattr(section, key), getattr(type(section)(), key)
+        _require(value == default, path, f"engine {recipe.engine} does not support it ({why}); leave it at "
+                 f"{json.dumps(default)}, got {json.dumps(value)}")
+
+
+def _shared_rules(recipe: AnyRecipe, world: int) -> None:
     m, t, o, s, d, c, lg, e = (recipe.model, recipe.train, recipe.optimizer, recipe.scheduler, recipe.dataset,
                                recipe.checkpoint, recipe.logger, recipe.ep_moe)
     for path, value, low in [
         ("model.vocab_size", m.vocab_size, 2), ("model.seq_length", m.seq_length, 1),
         ("model.num_layers", m.num_layers, 1), ("model.hidden_size", m.hidden_size, 1),
-        ("model.num_attention_heads", m.num_attention_heads, 1), ("model.ffn_hidden_size", m.ffn_hidden_size, 1),
+        ("model.num_attention_heads", m.num_attention_heads, 1),
         ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, 1), ("model.num_moe_experts", m.num_moe_experts, 1),
         ("model.moe_router_topk", m.moe_router_topk, 1),
         ("model.expert_model_parallel_size", m.expert_model_parallel_size, 1),
@@ -419,11 +611,6 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
         ("ep_moe.num_worst_tokens", e.num_worst_tokens, 0),
     ]:
         _require(value >= low, path, f"must be >= {low}, got {value}")
-    if isinstance(m.moe_layer_freq, list):
-        _require(len(m.moe_layer_freq) == m.num_layers and set(m.moe_layer_freq) <= {0, 1}, "model.moe_layer_freq",
-                 f"a list needs one 0/1 flag per layer ({m.num_layers}), got {m.moe_layer_freq}")
-    else:
-        _require(m.moe_layer_freq >= 1, "model.moe_layer_freq", f"must be >= 1, got {m.moe_layer_freq}")
     if d.seed is not None:
         _require(d.seed >= 0, "dataset.seed", f"must be >= 0, got {d.seed}")
     _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
@@ -433,7 +620,6 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     ep = m.expert_model_parallel_size
     _require(m.num_moe_experts % ep == 0, "model.expert_model_parallel_size",
              f"must divide model.num_moe_experts={m.num_moe_experts}, got {ep}")
-    world = t.nproc if world_size is None else world_size
     _require(world % ep == 0, "model.expert_model_parallel_size",
              f"must divide the number of ranks ({world}), got {ep}")
     per_step = t.micro_batch_size * world
@@ -465,15 +651,11 @@ def validate(recipe: Recipe, world_size: int | None = None) -> None:
     if t.eval_iters > 0 and d.type == "text":
         _require(d.split[1] > 0, "dataset.split", "needs a validation fraction > 0 when train.eval_iters > 0")
     _require(not c.resume or c.save is not None, "checkpoint.resume", "needs checkpoint.save (where to look)")
-    _require(e.expert_alignment == 1, "ep_moe.expert_alignment",
-             f"the ep_moe engine's experts choose the row alignment themselves; leave it at 1, got {e.expert_alignment}")
     if isinstance(e.num_sms, list):
         _require(all(n >= 0 and n % 2 == 0 for n in e.num_sms), "ep_moe.num_sms",
                  f"must be even numbers >= 0, got {e.num_sms}")
     else:
         _require(e.num_sms >= 0 and e.num_sms % 2 == 0, "ep_moe.num_sms", f"must be even and >= 0, got {e.num_sms}")
-    _require(not (t.precision == "bf16" and m.params_dtype == "bfloat16"), "train.precision",
-             "bf16 autocast keeps fp32 master weights; leave model.params_dtype at float32")
 
 
 def num_moe_layers(model: ModelSection) -> int:
@@ -501,5 +683,5 @@ def per_layer_num_sms(recipe: Recipe) -> list[int]:
     return values
 
 
-def dump_yaml(recipe: Recipe) -> str:
+def dump_yaml(recipe: AnyRecipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

@@ -1,28 +1,32 @@
 """``ep-moe train RECIPE.yaml [key=value ...]``: parse, check, then run the ranks.
 
-* Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set): this process is one rank; NCCL on
-  ``cuda:LOCAL_RANK`` (gloo when the device is the CPU).
-* Otherwise: spawn ``train.nproc`` ranks (gloo on the CPU, NCCL on ``cuda:<rank>`` when the device is CUDA)
-  with `ep_moe.distributed.run_distributed`. Ctrl-C reaches every rank (and is forwarded to them), each
-  finishes its step, a checkpoint is saved, and the command exits with status 130.
-* ``engine: megatron`` / ``engine: deepspeed``: the overrides are applied to the raw recipe and
-  ``ep_moe.train.engines.<engine>.train(recipe)`` runs it.
+The recipe (overrides applied) is parsed by its engine's schema (`ep_moe.train.config`) and checked against
+this job's world size and device before any rank starts. Ranks start through `ep_moe.distributed.launch`,
+for every engine:
+
+* under ``torchrun``: this process is one rank; NCCL on ``cuda:LOCAL_RANK`` (gloo when the device is the
+  CPU);
+* otherwise ``train.nproc`` ranks are spawned (gloo on the CPU, NCCL on ``cuda:<rank>`` when the device is
+  CUDA).
+
+``engine: ep_moe`` runs `ep_moe.train.loop` on each rank: Ctrl-C reaches every rank (and is forwarded to
+them), each finishes its step, a checkpoint is saved, and the command exits with status 130.
+``engine: megatron`` / ``engine: deepspeed``: ``ep_moe.train.engines.<engine>.train(recipe, device)`` runs it.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
-import multiprocessing
-import os
-import signal
+import importlib.util
 import sys
 from typing import Any
 
 import torch
 
-from .config import RecipeError, apply_overrides, engine_of, read_yaml, recipe_from_dict
+from ep_moe.distributed import launch, torchrun_env
+
+from .config import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, per_layer_num_sms, validate
 
 EXTRAS = {"megatron": "megatron", "deepspeed": "deepspeed"}
 
@@ -42,12 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _torchrun_env() -> tuple[int, int, int] | None:
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    return None
-
-
+# ---------------------------------------------------------------------------------------------- device
 def resolve_device(requested: str, nproc: int, under_torchrun: bool) -> str:
     """``auto``: CUDA when there are GPUs enough for the ranks (one per rank), else the CPU."""
     if requested == "cpu":
@@ -62,133 +61,94 @@ def resolve_device(requested: str, nproc: int, under_torchrun: bool) -> str:
     return "cuda" if gpus >= 1 and (under_torchrun or gpus >= nproc) else "cpu"
 
 
-def _spawned_rank(rank: int, world_size: int, recipe_data: dict, source_dir: str, name: str, device: str
-                  ) -> dict[str, Any]:
-    """One spawned rank (module level so that spawn can import it)."""
-    from .loop import result_dict, train_rank
-
-    recipe = recipe_from_dict(recipe_data, source_dir, name)
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    return result_dict(train_rank(recipe, dev))
-
-
-def _forward_signals() -> dict:
-    """In the launcher: pass SIGINT/SIGTERM on to the spawned ranks (they stop cleanly), don't die."""
-    previous = {}
-
-    def forward(signum, frame):
-        for child in multiprocessing.active_children():
-            try:
-                os.kill(child.pid, signum)
-            except ProcessLookupError:
-                pass
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, forward)
-    return previous
-
-
-def run_spawned(recipe, device: str) -> list[dict[str, Any]]:
-    """Spawn ``train.nproc`` ranks and train; returns every rank's result dict."""
-    from ep_moe.distributed import run_distributed
-
-    backend = "nccl" if device == "cuda" else "gloo"
-    previous = _forward_signals()
-    try:
-        return run_distributed(_spawned_rank, recipe.train.nproc, recipe.to_dict(), recipe.source_dir, recipe.name,
-                               device, backend=backend, timeout_s=recipe.train.timeout_s,
-                               join_timeout_s=7 * 24 * 3600.0)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def run_torchrun(recipe, device: str, env: tuple[int, int, int]) -> dict[str, Any]:
-    """This process is rank ``RANK`` of a torchrun job."""
-    import torch.distributed as dist
-
-    from .loop import result_dict, train_rank
-
-    rank, world, local_rank = env
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=recipe.train.timeout_s))
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=recipe.train.timeout_s))
-    try:
-        return result_dict(train_rank(recipe, dev))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_engine(engine: str, data: dict) -> int:
-    """Hand the raw recipe (overrides applied) to ``ep_moe.train.engines.<engine>.train``."""
-    module_name = f"ep_moe.train.engines.{engine}"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RecipeError(f"engine: '{engine}' needs {module_name} and its dependencies, which failed to import "
-                          f"({exc}); install them with: pip install 'ep_moe[{EXTRAS[engine]}]'") from None
-    return int(module.train(data) or 0)
-
-
-def preflight(recipe, world_size: int) -> None:
-    """Fail fast in the launcher with a clear message: the dataset opens, the model config is valid."""
-    from ep_moe.layers.model import ModelConfig
-
-    from .config import per_layer_num_sms, validate
+def prepare(recipe: AnyRecipe) -> str:
+    """The device type of this job (``cpu``/``cuda``), after checking the recipe against the job's world
+    size (torchrun's, else ``train.nproc``) and that device: every engine's rules, and the dataset opens.
+    Raises `RecipeError` naming the key."""
     from .data import build_dataset
 
-    validate(recipe, world_size)
+    env = torchrun_env()
+    world = env.world_size if env is not None else recipe.train.nproc
+    device = resolve_device(recipe.train.device, world, env is not None)
+    validate(recipe, world, device)
+    try:
+        build_dataset(recipe)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+    return device
+
+
+def rank_device(device_type: str) -> torch.device:
+    """This rank's device inside a `launch`-ed job: the GPU its group was joined on, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def require_package(engine: str, package: str, install: str) -> None:
+    """`RecipeError` naming the engine and how to install ``package`` when it cannot be imported."""
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except ImportError:  # a missing parent package
+        found = False
+    if not found:
+        raise RecipeError(f"engine: '{engine}' needs {package}, which is not installed; install it with: {install}")
+
+
+# ---------------------------------------------------------------------------------------------- engine ep_moe
+def _ep_moe_rank(rank: int, world_size: int, recipe: Recipe, device_type: str) -> dict[str, Any]:
+    """One rank of ``engine: ep_moe`` (module level so that spawn can import it)."""
+    from .loop import result_dict, train_rank
+
+    return result_dict(train_rank(recipe, rank_device(device_type)))
+
+
+def preflight_ep_moe(recipe: Recipe) -> None:
+    """``engine: ep_moe`` only: the model config is valid and the SM counts resolve (fail in the launcher)."""
+    from ep_moe.layers.model import ModelConfig
+
     try:
         ModelConfig(**recipe.model.model_config_kwargs())
     except (TypeError, ValueError) as exc:
         raise RecipeError(f"model: {exc}") from None
     per_layer_num_sms(recipe)
+
+
+def run_ep_moe(recipe: Recipe, device_type: str) -> list[dict[str, Any]]:
+    """Train on every rank of the job (SIGINT/SIGTERM forwarded to spawned ranks); every rank's result dict."""
+    return launch(_ep_moe_rank, recipe.train.nproc, recipe, device_type, device_type=device_type,
+                  timeout_s=recipe.train.timeout_s, forward_signals=True)
+
+
+# ---------------------------------------------------------------------------------------------- other engines
+def engine_module(engine: str):
+    """``ep_moe.train.engines.<engine>``; `RecipeError` naming the extra to install when it fails to import."""
+    module_name = f"ep_moe.train.engines.{engine}"
     try:
-        build_dataset(recipe)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from None
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RecipeError(f"engine: '{engine}' needs {module_name} and its dependencies, which failed to import "
+                          f"({exc}); install them with: pip install 'ep_moe[{EXTRAS[engine]}]'") from None
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``ep-moe train``: 0 ok, 1 a rank failed (or missed its target), 2 bad recipe, 130 stopped (ep_moe)."""
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     try:
-        raw = read_yaml(args.recipe)
-        overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
-        data = apply_overrides(raw, overrides)
-        engine = engine_of(data)
-        if engine != "ep_moe":
-            if args.print_config:  # another engine's schema: print the raw recipe with the overrides
-                import yaml
-
-                print(yaml.safe_dump(data, sort_keys=False), end="")
-                return 0
-            return run_engine(engine, data)
-        recipe = recipe_from_dict(data, os.path.dirname(os.path.abspath(args.recipe)),
-                                  os.path.splitext(os.path.basename(args.recipe))[0])
+        recipe = load_recipe(args.recipe, overrides)
         if args.print_config:
-            from .config import dump_yaml
-
             print(dump_yaml(recipe), end="")
             return 0
-        env = _torchrun_env()
-        world = env[1] if env else recipe.train.nproc
-        device = resolve_device(recipe.train.device, world, env is not None)
-        preflight(recipe, world)
+        module = None if recipe.engine == "ep_moe" else engine_module(recipe.engine)
+        device = prepare(recipe)
+        if module is not None:
+            return int(module.train(recipe, device))
+        preflight_ep_moe(recipe)
+        return max(r["exit_code"] for r in run_ep_moe(recipe, device))
     except RecipeError as exc:
         print(f"ep-moe train: {exc}", file=sys.stderr)
         return 2
-    if env is not None:
-        result = run_torchrun(recipe, device, env)
-        return result["exit_code"]
-    try:
-        results = run_spawned(recipe, device)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # spawned ranks failed: their tracebacks are in the message
+        if torchrun_env() is not None:
+            raise  # this rank's own error, with its traceback
         print(f"ep-moe train: {exc}", file=sys.stderr)
         return 1
-    return max(r["exit_code"] for r in results)

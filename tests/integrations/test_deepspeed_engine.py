@@ -49,7 +49,8 @@ RECIPE = {
               "expert_model_parallel_size": 2, "moe_aux_loss_coeff": 0.01, "moe_min_capacity": 1},
     "train": {"global_batch_size": 8, "micro_batch_size": 4, "train_iters": STEPS, "eval_iters": 0, "nproc": 2,
               "device": "cpu"},
-    "optimizer": {"lr": 1e-2, "clip_grad": 1.0},
+    "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "clip_grad": 1.0},
+    "scheduler": {"lr_decay_style": "constant"},
     "dataset": {"num_topics": 2, "branching": 3},
     "logger": {"log_interval": 1000},
     "ep_moe": {"dispatcher_backend": "torch"},
@@ -57,14 +58,16 @@ RECIPE = {
 }
 
 
-def _recipe(tmp: str, name: str, **model) -> dict:
+def _recipe(tmp: str, name: str, **model):
+    from ep_moe.train.config import recipe_from_dict
+
     r = copy.deepcopy(RECIPE)
     r["model"].update(model)
     if _DEVICE.type == "cuda":
         r["train"]["device"] = "cuda"
         r["ep_moe"]["dispatcher_backend"] = "auto"
     r["logger"]["metrics_path"] = os.path.join(tmp, f"{name}.jsonl")
-    return r
+    return recipe_from_dict(r)
 
 
 def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -110,7 +113,7 @@ def _load_into(tmp: str, name: str, source: str, tag: str, want: dict) -> dict:
     """A fresh engine with ``moe_layer=name`` loads the checkpoint in ``source``: parameter difference."""
     from ep_moe.train.engines.deepspeed import setup_engine
 
-    engine, _, _ = setup_engine(_recipe(tmp, f"load-{name}", moe_layer=name), _DEVICE)
+    engine, _ = setup_engine(_recipe(tmp, f"load-{name}", moe_layer=name), _DEVICE)
     before = _param_diff(_params(engine.module), want)
     engine.load_checkpoint(source, tag=tag)
     return {"diff_before_load": before, "diff_after_load": _param_diff(_params(engine.module), want)}

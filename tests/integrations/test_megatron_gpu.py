@@ -117,8 +117,10 @@ def test_ours_and_flex_match_alltoall_on_gpu():
             assert not bad, f"rank {rank} {label}: {bad}"
 
 
-def _recipe(dispatcher: str, metrics_path: str) -> dict:
+def _recipe(dispatcher: str, metrics_path: str):
     import yaml
+
+    from ep_moe.train.config import recipe_from_dict
 
     path = str(locations.RECIPES / "megatron-gpt-moe-ep2.yaml")
     with open(path, encoding="utf-8") as f:
@@ -128,14 +130,14 @@ def _recipe(dispatcher: str, metrics_path: str) -> dict:
     data["train"].update(train_iters=100, eval_interval=0, eval_iters=2, device="cuda", precision="fp32")
     data["checkpoint"] = {"save": None}
     data["logger"] = {"log_interval": 25, "metrics_path": metrics_path}
-    return data
+    return recipe_from_dict(data)
 
 
 def test_recipe_converges_like_alltoall(tmp_path):
     from ep_moe.train.engines.megatron import run
 
-    ours = run(_recipe("ep_moe", str(tmp_path / "ours.jsonl")))[0]
-    theirs = run(_recipe("alltoall", str(tmp_path / "alltoall.jsonl")))[0]
+    ours = run(_recipe("ep_moe", str(tmp_path / "ours.jsonl")), "cuda")[0]
+    theirs = run(_recipe("alltoall", str(tmp_path / "alltoall.jsonl")), "cuda")[0]
     diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
     print(f"step-1 loss {ours['losses'][0]:.6f} vs {theirs['losses'][0]:.6f}; max |dloss| {max(diffs):.4g} "
           f"at step {diffs.index(max(diffs)) + 1}; final eval {ours['eval_loss']:.4f} vs {theirs['eval_loss']:.4f}; "

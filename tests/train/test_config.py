@@ -1,4 +1,5 @@
-"""Recipe schema, overrides and error messages of ``ep-moe train`` (no processes spawned)."""
+"""The recipe schema of every engine (ep_moe, megatron, deepspeed), overrides and error messages of
+``ep-moe train`` (no processes spawned; neither Megatron nor DeepSpeed is needed)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,26 @@ import yaml
 
 from ep_moe.train import main
 from ep_moe.train.config import (
+    DeepSpeedModelSection,
+    DeepSpeedRecipe,
+    MegatronRecipe,
+    Recipe,
     RecipeError,
+    TrainSection,
     apply_overrides,
     engine_of,
     load_recipe,
     parse_override,
     per_layer_num_sms,
     recipe_from_dict,
+    validate,
 )
 from ep_moe.train.schedule import lr_at
 
 ROOT = str(locations.REPO)
 RECIPES = os.path.join(ROOT, "recipes")
-OWN_RECIPES = ["tiny-cpu.yaml", "shakespeare-char.yaml", "small-gpu-ep2.yaml"]
+SHIPPED = {"tiny-cpu.yaml": Recipe, "shakespeare-char.yaml": Recipe, "small-gpu-ep2.yaml": Recipe,
+           "megatron-gpt-moe-ep2.yaml": MegatronRecipe, "deepspeed-moe-ep2.yaml": DeepSpeedRecipe}
 
 
 def _error(data: dict, overrides: list[str] | None = None) -> str:
@@ -33,11 +41,17 @@ def _error(data: dict, overrides: list[str] | None = None) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", OWN_RECIPES)
+def _shipped(name: str) -> dict:
+    with open(os.path.join(RECIPES, name), encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_recipes_load_and_have_a_comment_header(name):
     path = os.path.join(RECIPES, name)
     recipe = load_recipe(path)
-    assert recipe.engine == "ep_moe" and recipe.name == name[:-5]
+    assert type(recipe) is SHIPPED[name] and recipe.name == name[:-5]
+    assert recipe.engine == _shipped(name).get("engine", "ep_moe")
     with open(path, encoding="utf-8") as f:
         assert f.readline().startswith(f"# {name[:-5]}:")
 
@@ -149,7 +163,7 @@ def test_print_config_applies_overrides(capsys):
 
 def test_other_engine_import_failure_names_the_engine_and_the_extra(tmp_path, capsys, monkeypatch):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("engine: megatron\nmodel: {anything: 1}\n")
+    recipe.write_text("engine: megatron\ntrain: {device: cpu}\n")
     monkeypatch.setitem(sys.modules, "ep_moe.train.engines.megatron", None)  # import fails
     assert main([str(recipe)]) == 2
     err = capsys.readouterr().err
@@ -158,19 +172,149 @@ def test_other_engine_import_failure_names_the_engine_and_the_extra(tmp_path, ca
         engine_of({"engine": "megatorn"})
 
 
-def test_other_engine_gets_the_raw_recipe_with_overrides(tmp_path, monkeypatch):
+def test_other_engine_gets_the_parsed_recipe_with_overrides(tmp_path, monkeypatch):
     import types
 
     seen = {}
     fake = types.ModuleType("ep_moe.train.engines.deepspeed")
 
-    def train(recipe: dict) -> int:
-        seen["recipe"] = recipe
+    def train(recipe, device_type: str) -> int:
+        seen["recipe"], seen["device"] = recipe, device_type
         return 0
 
     fake.train = train
     monkeypatch.setitem(sys.modules, "ep_moe.train.engines.deepspeed", fake)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("engine: deepspeed\nmodel: {custom_key: 1}\n")
-    assert main([str(recipe), "model.custom_key=5", "zero.stage=2"]) == 0
-    assert seen["recipe"] == {"engine": "deepspeed", "model": {"custom_key": 5}, "zero": {"stage": 2}}
+    recipe.write_text("engine: deepspeed\nmodel: {moe_min_capacity: 1}\ntrain: {device: cpu}\n")
+    assert main([str(recipe), "model.moe_min_capacity=5", "deepspeed.zero_stage=1"]) == 0
+    parsed = seen["recipe"]
+    assert isinstance(parsed, DeepSpeedRecipe) and seen["device"] == "cpu" and parsed.name == "r"
+    assert (parsed.model.moe_min_capacity, parsed.deepspeed.zero_stage) == (5, 1)
+
+
+# ---------------------------------------------------------------------------------------------- every engine
+# A minimal valid recipe of each engine, and a key of its own model section.
+ENGINE_BASES = {"ep_moe": ({}, "ffn_hidden_size"), "megatron": ({"engine": "megatron"}, "moe_token_dispatcher"),
+                "deepspeed": ({"engine": "deepspeed"}, "moe_layer")}
+
+
+@pytest.mark.parametrize("engine", ENGINE_BASES)
+def test_shared_rules_hold_for_every_engine(engine):
+    base, own_key = ENGINE_BASES[engine]
+    assert recipe_from_dict(base).engine == engine
+    msg = _error(base, ["train.globl_batch_size=8"])
+    assert "unknown key 'train.globl_batch_size'; did you mean 'train.global_batch_size'?" in msg
+    msg = _error(base, [f"model.{own_key[:-1]}=1"])
+    assert f"unknown key 'model.{own_key[:-1]}'; did you mean 'model.{own_key}'?" in msg
+    assert "unknown key 'trian'; did you mean 'train'?" in _error({**base, "trian": {}})
+    assert "model.hidden_size: expected int, got str '32'" in _error(base, ["model.hidden_size='32'"])
+    assert "train.precision: expected one of 'fp32', 'bf16'" in _error(base, ["train.precision=fp16"])
+    assert "optimizer.betas[1]: expected float" in _error({**base, "optimizer": {"betas": [0.9, "x"]}})
+    assert "model.num_moe_experts: must be >= 1, got 0" in _error(base, ["model.num_moe_experts=0"])
+    assert "model.moe_router_topk: must be <= model.num_moe_experts=4" in _error(
+        base, ["model.num_moe_experts=4", "model.moe_router_topk=5"])
+    assert "model.expert_model_parallel_size: must divide model.num_moe_experts=6, got 4" in _error(
+        base, ["model.num_moe_experts=6", "model.expert_model_parallel_size=4", "train.nproc=4"])
+    assert "train.global_batch_size: must be a multiple of train.micro_batch_size x ranks = 4 x 2 = 8" in _error(
+        base, ["train.global_batch_size=10", "train.micro_batch_size=4", "train.nproc=2"])
+    assert "scheduler.min_lr" in _error(base, ["scheduler.min_lr=1.0"])
+    assert "dataset.path: required" in _error(base, ["dataset.type=text"])
+    assert "ep_moe.dispatcher_backend: expected one of 'auto', 'torch', 'native'" in _error(
+        base, ["ep_moe.dispatcher_backend=nvlink"])
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+@pytest.mark.parametrize("override", ["checkpoint.resume=true", "checkpoint.keep_last=0", "logger.plot_path=x.png",
+                                      "logger.progress_bar=false", "ep_moe.num_worst_tokens=64",
+                                      "ep_moe.tuning_plan=plan.yaml", "ep_moe.expert_alignment=16"])
+def test_a_key_the_engine_does_not_use_is_rejected_unless_left_at_its_default(engine, override):
+    key, value = override.split("=")
+    msg = _error(ENGINE_BASES[engine][0], [override])
+    assert msg.startswith(f"{key}: engine {engine} does not support it") and f"got {value}" in msg.replace('"', "")
+
+
+def test_the_ep_moe_engine_uses_every_shared_key():
+    recipe = recipe_from_dict(apply_overrides({}, ["checkpoint.save=out", "checkpoint.resume=true",
+                                                   "checkpoint.keep_last=0", "train.eval_interval=5",
+                                                   "train.deterministic=true", "logger.progress_bar=false"]))
+    assert recipe.checkpoint.keep_last == 0 and recipe.train.deterministic is True
+
+
+def test_print_config_works_for_every_engine(capsys):
+    for name, cls in SHIPPED.items():
+        assert main([os.path.join(RECIPES, name), "train.train_iters=7", "--print-config"]) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["train"]["train_iters"] == 7 and printed["engine"] == cls.__dataclass_fields__[
+            "engine"].default
+        assert recipe_from_dict(printed).to_dict() == printed  # the printed recipe is a complete recipe
+
+
+# ---------------------------------------------------------------------------------------------- megatron
+def test_megatron_recipe_file_and_errors():
+    recipe = load_recipe(os.path.join(RECIPES, "megatron-gpt-moe-ep2.yaml"))
+    assert recipe.model.moe_token_dispatcher == "ep_moe" and recipe.model.expert_model_parallel_size == 2
+    megatron = {"engine": "megatron"}
+    assert "model.moe_router_topk" in _error({**megatron, "model": {"moe_router_topk": 9}})
+    assert "unknown key 'model.moe_dispatcher'" in _error({**megatron, "model": {"moe_dispatcher": "ep_moe"}})
+    assert "model.moe_token_dispatcher: expected one of 'ep_moe', 'alltoall', 'flex_deepep'" in _error(
+        {**megatron, "model": {"moe_token_dispatcher": "allgather"}})
+    assert "unknown key 'deepspeed'" in _error({**megatron, "deepspeed": {"zero_stage": 2}})
+    assert "ep_moe.num_sms: engine megatron takes one SM count for all layers" in _error(
+        megatron, ["ep_moe.num_sms=[8, 8]"])
+    assert "checkpoint.load: engine megatron does not support it" in _error(megatron, ["checkpoint.load=ckpt"])
+    assert recipe_from_dict(apply_overrides(megatron, ["ep_moe.num_sms=8"])).ep_moe.num_sms == 8
+
+
+def test_megatron_device_rules():
+    recipe = recipe_from_dict(apply_overrides({"engine": "megatron"}, ["model.moe_token_dispatcher=alltoall"]))
+    validate(recipe, 2, "cuda")
+    with pytest.raises(RecipeError, match="model.moe_token_dispatcher: Megatron's alltoall dispatcher needs CUDA"):
+        validate(recipe, 2, "cpu")
+    recipe = recipe_from_dict(apply_overrides({"engine": "megatron"}, ["model.position_embedding_type=rope"]))
+    with pytest.raises(RecipeError, match="model.position_embedding_type: Megatron's rope needs CUDA"):
+        validate(recipe, 2, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------- deepspeed
+def test_deepspeed_recipe_file_and_defaults():
+    recipe = load_recipe(os.path.join(RECIPES, "deepspeed-moe-ep2.yaml"))
+    assert recipe.model.moe_layer == "ep_moe" and recipe.model.moe_drop_tokens is False
+    assert recipe.deepspeed.zero_stage == 2 and recipe.deepspeed.config == {}
+    validate(recipe, recipe.train.nproc)
+    bare = recipe_from_dict({"engine": "deepspeed"})
+    assert bare.model == DeepSpeedModelSection() and bare.train == TrainSection()
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"model": {"moe_layer": "deepspeedd"}}, "model.moe_layer: expected one of 'ep_moe', 'deepspeed'"),
+    ({"model": {"moe_drop_tokens": 1}}, "model.moe_drop_tokens: expected bool (true/false), got int 1"),
+    ({"model": {"moe_noisy_gate_policy": "jitter"}},
+     "model.moe_noisy_gate_policy: expected one of 'None', 'Jitter', 'RSample' or null"),
+    ({"model": {"moe_capacity_factor": 0}}, "model.moe_capacity_factor: must be > 0"),
+    ({"deepspeed": {"zero_stage": 3}}, "deepspeed.zero_stage: expected one of 0, 1, 2"),
+    ({"deepspeed": {"config": [1]}}, "deepspeed.config: expected a mapping"),
+    ({"train": {"eval_interval": 10}}, "train.eval_interval: engine deepspeed does not support it"),
+    ({"ep_moe": {"num_sms": 8}}, "ep_moe.num_sms: engine deepspeed does not support it"),
+])
+def test_deepspeed_recipe_errors_name_the_key(patch, message):
+    data = _shipped("deepspeed-moe-ep2.yaml")
+    for section, value in patch.items():
+        data[section] = {**data.get(section, {}), **value}
+    assert message in _error(data)
+
+
+def test_world_size_rules_use_the_job_world():
+    recipe = load_recipe(os.path.join(RECIPES, "deepspeed-moe-ep2.yaml"))  # EP 2, 16 = 8 x 2
+    with pytest.raises(RecipeError, match=r"model.expert_model_parallel_size: must divide the number of ranks \(3\)"):
+        validate(recipe, 3)
+    with pytest.raises(RecipeError, match=r"train.global_batch_size: must be a multiple of .* = 32, got 16"):
+        validate(recipe, 4)
+
+
+def test_cli_rejects_a_bad_recipe_of_another_engine_before_importing_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ep_moe.train.engines.deepspeed", None)  # never imported
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"engine": "deepspeed", "model": {"num_moe_experts": 0}}))
+    assert main([str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "model.num_moe_experts: must be >= 1" in err and "Traceback" not in err

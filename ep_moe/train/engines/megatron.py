@@ -1,138 +1,39 @@
 """``engine: megatron`` recipes: a Megatron-core ``GPTModel`` trained with ep_moe as its token dispatcher.
 
-``ep-moe train recipes/megatron-gpt-moe-ep2.yaml [key=value ...]`` applies the overrides to the YAML and
-calls `train`. The model is Megatron's ``GPTModel`` from the local layer spec (no TransformerEngine):
-every layer is an MoE layer (SequentialMLP experts, `PortableTopKRouter`), attention is
-`SdpaCoreAttention` (torch's ``scaled_dot_product_attention``; Megatron's ``DotProductAttention`` needs
-CUDA). ``model.moe_token_dispatcher`` picks the dispatcher: ``ep_moe`` (`EpMoELayer`), ``alltoall``
-(Megatron's own; CUDA only), or ``flex_deepep`` (Megatron's flex dispatcher on ``ep_moe.compat.deep_ep``).
+The recipe is a `MegatronRecipe` (`ep_moe.train.config`); ``ep-moe train recipes/megatron-gpt-moe-ep2.yaml
+[key=value ...]`` parses and checks it, then calls `train`. The model is Megatron's ``GPTModel`` from the
+local layer spec (no TransformerEngine): every layer is an MoE layer (SequentialMLP experts,
+`PortableTopKRouter`), attention is `SdpaCoreAttention` (torch's ``scaled_dot_product_attention``;
+Megatron's ``DotProductAttention`` needs CUDA). ``model.moe_token_dispatcher`` picks the dispatcher:
+``ep_moe`` (`EpMoELayer`), ``alltoall`` (Megatron's own; CUDA only), or ``flex_deepep`` (Megatron's flex
+dispatcher on ``ep_moe.compat.deep_ep``).
 
-Ranks: spawned (``train.nproc``; gloo on CPU, NCCL with one GPU per rank) or the ``torchrun``
-environment. Data parallel over all ranks, expert parallel over groups of
+Ranks: `ep_moe.distributed.launch` (``train.nproc`` spawned ranks, gloo on CPU, NCCL with one GPU per rank;
+or the ``torchrun`` job). Data parallel over all ranks, expert parallel over groups of
 ``model.expert_model_parallel_size``; dense gradients are averaged over the world, expert gradients summed
 over the expert-data-parallel group and divided by the world size (what Megatron's DDP does), clipped by
-the global norm, then AdamW. Initialisation is independent of the dispatcher and of the EP size (every
-expert's weights come from ``(seed, layer, expert)``), so runs that differ only in the dispatcher start
-identical. Data: the trainer's datasets (`ep_moe.train.data`), so the synthetic corpus' entropy floor is
-known. Outputs (rank 0): ``<checkpoint.save or runs/<name>>/metrics.jsonl`` and, with ``checkpoint.save``,
-each rank's final ``state_dict`` (no resume).
+the global norm, then AdamW with the trainer's learning-rate schedule (`ep_moe.train.schedule`).
+Initialisation is independent of the dispatcher and of the EP size (every expert's weights come from
+``(seed, layer, expert)``), so runs that differ only in the dispatcher start identical. Data: the trainer's
+datasets (`ep_moe.train.data`), so the synthetic corpus' entropy floor is known. Outputs (rank 0):
+``<checkpoint.save or runs/<recipe name>>/metrics.jsonl`` and, with ``checkpoint.save``, each rank's final
+``state_dict`` (no resume).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import importlib
 import json
 import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ep_moe.train.config import (
-    DatasetSection,
-    EpMoeSection,
-    LoggerSection,
-    OptimizerSection,
-    OutputPaths,
-    RecipeError,
-    RngSection,
-    SchedulerSection,
-    TrainSection,
-    build_section,
-)
-
-DISPATCHERS = ("ep_moe", "alltoall", "flex_deepep")
-
-
-# ------------------------------------------------------------------------------------------ schema
-@dataclass
-class MegatronModelSection:
-    """A Megatron ``TransformerConfig`` subset (all layers MoE) plus the expert-parallel size."""
-
-    vocab_size: int = 64
-    seq_length: int = 64
-    num_layers: int = 2
-    hidden_size: int = 32
-    num_attention_heads: int = 2
-    moe_ffn_hidden_size: int = 64
-    num_moe_experts: int = 4
-    moe_router_topk: int = 2
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
-    moe_aux_loss_coeff: float = 0.01
-    moe_z_loss_coeff: float | None = None
-    moe_shared_expert_intermediate_size: int | None = None
-    normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
-    init_method_std: float = 0.02
-    expert_model_parallel_size: int = 2
-    moe_token_dispatcher: Literal["ep_moe", "alltoall", "flex_deepep"] = "ep_moe"
-
-
-@dataclass
-class MegatronCheckpointSection:
-    save: str | None = None  # output folder; with it, each rank's final state_dict is saved there
-
-
-@dataclass
-class MegatronRecipe(OutputPaths):
-    engine: Literal["megatron"] = "megatron"
-    model: MegatronModelSection = field(default_factory=MegatronModelSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
-    dataset: DatasetSection = field(default_factory=DatasetSection)
-    checkpoint: MegatronCheckpointSection = field(default_factory=MegatronCheckpointSection)
-    logger: LoggerSection = field(default_factory=LoggerSection)
-    rng: RngSection = field(default_factory=RngSection)
-    ep_moe: EpMoeSection = field(default_factory=EpMoeSection)
-    name: str = field(default="megatron", metadata={"internal": True})
-
-    def resolve_path(self, path: str) -> str:
-        """An input path of the recipe (``dataset.path``): user-expanded, relative to the working folder."""
-        return os.path.abspath(os.path.expanduser(path))
-
-
-def parse_recipe(data: dict[str, Any], name: str = "megatron") -> MegatronRecipe:
-    """Check a raw ``engine: megatron`` mapping (overrides applied); raise `RecipeError` naming the key."""
-    data = {k: v for k, v in data.items() if k != "name"}
-    recipe = build_section(MegatronRecipe, data, "")
-    recipe.name = name
-    m, t = recipe.model, recipe.train
-    if m.num_moe_experts % m.expert_model_parallel_size:
-        raise RecipeError(f"model.num_moe_experts: {m.num_moe_experts} is not divisible by "
-                          f"model.expert_model_parallel_size={m.expert_model_parallel_size}")
-    if m.hidden_size % m.num_attention_heads:
-        raise RecipeError(f"model.hidden_size: {m.hidden_size} is not divisible by model.num_attention_heads")
-    if not 1 <= m.moe_router_topk <= m.num_moe_experts:
-        raise RecipeError(f"model.moe_router_topk: expected 1..{m.num_moe_experts}, got {m.moe_router_topk}")
-    if t.global_batch_size % t.micro_batch_size:
-        raise RecipeError("train.global_batch_size: must be a multiple of train.micro_batch_size")
-    if recipe.ep_moe.num_worst_tokens or recipe.ep_moe.tuning_plan or recipe.ep_moe.expert_alignment != 1:
-        raise RecipeError("ep_moe: engine megatron uses only ep_moe.dispatcher_backend and ep_moe.num_sms")
-    if isinstance(recipe.ep_moe.num_sms, list):
-        raise RecipeError("ep_moe.num_sms: engine megatron takes one SM count for all layers")
-    return recipe
-
-
-def _check_world(recipe: MegatronRecipe, world: int, device: str) -> None:
-    m, t = recipe.model, recipe.train
-    if world % m.expert_model_parallel_size:
-        raise RecipeError(f"model.expert_model_parallel_size: {m.expert_model_parallel_size} does not divide the "
-                          f"{world} ranks")
-    if t.global_batch_size % (t.micro_batch_size * world):
-        raise RecipeError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size "
-                          f"x ranks = {t.micro_batch_size * world}")
-    if device == "cpu" and m.moe_token_dispatcher == "alltoall":
-        raise RecipeError("model.moe_token_dispatcher: Megatron's alltoall dispatcher needs CUDA (use ep_moe)")
-    if device == "cpu" and m.position_embedding_type == "rope":
-        raise RecipeError("model.position_embedding_type: Megatron's rope needs CUDA (use learned_absolute)")
+from ep_moe.train.config import MegatronRecipe, RecipeError, validate
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -254,31 +155,19 @@ def _sum_grads(params: list[torch.nn.Parameter], group, scale: float) -> None:
         offset += n
 
 
-def _dataset(recipe: MegatronRecipe):
-    """The trainer's dataset for this recipe (``dataset.seed``, else ``rng.seed``)."""
-    from ep_moe.train.data import build_dataset
-
-    if recipe.dataset.type == "text" and not recipe.dataset.path:
-        raise RecipeError("dataset.path: required for dataset.type=text")
-    try:
-        return build_dataset(recipe)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from None
-
-
 def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     """Train on this rank of an initialised process group; returns the run's summary (same on all ranks)."""
     _quiet_megatron()
     from megatron.core import parallel_state
 
     from ep_moe.integrations.megatron import destroy_ep_buffers
-    from ep_moe.train.data import rank_slice
-    from ep_moe.train.schedule import lr_at
+    from ep_moe.train.data import build_dataset, rank_slice
+    from ep_moe.train.schedule import recipe_lr
 
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    m, t, o, s = recipe.model, recipe.train, recipe.optimizer, recipe.scheduler
-    _check_world(recipe, world, device.type)
+    m, t, o = recipe.model, recipe.train, recipe.optimizer
+    validate(recipe, world, device.type)
     if device.type == "cpu":
         # Megatron wraps parts of its MoE code in torch.compile; on CPU that means C++ builds per shape.
         importlib.import_module("torch._dynamo").config.disable = True
@@ -293,7 +182,7 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
         model_parallel_cuda_manual_seed(recipe.rng.seed)
     if t.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    dataset = _dataset(recipe)
+    dataset = build_dataset(recipe)
     model = build_model(recipe, device)
     params = [p for p in model.parameters() if p.requires_grad]
     dense = [p for p in params if not _is_expert(p)]
@@ -310,7 +199,6 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     ep_group = parallel_state.get_expert_model_parallel_group()
     positions = torch.arange(m.seq_length, device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and t.precision == "bf16")
-    decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else t.train_iters
 
     def batch_loss(tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(device)
@@ -346,7 +234,7 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     for step in range(t.train_iters):
         step_started = time.perf_counter()
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, o.lr, s.min_lr, s.lr_warmup_iters, decay_iters, s.lr_decay_style)
+            group["lr"] = recipe_lr(recipe, step)
         batch = dataset.batch("train", step, t.global_batch_size)
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(accum):
@@ -414,45 +302,26 @@ def _quiet_megatron() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 
-def _spawned(rank: int, world: int, data: dict, name: str, device: str) -> dict[str, Any]:
-    _quiet_megatron()
-    recipe = parse_recipe(data, name)
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    return train_rank(recipe, dev)
+def _rank(rank: int, world_size: int, recipe: MegatronRecipe, device_type: str) -> dict[str, Any]:
+    """One rank of the job (module level so that spawn can import it)."""
+    from ep_moe.train.launch import rank_device
+
+    return train_rank(recipe, rank_device(device_type))
 
 
-def run(data: dict[str, Any], name: str = "megatron") -> list[dict[str, Any]] | dict[str, Any]:
-    """Train a raw recipe mapping: under ``torchrun`` this process's summary, else every spawned rank's."""
-    from ep_moe.train.launch import resolve_device
+def run(recipe: MegatronRecipe, device_type: str) -> list[dict[str, Any]]:
+    """Train ``recipe`` on ``device_type`` (``cpu``/``cuda``; see `ep_moe.train.launch.prepare`): every rank's
+    summary (under ``torchrun``, this process's only). Each rank checks the recipe against its group."""
+    from ep_moe.distributed import launch
 
-    recipe = parse_recipe(data, name)
-    env = [os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
-    if all(v is not None for v in env):
-        rank, world, local_rank = (int(v) for v in env)
-        device = resolve_device(recipe.train.device, world, True)
-        _check_world(recipe, world, device)
-        timeout = datetime.timedelta(seconds=recipe.train.timeout_s)
-        if device == "cuda":
-            torch.cuda.set_device(local_rank)
-            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
-                                    device_id=torch.device("cuda", local_rank))
-        else:
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        try:
-            return train_rank(recipe, torch.device(device, local_rank) if device == "cuda" else torch.device("cpu"))
-        finally:
-            dist.destroy_process_group()
-    from ep_moe.distributed import run_distributed
-
-    device = resolve_device(recipe.train.device, recipe.train.nproc, False)
-    _check_world(recipe, recipe.train.nproc, device)
-    return run_distributed(_spawned, recipe.train.nproc, dataclasses.asdict(recipe), name, device,
-                           backend="nccl" if device == "cuda" else "gloo", timeout_s=recipe.train.timeout_s,
-                           join_timeout_s=7 * 24 * 3600.0)
+    return launch(_rank, recipe.train.nproc, recipe, device_type, device_type=device_type,
+                  timeout_s=recipe.train.timeout_s)
 
 
-def train(recipe: dict[str, Any]) -> int:
-    """The trainer's entry point for ``engine: megatron``: train the raw recipe mapping; exit status."""
-    name = recipe.get("name", "megatron") if isinstance(recipe.get("name"), str) else "megatron"
-    run(recipe, name)
+def train(recipe: MegatronRecipe, device_type: str) -> int:
+    """The trainer's entry point for ``engine: megatron`` (rank 0 prints the summary); exit status 0."""
+    from ep_moe.train.launch import require_package
+
+    require_package("megatron", "megatron.core", "pip install 'ep_moe[megatron]'")
+    run(recipe, device_type)
     return 0
