@@ -117,17 +117,30 @@ class RngSection:
 
 @dataclass
 class EpMoeSection:
-    """The ep_moe dispatcher and its (minimal) tuning overrides."""
+    """The ep_moe dispatcher and how its SM counts are decided (`ep_moe.tuning.cache`: explicit counts, else
+    the plan file, else the tuner on the native backend, else the default; ``ep-moe tune RECIPE`` prints the
+    plans the trainer will use)."""
 
     dispatcher_backend: Literal["auto", "torch", "native"] = "auto"
     num_sms: int | list[int] = 0      # SMs for dispatch/combine: one for all MoE layers or one per MoE layer
-    tuning_plan: str | None = None    # YAML/JSON file with ``num_sms: N`` or ``num_sms: [per layer]``
+    #                                   (0 = decided below)
+    tuning_plan: str | None = None    # YAML/JSON file: ``num_sms: N | [per MoE layer]`` or ``ep-moe tune --json``
+    # The tuner's policy (`ep_moe.tuning.PlanPolicy`; None = its default): fewest SMs whose predicted time is
+    # within time_tolerance of the time at knee_cap x the knee, or margin x the knee, within [min_sms, max_sms].
+    min_sms: int | None = None
+    max_sms: int | None = None
+    time_tolerance: float | None = None
+    knee_cap: float | None = None
+    margin: float | None = None
     # The experts choose the row alignment themselves (16 for torch._grouped_mm on CUDA, else 1): the
     # ep_moe engine accepts only the default here.
     expert_alignment: int = 1
     # > 0: fixed-size dispatch, an upper bound on the rows any EP rank receives per micro-batch (at most
     # micro_batch_size * seq_length * expert_model_parallel_size): the dispatch never waits on the host.
     num_worst_tokens: int = 0
+
+
+TUNER_POLICY_KEYS = ("min_sms", "max_sms", "time_tolerance", "knee_cap", "margin")
 
 
 # ---------------------------------------------------------------------------------------------- recipes
@@ -294,7 +307,7 @@ class MegatronRecipe(RecipeBase):
         "checkpoint.load": "it starts from its own initialisation",
         **_NOT_IN_RUNNERS,
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend and ep_moe.num_sms"
-           for key in ("tuning_plan", "expert_alignment", "num_worst_tokens")},
+           for key in ("tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
 
     def engine_rules(self, world_size: int, device: str | None) -> None:
@@ -350,7 +363,7 @@ class DeepSpeedRecipe(RecipeBase):
         "train.deterministic": "no deterministic mode",
         **_NOT_IN_RUNNERS,
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend"
-           for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens")},
+           for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
 
     def engine_rules(self, world_size: int, device: str | None) -> None:
@@ -656,31 +669,6 @@ def _shared_rules(recipe: AnyRecipe, world: int) -> None:
                  f"must be even numbers >= 0, got {e.num_sms}")
     else:
         _require(e.num_sms >= 0 and e.num_sms % 2 == 0, "ep_moe.num_sms", f"must be even and >= 0, got {e.num_sms}")
-
-
-def num_moe_layers(model: ModelSection) -> int:
-    """MoE layers: ``i % moe_layer_freq == 0`` for an int (Megatron's frequency), else the layers flagged 1."""
-    if isinstance(model.moe_layer_freq, list):
-        return sum(model.moe_layer_freq)
-    return sum(1 for i in range(model.num_layers) if i % model.moe_layer_freq == 0)
-
-
-def per_layer_num_sms(recipe: Recipe) -> list[int]:
-    """The SM count of each MoE layer from ``ep_moe.num_sms`` or, when given, ``ep_moe.tuning_plan``."""
-    n_layers = num_moe_layers(recipe.model)
-    source, value = "ep_moe.num_sms", recipe.ep_moe.num_sms
-    if recipe.ep_moe.tuning_plan is not None:
-        path = recipe.resolve_path(recipe.ep_moe.tuning_plan)
-        source = f"ep_moe.tuning_plan ({path})"
-        plan = read_yaml(path)  # JSON is YAML
-        if set(plan) != {"num_sms"}:
-            raise RecipeError(f"{source}: expected exactly one key 'num_sms' (an int or a list per MoE layer), "
-                              f"got keys {sorted(plan)}")
-        value = _coerce(plan["num_sms"], int | list[int], f"{source}: num_sms")
-    values = value if isinstance(value, list) else [value] * n_layers
-    _require(len(values) == n_layers, source, f"needs one entry per MoE layer ({n_layers}), got {len(values)}")
-    _require(all(n >= 0 and n % 2 == 0 for n in values), source, f"must be even numbers >= 0, got {values}")
-    return values
 
 
 def dump_yaml(recipe: AnyRecipe) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from ep_moe.distributed import launch, torchrun_env
 
-from .config import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, per_layer_num_sms, validate
+from .config import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, validate
 
 EXTRAS = {"megatron": "megatron", "deepspeed": "deepspeed"}
 
@@ -102,14 +102,20 @@ def _ep_moe_rank(rank: int, world_size: int, recipe: Recipe, device_type: str) -
 
 
 def preflight_ep_moe(recipe: Recipe) -> None:
-    """``engine: ep_moe`` only: the model config is valid and the SM counts resolve (fail in the launcher)."""
+    """``engine: ep_moe`` only: the model config is valid and the SM counts resolve (fail in the launcher;
+    the ranks pick the tuner's counts, which need the backend, with the same checks)."""
     from ep_moe.layers.model import ModelConfig
+
+    from .parallel import layer_num_sms
 
     try:
         ModelConfig(**recipe.model.model_config_kwargs())
     except (TypeError, ValueError) as exc:
         raise RecipeError(f"model: {exc}") from None
-    per_layer_num_sms(recipe)
+    try:
+        layer_num_sms(recipe, None)
+    except ValueError as exc:
+        raise RecipeError(f"ep_moe: {exc}") from None
 
 
 def run_ep_moe(recipe: Recipe, device_type: str) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import locations
 import pytest
 import yaml
 
+from ep_moe.config import DEFAULT_NUM_SMS
 from ep_moe.train import main
 from ep_moe.train.config import (
     DeepSpeedModelSection,
@@ -23,10 +24,10 @@ from ep_moe.train.config import (
     engine_of,
     load_recipe,
     parse_override,
-    per_layer_num_sms,
     recipe_from_dict,
     validate,
 )
+from ep_moe.train.parallel import layer_num_sms
 from ep_moe.train.schedule import lr_at
 
 ROOT = str(locations.REPO)
@@ -113,21 +114,27 @@ def test_cross_field_rules():
     assert recipe_from_dict(apply_overrides({}, ["ep_moe.num_worst_tokens=64"])).ep_moe.num_worst_tokens == 64
 
 
-def test_per_layer_num_sms_from_the_recipe_or_a_plan_file(tmp_path):
+def test_layer_num_sms_from_the_recipe_or_a_plan_file(tmp_path):
+    """The trainer's SM counts come from the tuner's one parser (`PlanCache.from_recipe`); without a backend
+    that takes SMs, a layer left at 0 gets the default."""
     base = {"model": {"num_layers": 4, "moe_layer_freq": 2}}  # MoE layers 0 and 2
-    assert per_layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=8"]))) == [8, 8]
-    assert per_layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=[8, 16]"]))) == [8, 16]
+    assert layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=8"])), None) == [8, 8]
+    assert layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=[8, 16]"])), None) == [8, 16]
+    assert layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=[8, 0]"])), None) == [8, DEFAULT_NUM_SMS]
     flags = apply_overrides(base, ["model.moe_layer_freq=[0, 1, 1, 1]", "ep_moe.num_sms=[2, 4, 6]"])
-    assert per_layer_num_sms(recipe_from_dict(flags)) == [2, 4, 6]
-    with pytest.raises(RecipeError, match="one entry per MoE layer"):
-        per_layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=[8, 16, 4]"])))
+    assert layer_num_sms(recipe_from_dict(flags), None) == [2, 4, 6]
+    with pytest.raises(ValueError, match=r"one entry per MoE layer \(2\), got 3"):
+        layer_num_sms(recipe_from_dict(apply_overrides(base, ["ep_moe.num_sms=[8, 16, 4]"])), None)
     plan = tmp_path / "plan.json"
     plan.write_text('{"num_sms": [12, 20]}')
     recipe = recipe_from_dict(apply_overrides(base, [f"ep_moe.tuning_plan={plan}"]))
-    assert per_layer_num_sms(recipe) == [12, 20]
+    assert layer_num_sms(recipe, None) == [12, 20]
     plan.write_text('{"sms": 4}')
-    with pytest.raises(RecipeError, match="exactly one key 'num_sms'"):
-        per_layer_num_sms(recipe)
+    with pytest.raises(ValueError, match="'num_sms: N | \\[one per MoE layer\\]'"):
+        layer_num_sms(recipe, None)
+    knee = recipe_from_dict(apply_overrides(base, ["ep_moe.knee_cap=0.5"]))  # the tuner's policy is checked too
+    with pytest.raises(ValueError, match="knee_cap"):
+        layer_num_sms(knee, None)
 
 
 def test_schedule():
