@@ -459,6 +459,8 @@ def test_graph_capture_and_soak():
 
 def test_forced_timeout():
     _need_gpus()
+    if WORLD < 2:
+        pytest.skip("a peer that never arrives needs two or more ranks (EP_MOE_TEST_WORLD >= 2)")
     messages = run_distributed(_timeout_worker, WORLD, backend="nccl", timeout_s=120, join_timeout_s=300)
     print(messages[0])
 
@@ -470,6 +472,8 @@ def test_async_finish_returns_this_calls_counts():
 
 def test_options_must_be_equal_on_every_rank():
     _need_gpus()
+    if WORLD < 2:
+        pytest.skip("options can only differ between two or more ranks (EP_MOE_TEST_WORLD >= 2)")
     messages = run_distributed(_options_worker, WORLD, backend="nccl", timeout_s=120, join_timeout_s=300)
     construction, call, capture = messages[0]
     assert all(m == messages[0] for m in messages)  # every rank raises the same errors
