@@ -166,21 +166,11 @@ class Config(_CoreConfig):
     def _recommended(cls, num_sms: int) -> Config:
         return cls(num_sms, *_RECOMMENDED_CHUNKS)
 
-    @property
-    def num_max_nvl_chunked_send_tokens(self) -> int:
-        return self._deep_ep[0]
-
-    @property
-    def num_max_nvl_chunked_recv_tokens(self) -> int:
-        return self._deep_ep[1]
-
-    @property
-    def num_max_rdma_chunked_send_tokens(self) -> int:
-        return self._deep_ep[2]
-
-    @property
-    def num_max_rdma_chunked_recv_tokens(self) -> int:
-        return self._deep_ep[3]
+    # DeepEP's four chunk sizes, read back as given (ep_moe uses none of them).
+    num_max_nvl_chunked_send_tokens = property(lambda self: self._deep_ep[0])
+    num_max_nvl_chunked_recv_tokens = property(lambda self: self._deep_ep[1])
+    num_max_rdma_chunked_send_tokens = property(lambda self: self._deep_ep[2])
+    num_max_rdma_chunked_recv_tokens = property(lambda self: self._deep_ep[3])
 
     def _ring_bytes(self, hidden_bytes: int, peers: int, rows: int) -> int:
         channels = self.num_sms // 2

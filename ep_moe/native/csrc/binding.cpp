@@ -227,6 +227,20 @@ ep_moe::CopyEngineParams copy_engine_params(const std::vector<int64_t>& streams,
   return ce;
 }
 
+// What dispatch and combine params share: blocks, pusher blocks, the trace buffer and the copy-engine half.
+template <typename Params>
+void set_launch(Params& p, int64_t num_blocks, int64_t num_push_blocks, const OptTensor& trace,
+                const std::vector<int64_t>& copy_engine_streams, int64_t copy_engine_flag_stream,
+                int64_t copy_engine_seq, const OptTensor& copy_engine_go,
+                const std::vector<int64_t>& copy_engine_shares) {
+  p.num_blocks = static_cast<int>(num_blocks);
+  p.num_push_blocks = static_cast<int>(num_push_blocks);
+  p.trace = trace_ptr(trace, num_blocks);
+  p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                                     copy_engine_shares, num_push_blocks);
+  p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
+}
+
 void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::vector<int64_t>& offsets,
               const at::Tensor& rank_prefix_matrix, const at::Tensor& send_list, const at::Tensor& x,
               const OptTensor& scales, const OptTensor& topk_idx, const OptTensor& topk_weights,
@@ -295,12 +309,8 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.expert_alignment = static_cast<int>(expert_alignment);
   p.rows_capacity = rows_capacity;
   p.write_arrival = write_arrival;
-  p.num_blocks = static_cast<int>(num_blocks);
-  p.num_push_blocks = static_cast<int>(num_push_blocks);
-  p.trace = trace_ptr(trace, num_blocks);
-  p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
-                                     copy_engine_shares, num_push_blocks);
-  p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
+  set_launch(p, num_blocks, num_push_blocks, trace, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq,
+             copy_engine_go, copy_engine_shares);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   if (copy_engine_seq == 0) {
     check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
@@ -388,12 +398,8 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.bias0_type = present(bias0) ? elem_type(*bias0, "bias0") : ep_moe::kNone;
   p.bias1_type = present(bias1) ? elem_type(*bias1, "bias1") : ep_moe::kNone;
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
-  p.num_blocks = static_cast<int>(num_blocks);
-  p.num_push_blocks = static_cast<int>(num_push_blocks);
-  p.trace = trace_ptr(trace, num_blocks);
-  p.copy_engine = copy_engine_params(copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
-                                     copy_engine_shares, num_push_blocks);
-  p.copy_engine.trace = copy_engine_trace_ptr(trace, num_blocks, copy_engine_seq);
+  set_launch(p, num_blocks, num_push_blocks, trace, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq,
+             copy_engine_go, copy_engine_shares);
   p.bulk_reduce = bulk_reduce;
   std::vector<int32_t> prefix32;
   if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit
