@@ -1,8 +1,9 @@
-"""``python -m ep_moe.native``: the environment report of ``ep-moe env`` (versions, GPUs, whether the native
-kernels are built, and why not)."""
+"""``python -m ep_moe.native``: whether the native kernels can run here, and why not (`ep_moe.native.report`;
+``ep-moe env`` prints the same and the rest of the installation)."""
 
 import sys
 
-from ep_moe.cli.env import main
+from .report import ITEMS, format_report
 
-sys.exit(main())
+print(format_report(ITEMS), flush=True)
+sys.exit(0)

@@ -1,0 +1,107 @@
+"""``python -m ep_moe.native``: what the native kernels need and whether they can run here.
+
+One ``name: value`` line per item (`ITEMS`): the Python interpreter, torch, CUDA and the GPUs, NCCL, torch's
+symmetric memory, the native extension (built or not, and why not) with ``setup.py``'s build record
+(`ep_moe.native.read_build_record`), and the multicast variables. ``ep-moe env`` (`ep_moe.cli.env`) prints
+these and the rest of the installation. An item that cannot be found out says why instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from .. import native
+from ..distributed import MULTICAST_OFF, nccl_version
+
+Item = tuple[str, Callable[[], str]]
+
+
+def _cuda() -> str:
+    if torch.cuda.is_available():
+        return f"available (torch built for CUDA {torch.version.cuda})"
+    if torch.version.cuda is None:
+        return f"not available (torch {torch.__version__} is a CPU build)"
+    return f"not available (torch built for CUDA {torch.version.cuda}, but no GPU is visible)"
+
+
+def _gpus() -> str:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = [f"{i}: {torch.cuda.get_device_name(i)}" for i in range(count)]
+    return f"{count}" + (f" ({', '.join(names)})" if names else "")
+
+
+def _nccl() -> str:
+    if not torch.cuda.is_available():
+        return "not used (no CUDA)"
+    return nccl_version() or "not in this torch"
+
+
+def _symmetric_memory() -> str:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except Exception as exc:  # any failure means the native backend cannot run
+        return f"torch.distributed._symmetric_memory does not import ({type(exc).__name__}: {exc})"
+    return "torch.distributed._symmetric_memory imports"
+
+
+def _native_kernels() -> str:
+    if native.extension_available():
+        return f"built, imported from {Path(native._C.__file__)}"
+    try:
+        record = native.read_build_record()
+    except ValueError:
+        record = None
+    state = "built but not importable" if record is not None and record["built"] else "not built"
+    return f"{state} ({native.extension_unavailable_reason()})"
+
+
+def _build_record() -> str:
+    try:
+        record = native.read_build_record()
+    except ValueError as exc:
+        return f"unreadable {exc}"
+    if record is None:
+        return f"none ({native.BUILD_RECORD} does not exist)"
+    fields = "".join(f"\n    {key}: {value if isinstance(value, str) else json.dumps(value)}"
+                     for key, value in record.items())
+    return f"{native.BUILD_RECORD}{fields}"
+
+
+def _multicast() -> str:
+    return " ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in MULTICAST_OFF)
+
+
+ITEMS: tuple[Item, ...] = (
+    ("python", lambda: f"{sys.executable} ({platform.python_version()}, prefix {sys.prefix})"),
+    ("torch", lambda: f"{torch.__version__} from {Path(torch.__file__).parent}"),
+    ("CUDA", _cuda),
+    ("GPUs", _gpus),
+    ("NCCL", _nccl),
+    ("symmetric memory", _symmetric_memory),
+    ("native kernels", _native_kernels),
+    ("build record", _build_record),
+    ("multicast", _multicast),
+)
+
+
+def format_report(items: Sequence[Item]) -> str:
+    """One ``name: value`` line per item (a value may continue on indented lines); an item whose probe raises
+    says so instead of stopping the report."""
+    lines = []
+    for name, probe in items:
+        try:
+            value = probe()
+        except Exception as exc:  # one broken probe must not hide the rest of the report
+            value = f"could not be determined ({type(exc).__name__}: {exc})"
+        lines.append(f"{name + ':':<19}{value}")
+    return "\n".join(lines)
+
+
+__all__ = ["ITEMS", "format_report"]
