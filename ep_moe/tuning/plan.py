@@ -43,11 +43,9 @@ class PlanPolicy:
             ``time_tolerance`` of the time at the reference count: ``knee_cap`` x the knee (``max_sms`` when
             ``knee_cap`` is None or nothing crosses a link).
         time_tolerance, knee_cap: see ``margin``. Past the knee a kernel gains only SM-side latency, which the
-            fitted curve extrapolates poorly (on 2 x H200 it predicted 10 % from 40 to 74 SMs where 1.3 % was
-            measured), so the reference stays near the knee; 1.6 x reaches the next drop in the pushers'
-            chunk rounds (16 pushers take 64 chunks in 4 rounds), which 2 x H200 measured 5-8 % faster at
-            48 SMs than at 40-46 (three sweeps of benchmarks/tune_check.py: the plan meets the check in all
-            nine workload runs at 1.4 and 1.6, in eight at 1.25).
+            fitted curve extrapolates poorly, so the reference stays near the knee; 1.6 x reaches the next drop
+            in the pushers' chunk rounds (16 pushers take 64 chunks in 4 rounds). The sweeps that chose these
+            values are in docs/native.md (tuner).
         min_sms: lower bound (even). max_sms: upper bound (default: the device's SMs).
         hybrid: multi-node mode: hybrid (RDMA to the same-index GPU, then NVLink) or direct.
         num_allocated_qps: cap on QPs (None = no cap).
