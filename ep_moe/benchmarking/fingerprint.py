@@ -1,0 +1,77 @@
+"""Order-sensitive fingerprints of tensors, computed on their device with no host sync.
+
+A fingerprint lets a benchmark or a soak test check every call it makes without keeping every output:
+after a call, ``fingerprint(*outputs)`` queues a few reductions on the current stream and returns a small
+int64 tensor; the host compares the collected fingerprints with the expected ones once, at the end.
+
+Each tensor's bytes are read as 32-bit words ``w_i`` (zero-padded to a multiple of 4 bytes) and summed as
+``sum_i w_i * c_i`` in int64, where ``c_i`` is odd and pseudo-random in the position ``i``; integer sums wrap
+modulo 2**64 whatever the order of the reduction, so the value is deterministic on every device; the shape
+and dtype are added in (a CRC of their text). Any single changed word changes it (``c_i`` is odd), and so
+does swapping two different words (``c_i != c_j``). Equal fingerprints are not a proof of equal bits, but a
+stale, zeroed, reordered or partly written output changes them except with probability about 2**-64.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+_MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Knuth's golden-ratio hash)
+_coefficients: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as int64 values of its 32-bit words (little-endian, zero-padded)."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.numel() % 4:
+        data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
+    return data.view(torch.int32).to(torch.int64)
+
+
+def _coefficients_for(count: int, device: torch.device) -> torch.Tensor:
+    key = (count, device)
+    if key not in _coefficients:
+        position = torch.arange(count, dtype=torch.int64, device=device)
+        _coefficients[key] = (position * _MULTIPLIER) | 1  # odd, different for every position
+    return _coefficients[key]
+
+
+def fingerprint(*tensors: torch.Tensor | None) -> torch.Tensor:
+    """``[len(tensors)]`` int64 on the tensors' device (all on one device): one order-sensitive fingerprint per
+    tensor (0 for None or an empty tensor). Queued on the current stream; nothing waits for the device."""
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"fingerprint: argument 'tensors' must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    values = []
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            values.append(torch.zeros((), dtype=torch.int64, device=device))
+            continue
+        words = _words(t)
+        layout = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
+        values.append((words * _coefficients_for(words.numel(), device)).sum() + layout)
+    return torch.stack(values)
+
+
+def fingerprint_of(value, device: torch.device) -> tuple[torch.Tensor, tuple]:
+    """What a call returned, for a later comparison, without waiting for ``device``: ``(fingerprint of every
+    tensor on device, every other item as plain host data)``. ``value``: a tensor, None, an int, a list of
+    ints, or a (nested) tuple or list of these; tensors elsewhere (host counts) become lists."""
+    on_device, host = [], []
+
+    def walk(item) -> None:
+        if isinstance(item, torch.Tensor):
+            (on_device if item.device == device else host).append(item if item.device == device else item.tolist())
+        elif isinstance(item, tuple | list) and not all(isinstance(v, int) for v in item):
+            for v in item:
+                walk(v)
+        elif item is None:
+            on_device.append(None)
+        else:
+            host.append(list(item) if isinstance(item, tuple | list) else item)
+
+    walk(value)
+    return fingerprint(*on_device) if on_device else torch.zeros(0, dtype=torch.int64, device=device), tuple(host)

@@ -1,0 +1,35 @@
+"""`ep_moe.benchmarking.fingerprint`: equal outputs agree; a changed, stale, zeroed, reordered, reshaped or
+retyped one does not; host items are kept as data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_moe.benchmarking.fingerprint import fingerprint, fingerprint_of
+
+
+def test_equal_outputs_agree_and_every_kind_of_wrong_one_differs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    same = fingerprint(x.clone())
+    assert torch.equal(fingerprint(x), same)
+    changed = x.clone()
+    changed[17, 5] = changed[17, 5] + 1
+    stale = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    wrong = {"one element": changed, "another input's output": stale, "zeros": torch.zeros_like(x),
+             "rows swapped": x[[1, 0, *range(2, 64)]], "reshaped": x.reshape(48, 64),
+             "other dtype, same bytes": x.view(torch.int16), "a prefix": x[:63]}
+    for what, other in wrong.items():
+        assert not torch.equal(fingerprint(other), same), what
+    assert fingerprint(None, torch.zeros(0)).tolist() == [0, 0]
+    odd = torch.arange(7, dtype=torch.uint8)  # 7 bytes: padded to whole words
+    assert not torch.equal(fingerprint(odd), fingerprint(torch.arange(8, dtype=torch.uint8)))
+
+
+def test_fingerprint_of_keeps_host_items_as_data():
+    x, idx = torch.randn(4, 8), torch.arange(6).view(2, 3)
+    device_part, host = fingerprint_of((x, (idx, None), [3, 1, 2], 5), torch.device("cpu"))
+    assert torch.equal(device_part, fingerprint(x, idx, None)) and host == ([3, 1, 2], 5)
+    with pytest.raises(ValueError, match="one device"):
+        fingerprint(x, torch.empty(1, device="meta"))
