@@ -34,6 +34,8 @@ class ModelConfig:
     """Model and MoE hyper-parameters (Megatron-core ``TransformerConfig`` names).
 
     ``moe_layer_freq``: an int N (MoE in layers 0, N, 2N, ...) or a list of 0/1 per layer.
+    ``hidden_dropout`` (on both residual branches) and ``attention_dropout`` (on the attention probabilities)
+    apply in training mode only; they draw from torch's global RNG of the device (CPU or CUDA).
     Extras beyond the first block: ``moe_router_pre_softmax`` (softmax over all experts, no
     renormalisation over the top-k), ``moe_shared_expert_gate`` (sigmoid gate on the shared expert),
     ``moe_grouped_gemm`` (False: always the per-expert loop), ``untie_embeddings_and_output_weights``.
@@ -63,6 +65,8 @@ class ModelConfig:
     rotary_base: float = 10000.0
     init_method_std: float = 0.02
     norm_epsilon: float = 1e-5
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     # extras
     moe_router_pre_softmax: bool = False
@@ -112,6 +116,9 @@ class ModelConfig:
             raise bad("moe_aux_loss_coeff", "non-negative (and moe_z_loss_coeff too)")
         if self.moe_shared_expert_intermediate_size is not None and self.moe_shared_expert_intermediate_size < 0:
             raise bad("moe_shared_expert_intermediate_size", "None or >= 0")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise bad(name, "in [0, 1)")
         if self.norm_epsilon <= 0 or self.init_method_std <= 0 or self.rotary_base <= 0:
             raise bad("norm_epsilon", "> 0 (and init_method_std, rotary_base too)")
 
@@ -179,6 +186,7 @@ class Attention(nn.Module):
         self.output_init_std = scaled_output_std(config.init_method_std, config.num_layers)
         self.wqkv = nn.Parameter(torch.empty(3 * h, h, dtype=dtype))
         self.wo = nn.Parameter(torch.empty(h, h, dtype=dtype))
+        self.dropout = config.attention_dropout
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -189,7 +197,7 @@ class Attention(nn.Module):
         b, s, h = x.shape
         q, k, v = F.linear(x, self.wqkv).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return F.linear(out.transpose(1, 2).reshape(b, s, h), self.wo)
 
 
@@ -200,6 +208,7 @@ class TransformerBlock(nn.Module):
                  num_worst_tokens: int = 0) -> None:
         super().__init__()
         dtype = config.torch_dtype
+        self.hidden_dropout = config.hidden_dropout
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
@@ -213,9 +222,9 @@ class TransformerBlock(nn.Module):
                               scaled_output_std(config.init_method_std, config.num_layers))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + F.dropout(self.attn(self.attn_norm(x), cos, sin), self.hidden_dropout, self.training)
         ffn = self.moe if self.moe is not None else self.mlp
-        return x + ffn(self.ffn_norm(x))
+        return x + F.dropout(ffn(self.ffn_norm(x)), self.hidden_dropout, self.training)
 
 
 class MoETransformer(nn.Module):

@@ -127,7 +127,7 @@ def _topk(tokens, experts, topk, seed, with_none=True):
 def test_local_dispatcher_round_trip_matches_dense(alignment):
     num_experts, tokens, topk = 6, 19, 3
     idx, weights = _topk(tokens, num_experts, topk, seed=alignment)
-    x = torch.randn(tokens, 16)
+    x = torch.randint(-8, 9, (tokens, 16)).float()  # small integers: the sums below are exact
     d = LocalTokenDispatcher(num_experts, alignment)
     expert_input, probs, counts, ctx = d.dispatch(x, idx, weights)
     assert counts.dtype == torch.int64 and counts.shape == (num_experts,)
@@ -143,9 +143,19 @@ def test_local_dispatcher_round_trip_matches_dense(alignment):
             else:
                 assert not expert_input[start + j].any() and probs[start + j] == 0
         start += c
+    # combine sums each token's rows: slot s carries x[t] * (s + 1), so token t gets x[t] * (sum of its slots + 1)
     scale = torch.arange(1, expert_input.shape[0] + 1, dtype=torch.float32).unsqueeze(1)
     out = d.combine(expert_input * scale, ctx)
-    assert out.shape == x.shape and not out[0].any()
+    slot_sum = torch.zeros(tokens)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        routed = [t for t in range(tokens) for k in range(topk) if idx[t, k] == e]
+        for j, t in enumerate(routed):
+            slot_sum[t] += start + j + 1
+        start += c
+    want = x * slot_sum.unsqueeze(1)
+    assert out.shape == x.shape and not out[0].any()  # token 0 has no expert
+    assert torch.equal(out, want)
 
 
 def _layer(config, **kw):

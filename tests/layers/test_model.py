@@ -38,6 +38,24 @@ def test_sm_counts_are_given_per_moe_layer_at_construction():
         MoETransformer(ModelConfig(**SMALL, moe_layer_freq=[1, 0, 1]), num_sms=[8, 12, 16])
 
 
+def test_dropout_draws_in_training_only():
+    ids = _ids()
+    plain = MoETransformer(ModelConfig(**SMALL), seed=2)
+    dropped = MoETransformer(ModelConfig(**SMALL, hidden_dropout=0.3, attention_dropout=0.3), seed=2)
+    plain.eval(), dropped.eval()
+    assert torch.equal(dropped(ids).logits, plain(ids).logits)  # eval: no dropout
+    dropped.train()
+    torch.manual_seed(0)
+    first = dropped(ids).logits
+    torch.manual_seed(0)
+    assert torch.equal(dropped(ids).logits, first)  # the same RNG state, the same masks
+    assert not torch.equal(dropped(ids).logits, first)  # the next draw differs
+    with pytest.raises(ValueError, match="hidden_dropout"):
+        ModelConfig(**SMALL, hidden_dropout=1.0)
+    with pytest.raises(ValueError, match="attention_dropout"):
+        ModelConfig(**SMALL, attention_dropout=-0.1)
+
+
 def test_init_depends_on_seed_only_not_on_global_rng():
     torch.manual_seed(0)
     a = MoETransformer(ModelConfig(**SMALL), seed=5)

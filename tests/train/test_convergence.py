@@ -20,8 +20,11 @@ ROOT = str(locations.REPO)
 TINY = os.path.join(ROOT, "recipes", "tiny-cpu.yaml")
 STEPS = 150          # the shortened tiny recipe: half the steps, the same target (within 0.10 of the floor)
 RESUMED_STEPS = 30   # the interrupted run's length (its schedule is the 150-step one)
+# Dropout makes every step draw from the RNG, so a resume that did not restore the RNG state would not
+# reproduce the losses.
 COMMON = [f"train.train_iters={STEPS}", f"scheduler.lr_decay_iters={STEPS}", "logger.progress_bar=false",
-          "checkpoint.save_interval=5", "train.eval_interval=0"]
+          "checkpoint.save_interval=5", "train.eval_interval=0", "model.hidden_dropout=0.05",
+          "model.attention_dropout=0.05"]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
