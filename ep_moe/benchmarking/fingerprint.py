@@ -40,18 +40,22 @@ def _coefficients_for(count: int, device: torch.device) -> torch.Tensor:
 
 def fingerprint(*tensors: torch.Tensor | None) -> torch.Tensor:
     """``[len(tensors)]`` int64 on the tensors' device (all on one device): one order-sensitive fingerprint per
-    tensor (0 for None or an empty tensor). Queued on the current stream; nothing waits for the device."""
+    tensor (0 for None; an empty tensor's depends on its shape and dtype only). Queued on the current stream;
+    nothing waits for the device."""
     devices = {t.device for t in tensors if t is not None}
     if len(devices) > 1:
         raise ValueError(f"fingerprint: argument 'tensors' must be on one device, got {sorted(map(str, devices))}")
     device = devices.pop() if devices else torch.device("cpu")
     values = []
     for t in tensors:
-        if t is None or t.numel() == 0:
+        if t is None:
             values.append(torch.zeros((), dtype=torch.int64, device=device))
             continue
+        layout = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())  # empty tensors of other shapes differ too
+        if t.numel() == 0:
+            values.append(torch.full((), layout, dtype=torch.int64, device=device))
+            continue
         words = _words(t)
-        layout = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode())
         values.append((words * _coefficients_for(words.numel(), device)).sum() + layout)
     return torch.stack(values)
 
