@@ -88,6 +88,22 @@ def make_inputs(case: dict, rank: int, world: int, device, seed: int):
     return data, idx, weights
 
 
+def make_combine_inputs(case: dict, rows: int, num_tokens: int, rank: int, device, seed: int):
+    """``(y, bias)`` of a combine in ``case``: ``y [rows, hidden]`` random in the dispatch dtype (bf16 for FP8)
+    and the biases ``case["bias"]`` asks for (0: None, 1: one ``[num_tokens, hidden]`` of y's dtype, 2: a pair,
+    fp32 then y's dtype)."""
+    y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(seed * 31 + rank)
+    y = torch.randn(rows, case["hidden"], generator=g, device=device).to(y_dtype)
+    bias = None
+    if case["bias"] == 1:
+        bias = torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype)
+    elif case["bias"] == 2:
+        bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
+                torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
+    return y, bias
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A view whose equality is bit equality (NaN-safe)."""
     if t.dtype in (torch.int32, torch.int64, torch.bool, torch.uint8):
@@ -200,16 +216,7 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
 
     # combine: y in the dispatch dtype (bf16 for FP8), weights, optional biases of either dtype
     rows = rx_r[0].shape[0] if isinstance(rx_r, tuple) else rx_r.shape[0]
-    y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
-    g = torch.Generator(device=device).manual_seed(index * 31 + rank)
-    y = torch.randn(rows, case["hidden"], generator=g, device=device).to(y_dtype)
-    num_tokens = x.shape[0]
-    bias = None
-    if case["bias"] == 1:
-        bias = torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype)
-    elif case["bias"] == 2:
-        bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
-                torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
+    y, bias = make_combine_inputs(case, rows, x.shape[0], rank, device, seed=index)
     c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
     c_r, cw_r, _ = ref.combine(y, h_r, topk_weights=rw_r, bias=bias, config=config)
     assert_bits_equal(f"{label} combined", c_n, c_r)
