@@ -1,10 +1,17 @@
 """GPU tests of the native backend: bit-for-bit equality with the torch (NCCL) backend, cached dispatch,
-num_worst_tokens, CUDA-graph capture, long runs without memory growth, the forced timeout, and the check
-that every rank holds equal `NativeOptions`. Paths (copy engine, its streams, bulk-copy reducers) are forced
-per case through ``Config(native=...)`` or ``Buffer(native_options=...)``.
+num_worst_tokens, CUDA-graph capture, long runs without memory growth, a back-to-back soak, the forced
+timeout, and the check that every rank holds equal `NativeOptions`. Paths (copy engine, its streams,
+bulk-copy reducers) are forced per case through ``Config(native=...)`` or ``Buffer(native_options=...)``.
 
-Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``; on 4 or 8 GPUs,
-``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/native/test_native_gpu.py`` runs every test at that EP size.
+The back-to-back soak checks the regime ``ep-moe bench`` times and training runs: thousands of calls of
+each op (exact-size, cached and fixed-size dispatch, combine) queued with no host sync between them but the
+one an exact-size dispatch makes by design (it reads the counts that size its outputs), each call on the
+next of ten input sets, its outputs fingerprinted on the device (`ep_moe.benchmarking.fingerprint`) and
+compared at the end with the torch backend's on that set; with pushers, then with the copy engine.
+
+Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``.
+``EP_MOE_TEST_WORLD`` sets the ranks (GPUs) of every test: 1 runs on one GPU (tests that need a peer skip,
+saying why), 4 or 8 on more, e.g. ``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/native/test_native_gpu.py``.
 """
 
 from __future__ import annotations
@@ -12,11 +19,13 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from ep_moe import Config, NativeOptions, native
+from ep_moe.benchmarking.fingerprint import fingerprint_of
 from ep_moe.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -86,6 +95,22 @@ def make_inputs(case: dict, rank: int, world: int, device, seed: int):
         dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float32
         data = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
     return data, idx, weights
+
+
+def make_combine_inputs(case: dict, rows: int, num_tokens: int, rank: int, device, seed: int):
+    """``(y, bias)`` of a combine in ``case``: ``y [rows, hidden]`` random in the dispatch dtype (bf16 for FP8)
+    and the biases ``case["bias"]`` asks for (0: None, 1: one ``[num_tokens, hidden]`` of y's dtype, 2: a pair,
+    fp32 then y's dtype)."""
+    y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(seed * 31 + rank)
+    y = torch.randn(rows, case["hidden"], generator=g, device=device).to(y_dtype)
+    bias = None
+    if case["bias"] == 1:
+        bias = torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype)
+    elif case["bias"] == 2:
+        bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
+                torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
+    return y, bias
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -200,16 +225,7 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
 
     # combine: y in the dispatch dtype (bf16 for FP8), weights, optional biases of either dtype
     rows = rx_r[0].shape[0] if isinstance(rx_r, tuple) else rx_r.shape[0]
-    y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
-    g = torch.Generator(device=device).manual_seed(index * 31 + rank)
-    y = torch.randn(rows, case["hidden"], generator=g, device=device).to(y_dtype)
-    num_tokens = x.shape[0]
-    bias = None
-    if case["bias"] == 1:
-        bias = torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype)
-    elif case["bias"] == 2:
-        bias = (torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(torch.float32),
-                torch.randn(num_tokens, case["hidden"], generator=g, device=device).to(y_dtype))
+    y, bias = make_combine_inputs(case, rows, x.shape[0], rank, device, seed=index)
     c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
     c_r, cw_r, _ = ref.combine(y, h_r, topk_weights=rw_r, bias=bias, config=config)
     assert_bits_equal(f"{label} combined", c_n, c_r)
@@ -439,6 +455,226 @@ def _options_worker(rank: int, world: int) -> list[str]:
     return messages
 
 
+# ------------------------------------------------------------------------------------------ back-to-back soak
+# The soak's input sets: random routings and adversarial ones (no expert at all, one expert, one rank's
+# experts so that the others receive nothing, a rank without tokens)
+SOAK_ROUTINGS = ("random", "random", "random_gaps", "none", "one_expert", "one_rank", "rank0_empty", "skewed",
+                 "random", "random_gaps")
+
+
+def make_soak_case(index: int) -> dict:
+    """The shape of the soak's set ``index`` (the same on every rank): routing ``SOAK_ROUTINGS[index]``, BF16
+    rows and FP8 pairs in turn, hidden a multiple of 128 (the FP8 scales' block), 256-1024 tokens per rank,
+    and its own top-k, experts, alignment, biases and SM count."""
+    rng = random.Random(1000 + index)
+    return dict(
+        routing=SOAK_ROUTINGS[index], dtype=("bf16", "fp8")[index % 2], hidden=rng.choice([1024, 1152, 1536, 2048]),
+        tokens=rng.choice([256, 384, 777, 1000, 1024]), topk=rng.choice([1, 2, 4, 6, 8]),
+        experts=rng.choice([8, 16, 64, 256]), alignment=rng.choice([1, 1, 8, 128]), bias=rng.choice([0, 1, 2]),
+        uneven=rng.random() < 0.5, num_sms=rng.choice([2, 8, 16, 24, 33]))
+
+
+# "dispatch": exact-size fresh dispatch (layout tensors given); "fixed": fresh dispatch with num_worst_tokens
+# (layout computed in the call); "cached"/"cached_fixed": cached dispatch of other rows through the set's
+# latest exact/fixed handle; "combine"/"combine_fixed": combine (weights, the set's biases) through that
+# handle, whose padding rows (fixed) hold random rows that must be ignored.
+SOAK_OPS = ("dispatch", "cached", "combine", "fixed", "cached_fixed", "combine_fixed")
+SOAK_ITERATIONS = 2000  # calls of each op in its own phase, and rounds of the interleaved phase
+# In a sync-free phase the device sleeps before every SOAK_BURST calls, for about half the time the host took
+# to queue the previous ones (1e9 cycles per second: the H200 runs at ~2 GHz; at most 0.05 s), so that the
+# calls queued meanwhile run back to back, and it catches up within the burst (the queue stays short).
+SOAK_BURST = 32
+
+
+class _Outputs(NamedTuple):
+    """What one call returned, as compared: the names of its device outputs and of its host values, the
+    device outputs' fingerprints (a device tensor in the loop, a list once read) and the host values."""
+
+    device_names: tuple[str, ...]
+    host_names: tuple[str, ...]
+    device: torch.Tensor | list[int] | None
+    host: tuple
+
+
+def _soak_options(copy_engine: bool, index: int) -> NativeOptions:
+    """Set ``index``'s options: pushers or the copy engine, in turn on one side stream or two, with the flag
+    writes on a stream of their own or not, and the combine's reducers on bulk copies or in registers."""
+    return _copy_engine_options(copy_engine, 1 + index % 2, (index // 2) % 2 == 1, ("on", "off")[(index // 4) % 2])
+
+
+def _soak_call(buf, op: str, soak: dict, handles: dict):
+    """``op`` (one of `SOAK_OPS`) on ``buf`` with the inputs of set ``soak``; ``handles``: the set's latest
+    "dispatch" and "fixed" handles on ``buf``."""
+    config = soak["config"]
+    if op in ("dispatch", "fixed"):
+        return buf.dispatch(soak["data"], **soak[op], config=config)
+    handle = handles["fixed" if op.endswith("fixed") else "dispatch"]
+    if op.startswith("cached"):
+        return buf.dispatch(soak["cached_data"], handle=handle, config=config)
+    y, weights, bias = soak[op]
+    return buf.combine(y, handle, topk_weights=weights, bias=bias, config=config)
+
+
+def _soak_outputs(op: str, result, device: torch.device) -> _Outputs:
+    """The outputs of ``op``'s ``result`` by name, fingerprinted on ``device`` (queued, no host read). The
+    handle is compared by the fields both backends fill alike (not the native backend's route)."""
+    if op.startswith("combine"):
+        named = [("combined_x", result[0]), ("combined_topk_weights", result[1])]
+    else:
+        recv_x = result[0]
+        named = ([("recv_x", recv_x[0]), ("recv_scales", recv_x[1])] if isinstance(recv_x, tuple)
+                 else [("recv_x", recv_x)])
+        if not op.startswith("cached"):
+            _, recv_idx, recv_w, counts, handle, _ = result
+            named += [("recv_topk_idx", recv_idx), ("recv_topk_weights", recv_w),
+                      ("num_recv_tokens_per_expert_list", counts),
+                      ("rank_prefix_matrix", handle.rank_prefix_matrix), ("recv_src_idx", handle.recv_src_idx),
+                      ("recv_src_rank", handle.recv_src_rank), ("num_recv_tokens", handle.num_recv_tokens),
+                      ("num_worst_tokens", handle.num_worst_tokens)]
+    on_device = tuple(name for name, value in named if value is None or isinstance(value, torch.Tensor))
+    fingerprints, host = fingerprint_of(tuple(value for _, value in named), device)
+    return _Outputs(on_device, tuple(name for name, _ in named if name not in on_device), fingerprints, host)
+
+
+def _prepare_soak_set(index: int, rank: int, world: int, ref, copy_engine: bool) -> tuple[dict, dict]:
+    """Set ``index`` on this rank: ``(the inputs of every op, {op: the outputs of ``ref``, the torch backend,
+    on them, fingerprints read})``. Each combine takes the torch backend's received weights of its handle."""
+    device = ref.device
+    case = make_soak_case(index)
+    data, idx, weights = make_inputs(case, rank, world, device, seed=50_000 + index)
+    per_rank, _, per_expert, in_rank, _ = ref.get_dispatch_layout(idx, case["experts"])
+    soak = dict(
+        case=case, data=data, cached_data=make_inputs(case, rank, world, device, seed=150_000 + index)[0],
+        config=Config(num_sms=case["num_sms"], native=_soak_options(copy_engine, index)),
+        dispatch=dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=idx, topk_weights=weights, expert_alignment=case["alignment"]),
+        fixed=dict(topk_idx=idx, topk_weights=weights, num_experts=case["experts"],
+                   expert_alignment=case["alignment"], num_worst_tokens=world * case["tokens"] + 5))
+    handles, expected = {}, {}
+    for op in SOAK_OPS:
+        result = _soak_call(ref, op, soak, handles)
+        if op in ("dispatch", "fixed"):
+            handles[op] = result[4]
+            y, bias = make_combine_inputs(case, result[4].num_recv_rows, idx.shape[0], rank, device,
+                                          seed=60_000 + 2 * index + (op == "fixed"))
+            soak["combine" if op == "dispatch" else "combine_fixed"] = (y, result[2], bias)
+        outputs = _soak_outputs(op, result, device)
+        expected[op] = outputs._replace(device=outputs.device.tolist())
+    return soak, expected
+
+
+def _soak_phases(num_sets: int, iterations: int) -> list[tuple[str, bool, list[tuple[str, int, int]]]]:
+    """The soak's phases, ``(name, sync_free, [(op, iteration, set)])``: one phase per op alone (the regime
+    ``ep-moe bench`` times), then every op in turn per iteration (a training step's order), each rotating
+    over the sets. ``sync_free``: no exact-size dispatch, so no call may wait for the device."""
+    phases = [(op, op != "dispatch", [(op, i, i % num_sets) for i in range(iterations)]) for op in SOAK_OPS]
+    phases.append(("interleaved", False, [(op, i, i % num_sets) for i in range(iterations) for op in SOAK_OPS]))
+    return phases
+
+
+def _run_soak(buf, sets: list[dict], phases, expected: dict, handles: list[dict]) -> tuple[torch.Tensor, list]:
+    """Make every call of ``phases`` on ``buf``, queued back to back: after each call its fingerprints go into
+    one preallocated device tensor (row ``i``: call ``i``), and nothing is read on the host (an exact-size
+    dispatch reads its counts there by design: they size its outputs). In a sync-free phase on a GPU the
+    device sleeps before every `SOAK_BURST` calls, so that the host queues calls ahead of it, and torch raises
+    on any synchronizing call it sees (its sync debug mode; not every sync is covered). A dispatch's handle
+    replaces its set's handle of that kind in ``handles``, for the set's later cached dispatches and
+    combines. Returns the tensor and each call's `_Outputs` without fingerprints."""
+    device = buf.device
+    cuda = device.type == "cuda"
+    width = max(len(outputs.device_names) for outputs in expected.values())
+    store = torch.zeros(sum(len(calls) for _, _, calls in phases), width, dtype=torch.int64, device=device)
+    recorded = []
+    burst_start = time.perf_counter()
+    for _, sync_free, calls in phases:
+        if sync_free and cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for op, iteration, index in calls:
+                if sync_free and cuda and iteration % SOAK_BURST == 0:
+                    now = time.perf_counter()
+                    torch.cuda._sleep(int(min(now - burst_start, 0.05) * 1e9))
+                    burst_start = now
+                result = _soak_call(buf, op, sets[index], handles[index])
+                if op in ("dispatch", "fixed"):
+                    handles[index][op] = result[4]
+                outputs = _soak_outputs(op, result, device)
+                fingerprints = outputs.device[:width]
+                store[len(recorded), :fingerprints.numel()].copy_(fingerprints)
+                recorded.append(outputs._replace(device=None))
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    return store, recorded
+
+
+def _soak_mismatches(phases, recorded: list[_Outputs], fingerprints: list[list[int]], expected: dict) -> list[str]:
+    """One line per phase, op, set and set of differing outputs, with every iteration where they differ."""
+    groups: dict[tuple, list[int]] = {}
+    calls = [call for _, _, phase_calls in phases for call in phase_calls]
+    phase_of = [name for name, _, phase_calls in phases for _ in phase_calls]
+    for phase, (op, iteration, index), got, row in zip(phase_of, calls, recorded, fingerprints, strict=True):
+        want = expected[(op, index)]
+        if (got.device_names, got.host_names) != (want.device_names, want.host_names):
+            differing = (f"outputs {got.device_names + got.host_names} instead of "
+                         f"{want.device_names + want.host_names}",)
+        else:
+            differing = tuple(name for name, a, b in zip(want.device_names, row, want.device) if a != b)
+            differing += tuple(name for name, a, b in zip(want.host_names, got.host, want.host) if a != b)
+        if differing:
+            groups.setdefault((phase, op, index, differing), []).append(iteration)
+    lines = []
+    for (phase, op, index, differing), iterations in groups.items():
+        case = make_soak_case(index)
+        lines.append(f"phase {phase}: {op} on set {index} ({case['routing']} {case['dtype']} H{case['hidden']}): "
+                     f"{', '.join(differing)} at iteration{'s' if len(iterations) > 1 else ''} "
+                     f"{', '.join(map(str, iterations))}")
+    return lines
+
+
+def _soak(nat, ref, rank: int, world: int, copy_engine: bool, iterations: int
+          ) -> tuple[dict[str, int], float, list[str]]:
+    """The back-to-back soak of ``nat`` on this rank, every call compared with the fingerprints of ``ref``
+    (the torch backend on the same group) for the same set: ``(calls checked per op, seconds after the
+    warm-up, the mismatches)``. The warm-up (every op once per set, host syncs allowed) sizes the symmetric
+    buffer and makes each set's handles."""
+    sets, expected = [], {}
+    for index in range(len(SOAK_ROUTINGS)):
+        soak, outputs = _prepare_soak_set(index, rank, world, ref, copy_engine)
+        sets.append(soak)
+        expected.update({(op, index): value for op, value in outputs.items()})
+    handles = [{} for _ in sets]
+    warm_up = [("warm-up", False, [(op, index, index) for index in range(len(sets)) for op in SOAK_OPS])]
+    store, recorded = _run_soak(nat, sets, warm_up, expected, handles)
+    mismatches = _soak_mismatches(warm_up, recorded, store.tolist(), expected)
+    phases = _soak_phases(len(sets), iterations)
+    start = time.perf_counter()
+    store, recorded = _run_soak(nat, sets, phases, expected, handles)
+    fingerprints = store.tolist()  # the one host read
+    seconds = time.perf_counter() - start
+    mismatches += _soak_mismatches(phases, recorded, fingerprints, expected)
+    checked = {op: sum(call[0] == op for _, _, calls in warm_up + phases for call in calls) for op in SOAK_OPS}
+    return checked, seconds, mismatches
+
+
+def _soak_worker(rank: int, world: int, copy_engine: bool, iterations: int) -> tuple[dict[str, int], float]:
+    from ep_moe import Buffer
+
+    # check_inputs=False: the expert-id range check reads two numbers on the host, a sync per call
+    nat = Buffer(backend="native", timeout_s=20.0, check_inputs=False)
+    ref = Buffer(backend="torch")
+    assert nat.backend_name == "native", nat.backend_name
+    for index in range(len(SOAK_ROUTINGS)):  # each options value's first use is a collective check: all now
+        nat.backend._env_for(_soak_options(copy_engine, index))
+    checked, seconds, mismatches = _soak(nat, ref, rank, world, copy_engine, iterations)
+    nat.barrier()
+    nat.destroy()
+    ref.destroy()
+    assert not mismatches, (f"rank {rank}: calls whose outputs differ from the torch backend's on the same set "
+                            f"({'copy engine' if copy_engine else 'pushers'}):\n" + "\n".join(mismatches))
+    return checked, seconds
+
+
 # ------------------------------------------------------------------------------------------ tests
 NUM_CASES = int(os.environ.get("EP_MOE_GPU_CASES", "210"))
 
@@ -480,3 +716,17 @@ def test_options_must_be_equal_on_every_rank():
     assert "field 'combine_chunks'" in construction and "64 on rank 1" in construction, construction
     assert "field 'min_chunk_rows'" in call and "4 on rank 1" in call, call
     print(capture)
+
+
+@pytest.mark.parametrize("path", ["pushers", "copy_engine"])
+def test_back_to_back_soak_checks_every_call(path):
+    _need_gpus()
+    if path == "copy_engine" and WORLD < 2:
+        pytest.skip("the copy engine carries rows between ranks, so it needs two or more ranks "
+                    "(EP_MOE_TEST_WORLD >= 2); on one rank every call copies locally, as the 'pushers' case soaks")
+    results = run_distributed(_soak_worker, WORLD, path == "copy_engine", SOAK_ITERATIONS, backend="nccl",
+                              timeout_s=300, join_timeout_s=900)
+    checked, _ = results[0]
+    print(f"back-to-back soak ({path}, {WORLD} rank{'s' if WORLD > 1 else ''}): calls checked per op "
+          f"{', '.join(f'{op} {count}' for op, count in checked.items())}; "
+          f"{max(seconds for _, seconds in results):.1f} s after the warm-up")
