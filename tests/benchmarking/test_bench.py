@@ -197,6 +197,24 @@ def test_timing_loop_with_a_fake_clock():
     samples = time_runs(seen.append, runs=5, warmup=2, num_sets=3, timer=Ticks(), gate=lambda: gates.append(1))
     assert seen == [0, 1, 2, 0, 1, 2, 0]  # warm-up included, sets rotate
     assert len(gates) == 7 and samples == [1e6] * 5
+
+    # The check sees every call's result after the call's end mark, warm-up calls included; times are unchanged.
+    events = []
+
+    class Marks(Ticks):
+        def mark(self):
+            events.append("mark")
+            return super().mark()
+
+    def call(set_index):
+        events.append(f"call {set_index}")
+        return set_index * 10
+
+    samples = time_runs(call, runs=2, warmup=1, num_sets=2, timer=Marks(), gate=lambda: events.append("gate"),
+                        check=lambda i, s, result: events.append(f"check {i} {s} {result}"))
+    assert samples == [1e6] * 2
+    assert events == [e for i in range(3) for e in ("gate", "mark", f"call {i % 2}", "mark", f"check {i} {i % 2} "
+                                                                                               f"{i % 2 * 10}")]
     with pytest.raises(ValueError):
         time_runs(seen.append, runs=0, warmup=0, num_sets=1, timer=Ticks(), gate=lambda: None)
 
