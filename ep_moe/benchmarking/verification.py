@@ -71,6 +71,11 @@ def differing(got: Outputs, want: Outputs) -> list[str]:
     return [name for name, value in want.items() if got.get(name, missing) != value]
 
 
+def _detail(got, want) -> str:
+    """Host data (the count list) is shown; a tensor is known by its fingerprint only (an int)."""
+    return f"{got!r} vs expected {want!r}" if isinstance(want, list) else "fingerprint"
+
+
 class CheckedCalls:
     """One backend's checked (untimed) calls for one workload (token count and dtype): per operation and
     input set, the read fingerprints of the outputs; with ``keep_set0``, the outputs of set 0 themselves, for
@@ -107,7 +112,8 @@ class CheckedCalls:
         if set_index == 0:
             want = self.set0[mine]
             return [m for name, value in want.items() for m in compare(f"{name} {what}", outputs.get(name), value)]
-        return [f"{name} {what}: differs (fingerprint)" for name in differing(prints, self.prints[mine][set_index])]
+        want = self.prints[mine][set_index]
+        return [f"{name} {what}: differs ({_detail(prints.get(name), want[name])})" for name in differing(prints, want)]
 
 
 class CallCheck:

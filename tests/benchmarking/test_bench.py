@@ -368,7 +368,7 @@ def test_checked_calls_compare_every_set_with_the_first_backend():
     wrong = outputs(2, weight=0.25, counts=(3, 2))
     assert torch_calls.differences("dispatch", 2, wrong, other.record("dispatch", 2, wrong)) == [
         "recv_topk_weights vs backend torch: differs (fingerprint)",
-        "num_recv_tokens_per_expert_list vs backend torch: differs (fingerprint)"]
+        "num_recv_tokens_per_expert_list vs backend torch: differs ([3, 2] vs expected [3, 1])"]
     wrong0 = outputs(0, weight=0.25)
     assert torch_calls.differences("dispatch", 0, wrong0, {}) == [
         "recv_topk_weights vs backend torch: differs (2 of 4 elements of (2, 2) torch.float32, first at (0, 0): "
