@@ -1,5 +1,5 @@
-"""Result checks run before anything is timed: each returns a list of human-readable mismatches
-(empty when everything agrees), so that a failed check is reported beside the timings, not hidden."""
+"""Result checks of the checked (untimed) calls: each returns a list of human-readable mismatches (empty
+when everything agrees), so that a failed check is reported beside the timings, not hidden."""
 
 from __future__ import annotations
 
@@ -84,4 +84,31 @@ def check_layout(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> l
     for name, g, w in zip(names, got, want):
         if not isinstance(g, torch.Tensor) or g.shape != w.shape or not torch.equal(g.to(w.dtype), w):
             problems.append(f"layout {name}: differs from ep_moe.reference.reference_layout")
+    return problems
+
+
+# What a fixed-size dispatch (num_worst_tokens) puts in its padding rows (docs/semantics.md): 0 is all-zero bytes.
+FIXED_PADDING = {"recv_x": 0, "recv_scales": 0, "recv_topk_idx": -1, "recv_topk_weights": 0, "recv_src_idx": -1,
+                 "recv_src_rank": -1}
+
+
+def check_fixed(fixed: dict, exact: dict, rows: int) -> list[str]:
+    """A fixed-size dispatch's outputs against the exact-size dispatch's of the same input: every per-row
+    output (named as `ep_moe.benchmarking.verification.named_outputs` names them) equals the exact one in its
+    first ``rows`` rows and holds the padding value after them; the rank prefix matrix is the same."""
+    problems = []
+    for name, pad in FIXED_PADDING.items():
+        if name not in exact:
+            continue
+        got = fixed.get(name)
+        if not isinstance(got, torch.Tensor):
+            problems.append(f"fixed-size {name}: expected a tensor, got {type(got).__name__}")
+            continue
+        problems += compare(f"fixed-size {name}[:{rows}] vs dispatch", got[:rows], exact[name])
+        padding = got[rows:]
+        wrong = padding.contiguous().view(torch.uint8).any() if pad == 0 else (padding != pad).any()
+        if bool(wrong):
+            problems.append(f"fixed-size {name}: padding rows are not {pad}")
+    problems += compare("fixed-size rank_prefix_matrix vs dispatch", fixed.get("rank_prefix_matrix"),
+                        exact["rank_prefix_matrix"])
     return problems

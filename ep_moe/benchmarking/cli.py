@@ -1,12 +1,15 @@
 """``ep-moe bench``: time layout, dispatch and combine of every backend in one run, on the same routing.
 
 For each token count, every backend gets the same random inputs (DeepEP's intranode workload by
-default: 4096 tokens per rank, hidden 7168, top-8 of 256 experts). Before anything is timed, the
-results are checked: layout against the reference, received rows and per-expert counts against every
-rank's layout, cached dispatch against dispatch, ``combine(dispatch(x))`` against ``x`` summed once per
-rank it went to, FP8 rows against the quantized BF16 rows, and every backend bit for bit against the
-first one (torch). Then each operation is timed (see `ep_moe.benchmarking.timing`) and reported with
-DeepEP-counted GB/s and the fraction of the NVLink floor it reaches (`ep_moe.benchmarking.accounting`).
+default: 4096 tokens per rank, hidden 7168, top-8 of 256 experts). Before anything is timed, one call of
+each operation on each input set is checked: layout against the reference, received rows and per-expert
+counts against every rank's layout, cached dispatch against dispatch, fixed-size dispatch against dispatch
+plus padding rows, ``combine(dispatch(x))`` against ``x`` summed once per rank it went to, FP8 rows against
+the quantized BF16 rows, and every output of every backend bit for bit against the first one (torch), on
+every input set. Then each operation is timed (see `ep_moe.benchmarking.timing`), every timed call's outputs
+are compared with the checked call's by fingerprint (`ep_moe.benchmarking.verification`), and each is
+reported with DeepEP-counted GB/s and the fraction of the NVLink floor it reaches
+(`ep_moe.benchmarking.accounting`).
 
 Launch: on GPUs, one NCCL process per visible GPU (spawned here, or under ``torchrun``); on CPU,
 ``--ranks`` gloo processes with small sizes and wall-clock times.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import sys
 import traceback
@@ -31,12 +35,7 @@ from ..config import Config
 from ..distributed import MULTICAST_OFF, launch, nccl_version, torchrun_env
 from ..tuning import plan_for_layer
 from .accounting import row_payload_bytes, traffic
-from .checks import (
-    check_layout,
-    compare,
-    expected_recv_counts,
-    round_trip_reference,
-)
+from .checks import check_fixed, check_layout, compare, expected_recv_counts, round_trip_reference
 from .report import Row, finalize, plot, table, write_json
 from .timing import (
     CudaEventTimer,
@@ -46,6 +45,7 @@ from .timing import (
     summarize,
     time_runs,
 )
+from .verification import CallCheck, CheckedCalls, Outputs, named_outputs
 from .workload import DTYPES, InputSet, make_input_set, num_input_sets, to_fp8_blocks
 
 GPU_DEFAULTS = {"tokens": [4096], "hidden": 7168, "experts": 256, "topk": 8}  # DeepEP's intranode test
@@ -57,12 +57,39 @@ L2_FALLBACK_BYTES = 60 << 20
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A backend to benchmark: its label in the report, the ``Buffer(backend=...)`` it builds, and
-    whether it takes an SM budget (then it is timed at every ``--num-sms``; else once, SMs "-")."""
+    """A backend to benchmark: its label in the report, the ``Buffer(backend=...)`` it asks for, whether it
+    takes an SM budget (then it is timed at every ``--num-sms``; else once, SMs "-"), and ``factory``, what
+    builds its `Buffer` on every rank: ``"module:function"``, importable there (a name, so that it reaches
+    spawned ranks), called as `Buffer` is (``factory(group, backend=buffer_backend, num_nvl_bytes=...,
+    timeout_s=..., check_inputs=False)``) and returning an `ep_moe.Buffer`. A factory benchmarks a
+    transport that is not built in, e.g. a `Buffer` whose ``backend`` wraps or replaces the one it made."""
 
     name: str
     buffer_backend: str
     takes_sms: bool
+    factory: str = "ep_moe.buffer:Buffer"
+
+    def __post_init__(self) -> None:
+        module, _, attr = self.factory.partition(":") if isinstance(self.factory, str) else ("", "", "")
+        if not module or not attr:
+            raise ValueError(f"BackendSpec: argument 'factory' must be a string 'module:function', "
+                             f"got {self.factory!r}")
+
+    def build(self, group: dist.ProcessGroup, **kwargs) -> Buffer:
+        """This rank's `Buffer`: ``factory(group, backend=buffer_backend, **kwargs)``."""
+        module, _, attr = self.factory.partition(":")
+        try:
+            make = importlib.import_module(module)
+            for part in attr.split("."):
+                make = getattr(make, part)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"BackendSpec: argument 'factory' must name an importable callable, "
+                             f"got {self.factory!r} ({type(exc).__name__}: {exc})") from exc
+        buffer = make(group, backend=self.buffer_backend, **kwargs)
+        if not isinstance(buffer, Buffer):
+            raise ValueError(f"BackendSpec: argument 'factory' must return an ep_moe.Buffer, "
+                             f"{self.factory!r} returned {type(buffer).__name__}")
+        return buffer
 
 
 BACKENDS = {"torch": BackendSpec("torch", "torch", False), "native": BackendSpec("native", "native", True)}
@@ -147,18 +174,26 @@ class _RankBench:
             _say(self.rank, f"{what} {row.median_us:10.1f} us (p10 {row.p10_us:.1f}, p90 {row.p90_us:.1f})"
                             f"  check {row.check}")
 
-    def _measure(self, row: Row, fn: Callable[[int], object], num_sets: int, problems: list[str]) -> None:
-        """Time ``fn`` on every rank, fill ``row`` with the slowest-rank statistics, emit it."""
-        samples, errors = _collective(self.group, lambda: time_runs(
-            fn, runs=self.spec.runs, warmup=self.spec.warmup, num_sets=num_sets, timer=self.timer, gate=self.gate))
-        row.problems = _capped(problems)
-        row.check = "FAIL" if problems else "ok"
+    def _measure(self, row: Row, op: str, fn: Callable[[int], object], num_sets: int, problems: list[str],
+                 expected: list[Outputs]) -> None:
+        """Time ``fn`` on every rank, checking every call against ``expected`` (per input set: the checked
+        call's fingerprints); fill ``row`` with the slowest-rank statistics and every problem; emit it."""
+        def timed() -> tuple[list[float], list[str]]:
+            check = CallCheck(op, expected, self.spec.warmup, self.device)
+            samples = time_runs(fn, runs=self.spec.runs, warmup=self.spec.warmup, num_sets=num_sets,
+                                timer=self.timer, gate=self.gate, check=check)
+            return samples, check.problems()
+
+        found, errors = _collective(self.group, timed)
         if errors:
-            row.check, row.problems = "error", row.problems + _capped(errors)
+            row.check, row.problems = "error", _capped(problems) + _capped(errors)
         else:
-            stats = summarize(slowest_rank_per_run(samples))
+            calls = [f"rank {r}: {p}" for r, (_, ps) in enumerate(found) for p in ps]
+            row.problems = _capped(problems) + _capped(calls)
+            row.check = "FAIL" if row.problems else "ok"
+            stats = summarize(slowest_rank_per_run([s for s, _ in found]))
             row.median_us, row.p10_us, row.p90_us, row.runs = stats.median_us, stats.p10_us, stats.p90_us, stats.runs
-            row.rank_median_us = [summarize(s).median_us for s in samples]
+            row.rank_median_us = [summarize(s).median_us for s, _ in found]
         self._emit(row)
 
     # -------------------------------------------------------------- setup
@@ -171,8 +206,8 @@ class _RankBench:
             made: dict[str, Buffer] = {}
 
             def make(b=b, made=made):
-                made["buffer"] = Buffer(self.group, num_nvl_bytes=nvl_bytes if b.buffer_backend != "torch" else 0,
-                                        backend=b.buffer_backend, timeout_s=spec.timeout_s, check_inputs=False)
+                made["buffer"] = b.build(self.group, num_nvl_bytes=nvl_bytes if b.buffer_backend != "torch" else 0,
+                                         timeout_s=spec.timeout_s, check_inputs=False)
                 return made["buffer"].backend_name
 
             _, errors = _collective(self.group, make)
@@ -217,18 +252,20 @@ class _RankBench:
                 payload_cache[(dtype, i)] = to_fp8_blocks(x) if dtype == "fp8" else x.to(DTYPES[dtype])
             return payload_cache[(dtype, i)]
 
-        reference: dict[str, dict] = {}  # per dtype: the first backend's set-0 outputs
+        # Per workload ("layout" or a dtype): the checked calls of the first backend that ran it (torch), which
+        # every later backend must equal bit for bit.
+        first: dict[str, CheckedCalls] = {}
         for b in spec.backends:
             buffer = self.buffers.get(b.name)
             if buffer is None:
                 continue
-            self._layout(b, buffer, sets, tokens, num_sets)
+            self._layout(b, buffer, sets, tokens, num_sets, first)
             for dtype in spec.dtypes:
                 planned = self._planned_sms(tokens, dtype) if b.takes_sms and spec.plan_sms else None
                 budgets = dict.fromkeys(spec.num_sms + ((planned,) if planned else ()))
                 for sms in (sorted(budgets) if b.takes_sms else (None,)):
                     self._dispatch_combine(b, buffer, sets, tokens, num_sets, dtype, sms, payload,
-                                           counts_by_set, experts_by_set, mean_counts, reference,
+                                           counts_by_set, experts_by_set, mean_counts, first,
                                            planned=sms is not None and sms == planned)
 
     def _planned_sms(self, tokens: int, dtype: str) -> int:
@@ -236,15 +273,25 @@ class _RankBench:
         spec = self.spec
         return plan_for_layer(spec.experts, spec.topk, spec.hidden, tokens, dtype, num_ranks=self.world).num_sms
 
-    def _layout(self, b: BackendSpec, buffer: Buffer, sets: list[InputSet], tokens: int, num_sets: int) -> None:
+    def _layout(self, b: BackendSpec, buffer: Buffer, sets: list[InputSet], tokens: int, num_sets: int,
+                first: dict[str, CheckedCalls]) -> None:
         experts = self.spec.experts
+        reference = first.get("layout")
+        checked = CheckedCalls(b.name, self.device, keep_set0=reference is None)
+
+        def layout(i: int):
+            return buffer.get_dispatch_layout(sets[i].topk_idx, experts)
 
         def check() -> list[str]:
             problems = []
             for i, s in enumerate(sets):
-                per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(s.topk_idx, experts)
-                problems += [f"set {i}: {p}" for p in check_layout(
-                    (per_rank, per_expert, in_rank), (s.num_tokens_per_rank, s.num_tokens_per_expert, s.is_token_in_rank))]
+                outputs = named_outputs("layout", layout(i))
+                prints = checked.record("layout", i, outputs)
+                found = check_layout(tuple(outputs.values()),
+                                     (s.num_tokens_per_rank, s.num_tokens_per_expert, s.is_token_in_rank))
+                if reference is not None:
+                    found += reference.differences("layout", i, outputs, prints)
+                problems += [f"set {i}: {p}" for p in found]
             return problems
 
         row = Row(b.name, "layout", None, tokens, None)
@@ -253,17 +300,17 @@ class _RankBench:
             row.check, row.problems = "error", _capped(errors)
             self._emit(row)
             return
+        first.setdefault("layout", checked)
         problems = [f"rank {r}: {p}" for r, ps in enumerate(found) for p in ps]
-        self._measure(row, lambda i: buffer.get_dispatch_layout(sets[i].topk_idx, experts), num_sets, problems)
+        self._measure(row, "layout", layout, num_sets, problems, checked.expected("layout"))
 
     def _dispatch_combine(self, b: BackendSpec, buffer: Buffer, sets: list[InputSet], tokens: int, num_sets: int,
                           dtype: str, sms: int | None, payload, counts_by_set: torch.Tensor,
-                          experts_by_set: torch.Tensor, mean_counts: list[list[float]], reference: dict,
-                          planned: bool = False) -> None:
+                          experts_by_set: torch.Tensor, mean_counts: list[list[float]],
+                          first: dict[str, CheckedCalls], planned: bool = False) -> None:
         config = Config(num_sms=sms) if sms is not None else None
-        state: dict[str, list] = {"handles": [], "recv": []}
-
         worst = tokens * self.world  # every rank has `tokens` tokens: no rank receives more rows
+        handles, recv = [], []  # per input set, from its checked dispatch: what cached dispatch and combine reuse
 
         def fresh(i: int, num_worst_tokens: int = 0):
             s = sets[i]
@@ -272,71 +319,75 @@ class _RankBench:
                                    topk_idx=s.topk_idx, topk_weights=s.topk_weights,
                                    num_worst_tokens=num_worst_tokens, config=config)
 
+        calls: dict[str, Callable[[int], object]] = {
+            "dispatch": fresh,
+            "dispatch_cached": lambda i: buffer.dispatch(payload(dtype, i), handle=handles[i], config=config),
+            "dispatch_fixed": lambda i: fresh(i, worst),  # num_worst_tokens rows: the received ones, then padding
+        }
+        if dtype != "fp8":  # combine takes no FP8
+            calls["combine"] = lambda i: buffer.combine(recv[i], handles[i], config=config)
+        reference = first.get(dtype)
+        quantized = first.get("bf16") if dtype == "fp8" else None  # its BF16 rows quantized: FP8's expected rows
+        keep_quantized = dtype == "bf16" and reference is None and "fp8" in self.spec.dtypes
+        checked = CheckedCalls(b.name, self.device, keep_set0=reference is None)
+
         def setup_and_check() -> list[tuple[str, str]]:
-            """Dispatch every set once (keeping handles and received rows for the timed runs) and
-            check the results; returns (operation, mismatch) pairs."""
+            """Call every operation once on every set (keeping the handles and received rows for the timed
+            runs) and check the results; returns (operation, mismatch) pairs."""
             problems: list[tuple[str, str]] = []
-
-            def note(op: str, where: str, found: list[str]) -> None:
-                problems.extend((op, f"{where}{p}") for p in found)
-
             for i, s in enumerate(sets):
-                recv_x, recv_idx, recv_w, counts, handle, _ = fresh(i)
-                state["handles"].append(handle)
-                state["recv"].append(recv_x)
-                rows, per_expert = expected_recv_counts(counts_by_set[i], experts_by_set[i], self.rank)
-                got_rows = (recv_x[0] if dtype == "fp8" else recv_x).shape[0]
-                note("dispatch", f"set {i}: ", compare("received rows", got_rows, rows))
-                note("dispatch", f"set {i}: ", compare("num_recv_tokens_per_expert", list(counts), per_expert))
-                cached = buffer.dispatch(payload(dtype, i), handle=handle, config=config)[0]
-                note("dispatch_cached", f"set {i}: ", compare("cached dispatch vs dispatch", cached, recv_x))
-                fixed = fresh(i, worst)[0]  # num_worst_tokens rows: the received ones, then zero padding
-                fixed_parts = fixed if isinstance(fixed, tuple) else (fixed,)
-                exact_parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
-                note("dispatch_fixed", f"set {i}: ", compare(
-                    "fixed-size dispatch vs dispatch", [f[:got_rows] for f in fixed_parts], list(exact_parts)))
-                if any(f[got_rows:].contiguous().view(torch.uint8).any() for f in fixed_parts):  # bytes: fp8 too
-                    note("dispatch_fixed", f"set {i}: ", ["fixed-size dispatch: padding rows are not zero"])
-                combined = None
-                if dtype != "fp8":
-                    combined = buffer.combine(recv_x, handle, config=config)[0]
-                    want = round_trip_reference(payload(dtype, i), s.is_token_in_rank)
-                    note("combine", f"set {i}: ", compare("combine(dispatch(x))", combined, want))
-                if i > 0:
-                    continue
-                outputs = {"recv_x": ("dispatch", recv_x), "recv_topk_idx": ("dispatch", recv_idx),
-                           "recv_topk_weights": ("dispatch", recv_w), "counts": ("dispatch", list(counts))}
-                if combined is not None:
-                    outputs["combined"] = ("combine", combined)
-                elif "bf16" in reference:  # quantizing received rows = receiving quantized rows
-                    note("dispatch", "set 0: ", compare("fp8 recv_x vs quantized bf16 recv_x", recv_x,
-                                                        to_fp8_blocks(reference["bf16"]["outputs"]["recv_x"][1])))
-                first = reference.setdefault(dtype, {"backend": b.name, "outputs": outputs})
-                if first["backend"] != b.name:  # bit for bit against the first backend (torch)
-                    for key, (op, want) in first["outputs"].items():
-                        note(op, "set 0: ", compare(f"{key} vs backend {first['backend']}", outputs[key][1], want))
+                result = fresh(i)
+                handles.append(result[4])
+                recv.append(result[0])
+                outputs = {op: named_outputs(op, result if op == "dispatch" else call(i)) for op, call in calls.items()}
+                found = self._semantics(payload(dtype, i), s, outputs, counts_by_set[i], experts_by_set[i])
+                for op, named in outputs.items():
+                    prints = checked.record(op, i, named)
+                    if reference is not None:  # bit for bit against the first backend (torch)
+                        found += [(op, p) for p in reference.differences(op, i, named, prints)]
+                    if op == "dispatch" and quantized is not None:  # quantizing received rows = receiving quantized rows
+                        found += [(op, p) for p in quantized.differences(
+                            op, i, named, prints, mine="quantized",
+                            what=f"vs backend {quantized.backend}'s bf16 recv_x quantized")]
+                if keep_quantized:
+                    data, scales = to_fp8_blocks(outputs["dispatch"]["recv_x"])
+                    checked.record("quantized", i, {"recv_x": data, "recv_scales": scales})
+                problems += [(op, f"set {i}: {p}") for op, p in found]
             return problems
 
         traffic_of = traffic(mean_counts, row_payload_bytes(self.spec.hidden, dtype))
         rows = {op: Row(b.name, op, dtype, tokens, sms, planned, recv_bytes=traffic_of.mean_recv_bytes,
-                        link_bytes=traffic_of.link_bytes)
-                for op in (("dispatch", "dispatch_cached", "dispatch_fixed") + (() if dtype == "fp8" else ("combine",)))}
+                        link_bytes=traffic_of.link_bytes) for op in calls}
         found, errors = _collective(self.group, setup_and_check)
         if errors:
             for row in rows.values():
                 row.check, row.problems = "error", _capped(errors)
                 self._emit(row)
             return
+        first.setdefault(dtype, checked)
         problems = {op: [f"rank {r}: {p}" for r, ps in enumerate(found) for o, p in ps if o == op] for op in rows}
-        handles, recv = state["handles"], state["recv"]
-        self._measure(rows["dispatch"], fresh, num_sets, problems["dispatch"])
-        self._measure(rows["dispatch_cached"], lambda i: buffer.dispatch(payload(dtype, i), handle=handles[i],
-                                                                         config=config),
-                      num_sets, problems["dispatch_cached"])
-        self._measure(rows["dispatch_fixed"], lambda i: fresh(i, worst), num_sets, problems["dispatch_fixed"])
-        if "combine" in rows:
-            self._measure(rows["combine"], lambda i: buffer.combine(recv[i], handles[i], config=config), num_sets,
-                          problems["combine"])
+        for op, call in calls.items():
+            self._measure(rows[op], op, call, num_sets, problems[op], checked.expected(op))
+
+    def _semantics(self, x: torch.Tensor | tuple, s: InputSet, outputs: dict[str, Outputs],
+                   counts_by_source: torch.Tensor, experts_by_source: torch.Tensor) -> list[tuple[str, str]]:
+        """One input set's checked calls against what they must compute (docs/semantics.md): received rows and
+        per-expert counts against every rank's layout, cached dispatch = dispatch, fixed-size dispatch =
+        dispatch plus padding rows, ``combine(dispatch(x))`` = ``x`` summed once per rank it went to.
+        ``x``: the dispatched payload; returns (operation, mismatch) pairs."""
+        exact = outputs["dispatch"]
+        rows, per_expert = expected_recv_counts(counts_by_source, experts_by_source, self.rank)
+        got_rows = exact["recv_x"].shape[0]
+        found = [("dispatch", p) for p in compare("received rows", got_rows, rows)
+                 + compare("num_recv_tokens_per_expert", exact["num_recv_tokens_per_expert_list"], per_expert)]
+        cached = outputs["dispatch_cached"]
+        found += [("dispatch_cached", p) for name in ("recv_x", "recv_scales") if name in exact
+                  for p in compare(f"cached dispatch {name} vs dispatch", cached.get(name), exact[name])]
+        found += [("dispatch_fixed", p) for p in check_fixed(outputs["dispatch_fixed"], exact, got_rows)]
+        if "combine" in outputs:
+            found += [("combine", p) for p in compare("combine(dispatch(x))", outputs["combine"]["combined_x"],
+                                                      round_trip_reference(x, s.is_token_in_rank))]
+        return found
 
     # -------------------------------------------------------------- link
     def link_speed(self) -> tuple[float | None, str]:
@@ -395,14 +446,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ep-moe bench", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Time get_dispatch_layout, dispatch, cached dispatch and combine of every backend in one run,\n"
-                    "on the same routing, after checking their results (bit for bit against the torch backend).\n"
+                    "on the same routing. One call per operation and input set is checked (every output bit for\n"
+                    "bit against the torch backend, on every input set); every timed call is checked against it.\n"
                     "Prints a progress line per measurement, then one table.",
         epilog="GPU: one NCCL rank per visible GPU, CUDA-event times; or run under\n"
                "  torchrun --nproc-per-node N -m ep_moe.cli bench ...\n"
                "CPU: --ranks gloo processes, small default sizes, wall-clock times, no NVLink floor.\n"
                "Defaults on GPU: DeepEP's intranode workload (--tokens 4096 --hidden 7168 --experts 256\n"
                "--topk 8); on CPU: --tokens 128 --hidden 256 --experts 16 --topk 4.\n"
-               "Exit status: 0 when every check passed, 1 when a check failed or an operation raised.")
+               "Exit status: 0 when every check passed, 1 when a check failed (a checked or a timed call)\n"
+               "or an operation raised.")
     p.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=None,
                    help="backends to compare (default: torch, and native when its extension is built)")
     p.add_argument("--tokens", nargs="+", type=int, default=None, metavar="T",

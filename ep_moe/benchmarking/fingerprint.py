@@ -19,7 +19,10 @@ import zlib
 import torch
 
 _MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Knuth's golden-ratio hash)
-_coefficients: dict[tuple[int, torch.device], torch.Tensor] = {}
+# Per device, the coefficients of positions 0..n-1 for the largest n used so far: a smaller tensor takes a prefix,
+# so the memory kept is that of the largest tensor, not the sum over every size seen (received row counts differ
+# with every input set: one table per size would grow to gigabytes over a benchmark's token sweep).
+_coefficients: dict[torch.device, torch.Tensor] = {}
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -31,11 +34,11 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _coefficients_for(count: int, device: torch.device) -> torch.Tensor:
-    key = (count, device)
-    if key not in _coefficients:
+    table = _coefficients.get(device)
+    if table is None or table.numel() < count:
         position = torch.arange(count, dtype=torch.int64, device=device)
-        _coefficients[key] = (position * _MULTIPLIER) | 1  # odd, different for every position
-    return _coefficients[key]
+        table = _coefficients[device] = (position * _MULTIPLIER) | 1  # odd, different for every position
+    return table[:count]
 
 
 def fingerprint(*tensors: torch.Tensor | None) -> torch.Tensor:

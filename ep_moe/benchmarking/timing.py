@@ -94,9 +94,14 @@ class RunGate:
 
 
 def time_runs(fn: Callable[[int], object], *, runs: int, warmup: int, num_sets: int, timer: Timer,
-              gate: Callable[[], None]) -> list[float]:
+              gate: Callable[[], None], check: Callable[[int, int, object], None] | None = None) -> list[float]:
     """Time ``fn(set_index)`` ``runs`` times after ``warmup`` untimed calls; set indices rotate over
-    ``range(num_sets)``. Returns the ``runs`` durations in microseconds, in order."""
+    ``range(num_sets)``. Returns the ``runs`` durations in microseconds, in order.
+
+    ``check(call, set_index, result)``, when given, sees every call's result, warm-up calls included (``call``
+    counts from 0 over the whole loop: the timed run ``j``, from 1, is call ``warmup + j - 1``). It runs after
+    the call's end mark, so whatever it queues on the device runs after the timed region, and the next run's
+    gate waits for it: it adds nothing to the times."""
     if runs < 1 or warmup < 0 or num_sets < 1:
         raise ValueError(f"time_runs: need runs >= 1, warmup >= 0, num_sets >= 1; got {runs}, {warmup}, {num_sets}")
     marks = []
@@ -105,7 +110,9 @@ def time_runs(fn: Callable[[int], object], *, runs: int, warmup: int, num_sets: 
         start = timer.mark()
         result = fn(i % num_sets)
         end = timer.mark()
-        del result  # outputs die here, after the end mark was queued
+        if check is not None:
+            check(i, i % num_sets, result)
+        del result  # outputs die here, after the end mark (and the check's work) was queued
         if i >= warmup:
             marks.append((start, end))
     timer.sync()

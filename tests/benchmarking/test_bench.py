@@ -1,5 +1,6 @@
-"""``ep-moe bench``: the CPU benchmark end to end, the byte/floor accounting, the timing helpers and
-the argument checks."""
+"""``ep-moe bench``: the CPU benchmark end to end, backends that cheat (lazy, stale, wrong on one input set) and
+honest ones plugged in through `BackendSpec.factory`, the checks of every call, the byte/floor accounting, the
+timing helpers and the argument checks."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import math
 import pytest
 import torch
 
+from ep_moe.backends.base import DispatchResult
 from ep_moe.benchmarking import cli as bench
 from ep_moe.benchmarking.accounting import floor_fraction, floor_us, gbps, row_payload_bytes, traffic
-from ep_moe.benchmarking.checks import compare, round_trip_reference, same_bits
+from ep_moe.benchmarking.checks import check_fixed, compare, round_trip_reference, same_bits
 from ep_moe.benchmarking.report import Row, finalize, table
 from ep_moe.benchmarking.timing import percentile, slowest_rank_per_run, summarize, time_runs
+from ep_moe.benchmarking.verification import CallCheck, CheckedCalls, named_outputs
 from ep_moe.benchmarking.workload import num_input_sets, to_fp8_blocks
+from ep_moe.buffer import Buffer
 
 TABLE_COLUMNS = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p90 us", "GB/s", "floor us",
                  "of floor", "vs torch", "check"]
@@ -79,7 +83,7 @@ def test_cpu_bench_end_to_end(tmp_path, capsys, monkeypatch):
         [("torch-sms", "combine", 16, "FAIL")] * 2  # both token counts
     for r in wrong:
         assert any("combine(dispatch(x)): differs" in p for p in r["problems"])
-        assert any("combined vs backend torch: differs" in p for p in r["problems"])
+        assert any("combined_x vs backend torch: differs" in p for p in r["problems"])
     for r in good:
         assert r["check"] == ("FAIL" if r in wrong else "ok"), r
         assert r["runs"] == 10 and len(r["rank_median_us"]) == 2
@@ -103,7 +107,7 @@ def test_cpu_bench_end_to_end(tmp_path, capsys, monkeypatch):
     for col in TABLE_COLUMNS:
         assert col in lines[header]
     assert "wall-clock" in printed and "floor, of floor: n/a" in printed
-    assert "problems:" in printed and "combined vs backend torch" in printed and "cannot run here" in printed
+    assert "problems:" in printed and "combined_x vs backend torch" in printed and "cannot run here" in printed
     assert len(lines) - header - 1 >= len(rows)  # every row printed, problems listed after
 
 
@@ -125,6 +129,278 @@ def test_cpu_bench_times_the_tuners_plan(tmp_path, capsys, monkeypatch):
     assert timed == {(8, False), (14, True)}
     assert "SMs marked *" in printed
     assert any(line.split()[:4] == ["torch-sms", "bf16", "16", "14*"] for line in printed.splitlines())
+
+
+# ------------------------------------------------------------------ backends plugged in by BackendSpec.factory
+# The runs below: one token count, WARMUP warm-up calls and RUNS timed runs per operation, and the SETS input sets
+# a CPU run rotates (no cache to defeat: the minimum). Timed runs are numbered from 1 after the warm-up calls.
+WARMUP, RUNS, SETS = 1, 4, 2
+STALE_RUN = 3
+LOOP_CALLS = [("warm-up call 1", 0), ("run 1", 1), ("run 2", 0), ("run 3", 1), ("run 4", 0)]  # (label, set)
+
+
+class _Forwarding:
+    """A transport that forwards everything to the torch backend it wraps: bit-equal to it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _Lazy(_Forwarding):
+    """After the first cached dispatch and the first combine through each handle, both return zeros without
+    communicating (on every rank alike, so no collective is left waiting)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.seen: dict[tuple[str, int], object] = {}  # keeps the handles alive: their ids are not reused
+
+    def _first(self, op, handle) -> bool:
+        key = (op, id(handle))
+        if key in self.seen:
+            return False
+        self.seen[key] = handle
+        return True
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle, *rest):
+        if handle is None or self._first("dispatch", handle):
+            return self.inner.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                                       handle, *rest)
+        rows = handle.num_recv_rows
+        scales = None if x_scales is None else x_scales.new_zeros(rows, x_scales.shape[1])
+        return DispatchResult(x.new_zeros(rows, x.shape[1]), scales, None, None, None, handle)
+
+    def combine(self, y, handle, topk_weights, bias, config):
+        if self._first("combine", handle):
+            return self.inner.combine(y, handle, topk_weights, bias, config)
+        weights = None if topk_weights is None else topk_weights.new_zeros(handle.num_tokens, topk_weights.shape[1])
+        return y.new_zeros(handle.num_tokens, y.shape[1]), weights
+
+
+class _Stale(_Forwarding):
+    """Cached dispatch returns the previous call's outputs on timed run STALE_RUN of the first loop that times it,
+    and only then: its calls before are the checked ones (one per input set) and the warm-up calls."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.cached_calls, self.previous = 0, None
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle, *rest):
+        result = self.inner.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                                     handle, *rest)
+        if handle is None:
+            return result
+        self.cached_calls += 1
+        previous, self.previous = self.previous, result
+        return previous if self.cached_calls == SETS + WARMUP + STALE_RUN else result
+
+
+class _Skewed(_Forwarding):
+    """On every input set but the first it sees (set 0; known by its layout), every dispatch flips the lowest bit
+    of the first received top-k weight (fresh and fixed-size dispatch) and of the first FP8 scale: the same on
+    every call, so only a comparison with torch (or with the quantized BF16 rows) on those sets can see it."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.set0 = None
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle, *rest):
+        result = self.inner.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                                     handle, *rest)
+        if self.set0 is None:
+            self.set0 = is_token_in_rank.clone()
+        if torch.equal(is_token_in_rank, self.set0):
+            return result
+        flipped = {name: getattr(result, name).clone() for name in ("recv_topk_weights", "recv_scales")
+                   if getattr(result, name) is not None}
+        for t in flipped.values():
+            t.view(torch.int32)[0, 0] ^= 1
+        return result._replace(**flipped)
+
+
+def _buffer_with(transport, group, **kwargs) -> Buffer:
+    buffer = Buffer(group, **kwargs)
+    buffer.backend = transport(buffer.backend)
+    return buffer
+
+
+def honest_buffer(group, **kwargs) -> Buffer:
+    return _buffer_with(_Forwarding, group, **kwargs)
+
+
+def lazy_buffer(group, **kwargs) -> Buffer:
+    return _buffer_with(_Lazy, group, **kwargs)
+
+
+def stale_buffer(group, **kwargs) -> Buffer:
+    return _buffer_with(_Stale, group, **kwargs)
+
+
+def skewed_buffer(group, **kwargs) -> Buffer:
+    return _buffer_with(_Skewed, group, **kwargs)
+
+
+def not_a_buffer(group, **kwargs) -> object:
+    return object()
+
+
+def _bench_with(factories: dict[str, str], tmp_path, monkeypatch) -> tuple[int, dict, str]:
+    """``ep-moe bench`` on 2 gloo ranks with torch and a backend per ``factories`` entry (name -> factory in this
+    module): the exit status, the rows by (backend, op, dtype), and what it printed."""
+    for name, factory in factories.items():
+        monkeypatch.setitem(bench.BACKENDS, name, bench.BackendSpec(name, "torch", False, f"{__name__}:{factory}"))
+    out_json = tmp_path / "bench.json"
+    rc = bench.main(["--device", "cpu", "--ranks", "2", "--backends", "torch", *factories, "--tokens", "24",
+                     "--hidden", "128", "--experts", "8", "--topk", "3", "--runs", str(RUNS),
+                     "--warmup", str(WARMUP), "--json", str(out_json)])
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["input_sets"] == {"24": SETS}
+    rows = {(r["backend"], r["op"], r["dtype"]): r for r in data["rows"]}
+    assert len(rows) == len(data["rows"]) == (1 + len(factories)) * 8  # layout, 4 bf16 ops, 3 fp8 ops
+    return rc, rows, json.dumps(data["rows"])
+
+
+def _failed(rows: dict) -> dict:
+    failed = {key: r["problems"] for key, r in rows.items() if r["check"] != "ok"}
+    assert all(rows[key]["check"] == "FAIL" and rows[key]["runs"] == RUNS for key in failed)
+    return failed
+
+
+@pytest.mark.timeout(300)
+def test_honest_backends_pass(tmp_path, monkeypatch):
+    """torch and a transport that forwards to it (built by a factory) agree on every call: exit status 0."""
+    rc, rows, _ = _bench_with({"honest": "honest_buffer"}, tmp_path, monkeypatch)
+    assert rc == 0 and _failed(rows) == {}
+    assert all(r["problems"] == [] and r["runs"] == RUNS for r in rows.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_lazy_backend_fails_every_call_it_skips(tmp_path, monkeypatch):
+    """Zeros from every cached dispatch and combine after the first through each handle (the checked call): the
+    timed calls are checked, so those rows FAIL and name each call; the exit status is 1."""
+    rc, rows, _ = _bench_with({"lazy": "lazy_buffer"}, tmp_path, monkeypatch)
+    assert rc == 1
+    lines = {name: [f"rank {r}: {label} (set {s}): {name} differs from the checked call"
+                    for r in (0, 1) for label, s in LOOP_CALLS] for name in ("recv_x", "recv_scales", "combined_x")}
+    capped = {name: lines[name][:6] + ["... and 4 more"] for name in lines}  # 5 calls on each of 2 ranks
+    fp8_cached = [line for r in (0, 1) for label, s in LOOP_CALLS
+                  for line in (f"rank {r}: {label} (set {s}): recv_x differs from the checked call",
+                               f"rank {r}: {label} (set {s}): recv_scales differs from the checked call")]
+    assert _failed(rows) == {("lazy", "dispatch_cached", "bf16"): capped["recv_x"],
+                             ("lazy", "combine", "bf16"): capped["combined_x"],
+                             ("lazy", "dispatch_cached", "fp8"): fp8_cached[:6] + ["... and 14 more"]}
+
+
+@pytest.mark.timeout(300)
+def test_a_stale_read_and_a_difference_on_one_input_set_are_caught(tmp_path, monkeypatch):
+    """A cached dispatch that returns the previous call's rows on timed run 3 only: that call is named. A backend
+    that differs from torch in one bit on input set 1 (and every later one) but agrees on set 0: caught by the
+    comparison of every set with torch, and for FP8 rows also by the comparison with the quantized BF16 rows."""
+    rc, rows, _ = _bench_with({"stale": "stale_buffer", "skewed": "skewed_buffer"}, tmp_path, monkeypatch)
+    assert rc == 1
+
+    def vs_torch(*names, quantized=()):
+        return [f"rank {r}: set 1: {line}" for r in (0, 1) for line in
+                [f"{n} vs backend torch: differs (fingerprint)" for n in names]
+                + [f"{n} vs backend torch's bf16 recv_x quantized: differs (fingerprint)" for n in quantized]]
+
+    assert _failed(rows) == {
+        ("stale", "dispatch_cached", "bf16"): [f"rank {r}: run {STALE_RUN} (set 1): recv_x differs from the checked "
+                                               "call" for r in (0, 1)],
+        ("skewed", "dispatch", "bf16"): vs_torch("recv_topk_weights"),
+        ("skewed", "dispatch_fixed", "bf16"): vs_torch("recv_topk_weights"),
+        ("skewed", "dispatch", "fp8"): vs_torch("recv_scales", "recv_topk_weights", quantized=["recv_scales"]),
+        ("skewed", "dispatch_cached", "fp8"): vs_torch("recv_scales"),
+        ("skewed", "dispatch_fixed", "fp8"): vs_torch("recv_scales", "recv_topk_weights"),
+    }
+
+
+def test_backend_spec_factory():
+    assert bench.BACKENDS["torch"].factory == "ep_moe.buffer:Buffer"
+    for bad in ("Buffer", "ep_moe.buffer:", ":Buffer", None):
+        with pytest.raises(ValueError, match="argument 'factory' must be a string 'module:function'"):
+            bench.BackendSpec("x", "torch", False, bad)
+    with pytest.raises(ValueError, match="argument 'factory' must name an importable callable.*ModuleNotFound"):
+        bench.BackendSpec("x", "torch", False, "ep_moe.no_such_module:make").build(None)
+    with pytest.raises(ValueError, match="argument 'factory' must name an importable callable.*AttributeError"):
+        bench.BackendSpec("x", "torch", False, "ep_moe.buffer:NoSuchBuffer").build(None)
+    with pytest.raises(ValueError, match="argument 'factory' must return an ep_moe.Buffer.*returned object"):
+        bench.BackendSpec("x", "torch", False, f"{__name__}:not_a_buffer").build(None)
+
+
+def test_call_check_names_every_differing_call():
+    """`CallCheck` numbers the loop's calls as `time_runs` does (warm-up calls, then runs from 1) and names each
+    output that differs from the checked call of its input set."""
+    good = [torch.arange(6.0).view(3, 2), torch.ones(3, 2)]  # the checked combine of sets 0 and 1
+    checked = CheckedCalls("b", torch.device("cpu"), keep_set0=False)
+    for i, y in enumerate(good):
+        checked.record("combine", i, {"combined_x": y})
+    check = CallCheck("combine", checked.expected("combine"), warmup=2, device=torch.device("cpu"))
+    stale = good[0]
+    calls = [good[0], good[1], good[0], stale, good[0].clone(), torch.zeros(3, 2)]  # sets 0, 1, 0, 1, 0, 1
+    for call, y in enumerate(calls):
+        check(call, call % 2, (y, None, None))
+    assert check.problems() == ["run 2 (set 1): combined_x differs from the checked call",
+                                "run 4 (set 1): combined_x differs from the checked call"]
+    with pytest.raises(ValueError, match="argument 'op'"):
+        CallCheck("dispatch_slow", [], 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match="argument 'op'"):
+        named_outputs("dispatch_slow", None)
+    with pytest.raises(ValueError, match="argument 'set_index' must be 2"):
+        checked.record("combine", 3, {"combined_x": good[0]})
+
+
+def test_checked_calls_compare_every_set_with_the_first_backend():
+    """Set 0 bit for bit in full (the first differing element shown), other sets by fingerprint; every output
+    named, host values (the count list) compared by value."""
+    def outputs(i, weight=0.5, counts=(3, 1)):
+        return {"recv_x": torch.full((2, 4), float(i)), "recv_topk_weights": torch.tensor([[weight, 0.0]] * 2),
+                "num_recv_tokens_per_expert_list": list(counts)}
+
+    torch_calls = CheckedCalls("torch", torch.device("cpu"), keep_set0=True)
+    other = CheckedCalls("other", torch.device("cpu"), keep_set0=False)
+    for i in range(3):
+        torch_calls.record("dispatch", i, outputs(i))
+    assert torch_calls.differences("dispatch", 0, outputs(0), other.record("dispatch", 0, outputs(0))) == []
+    assert torch_calls.differences("dispatch", 1, outputs(1), other.record("dispatch", 1, outputs(1))) == []
+    wrong = outputs(2, weight=0.25, counts=(3, 2))
+    assert torch_calls.differences("dispatch", 2, wrong, other.record("dispatch", 2, wrong)) == [
+        "recv_topk_weights vs backend torch: differs (fingerprint)",
+        "num_recv_tokens_per_expert_list vs backend torch: differs ([3, 2] vs expected [3, 1])"]
+    wrong0 = outputs(0, weight=0.25)
+    assert torch_calls.differences("dispatch", 0, wrong0, {}) == [
+        "recv_topk_weights vs backend torch: differs (2 of 4 elements of (2, 2) torch.float32, first at (0, 0): "
+        "0.25 vs expected 0.5)"]
+
+
+def test_check_fixed_reads_every_row_and_the_padding():
+    rows = 3
+    exact = {"recv_x": torch.arange(12.0).view(3, 4), "recv_topk_idx": torch.tensor([[0, -1], [1, 0], [-1, 1]]),
+             "recv_topk_weights": torch.rand(3, 2), "recv_src_idx": torch.tensor([0, 2, 1], dtype=torch.int32),
+             "recv_src_rank": torch.tensor([0, 0, 1], dtype=torch.int32),
+             "rank_prefix_matrix": torch.tensor([[2, 1], [3, 2]], dtype=torch.int32)}
+    padding = {"recv_x": 0.0, "recv_topk_idx": -1, "recv_topk_weights": 0.0, "recv_src_idx": -1, "recv_src_rank": -1}
+
+    def fixed_of(exact):
+        fixed = {n: torch.cat([t, torch.full((2, *t.shape[1:]), padding[n], dtype=t.dtype)])
+                 for n, t in exact.items() if n in padding}
+        return fixed | {"rank_prefix_matrix": exact["rank_prefix_matrix"].clone()}
+
+    assert check_fixed(fixed_of(exact), exact, rows) == []
+    bad = fixed_of(exact)
+    bad["recv_src_idx"][4] = 0  # a padding row that claims a source token
+    bad["recv_topk_weights"][1, 1] += 1  # a received row that differs
+    bad["recv_x"][3, 0] = -0.0  # not zero bytes
+    bad["rank_prefix_matrix"][1, 1] = 4
+    assert check_fixed(bad, exact, rows) == [
+        "fixed-size recv_x: padding rows are not 0",
+        f"fixed-size recv_topk_weights[:3] vs dispatch: differs (1 of 6 elements of (3, 2) torch.float32, first at "
+        f"(1, 1): {bad['recv_topk_weights'][1, 1].item()!r} vs expected {exact['recv_topk_weights'][1, 1].item()!r})",
+        "fixed-size recv_src_idx: padding rows are not -1",
+        "fixed-size rank_prefix_matrix vs dispatch: differs (1 of 4 elements of (2, 2) torch.int32, first at (1, 1): "
+        "4 vs expected 2)"]
 
 
 def test_accounting_hand_example():
@@ -197,6 +473,24 @@ def test_timing_loop_with_a_fake_clock():
     samples = time_runs(seen.append, runs=5, warmup=2, num_sets=3, timer=Ticks(), gate=lambda: gates.append(1))
     assert seen == [0, 1, 2, 0, 1, 2, 0]  # warm-up included, sets rotate
     assert len(gates) == 7 and samples == [1e6] * 5
+
+    # The check sees every call's result after the call's end mark, warm-up calls included; times are unchanged.
+    events = []
+
+    class Marks(Ticks):
+        def mark(self):
+            events.append("mark")
+            return super().mark()
+
+    def call(set_index):
+        events.append(f"call {set_index}")
+        return set_index * 10
+
+    samples = time_runs(call, runs=2, warmup=1, num_sets=2, timer=Marks(), gate=lambda: events.append("gate"),
+                        check=lambda i, s, result: events.append(f"check {i} {s} {result}"))
+    assert samples == [1e6] * 2
+    assert events == [e for i in range(3) for e in ("gate", "mark", f"call {i % 2}", "mark", f"check {i} {i % 2} "
+                                                                                               f"{i % 2 * 10}")]
     with pytest.raises(ValueError):
         time_runs(seen.append, runs=0, warmup=0, num_sets=1, timer=Ticks(), gate=lambda: None)
 

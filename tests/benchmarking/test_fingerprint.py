@@ -34,3 +34,18 @@ def test_fingerprint_of_keeps_host_items_as_data():
     assert torch.equal(device_part, fingerprint(x, idx, None)) and host == ([3, 1, 2], 5)
     with pytest.raises(ValueError, match="one device"):
         fingerprint(x, torch.empty(1, device="meta"))
+
+
+def test_one_coefficient_table_per_device_whatever_the_sizes():
+    """A tensor's fingerprint does not depend on which sizes were fingerprinted before, and the coefficients
+    kept are those of the largest size only (a benchmark sees a new row count with every input set)."""
+    from ep_moe.benchmarking import fingerprint as module
+
+    small = torch.arange(10, dtype=torch.int32)
+    module._coefficients.clear()
+    before = fingerprint(small)
+    for size in (1000, 37, 5000, 12):
+        fingerprint(torch.ones(size, dtype=torch.int32))
+    assert torch.equal(fingerprint(small), before)
+    assert list(module._coefficients) == [torch.device("cpu")]
+    assert module._coefficients[torch.device("cpu")].numel() == 5000
