@@ -4,13 +4,14 @@
 #   bash benchmarks/gpu_check.sh            # build, test, bench (logs under $OUT, a table printed last)
 #   STEPS="build bench" bash benchmarks/gpu_check.sh
 #
-# STEPS picks among: build test bench sweep. Multicast stays off in every process (ep_moe's import turns it off).
+# STEPS picks among: build test tune bench sweep (test: the native GPU suite, back-to-back soak included;
+# tune: the tuner's plans against a measured sweep). Multicast stays off in every process (ep_moe's import turns it off).
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ep_moe_gpu_check}
 mkdir -p "$OUT"
-STEPS=${STEPS:-"build test bench sweep"}
+STEPS=${STEPS:-"build test tune bench sweep"}
 status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -30,9 +31,16 @@ fi
 
 if has test; then
   start=$SECONDS
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/native/test_native_gpu.py -q -s -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} \
+  timeout ${TEST_TIMEOUT:-480} python3 -m pytest -m gpu tests/native/test_native_gpu.py -q -s -p no:cacheprovider --timeout=${TEST_TIMEOUT:-480} \
     2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*$" | tail -40 || status=1
   echo "tests: $((SECONDS - start)) s (status $status)"
+fi
+
+if has tune; then
+  start=$SECONDS
+  timeout ${TUNE_TIMEOUT:-600} python3 -m pytest -m gpu tests/tuning/test_tuning_gpu.py -q -s -p no:cacheprovider \
+    2>&1 | tee "$OUT/tune.log" | grep -E "^\||passed|failed|Error" | tail -20 || status=1
+  echo "tune: $((SECONDS - start)) s (status $status)"
 fi
 
 if has sweep; then
