@@ -109,7 +109,8 @@ class NativeBackend(CommBackend):
             self._host_expert_counts = torch.zeros(C.MAX_NOTIFY_EXPERTS, dtype=torch.int64, pin_memory=True)
             # the kernels' Env of each options value in use (chunk counts are fixed per Env), checked equal
             # on every rank before its first use
-            self._envs = {options: self._new_env(options)}
+            self._buffer_env = self._new_env(options)
+            self._envs = {options: self._buffer_env}
             self._data: SymmetricBuffer | None = None
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # what the host knows of an exact dispatch's layout, by id of its route tensor while that
@@ -178,6 +179,8 @@ class NativeBackend(CommBackend):
     def _env_for(self, options: NativeOptions):
         """The kernels' Env of ``options``. A value this buffer has not used yet is first checked equal on
         every rank (a collective, so every rank must pass it in the same call; not during graph capture)."""
+        if options is self.options:  # the common case, without hashing fifteen fields per call
+            return self._buffer_env
         env = self._envs.get(options)
         if env is None:
             if torch.cuda.is_current_stream_capturing():
@@ -481,7 +484,7 @@ class NativeBackend(CommBackend):
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:
         self._raise_if_failed()
-        _c().barrier(self._envs[self.options])
+        _c().barrier(self._buffer_env)
         self._wait_on_host()
 
     def destroy(self) -> None:
