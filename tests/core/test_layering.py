@@ -15,6 +15,7 @@ PACKAGE = Path(ep_moe.__file__).parent
 # Bottom to top. `__init__` is the public API (it re-exports up to the dispatcher).
 LEVELS = {
     "config": 0, "handle": 0, "event": 0, "validation": 0, "layout": 0, "reference": 0, "distributed": 0,
+    "permute_triton": 0,
     "native": 1,
     "backends": 2,
     "buffer": 3,
