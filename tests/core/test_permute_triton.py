@@ -163,6 +163,15 @@ CASES = [  # (routing, N, K, experts, alignment, trailing padding, H)
 CASE_IDS = [f"{c[0]}-N{c[1]}-K{c[2]}-A{c[4]}-pad{c[5]}-H{c[6]}" for c in CASES]
 
 
+def weighted_float_cases(test):
+    """Needs Triton; every case of CASES, in bf16 and fp32, weighted and plain."""
+    for mark in (pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "plain"]),
+                 pytest.mark.parametrize("dtype", [BF16, FP32]),
+                 pytest.mark.parametrize("case", CASES, ids=CASE_IDS), needs_triton):
+        test = mark(test)
+    return test
+
+
 def layout_case(case: tuple, seed: int) -> tuple[torch.Generator, int, int, torch.Tensor, torch.Tensor]:
     kind, N, K, E, A, trailing, H = case
     gen = torch.Generator().manual_seed(seed)
@@ -216,10 +225,7 @@ def test_permute_rows_byte_widths(device, small_tiles, H, offset, width):
     assert_bits(pt.permute_rows(x, pair_of_slot.to(device), 2, out), ref_permute_rows(x.cpu(), pair_of_slot, 2))
 
 
-@needs_triton
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("dtype", [BF16, FP32])
-@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "plain"])
+@weighted_float_cases
 def test_unpermute_sum(device, small_tiles, case, dtype, weighted):
     gen, N, H, pair_of_slot, sorted_slots = layout_case(case, 2)
     M = len(pair_of_slot)
@@ -231,10 +237,7 @@ def test_unpermute_sum(device, small_tiles, case, dtype, weighted):
     assert_bits(got, ref_unpermute_sum(y, weights, sorted_slots))
 
 
-@needs_triton
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("dtype", [BF16, FP32])
-@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "plain"])
+@weighted_float_cases
 def test_scale_permute(device, small_tiles, case, dtype, weighted):
     gen, N, H, pair_of_slot, _ = layout_case(case, 3)
     K, M = case[2], len(pair_of_slot)
