@@ -15,7 +15,8 @@ Every function takes contiguous tensors on one CUDA device (CPU tensors too in T
 ``TRITON_INTERPRET=1`` was set before Triton was imported: a whole process runs one way), writes into the
 caller's ``out`` (``torch.empty`` is fine: every element is written) and returns it; a wrong type, shape,
 dtype, device or layout raises ``ValueError`` naming the argument (``RuntimeError`` without Triton). Each call
-is one kernel launch (an empty input is answered with ``out.zero_()`` or nothing, and no launch).
+is one kernel launch, on the tensors' device and its current stream (an empty input is answered with
+``out.zero_()`` or nothing, and no launch).
 
 Launches (memory-bound; offsets are int64 everywhere, so ``M * H`` may exceed ``2**31``): a program owns
 ``BLOCK_M`` rows (slots, or rank-major rows for ``unpermute_sum``) and loops over ``H`` in ``BLOCK_H``-wide
@@ -40,6 +41,7 @@ torch on CUDA and the GPU's own conversion give; torch's CPU kernels give ``0x7F
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -156,6 +158,12 @@ if triton is not None:
             tl.store(out_ptr + rows[:, None] * H + cols[None, :], _from_f32(acc, out_ptr.dtype.element_ty),
                      mask=in_n[:, None] & col_ok)
 
+
+def _on_device(device: torch.device):
+    """Triton launches on the current CUDA device (and its current stream): make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _blocks(width: int, element_size: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_H) for rows of ``width`` elements of ``element_size`` bytes: a tile of TILE_BYTES."""
     tile = TILE_BYTES // element_size
@@ -215,10 +223,11 @@ def _launch_slots(src: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | No
                   num_topk: int, out: torch.Tensor, mode: int, fp_fusion: bool) -> torch.Tensor:
     M, N, H = pair_of_slot.shape[0], src.shape[0], src.shape[1]
     block_m, block_h = _blocks(H, src.element_size())
-    _slot_kernel[(triton.cdiv(M, block_m),)](
-        src, y, weights if weights is not None else pair_of_slot, pair_of_slot, out, M, N * num_topk, H, num_topk,
-        MODE=mode, WEIGHTED=weights is not None, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=NUM_WARPS,
-        enable_fp_fusion=fp_fusion)
+    with _on_device(out.device):
+        _slot_kernel[(triton.cdiv(M, block_m),)](
+            src, y, weights if weights is not None else pair_of_slot, pair_of_slot, out, M, N * num_topk, H,
+            num_topk, MODE=mode, WEIGHTED=weights is not None, BLOCK_M=block_m, BLOCK_H=block_h,
+            num_warps=NUM_WARPS, enable_fp_fusion=fp_fusion)
     return out
 
 
@@ -297,8 +306,9 @@ def unpermute_sum(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: t
     if M == 0 or K == 0:
         return out.zero_()
     block_m, block_h = _blocks(H, y.element_size())
-    _row_kernel[(triton.cdiv(N, block_m),)](
-        y, weights if weights is not None else sorted_slots, sorted_slots, out, N, M, H, K,
-        WEIGHTED=weights is not None, UNROLL=min(triton.next_power_of_2(K), MAX_UNROLL), BLOCK_M=block_m,
-        BLOCK_H=block_h, **ROW_LAUNCH)
+    with _on_device(out.device):
+        _row_kernel[(triton.cdiv(N, block_m),)](
+            y, weights if weights is not None else sorted_slots, sorted_slots, out, N, M, H, K,
+            WEIGHTED=weights is not None, UNROLL=min(triton.next_power_of_2(K), MAX_UNROLL), BLOCK_M=block_m,
+            BLOCK_H=block_h, **ROW_LAUNCH)
     return out

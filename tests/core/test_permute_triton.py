@@ -488,3 +488,17 @@ def test_offsets_past_two_to_the_31():
     got = pt.unpermute_sum(y, weights, slots, torch.empty(2, H, dtype=BF16, device="cuda"))
     small = torch.tensor([[0, 1], [1, -1]])
     assert_bits(got, ref_unpermute_sum(y[-2:].cpu(), weights[-2:].cpu(), small))
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensors_on_another_device_than_the_current_one():
+    gen, N, H, pair_of_slot, sorted_slots = layout_case(CASES[0], 9)
+    K, M = CASES[0][2], len(pair_of_slot)
+    x, y, weights = random_rows((N, H), BF16, gen), random_rows((M, H), BF16, gen), torch.rand(M, generator=gen)
+    with torch.cuda.device(0):
+        got = pt.permute_rows(*on("cuda:1", x, pair_of_slot), K, torch.empty(M, H, dtype=BF16, device="cuda:1"))
+        summed = pt.unpermute_sum(*on("cuda:1", y, weights, sorted_slots), torch.empty(N, H, dtype=BF16, device="cuda:1"))
+    assert_bits(got, ref_permute_rows(x, pair_of_slot, K))
+    assert_bits(summed, ref_unpermute_sum(y, weights, sorted_slots))
