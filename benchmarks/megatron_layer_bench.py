@@ -12,6 +12,9 @@ inputs:
   ``$EP_MOE_BACKEND``, default "auto");
 * ``ep_moe[<backend>]``: `EpMoETokenDispatcher` (``install_ep_moe_dispatcher``) per ``--backends``.
 
+``--trivial-experts`` replaces the experts of every variant by one trivial module (``x * probs``), so that the
+time is the router's and the dispatcher's own.
+
 Each variant is checked against ``alltoall`` first (relative max difference of output and input
 gradient), then timed: ``--warmup`` untimed iterations, ``--iters`` timed ones with CUDA events around
 forward + backward, a barrier before each, inputs rotated among 3 sets; the median per rank, then the
@@ -42,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--backends", default="auto,torch", help="ep_moe backends to time (comma separated)")
     p.add_argument("--no-flex", action="store_true", help="skip Megatron's flex dispatcher")
+    p.add_argument("--trivial-experts", action="store_true",
+                   help="replace the experts by x * probs on every variant: the dispatcher's own share")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
@@ -109,6 +114,13 @@ def _profile(name: str, layer, inputs, grads, iters: int) -> None:
         print(averages.table(sort_by="self_cpu_time_total", row_limit=10), flush=True)
 
 
+class TrivialExperts(torch.nn.Module):
+    """Megatron's experts interface doing only ``x * probs`` (in fp32, cast back)."""
+
+    def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        return (hidden.float() * probs.unsqueeze(-1)).to(hidden.dtype), None
+
+
 def _check(layer, x, g) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.detach().requires_grad_(True)
     out, _ = layer(x)
@@ -134,6 +146,8 @@ def run_rank(rank: int, world: int, args) -> dict:
     torch.manual_seed(1234)
     layer = _build(spec, config=_config(args, "alltoall", world)).cuda()
     integ.use_portable_routers(layer)
+    if args.trivial_experts:
+        layer.experts = TrivialExperts()
     dtype = next(layer.parameters()).dtype
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     shape = (args.tokens, 1, args.hidden)
@@ -154,6 +168,8 @@ def run_rank(rank: int, world: int, args) -> dict:
     if not args.no_flex:
         flex = _build(spec, config=_config(args, "flex", world)).cuda()
         integ.use_portable_routers(flex)
+        if args.trivial_experts:
+            flex.experts = TrivialExperts()
         flex.load_state_dict(layer.state_dict())
 
     reference = _check(layer, inputs[0], grads[0])
@@ -186,8 +202,9 @@ def _spawned(rank: int, world: int, args_dict: dict) -> dict:
 def _table(result: dict) -> str:
     a = result["args"]
     base = next(r["ms"] for r in result["rows"] if r["dispatcher"] == "alltoall")
+    experts = "trivial experts (x * probs)" if a.get("trivial_experts") else f"{a['experts']} experts (ffn {a['ffn']})"
     lines = [f"MoE layer fwd+bwd, {result['world']} x {result['gpu']}, megatron-core {result['megatron_core']}: "
-             f"{a['tokens']} tokens/rank, hidden {a['hidden']}, {a['experts']} experts (ffn {a['ffn']}), "
+             f"{a['tokens']} tokens/rank, hidden {a['hidden']}, {a['experts']} routed experts, {experts}, "
              f"top-{a['topk']}, {a['dtype']}; median of {a['iters']}",
              "| dispatcher | ms | vs alltoall | max rel diff vs alltoall |", "| --- | --- | --- | --- |"]
     for r in result["rows"]:

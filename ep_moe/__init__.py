@@ -5,7 +5,9 @@ Main entry points:
 * `Buffer`: DeepEP-style ``get_dispatch_layout`` / ``dispatch`` / ``combine`` for one EP group,
   on the ``native`` (NVLink kernels) or ``torch`` (torch.distributed) backend.
 * `dispatch` / `combine` / `cached_dispatch`: the same, differentiable (torch.library custom ops).
-* `TokenDispatcher`: what an MoE layer calls (groups received tokens by local expert).
+* `expert_dispatch` / `expert_combine`: the expert-major layout (rows grouped by local expert for a grouped
+  GEMM) and the weighted combine, differentiable.
+* `TokenDispatcher`: what an MoE layer calls (the expert-major dispatch and combine, SM counts planned).
 """
 
 from .distributed import disable_multicast
@@ -17,6 +19,7 @@ from .buffer import Buffer  # noqa: E402
 from .config import Config, NativeOptions  # noqa: E402
 from .dispatcher import DispatchContext, TokenDispatcher  # noqa: E402
 from .event import EventOverlap  # noqa: E402
+from .expert_major import ExpertDispatchOutput, ExpertHandle, expert_combine, expert_dispatch  # noqa: E402
 from .handle import DispatchHandle  # noqa: E402
 from .ops import DispatchOutput, cached_dispatch, combine, dispatch  # noqa: E402
 
@@ -29,9 +32,13 @@ __all__ = [
     "DispatchHandle",
     "DispatchOutput",
     "EventOverlap",
+    "ExpertDispatchOutput",
+    "ExpertHandle",
     "NativeOptions",
     "TokenDispatcher",
     "cached_dispatch",
     "combine",
     "dispatch",
+    "expert_combine",
+    "expert_dispatch",
 ]

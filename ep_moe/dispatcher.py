@@ -1,6 +1,6 @@
-"""`TokenDispatcher`: what an MoE layer calls. It dispatches tokens to the ranks of their experts,
-groups the received (token, expert) pairs by local expert (padded for a grouped GEMM), and undoes all
-of that in `combine`. Differentiable end to end."""
+"""`TokenDispatcher`: what an MoE layer calls. It dispatches tokens to the ranks of their experts in the
+expert-major layout (`ep_moe.expert_major`: rows grouped by local expert, padded for a grouped GEMM) and combines
+the experts' rows back, optionally weighted by the routing weights. Differentiable end to end."""
 
 from __future__ import annotations
 
@@ -10,52 +10,15 @@ import torch
 from torch import Tensor
 
 from .buffer import Buffer
-from .handle import DispatchHandle
-from .layout import count_values, round_up
-from .ops import combine, dispatch
-
-
-def group_pairs_by_expert(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None = None
-                          ) -> tuple[Tensor, Tensor]:
-    """Slots of the (row, k) pairs, grouped by expert and each group padded to ``alignment``.
-
-    Args:
-        topk_idx: ``[N, K]`` int64 expert ids in ``[0, num_experts)``, -1 = none.
-        num_slots: M, the output length; None = exactly the padded total (one host sync), else a bound
-            at least that large (the tail is padding).
-
-    Returns:
-        ``pair_of_slot [M]`` int64 (index into ``topk_idx.flatten()``, ``N * K`` for padding slots; pairs
-        of one expert in increasing (row, k)) and ``padded_counts [num_experts]`` int64.
-    """
-    num_pairs = topk_idx.numel()
-    key = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
-    order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
-    counts = count_values(key, num_experts + 1)[:num_experts]
-    padded = round_up(counts, alignment)
-    if num_slots is None:
-        num_slots = int(padded.sum())
-    first_pair = torch.cumsum(counts, 0) - counts
-    first_slot = torch.cumsum(padded, 0) - padded
-    sorted_key = key[order]
-    is_pair = sorted_key < num_experts
-    expert = sorted_key.clamp(max=num_experts - 1)
-    position = torch.arange(num_pairs, device=topk_idx.device)
-    slot = torch.where(is_pair, first_slot[expert] + position - first_pair[expert], num_slots)
-    pair_of_slot = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64, device=topk_idx.device)
-    pair_of_slot.scatter_(0, slot, torch.where(is_pair, order, num_pairs))  # non-pairs all land on the spare slot
-    return pair_of_slot[:num_slots], padded
+from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 
 
 @dataclass
 class DispatchContext:
     """What `TokenDispatcher.combine` needs from the matching `TokenDispatcher.dispatch`."""
 
-    handle: DispatchHandle
-    row_of_slot: Tensor  # [M] int64: received row feeding each expert-input slot; N for padding slots
-    num_recv_rows: int   # N
+    handle: ExpertHandle
     num_tokens: int      # T
-    num_sms: int         # SMs the dispatch used; its combine uses the same
     tokens_per_expert_host: Tensor | None = None  # [L] int64 CPU: the padded group sizes, when known on the host
 
 
@@ -89,7 +52,7 @@ class TokenDispatcher:
 
     def dispatch(self, hidden: Tensor, topk_idx: Tensor, topk_weights: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, DispatchContext]:
-        """Send tokens to their experts' ranks and group them by local expert.
+        """Send tokens to their experts' ranks, grouped by local expert (`ep_moe.expert_major.expert_dispatch`).
 
         Args:
             hidden: ``[T, H]`` bf16/fp32. topk_idx: ``[T, K]`` int64 global expert ids (-1 = none).
@@ -102,27 +65,11 @@ class TokenDispatcher:
             context for `combine`.
         """
         num_sms = self._num_sms(hidden, topk_idx)
-        out = dispatch(self.buffer, hidden, topk_idx, topk_weights, self.num_experts, self.expert_alignment,
-                       self.num_worst_tokens, num_sms)
-        num_rows, num_topk = out.recv_topk_idx.shape
-        local = self.num_local_experts
-        # Exact: the padded total, from the host counts when the backend has them, else read from the device
-        # (a host sync); fixed: the most any routing can need, no host sync.
-        host_counts = out.num_recv_tokens_per_expert_host if out.num_recv_tokens_per_expert_host.numel() else None
-        num_slots = int(host_counts.sum()) if host_counts is not None else None
-        if self.num_worst_tokens:
-            num_slots = self.num_worst_tokens * min(num_topk, local) + local * (self.expert_alignment - 1)
-        pair_of_slot, padded = group_pairs_by_expert(out.recv_topk_idx, local, self.expert_alignment, num_slots)
-        row_of_slot = torch.where(pair_of_slot < out.recv_topk_idx.numel(), pair_of_slot // max(num_topk, 1),
-                                  num_rows)
-
-        hidden_size = hidden.shape[1]
-        padded_x = torch.cat([out.recv_x, out.recv_x.new_zeros(1, hidden_size)])
-        expert_input = padded_x.index_select(0, row_of_slot)
-        padded_w = torch.cat([out.recv_topk_weights.flatten(), out.recv_topk_weights.new_zeros(1)])
-        expert_probs = padded_w.index_select(0, pair_of_slot)
-        ctx = DispatchContext(out.handle, row_of_slot, num_rows, hidden.shape[0], num_sms, host_counts)
-        return expert_input, expert_probs, padded, ctx
+        out = expert_dispatch(self.buffer, hidden, topk_idx, topk_weights, self.num_experts, self.expert_alignment,
+                              self.num_worst_tokens, num_sms)
+        host = None if out.tokens_per_expert_list is None else torch.tensor(out.tokens_per_expert_list)
+        return out.expert_x, out.expert_weights, out.tokens_per_expert, DispatchContext(out.handle, hidden.shape[0],
+                                                                                       host)
 
     def _num_sms(self, hidden: Tensor, topk_idx: Tensor) -> int:
         """The SM count of this layer: the explicit one, else (native backend) its tuning plan."""
@@ -139,18 +86,15 @@ class TokenDispatcher:
                                        hidden.dtype, num_ranks=self.buffer.group_size, layer=self.layer)
         return self.plan.num_sms
 
-    def combine(self, expert_output: Tensor, ctx: DispatchContext) -> Tensor:
-        """Sum each received row's expert outputs (fp32), return rows to their sources and sum there.
+    def combine(self, expert_output: Tensor, ctx: DispatchContext, weights: Tensor | None = None) -> Tensor:
+        """Return the experts' rows to their tokens and sum them (`ep_moe.expert_major.expert_combine`).
 
         Args:
-            expert_output: ``[M, H]``, already scaled by ``expert_probs`` if the model wants that.
+            expert_output: ``[M, H]`` bf16/fp32 in the dispatch's expert-major order.
+            weights: ``[M]`` fp32 to weight each row by (e.g. ``expert_probs``; the sum is then ``sum w * y``
+                in fp32), or None when the experts already applied them.
 
         Returns:
             ``[T, H]`` in ``expert_output``'s dtype.
         """
-        hidden = expert_output.shape[1]
-        acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
-        per_row = torch.zeros(ctx.num_recv_rows + 1, hidden, dtype=acc_dtype, device=expert_output.device)
-        per_row = per_row.index_add(0, ctx.row_of_slot, expert_output.to(acc_dtype))[:ctx.num_recv_rows]
-        combined, _ = combine(self.buffer, per_row.to(expert_output.dtype), ctx.handle, num_sms=ctx.num_sms)
-        return combined
+        return expert_combine(self.buffer, expert_output, ctx.handle, weights)

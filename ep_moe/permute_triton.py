@@ -1,4 +1,4 @@
-"""Triton kernels for the expert-major permute and the weighted reduce back (issue 20), bit for bit equal to
+"""Triton kernels for the expert-major permute and the weighted reduce back, bit for bit equal to
 their torch definitions in ``ep_moe.permute``.
 
 Notation: ``N`` rank-major rows, ``K`` top-k columns, ``M`` expert-major slots, ``H`` hidden.

@@ -148,3 +148,95 @@ def reference_expert_groups(topk_idx: torch.Tensor, num_experts: int, alignment:
         pair_of_slot += group + [num_rows * num_topk] * (size - len(group))
         padded.append(size)
     return pair_of_slot, padded
+
+
+# ------------------------------------------------------------------------------------------ expert-major
+@dataclass
+class ReferenceExpertDispatch:
+    """Expected expert-major dispatch outputs on one rank (M slots)."""
+
+    expert_x: torch.Tensor              # [M, H] (FP8 data for an FP8 input)
+    expert_scales: torch.Tensor | None  # [M, H/128] for FP8
+    expert_weights: torch.Tensor        # [M] fp32, 0 on padding
+    num_recv_tokens_per_expert: list[int]    # [L] aligned
+    num_recv_pairs_per_expert: list[int]     # [L] unaligned
+    pairs: list[tuple[int, int, int]]   # (source rank, token, k) of each used slot, None for padding
+
+
+def reference_expert_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor],
+                              topk_weights: list[torch.Tensor], num_experts: int, expert_alignment: int = 1,
+                              num_slots: int | None = None, scales: list[torch.Tensor] | None = None
+                              ) -> list[ReferenceExpertDispatch]:
+    """Expert-major dispatch as seen by every rank ``r``: one slot per pair (s, t, k) with ``topk_idxs[s][t, k] =
+    r * L + e``, ordered by e, then s, then t, then k; each expert's group padded with zero slots to a multiple of
+    ``expert_alignment``; ``num_slots`` (fixed size) pads the tail with zero slots up to that many."""
+    num_ranks = len(xs)
+    local = num_experts // num_ranks
+    out = []
+    for r in range(num_ranks):
+        slots: list[tuple[int, int, int] | None] = []
+        aligned, unaligned = [], []
+        for e in range(local):
+            group = [(s, t, k) for s in range(num_ranks) for t in range(xs[s].shape[0])
+                     for k in range(topk_idxs[s].shape[1]) if int(topk_idxs[s][t, k]) == r * local + e]
+            size = _round_up(len(group), expert_alignment)
+            slots += group + [None] * (size - len(group))
+            aligned.append(size)
+            unaligned.append(len(group))
+        if num_slots is not None:
+            if num_slots < len(slots):
+                raise ValueError(f"reference_expert_dispatch: num_slots {num_slots} < the {len(slots)} needed")
+            slots += [None] * (num_slots - len(slots))
+
+        def gather(tensors, slots=slots):
+            zero = tensors[0].new_zeros(tensors[0].shape[1:])
+            rows = [tensors[p[0]][p[1]] if p is not None else zero for p in slots]
+            return torch.stack(rows) if rows else tensors[0].new_empty(0, *tensors[0].shape[1:])
+
+        weights = torch.tensor([float(topk_weights[p[0]][p[1], p[2]]) if p is not None else 0.0 for p in slots],
+                               dtype=torch.float32)
+        out.append(ReferenceExpertDispatch(
+            expert_x=gather(xs), expert_scales=gather(scales) if scales is not None else None,
+            expert_weights=weights, num_recv_tokens_per_expert=aligned, num_recv_pairs_per_expert=unaligned,
+            pairs=slots))
+    return out
+
+
+def reference_expert_combine(ys: list[torch.Tensor], dispatched: list[ReferenceExpertDispatch],
+                             topk_idxs: list[torch.Tensor], num_tokens: list[int],
+                             weights: list[torch.Tensor] | None = None, allow_multiple_reduction: bool = True
+                             ) -> list[torch.Tensor]:
+    """Weighted expert-major combine of every rank ``r``'s ``ys[r] [M_r, H]`` back to every source rank
+    (``weights[r] [M_r]`` fp32 per slot; None = plain sums).
+
+    ``allow_multiple_reduction``: rank r sums, per (s, t), ``w * y`` over its slots of that token in increasing
+    expert (products rounded to fp32, then added), rounds to y's dtype, and the source sums those rows over r in
+    increasing order in fp32 and rounds once. Else the source sums ``w * y`` over all of the token's pairs in
+    increasing global expert id in fp32 and rounds once."""
+    num_ranks = len(ys)
+    hidden, dtype = ys[0].shape[1], ys[0].dtype
+    results = []
+    for s in range(num_ranks):
+        acc = torch.zeros(num_tokens[s], hidden, dtype=torch.float32)
+        for t in range(num_tokens[s]):
+            terms = []  # (rank, global expert, w * y in fp32)
+            for r in range(num_ranks):
+                for slot, pair in enumerate(dispatched[r].pairs):
+                    if pair is not None and pair[0] == s and pair[1] == t:
+                        term = ys[r][slot].float()
+                        if weights is not None:
+                            term = weights[r][slot] * term
+                        terms.append((r, int(topk_idxs[s][t, pair[2]]), term))
+            if allow_multiple_reduction:
+                for r in range(num_ranks):
+                    mine = sorted(((e, term) for rr, e, term in terms if rr == r), key=lambda item: item[0])
+                    if mine:
+                        partial = torch.zeros(hidden, dtype=torch.float32)
+                        for _, term in mine:
+                            partial = partial + term
+                        acc[t] = acc[t] + partial.to(dtype).float()
+            else:
+                for _, _, term in sorted(terms, key=lambda item: item[1]):
+                    acc[t] = acc[t] + term
+        results.append(acc.to(dtype))
+    return results

@@ -7,7 +7,6 @@ the same row order and the same fp32 sums, so it gives the same numbers as a one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..buffer import Buffer
-from ..dispatcher import TokenDispatcher, group_pairs_by_expert
+from ..dispatcher import TokenDispatcher
+from ..expert_major import ExpertHandle, local_expert_combine, local_expert_dispatch
 from .experts import GroupedExperts, SwiGLU, scaled_output_std
 from .router import TopKRouter
 
@@ -24,52 +24,31 @@ if TYPE_CHECKING:
     from .model import ModelConfig
 
 
-@dataclass
-class LocalDispatchContext:
-    """What `LocalTokenDispatcher.combine` needs from the matching dispatch."""
-
-    token_of_slot: Tensor  # [M] int64: token feeding each expert-input slot; T for padding slots
-    num_tokens: int        # T
-
-
 class LocalTokenDispatcher:
-    """`TokenDispatcher`'s interface for one process and all experts local: no communication.
+    """`TokenDispatcher`'s interface for one process and all experts local: no communication
+    (`ep_moe.expert_major.local_expert_dispatch`). Rows, order and sums equal `TokenDispatcher` over a one-rank
+    `Buffer` bit for bit."""
 
-    Row order and sums match `TokenDispatcher` over a one-rank `Buffer` exactly.
-    """
-
-    def __init__(self, num_experts: int, expert_alignment: int = 1) -> None:
+    def __init__(self, num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0) -> None:
         if expert_alignment < 1:
             raise ValueError(f"LocalTokenDispatcher: argument 'expert_alignment' must be >= 1, got {expert_alignment}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts
         self.expert_alignment = expert_alignment
+        self.num_worst_tokens = num_worst_tokens
 
     def dispatch(self, hidden: Tensor, topk_idx: Tensor, topk_weights: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor, LocalDispatchContext]:
+                 ) -> tuple[Tensor, Tensor, Tensor, ExpertHandle]:
         """Group ``hidden [T, H]`` by expert: ``(expert_input [M, H], expert_probs [M] fp32,
         tokens_per_expert [E] int64, ctx)`` as `TokenDispatcher.dispatch`."""
-        num_tokens, num_topk = topk_idx.shape
-        if hidden.ndim != 2 or hidden.shape[0] != num_tokens or topk_weights.shape != topk_idx.shape:
-            raise ValueError(f"LocalTokenDispatcher: arguments 'hidden' [T, H], 'topk_idx' and 'topk_weights' "
-                             f"[T, K] disagree: {tuple(hidden.shape)}, {tuple(topk_idx.shape)}, "
-                             f"{tuple(topk_weights.shape)}")
-        pair_of_slot, padded = group_pairs_by_expert(topk_idx, self.num_experts, self.expert_alignment)
-        num_pairs = topk_idx.numel()
-        token_of_slot = torch.where(pair_of_slot < num_pairs, pair_of_slot // max(num_topk, 1), num_tokens)
-        padded_x = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
-        expert_input = padded_x.index_select(0, token_of_slot)
-        weights = torch.where(topk_idx >= 0, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
-        padded_w = torch.cat([weights.flatten(), weights.new_zeros(1)])
-        expert_probs = padded_w.index_select(0, pair_of_slot)
-        return expert_input, expert_probs, padded, LocalDispatchContext(token_of_slot, num_tokens)
+        out = local_expert_dispatch(hidden, topk_idx, topk_weights, self.num_experts, self.expert_alignment,
+                                    self.num_worst_tokens, check_values=False)
+        return out.expert_x, out.expert_weights, out.tokens_per_expert, out.handle
 
-    def combine(self, expert_output: Tensor, ctx: LocalDispatchContext) -> Tensor:
-        """Sum each token's expert outputs in fp32 (slot order): ``[T, H]`` in ``expert_output``'s dtype."""
-        acc_dtype = torch.promote_types(expert_output.dtype, torch.float32)
-        out = torch.zeros(ctx.num_tokens + 1, expert_output.shape[1], dtype=acc_dtype, device=expert_output.device)
-        out = out.index_add(0, ctx.token_of_slot, expert_output.to(acc_dtype))[:ctx.num_tokens]
-        return out.to(expert_output.dtype)
+    def combine(self, expert_output: Tensor, ctx: ExpertHandle, weights: Tensor | None = None) -> Tensor:
+        """Each token's expert rows summed (weighted by ``weights [M]`` when given), as `TokenDispatcher.combine`:
+        ``[T, H]`` in ``expert_output``'s dtype."""
+        return local_expert_combine(expert_output, ctx, weights)
 
 
 class MoELayer(nn.Module):
@@ -136,7 +115,8 @@ class MoELayer(nn.Module):
         """The dispatcher for this alignment (made once, then cached)."""
         if expert_alignment not in self._dispatchers:
             if self.buffer is None:
-                self._dispatchers[expert_alignment] = LocalTokenDispatcher(self.num_experts, expert_alignment)
+                self._dispatchers[expert_alignment] = LocalTokenDispatcher(self.num_experts, expert_alignment,
+                                                                           self.num_worst_tokens)
             else:
                 self._dispatchers[expert_alignment] = TokenDispatcher(
                     self.buffer, self.num_experts, expert_alignment=expert_alignment,
@@ -160,8 +140,9 @@ class MoELayer(nn.Module):
             hidden = hidden.to(torch.get_autocast_dtype(device_type))
         dispatcher = self.dispatcher(self.experts.expert_alignment(hidden))
         expert_input, expert_probs, tokens_per_expert, ctx = dispatcher.dispatch(hidden, topk_idx, topk_weights)
-        expert_output = self.experts(expert_input, tokens_per_expert, expert_probs)
-        out = dispatcher.combine(expert_output, ctx)
+        # the routing weights are applied in the combine (fp32, one rounding), not by the experts
+        expert_output = self.experts(expert_input, tokens_per_expert)
+        out = dispatcher.combine(expert_output, ctx, expert_probs)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             if self.shared_expert_gate is not None:

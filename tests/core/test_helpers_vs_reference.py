@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe.dispatcher import group_pairs_by_expert
 from ep_moe.layers import LocalTokenDispatcher
 from ep_moe.layout import aligned_expert_counts, dispatch_layout, local_topk
+from ep_moe.permute import expert_layout, pair_values, permute_rows, unpermute_sum
 from ep_moe.reference import reference_dispatch, reference_expert_groups, reference_layout
 
 ROUTINGS = ("random", "with_minus_one", "all_minus_one", "one_expert", "last_expert", "one_rank", "empty")
@@ -67,17 +67,53 @@ def test_receiver_view_helpers_equal_the_reference(kind, alignment):
 
 @pytest.mark.parametrize("kind", ROUTINGS)
 @pytest.mark.parametrize("alignment", [1, 3, 16])
-def test_expert_grouping_equals_the_reference(kind, alignment):
+def test_expert_layout_equals_the_reference(kind, alignment):
     gen = torch.Generator().manual_seed(11 * alignment)
     experts = 16
     idx = _routing(kind, 29, 3, experts, gen)
     want_slots, want_counts = reference_expert_groups(idx, experts, alignment)
-    slots, counts = group_pairs_by_expert(idx, experts, alignment)
-    assert slots.tolist() == want_slots and counts.tolist() == want_counts
-    # With a bound on the slot count (fixed-size dispatch): the same slots, then padding only.
+    layout = expert_layout(idx, experts, alignment)
+    assert layout.pair_of_slot.tolist() == want_slots and layout.tokens_per_expert.tolist() == want_counts
+    # each pair's slot, and each row's slots in increasing order
+    for slot, pair in enumerate(want_slots):
+        if pair < idx.numel():
+            assert int(layout.slot_of_pair.view(-1)[pair]) == slot
+    for row in range(idx.shape[0]):
+        slots = sorted(s for s, pair in enumerate(want_slots) if pair < idx.numel() and pair // 3 == row)
+        assert layout.sorted_slots[row].tolist() == slots + [-1] * (3 - len(slots))
+    # With a bound on the slot count (fixed size): the same slots, then padding only.
     bound = len(want_slots) + 5
-    slots, counts = group_pairs_by_expert(idx, experts, alignment, num_slots=bound)
-    assert slots.tolist() == want_slots + [idx.numel()] * 5 and counts.tolist() == want_counts
+    layout = expert_layout(idx, experts, alignment, num_slots=bound)
+    assert layout.pair_of_slot.tolist() == want_slots + [idx.numel()] * 5
+    assert layout.tokens_per_expert.tolist() == want_counts
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_permute_and_weighted_unpermute_equal_loops(kind):
+    """`permute_rows` copies each pair's row (FP8 bytes too), `unpermute_sum` adds w * y in increasing slot
+    order in fp32 (products rounded first), rounds once; rows without a pair are zero."""
+    gen = torch.Generator().manual_seed(len(kind))
+    idx = _routing(kind, 23, 3, 16, gen)
+    tokens = idx.shape[0]
+    layout = expert_layout(idx, 16, 4)
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+        x = torch.randn(tokens, 8, generator=gen).to(dtype)
+        got = permute_rows(x, layout)
+        for slot, pair in enumerate(layout.pair_of_slot.tolist()):
+            want = x[pair // 3] if pair < idx.numel() else torch.zeros(8).to(dtype)
+            assert torch.equal(got[slot].view(torch.uint8), want.view(torch.uint8)), (dtype, slot)
+    y = (torch.randn(layout.num_slots, 8, generator=gen) * 10.0 ** torch.randint(-4, 5, (layout.num_slots, 1),
+                                                                                 generator=gen)).bfloat16()
+    w = pair_values(torch.rand(tokens, 3, generator=gen), layout)
+    for weights in (w, None):
+        got = unpermute_sum(y, layout, weights)
+        assert got.shape == (tokens, 8)
+        for row in range(tokens):
+            acc = torch.zeros(8)
+            for slot in layout.sorted_slots[row].tolist():
+                if slot >= 0:
+                    acc = acc + (y[slot].float() if weights is None else weights[slot] * y[slot].float())
+            assert torch.equal(got[row], acc.bfloat16()), (kind, row)
 
 
 def test_local_dispatcher_feeds_each_slot_its_reference_row():

@@ -1,0 +1,167 @@
+"""Expert-major dispatch and weighted combine, differentiable (docs/semantics.md, "Expert-major layout").
+
+`expert_dispatch` sends each token to the ranks of its experts and returns, on every rank, one row per
+(source rank s, token t, top-k entry k) whose expert e is local: ordered by e, then s, then t, then k, each
+expert's group padded with zero rows to a multiple of the alignment. `expert_combine` returns the experts' rows,
+weighted, to their tokens. Both are compositions of the rank-major ops (`ep_moe.ops`) with the local permute and
+reduce (`ep_moe.permute`), so every backend gives the same bits and autograd needs nothing more: the gradient of
+the dispatch is the unweighted combine, the gradient of the combine sends ``w * grad_out[t]`` to each pair's
+row and gives each weight ``<grad_out[t], y[row]>`` in fp32. A one-rank group needs no communication: the
+rows are permuted from the input directly (same results).
+
+Fixed size (``num_worst_tokens`` > 0, a bound on the rows any rank receives): the outputs have
+`ep_moe.permute.max_slots` rows and nothing waits on the host, so the layer can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .buffer import Buffer
+from .handle import DispatchHandle
+from .ops import combine, dispatch
+from .permute import ExpertLayout, expert_layout, max_slots, pair_values, permute_rows, unpermute_sum
+from .validation import HIDDEN_DTYPES, _fail, check_num_experts, check_positive_int, check_tensor, check_topk
+
+
+class ExpertHandle(NamedTuple):
+    """What `expert_combine` needs from the matching `expert_dispatch`."""
+
+    layout: ExpertLayout               # the received rows' pairs -> expert-major rows
+    dispatch: DispatchHandle | None    # the rank-major dispatch's handle (None on a one-rank group)
+    topk_idx: Tensor                   # [T, K] int64: the source's routing (global expert ids)
+    num_sms: int                       # the dispatch's SMs; its combine uses the same
+
+
+class ExpertDispatchOutput(NamedTuple):
+    """Result of `expert_dispatch` (M expert-major rows, L local experts)."""
+
+    expert_x: Tensor            # [M, H]: bit-equal copies of the source rows, zero on padding
+    expert_weights: Tensor      # [M] fp32: each row's routing weight, 0 on padding (differentiable)
+    tokens_per_expert: Tensor   # [L] int64 on the device: rows per expert, padding included (aligned)
+    pairs_per_expert: Tensor    # [L] int64 on the device: (token, expert) pairs per expert (unaligned)
+    handle: ExpertHandle
+    # the aligned counts on the host when they are known without waiting for the device (exact-size mode on a
+    # backend that exchanges them, or one rank), else None
+    tokens_per_expert_list: list[int] | None
+
+
+def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
+                    expert_alignment: int = 1, num_worst_tokens: int = 0, num_sms: int = 0) -> ExpertDispatchOutput:
+    """Expert-major dispatch of ``x [T, H]`` (bf16/fp32) by ``topk_idx [T, K]`` int64 (global expert ids, -1 =
+    none) and ``topk_weights [T, K]`` fp32 (see the module docstring). Differentiable in ``x`` and
+    ``topk_weights``.
+
+    ``num_worst_tokens`` > 0: fixed size, a bound on the rows any rank receives (one rank: ``T`` at most), and
+    ``M = num_worst_tokens * min(K, L) + L * (expert_alignment - 1)``. ``num_sms`` > 0: the SM budget of this
+    dispatch, its combine and their backward."""
+    op = "expert_dispatch"
+    check_positive_int(op, "expert_alignment", expert_alignment, 1)
+    check_positive_int(op, "num_worst_tokens", num_worst_tokens, 0)
+    check_num_experts(op, num_experts, buffer.group_size)
+    local = num_experts // buffer.group_size
+    num_topk = topk_idx.shape[1] if topk_idx.dim() == 2 else 0
+    if buffer.group_size == 1:
+        check_tensor(op, "x", x, dtypes=buffer.backend.supported_dtypes, ndim=2, device=buffer.device)
+        return local_expert_dispatch(x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens,
+                                     check_values=buffer.check_inputs, num_sms=num_sms)
+    out = dispatch(buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, num_sms)
+    host = out.num_recv_tokens_per_expert_host
+    if num_worst_tokens:
+        num_slots = max_slots(num_worst_tokens, num_topk, local, expert_alignment)
+    else:
+        num_slots = int(host.sum()) if host.numel() else None  # else one host read, in expert_layout
+    layout = expert_layout(out.recv_topk_idx, local, expert_alignment, num_slots)
+    handle = ExpertHandle(layout, out.handle, topk_idx, num_sms)
+    return ExpertDispatchOutput(permute_rows(out.recv_x, layout), pair_values(out.recv_topk_weights, layout),
+                                layout.tokens_per_expert, layout.pairs_per_expert, handle,
+                                host.tolist() if host.numel() else None)
+
+
+def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
+                          expert_alignment: int = 1, num_worst_tokens: int = 0, *, check_values: bool = True,
+                          num_sms: int = 0) -> ExpertDispatchOutput:
+    """`expert_dispatch` with every expert in this process (a one-rank group, or no group at all): the
+    tokens are the received rows, in order, so they are permuted directly. ``check_values``: also check the
+    expert ids' range (a host sync; never during CUDA-graph capture or in fixed size)."""
+    op = "expert_dispatch"
+    check_positive_int(op, "expert_alignment", expert_alignment, 1)
+    check_positive_int(op, "num_worst_tokens", num_worst_tokens, 0)
+    if not isinstance(x, Tensor):
+        raise _fail(op, "x", "a [T, H] tensor", type(x).__name__)
+    check_tensor(op, "x", x, dtypes=HIDDEN_DTYPES + (torch.float64,), ndim=2, device=x.device)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    check_topk(op, topk_idx, topk_weights, x.shape[0], num_experts, x.device,
+               check_values and not num_worst_tokens and not capturing)
+    if num_worst_tokens and x.shape[0] > num_worst_tokens:
+        raise _fail(op, "num_worst_tokens", f">= the {x.shape[0]} tokens here (one rank receives its own)",
+                    num_worst_tokens)
+    num_slots = max_slots(num_worst_tokens, topk_idx.shape[1], num_experts, expert_alignment) \
+        if num_worst_tokens else None
+    layout = expert_layout(topk_idx, num_experts, expert_alignment, num_slots)
+    handle = ExpertHandle(layout, None, topk_idx, num_sms)
+    counts = None if num_worst_tokens else layout.tokens_per_expert.tolist()
+    return ExpertDispatchOutput(permute_rows(x, layout), pair_values(topk_weights, layout),
+                                layout.tokens_per_expert, layout.pairs_per_expert, handle, counts)
+
+
+def expert_combine(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Tensor | None = None,
+                   allow_multiple_reduction: bool = True) -> Tensor:
+    """Return the expert-major rows ``y [M, H]`` (bf16/fp32) of the dispatch that made ``handle`` to their
+    tokens: ``[T, H]`` in y's dtype, weighted by ``weights [M]`` fp32 (None = plain sums). Differentiable in
+    ``y`` and ``weights``.
+
+    ``allow_multiple_reduction``: every rank sums, per token, ``w * y`` over its rows of that token in increasing
+    expert (fp32, products rounded first: no fused multiply-add), rounds to y's dtype and sends one row back; the
+    source sums over ranks in increasing order in fp32 and rounds once (the bytes of a rank-major combine).
+    False: the source sums ``w * y`` over all of the token's rows in increasing global expert id, in fp32, and
+    rounds once (each row crosses as fp32: ``2 K``-fold the bytes for bf16)."""
+    op = "expert_combine"
+    if not isinstance(handle, ExpertHandle):
+        raise _fail(op, "handle", "the ExpertHandle of expert_dispatch", type(handle).__name__)
+    layout = handle.layout
+    if not isinstance(y, Tensor) or y.dim() != 2 or y.shape[0] != layout.num_slots:
+        raise _fail(op, "y", f"a [M={layout.num_slots}, H] tensor (M from the handle's dispatch)",
+                    tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__)
+    if handle.dispatch is None or allow_multiple_reduction:
+        rows = unpermute_sum(y, layout, weights)  # all experts in one process: both modes are this sum
+        if handle.dispatch is None:
+            return rows
+        return combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0]
+    return _combine_each_pair(buffer, y, handle, weights)
+
+
+def local_expert_combine(y: Tensor, handle: ExpertHandle, weights: Tensor | None = None) -> Tensor:
+    """`expert_combine` of a `local_expert_dispatch` (no group): ``[T, H]``."""
+    if not isinstance(handle, ExpertHandle) or handle.dispatch is not None:
+        raise _fail("expert_combine", "handle", "the ExpertHandle of local_expert_dispatch", type(handle).__name__)
+    return unpermute_sum(y, handle.layout, weights)
+
+
+def _combine_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Tensor | None) -> Tensor:
+    """``allow_multiple_reduction=False``: column k of every received row carries ``w * y`` of its pair as fp32
+    (0 where it has none) back to the source, where a token gets it from exactly one rank (an exact fp32 sum);
+    the source then sums the K columns in increasing global expert id and rounds once."""
+    layout = handle.layout
+    products = y.float() if weights is None else weights.unsqueeze(1) * y.float()
+    columns = []
+    for k in range(layout.num_topk):
+        slots = layout.slot_of_pair[:, k]
+        picked = products.index_select(0, slots.clamp(min=0)) if y.shape[0] else products.new_zeros(
+            slots.shape[0], y.shape[1])
+        rows = torch.where((slots >= 0).unsqueeze(1), picked, torch.zeros_like(picked))
+        columns.append(combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0])
+    order = torch.where(handle.topk_idx >= 0, handle.topk_idx, torch.iinfo(torch.int64).max).argsort(dim=1)
+    stacked = torch.stack(columns, dim=1)  # [T, K, H] fp32
+    ranked = stacked.gather(1, order.unsqueeze(2).expand_as(stacked))
+    acc = torch.zeros_like(ranked[:, 0])
+    for k in range(layout.num_topk):
+        acc = acc + ranked[:, k]
+    return acc.to(y.dtype)
+
+
+__all__ = ["ExpertDispatchOutput", "ExpertHandle", "expert_combine", "expert_dispatch", "local_expert_combine",
+           "local_expert_dispatch"]

@@ -1,0 +1,140 @@
+"""Expert-major dispatch and weighted combine (`ep_moe.expert_major`) against the loop reference
+(`ep_moe.reference.reference_expert_dispatch` / `reference_expert_combine`), bit for bit, at 1 to 4 gloo ranks,
+on random and adversarial routings, alignments 1/16/128, exact and fixed size (T = N and T < N), both combine
+modes, weighted and plain; gradients through autograd against the same expressions; gradcheck of the weights'
+gradient; and the errors (docs/semantics.md, "Expert-major layout")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support_core import Case, check, check_bits, check_equal, make_inputs
+
+from ep_moe import Buffer
+from ep_moe.distributed import run_distributed
+from ep_moe.expert_major import expert_combine, expert_dispatch
+from ep_moe.permute import max_slots
+from ep_moe.reference import reference_expert_combine, reference_expert_dispatch
+
+
+def _cases(num_ranks: int) -> list[Case]:
+    E = 4 * num_ranks
+    tokens = tuple(9 + 4 * s for s in range(num_ranks))
+    return [
+        Case("random", tokens, 256, 3, E, "random", "bf16", 1),
+        Case("random fp32 A16", tokens, 128, 4, E, "random", "fp32", 16),
+        Case("one expert A128", tokens, 128, 2, E, "one_expert", "bf16", 128),
+        Case("all -1", tokens, 128, 2, E, "all_minus_one", "bf16", 16),
+        Case("one rank", tokens, 128, 3, E, "one_rank", "bf16", 1),
+        Case("sparse (empty experts)", tokens, 128, 2, E, "sparse", "fp32", 16),
+        Case("empty rank", (0,) + tokens[1:], 128, 2, E, "random", "bf16", 1),
+    ]
+
+
+def _ys(refs, hidden: int, dtype: torch.dtype, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Expert outputs of very different magnitudes (sums then depend on their order) and weights per rank."""
+    gen = torch.Generator().manual_seed(seed)
+    ys = [(torch.randn(ref.expert_x.shape[0], hidden, generator=gen)
+           * 10.0 ** torch.randint(-3, 4, (ref.expert_x.shape[0], 1), generator=gen)).to(dtype) for ref in refs]
+    return ys, [ref.expert_weights.clone() for ref in refs]
+
+
+def _run_case(buffer: Buffer, rank: int, num_ranks: int, case: Case, seed: int, fixed: int) -> None:
+    where = f"{case.name} R={rank}/{num_ranks} fixed={fixed}"
+    inp = make_inputs(case, num_ranks, seed)
+    x, idx, w = inp.xs[rank], inp.idxs[rank], inp.weights[rank]
+    local = case.experts // num_ranks
+    num_slots = max_slots(fixed, case.topk, local, case.alignment) if fixed else None
+    refs = reference_expert_dispatch(inp.xs, inp.idxs, inp.weights, case.experts, case.alignment, num_slots)
+    out = expert_dispatch(buffer, x, idx, w, case.experts, case.alignment, num_worst_tokens=fixed)
+    ref = refs[rank]
+    check_bits(out.expert_x, ref.expert_x, where, "expert_x")
+    check_bits(out.expert_weights, ref.expert_weights, where, "expert_weights")
+    check(out.tokens_per_expert.tolist() == ref.num_recv_tokens_per_expert, where, "tokens_per_expert")
+    check(out.pairs_per_expert.tolist() == ref.num_recv_pairs_per_expert, where, "pairs_per_expert")
+    if not fixed:
+        check(out.tokens_per_expert_list == ref.num_recv_tokens_per_expert, where, "tokens_per_expert_list")
+    ys, yws = _ys(refs, case.hidden, x.dtype, seed * 7919 + fixed)
+    for weighted in (True, False):
+        for multiple in (True, False):
+            got = expert_combine(buffer, ys[rank], out.handle, yws[rank] if weighted else None, multiple)
+            want = reference_expert_combine(ys, refs, inp.idxs, list(case.tokens), yws if weighted else None,
+                                            multiple)[rank]
+            check_equal(got, want, where, f"combine weighted={weighted} multiple_reduction={multiple}")
+
+
+def _weight_gradient_case(buffer: Buffer) -> None:
+    """One rank: the routing weights' gradient is ``<grad_out[t], y[slot of (t, k)]>`` (fp32), through the
+    dispatch's expert weights and the weighted combine."""
+    case = Case("grad", (11,), 128, 3, 6, "random", "fp32", 4)
+    inp = make_inputs(case, 1, 99)
+    w = inp.weights[0].clone().requires_grad_(True)
+    out = expert_dispatch(buffer, inp.xs[0], inp.idxs[0], w, case.experts, case.alignment)
+    y = out.expert_x * torch.linspace(0.5, 2.0, out.expert_x.shape[0]).unsqueeze(1)
+    grad_out = torch.randn(case.tokens[0], case.hidden, generator=torch.Generator().manual_seed(5))
+    (expert_combine(buffer, y, out.handle, out.expert_weights) * grad_out).sum().backward()
+    want = torch.zeros_like(w)
+    for slot, pair in enumerate(reference_expert_dispatch(inp.xs, inp.idxs, inp.weights, case.experts,
+                                                          case.alignment)[0].pairs):
+        if pair is not None:
+            want[pair[1], pair[2]] = (grad_out[pair[1]] * y[slot].detach()).sum()
+    torch.testing.assert_close(w.grad, want, rtol=1e-6, atol=1e-6)
+
+
+def _worker(rank: int, num_ranks: int) -> int:
+    buffer = Buffer(backend="torch", timeout_s=60)
+    checked = 0
+    for seed, case in enumerate(_cases(num_ranks), start=1):
+        most = max(case.tokens) * num_ranks  # a bound on the rows any rank receives
+        for fixed in (0, most, most + 5):
+            _run_case(buffer, rank, num_ranks, case, seed, fixed)
+            checked += 1
+    if num_ranks == 1:
+        _weight_gradient_case(buffer)
+    buffer.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+def test_expert_major_equals_the_reference(num_ranks: int) -> None:
+    checked = run_distributed(_worker, num_ranks, join_timeout_s=300)
+    assert checked == [3 * len(_cases(num_ranks))] * num_ranks
+
+
+def _gradcheck_worker(rank: int, num_ranks: int) -> bool:
+    """float64 gradcheck (see tests/core/test_autograd.py on gradcheck across ranks: every rank makes the same
+    number of evaluations, and a rank's output may depend on its own inputs only). On every rank: the tokens
+    ``x`` and the routing weights, which travel with the tokens and come back. On one rank also the expert side:
+    the expert rows' scale and the combine's per-row weights."""
+    buffer = Buffer(backend="torch", timeout_s=60)
+    gen = torch.Generator().manual_seed(3 + rank)
+    tokens, hidden, topk, experts = 5, 4, 2, 2 * num_ranks
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    x = torch.randn(tokens, hidden, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(tokens, topk, dtype=torch.float64, generator=gen, requires_grad=True)
+    scale = rank + 1.5  # a row-wise "expert" that differs per receiving rank
+
+    def source_side(x, w):
+        out = expert_dispatch(buffer, x, idx, w.float(), experts, 2)
+        return expert_combine(buffer, out.expert_x * scale + out.expert_x ** 2, out.handle,
+                              out.expert_weights.double())
+
+    # the weights reach the op as fp32: a larger step and tolerance (the function is linear in them)
+    ok = torch.autograd.gradcheck(source_side, (x, w), eps=1e-3, atol=1e-3, rtol=1e-3)
+    if num_ranks == 1:
+        slots = expert_dispatch(buffer, x.detach(), idx, w.detach().float(), experts, 2).expert_x.shape[0]
+        row_scale = torch.rand(slots, 1, dtype=torch.float64, generator=gen, requires_grad=True)
+        row_weights = torch.rand(slots, dtype=torch.float64, generator=gen, requires_grad=True)
+
+        def expert_side(x, row_scale, row_weights):
+            out = expert_dispatch(buffer, x, idx, w.detach().float(), experts, 2)
+            return expert_combine(buffer, out.expert_x * row_scale, out.handle, row_weights)
+
+        ok = ok and torch.autograd.gradcheck(expert_side, (x, row_scale, row_weights))
+    buffer.destroy()
+    return ok
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3])
+def test_gradcheck_through_expert_major(num_ranks: int) -> None:
+    assert run_distributed(_gradcheck_worker, num_ranks, join_timeout_s=120) == [True] * num_ranks
