@@ -15,7 +15,8 @@ A, then expert 1's, and so on; slots past the used total (a bound given for a fi
   ``<grad[row], y[slot]>`` in fp32.
 
 On CUDA the work runs in the Triton kernels of `ep_moe.permute_triton` when they are available (bit-equal to the
-torch code here, which serves the CPU and any machine without Triton).
+torch code here, which serves the CPU and any machine without Triton); the public functions here check the
+arguments once and call the kernels' unchecked launchers.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def _permute_op(x: Tensor, pair_of_slot: Tensor, sorted_slots: Tensor) -> Tensor
     num_topk = sorted_slots.shape[1]
     if _triton(x):
         out = torch.empty(pair_of_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-        return permute_triton.permute_rows(x.contiguous(), pair_of_slot, num_topk, out)
+        return permute_triton.run_permute_rows(x.contiguous(), pair_of_slot, num_topk, out)
     return _permute_torch(x, pair_of_slot, num_topk)
 
 
@@ -193,7 +194,7 @@ _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 def _unpermute_op(y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, sorted_slots: Tensor) -> Tensor:
     if _triton(y):
         out = torch.empty(sorted_slots.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-        return permute_triton.unpermute_sum(y.contiguous(), None if weights is None else weights.contiguous(),
+        return permute_triton.run_unpermute_sum(y.contiguous(), None if weights is None else weights.contiguous(),
                                             sorted_slots, out)
     return _unpermute_sum_torch(y, weights, sorted_slots)
 
@@ -228,7 +229,7 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_se
 def _scale_permute_op(grad: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int) -> Tensor:
     if _triton(grad):
         out = torch.empty(pair_of_slot.shape[0], grad.shape[1], dtype=grad.dtype, device=grad.device)
-        return permute_triton.scale_permute(grad, None if weights is None else weights.contiguous(), pair_of_slot,
+        return permute_triton.run_scale_permute(grad, None if weights is None else weights.contiguous(), pair_of_slot,
                                             num_topk, out)
     return _scale_permute_torch(grad, weights, pair_of_slot, num_topk)
 
@@ -242,7 +243,7 @@ def _(grad, weights, pair_of_slot, num_topk):
 def _pair_dot_op(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int) -> Tensor:
     if _triton(grad):
         out = torch.empty(pair_of_slot.shape[0], dtype=torch.float32, device=grad.device)
-        return permute_triton.pair_dot(grad, y.contiguous(), pair_of_slot, num_topk, out)
+        return permute_triton.run_pair_dot(grad, y.contiguous(), pair_of_slot, num_topk, out)
     return _pair_dot_torch(grad, y, pair_of_slot, num_topk)
 
 

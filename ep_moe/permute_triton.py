@@ -160,8 +160,11 @@ if triton is not None:
 
 
 def _on_device(device: torch.device):
-    """Triton launches on the current CUDA device (and its current stream): make it the tensors' one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """Triton launches on the current CUDA device (and its current stream): make it the tensors' one (a no-op,
+    without a device switch, when it already is)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _blocks(width: int, element_size: int) -> tuple[int, int]:
@@ -238,14 +241,18 @@ def permute_rows(x: torch.Tensor, pair_of_slot: torch.Tensor, num_topk: int, out
     op = "permute_rows"
     device, K = _check_slot_args(op, "x", x, pair_of_slot, num_topk, None)
     _check(op, "out", out, device, (x.dtype,), (pair_of_slot.shape[0], x.shape[1]))
-    row_bytes = x.shape[1] * x.element_size()
+    return run_permute_rows(x, pair_of_slot, K, out)
+
+
+def run_permute_rows(x: torch.Tensor, pair_of_slot: torch.Tensor, num_topk: int, out: torch.Tensor) -> torch.Tensor:
+    """`permute_rows` without its argument checks, for callers that made them (``ep_moe.permute``)."""
     if out.numel() == 0:
         return out
     if x.shape[0] == 0:
         return out.zero_()
-    view = _byte_width(x, out, row_bytes=row_bytes)
+    view = _byte_width(x, out, row_bytes=x.shape[1] * x.element_size())
     src, dst = x.view(torch.uint8).view(view), out.view(torch.uint8).view(view)
-    _launch_slots(src, src, None, pair_of_slot, K, dst, _COPY, fp_fusion=False)
+    _launch_slots(src, src, None, pair_of_slot, num_topk, dst, _COPY, fp_fusion=False)
     return out
 
 
@@ -257,16 +264,22 @@ def scale_permute(grad_out: torch.Tensor, weights: torch.Tensor | None, pair_of_
     op = "scale_permute"
     device, K = _check_slot_args(op, "grad_out", grad_out, pair_of_slot, num_topk, HIDDEN_DTYPES)
     M = pair_of_slot.shape[0]
-    if weights is None:
-        _check(op, "out", out, device, (grad_out.dtype,), (M, grad_out.shape[1]))
-        return permute_rows(grad_out, pair_of_slot, K, out)
-    _check(op, "weights", weights, device, (torch.float32,), (M,))
+    if weights is not None:
+        _check(op, "weights", weights, device, (torch.float32,), (M,))
     _check(op, "out", out, device, (grad_out.dtype,), (M, grad_out.shape[1]))
+    return run_scale_permute(grad_out, weights, pair_of_slot, K, out)
+
+
+def run_scale_permute(grad_out: torch.Tensor, weights: torch.Tensor | None, pair_of_slot: torch.Tensor,
+                      num_topk: int, out: torch.Tensor) -> torch.Tensor:
+    """`scale_permute` without its argument checks."""
+    if weights is None:
+        return run_permute_rows(grad_out, pair_of_slot, num_topk, out)
     if out.numel() == 0:
         return out
     if grad_out.shape[0] == 0:
         return out.zero_()
-    return _launch_slots(grad_out, grad_out, weights, pair_of_slot, K, out, _SCALE, fp_fusion=False)
+    return _launch_slots(grad_out, grad_out, weights, pair_of_slot, num_topk, out, _SCALE, fp_fusion=False)
 
 
 def pair_dot(grad_out: torch.Tensor, y: torch.Tensor, pair_of_slot: torch.Tensor, num_topk: int,
@@ -279,11 +292,17 @@ def pair_dot(grad_out: torch.Tensor, y: torch.Tensor, pair_of_slot: torch.Tensor
     M = pair_of_slot.shape[0]
     _check(op, "y", y, device, (grad_out.dtype,), (M, grad_out.shape[1]))
     _check(op, "out", out, device, (torch.float32,), (M,))
-    if M == 0:
+    return run_pair_dot(grad_out, y, pair_of_slot, K, out)
+
+
+def run_pair_dot(grad_out: torch.Tensor, y: torch.Tensor, pair_of_slot: torch.Tensor, num_topk: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """`pair_dot` without its argument checks."""
+    if pair_of_slot.shape[0] == 0:
         return out
     if grad_out.shape[0] == 0 or grad_out.shape[1] == 0:
         return out.zero_()
-    return _launch_slots(grad_out, y, None, pair_of_slot, K, out, _DOT, fp_fusion=True)
+    return _launch_slots(grad_out, y, None, pair_of_slot, num_topk, out, _DOT, fp_fusion=True)
 
 
 def unpermute_sum(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor,
@@ -301,6 +320,13 @@ def unpermute_sum(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: t
     _check(op, "sorted_slots", sorted_slots, device, (torch.int64,), (None, None))
     N, K = sorted_slots.shape
     _check(op, "out", out, device, (y.dtype,), (N, H))
+    return run_unpermute_sum(y, weights, sorted_slots, out)
+
+
+def run_unpermute_sum(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+    """`unpermute_sum` without its argument checks."""
+    (M, H), (N, K) = y.shape, sorted_slots.shape
     if out.numel() == 0:
         return out
     if M == 0 or K == 0:
