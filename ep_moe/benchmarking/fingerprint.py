@@ -15,6 +15,7 @@ stale, zeroed, reordered or partly written output changes them except with proba
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 
 import torch
 
@@ -63,22 +64,16 @@ def fingerprint(*tensors: torch.Tensor | None) -> torch.Tensor:
     return torch.stack(values)
 
 
-def fingerprint_of(value, device: torch.device) -> tuple[torch.Tensor, tuple]:
-    """What a call returned, for a later comparison, without waiting for ``device``: ``(fingerprint of every
-    tensor on device, every other item as plain host data)``. ``value``: a tensor, None, an int, a list of
-    ints, or a (nested) tuple or list of these; tensors elsewhere (host counts) become lists."""
-    on_device, host = [], []
-
-    def walk(item) -> None:
-        if isinstance(item, torch.Tensor):
-            (on_device if item.device == device else host).append(item if item.device == device else item.tolist())
-        elif isinstance(item, tuple | list) and not all(isinstance(v, int) for v in item):
-            for v in item:
-                walk(v)
-        elif item is None:
-            on_device.append(None)
-        else:
-            host.append(list(item) if isinstance(item, tuple | list) else item)
-
-    walk(value)
-    return fingerprint(*on_device) if on_device else torch.zeros(0, dtype=torch.int64, device=device), tuple(host)
+def fingerprint_outputs(outputs: Mapping[str, object], device: torch.device
+                        ) -> tuple[tuple[str, ...], tuple[str, ...], torch.Tensor, tuple]:
+    """A call's named outputs, for a later comparison, without waiting for ``device``: ``(the names of the
+    tensors on device and of the None outputs, the names of the others, the former's fingerprints [n] int64
+    on device, the others as plain host data)``. Host data: ints, lists of ints, and tensors elsewhere (host
+    counts) as lists."""
+    device_names = tuple(n for n, v in outputs.items() if v is None or (isinstance(v, torch.Tensor)
+                                                                        and v.device == device))
+    host_names = tuple(n for n in outputs if n not in device_names)
+    values = (fingerprint(*(outputs[n] for n in device_names)) if device_names
+              else torch.zeros(0, dtype=torch.int64, device=device))
+    host = tuple(outputs[n].tolist() if isinstance(outputs[n], torch.Tensor) else outputs[n] for n in host_names)
+    return device_names, host_names, values, host

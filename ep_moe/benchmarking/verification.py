@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .checks import compare
-from .fingerprint import fingerprint
+from .fingerprint import fingerprint_outputs
 
 # What each operation returns, by name (an FP8 pair is `recv_x` and `recv_scales`; the count list is host data).
 DISPATCH_OUTPUTS = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert_list",
@@ -55,10 +55,8 @@ class Fingerprints:
     """The fingerprints of named outputs: queued on ``device`` when made (no host sync), read by `read`."""
 
     def __init__(self, outputs: Outputs, device: torch.device) -> None:
-        self._tensor_names = tuple(n for n, v in outputs.items() if v is None or isinstance(v, torch.Tensor))
-        self._host = {n: v for n, v in outputs.items() if n not in self._tensor_names}
-        self._device = (fingerprint(*(outputs[n] for n in self._tensor_names)) if self._tensor_names
-                        else torch.zeros(0, dtype=torch.int64, device=device))
+        self._tensor_names, host_names, self._device, host = fingerprint_outputs(outputs, device)
+        self._host = dict(zip(host_names, host))
 
     def read(self) -> Outputs:
         """Name -> fingerprint (tensors) or value (host data); waits for the device."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe.benchmarking.fingerprint import fingerprint, fingerprint_of
+from ep_moe.benchmarking.fingerprint import fingerprint, fingerprint_outputs
 
 
 def test_equal_outputs_agree_and_every_kind_of_wrong_one_differs():
@@ -28,10 +28,17 @@ def test_equal_outputs_agree_and_every_kind_of_wrong_one_differs():
     assert not torch.equal(fingerprint(odd), fingerprint(torch.arange(8, dtype=torch.uint8)))
 
 
-def test_fingerprint_of_keeps_host_items_as_data():
+def test_fingerprint_outputs_splits_device_tensors_from_host_data():
     x, idx = torch.randn(4, 8), torch.arange(6).view(2, 3)
-    device_part, host = fingerprint_of((x, (idx, None), [3, 1, 2], 5), torch.device("cpu"))
-    assert torch.equal(device_part, fingerprint(x, idx, None)) and host == ([3, 1, 2], 5)
+    names, host_names, values, host = fingerprint_outputs(
+        {"x": x, "idx": idx, "none": None, "counts": [3, 1, 2], "rows": 5}, torch.device("cpu"))
+    assert names == ("x", "idx", "none") and host_names == ("counts", "rows")
+    assert torch.equal(values, fingerprint(x, idx, None)) and host == ([3, 1, 2], 5)
+    # a tensor on another device than the outputs' (host counts next to GPU rows) is host data
+    names, host_names, values, host = fingerprint_outputs(
+        {"rows": torch.empty(3, 2, device="meta"), "counts": torch.tensor([4, 5])}, torch.device("meta"))
+    assert names == ("rows",) and host_names == ("counts",) and host == ([4, 5],) and values.device.type == "meta"
+    assert fingerprint_outputs({"n": 1}, torch.device("cpu"))[2].numel() == 0
     with pytest.raises(ValueError, match="one device"):
         fingerprint(x, torch.empty(1, device="meta"))
 

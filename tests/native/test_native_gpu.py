@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from ep_moe import Config, NativeOptions, native
-from ep_moe.benchmarking.fingerprint import fingerprint_of
+from ep_moe.benchmarking.fingerprint import fingerprint_outputs
 from ep_moe.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -531,9 +531,7 @@ def _soak_outputs(op: str, result, device: torch.device) -> _Outputs:
                       ("rank_prefix_matrix", handle.rank_prefix_matrix), ("recv_src_idx", handle.recv_src_idx),
                       ("recv_src_rank", handle.recv_src_rank), ("num_recv_tokens", handle.num_recv_tokens),
                       ("num_worst_tokens", handle.num_worst_tokens)]
-    on_device = tuple(name for name, value in named if value is None or isinstance(value, torch.Tensor))
-    fingerprints, host = fingerprint_of(tuple(value for _, value in named), device)
-    return _Outputs(on_device, tuple(name for name, _ in named if name not in on_device), fingerprints, host)
+    return _Outputs(*fingerprint_outputs(dict(named), device))
 
 
 def _prepare_soak_set(index: int, rank: int, world: int, ref, copy_engine: bool) -> tuple[dict, dict]:
