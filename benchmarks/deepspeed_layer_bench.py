@@ -6,6 +6,12 @@ checked against DeepSpeed's output on the same input and RNG state, then timed: 
 ``(out, l_aux, exp_counts)``) and backward of ``sum(out * g) + 0.01 * l_aux``, inputs rotated so that
 caches do not serve them, a barrier before every iteration, median and quartiles over ``--iters``.
 
+``--trivial-experts`` replaces every expert of all four layers (DeepSpeed's and ours, capacity and
+dropless) by the same trivial, parameter-free module (`TrivialExpert`: the identity), so that the time is the
+gate's and the token movement's own share of forward + backward (``--ffn`` is then unused; the gate weights
+stay those of the full run). The check still runs and must agree as with real experts. The table's header
+and ``--json`` (``config.trivial_experts``, ``expert_fn``) say so.
+
 GPU (one process per GPU, NCCL; DeepSpeed on its CUDA accelerator):
 
     torchrun --nproc-per-node 2 benchmarks/deepspeed_layer_bench.py --dtype bf16
@@ -47,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU 30, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 2)")
     p.add_argument("--backend", choices=("auto", "torch", "native"), default="auto", help="ep_moe backend")
+    p.add_argument("--trivial-experts", action="store_true",
+                   help="make every expert of every layer the identity: the gate's + dispatcher's share")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
@@ -67,6 +75,15 @@ def _fill_defaults(args: argparse.Namespace, cuda: bool) -> argparse.Namespace:
     return args
 
 
+class TrivialExpert(torch.nn.Module):
+    """A DeepSpeed expert that returns its input (differentiable, no parameters). Elementwise, so it fits
+    both callers: DeepSpeed's ``Experts`` calls each expert on its ``[ep, 1, C, H]`` capacity block, ep_moe's
+    layer on its ``[n, H]`` rows; each layer then weights and combines as it does with real experts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 def _layers(args, rank: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
@@ -85,6 +102,10 @@ def _layers(args, rank: int, device: torch.device, dtype: torch.dtype) -> dict[s
         for p in module.parameters():
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    if args.trivial_experts:  # after the MLP experts were built: the same RNG draws, so the same gate weights
+        experts = base.deepspeed_moe.experts.deepspeed_experts
+        for i in range(len(experts)):
+            experts[i] = TrivialExpert()
     if args.skew:
         with torch.no_grad():  # a gate row component along the inputs' shared mean direction
             wg = base.deepspeed_moe.gate.wg.weight
@@ -211,14 +232,22 @@ def bench(rank: int, world: int, raw_args: dict) -> dict | None:
         return None
     return {"config": {k: v for k, v in vars(args).items() if k not in ("mode_list", "json", "nproc")},
             "world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "expert_fn": "trivial: identity, no parameters" if args.trivial_experts else
+                         f"MLP: Linear {args.hidden}->{args.ffn}, GELU, Linear {args.ffn}->{args.hidden}",
             "deepspeed": deepspeed.__version__, "torch": torch.__version__, "ep_moe_backend": backend,
             "checks": checks, "timings": timings}
+
+
+def _experts_text(config: dict) -> str:
+    if config.get("trivial_experts"):
+        return f"{config['experts']} trivial experts (identity, no parameters)"
+    return f"ffn {config['ffn']}, {config['experts']} experts"
 
 
 def _table(result: dict) -> str:
     c, t = result["config"], result["timings"]
     lines = [f"MoE layer fwd+bwd, {result['world']} ranks on {result['device']}: {c['tokens']} tokens/rank, "
-             f"hidden {c['hidden']}, ffn {c['ffn']}, {c['experts']} experts, top-{c['k']}, capacity factor "
+             f"hidden {c['hidden']}, {_experts_text(c)}, top-{c['k']}, capacity factor "
              f"{c['capacity_factor']}, {c['dtype']}, skew {c['skew']}; deepspeed {result['deepspeed']}, "
              f"torch {result['torch']}, ep_moe backend {result['ep_moe_backend']}",
              f"{'layer':<20} {'fwd ms':>8} {'fwd+bwd ms':>11} {'p25-p75':>15} {'vs DeepSpeed':>13}  check"]
