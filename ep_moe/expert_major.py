@@ -23,7 +23,7 @@ from torch import Tensor
 from .buffer import Buffer
 from .handle import DispatchHandle
 from .ops import combine, dispatch
-from .permute import ExpertLayout, expert_layout, max_slots, pair_values, permute_rows, unpermute_sum
+from .permute import ExpertLayout, expert_layout, max_slots, permute_rows_and_values, unpermute_sum
 from .validation import HIDDEN_DTYPES, _fail, check_num_experts, check_positive_int, check_tensor, check_topk
 
 
@@ -76,9 +76,13 @@ def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: T
         num_slots = int(host.sum()) if host.numel() else None  # else one host read, in expert_layout
     layout = expert_layout(out.recv_topk_idx, local, expert_alignment, num_slots)
     handle = ExpertHandle(layout, out.handle, topk_idx, num_sms)
-    return ExpertDispatchOutput(permute_rows(out.recv_x, layout), pair_values(out.recv_topk_weights, layout),
-                                layout.tokens_per_expert, layout.pairs_per_expert, handle,
-                                host.tolist() if host.numel() else None)
+    expert_x, expert_weights = permute_rows_and_values(out.recv_x, out.recv_topk_weights, layout)
+    if host.numel():
+        counts = host.tolist()
+    else:
+        counts = None if layout.tokens_per_expert_host is None else layout.tokens_per_expert_host.tolist()
+    return ExpertDispatchOutput(expert_x, expert_weights, layout.tokens_per_expert, layout.pairs_per_expert, handle,
+                                counts)
 
 
 def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
@@ -103,9 +107,10 @@ def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num
         if num_worst_tokens else None
     layout = expert_layout(topk_idx, num_experts, expert_alignment, num_slots)
     handle = ExpertHandle(layout, None, topk_idx, num_sms)
-    counts = None if num_worst_tokens else layout.tokens_per_expert.tolist()
-    return ExpertDispatchOutput(permute_rows(x, layout), pair_values(topk_weights, layout),
-                                layout.tokens_per_expert, layout.pairs_per_expert, handle, counts)
+    counts = None if num_worst_tokens else layout.tokens_per_expert_host.tolist()
+    expert_x, expert_weights = permute_rows_and_values(x, topk_weights, layout)
+    return ExpertDispatchOutput(expert_x, expert_weights, layout.tokens_per_expert, layout.pairs_per_expert, handle,
+                                counts)
 
 
 def expert_combine(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Tensor | None = None,

@@ -1,6 +1,7 @@
 """Expert-major rows on one rank: the permute of (received) rows into one group per local expert, padded to an
 alignment, for a grouped GEMM, and the weighted reduce of the experts' output rows back to one row per (received)
-row. Differentiable (``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces them).
+row. Differentiable (autograd functions; their CUDA kernels are torch ops with fake implementations, so
+``torch.compile`` traces them).
 
 Notation: N rows, K top-k columns, L experts of this rank, A alignment, M slots (expert-major rows), H hidden.
 A *pair* ``(i, k)`` is row ``i``'s ``k``-th top-k entry when it names an expert of this rank; its flat index is
@@ -8,15 +9,18 @@ A *pair* ``(i, k)`` is row ``i``'s ``k``-th top-k entry when it names an expert 
 A, then expert 1's, and so on; slots past the used total (a bound given for a fixed-size layout) are padding too.
 
 * `expert_layout` computes where every pair goes (no host sync when ``num_slots`` is given).
-* `permute_rows` copies each pair's row into its slot (bit for bit, FP8 included), zero on padding.
+* `permute_rows` copies each pair's row into its slot (bit for bit, FP8 included), zero on padding;
+  `permute_rows_and_values` also gives each slot its pair's value (e.g. the routing weight), 0 on padding.
 * `unpermute_sum` gives each row the fp32 sum over its pairs, in increasing slot order (= increasing expert),
   of ``weight * y[slot]`` (the product rounded to fp32, then added: no fused multiply-add), rounded once to
   y's dtype; rows without a pair get zeros. Gradients: ``y[slot]`` gets ``weight * grad[row]``, the weight
   ``<grad[row], y[slot]>`` in fp32.
 
-On CUDA the work runs in the Triton kernels of `ep_moe.permute_triton` when they are available (bit-equal to the
-torch code here, which serves the CPU and any machine without Triton); the public functions here check the
-arguments once and call the kernels' unchecked launchers.
+Where the work runs (the same bits everywhere; the weights' gradient is a dot product whose summation order is
+each implementation's own, fixed): on CUDA, the kernels of the native extension (``ep_moe_native::*`` torch
+ops: a handful of launches per call, the layout included, and little host time), else the Triton kernels of
+`ep_moe.permute_triton`; on CPU (and for float64, e.g. gradcheck) the torch definitions here. The public
+functions check their arguments once; the kernels' entry points do not check again.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import permute_triton
+from . import native, permute_triton
 from .layout import count_values, round_up
 
 
@@ -38,6 +42,8 @@ class ExpertLayout(NamedTuple):
     sorted_slots: Tensor       # [N, K] int64: each row's slots in increasing order, then -1
     tokens_per_expert: Tensor  # [L] int64: each expert's slot count (its pairs rounded up to A)
     pairs_per_expert: Tensor   # [L] int64: each expert's pairs
+    # [L] int64 on the host: tokens_per_expert, when the layout was made at its exact size (read with the total)
+    tokens_per_expert_host: Tensor | None = None
 
     @property
     def num_topk(self) -> int:
@@ -62,25 +68,39 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
                   ) -> ExpertLayout:
     """The expert-major layout of ``topk_idx [N, K]`` int64 (expert ids in ``[0, num_experts)``, -1 = none).
 
-    ``num_slots``: None = exactly the aligned total (one host read); else M, a bound at least that large
-    (`max_slots` always is): nothing waits on the host, and the slots past the total are padding.
+    ``num_slots``: None = exactly the aligned total (one host read, which also brings the counts to the host:
+    ``tokens_per_expert_host``); else M, a bound at least that large (`max_slots` always is): nothing waits on
+    the host, and the slots past the total are padding. An id outside ``[0, num_experts)`` is not a pair.
     """
     if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
         raise ValueError(f"expert_layout: argument 'topk_idx' must be a [N, K] int64 tensor, got "
                          f"{tuple(topk_idx.shape)} {topk_idx.dtype}")
     if alignment < 1:
         raise ValueError(f"expert_layout: argument 'alignment' must be >= 1, got {alignment}")
+    if num_experts < 1:
+        raise ValueError(f"expert_layout: argument 'num_experts' must be >= 1, got {num_experts}")
+    if num_slots is not None and num_slots < 0:
+        raise ValueError(f"expert_layout: argument 'num_slots' must be >= 0, got {num_slots}")
+    if _implementation(topk_idx) == "native" and num_experts <= NATIVE_MAX_EXPERTS:
+        *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment,
+                                                               -1 if num_slots is None else num_slots)
+        return ExpertLayout(*tensors, host if num_slots is None else None)
+    return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots)
+
+
+def _expert_layout_torch(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None
+                         ) -> ExpertLayout:
     num_rows, num_topk = topk_idx.shape
     num_pairs = num_rows * num_topk
     device = topk_idx.device
-    key = torch.where(topk_idx >= 0, topk_idx, num_experts).flatten()
+    key = torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, num_experts).flatten()
     order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
     pairs = count_values(key, num_experts + 1)[:num_experts]
     padded = round_up(pairs, alignment)
+    host = None
     if num_slots is None:
-        num_slots = int(padded.sum())
-    elif num_slots < 0:
-        raise ValueError(f"expert_layout: argument 'num_slots' must be >= 0, got {num_slots}")
+        host = padded.cpu()
+        num_slots = int(host.sum())
     first_pair = torch.cumsum(pairs, 0) - pairs
     first_slot = torch.cumsum(padded, 0) - padded
     sorted_key = key[order]
@@ -97,7 +117,8 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
     by_pair = slot_of_pair[:num_pairs].view(num_rows, num_topk)
     sorted_slots = by_pair.sort(dim=1).values
     sorted_slots = torch.where(sorted_slots < num_slots, sorted_slots, -1)
-    return ExpertLayout(pair_of_slot, torch.where(by_pair < num_slots, by_pair, -1), sorted_slots, padded, pairs)
+    return ExpertLayout(pair_of_slot, torch.where(by_pair < num_slots, by_pair, -1), sorted_slots, padded, pairs,
+                        host)
 
 
 # ------------------------------------------------------------------------------------------ torch definitions
@@ -158,107 +179,171 @@ def _pair_dot_torch(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int
     return torch.where(valid, dots, torch.zeros_like(dots))
 
 
-def _triton(*tensors: Tensor) -> bool:
-    """The Triton kernels serve CUDA tensors of the dtypes they take (fp64, for gradcheck, stays in torch)."""
-    return tensors[0].is_cuda and tensors[0].dtype != torch.float64 and permute_triton.available()
+# ------------------------------------------------------------------------------------------ implementations
+# Three implementations of the same contract, chosen per call by where the tensors are (`_implementation`):
+# the CUDA kernels of the native extension (torch ops ``ep_moe_native::*``, registered in C++: the least host
+# time per call), the Triton kernels of `ep_moe.permute_triton` (CUDA without the extension), and the torch
+# definitions above (CPU, float64, and Triton's place while torch.compile traces).
+NATIVE_MAX_EXPERTS = 1024  # experts the native layout kernels count in shared memory; beyond, torch
 
 
-# ------------------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("ep_moe::permute_rows", mutates_args=())
-def _permute_op(x: Tensor, pair_of_slot: Tensor, sorted_slots: Tensor) -> Tensor:
-    num_topk = sorted_slots.shape[1]
-    if _triton(x):
-        out = torch.empty(pair_of_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-        return permute_triton.run_permute_rows(x.contiguous(), pair_of_slot, num_topk, out)
-    return _permute_torch(x, pair_of_slot, num_topk)
+def _implementation(t: Tensor) -> str:
+    if not t.is_cuda or t.dtype == torch.float64:
+        return "torch"
+    if native.extension_available():
+        return "native"
+    if permute_triton.available() and not torch.compiler.is_compiling():
+        return "triton"
+    return "torch"
 
 
-@_permute_op.register_fake
-def _(x, pair_of_slot, sorted_slots):
-    return x.new_empty(pair_of_slot.shape[0], x.shape[1])
+def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
+    flat = values.reshape(-1)
+    if flat.shape[0] == 0:
+        return values.new_zeros(pair_of_slot.shape[0])
+    valid = pair_of_slot < flat.shape[0]
+    picked = flat.index_select(0, pair_of_slot.clamp(max=flat.shape[0] - 1))
+    return torch.where(valid, picked, torch.zeros_like(picked))
 
 
-def _permute_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1], inputs[2])
+def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(rows [M, H], slot_values [M] or None)."""
+    how = _implementation(x)
+    if how == "native" and (values is None or values.dtype == torch.float32):
+        rows, slot_values = torch.ops.ep_moe_native.permute_rows(
+            x.contiguous(), pair_of_slot, num_topk, None if values is None else values.contiguous())
+        return rows, None if values is None else slot_values
+    if how != "torch":  # Triton (or native with values of another dtype)
+        rows = torch.empty(pair_of_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+        if how == "triton":
+            permute_triton.run_permute_rows(x.contiguous(), pair_of_slot, num_topk, rows)
+        else:
+            rows = torch.ops.ep_moe_native.permute_rows(x.contiguous(), pair_of_slot, num_topk, None)[0]
+    else:
+        rows = _permute_torch(x, pair_of_slot, num_topk)
+    return rows, None if values is None else _slot_values_torch(values, pair_of_slot)
 
 
-def _permute_backward(ctx, grad):
-    pair_of_slot, sorted_slots = ctx.saved_tensors
-    return torch.ops.ep_moe.unpermute_sum(grad.contiguous(), None, pair_of_slot, sorted_slots), None, None
-
-
-_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
-
-
-@torch.library.custom_op("ep_moe::unpermute_sum", mutates_args=())
-def _unpermute_op(y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, sorted_slots: Tensor) -> Tensor:
-    if _triton(y):
+def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_values: Tensor | None = None,
+               slot_of_pair: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(out [N, H], pair_values [N, K] or None: ``slot_values`` at each pair's slot, 0 where it has none)."""
+    how = _implementation(y)
+    if how == "native":
+        out, pair_values = torch.ops.ep_moe_native.unpermute_sum(
+            y.contiguous(), None if weights is None else weights.contiguous(), sorted_slots,
+            None if slot_values is None else slot_values.contiguous(), slot_of_pair)
+        return out, None if slot_values is None else pair_values
+    if how == "triton":
         out = torch.empty(sorted_slots.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-        return permute_triton.run_unpermute_sum(y.contiguous(), None if weights is None else weights.contiguous(),
-                                            sorted_slots, out)
-    return _unpermute_sum_torch(y, weights, sorted_slots)
+        permute_triton.run_unpermute_sum(y.contiguous(), None if weights is None else weights.contiguous(),
+                                         sorted_slots, out)
+    else:
+        out = _unpermute_sum_torch(y, weights, sorted_slots)
+    if slot_values is None:
+        return out, None
+    safe = slot_of_pair.clamp(min=0)
+    picked = slot_values.index_select(0, safe.flatten()).view(slot_of_pair.shape) if slot_values.numel() else \
+        torch.zeros(slot_of_pair.shape, dtype=slot_values.dtype, device=y.device)
+    return out, torch.where(slot_of_pair >= 0, picked, torch.zeros_like(picked))
 
 
-@_unpermute_op.register_fake
-def _(y, weights, pair_of_slot, sorted_slots):
-    return y.new_empty(sorted_slots.shape[0], y.shape[1])
-
-
-def _unpermute_setup(ctx, inputs, output):
-    y, weights, pair_of_slot, sorted_slots = inputs
-    ctx.weighted = weights is not None
-    ctx.save_for_backward(y, weights, pair_of_slot)
-    ctx.num_topk = sorted_slots.shape[1]
-
-
-def _unpermute_backward(ctx, grad):
-    y, weights, pair_of_slot = ctx.saved_tensors
-    grad = grad.contiguous()
+def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int,
+                        need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
+    """(grad_y [M, H] or None, grad_weights [M] or None) of `unpermute_sum`."""
+    how = _implementation(grad)
+    if how == "native":
+        grad_y, grad_w = torch.ops.ep_moe_native.unpermute_sum_backward(
+            grad, y.contiguous(), weights, pair_of_slot, num_topk, need_grad_y, need_grad_weights)
+        return (grad_y if need_grad_y else None), (grad_w if need_grad_weights else None)
     grad_y = grad_w = None
-    if ctx.needs_input_grad[0]:
-        grad_y = torch.ops.ep_moe.scale_permute(grad, weights, pair_of_slot, ctx.num_topk)
-    if ctx.weighted and ctx.needs_input_grad[1]:
-        grad_w = torch.ops.ep_moe.pair_dot(grad, y, pair_of_slot, ctx.num_topk)
-    return grad_y, grad_w, None, None
+    M = pair_of_slot.shape[0]
+    if how == "triton":
+        if need_grad_y:
+            grad_y = permute_triton.run_scale_permute(grad, weights, pair_of_slot, num_topk, torch.empty(
+                M, grad.shape[1], dtype=grad.dtype, device=grad.device))
+        if need_grad_weights:
+            grad_w = permute_triton.run_pair_dot(grad, y.contiguous(), pair_of_slot, num_topk, torch.empty(
+                M, dtype=torch.float32, device=grad.device))
+        return grad_y, grad_w
+    if need_grad_y:
+        grad_y = _scale_permute_torch(grad, weights, pair_of_slot, num_topk)
+    if need_grad_weights:
+        grad_w = _pair_dot_torch(grad, y, pair_of_slot, num_topk)
+    return grad_y, grad_w
 
 
-_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+# ------------------------------------------------------------------------------------------ autograd
+class _PermuteRows(torch.autograd.Function):
+    """(x [N, H], values [N, K] or None) -> (rows [M, H], slot_values [M] (empty without values)); the backward
+    is the plain reduce of the rows' gradients and the gather of the slot values' gradients, in one call."""
+
+    @staticmethod
+    def forward(ctx, x, values, pair_of_slot, slot_of_pair, sorted_slots):
+        rows, slot_values = _permute(x, pair_of_slot, slot_of_pair.shape[1], values)
+        ctx.save_for_backward(slot_of_pair, sorted_slots)
+        ctx.values_shape = None if values is None else values.shape
+        ctx.values_dtype = None if values is None else values.dtype
+        ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
+        return rows, slot_values if slot_values is not None else x.new_empty(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_slot_values):
+        slot_of_pair, sorted_slots = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0]
+        want_values = ctx.values_shape is not None and ctx.needs_input_grad[1]
+        if not (need_x or want_values):
+            return None, None, None, None, None
+        if grad_rows is None:  # only the slot values were used
+            grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=sorted_slots.device)
+        if want_values and grad_slot_values is None:  # only the rows were used
+            grad_slot_values = torch.zeros(ctx.rows_shape[0], dtype=ctx.values_dtype, device=sorted_slots.device)
+        out, pair_values = _unpermute(grad_rows.contiguous(), None, sorted_slots,
+                                      grad_slot_values if want_values else None, slot_of_pair)
+        return (out if need_x else None), (pair_values.view(ctx.values_shape) if want_values else None), None, None, None
 
 
-@torch.library.custom_op("ep_moe::scale_permute", mutates_args=())
-def _scale_permute_op(grad: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int) -> Tensor:
-    if _triton(grad):
-        out = torch.empty(pair_of_slot.shape[0], grad.shape[1], dtype=grad.dtype, device=grad.device)
-        return permute_triton.run_scale_permute(grad, None if weights is None else weights.contiguous(), pair_of_slot,
-                                            num_topk, out)
-    return _scale_permute_torch(grad, weights, pair_of_slot, num_topk)
+class _UnpermuteSum(torch.autograd.Function):
+    """(y [M, H], weights [M] or None) -> out [N, H]; the backward gives both gradients in one call."""
 
+    @staticmethod
+    def forward(ctx, y, weights, pair_of_slot, sorted_slots):
+        out, _ = _unpermute(y, weights, sorted_slots)
+        ctx.save_for_backward(y, weights, pair_of_slot)
+        ctx.num_topk = sorted_slots.shape[1]
+        return out
 
-@_scale_permute_op.register_fake
-def _(grad, weights, pair_of_slot, num_topk):
-    return grad.new_empty(pair_of_slot.shape[0], grad.shape[1])
-
-
-@torch.library.custom_op("ep_moe::pair_dot", mutates_args=())
-def _pair_dot_op(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int) -> Tensor:
-    if _triton(grad):
-        out = torch.empty(pair_of_slot.shape[0], dtype=torch.float32, device=grad.device)
-        return permute_triton.run_pair_dot(grad, y.contiguous(), pair_of_slot, num_topk, out)
-    return _pair_dot_torch(grad, y, pair_of_slot, num_topk)
-
-
-@_pair_dot_op.register_fake
-def _(grad, y, pair_of_slot, num_topk):
-    return torch.empty(pair_of_slot.shape[0], dtype=_acc_dtype(grad), device=grad.device)
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights, pair_of_slot = ctx.saved_tensors
+        need_w = weights is not None and ctx.needs_input_grad[1]
+        grad_y, grad_w = _unpermute_backward(grad.contiguous(), y, weights, pair_of_slot, ctx.num_topk,
+                                             ctx.needs_input_grad[0], need_w)
+        return grad_y, grad_w, None, None
 
 
 # ------------------------------------------------------------------------------------------ public API
 def permute_rows(x: Tensor, layout: ExpertLayout) -> Tensor:
     """``x [N, H]`` (any dtype) into ``[M, H]`` expert-major rows, zero on padding. Differentiable: the
     gradient of a row is the fp32 sum of its slots' gradients, rounded once."""
-    if x.dim() != 2 or x.shape[0] != layout.num_rows:
-        raise ValueError(f"permute_rows: argument 'x' must be [N={layout.num_rows}, H], got {tuple(x.shape)}")
-    return torch.ops.ep_moe.permute_rows(x, layout.pair_of_slot, layout.sorted_slots)
+    _check_rows(x, layout)
+    return _PermuteRows.apply(x, None, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)[0]
+
+
+def permute_rows_and_values(x: Tensor, values: Tensor, layout: ExpertLayout) -> tuple[Tensor, Tensor]:
+    """`permute_rows` of ``x`` and `pair_values` of ``values [N, K]`` fp32 (e.g. routing weights) in one call:
+    ``(rows [M, H], slot_values [M])``. Differentiable in both."""
+    _check_rows(x, layout)
+    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    if values.shape != layout.slot_of_pair.shape or values.dtype != dtype:
+        raise ValueError(f"permute_rows_and_values: argument 'values' must be [N={layout.num_rows}, "
+                         f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
+    return _PermuteRows.apply(x, values, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)
+
+
+def _check_rows(x: Tensor, layout: ExpertLayout) -> None:
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[0] != layout.num_rows:
+        raise ValueError(f"permute_rows: argument 'x' must be [N={layout.num_rows}, H], got "
+                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
 
 
 def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None) -> Tensor:
@@ -273,17 +358,13 @@ def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None
     if weights is not None and (weights.shape != (layout.num_slots,) or weights.dtype != weight_dtype):
         raise ValueError(f"unpermute_sum: argument 'weights' must be [M={layout.num_slots}] {weight_dtype}, got "
                          f"{tuple(weights.shape)} {weights.dtype}")
-    return torch.ops.ep_moe.unpermute_sum(y, weights, layout.pair_of_slot, layout.sorted_slots)
+    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.sorted_slots)
 
 
 def pair_values(values: Tensor, layout: ExpertLayout) -> Tensor:
     """``values [N, K]`` (e.g. routing weights) at each slot's pair: ``[M]``, 0 on padding. Differentiable."""
-    flat = values.reshape(-1)
-    valid = layout.pair_of_slot < flat.shape[0]
-    if flat.shape[0] == 0:
-        return values.new_zeros(layout.num_slots)
-    picked = flat.index_select(0, layout.pair_of_slot.clamp(max=flat.shape[0] - 1))
-    return torch.where(valid, picked, torch.zeros_like(picked))
+    return _slot_values_torch(values, layout.pair_of_slot)
 
 
-__all__ = ["ExpertLayout", "expert_layout", "max_slots", "pair_values", "permute_rows", "unpermute_sum"]
+__all__ = ["ExpertLayout", "expert_layout", "max_slots", "pair_values", "permute_rows", "permute_rows_and_values",
+           "unpermute_sum"]

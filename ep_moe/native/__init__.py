@@ -113,6 +113,10 @@ except ImportError as exc:  # reported when someone asks for the backend or runs
     _IMPORT_ERROR = explain_missing_extension((str(exc) or type(exc).__name__) if _found else None)
 
 
+if _C is not None:
+    from . import torch_ops  # noqa: F401  (the fake implementations of its torch ops)
+
+
 def extension_available() -> bool:
     """True when the CUDA extension was built and imports."""
     return _C is not None

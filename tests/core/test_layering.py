@@ -15,9 +15,9 @@ PACKAGE = Path(ep_moe.__file__).parent
 # Bottom to top. `__init__` is the public API (it re-exports up to the dispatcher).
 LEVELS = {
     "config": 0, "handle": 0, "event": 0, "validation": 0, "layout": 0, "reference": 0, "distributed": 0,
-    "permute": 0, "permute_triton": 0,
+    "permute_triton": 0,
     "native": 1,
-    "backends": 2,
+    "backends": 2, "permute": 2,
     "buffer": 3,
     "ops": 4, "tuning": 4, "expert_major": 4,
     "dispatcher": 5,
