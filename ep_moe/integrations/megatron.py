@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ep_moe import Buffer, TokenDispatcher
+from ep_moe import Buffer, TokenDispatcher, native
 
 log = logging.getLogger("ep_moe")
 
@@ -170,15 +170,24 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int, check: bo
     Returns:
         ``topk_idx [T, K]`` int64 (selected expert ids in increasing order, then -1) and
         ``topk_weights [T, K]`` fp32 (the probs of those experts, 0 for -1), differentiable in ``probs``.
+        On CUDA with the native extension (fp32 or bf16 probs) one kernel each way (forward, gradient);
+        elsewhere torch ops, with the same results.
     """
     if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
         raise ValueError(f"routing_map must be a [T, E] bool tensor, got {routing_map.dtype} of shape "
                          f"{tuple(routing_map.shape)}")
     if probs.shape != routing_map.shape:
         raise ValueError(f"probs must have routing_map's shape {tuple(routing_map.shape)}, got {tuple(probs.shape)}")
-    num_experts = routing_map.shape[1]
     if check and routing_map.numel() and int(routing_map.sum(dim=1).max()) > topk:
         raise ValueError(f"routing_map selects more than moe_router_topk={topk} experts for some token")
+    if (routing_map.is_cuda and probs.device == routing_map.device and native.extension_available()
+            and probs.dtype in (torch.float32, torch.bfloat16)):
+        return _RoutingMapToTopk.apply(routing_map.contiguous(), probs.contiguous(), topk)
+    return _routing_map_to_topk_torch(routing_map, probs, topk)
+
+
+def _routing_map_to_topk_torch(routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    num_experts = routing_map.shape[1]
     width = min(topk, num_experts)
     expert_ids = torch.arange(num_experts, device=routing_map.device)
     key = torch.where(routing_map, expert_ids, num_experts)  # unselected experts sort last
@@ -192,6 +201,28 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int, check: bo
         topk_idx = torch.nn.functional.pad(topk_idx, (0, pad), value=-1)
         topk_weights = torch.nn.functional.pad(topk_weights, (0, pad), value=0.0)
     return topk_idx.contiguous(), topk_weights.contiguous()
+
+
+class _RoutingMapToTopk(torch.autograd.Function):
+    """`routing_map_to_topk` in one kernel; the gradient puts each weight's gradient (rounded to the probs'
+    dtype) at its expert, zero elsewhere, in one kernel."""
+
+    @staticmethod
+    def forward(ctx, routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+        topk_idx, topk_weights = torch.ops.ep_moe_native.routing_map_to_topk(routing_map, probs, topk)
+        ctx.mark_non_differentiable(topk_idx)
+        ctx.save_for_backward(topk_idx)
+        ctx.num_experts, ctx.dtype = probs.shape[1], probs.dtype
+        return topk_idx, topk_weights
+
+    @staticmethod
+    def backward(ctx, grad_idx, grad_weights):
+        (topk_idx,) = ctx.saved_tensors
+        if grad_weights is None or not ctx.needs_input_grad[1]:
+            return None, None, None
+        grad = torch.ops.ep_moe_native.routing_map_to_topk_backward(grad_weights.float().contiguous(), topk_idx,
+                                                                     ctx.num_experts, ctx.dtype)
+        return None, grad, None
 
 
 # ------------------------------------------------------------------------------------------ dispatcher

@@ -342,3 +342,37 @@ def test_recipe_training_loop_learns(results):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
     assert first["eval_loss"] is not None and first["eval_loss"] > first["entropy_floor"]
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 16, 4), (64, 3, 4), (0, 8, 2), (1000, 256, 8)])
+def test_routing_map_to_topk_native_equals_torch(dtype, shape):
+    """On CUDA with the extension, `routing_map_to_topk` is one kernel each way: indices, weights and the probs'
+    gradient equal the torch ops' bit for bit (rows with fewer than K experts, none, and E < K included)."""
+    from ep_moe import native
+    from ep_moe.integrations import megatron as integ
+
+    if not native.extension_available():
+        pytest.skip("the native CUDA extension is not built")
+    T, E, K = shape
+    gen = torch.Generator().manual_seed(T + E)
+    scores = torch.rand(T, E, generator=gen)
+    width = min(K, E)
+    chosen = scores.topk(width, dim=1).indices
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, chosen, True)
+    routing_map[torch.rand(T, E, generator=gen) < 0.2] = False  # some rows fewer than K, some none
+    probs = (scores * routing_map).to(dtype)
+    grad = torch.randn(T, K, generator=gen)
+    results = []
+    for fast in (True, False):
+        p = probs.cuda().requires_grad_()
+        if fast:
+            idx, w = integ.routing_map_to_topk(routing_map.cuda(), p, K, check=False)
+        else:
+            idx, w = integ._routing_map_to_topk_torch(routing_map.cuda(), p, K)
+        w.backward(grad.cuda())
+        results.append((idx.cpu(), w.detach().cpu(), p.grad.cpu()))
+    for name, a, b in zip(("topk_idx", "topk_weights", "grad probs"), *results):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
