@@ -55,6 +55,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without deepspe
 
 from ep_moe.buffer import Buffer
 from ep_moe.dispatcher import TokenDispatcher
+from ep_moe.expert_major import local_expert_combine, local_expert_dispatch
 
 log = logging.getLogger("ep_moe")
 
@@ -253,20 +254,11 @@ class EPMOELayer(MOELayer):
         return torch.cat(outputs)
 
     def _local_forward(self, tokens: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
-        """ep_size == 1: every expert is local; group the (token, expert) pairs without communication."""
-        num_tokens, num_topk = topk_idx.shape
-        flat = topk_idx.flatten()
-        num_local = self.num_local_experts
-        key = torch.where(flat >= 0, flat, num_local)
-        order = torch.sort(key, stable=True).indices
-        counts = torch.bincount(key, minlength=num_local + 1)
-        num_pairs = int(counts[:num_local].sum())
-        pairs = order[:num_pairs]
-        rows = pairs // num_topk
-        expert_out = self._run_experts(tokens.index_select(0, rows), counts[:num_local].tolist())
-        scaled = expert_out.float() * topk_weights.flatten().index_select(0, pairs).unsqueeze(1)
-        out = torch.zeros(num_tokens, tokens.shape[1], dtype=torch.float32, device=tokens.device)
-        return out.index_add(0, rows, scaled).to(tokens.dtype)
+        """ep_size == 1: every expert is local; the expert-major permute and weighted reduce, no communication
+        (each token's rows summed in fp32 in increasing expert, rounded once)."""
+        out = local_expert_dispatch(tokens, topk_idx, topk_weights, self.num_local_experts, check_values=False)
+        expert_out = self._run_experts(out.expert_x, out.tokens_per_expert_list)
+        return local_expert_combine(expert_out, out.handle, out.expert_weights)
 
     def forward(self, *input: Tensor, **kwargs) -> Tensor:
         """``input[0]``: hidden states ``[..., H]``; ``input[1]`` (optional): ``used_token`` mask
@@ -293,12 +285,12 @@ class EPMOELayer(MOELayer):
             if self.wall_clock_breakdown:
                 self.timers(FIRST_ALLTOALL_TIMER).stop()
                 self.time_falltoall = self.timers(FIRST_ALLTOALL_TIMER).elapsed(reset=False)
-            expert_out = self._run_experts(expert_input, tokens_per_expert.tolist())
-            # Weight in fp32 like DeepSpeed's decode; the dispatcher sums a row's experts in fp32.
-            scaled = (expert_out.float() * probs.unsqueeze(1)).to(expert_out.dtype)
+            counts = ctx.tokens_per_expert_host if ctx.tokens_per_expert_host is not None else tokens_per_expert
+            expert_out = self._run_experts(expert_input, counts.tolist())
             if self.wall_clock_breakdown:
                 self.timers(SECOND_ALLTOALL_TIMER).start()
-            out = dispatcher.combine(scaled, ctx).to(hidden.dtype)
+            # weighted in the combine: w * y summed in fp32 over a token's experts, rounded once per rank
+            out = dispatcher.combine(expert_out, ctx, probs).to(hidden.dtype)
             if self.wall_clock_breakdown:
                 self.timers(SECOND_ALLTOALL_TIMER).stop()
                 self.time_salltoall = self.timers(SECOND_ALLTOALL_TIMER).elapsed(reset=False)
