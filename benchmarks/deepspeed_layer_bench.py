@@ -4,7 +4,8 @@ Four layers with identical weights: DeepSpeed's MoE and ours in capacity mode (`
 DeepSpeed's ``drop_tokens=False`` (pads every expert to the largest) vs our dropless mode. Each is first
 checked against DeepSpeed's output on the same input and RNG state, then timed: forward (returning
 ``(out, l_aux, exp_counts)``) and backward of ``sum(out * g) + 0.01 * l_aux``, inputs rotated so that
-caches do not serve them, a barrier before every iteration, median and quartiles over ``--iters``.
+caches do not serve them, a barrier before every iteration, median and quartiles over ``--iters``; the layers
+take turns (``--rounds``), so that a drift of the machine's speed does not favour one.
 
 ``--trivial-experts`` replaces every expert of all four layers (DeepSpeed's and ours, capacity and
 dropless) by the same trivial, parameter-free module (`TrivialExpert`: the identity), so that the time is the
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="GPU bf16, CPU fp32")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU 30, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="layers take turns this many times, iters / rounds each turn, against drift (GPU 5, CPU 1)")
     p.add_argument("--backend", choices=("auto", "torch", "native"), default="auto", help="ep_moe backend")
     p.add_argument("--trivial-experts", action="store_true",
                    help="make every expert of every layer the identity: the gate's + dispatcher's share")
@@ -62,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fill_defaults(args: argparse.Namespace, cuda: bool) -> argparse.Namespace:
-    gpu = dict(tokens=4096, hidden=4096, ffn=2048, experts=16, dtype="bf16", iters=30, warmup=5)
-    cpu = dict(tokens=256, hidden=64, ffn=128, experts=4, dtype="fp32", iters=5, warmup=2)
+    gpu = dict(tokens=4096, hidden=4096, ffn=2048, experts=16, dtype="bf16", iters=30, warmup=5, rounds=5)
+    cpu = dict(tokens=256, hidden=64, ffn=128, experts=4, dtype="fp32", iters=5, warmup=2, rounds=1)
     for key, value in (gpu if cuda else cpu).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -164,10 +167,12 @@ def _check(layers, xs, gs, rank: int) -> dict[str, float]:
     return out
 
 
-def _time(layer, xs, gs, args, device, rank: int) -> dict[str, float]:
+def _time(layer, xs, gs, warmup: int, iters: int, device, rank: int, first: int) -> tuple[list[float], list[float]]:
+    """Per-iteration forward and forward + backward milliseconds of ``iters`` timed iterations (after
+    ``warmup``); iteration numbers (input set, gate seed) start at ``first``."""
     cuda = device.type == "cuda"
     fwd, total = [], []
-    for it in range(args.warmup + args.iters):
+    for it in range(first, first + warmup + iters):
         x, g = xs[it % len(xs)], gs[it % len(gs)]
         dist.barrier()
         if cuda:
@@ -189,16 +194,32 @@ def _time(layer, xs, gs, args, device, rank: int) -> dict[str, float]:
         else:
             t2 = time.perf_counter()
             f, t = (t1 - t0) * 1e3, (t2 - t0) * 1e3
-        if it >= args.warmup:
+        if it >= first + warmup:
             fwd.append(f)
             total.append(t)
         layer.zero_grad(set_to_none=True)
-    # the slowest rank's per-iteration time is the layer's time
-    stats = torch.tensor([statistics.median(fwd), statistics.median(total),
-                          _quantile(total, 0.25), _quantile(total, 0.75)], device=device, dtype=torch.float64)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return {"fwd_ms": float(stats[0]), "fwd_bwd_ms": float(stats[1]), "fwd_bwd_p25_ms": float(stats[2]),
-            "fwd_bwd_p75_ms": float(stats[3])}
+    return fwd, total
+
+
+def _timings(layers: dict, xs, gs, args, device, rank: int) -> dict[str, dict[str, float]]:
+    """Every layer timed, the layers taking turns (``--rounds`` turns of ``iters / rounds`` iterations), so that
+    a drift of the machine's speed does not favour one; the slowest rank's medians and quartiles."""
+    per_round = max(1, args.iters // args.rounds)
+    samples = {mode: ([], []) for mode in layers}
+    for round_index in range(args.rounds):
+        for mode, layer in layers.items():
+            fwd, total = _time(layer, xs, gs, args.warmup if round_index == 0 else 1, per_round, device, rank,
+                               first=round_index * (args.warmup + per_round))
+            samples[mode][0].extend(fwd)
+            samples[mode][1].extend(total)
+    out = {}
+    for mode, (fwd, total) in samples.items():
+        stats = torch.tensor([statistics.median(fwd), statistics.median(total), _quantile(total, 0.25),
+                              _quantile(total, 0.75)], device=device, dtype=torch.float64)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        out[mode] = {"fwd_ms": float(stats[0]), "fwd_bwd_ms": float(stats[1]), "fwd_bwd_p25_ms": float(stats[2]),
+                     "fwd_bwd_p75_ms": float(stats[3])}
+    return out
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -224,7 +245,7 @@ def bench(rank: int, world: int, raw_args: dict) -> dict | None:
     layers = _layers(args, rank, device, dtype)
     xs, gs = _inputs(args, rank, device, dtype)
     checks = _check(layers, xs, gs, rank)
-    timings = {mode: _time(layer, xs, gs, args, device, rank) for mode, layer in layers.items()}
+    timings = _timings(layers, xs, gs, args, device, rank)
     backend = next((m.deepspeed_moe._get_dispatcher().buffer.backend_name for m in layers.values()
                     if hasattr(m.deepspeed_moe, "_get_dispatcher") and world > 1), "local")
     release_buffers()

@@ -17,8 +17,9 @@ time is the router's and the dispatcher's own.
 
 Each variant is checked against ``alltoall`` first (relative max difference of output and input
 gradient), then timed: ``--warmup`` untimed iterations, ``--iters`` timed ones with CUDA events around
-forward + backward, a barrier before each, inputs rotated among 3 sets; the median per rank, then the
-slowest rank's median. Printed last: a table with ms and the ratio to alltoall; ``--json PATH`` saves it.
+forward + backward, a barrier before each, inputs rotated among 3 sets; the variants take turns
+(``--rounds`` turns of ``iters / rounds`` iterations each), so that a drift of the machine's speed does not
+favour one; the median per rank, then the slowest rank's median. Printed last: a table with ms and the ratio to alltoall; ``--json PATH`` saves it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trivial-experts", action="store_true",
                    help="replace the experts by x * probs on every variant: the dispatcher's own share")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=30, help="timed iterations per variant, over all rounds")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="variants take turns this many times (iters / rounds each turn), against drift")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -80,8 +83,8 @@ def _build(spec, **kwargs):
     return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
 
 
-def _bench(layer, inputs, grads, warmup: int, iters: int) -> float:
-    """Median milliseconds of one forward + backward on this rank."""
+def _bench(layer, inputs, grads, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` forward + backward passes on this rank (after ``warmup``)."""
     times = []
     for i in range(warmup + iters):
         x, g = inputs[i % len(inputs)], grads[i % len(grads)]
@@ -94,7 +97,7 @@ def _bench(layer, inputs, grads, warmup: int, iters: int) -> float:
         end.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
 
 
 def _profile(name: str, layer, inputs, grads, iters: int) -> None:
@@ -173,7 +176,7 @@ def run_rank(rank: int, world: int, args) -> dict:
         flex.load_state_dict(layer.state_dict())
 
     reference = _check(layer, inputs[0], grads[0])
-    rows = []
+    runs = []  # (name, layer to call, its dispatcher or None for the flex layer, max rel diff)
     for name, dispatcher in variants + ([("flex+deepep", None)] if flex is not None else []):
         target = flex if dispatcher is None else layer
         if dispatcher is not None:
@@ -181,7 +184,20 @@ def run_rank(rank: int, world: int, args) -> dict:
         out, grad = _check(target, inputs[0], grads[0])
         diff = max((out - reference[0]).abs().max().item() / reference[0].abs().max().item(),
                    (grad - reference[1]).abs().max().item() / reference[1].abs().max().item())
-        ms = torch.tensor(_bench(target, inputs, grads, args.warmup, args.iters), device="cuda")
+        runs.append((name, target, dispatcher, diff))
+    # Variants take turns, --rounds times, so that a drift of the machine's speed spreads over all of them.
+    times: dict[str, list[float]] = {name: [] for name, *_ in runs}
+    per_round = max(1, args.iters // args.rounds)
+    for round_index in range(args.rounds):
+        for name, target, dispatcher, _ in runs:
+            if dispatcher is not None:
+                layer.token_dispatcher = dispatcher
+            times[name] += _bench(target, inputs, grads, args.warmup if round_index == 0 else 1, per_round)
+    rows = []
+    for name, target, dispatcher, diff in runs:
+        if dispatcher is not None:
+            layer.token_dispatcher = dispatcher
+        ms = torch.tensor(statistics.median(times[name]), device="cuda")
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         if args.profile:
             _profile(name, target, inputs, grads, args.profile)
@@ -205,7 +221,7 @@ def _table(result: dict) -> str:
     experts = "trivial experts (x * probs)" if a.get("trivial_experts") else f"{a['experts']} experts (ffn {a['ffn']})"
     lines = [f"MoE layer fwd+bwd, {result['world']} x {result['gpu']}, megatron-core {result['megatron_core']}: "
              f"{a['tokens']} tokens/rank, hidden {a['hidden']}, {a['experts']} routed experts, {experts}, "
-             f"top-{a['topk']}, {a['dtype']}; median of {a['iters']}",
+             f"top-{a['topk']}, {a['dtype']}; median of {a['iters']} in {a.get('rounds', 1)} turns",
              "| dispatcher | ms | vs alltoall | max rel diff vs alltoall |", "| --- | --- | --- | --- |"]
     for r in result["rows"]:
         lines.append(f"| {r['dispatcher']} | {r['ms']:.3f} | {base / r['ms']:.2f}x | {r['max_rel_diff_vs_alltoall']:.2e} |")
