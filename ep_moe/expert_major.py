@@ -97,9 +97,10 @@ def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num
     if not isinstance(x, Tensor):
         raise _fail(op, "x", "a [T, H] tensor", type(x).__name__)
     check_tensor(op, "x", x, dtypes=HIDDEN_DTYPES + (torch.float64,), ndim=2, device=x.device)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    check_topk(op, topk_idx, topk_weights, x.shape[0], num_experts, x.device,
-               check_values and not num_worst_tokens and not capturing)
+    # the ids' range is checked with a host read: never while a graph is captured or traced, nor in fixed size
+    check_values = check_values and not num_worst_tokens and not torch.compiler.is_compiling()
+    check_values = check_values and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    check_topk(op, topk_idx, topk_weights, x.shape[0], num_experts, x.device, check_values)
     if num_worst_tokens and x.shape[0] > num_worst_tokens:
         raise _fail(op, "num_worst_tokens", f">= the {x.shape[0]} tokens here (one rank receives its own)",
                     num_worst_tokens)
