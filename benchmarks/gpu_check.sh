@@ -146,10 +146,10 @@ fi
 
 if has bench; then
   start=$SECONDS
-  timeout ${BENCH_TIMEOUT:-200} python3 -m ep_moe.cli bench --tokens 128 4096 --num-sms 24 32 --runs 30 \
+  timeout ${BENCH_TIMEOUT:-200} python3 -m ep_moe.cli bench --tokens 128 4096 --num-sms 24 32 --runs 30 --expert-major \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" >"$OUT/bench.txt" 2>&1 || status=1
   echo "bench: $((SECONDS - start)) s"
-  echo "command: python3 -m ep_moe.cli bench --tokens 128 4096 --num-sms 24 32 --runs 30"
+  echo "command: python3 -m ep_moe.cli bench --tokens 128 4096 --num-sms 24 32 --runs 30 --expert-major"
   # the table is the end of the output
   sed -n '/^backend /,$p' "$OUT/bench.txt" | tail -70
 fi

@@ -30,7 +30,7 @@ if has test; then
   echo "native GPU tests at EP $N: rc $?"; grep -E "passed|failed|Error |assert" "$OUT/tests_ep$N.log" | head -12
 fi
 if has bench; then
-  timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 8192 --num-sms 16 24 32 48 --plan-sms --runs 30 \
+  timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 8192 --num-sms 16 24 32 48 --plan-sms --runs 30 --expert-major \
     --measure-link --json "$OUT/bench_ep$N.json" --plot "$OUT/bench_ep$N.png" > "$OUT/bench_ep$N.txt" 2>&1
   echo "bench at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_ep$N.txt"
 fi

@@ -92,12 +92,17 @@ FIXED_PADDING = {"recv_x": 0, "recv_scales": 0, "recv_topk_idx": -1, "recv_topk_
                  "recv_src_rank": -1}
 
 
-def check_fixed(fixed: dict, exact: dict, rows: int) -> list[str]:
+# The expert-major dispatch's per-row outputs and what its fixed-size slots past the used rows hold.
+EXPERT_FIXED_PADDING = {"expert_x": 0, "expert_weights": 0}
+
+
+def check_fixed(fixed: dict, exact: dict, rows: int, padding_of: dict = FIXED_PADDING) -> list[str]:
     """A fixed-size dispatch's outputs against the exact-size dispatch's of the same input: every per-row
-    output (named as `ep_moe.benchmarking.verification.named_outputs` names them) equals the exact one in its
-    first ``rows`` rows and holds the padding value after them; the rank prefix matrix is the same."""
+    output (named as `ep_moe.benchmarking.verification.named_outputs` names them; ``padding_of``: name ->
+    padding value) equals the exact one in its first ``rows`` rows and holds the padding value after them; the
+    rank prefix matrix (rank-major) or the per-expert counts (expert-major) are the same."""
     problems = []
-    for name, pad in FIXED_PADDING.items():
+    for name, pad in padding_of.items():
         if name not in exact:
             continue
         got = fixed.get(name)
@@ -109,6 +114,26 @@ def check_fixed(fixed: dict, exact: dict, rows: int) -> list[str]:
         wrong = padding.contiguous().view(torch.uint8).any() if pad == 0 else (padding != pad).any()
         if bool(wrong):
             problems.append(f"fixed-size {name}: padding rows are not {pad}")
-    problems += compare("fixed-size rank_prefix_matrix vs dispatch", fixed.get("rank_prefix_matrix"),
-                        exact["rank_prefix_matrix"])
+    for name in ("rank_prefix_matrix", "tokens_per_expert", "pairs_per_expert"):
+        if name in exact:
+            problems += compare(f"fixed-size {name} vs dispatch", fixed.get(name), exact[name])
     return problems
+
+
+def expert_round_trip_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                                num_ranks: int, num_experts: int) -> torch.Tensor:
+    """What ``expert_combine(expert_dispatch(x), weights=expert_weights)`` returns on the source of ``x [T, H]``
+    (docs/semantics.md, "Expert-major layout"): per rank, the fp32 sum of ``w * x`` over the token's experts
+    there in increasing id (each product rounded first), rounded to x's dtype; then those rows summed in fp32
+    in increasing rank, rounded once. A loop over the token's own routing: no other rank's data is needed."""
+    local = num_experts // num_ranks
+    xf = x.float()
+    total = torch.zeros_like(xf)
+    for rank in range(num_ranks):
+        part = torch.zeros_like(xf)
+        for expert in range(rank * local, (rank + 1) * local):
+            hit = topk_idx == expert  # [T, K]: a token names an expert at most once in the bench's routing
+            weight = (topk_weights * hit).sum(dim=1, keepdim=True)
+            part = torch.where(hit.any(dim=1, keepdim=True), part + weight * xf, part)
+        total = total + part.to(x.dtype).float()
+    return total.to(x.dtype)

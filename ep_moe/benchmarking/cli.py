@@ -33,9 +33,18 @@ from .. import native
 from ..buffer import Buffer
 from ..config import Config
 from ..distributed import MULTICAST_OFF, launch, nccl_version, torchrun_env
+from ..expert_major import expert_combine, expert_dispatch
 from ..tuning import plan_for_layer
 from .accounting import row_payload_bytes, traffic
-from .checks import check_fixed, check_layout, compare, expected_recv_counts, round_trip_reference
+from .checks import (
+    EXPERT_FIXED_PADDING,
+    check_fixed,
+    check_layout,
+    compare,
+    expected_recv_counts,
+    expert_round_trip_reference,
+    round_trip_reference,
+)
 from .report import Row, finalize, plot, table, write_json
 from .timing import (
     CudaEventTimer,
@@ -114,6 +123,7 @@ class BenchSpec:
     seed: int = 0
     timeout_s: float = 120.0
     plan_sms: bool = False  # also time at the tuner's SM count for each shape
+    expert_major: bool = False  # also time the expert-major dispatch (exact and fixed size) and weighted combine
     argv: tuple[str, ...] = ()
 
 
@@ -326,6 +336,19 @@ class _RankBench:
         }
         if dtype != "fp8":  # combine takes no FP8
             calls["combine"] = lambda i: buffer.combine(recv[i], handles[i], config=config)
+        expert_outputs = []  # per input set, from its checked expert-major dispatch: what its combine reuses
+
+        def expert(i: int, num_worst_tokens: int = 0):
+            s = sets[i]
+            return expert_dispatch(buffer, payload(dtype, i), s.topk_idx, s.topk_weights, self.spec.experts,
+                                   num_worst_tokens=num_worst_tokens, num_sms=sms or 0)
+
+        if self.spec.expert_major and dtype != "fp8":
+            calls["expert_dispatch"] = expert
+            calls["expert_dispatch_fixed"] = lambda i: expert(i, worst)
+            calls["expert_combine"] = lambda i: expert_combine(buffer, expert_outputs[i].expert_x,
+                                                               expert_outputs[i].handle,
+                                                               expert_outputs[i].expert_weights)
         reference = first.get(dtype)
         quantized = first.get("bf16") if dtype == "fp8" else None  # its BF16 rows quantized: FP8's expected rows
         keep_quantized = dtype == "bf16" and reference is None and "fp8" in self.spec.dtypes
@@ -339,6 +362,8 @@ class _RankBench:
                 result = fresh(i)
                 handles.append(result[4])
                 recv.append(result[0])
+                if "expert_dispatch" in calls:
+                    expert_outputs.append(expert(i))
                 outputs = {op: named_outputs(op, result if op == "dispatch" else call(i)) for op, call in calls.items()}
                 found = self._semantics(payload(dtype, i), s, outputs, counts_by_set[i], experts_by_set[i])
                 for op, named in outputs.items():
@@ -387,6 +412,25 @@ class _RankBench:
         if "combine" in outputs:
             found += [("combine", p) for p in compare("combine(dispatch(x))", outputs["combine"]["combined_x"],
                                                       round_trip_reference(x, s.is_token_in_rank))]
+        if "expert_dispatch" in outputs:
+            found += self._expert_semantics(x, s, outputs, per_expert)
+        return found
+
+    def _expert_semantics(self, x: torch.Tensor, s: InputSet, outputs: dict[str, Outputs], per_expert: list[int]
+                          ) -> list[tuple[str, str]]:
+        """The expert-major calls of one input set: the exact dispatch's per-expert counts (alignment 1) and
+        row count against every rank's layout, the fixed-size one = the exact one plus zero slots, and
+        ``expert_combine(expert_dispatch(x), weights)`` = each token's ``w * x`` summed per rank, then over
+        ranks (`expert_round_trip_reference`)."""
+        exact = outputs["expert_dispatch"]
+        rows = sum(per_expert)
+        found = [("expert_dispatch", p) for p in compare("expert-major rows", exact["expert_x"].shape[0], rows)
+                 + compare("expert-major tokens_per_expert_list", exact["tokens_per_expert_list"], per_expert)]
+        found += [("expert_dispatch_fixed", p) for p in check_fixed(outputs["expert_dispatch_fixed"], exact, rows,
+                                                                    EXPERT_FIXED_PADDING)]
+        want = expert_round_trip_reference(x, s.topk_idx, s.topk_weights, self.world, self.spec.experts)
+        found += [("expert_combine", p) for p in compare("expert_combine(expert_dispatch(x))",
+                                                         outputs["expert_combine"]["combined_x"], want)]
         return found
 
     # -------------------------------------------------------------- link
@@ -472,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-sms", action="store_true",
                    help="also time each shape at the SM count the tuner plans for it (ep_moe.tuning.plan_for_layer: "
                         "the calibration cache or datasheet rates; EP_MOE_NUM_SMS overrides), marked * in the table")
+    p.add_argument("--expert-major", action="store_true",
+                   help="also time the expert-major dispatch (rows grouped by local expert: exact and fixed size) "
+                        "and its weighted combine (bf16/fp32), checked like the others")
     p.add_argument("--runs", type=int, default=50, help="timed runs per operation; the median and p10/p90 are "
                                                           "reported (>= 30 for numbers to quote) (default: 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default: 10)")
@@ -558,7 +605,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
         experts=args.experts, topk=args.topk, dtypes=dtypes, num_sms=tuple(dict.fromkeys(args.num_sms)),
         runs=args.runs, warmup=args.warmup, device=args.device, link_gbps=args.link_gbps,
         measure_link=args.measure_link, seed=args.seed, timeout_s=args.timeout, plan_sms=args.plan_sms,
-        argv=tuple(argv))
+        expert_major=args.expert_major, argv=tuple(argv))
     return spec, world
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .accounting import floor_fraction, floor_us, gbps
 
-OPS = ("layout", "dispatch", "dispatch_cached", "dispatch_fixed", "combine")
+OPS = ("layout", "dispatch", "dispatch_cached", "dispatch_fixed", "combine", "expert_dispatch", "expert_dispatch_fixed",
+       "expert_combine")
 REFERENCE_BACKEND = "torch"
 
 

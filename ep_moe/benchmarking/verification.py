@@ -19,12 +19,16 @@ from .fingerprint import fingerprint_outputs
 # What each operation returns, by name (an FP8 pair is `recv_x` and `recv_scales`; the count list is host data).
 DISPATCH_OUTPUTS = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert_list",
                     "rank_prefix_matrix", "recv_src_idx", "recv_src_rank")
+EXPERT_OUTPUTS = ("expert_x", "expert_weights", "tokens_per_expert", "pairs_per_expert", "tokens_per_expert_list")
 OUTPUTS = {
     "layout": ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
     "dispatch": DISPATCH_OUTPUTS,
     "dispatch_cached": ("recv_x", "recv_scales"),
     "dispatch_fixed": DISPATCH_OUTPUTS,
     "combine": ("combined_x",),
+    "expert_dispatch": EXPERT_OUTPUTS,
+    "expert_dispatch_fixed": EXPERT_OUTPUTS,
+    "expert_combine": ("combined_x",),
 }
 
 Outputs = dict[str, object]  # name -> tensor (compared by fingerprint / bits) or host value (compared by ==)
@@ -40,6 +44,10 @@ def named_outputs(op: str, result) -> Outputs:
         return {"num_tokens_per_rank": per_rank, "num_tokens_per_expert": per_expert, "is_token_in_rank": in_rank}
     if op == "combine":
         return {"combined_x": result[0]}
+    if op == "expert_combine":
+        return {"combined_x": result}
+    if op in ("expert_dispatch", "expert_dispatch_fixed"):
+        return {name: getattr(result, name) for name in EXPERT_OUTPUTS}
     recv_x = result[0]
     named: Outputs = ({"recv_x": recv_x[0], "recv_scales": recv_x[1]} if isinstance(recv_x, tuple | list)
                       else {"recv_x": recv_x})

@@ -246,19 +246,21 @@ def not_a_buffer(group, **kwargs) -> object:
     return object()
 
 
-def _bench_with(factories: dict[str, str], tmp_path, monkeypatch) -> tuple[int, dict, str]:
+def _bench_with(factories: dict[str, str], tmp_path, monkeypatch, extra: tuple[str, ...] = ()
+                ) -> tuple[int, dict, str]:
     """``ep-moe bench`` on 2 gloo ranks with torch and a backend per ``factories`` entry (name -> factory in this
-    module): the exit status, the rows by (backend, op, dtype), and what it printed."""
+    module), plus ``extra`` arguments: the exit status, the rows by (backend, op, dtype), and what it printed
+    (8 rows per backend: layout and 4 bf16 and 3 fp8 operations by default)."""
     for name, factory in factories.items():
         monkeypatch.setitem(bench.BACKENDS, name, bench.BackendSpec(name, "torch", False, f"{__name__}:{factory}"))
     out_json = tmp_path / "bench.json"
     rc = bench.main(["--device", "cpu", "--ranks", "2", "--backends", "torch", *factories, "--tokens", "24",
                      "--hidden", "128", "--experts", "8", "--topk", "3", "--runs", str(RUNS),
-                     "--warmup", str(WARMUP), "--json", str(out_json)])
+                     "--warmup", str(WARMUP), "--json", str(out_json), *extra])
     data = json.loads(out_json.read_text())
     assert data["meta"]["input_sets"] == {"24": SETS}
     rows = {(r["backend"], r["op"], r["dtype"]): r for r in data["rows"]}
-    assert len(rows) == len(data["rows"]) == (1 + len(factories)) * 8  # layout, 4 bf16 ops, 3 fp8 ops
+    assert len(rows) == len(data["rows"]) == (1 + len(factories)) * 8
     return rc, rows, json.dumps(data["rows"])
 
 
@@ -274,6 +276,23 @@ def test_honest_backends_pass(tmp_path, monkeypatch):
     rc, rows, _ = _bench_with({"honest": "honest_buffer"}, tmp_path, monkeypatch)
     assert rc == 0 and _failed(rows) == {}
     assert all(r["problems"] == [] and r["runs"] == RUNS for r in rows.values())
+
+
+@pytest.mark.timeout(300)
+def test_expert_major_operations_are_timed_and_checked(tmp_path, monkeypatch):
+    """``--expert-major`` (bf16 only: layout, 4 rank-major and 3 expert-major operations): a forwarding backend
+    passes every check; one whose dispatch differs from torch in one bit of a received weight on input sets
+    after the first makes the expert-major dispatches (their slots' weights) FAIL too. (The weighted combine of
+    that weight, one fp32 ulp off, rounds to the same bf16 rows: it is checked, not expected to differ.)"""
+    rc, rows, _ = _bench_with({"honest": "honest_buffer", "skewed": "skewed_buffer"}, tmp_path, monkeypatch,
+                              ("--expert-major", "--dtype", "bf16"))
+    assert rc == 1
+    failed = _failed(rows)
+    assert not [key for key in failed if key[0] != "skewed"]
+    for op in ("expert_dispatch", "expert_dispatch_fixed", "expert_combine"):
+        assert rows[("honest", op, "bf16")]["check"] == "ok" and rows[("torch", op, "bf16")]["check"] == "ok"
+    for op in ("expert_dispatch", "expert_dispatch_fixed"):
+        assert any("expert_weights vs backend torch: differs" in p for p in failed[("skewed", op, "bf16")]), failed
 
 
 @pytest.mark.timeout(300)
