@@ -502,3 +502,40 @@ def test_tensors_on_another_device_than_the_current_one():
         summed = pt.unpermute_sum(*on("cuda:1", y, weights, sorted_slots), torch.empty(N, H, dtype=BF16, device="cuda:1"))
     assert_bits(got, ref_permute_rows(x, pair_of_slot, K))
     assert_bits(summed, ref_unpermute_sum(y, weights, sorted_slots))
+
+
+# ------------------------------------------------------------------------------------------ through ep_moe.permute
+@needs_triton
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_permute_module_on_the_triton_kernels_equals_its_torch_definitions(device, small_tiles, monkeypatch, dtype):
+    """`ep_moe.permute`'s autograd functions with the Triton implementation (what CUDA without the extension
+    runs): the permute of rows and values, the weighted reduce and every gradient equal its torch definitions
+    (the weights' gradient within float64's bound)."""
+    from ep_moe import permute as P
+
+    N, K, E, A, H = 7, 3, 4, 2, 40
+    gen = torch.Generator().manual_seed(9)
+    idx = routing("random", N, K, E, gen)
+    layout = P._expert_layout_torch(idx, E, A, P.max_slots(N, K, E, A))
+    x, values = random_rows((N, H), dtype, gen), torch.rand(N, K, generator=gen)
+    y, w = random_rows((layout.num_slots, H), dtype, gen), torch.rand(layout.num_slots, generator=gen)
+    g_rows, g_values = random_rows((layout.num_slots, H), dtype, gen), torch.randn(layout.num_slots, generator=gen)
+    g_out = random_rows((N, H), dtype, gen)
+
+    def run(implementation: str, dev: str):
+        monkeypatch.setattr(P, "_implementation", lambda t: implementation)
+        lay = P.ExpertLayout(*(t.to(dev) for t in layout[:5]))
+        xi, vi = x.to(dev).clone().requires_grad_(), values.to(dev).clone().requires_grad_()
+        rows, slot_values = P.permute_rows_and_values(xi, vi, lay)
+        torch.autograd.backward((rows, slot_values), (g_rows.to(dev), g_values.to(dev)))
+        yi, wi = y.to(dev).clone().requires_grad_(), w.to(dev).clone().requires_grad_()
+        out = P.unpermute_sum(yi, lay, wi)
+        out.backward(g_out.to(dev))
+        return rows, slot_values, out, xi.grad, vi.grad, yi.grad, wi.grad
+
+    got, want = run("triton", device), run("torch", "cpu")
+    names = ("rows", "slot values", "reduce", "grad x", "grad values", "grad y")
+    for name, a, b in zip(names, got[:6], want[:6]):
+        a, b = a.detach().cpu(), b.detach()
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b)), name
+    torch.testing.assert_close(got[6].cpu(), want[6], rtol=1e-5, atol=1e-5)
