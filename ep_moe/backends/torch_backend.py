@@ -10,7 +10,7 @@ Works with gloo (CPU) and NCCL (GPU, one or many nodes). Rows travel as raw byte
   ``num_worst_tokens`` rows and the all-to-all has equal splits, so nothing waits on the host and the
   calls can be captured in a CUDA graph; received rows are then compacted on the device.
 
-Before any row moves, every call checks that the ranks agree on what sizes its exchanges
+Before any row moves, every call checks that the ranks agree on the values that size its exchanges
 (`ep_moe.backends.agreement`): a fresh dispatch's header travels in its count exchange, a cached
 dispatch and a combine all-gather theirs (8 int64). A disagreement raises the same ValueError on every
 rank instead of a collective of mismatched sizes (which aborts gloo and hangs NCCL).
