@@ -9,6 +9,11 @@ Works with gloo (CPU) and NCCL (GPU, one or many nodes). Rows travel as raw byte
 * fixed (``num_worst_tokens > 0``): every (source, destination) pair gets a slot of
   ``num_worst_tokens`` rows and the all-to-all has equal splits, so nothing waits on the host and the
   calls can be captured in a CUDA graph; received rows are then compacted on the device.
+
+Before any row moves, every call checks that the ranks agree on the values that size its exchanges
+(`ep_moe.backends.agreement`): a fresh dispatch's header travels in its count exchange, a cached
+dispatch and a combine all-gather theirs (8 int64). A disagreement raises the same ValueError on every
+rank instead of a collective of mismatched sizes (which aborts gloo and hangs NCCL).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch.distributed as dist
 
 from ..handle import DispatchHandle
 from ..layout import aligned_expert_counts, count_values, local_topk, round_up
+from . import agreement
+from .agreement import HEADER_LEN
 from .base import CommBackend, DispatchResult
 
 
@@ -53,6 +60,7 @@ class _Route:
     recv_counts: list[int] | None     # rows from each source (exact mode)
     slot_of_token: torch.Tensor | None  # [T, R] int64 row in the fixed send buffer, or the spare row
     slot_of_recv: torch.Tensor | None   # [R * C] int64 row of the output for each received slot row
+    digest: torch.Tensor | None = None  # the handle's layout digest (`agreement`), once computed (exact mode)
 
 
 class TorchBackend(CommBackend):
@@ -67,6 +75,60 @@ class TorchBackend(CommBackend):
         # dispatch) and is_token_in_rank; an entry goes when its rank_prefix_matrix is freed. A miss
         # (e.g. a handle rebuilt from saved tensors) only costs the host sync.
         self._routes: dict[tuple[int, int], _Route] = {}
+        # A fresh dispatch's count exchange carries, after the header and the row counts, `_expert_slots`
+        # per-expert pair counts: the most experts an exact-size dispatch on this group has used so far. It
+        # changes only after an exchange every rank saw, so it is equal on every rank, and the exchange's
+        # size never depends on the call's own num_experts (which the ranks might disagree on).
+        self._expert_slots = 0
+        self._digest_multipliers = agreement.digest_multipliers(self.num_ranks, device)
+        self._device_headers: dict[tuple[int, ...], torch.Tensor] = {}  # GPU: header tensors by value
+
+    # ---------------------------------------------------------------- agreement between ranks
+    def _header(self, values: tuple[int, ...], digest: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``[HEADER_LEN]`` int64 header on the device: ``values`` (`agreement.header`), then the layout
+        digest (0 without one). On a GPU the constant part is made once per value, with no host sync."""
+        key = values + (0,)
+        if self.device.type == "cpu":
+            static = torch.tensor(key, dtype=torch.int64)
+        else:
+            static = self._device_headers.get(key)
+            if static is None:
+                if torch.cuda.is_current_stream_capturing():  # fills are captured; a host copy is not
+                    static = torch.empty(len(key), dtype=torch.int64, device=self.device)
+                    for i, v in enumerate(key):
+                        static[i].fill_(v)
+                else:
+                    static = torch.tensor(key, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+                if len(self._device_headers) < 256:
+                    self._device_headers[key] = static
+        return static if digest is None else torch.cat([static[:-1], digest.view(1)])
+
+    def _agree(self, op_name: str, gathered: torch.Tensor, host: list[list[int]] | None = None) -> None:
+        """Raise the ValueError of `agreement.check_headers` unless every rank's header (the first columns of
+        ``gathered [R, *]``, or of its host copy ``host``) is the same. Where the rows are on a GPU and the
+        host has no copy (it may not wait there), a device-side assert instead."""
+        if host is None and gathered.device.type == "cpu":
+            host = gathered[:, :HEADER_LEN].tolist()
+        if host is not None:
+            agreement.check_headers(op_name, [row[:HEADER_LEN] for row in host])
+        else:
+            agreement.assert_headers_on_device(gathered[:, :HEADER_LEN])
+
+    def _digest(self, handle: DispatchHandle, route: _Route) -> torch.Tensor:
+        """The handle's layout digest (kept in an exact-mode route, which outlives the call)."""
+        if route.digest is not None:
+            return route.digest
+        digest = agreement.layout_digest(handle.rank_prefix_matrix, self._digest_multipliers)
+        if route.slot_of_token is None:
+            route.digest = digest
+        return digest
+
+    def _check_call(self, op: int, op_name: str, x: torch.Tensor, handle: DispatchHandle, route: _Route,
+                    scales: int = 0, topk: int = 0) -> None:
+        """A cached dispatch's or a combine's header: all-gathered (its own small collective) and checked."""
+        values = agreement.header(op, x.shape[1], x.dtype, scales, topk, 0, handle.num_worst_tokens)
+        stage = "dispatch/cached/check" if op == agreement.OP_CACHED_DISPATCH else "combine/check"
+        self._agree(op_name, self._all_gather_counts(self._header(values, self._digest(handle, route)), stage))
 
     # ---------------------------------------------------------------- collectives with deadlines
     def _wait(self, work: dist.Work, stage: str) -> None:
@@ -183,25 +245,42 @@ class TorchBackend(CommBackend):
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
                  num_experts, expert_alignment, num_worst_tokens, config=None) -> DispatchResult:
         num_tokens = x.shape[0]
+        num_scales = x_scales.shape[1] if x_scales is not None else 0
         cached = handle is not None
         if cached:
             count_matrix = None
             num_worst_tokens = handle.num_worst_tokens
+            route = self._route(handle)
+            self._check_call(agreement.OP_CACHED_DISPATCH, "dispatch", x, handle, route, scales=num_scales)
         else:
-            # Rows per destination rank and (token, expert) pairs per expert travel together: the receiver
-            # learns its per-expert counts from the same exchange, with no wait for the data.
+            # Rows per destination rank and (token, expert) pairs per expert travel together, after the
+            # header: the receiver learns its per-expert counts from the same exchange, with no wait for the
+            # data. The pairs fill `_expert_slots` slots (zeros where they do not fit: they follow below).
+            first_pair, slots = HEADER_LEN + self.num_ranks, self._expert_slots
             in_range = (topk_idx >= 0) & (topk_idx < num_experts)
             pairs = count_values(torch.where(in_range, topk_idx, num_experts), num_experts + 1)[:num_experts]
-            gathered = self._all_gather_counts(torch.cat([num_tokens_per_rank.to(torch.int64), pairs]),
-                                               "dispatch/notify")  # [R, R + E]
-            count_matrix = gathered[:, :self.num_ranks]
-            prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32)
+            sent_pairs = pairs.new_zeros(slots) if num_experts > slots else \
+                torch.cat([pairs, pairs.new_zeros(slots - num_experts)])
+            head = self._header(agreement.header(agreement.OP_DISPATCH, x.shape[1], x.dtype, num_scales,
+                                                 topk_idx.shape[1], num_experts, num_worst_tokens))
+            gathered = self._all_gather_counts(torch.cat([head, num_tokens_per_rank.to(torch.int64), sent_pairs]),
+                                               "dispatch/notify")  # [R, HEADER_LEN + R + slots]
             table = None if num_worst_tokens else gathered.tolist()  # exact mode: the one host sync
-            counts = None if table is None else [row[:self.num_ranks] for row in table]
+            self._agree("dispatch", gathered, table)  # before anything else uses the counts
+            count_matrix = gathered[:, HEADER_LEN:first_pair]
+            prefix_matrix = torch.cumsum(count_matrix, dim=0).to(torch.int32)
+            counts = expert_table = None
+            if table is not None:
+                counts = [row[HEADER_LEN:first_pair] for row in table]
+                if num_experts > slots:  # every rank has this num_experts (checked), so all grow together
+                    expert_table = self._all_gather_counts(pairs, "dispatch/notify/experts").tolist()
+                    self._expert_slots = num_experts
+                else:
+                    expert_table = [row[first_pair:first_pair + num_experts] for row in table]
             num_recv = -1 if num_worst_tokens else sum(row[self.rank] for row in counts)
             handle = DispatchHandle(prefix_matrix, torch.empty(0), torch.empty(0), is_token_in_rank,
                                     num_recv, num_worst_tokens)
-        route = self._route(handle, count_matrix, None if cached else counts)
+            route = self._route(handle, count_matrix, counts)
         num_rows = handle.num_recv_rows
         if num_worst_tokens and not cached:
             # Every rank has the whole count matrix: all raise together rather than leave peers waiting.
@@ -238,15 +317,17 @@ class TorchBackend(CommBackend):
         handle = handle._replace(recv_src_idx=recv_src.to(torch.int32), recv_src_rank=src_rank)
         counts = aligned_expert_counts(local_idx, experts_per_rank, expert_alignment)
         counts_list = None
-        if table is not None:
-            first = self.num_ranks + self.rank * experts_per_rank
-            counts_list = [round_up(sum(row[first + e] for row in table), expert_alignment)
+        if expert_table is not None:
+            first = self.rank * experts_per_rank
+            counts_list = [round_up(sum(row[first + e] for row in expert_table), expert_alignment)
                            for e in range(experts_per_rank)]
         return DispatchResult(recv_x, recv_scales, local_idx, local_w, counts, handle, counts_list)
 
     def combine(self, y, handle, topk_weights, bias, config=None):
         num_tokens, hidden = handle.num_tokens, y.shape[1]
         route = self._route(handle)
+        self._check_call(agreement.OP_COMBINE, "combine", y, handle, route,
+                         topk=topk_weights.shape[1] if topk_weights is not None else -1)
         chunks = self._return_rows(as_bytes(y), route, "combine")
         w_chunks = self._return_rows(as_bytes(topk_weights), route, "combine/weights") if topk_weights is not None \
             else [None] * len(chunks)
