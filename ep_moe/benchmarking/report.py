@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def plot(path: str | Path, rows: list[Row], title: str, reference_tokens: int | 
     ax_t.legend(fontsize=7)
     if sm_panel:
         _sm_panel(axes[0][1], ok, reference_tokens, num_sms, color, linestyle)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 95 * panels), fontsize=9)  # one panel is narrower: wrap the title
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=PLOT_DPI)
