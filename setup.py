@@ -118,11 +118,15 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["ep_moe", "ep_moe.*"]),
-    package_data={"ep_moe.native": ["build_info.json"]},
+    # The top-level recipes/ folder (the one copy) ships as ep_moe/recipes/ (`ep_moe.train.recipes`).
+    packages=find_packages(include=["ep_moe", "ep_moe.*"]) + ["ep_moe.recipes"],
+    package_dir={"ep_moe.recipes": "recipes"},
+    package_data={"ep_moe.native": ["build_info.json"], "ep_moe.recipes": ["*.yaml"]},
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "ruff"],
+        # tensorboard: the trainer's logger.tensorboard_dir (the tests write and read event files)
+        "dev": ["pytest>=7", "pytest-timeout", "ruff", "tensorboard"],
+        "tensorboard": ["tensorboard"],
         # The versions CI tests on CPU; newer ones are tested on the GPU machine (README).
         "megatron": ["megatron-core>=0.13"],  # 0.13.1-0.16.1 tested on CPU, 0.19.2 on GPU
         "deepspeed": ["deepspeed>=0.16"],

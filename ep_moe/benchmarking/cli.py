@@ -58,7 +58,7 @@ from .verification import CallCheck, CheckedCalls, Outputs, named_outputs
 from .workload import DTYPES, InputSet, make_input_set, num_input_sets, to_fp8_blocks
 
 GPU_DEFAULTS = {"tokens": [4096], "hidden": 7168, "experts": 256, "topk": 8}  # DeepEP's intranode test
-CPU_DEFAULTS = {"tokens": [128], "hidden": 256, "experts": 16, "topk": 4}
+CPU_DEFAULTS = {"tokens": [64, 128, 256], "hidden": 256, "experts": 16, "topk": 4}  # a sweep: the plot has a curve
 DEFAULT_LINK_GBPS = 394.0  # copy-engine peer copy, H200 pair over NV18 (docs/native.md, baselines)
 MAX_INPUT_SETS = 32
 L2_FALLBACK_BYTES = 60 << 20
@@ -455,7 +455,7 @@ class _RankBench:
         return {
             "command": "ep-moe bench " + " ".join(spec.argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "ranks": self.world, "device": device_name, "timer": self.timer.description,
+            "ranks": self.world, "device": device_name, "device_type": spec.device, "timer": self.timer.description,
             "hidden": spec.hidden, "experts": spec.experts, "topk": spec.topk, "tokens": list(spec.tokens),
             "dtypes": list(spec.dtypes), "num_sms": list(spec.num_sms), "plan_sms": spec.plan_sms,
             "backends": [b.name for b in spec.backends],
@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  torchrun --nproc-per-node N -m ep_moe.cli bench ...\n"
                "CPU: --ranks gloo processes, small default sizes, wall-clock times, no NVLink floor.\n"
                "Defaults on GPU: DeepEP's intranode workload (--tokens 4096 --hidden 7168 --experts 256\n"
-               "--topk 8); on CPU: --tokens 128 --hidden 256 --experts 16 --topk 4.\n"
+               "--topk 8); on CPU: --tokens 64 128 256 --hidden 256 --experts 16 --topk 4.\n"
                "Exit status: 0 when every check passed, 1 when a check failed (a checked or a timed call)\n"
                "or an operation raised.")
     p.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=None,
@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds any wait for a peer may last before it fails (default: 120)")
     p.add_argument("--json", metavar="PATH", help="write the meta data and every row as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG: time vs tokens and time vs SMs")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: time vs tokens, and time vs SMs (GPU only)")
     return p
 
 
@@ -643,7 +643,9 @@ def report(result: dict, json_path: str | None = None, plot_path: str | None = N
         write_json(json_path, meta, rows)
         notes.append(f"wrote {json_path}")
     if plot_path:
-        why_not = plot(plot_path, rows, title=header[0], num_sms=meta["num_sms"])
+        # On CPU no backend uses SMs: the time-vs-SMs panel would mean nothing there.
+        why_not = plot(plot_path, rows, title=header[0], num_sms=meta["num_sms"],
+                       sm_panel=meta.get("device_type", "cuda") == "cuda")
         notes.append(f"plot skipped: {why_not}" if why_not else f"wrote {plot_path}")
     all_ok = bool(rows) and all(r.check == "ok" for r in rows)
     return "\n".join(notes + ["", table(rows, header)]), all_ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -118,11 +119,15 @@ def _op_label(r: Row) -> str:
     return r.op + (f" {r.dtype}" if r.dtype and r.dtype != "bf16" else "")
 
 
+PANEL_WIDTH_IN, PLOT_HEIGHT_IN, PLOT_DPI = 7.0, 5.5, 110
+
+
 def plot(path: str | Path, rows: list[Row], title: str, reference_tokens: int | None = None,
-         num_sms: list[int] | None = None) -> str | None:
+         num_sms: list[int] | None = None, sm_panel: bool = True) -> str | None:
     """Save a PNG: time vs tokens (left; backends with an SM budget at 24 SMs, or the largest
-    measured) and time vs SMs at one token count (right; backends without an SM budget as dashed
-    horizontal lines). Colour = operation, line style = backend. Returns None on success, or why no
+    measured) and, with ``sm_panel``, time vs SMs at one token count (right; backends without an SM budget
+    as dashed horizontal lines; left out on CPU, where no backend uses SMs). Colour = operation, line
+    style = backend. A run of one token count says so in the title. Returns None on success, or why no
     plot was made (matplotlib missing)."""
     try:
         import matplotlib
@@ -141,7 +146,9 @@ def plot(path: str | Path, rows: list[Row], title: str, reference_tokens: int | 
     backends = sorted({r.backend for r in ok})
     linestyle = {b: ("--" if b == REFERENCE_BACKEND else ("-", "-.", ":")[i % 3]) for i, b in enumerate(backends)}
 
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(14, 5.5))
+    panels = 2 if sm_panel else 1
+    fig, axes = plt.subplots(1, panels, figsize=(PANEL_WIDTH_IN * panels, PLOT_HEIGHT_IN), squeeze=False)
+    ax_t = axes[0][0]
     # Left: time vs tokens.
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in ok:
@@ -158,11 +165,26 @@ def plot(path: str | Path, rows: list[Row], title: str, reference_tokens: int | 
     ax_t.set_yscale("log")
     ax_t.set_xlabel("tokens per rank")
     ax_t.set_ylabel("time (us, median)")
-    ax_t.set_title("time vs tokens" + (f" ({plot_sms} SMs where a backend takes them)" if plot_sms else ""))
+    ax_t.set_title("time vs tokens" + (f" ({plot_sms} SMs where a backend takes them)" if plot_sms and sm_panel
+                                       else "")
+                   + (f"\n(one token count only, {token_values[0]}: pass --tokens A B C for a curve)"
+                      if len(token_values) == 1 else ""), fontsize=10)
     ax_t.grid(True, which="both", alpha=0.3)
     ax_t.legend(fontsize=7)
+    if sm_panel:
+        _sm_panel(axes[0][1], ok, reference_tokens, num_sms, color, linestyle)
+    fig.suptitle(textwrap.fill(title, 95 * panels), fontsize=9)  # one panel is narrower: wrap the title
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+    return None
 
-    # Right: time vs SMs at one token count.
+
+def _sm_panel(ax_s, ok: list[Row], reference_tokens: int | None, num_sms: list[int] | None, color: dict,
+              linestyle: dict) -> None:
+    """The right panel: time vs SMs at ``reference_tokens`` (backends without an SM budget as horizontal
+    lines)."""
     at = [r for r in ok if r.tokens == reference_tokens]
     by_sms: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in at:
@@ -188,9 +210,3 @@ def plot(path: str | Path, rows: list[Row], title: str, reference_tokens: int | 
     ax_s.grid(True, which="both", alpha=0.3)
     if ax_s.get_legend_handles_labels()[0]:
         ax_s.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None

@@ -9,16 +9,17 @@ import sys
 COMMANDS = {
     "train": ("ep_moe.train", "train an MoE model from a YAML recipe (ep-moe train RECIPE.yaml key=value ...)"),
     "bench": ("ep_moe.benchmarking.cli", "benchmark dispatch/combine of every backend in one run"),
+    "recipes": ("ep_moe.train.recipes", "list the built-in recipes (ep-moe train NAME runs one)"),
     "tune": ("ep_moe.tuning.cli", "print the per-layer SM/QP plan of a recipe or of given shapes"),
-    "demo": ("ep_moe.cli.demo", "a small dispatch/combine round trip on spawned CPU ranks"),
+    "demo": ("ep_moe.cli.demo", "a small dispatch/combine round trip on spawned CPU ranks (checks an install)"),
     "env": ("ep_moe.cli.env", "report the installation: versions, GPUs, whether the native kernels are built "
                               "(and why not)"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: ep-moe COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<6} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines = ["usage: ep-moe [--version] COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<7} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'ep-moe COMMAND --help' for a command's options."]
     return "\n".join(lines)
 
@@ -27,6 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        import ep_moe
+
+        try:
+            installed = version("ep_moe")
+        except PackageNotFoundError:
+            installed = None
+        where = f" ({installed} installed)" if installed and installed != ep_moe.__version__ else ""
+        print(f"ep-moe {ep_moe.__version__}{where}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -341,8 +341,9 @@ class MoETransformer(nn.Module):
 
         Keys: ``aux_loss`` and ``z_loss`` (raw, without coefficients, mean over MoE layers, forwards and EP
         ranks; ``aux_loss`` is 1.0 for perfectly balanced uniform routing), ``load_imbalance`` (max / mean
-        tokens per expert over the EP group's tokens, mean over MoE layers; 1.0 = balanced) and
-        ``load_imbalance_max`` (the worst layer). Empty dict when nothing ran since the last call.
+        tokens per expert over the EP group's tokens, mean over MoE layers; 1.0 = balanced),
+        ``load_imbalance_max`` (the worst layer) and ``load_imbalance_layers`` (one per MoE layer). Empty dict
+        when nothing ran since the last call.
         """
         layers = self.moe_layers
         if not layers or layers[0].router.stats()[3] == 0:
@@ -361,7 +362,8 @@ class MoETransformer(nn.Module):
         counts = table[:, :-2]
         imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)
         return {"aux_loss": float(table[:, -2].mean()) / ep_size, "z_loss": float(table[:, -1].mean()) / ep_size,
-                "load_imbalance": float(imbalance.mean()), "load_imbalance_max": float(imbalance.max())}
+                "load_imbalance": float(imbalance.mean()), "load_imbalance_max": float(imbalance.max()),
+                "load_imbalance_layers": [float(v) for v in imbalance]}
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Parameters split over the EP group (gradients reduced over ``expert_dp_group``)."""

@@ -11,6 +11,11 @@ A checkpoint is a folder ``<save>/step_<NNNNNNN>/`` with
 
 Rank 0 writes into a temporary folder and renames it, then points ``<save>/latest`` at it, so a run
 killed at any moment (``kill -9``) leaves the previous checkpoint intact and loadable.
+
+Every engine uses the same folders: ``<save>/step_<NNNNNNN>/``, the ``<save>/latest`` pointer (a file holding
+the folder's name, as DeepSpeed's) and ``checkpoint.keep_last`` (`step_dir_name`, `read_latest`,
+`write_latest`, `prune`); what is inside a folder is the engine's own (Megatron: one file per rank;
+DeepSpeed: its checkpoint with per-expert files).
 """
 
 from __future__ import annotations
@@ -38,15 +43,35 @@ def _is_checkpoint(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in FILES)
 
 
-def latest_checkpoint(save_dir: str) -> str | None:
-    """The checkpoint ``<save_dir>/latest`` points at, or None."""
+def read_latest(save_dir: str) -> str | None:
+    """The folder ``<save_dir>/latest`` names, if it exists (any engine), else None."""
     pointer = os.path.join(save_dir, LATEST)
     if not os.path.isfile(pointer):
         return None
     with open(pointer, encoding="utf-8") as f:
         name = f.read().strip()
     path = os.path.join(save_dir, name)
-    return path if _is_checkpoint(path) else None
+    return path if name and os.path.isdir(path) else None
+
+
+def write_latest(save_dir: str, name: str) -> None:
+    """Point ``<save_dir>/latest`` at the folder ``name`` (atomically: a killed run leaves the old pointer)."""
+    pointer_tmp = os.path.join(save_dir, f".{LATEST}.tmp")
+    with open(pointer_tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+    os.replace(pointer_tmp, os.path.join(save_dir, LATEST))
+
+
+def step_of(path: str) -> int | None:
+    """The step of a folder named `step_dir_name`, else None."""
+    name = os.path.basename(os.path.normpath(path))
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
+def latest_checkpoint(save_dir: str) -> str | None:
+    """The ep_moe engine's checkpoint ``<save_dir>/latest`` points at, or None."""
+    path = read_latest(save_dir)
+    return path if path is not None and _is_checkpoint(path) else None
 
 
 def resolve_load_path(path: str) -> str:
@@ -163,17 +188,14 @@ def save_checkpoint(recipe, model, optimizer, ps, step: int) -> str:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer_tmp = os.path.join(save_dir, f".{LATEST}.tmp")
-        with open(pointer_tmp, "w", encoding="utf-8") as f:
-            f.write(step_dir_name(step) + "\n")
-        os.replace(pointer_tmp, os.path.join(save_dir, LATEST))
-        _prune(save_dir, step, recipe.checkpoint.keep_last)
+        write_latest(save_dir, step_dir_name(step))
+        prune(save_dir, step, recipe.checkpoint.keep_last)
     if ps.world_size > 1:
         dist.barrier()
     return final
 
 
-def _prune(save_dir: str, step: int, keep_last: int) -> None:
+def prune(save_dir: str, step: int, keep_last: int) -> None:
     """Remove checkpoints of earlier steps beyond the newest ``keep_last`` (0 = keep all), and stale
     temporary folders of killed saves."""
     for name in os.listdir(save_dir):

@@ -50,6 +50,7 @@ class TrainSection:
     timeout_s: float = 300.0          # bound on every collective (a dead peer raises instead of hanging)
     target_loss_gap: float | None = None  # synthetic data: the final eval loss should be within this many
     #                                       nats/token of the entropy floor (reported in the summary)
+    fail_on_target_miss: bool = False     # exit with status 1 when target_loss_gap is missed (default: report only)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class LoggerSection:
     metrics_path: str | None = None   # JSON lines; None = <checkpoint.save or runs/<recipe name>>/metrics.jsonl
     plot_path: str | None = None      # PNG loss curve; None = <metrics file without .jsonl>_loss.png
     progress_bar: bool | Literal["auto"] = "auto"   # true, false, or auto: on when stderr is a terminal
+    tensorboard_dir: str | None = None  # TensorBoard event files (rank 0, Megatron's scalar names); None = off
 
 
 @dataclass
@@ -270,15 +272,6 @@ class MoELMSection:
     expert_model_parallel_size: int = 2
 
 
-# Keys the megatron and deepspeed runners leave alone (the ep_moe trainer's checkpoint and display options).
-_NOT_IN_RUNNERS = {
-    "checkpoint.resume": "no resume",
-    "checkpoint.keep_last": "no checkpoint pruning",
-    "logger.plot_path": "no loss plot",
-    "logger.progress_bar": "no progress bar",
-}
-
-
 @dataclass
 class MegatronModelSection(MoELMSection):
     """``engine: megatron``: a Megatron-core ``GPTModel`` (local layer spec) whose token dispatcher is
@@ -296,16 +289,14 @@ class MegatronModelSection(MoELMSection):
 
 @dataclass
 class MegatronRecipe(RecipeBase):
-    """An ``engine: megatron`` recipe (`ep_moe.train.engines.megatron`). With ``checkpoint.save`` each rank's
-    final ``state_dict`` is saved; of the ``ep_moe`` block it uses ``dispatcher_backend`` and one ``num_sms``."""
+    """An ``engine: megatron`` recipe (`ep_moe.train.engines.megatron`). Checkpoints hold each rank's model and
+    optimizer ``state_dict`` (they load at the same world and EP size); of the ``ep_moe`` block it uses
+    ``dispatcher_backend`` and one ``num_sms``."""
 
     engine: Literal["megatron"] = "megatron"
     model: MegatronModelSection = field(default_factory=MegatronModelSection)
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "checkpoint.save_interval": "it saves each rank's final state_dict only",
-        "checkpoint.load": "it starts from its own initialisation",
-        **_NOT_IN_RUNNERS,
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend and ep_moe.num_sms"
            for key in ("tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
@@ -350,18 +341,15 @@ class DeepSpeedSection:
 
 @dataclass
 class DeepSpeedRecipe(RecipeBase):
-    """An ``engine: deepspeed`` recipe (`ep_moe.train.engines.deepspeed`): evaluates once, at the end;
-    DeepSpeed checkpoints (``checkpoint.save``/``save_interval``/``load``); of the ``ep_moe`` block it uses
-    ``dispatcher_backend``."""
+    """An ``engine: deepspeed`` recipe (`ep_moe.train.engines.deepspeed`): DeepSpeed checkpoints (experts in
+    per-expert files) in the trainer's folders; of the ``ep_moe`` block it uses ``dispatcher_backend``."""
 
     engine: Literal["deepspeed"] = "deepspeed"
     model: DeepSpeedModelSection = field(default_factory=DeepSpeedModelSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "train.eval_interval": "it evaluates once, at the end",
         "train.deterministic": "no deterministic mode",
-        **_NOT_IN_RUNNERS,
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend"
            for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
@@ -537,7 +525,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], *, strict_paths:
 # ---------------------------------------------------------------------------------------------- loading
 def read_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise RecipeError(f"recipe {path!r}: no such file")
+        raise RecipeError(f"recipe {path!r}: no such file (nor a built-in recipe's name: ep-moe recipes lists them)")
     with open(path, encoding="utf-8") as f:
         try:
             data = yaml.safe_load(f)
@@ -572,6 +560,12 @@ def recipe_from_dict(data: dict[str, Any], source_dir: str = ".", name: str = "r
 
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> AnyRecipe:
+    """The recipe file ``path`` with ``overrides``; a ``path`` that is no file but a built-in recipe's name
+    (``tiny-cpu``, see `ep_moe.train.recipes`) loads that recipe."""
+    if not os.path.exists(path):
+        from .recipes import find_recipe
+
+        path = find_recipe(path) or path
     data = apply_overrides(read_yaml(path), list(overrides or []))
     return recipe_from_dict(data, os.path.dirname(os.path.abspath(path)),
                             os.path.splitext(os.path.basename(path))[0])
@@ -590,8 +584,17 @@ def validate(recipe: AnyRecipe, world_size: int | None = None, device: str | Non
     that depend on it."""
     _check_supported(recipe)
     world = recipe.train.nproc if world_size is None else world_size
-    _shared_rules(recipe, world)
+    _shared_rules(recipe, world, device)
     recipe.engine_rules(world, device)
+
+
+def _importable(package: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _check_supported(recipe: AnyRecipe) -> None:
@@ -604,7 +607,7 @@ def _check_supported(recipe: AnyRecipe) -> None:
                  f"{json.dumps(default)}, got {json.dumps(value)}")
 
 
-def _shared_rules(recipe: AnyRecipe, world: int) -> None:
+def _shared_rules(recipe: AnyRecipe, world: int, device: str | None) -> None:
     m, t, o, s, d, c, lg, e = (recipe.model, recipe.train, recipe.optimizer, recipe.scheduler, recipe.dataset,
                                recipe.checkpoint, recipe.logger, recipe.ep_moe)
     for path, value, low in [
@@ -664,6 +667,10 @@ def _shared_rules(recipe: AnyRecipe, world: int) -> None:
     if t.eval_iters > 0 and d.type == "text":
         _require(d.split[1] > 0, "dataset.split", "needs a validation fraction > 0 when train.eval_iters > 0")
     _require(not c.resume or c.save is not None, "checkpoint.resume", "needs checkpoint.save (where to look)")
+    if lg.tensorboard_dir is not None and device is not None:  # at launch: before any rank starts
+        _require(_importable("tensorboard"), "logger.tensorboard_dir",
+                 "needs the tensorboard package, which is not installed; install it with: "
+                 "pip install tensorboard (or pip install 'ep_moe[tensorboard]'), or set logger.tensorboard_dir=null")
     if isinstance(e.num_sms, list):
         _require(all(n >= 0 and n % 2 == 0 for n in e.num_sms), "ep_moe.num_sms",
                  f"must be even numbers >= 0, got {e.num_sms}")

@@ -36,12 +36,15 @@ def _parser() -> argparse.ArgumentParser:
         prog="ep-moe train",
         description="Train an MoE model from a YAML recipe. Overrides are KEY=VALUE with dotted keys, "
                     "e.g. train.train_iters=50 model.expert_model_parallel_size=2 optimizer.lr=1e-3.",
-        epilog="Recipes: recipes/tiny-cpu.yaml (2 CPU ranks, ~1 minute), recipes/shakespeare-char.yaml, "
-               "recipes/small-gpu-ep2.yaml (torchrun --nproc-per-node 2 -m ep_moe.train ...).")
-    p.add_argument("recipe", help="the recipe YAML file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+        epilog="Built-in recipes (ep-moe recipes lists them): tiny-cpu (2 CPU ranks, ~1 minute), shakespeare-char, "
+               "small-gpu-ep2 (torchrun --nproc-per-node 2 -m ep_moe.train small-gpu-ep2), megatron-gpt-moe-ep2, "
+               "deepspeed-moe-ep2.")
+    p.add_argument("recipe", help="a recipe YAML file, or a built-in recipe's name (e.g. tiny-cpu)")
+    # default=[]: without it, argparse names KEY=VALUE as required too when nothing is given
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in checkpoint.save (same as checkpoint.resume=true)")
+                   help="continue from the latest checkpoint in checkpoint.save (same as checkpoint.resume=true; "
+                        "every engine)")
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     return p
 
@@ -136,7 +139,8 @@ def engine_module(engine: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``ep-moe train``: 0 ok, 1 a rank failed (or missed its target), 2 bad recipe, 130 stopped (ep_moe)."""
+    """``ep-moe train``: 0 ok, 1 a rank failed (or missed its target with train.fail_on_target_miss), 2 bad
+    recipe, 130 stopped (every engine)."""
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     try:

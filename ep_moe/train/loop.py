@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .config import Recipe
 from .data import build_dataset, rank_slice
-from .metrics import MetricsFile, Progress, format_summary, read_records
+from .metrics import Progress, RunLog, eval_record, finish, run_record, train_record
 from .parallel import (
     ParallelState,
     build_ep_buffer,
@@ -184,8 +184,7 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
         start_step = ckpt.load_checkpoint(resumed_from, model, optimizer, ps)
     result = RunResult(rank=ps.rank, entropy_floor=floor, last_step=start_step)
 
-    metrics = MetricsFile(recipe.metrics_path(), resume_step=start_step if resumed_from else None) \
-        if is_main else None
+    metrics = RunLog(recipe, resume_step=start_step if resumed_from else None) if is_main else None
     progress = Progress(recipe.logger.progress_bar, t.train_iters, start_step, enabled=is_main)
     if is_main:
         n_params = model.num_parameters(global_experts=True)
@@ -200,11 +199,12 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
             progress.message(f"resumed from {resumed_from} at step {start_step}")
         elif recipe.checkpoint.resume:
             progress.message(f"no checkpoint in {recipe.checkpoint.save} yet: starting at step 0")
-        metrics.write({"kind": "run", "step": start_step, "world_size": ps.world_size, "ep_size": ps.ep_size,
-                       "entropy_floor": floor, "resumed_from": resumed_from, "recipe": recipe.to_dict()})
+        metrics.write(run_record(recipe, start_step, ps.world_size, ps.ep_size, floor, resumed_from))
 
     if start_step >= t.train_iters:
         progress.close()
+        if metrics is not None:
+            metrics.close()
         result.summary = (f"nothing to train: the checkpoint is at step {start_step} >= train.train_iters="
                           f"{t.train_iters} (raise train.train_iters to continue)")
         if is_main:
@@ -260,17 +260,12 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
             imbalance = stats.get("load_imbalance")
             progress.update(step, loss, aux, tokens_per_s, imbalance)
             if is_main and (step % recipe.logger.log_interval == 0 or step == t.train_iters):
-                metrics.write({"kind": "train", "step": step, "loss": loss, "aux_loss": aux, "lr": lr,
-                               "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                               "load_imbalance": imbalance, "load_imbalance_max": stats.get("load_imbalance_max"),
-                               "router_aux_loss_raw": stats.get("aux_loss"), "z_loss_raw": stats.get("z_loss"),
-                               "time_s": time.monotonic() - t0})
+                metrics.write(train_record(step, loss, aux, lr, grad_norm, tokens_per_s, time.monotonic() - t0, stats))
             last = step == t.train_iters
             if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
                 eval_loss = evaluate(model, dataset, recipe, ps, accum)
                 if is_main:
-                    metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss,
-                                   "time_s": time.monotonic() - t0})
+                    metrics.write(eval_record(step, eval_loss, time.monotonic() - t0))
                     gap = f" (floor {floor:.4f}, gap {eval_loss - floor:+.4f})" if floor is not None else ""
                     progress.message(f"step {step}: eval loss {eval_loss:.4f}{gap}")
             c = recipe.checkpoint
@@ -284,6 +279,8 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     finally:
         progress.close()
         stop.restore()
+        if metrics is not None:
+            metrics.close()
 
     result.last_step = step
     result.final_loss = result.losses[-1] if result.losses else math.nan
@@ -300,19 +297,10 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
             print(result.summary, flush=True)
         return result
     if is_main:
-        target = recipe.train.target_loss_gap if floor is not None else None
-        result.summary = format_summary(result.final_loss, floor, eval_loss, result.tokens_per_s, train_time,
-                                        result.total_time_s, step, target)
-        plot_note = ""
-        try:
-            from .plot import plot_loss
-
-            path = plot_loss(read_records(recipe.metrics_path()), recipe.plot_path(), floor,
-                             title=f"{recipe.name}: EP {ps.ep_size} x DP {ps.expert_dp_size}")
-            plot_note = f"; loss curve {path}"
-        except Exception as exc:  # a plot must never fail a finished run
-            plot_note = f"; no loss plot ({type(exc).__name__}: {exc})"
-        print(result.summary + f"; metrics {recipe.metrics_path()}{plot_note}", flush=True)
+        result.summary, result.exit_code = finish(
+            recipe, recipe.metrics_path(), steps=step, final_loss=result.final_loss, eval_loss=eval_loss, floor=floor,
+            tokens_per_s=result.tokens_per_s, train_time_s=train_time, total_time_s=result.total_time_s,
+            title=f"{recipe.name}: EP {ps.ep_size} x DP {ps.expert_dp_size}")
     return result
 
 

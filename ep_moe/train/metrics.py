@@ -47,6 +47,14 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
+def _terminal_columns() -> int:
+    """The width stderr's terminal reports (0 when it reports none)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 class Progress:
     """The progress bar on rank 0: ``step, loss, aux, tokens/s, expert-load imbalance``.
 
@@ -56,7 +64,9 @@ class Progress:
 
     def __init__(self, mode: bool | str, total: int, initial: int, enabled: bool):
         self.enabled = enabled
-        show_bar = mode is True or (mode == "auto" and sys.stderr.isatty())
+        # A terminal that reports no size (0x0: some containers, pseudo-terminals of CI runners) would get an
+        # empty bar from tqdm: print plain lines there.
+        show_bar = mode is True or (mode == "auto" and sys.stderr.isatty() and _terminal_columns() > 0)
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (enabled and show_bar))
         self.use_bar = enabled and show_bar
@@ -102,3 +112,153 @@ def format_summary(final_loss: float, floor: float | None, eval_loss: float | No
     parts.append(f"{tokens_per_s:,.0f} tokens/s")
     parts.append(f"train {train_time_s:.1f} s, total {total_time_s:.1f} s")
     return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- every engine
+# The keys of a metrics record, the same for every engine (None where an engine does not know a value).
+TRAIN_KEYS = ("kind", "step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "load_imbalance",
+              "load_imbalance_max", "load_imbalance_layers", "router_aux_loss_raw", "z_loss_raw", "time_s")
+EVAL_KEYS = ("kind", "step", "eval_loss", "time_s")
+RUN_KEYS = ("kind", "step", "engine", "world_size", "ep_size", "entropy_floor", "resumed_from", "recipe")
+
+
+def train_record(step: int, loss: float, aux_loss: float | None, lr: float, grad_norm: float | None,
+                 tokens_per_s: float, time_s: float, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``train`` record. ``stats``: routing statistics (``load_imbalance``: max / mean tokens per expert,
+    mean over MoE layers; ``load_imbalance_max``; ``load_imbalance_layers``: one per MoE layer;
+    ``aux_loss`` / ``z_loss``: raw router losses, mean over MoE layers)."""
+    stats = stats or {}
+    return {"kind": "train", "step": step, "loss": loss, "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s, "load_imbalance": stats.get("load_imbalance"),
+            "load_imbalance_max": stats.get("load_imbalance_max"),
+            "load_imbalance_layers": stats.get("load_imbalance_layers"),
+            "router_aux_loss_raw": stats.get("aux_loss"), "z_loss_raw": stats.get("z_loss"), "time_s": time_s}
+
+
+def eval_record(step: int, eval_loss: float, time_s: float) -> dict[str, Any]:
+    return {"kind": "eval", "step": step, "eval_loss": eval_loss, "time_s": time_s}
+
+
+def run_record(recipe, step: int, world_size: int, ep_size: int, entropy_floor: float | None,
+               resumed_from: str | None) -> dict[str, Any]:
+    """The ``run`` record a run (or a resumed segment) starts with."""
+    return {"kind": "run", "step": step, "engine": recipe.engine, "world_size": world_size, "ep_size": ep_size,
+            "entropy_floor": entropy_floor, "resumed_from": resumed_from, "recipe": recipe.to_dict()}
+
+
+def imbalance_stats(counts) -> dict[str, Any]:
+    """Routing statistics from tokens per expert (``counts [MoE layers, experts]``, any numbers)."""
+    import torch
+
+    counts = torch.as_tensor(counts, dtype=torch.float64)
+    if counts.numel() == 0:
+        return {}
+    per_layer = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)
+    return {"load_imbalance": float(per_layer.mean()), "load_imbalance_max": float(per_layer.max()),
+            "load_imbalance_layers": [float(v) for v in per_layer]}
+
+
+class TensorBoardLog:
+    """TensorBoard event files of rank 0 (``torch.utils.tensorboard.SummaryWriter``) under Megatron's scalar
+    names: ``lm loss``, ``learning-rate``, ``grad-norm``, ``load_balancing_loss`` (raw, mean over MoE layers),
+    ``z_loss``, ``lm loss validation``; and ``aux-loss`` (the term added to the loss), ``tokens-per-sec``,
+    ``load-imbalance``, ``load-imbalance-max`` and ``moe/load_imbalance_layer_<i>`` per MoE layer."""
+
+    SCALARS = {"loss": "lm loss", "aux_loss": "aux-loss", "lr": "learning-rate", "grad_norm": "grad-norm",
+               "tokens_per_s": "tokens-per-sec", "load_imbalance": "load-imbalance",
+               "load_imbalance_max": "load-imbalance-max", "router_aux_loss_raw": "load_balancing_loss",
+               "z_loss_raw": "z_loss", "eval_loss": "lm loss validation"}
+
+    def __init__(self, log_dir: str, recipe_text: str | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir=log_dir)
+        if recipe_text:
+            self.writer.add_text("recipe", "```\n" + recipe_text + "\n```", 0)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record.get("kind") not in ("train", "eval"):
+            return
+        step = record["step"]
+        for key, tag in self.SCALARS.items():
+            value = record.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+        for i, value in enumerate(record.get("load_imbalance_layers") or []):
+            self.writer.add_scalar(f"moe/load_imbalance_layer_{i}", value, step)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+class RunLog:
+    """What rank 0 records, for every engine: the metrics file (`MetricsFile`) and, with
+    ``logger.tensorboard_dir``, TensorBoard event files (`TensorBoardLog`)."""
+
+    def __init__(self, recipe, resume_step: int | None = None):
+        self.metrics = MetricsFile(recipe.metrics_path(), resume_step=resume_step)
+        self.tensorboard = None
+        if recipe.logger.tensorboard_dir:
+            import yaml
+
+            self.tensorboard = TensorBoardLog(recipe.logger.tensorboard_dir,
+                                              yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+
+def target_missed(final_loss: float, eval_loss: float | None, floor: float | None, target: float | None) -> bool:
+    """Whether a synthetic run missed ``train.target_loss_gap`` (the final eval loss, else the final train loss,
+    more than ``target`` above the entropy floor). False when there is no floor or no target."""
+    if floor is None or target is None:
+        return False
+    loss = eval_loss if eval_loss is not None and math.isfinite(eval_loss) else final_loss
+    return not loss - floor <= target
+
+
+def finish(recipe, records_path: str, *, steps: int, final_loss: float, eval_loss: float | None,
+           floor: float | None, tokens_per_s: float, train_time_s: float, total_time_s: float,
+           title: str) -> tuple[str, int]:
+    """The end of a run on rank 0, for every engine: the summary line (printed), the loss plot, and the exit
+    status: 0, or 1 when the target was missed and ``train.fail_on_target_miss`` is set."""
+    t = recipe.train
+    target = t.target_loss_gap if floor is not None else None
+    summary = format_summary(final_loss, floor, eval_loss, tokens_per_s, train_time_s, total_time_s, steps, target)
+    try:
+        from .plot import plot_loss
+
+        path = plot_loss(read_records(records_path), recipe.plot_path(), floor, title=title)
+        plot_note = f"; loss curve {path}"
+    except Exception as exc:  # a plot must never fail a finished run
+        plot_note = f"; no loss plot ({type(exc).__name__}: {exc})"
+    print(summary + f"; metrics {records_path}{plot_note}", flush=True)
+    code = 0
+    if target_missed(final_loss, eval_loss, floor, target):
+        if t.fail_on_target_miss:
+            print(f"ep-moe train: the target train.target_loss_gap={target} was missed and "
+                  "train.fail_on_target_miss is set: exit status 1", file=sys.stderr, flush=True)
+            code = 1
+    return summary, code
+
+
+class Throughput:
+    """Tokens per second over the last ``window`` steps (what the progress line and the records show)."""
+
+    def __init__(self, tokens_per_step: int, window: int = 20):
+        self.tokens_per_step = tokens_per_step
+        self.window = window
+        self.times: list[float] = []
+
+    def add(self, step_time_s: float) -> float:
+        self.times = (self.times + [step_time_s])[-self.window:]
+        return self.tokens_per_step * len(self.times) / max(1e-9, sum(self.times))

@@ -130,6 +130,9 @@ def _run(args: argparse.Namespace) -> int:
         topology = Topology.preset(args.gpu, ranks, per_node, nic_gbps=args.nic_gbps)
     else:
         topology = detect_topology(world_size=ranks, local_world_size=per_node)
+        if not on_device and (not topology.has_gpu or topology.nvlink_links == 0):
+            say(f"note: no {'NVLink' if topology.has_gpu else 'GPU'} on this machine: the plan below is the "
+                "bandwidth model's prediction only, nothing was measured (the native kernels cannot run here)")
         if not topology.has_gpu:
             say(f"(no GPU here: planning for the {FALLBACK_GPU} datasheet; --gpu picks another)")
             topology = Topology.preset(FALLBACK_GPU, ranks, per_node, nic_gbps=args.nic_gbps)

@@ -12,6 +12,7 @@ import torch
 
 from ep_moe.backends.base import DispatchResult
 from ep_moe.benchmarking import cli as bench
+from ep_moe.benchmarking import report
 from ep_moe.benchmarking.accounting import floor_fraction, floor_us, gbps, row_payload_bytes, traffic
 from ep_moe.benchmarking.checks import check_fixed, compare, round_trip_reference, same_bits
 from ep_moe.benchmarking.report import Row, finalize, table
@@ -40,6 +41,31 @@ def _rank_with_a_wrong_combine(rank: int, world_size: int, spec) -> dict | None:
 
     TorchBackend.combine = combine
     return bench.run_rank(rank, world_size, spec)
+
+
+def _png_width(png: bytes) -> int:
+    return int.from_bytes(png[16:20], "big")  # the IHDR chunk's width
+
+
+def _panels_width(panels: int) -> int:
+    return round(report.PANEL_WIDTH_IN * panels * report.PLOT_DPI)
+
+
+def test_plot_has_the_sm_panel_on_gpu_only(tmp_path):
+    """The time-vs-SMs panel is drawn only where SMs mean something (GPU runs)."""
+    rows = [report.Row(backend, op, "bf16", tokens, sms, median_us=10.0 + tokens / 10 + (sms or 0))
+            for backend, sms_list in (("torch", [None]), ("native", [16, 24]))
+            for tokens in (64, 128) for sms in sms_list for op in ("dispatch", "combine")]
+    for sm_panel, panels in ((True, 2), (False, 1)):
+        path = tmp_path / f"plot_{panels}.png"
+        assert report.plot(path, rows, "title", num_sms=[16, 24], sm_panel=sm_panel) is None
+        assert _png_width(path.read_bytes()) == _panels_width(panels)
+
+
+def test_cpu_defaults_sweep_token_counts():
+    args = bench.build_parser().parse_args(["--device", "cpu"])
+    spec, world = bench._resolve(args, bench.build_parser(), ["--device", "cpu"])
+    assert world == 2 and spec.tokens == (64, 128, 256)
 
 
 @pytest.mark.timeout(300)
@@ -101,6 +127,7 @@ def test_cpu_bench_end_to_end(tmp_path, capsys, monkeypatch):
 
     png = out_png.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert _png_width(png) == _panels_width(1)  # on CPU: time vs tokens only, no time-vs-SMs panel
 
     lines = printed.rstrip().splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["backend", "dtype"])

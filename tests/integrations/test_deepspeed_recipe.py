@@ -56,9 +56,10 @@ def test_learning_rate_is_the_trainers_schedule():
     assert seen[0] < seen[19] == pytest.approx(recipe.optimizer.lr) and seen[-1] == pytest.approx(1e-3)
 
 
-def test_cli_runs_a_deepspeed_recipe(tmp_path: Path, capsys):
+def test_cli_runs_a_deepspeed_recipe(tmp_path: Path, capfd):
     """``ep-moe train`` hands the parsed recipe (overrides applied) to ``ep_moe.train.engines.deepspeed.train``;
-    a short run trains, writes metrics and a DeepSpeed MoE checkpoint with one file per expert."""
+    a short run trains, writes the trainer's metrics records and a DeepSpeed MoE checkpoint with one file per
+    expert in the trainer's ``step_<NNNNNNN>`` folder."""
     pytest.importorskip("ep_moe.train.launch", reason="the trainer (ep_moe.train) is not installed")
     from ep_moe.cli import main
 
@@ -66,13 +67,14 @@ def test_cli_runs_a_deepspeed_recipe(tmp_path: Path, capsys):
     code = main(["train", str(RECIPE_FILE), "train.train_iters=6", "train.device=cpu", "train.eval_iters=1",
                  "train.target_loss_gap=null", "logger.log_interval=3", f"checkpoint.save={save}",
                  f"logger.metrics_path={metrics}", "model.num_layers=1", "ep_moe.dispatcher_backend=torch"])
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out  # rank 0, a spawned process, prints
     assert code == 0, out
-    assert "deepspeed recipe (ep_moe MoE layer): 6 steps" in out and "entropy floor" in out, out
+    assert "engine deepspeed): ep_moe MoE layer" in out and "done: 6 steps" in out and "entropy floor" in out, out
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert lines[0]["recipe"]["model"]["moe_layer"] == "ep_moe"
-    assert [line["step"] for line in lines[1:]] == [3, 6]
-    assert all(line["loss"] > 0 for line in lines[1:])
-    files = sorted(os.listdir(save / "step6"))
+    assert lines[0]["kind"] == "run" and lines[0]["recipe"]["model"]["moe_layer"] == "ep_moe"
+    assert [line["step"] for line in lines[1:] if line["kind"] == "train"] == [3, 6]
+    assert all(line["loss"] > 0 for line in lines[1:] if line["kind"] == "train")
+    files = sorted(os.listdir(save / "step_0000006"))
     assert [f for f in files if f.startswith("layer_")] == [
         f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)]
+    assert (save / "latest").read_text().strip() == "step_0000006"

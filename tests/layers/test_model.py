@@ -128,7 +128,9 @@ def test_training_reduces_loss_and_stats_and_expert_bias():
     assert losses[-1] < losses[0] - 1.0, losses
     assert model.layers[0].moe.router.expert_bias.abs().sum() > 0
     stats = model.moe_stats()
-    assert set(stats) == {"aux_loss", "z_loss", "load_imbalance", "load_imbalance_max"}
+    assert set(stats) == {"aux_loss", "z_loss", "load_imbalance", "load_imbalance_max", "load_imbalance_layers"}
+    assert len(stats["load_imbalance_layers"]) == len(model.moe_layers)
+    assert max(stats["load_imbalance_layers"]) == stats["load_imbalance_max"]
     assert stats["load_imbalance"] >= 1.0 and stats["load_imbalance_max"] >= stats["load_imbalance"]
     assert model.moe_stats() == {}  # reset by the previous call
 

@@ -231,13 +231,36 @@ def test_shared_rules_hold_for_every_engine(engine):
 
 
 @pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
-@pytest.mark.parametrize("override", ["checkpoint.resume=true", "checkpoint.keep_last=0", "logger.plot_path=x.png",
-                                      "logger.progress_bar=false", "ep_moe.num_worst_tokens=64",
-                                      "ep_moe.tuning_plan=plan.yaml", "ep_moe.expert_alignment=16"])
+@pytest.mark.parametrize("override", ["ep_moe.num_worst_tokens=64", "ep_moe.tuning_plan=plan.yaml",
+                                      "ep_moe.expert_alignment=16"])
 def test_a_key_the_engine_does_not_use_is_rejected_unless_left_at_its_default(engine, override):
     key, value = override.split("=")
     msg = _error(ENGINE_BASES[engine][0], [override])
     assert msg.startswith(f"{key}: engine {engine} does not support it") and f"got {value}" in msg.replace('"', "")
+
+
+@pytest.mark.parametrize("engine", ENGINE_BASES)
+def test_every_engine_takes_the_trainers_checkpoint_and_logging_keys(engine):
+    """--resume (checkpoint.resume), checkpoint.load / save_interval / keep_last, the plot, the progress bar,
+    TensorBoard and the target options are the same for all three engines."""
+    recipe = recipe_from_dict(apply_overrides(ENGINE_BASES[engine][0], [
+        "checkpoint.save=out", "checkpoint.resume=true", "checkpoint.load=elsewhere", "checkpoint.save_interval=5",
+        "checkpoint.keep_last=0", "logger.plot_path=x.png", "logger.progress_bar=false",
+        "logger.tensorboard_dir=tb", "train.target_loss_gap=0.1", "train.fail_on_target_miss=true",
+        "train.eval_interval=5"]))
+    assert recipe.checkpoint.resume and recipe.logger.tensorboard_dir == "tb" and recipe.train.fail_on_target_miss
+    assert TrainSection().fail_on_target_miss is False  # a missed target is reported, not a failure, by default
+    assert "checkpoint.resume: needs checkpoint.save" in _error(ENGINE_BASES[engine][0], ["checkpoint.resume=true"])
+
+
+def test_tensorboard_dir_without_tensorboard_is_a_recipe_error_at_launch(monkeypatch):
+    from ep_moe.train import config
+
+    recipe = recipe_from_dict(apply_overrides({}, ["logger.tensorboard_dir=tb"]))  # parsing does not need it
+    monkeypatch.setattr(config, "_importable", lambda package: package != "tensorboard")
+    with pytest.raises(RecipeError, match=r"logger.tensorboard_dir: needs the tensorboard package, which is not "
+                                          r"installed; install it with: pip install tensorboard"):
+        validate(recipe, 2, "cpu")
 
 
 def test_the_ep_moe_engine_uses_every_shared_key():
@@ -268,7 +291,6 @@ def test_megatron_recipe_file_and_errors():
     assert "unknown key 'deepspeed'" in _error({**megatron, "deepspeed": {"zero_stage": 2}})
     assert "ep_moe.num_sms: engine megatron takes one SM count for all layers" in _error(
         megatron, ["ep_moe.num_sms=[8, 8]"])
-    assert "checkpoint.load: engine megatron does not support it" in _error(megatron, ["checkpoint.load=ckpt"])
     assert recipe_from_dict(apply_overrides(megatron, ["ep_moe.num_sms=8"])).ep_moe.num_sms == 8
 
 
@@ -300,7 +322,7 @@ def test_deepspeed_recipe_file_and_defaults():
     ({"model": {"moe_capacity_factor": 0}}, "model.moe_capacity_factor: must be > 0"),
     ({"deepspeed": {"zero_stage": 3}}, "deepspeed.zero_stage: expected one of 0, 1, 2"),
     ({"deepspeed": {"config": [1]}}, "deepspeed.config: expected a mapping"),
-    ({"train": {"eval_interval": 10}}, "train.eval_interval: engine deepspeed does not support it"),
+    ({"train": {"deterministic": True}}, "train.deterministic: engine deepspeed does not support it"),
     ({"ep_moe": {"num_sms": 8}}, "ep_moe.num_sms: engine deepspeed does not support it"),
 ])
 def test_deepspeed_recipe_errors_name_the_key(patch, message):
@@ -325,3 +347,73 @@ def test_cli_rejects_a_bad_recipe_of_another_engine_before_importing_it(tmp_path
     assert main([str(recipe)]) == 2
     err = capsys.readouterr().err
     assert "model.num_moe_experts: must be >= 1" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def test_train_without_arguments_names_only_the_recipe(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "ep-moe train: error: the following arguments are required: recipe"
+
+
+def test_recipes_command_lists_the_builtin_recipes(capsys):
+    from ep_moe.cli import main as ep_moe_main
+
+    assert ep_moe_main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = {line.split()[0]: line.split()[1] for line in lines[:-1]}
+    assert listed == {name[:-5]: cls.__dataclass_fields__["engine"].default for name, cls in SHIPPED.items()}
+    assert all(len(line) <= 130 for line in lines[:-1])
+    assert "ep-moe train NAME" in lines[-1]
+
+
+def test_version(capsys):
+    import ep_moe
+    from ep_moe.cli import main as ep_moe_main
+
+    assert ep_moe_main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"ep-moe {ep_moe.__version__}")
+
+
+def test_a_builtin_recipe_by_name_from_another_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["tiny-cpu", "train.train_iters=7", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["train_iters"] == 7 and printed["model"]["num_moe_experts"] == 8
+    assert load_recipe("tiny-cpu.yaml").name == "tiny-cpu"
+    assert main(["tiny-cpuu"]) == 2
+    assert "nor a built-in recipe's name" in capsys.readouterr().err
+
+
+def test_progress_lines_on_a_terminal_of_size_0x0(monkeypatch, capsys):
+    """A terminal that reports 0 columns would get an empty tqdm bar: plain lines are printed instead."""
+    from ep_moe.train import metrics
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+        def write(self, text):
+            return len(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(metrics.sys, "stderr", Terminal())
+    monkeypatch.setattr(metrics, "_terminal_columns", lambda: 0)
+    progress = metrics.Progress("auto", 10, 0, enabled=True)
+    assert not progress.use_bar
+    progress.update(1, 2.0, 0.01, 1000.0, 1.5)
+    progress.close()
+    assert capsys.readouterr().out == "step 1/10  loss 2.0000  aux 0.0100  tokens/s 1,000  load imbalance 1.50\n"
+    monkeypatch.setattr(metrics, "_terminal_columns", lambda: 80)
+    assert metrics.Progress("auto", 10, 0, enabled=True).use_bar
+
+
+def test_target_and_exit_status():
+    from ep_moe.train.metrics import target_missed
+
+    assert not target_missed(2.0, 1.05, 1.0, 0.1) and target_missed(2.0, 1.2, 1.0, 0.1)
+    assert target_missed(1.2, None, 1.0, 0.1) and not target_missed(1.05, None, 1.0, 0.1)  # no eval: train loss
+    assert not target_missed(9.0, 9.0, None, 0.1) and not target_missed(9.0, 9.0, 1.0, None)  # nothing to miss

@@ -36,6 +36,21 @@ def test_tune_prints_a_table_for_shapes(capsys, tmp_path):
     assert str(plans[0].num_sms) in rows[0].split()
 
 
+@pytest.mark.parametrize("links", [0, 18])
+def test_tune_says_a_plan_is_the_model_only_without_nvlink(capsys, monkeypatch, links):
+    from ep_moe.tuning import cli as tune_cli
+    from ep_moe.tuning.topology import Topology
+
+    gpu = Topology.preset("H200", 2, 2)
+    monkeypatch.setattr(tune_cli, "detect_topology", lambda **_: Topology(**{**gpu.__dict__, "nvlink_links": links}))
+    assert ep_moe_main(["tune", "--experts", "16", "--topk", "2", "--hidden", "1024", "--tokens", "128",
+                        "--ranks", "2"]) == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if "prediction only" in line]
+    assert note == ([] if links else [
+        "note: no NVLink on this machine: the plan below is the bandwidth model's prediction only, nothing was "
+        "measured (the native kernels cannot run here)"])
+
+
 def test_tune_deepep_rule_multinode(capsys):
     rc = ep_moe_main(["tune", "--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "4096",
                       "--ranks", "32", "--ranks-per-node", "8", "--gpu", "H100", "--nic-gbps", "400",

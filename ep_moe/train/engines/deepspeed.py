@@ -10,17 +10,21 @@ checks the recipe, then calls `train`. Ranks start through `ep_moe.distributed.l
 (gloo, DeepSpeed's CPU accelerator) or on GPUs (NCCL), or the ``torchrun`` job (NCCL on
 ``cuda:LOCAL_RANK``). The optimizer is AdamW through DeepSpeed with ``torch_adam`` (no op is compiled),
 the learning rate follows the trainer's schedule (`ep_moe.train.schedule`), the data is the trainer's
-(`ep_moe.train.data`), checkpoints are DeepSpeed's (experts in per-expert files), and ``deepspeed.config``
-is merged over the generated DeepSpeed config.
+(`ep_moe.train.data`), and ``deepspeed.config`` is merged over the generated DeepSpeed config.
+
+What a user sees and gets is the trainer's, as for ``engine: ep_moe``: progress lines, the metrics records
+(`ep_moe.train.metrics`), TensorBoard scalars (``logger.tensorboard_dir``), the loss plot, the summary and
+exit status, checkpoints in ``<checkpoint.save>/step_<NNNNNNN>/`` (DeepSpeed's own files inside, experts in
+per-expert files; DeepSpeed's ``latest`` pointer is the trainer's), ``--resume`` / ``checkpoint.load``, and
+Ctrl-C (finish the step, save, exit 130).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
+import math
 import os
-import sys
 import time
 from typing import Any
 
@@ -50,7 +54,8 @@ class MoEBlock(nn.Module):
         q, k, v = self.qkv(self.norm_attn(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
         x = x + self.proj(attn)
-        out, l_aux, _ = self.moe(self.norm_moe(x))
+        out, l_aux, exp_counts = self.moe(self.norm_moe(x))
+        self.exp_counts = exp_counts  # this rank's tokens per expert (the gate's), for the load imbalance
         return x + out, l_aux
 
 
@@ -177,61 +182,206 @@ def setup_engine(recipe: DeepSpeedRecipe, device: torch.device):
     return engine, data
 
 
+def _is_deepspeed_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and any(name.endswith("model_states.pt") for name in os.listdir(path))
+
+
+def find_checkpoint(recipe: DeepSpeedRecipe) -> str | None:
+    """``checkpoint.resume``: the latest checkpoint in ``checkpoint.save`` (if any); else ``checkpoint.load``
+    (a checkpoint folder, or a save folder: its latest); else None."""
+    from ep_moe.train import checkpoint as ckpt
+
+    c = recipe.checkpoint
+    if c.resume and c.save is not None:
+        latest = ckpt.read_latest(c.save)
+        if latest is not None and _is_deepspeed_checkpoint(latest):
+            return latest
+    if c.load is not None:
+        if _is_deepspeed_checkpoint(c.load):
+            return c.load
+        latest = ckpt.read_latest(c.load)
+        if latest is not None and _is_deepspeed_checkpoint(latest):
+            return latest
+        raise ValueError(f"checkpoint.load: {c.load!r} is neither a DeepSpeed checkpoint folder (with "
+                         "*model_states.pt files) nor a save folder whose 'latest' is one")
+    return None
+
+
+def _rng_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rng_rank_{rank:03d}.pt")
+
+
+def _save_rng_state(folder: str, rank: int, world: int) -> None:
+    """Each rank's RNG state beside DeepSpeed's files (the gate's 2nd-expert sampling and random token
+    selection draw from it), so that a resumed run continues with the same draws."""
+    state = {"world_size": world, "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    torch.save(state, _rng_file(folder, rank))
+
+
+def _load_rng_state(folder: str, rank: int, world: int) -> None:
+    """Restore this rank's RNG state when the checkpoint has one from the same world size."""
+    path = _rng_file(folder, rank)
+    if not os.path.isfile(path):
+        return
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("world_size") != world:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _expert_parallel_group(ep_size: int):
+    """DeepSpeed's expert-parallel group of this rank (the world where it cannot be found)."""
+    try:
+        from deepspeed.utils import groups
+
+        return groups._get_expert_parallel_group(f"ep_size_{ep_size}")
+    except Exception:  # noqa: BLE001 (a private API of DeepSpeed: fall back to the world)
+        return None
+
+
 def train_rank(recipe: DeepSpeedRecipe, device: torch.device) -> dict[str, Any]:
     """Train on this rank of an initialized process group. Returns per-step mean losses over all ranks
     (``losses``: cross-entropy; ``aux_losses``: the summed ``l_aux``), the final ``eval_loss``, the data's
-    entropy ``floor`` (None for text), ``tokens_per_s``, ``seconds`` and the ``engine``."""
+    entropy ``floor`` (None for text), ``tokens_per_s``, ``seconds``, the ``engine`` and the ``exit_code``
+    (rank 0 decides it). Progress lines, metrics records, TensorBoard scalars, checkpoint folders, resume,
+    the loss plot and the summary are the trainer's (`ep_moe.train.metrics`, `ep_moe.train.checkpoint`)."""
+    from ep_moe.train import checkpoint as ckpt
     from ep_moe.train.data import rank_slice
+    from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
+    from ep_moe.train.metrics import (
+        Progress,
+        RunLog,
+        Throughput,
+        eval_record,
+        finish,
+        imbalance_stats,
+        run_record,
+        train_record,
+    )
 
+    started_all = time.perf_counter()
     engine, data = setup_engine(recipe, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     t, m, c = recipe.train, recipe.model, recipe.checkpoint
-    start_step = 0
-    if c.load:
-        _, client = engine.load_checkpoint(c.load)
+    start_step, loaded_from = 0, find_checkpoint(recipe)
+    torch.manual_seed(recipe.rng.seed + 17 * rank)  # gate sampling / RTS draw from here
+    if loaded_from is not None:
+        load_dir, tag = os.path.split(os.path.normpath(loaded_from))
+        _, client = engine.load_checkpoint(load_dir, tag=tag)
         start_step = int((client or {}).get("step", 0))
-    torch.manual_seed(recipe.rng.seed + 17 * rank + start_step)  # gate sampling / RTS draw from here
+        _load_rng_state(loaded_from, rank, world)
     accum = engine.gradient_accumulation_steps()
-    metrics = _metrics_file(recipe) if rank == 0 else None
+    floor = data.entropy_floor
+    is_main = rank == 0
+    log = RunLog(recipe, resume_step=start_step if loaded_from else None) if is_main else None
+    progress = Progress(recipe.logger.progress_bar, t.train_iters, start_step, enabled=is_main)
+    progress.message(f"ep-moe train (engine deepspeed): {m.moe_layer} MoE layer, {m.num_layers} layers x "
+                     f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), ZeRO-{recipe.deepspeed.zero_stage}, "
+                     f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
+                     f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
+                     f"{accum}), {t.train_iters} steps; {data.describe()}")
+    progress.message(f"metrics: {recipe.metrics_path()}")
+    if loaded_from is not None:
+        progress.message(f"resumed from {loaded_from} at step {start_step}")
+    elif c.resume:
+        progress.message(f"no checkpoint in {c.save} yet: starting at step 0")
+    if log is not None:
+        log.write(run_record(recipe, start_step, world, m.expert_model_parallel_size, floor, loaded_from))
+    ep_group = _expert_parallel_group(m.expert_model_parallel_size)
+    blocks = list(engine.module.blocks)
     losses, aux_losses = [], []
+    eval_loss = None
     tokens_per_step = recipe.tokens_per_step
-    started = time.perf_counter()
-    for step in range(start_step, t.train_iters):
-        batch = data.batch("train", step, t.global_batch_size)
-        step_loss = torch.zeros(2, dtype=torch.float64, device=device)  # the group may be NCCL-only
-        for micro in range(accum):
-            rows = rank_slice(batch, rank, world, t.micro_batch_size, micro).to(device)
-            logits, aux = engine(rows[:, :-1])
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
-            engine.backward(ce + m.moe_aux_loss_coeff * aux)
-            engine.step()
-            step_loss += torch.stack([ce.detach(), aux.detach()]).to(torch.float64)
-        dist.all_reduce(step_loss)
-        step_loss /= accum * world
-        losses.append(float(step_loss[0]))
-        aux_losses.append(float(step_loss[1]))
-        done = step + 1
-        if metrics is not None and (done % recipe.logger.log_interval == 0 or done == t.train_iters):
-            elapsed = time.perf_counter() - started
-            line = {"step": done, "loss": losses[-1], "aux_loss": aux_losses[-1],
-                    "lr": engine.get_lr()[0], "tokens_per_s": tokens_per_step * (done - start_step) / elapsed}
-            metrics.write(json.dumps(line) + "\n")
-            metrics.flush()
-            print(f"step {done:5d}  loss {losses[-1]:.4f}  aux {aux_losses[-1]:.4f}  "
-                  f"{line['tokens_per_s']:,.0f} tok/s", flush=True)
-        if c.save and c.save_interval and done % c.save_interval == 0:
-            engine.save_checkpoint(c.save, tag=f"step{done}", client_state={"step": done})
-    seconds = time.perf_counter() - started
-    if c.save and (not c.save_interval or t.train_iters % c.save_interval):
-        engine.save_checkpoint(c.save, tag=f"step{t.train_iters}", client_state={"step": t.train_iters})
-    eval_loss = _evaluate(engine, data, recipe, rank, world, device)
-    if metrics is not None:
-        metrics.close()
-    steps_run = t.train_iters - start_step
-    return {"losses": losses, "aux_losses": aux_losses, "eval_loss": eval_loss,
-            "floor": data.entropy_floor, "seconds": seconds,
-            "tokens_per_s": tokens_per_step * steps_run / seconds if steps_run else 0.0,
-            "moe_layer": m.moe_layer, "engine": engine}
+    throughput = Throughput(tokens_per_step)
+    train_time, interrupted, saved, step = 0.0, False, None, start_step
+    stop = StopRequest()
+    try:
+        while step < t.train_iters:
+            step_started = time.perf_counter()
+            lr = engine.get_lr()[0]  # the schedule's value for this step (DeepSpeed steps it after the update)
+            batch = data.batch("train", step, t.global_batch_size)
+            step_loss = torch.zeros(3, dtype=torch.float64, device=device)  # the group may be NCCL-only
+            counts = None
+            for micro in range(accum):
+                rows = rank_slice(batch, rank, world, t.micro_batch_size, micro).to(device)
+                logits, aux = engine(rows[:, :-1])
+                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+                engine.backward(ce + m.moe_aux_loss_coeff * aux)
+                engine.step()
+                step_loss += torch.stack([ce.detach(), aux.detach(), aux.new_zeros(())]).to(torch.float64)
+                micro_counts = torch.stack([b.exp_counts.detach().to(device, torch.float64) for b in blocks])
+                counts = micro_counts if counts is None else counts + micro_counts
+            step_loss[2] = 1.0 if stop.requested else 0.0
+            dist.all_reduce(step_loss)
+            stop_now = bool(step_loss[2] > 0)
+            step_loss /= accum * world
+            losses.append(float(step_loss[0]))
+            aux_losses.append(float(step_loss[1]))
+            dist.all_reduce(counts, group=ep_group)
+            stats = imbalance_stats(counts.cpu())
+            stats["aux_loss"] = aux_losses[-1] / m.num_layers  # raw l_aux, mean over MoE layers
+            norm = engine.get_global_grad_norm()
+            grad_norm = None if norm is None else float(norm)
+            step += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - step_started
+            train_time += step_time
+            tokens_per_s = throughput.add(step_time)
+            aux_term = m.moe_aux_loss_coeff * aux_losses[-1]
+            if not math.isfinite(losses[-1]):
+                raise FloatingPointError(f"loss is {losses[-1]} at step {step}; lower optimizer.lr or check the data")
+            progress.update(step, losses[-1], aux_term, tokens_per_s, stats.get("load_imbalance"))
+            last = step == t.train_iters
+            if log is not None and (step % recipe.logger.log_interval == 0 or last):
+                log.write(train_record(step, losses[-1], aux_term, lr, grad_norm, tokens_per_s,
+                                       time.perf_counter() - started_all, stats))
+            if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
+                eval_loss = _evaluate(engine, data, recipe, rank, world, device)
+                if log is not None:
+                    log.write(eval_record(step, eval_loss, time.perf_counter() - started_all))
+                    gap = f" (floor {floor:.4f}, gap {eval_loss - floor:+.4f})" if floor is not None else ""
+                    progress.message(f"step {step}: eval loss {eval_loss:.4f}{gap}")
+            if c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0)):
+                engine.save_checkpoint(c.save, tag=ckpt.step_dir_name(step), client_state={"step": step})
+                saved = os.path.join(c.save, ckpt.step_dir_name(step))
+                _save_rng_state(saved, rank, world)
+                if is_main:
+                    ckpt.prune(c.save, step, c.keep_last)
+                dist.barrier()
+            if stop_now:
+                interrupted = True
+                break
+    finally:
+        progress.close()
+        stop.restore()
+        if log is not None:
+            log.close()
+    steps_run = step - start_step
+    out = {"losses": losses, "aux_losses": aux_losses, "eval_loss": eval_loss, "floor": floor,
+           "seconds": train_time, "tokens_per_s": tokens_per_step * steps_run / train_time if steps_run else 0.0,
+           "moe_layer": m.moe_layer, "engine": engine, "exit_code": 0, "last_step": step, "checkpoint": saved}
+    if start_step >= t.train_iters:
+        if is_main:
+            print(f"nothing to train: the checkpoint is at step {start_step} >= train.train_iters={t.train_iters} "
+                  "(raise train.train_iters to continue)", flush=True)
+    elif interrupted:
+        out["exit_code"] = INTERRUPTED_EXIT_CODE
+        if is_main:
+            where = (f"checkpoint {saved}; continue with --resume" if saved
+                     else "no checkpoint (set checkpoint.save to keep one)")
+            print(f"interrupted ({stop.signal_name}) after step {step}: {where}", flush=True)
+    elif is_main:
+        _, out["exit_code"] = finish(
+            recipe, recipe.metrics_path(), steps=step, final_loss=losses[-1] if losses else float("nan"),
+            eval_loss=eval_loss, floor=floor, tokens_per_s=out["tokens_per_s"], train_time_s=train_time,
+            total_time_s=time.perf_counter() - started_all,
+            title=f"{recipe.name}: deepspeed, {m.moe_layer} MoE layer, EP {m.expert_model_parallel_size}")
+    return out
 
 
 def _evaluate(engine, data, recipe: DeepSpeedRecipe, rank: int, world: int, device: torch.device) -> float | None:
@@ -254,14 +404,6 @@ def _evaluate(engine, data, recipe: DeepSpeedRecipe, rank: int, world: int, devi
     engine.train()
     dist.all_reduce(total)
     return float(total[0] / total[1])
-
-
-def _metrics_file(recipe: DeepSpeedRecipe):
-    path = recipe.metrics_path()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    handle = open(path, "w", encoding="utf-8")
-    handle.write(json.dumps({"recipe": recipe.to_dict()}) + "\n")
-    return handle
 
 
 # ---------------------------------------------------------------------------------------------- launching
@@ -291,32 +433,14 @@ def run(recipe: DeepSpeedRecipe, device_type: str) -> list[dict[str, Any]]:
 
     _setup_env(device_type)
     return launch(_rank, recipe.train.nproc, recipe, device_type, device_type=device_type,
-                  timeout_s=recipe.train.timeout_s)
+                  timeout_s=recipe.train.timeout_s, forward_signals=True)
 
 
 def train(recipe: DeepSpeedRecipe, device_type: str) -> int:
-    """The trainer's entry point for ``engine: deepspeed``: 0 on success, 1 when a synthetic run misses
-    ``train.target_loss_gap``; rank 0 prints the summary."""
-    from ep_moe.distributed import torchrun_env
+    """The trainer's entry point for ``engine: deepspeed``; the trainer's exit status: 0, 1 when the target
+    was missed and ``train.fail_on_target_miss`` is set, 130 when stopped by SIGINT/SIGTERM (after a
+    checkpoint). Rank 0 prints the summary."""
     from ep_moe.train.launch import require_package
 
     require_package("deepspeed", "deepspeed", "DS_BUILD_OPS=0 pip install torch==<your torch> deepspeed==0.19.8")
-    out = run(recipe, device_type)[0]
-    env = torchrun_env()
-    if env is None or env.rank == 0:  # the launcher, or torchrun's rank 0
-        summary = f"deepspeed recipe ({out['moe_layer']} MoE layer): {len(out['losses'])} steps"
-        if out["losses"]:
-            summary += f", final train loss {out['losses'][-1]:.4f}"
-        if out["eval_loss"] is not None:
-            summary += f", eval loss {out['eval_loss']:.4f}"
-        if out["floor"] is not None:
-            summary += f" (entropy floor {out['floor']:.4f})"
-        summary += f", {out['tokens_per_s']:,.0f} tokens/s in {out['seconds']:.1f} s"
-        print(summary, flush=True)
-    gap = recipe.train.target_loss_gap
-    if gap is not None and out["floor"] is not None and out["eval_loss"] is not None:
-        if out["eval_loss"] - out["floor"] > gap:
-            print(f"ep-moe train: eval loss {out['eval_loss']:.4f} is more than train.target_loss_gap={gap} "
-                  f"above the floor {out['floor']:.4f}", file=sys.stderr)
-            return 1
-    return 0
+    return max(int(r["exit_code"]) for r in run(recipe, device_type))

@@ -15,9 +15,14 @@ over the expert-data-parallel group and divided by the world size (what Megatron
 the global norm, then AdamW with the trainer's learning-rate schedule (`ep_moe.train.schedule`).
 Initialisation is independent of the dispatcher and of the EP size (every expert's weights come from
 ``(seed, layer, expert)``), so runs that differ only in the dispatcher start identical. Data: the trainer's
-datasets (`ep_moe.train.data`), so the synthetic corpus' entropy floor is known. Outputs (rank 0):
-``<checkpoint.save or runs/<recipe name>>/metrics.jsonl`` and, with ``checkpoint.save``, each rank's final
-``state_dict`` (no resume).
+datasets (`ep_moe.train.data`), so the synthetic corpus' entropy floor is known.
+
+What a user sees and gets is the trainer's, as for ``engine: ep_moe``: progress lines, the metrics records
+(`ep_moe.train.metrics`, ``<checkpoint.save or runs/<recipe name>>/metrics.jsonl``), TensorBoard scalars
+(``logger.tensorboard_dir``), the loss plot, the summary and exit status, checkpoints in
+``<checkpoint.save>/step_<NNNNNNN>/`` (here one file per rank with its model and optimizer ``state_dict``;
+they load at the same world and EP size), ``--resume`` / ``checkpoint.load``, and Ctrl-C (finish the step,
+save, exit 130).
 """
 
 from __future__ import annotations
@@ -155,18 +160,169 @@ def _sum_grads(params: list[torch.nn.Parameter], group, scale: float) -> None:
         offset += n
 
 
+class _RoutingCounts:
+    """Tokens per expert of every MoE layer's router since the last `take` (forward hooks on the routers:
+    Megatron's ``TopKRouter.forward`` returns ``(probs, routing_map [tokens, experts])``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        self.counts: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.handles = [layer.router.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
+
+    def _hook(self, i: int):
+        def hook(module, args, output) -> None:
+            routing_map = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if routing_map is None or routing_map.dim() != 2:
+                return
+            counts = routing_map.detach().sum(dim=0).to(torch.float64)
+            self.counts[i] = counts if self.counts[i] is None else self.counts[i] + counts
+        return hook
+
+    def take(self) -> torch.Tensor | None:
+        """``[MoE layers, experts]`` counts on this rank (None when a layer saw nothing); resets them."""
+        counts, self.counts = self.counts, [None] * len(self.layers)
+        if not counts or any(c is None for c in counts):
+            return None
+        return torch.stack(counts)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _router_losses() -> dict[str, torch.Tensor]:
+    """Megatron's per-layer router loss tracker (raw losses, without coefficients, summed over the forwards
+    since the last call) by name, as CPU float64 tensors; cleared. Empty where this megatron-core has none."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
+    except ImportError:
+        return {}
+    tracker = get_moe_layer_wise_logging_tracker()
+    out = {name: entry["values"].detach().to("cpu", torch.float64).clone() for name, entry in tracker.items()
+           if isinstance(entry, dict) and isinstance(entry.get("values"), torch.Tensor)}
+    clear_aux_losses_tracker()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+TRAINER_FILE = "trainer.json"  # step, world and EP size, the recipe (rank 0); beside one file per rank
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:03d}.pt"
+
+
+def _is_megatron_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, TRAINER_FILE))
+
+
+def find_checkpoint(recipe: MegatronRecipe) -> str | None:
+    """``checkpoint.resume``: the latest checkpoint in ``checkpoint.save`` (if any); else ``checkpoint.load``
+    (a checkpoint folder, or a save folder: its latest); else None."""
+    from ep_moe.train import checkpoint as ckpt
+
+    c = recipe.checkpoint
+    if c.resume and c.save is not None:
+        latest = ckpt.read_latest(c.save)
+        if latest is not None and _is_megatron_checkpoint(latest):
+            return latest
+    if c.load is not None:
+        if _is_megatron_checkpoint(c.load):
+            return c.load
+        latest = ckpt.read_latest(c.load)
+        if latest is not None and _is_megatron_checkpoint(latest):
+            return latest
+        raise ValueError(f"checkpoint.load: {c.load!r} is neither a megatron engine checkpoint folder (with "
+                         f"{TRAINER_FILE}) nor a save folder whose 'latest' is one")
+    return None
+
+
+def save_checkpoint(recipe: MegatronRecipe, model, optimizer, step: int, rank: int, world: int) -> str:
+    """Save step ``step`` into ``<checkpoint.save>/step_<NNNNNNN>/`` (collective): every rank its model and
+    optimizer ``state_dict`` and RNG state, rank 0 `TRAINER_FILE`; written into a temporary folder that is
+    renamed, then ``latest`` is pointed at it and ``checkpoint.keep_last`` applied."""
+    import shutil
+
+    from ep_moe.train import checkpoint as ckpt
+
+    save_dir, name = recipe.checkpoint.save, ckpt.step_dir_name(step)
+    final, tmp = os.path.join(save_dir, name), os.path.join(save_dir, f".tmp_{name}")
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng, "step": step},
+               os.path.join(tmp, _rank_file(rank)))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, TRAINER_FILE), "w", encoding="utf-8") as f:
+            json.dump({"engine": "megatron", "step": step, "world_size": world,
+                       "ep_size": recipe.model.expert_model_parallel_size,
+                       "consumed_samples": step * recipe.train.global_batch_size, "recipe": recipe.to_dict(),
+                       "saved_at": time.time()}, f, indent=1)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        ckpt.write_latest(save_dir, name)
+        ckpt.prune(save_dir, step, recipe.checkpoint.keep_last)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str, recipe: MegatronRecipe, model, optimizer, rank: int, world: int) -> int:
+    """Load this rank's part of a checkpoint saved by `save_checkpoint` at the same world and EP size;
+    returns its step."""
+    with open(os.path.join(path, TRAINER_FILE), encoding="utf-8") as f:
+        meta = json.load(f)
+    ep = recipe.model.expert_model_parallel_size
+    if (meta["world_size"], meta["ep_size"]) != (world, ep):
+        raise ValueError(f"checkpoint {path!r}: saved by {meta['world_size']} ranks at EP {meta['ep_size']}; the "
+                         f"megatron engine loads its checkpoints at the same world and EP size only (this run: "
+                         f"{world} ranks, EP {ep}); the ep_moe engine's checkpoints load at any EP size")
+    state = torch.load(os.path.join(path, _rank_file(rank)), map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
+    return int(meta["step"])
+
+
+# ------------------------------------------------------------------------------------------ one rank
 def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
-    """Train on this rank of an initialised process group; returns the run's summary (same on all ranks)."""
+    """Train on this rank of an initialised process group; returns the run's summary (same on all ranks but
+    ``exit_code``, which rank 0 decides). Progress lines, metrics records, TensorBoard scalars, checkpoints,
+    resume, the loss plot and the summary are the trainer's (`ep_moe.train.metrics`, `ep_moe.train.checkpoint`)."""
     _quiet_megatron()
     from megatron.core import parallel_state
 
     from ep_moe.integrations.megatron import destroy_ep_buffers
     from ep_moe.train.data import build_dataset, rank_slice
+    from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
+    from ep_moe.train.metrics import (
+        Progress,
+        RunLog,
+        Throughput,
+        eval_record,
+        finish,
+        imbalance_stats,
+        run_record,
+        train_record,
+    )
     from ep_moe.train.schedule import recipe_lr
 
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    m, t, o = recipe.model, recipe.train, recipe.optimizer
+    m, t, o, c = recipe.model, recipe.train, recipe.optimizer, recipe.checkpoint
     validate(recipe, world, device.type)
     if device.type == "cpu":
         # Megatron wraps parts of its MoE code in torch.compile; on CPU that means C++ builds per shape.
@@ -183,6 +339,7 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     if t.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     dataset = build_dataset(recipe)
+    floor = getattr(dataset, "entropy_floor", None)
     model = build_model(recipe, device)
     params = [p for p in model.parameters() if p.requires_grad]
     dense = [p for p in params if not _is_expert(p)]
@@ -219,79 +376,145 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
         model.train()
         return float(total) / (t.eval_iters * accum * world)
 
-    metrics = None
-    if rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(recipe.metrics_path())), exist_ok=True)
-        metrics = open(recipe.metrics_path(), "w", encoding="utf-8")
-        floor = getattr(dataset, "entropy_floor", None)
-        print(f"megatron-core GPTModel, {m.num_layers} MoE layers x {m.num_moe_experts} experts (top-"
-              f"{m.moe_router_topk}), dispatcher {m.moe_token_dispatcher}, {world} ranks on {device.type}, "
-              f"EP {m.expert_model_parallel_size}; {dataset.describe()}", flush=True)
+    start_step, loaded_from = 0, find_checkpoint(recipe)
+    if loaded_from is not None:
+        start_step = load_checkpoint(loaded_from, recipe, model, optimizer, rank, world)
+    is_main = rank == 0
+    log = RunLog(recipe, resume_step=start_step if loaded_from else None) if is_main else None
+    progress = Progress(recipe.logger.progress_bar, t.train_iters, start_step, enabled=is_main)
+    progress.message(f"ep-moe train (engine megatron): megatron-core GPTModel, {m.num_layers} MoE layers x "
+                     f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), dispatcher {m.moe_token_dispatcher}, "
+                     f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
+                     f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
+                     f"{accum}), {t.train_iters} steps; {dataset.describe()}")
+    progress.message(f"metrics: {recipe.metrics_path()}")
+    if loaded_from is not None:
+        progress.message(f"resumed from {loaded_from} at step {start_step}")
+    elif c.resume:
+        progress.message(f"no checkpoint in {c.save} yet: starting at step 0")
+    if log is not None:
+        log.write(run_record(recipe, start_step, world, m.expert_model_parallel_size, floor, loaded_from))
+    summary: dict[str, Any] = {"losses": [], "evals": [], "final_loss": float("nan"), "eval_loss": None,
+                               "entropy_floor": floor, "tokens_per_s": 0.0, "train_time_s": 0.0,
+                               "total_time_s": 0.0, "dispatcher": m.moe_token_dispatcher, "device": device.type,
+                               "world": world, "exit_code": 0, "last_step": start_step, "checkpoint": None}
+    if start_step >= t.train_iters:
+        progress.close()
+        if log is not None:
+            log.close()
+            print(f"nothing to train: the checkpoint is at step {start_step} >= train.train_iters={t.train_iters} "
+                  "(raise train.train_iters to continue)", flush=True)
+        destroy_ep_buffers()
+        return summary
+
+    counts = _RoutingCounts(model)
+    coeff = m.moe_aux_loss_coeff if m.moe_router_load_balancing_type != "none" else 0.0
+    throughput = Throughput(recipe.tokens_per_step)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
+    train_time, interrupted, step = 0.0, False, start_step
+    stop = StopRequest()
     model.train()
-    train_started = time.perf_counter()
-    for step in range(t.train_iters):
-        step_started = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = recipe_lr(recipe, step)
-        batch = dataset.batch("train", step, t.global_batch_size)
-        step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        for micro in range(accum):
-            loss = batch_loss(rank_slice(batch, rank, world, t.micro_batch_size, micro))
-            (loss / accum).backward()
-            step_loss += loss.detach().double()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        _sum_grads(dense, None, 1.0 / world)
-        _sum_grads(experts, expert_dp_group, 1.0 / world)
-        dense_sq = sum((p.grad.float() ** 2).sum() for p in dense) if dense else torch.zeros((), device=device)
-        expert_sq = sum((p.grad.float() ** 2).sum() for p in experts) if experts else torch.zeros((), device=device)
-        expert_sq = expert_sq.clone()
-        dist.all_reduce(expert_sq, group=ep_group)
-        grad_norm = float((dense_sq + expert_sq).sqrt())
-        if o.clip_grad > 0 and grad_norm > o.clip_grad:
+    try:
+        while step < t.train_iters:
+            step_started = time.perf_counter()
+            lr = recipe_lr(recipe, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            _router_losses()
+            counts.take()  # only this step's training forwards count
+            batch = dataset.batch("train", step, t.global_batch_size)
+            step_loss = torch.zeros((), dtype=torch.float64, device=device)
+            for micro in range(accum):
+                loss = batch_loss(rank_slice(batch, rank, world, t.micro_batch_size, micro))
+                (loss / accum).backward()
+                step_loss += loss.detach().double()
             for p in params:
-                p.grad.mul_(o.clip_grad / (grad_norm + 1e-6))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(step_loss)
-        losses.append(float(step_loss) / (accum * world))
-        last = step + 1 == t.train_iters
-        if t.eval_iters and ((t.eval_interval and (step + 1) % t.eval_interval == 0) or last):
-            evals.append((step + 1, evaluate()))
-        if metrics is not None:
-            record = {"step": step + 1, "loss": losses[-1], "lr": optimizer.param_groups[0]["lr"],
-                      "grad_norm": grad_norm,
-                      "tokens_per_s": t.global_batch_size * m.seq_length / (time.perf_counter() - step_started)}
-            if evals and evals[-1][0] == step + 1:
-                record["eval_loss"] = evals[-1][1]
-            metrics.write(json.dumps(record) + "\n")
-            if (step + 1) % max(1, recipe.logger.log_interval) == 0 or last:
-                print(f"step {step + 1}/{t.train_iters} loss {losses[-1]:.4f} grad_norm {grad_norm:.3f}"
-                      + (f" eval {evals[-1][1]:.4f}" if evals and evals[-1][0] == step + 1 else ""), flush=True)
-    train_time = time.perf_counter() - train_started
-    if recipe.checkpoint.save:
-        folder = os.path.join(recipe.checkpoint.save, f"iter_{t.train_iters:07d}")
-        os.makedirs(folder, exist_ok=True)
-        torch.save(model.state_dict(), os.path.join(folder, f"rank_{rank:03d}.pt"))
-    floor = getattr(dataset, "entropy_floor", None)
-    summary = {"losses": losses, "evals": evals, "final_loss": losses[-1] if losses else float("nan"),
-               "eval_loss": evals[-1][1] if evals else None, "entropy_floor": floor,
-               "tokens_per_s": t.train_iters * t.global_batch_size * m.seq_length / max(train_time, 1e-9),
-               "train_time_s": train_time, "total_time_s": time.perf_counter() - started,
-               "dispatcher": m.moe_token_dispatcher, "device": device.type, "world": world}
-    if metrics is not None:
-        metrics.close()
-        gap = None if floor is None else (summary["eval_loss"] or summary["final_loss"]) - floor
-        target = t.target_loss_gap
-        print(f"done: {t.train_iters} steps, final train loss {summary['final_loss']:.4f}"
-              + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
-              + (f", entropy floor {floor:.4f} (gap {gap:+.4f}"
-                 + (f", target <= {target:.2f}: {'met' if gap <= target else 'NOT met'}" if target else "") + ")"
-                 if floor is not None else "")
-              + f", {summary['tokens_per_s']:,.0f} tokens/s, train {train_time:.1f} s", flush=True)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            _sum_grads(dense, None, 1.0 / world)
+            _sum_grads(experts, expert_dp_group, 1.0 / world)
+            dense_sq = sum((p.grad.float() ** 2).sum() for p in dense) if dense else torch.zeros((), device=device)
+            expert_sq = sum((p.grad.float() ** 2).sum() for p in experts) if experts else torch.zeros((), device=device)
+            expert_sq = expert_sq.clone()
+            dist.all_reduce(expert_sq, group=ep_group)
+            grad_norm = float((dense_sq + expert_sq).sqrt())
+            if o.clip_grad > 0 and grad_norm > o.clip_grad:
+                for p in params:
+                    p.grad.mul_(o.clip_grad / (grad_norm + 1e-6))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            # Router losses (raw, mean over micro-batches and MoE layers), this step's loss and the stop flag:
+            # one all-reduce over the world.
+            router = _router_losses()
+            aux_raw = sum((v for k, v in router.items() if "load_balancing_loss" in k), torch.zeros(m.num_layers))
+            z_raw = router.get("z_loss", torch.zeros(m.num_layers))
+            flag = 1.0 if stop.requested else 0.0
+            reduced = torch.cat([step_loss.view(1).cpu(), aux_raw / accum, z_raw / accum,
+                                 torch.tensor([flag], dtype=torch.float64)]).to(device)
+            dist.all_reduce(reduced)
+            reduced = reduced.cpu()
+            losses.append(float(reduced[0]) / (accum * world))
+            aux_layers = reduced[1:1 + m.num_layers] / world
+            z_layers = reduced[1 + m.num_layers:1 + 2 * m.num_layers] / world
+            stop_now = bool(reduced[-1] > 0)
+            layer_counts = counts.take()
+            stats: dict[str, Any] = {}
+            if layer_counts is not None:
+                summed = layer_counts.to(device)
+                dist.all_reduce(summed, group=ep_group)
+                stats = imbalance_stats(summed.cpu())
+            if router:
+                stats.update(aux_loss=float(aux_layers.mean()), z_loss=float(z_layers.mean()) if "z_loss" in router
+                             else None)
+            aux_loss = coeff * float(aux_layers.sum()) if router else None
+            step += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - step_started
+            train_time += step_time
+            tokens_per_s = throughput.add(step_time)
+            if not math.isfinite(losses[-1]):
+                raise FloatingPointError(f"loss is {losses[-1]} at step {step}; lower optimizer.lr or check the data")
+            progress.update(step, losses[-1], aux_loss if aux_loss is not None else float("nan"), tokens_per_s,
+                            stats.get("load_imbalance"))
+            last = step == t.train_iters
+            if log is not None and (step % recipe.logger.log_interval == 0 or last):
+                log.write(train_record(step, losses[-1], aux_loss, lr, grad_norm, tokens_per_s,
+                                       time.perf_counter() - started, stats))
+            if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
+                evals.append((step, evaluate()))
+                if log is not None:
+                    log.write(eval_record(step, evals[-1][1], time.perf_counter() - started))
+                    gap = f" (floor {floor:.4f}, gap {evals[-1][1] - floor:+.4f})" if floor is not None else ""
+                    progress.message(f"step {step}: eval loss {evals[-1][1]:.4f}{gap}")
+            if c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0)):
+                summary["checkpoint"] = save_checkpoint(recipe, model, optimizer, step, rank, world)
+            if stop_now:
+                interrupted = True
+                break
+    finally:
+        progress.close()
+        stop.restore()
+        counts.remove()
+        if log is not None:
+            log.close()
+    summary.update(losses=losses, evals=evals, final_loss=losses[-1] if losses else float("nan"),
+                   eval_loss=evals[-1][1] if evals else None, last_step=step, train_time_s=train_time,
+                   tokens_per_s=recipe.tokens_per_step * len(losses) / max(train_time, 1e-9),
+                   total_time_s=time.perf_counter() - started)
+    if interrupted:
+        summary["exit_code"] = INTERRUPTED_EXIT_CODE
+        if is_main:
+            where = (f"checkpoint {summary['checkpoint']}; continue with --resume" if summary["checkpoint"]
+                     else "no checkpoint (set checkpoint.save to keep one)")
+            print(f"interrupted ({stop.signal_name}) after step {step}: {where}", flush=True)
+    elif is_main:
+        _, summary["exit_code"] = finish(
+            recipe, recipe.metrics_path(), steps=step, final_loss=summary["final_loss"],
+            eval_loss=summary["eval_loss"], floor=floor, tokens_per_s=summary["tokens_per_s"],
+            train_time_s=train_time, total_time_s=summary["total_time_s"],
+            title=f"{recipe.name}: megatron, dispatcher {m.moe_token_dispatcher}, EP {m.expert_model_parallel_size}")
     destroy_ep_buffers()
     return summary
 
@@ -315,13 +538,13 @@ def run(recipe: MegatronRecipe, device_type: str) -> list[dict[str, Any]]:
     from ep_moe.distributed import launch
 
     return launch(_rank, recipe.train.nproc, recipe, device_type, device_type=device_type,
-                  timeout_s=recipe.train.timeout_s)
+                  timeout_s=recipe.train.timeout_s, forward_signals=True)
 
 
 def train(recipe: MegatronRecipe, device_type: str) -> int:
-    """The trainer's entry point for ``engine: megatron`` (rank 0 prints the summary); exit status 0."""
+    """The trainer's entry point for ``engine: megatron``; the trainer's exit status: 0, 1 when the target was
+    missed and ``train.fail_on_target_miss`` is set, 130 when stopped by SIGINT/SIGTERM (after a checkpoint)."""
     from ep_moe.train.launch import require_package
 
     require_package("megatron", "megatron.core", "pip install 'ep_moe[megatron]'")
-    run(recipe, device_type)
-    return 0
+    return max(int(r["exit_code"]) for r in run(recipe, device_type))
