@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import threading
 from typing import Any
 
 from tqdm import tqdm
@@ -47,6 +48,14 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
+def _thread_lock_only() -> None:
+    """Give tqdm a thread lock, unless it has a lock already: its default one holds a multiprocessing
+    semaphore, which a rank shares with no one, and which a rank killed by a signal leaves behind for the
+    resource tracker to warn about when the launcher exits."""
+    if "_lock" not in vars(tqdm):
+        tqdm.set_lock(threading.RLock())
+
+
 class Progress:
     """The progress bar on rank 0: ``step, loss, aux, tokens/s, expert-load imbalance``.
 
@@ -57,6 +66,7 @@ class Progress:
     def __init__(self, mode: bool | str, total: int, initial: int, enabled: bool):
         self.enabled = enabled
         show_bar = mode is True or (mode == "auto" and sys.stderr.isatty())
+        _thread_lock_only()
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (enabled and show_bar))
         self.use_bar = enabled and show_bar
