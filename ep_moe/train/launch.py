@@ -45,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Train an MoE model from a YAML recipe. Overrides are KEY=VALUE with dotted keys, "
                     "e.g. train.train_iters=50 model.expert_model_parallel_size=2 optimizer.lr=1e-3.",
         epilog="Recipes: recipes/tiny-cpu.yaml (2 CPU ranks, ~1 minute), recipes/shakespeare-char.yaml, "
-               "recipes/small-gpu-ep2.yaml (torchrun --nproc-per-node 2 -m ep_moe.train ...).")
+               "recipes/small-gpu-ep2.yaml (torchrun --nproc-per-node 2 -m ep_moe.train ...). "
+               "A run writes into its run folder (checkpoint.save, else runs/<recipe name>), which it locks "
+               "(ep-moe.lock) while it runs; errors in the ranks are one line each, with every traceback in "
+               "<run folder>/error.log. Exit status: 0 done, 1 failed, 2 could not start, 130 stopped.")
     p.add_argument("recipe", help="the recipe YAML file")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     p.add_argument("--resume", action="store_true",
