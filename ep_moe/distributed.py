@@ -149,6 +149,9 @@ class RankFailures(RuntimeError):
         self.timed_out = timed_out
         super().__init__(self._describe())
 
+    def __reduce__(self):  # picklable with its fields (a job that runs jobs, multiprocessing pools)
+        return type(self), (self.failures, self.deaths, self.exit_codes, self.stopped, self.timed_out)
+
     def _describe(self) -> str:
         lines = [f"rank {f.rank}: {f.exc_type}: {f.message}\n{f.traceback}" for f in self.failures]
         lines += [f"rank {r} died: {signal_text(s)}" for r, s in self.deaths.items()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -21,7 +22,7 @@ import locations
 import psutil
 import pytest
 
-from ep_moe.distributed import RankFailure, RankFailures
+from ep_moe.distributed import RankFailure, RankFailures, run_distributed
 from ep_moe.train.failures import failure_lines, rank_list
 from ep_moe.train.metrics import read_records
 from ep_moe.train.rundir import LOCK_NAME, RunDirError, RunDirLock, clear_earlier_run, earlier_run
@@ -286,6 +287,41 @@ def test_a_rank_killed_by_a_signal_is_one_line_and_stops_the_run(tmp_path):
         assert "died: signal 9 (SIGKILL)" in f.read()
 
 
+# ---------------------------------------------------------------------------------------------- the launcher's record
+def _raise_on_rank_1(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("rank one says no")
+    dist.barrier()
+    return rank
+
+
+def _die_on_rank_1(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return rank
+
+
+def test_run_distributed_keeps_its_message_and_adds_the_facts():
+    """`run_distributed`'s RuntimeError still carries every traceback; `RankFailures` adds who failed how."""
+    with pytest.raises(RuntimeError, match="distributed run failed") as info:
+        run_distributed(_raise_on_rank_1, 2, timeout_s=60)
+    exc = info.value
+    assert isinstance(exc, RankFailures) and "rank 1: ValueError: rank one says no\nTraceback" in str(exc)
+    assert [(f.rank, f.exc_type, f.message) for f in exc.primary_failures()] == [(1, "ValueError", "rank one says no")]
+    assert "raise ValueError" in exc.failures[-1].traceback
+    started = time.monotonic()
+    with pytest.raises(RankFailures) as info:
+        run_distributed(_die_on_rank_1, 2, timeout_s=60)
+    assert info.value.deaths == {1: signal.SIGKILL} and info.value.primary_failures() == []
+    assert "rank 1 died: signal 9 (SIGKILL)" in str(info.value)
+    assert time.monotonic() - started < 30  # not the 60 s collective timeout
+
+
 # ---------------------------------------------------------------------------------------------- formatting
 def test_failure_lines_group_ranks_and_leave_out_a_dead_peers_echo():
     tb = "Traceback (most recent call last):\n  ...\n"
@@ -294,6 +330,9 @@ def test_failure_lines_group_ranks_and_leave_out_a_dead_peers_echo():
                         RankFailure(1, "RuntimeError", peer, tb), RankFailure(3, "KeyError", "'x'", tb)],
                        deaths={5: 9}, exit_codes={4: 3})
     assert isinstance(exc, RuntimeError) and str(exc).startswith("distributed run failed:\nrank 0: ValueError")
+    again = pickle.loads(pickle.dumps(exc))
+    assert (again.failures, again.deaths, again.exit_codes, str(again)) == (exc.failures, exc.deaths,
+                                                                           exc.exit_codes, str(exc))
     assert failure_lines(exc, "L") == ["ranks 0, 2: ValueError: bad value [log: L]", "rank 3: KeyError: 'x' [log: L]",
                                        "rank 5 died: signal 9 (SIGKILL) [log: L]",
                                        "rank 4 exited with status 3 without a result [log: L]"]
