@@ -272,6 +272,12 @@ def clear_earlier_run(recipe: AnyRecipe) -> list[str]:
     """``--overwrite``: remove what the trainer wrote before (metrics, plot, error log, and the ep_moe
     engine's checkpoints in ``checkpoint.save``); other files stay. Returns the paths removed."""
     folder = run_dir(recipe)
+    load = recipe.checkpoint.load if recipe.engine == "ep_moe" else None
+    if load is not None:
+        inside = os.path.abspath(load)  # as the ranks read it (ep_moe.train.checkpoint)
+        if inside == os.path.abspath(folder) or inside.startswith(os.path.abspath(folder) + os.sep):
+            raise RunDirError(f"checkpoint.load: {load} is in {folder}, which --overwrite would clear; copy that "
+                              "checkpoint elsewhere first, or continue the run with --resume")
     removed = []
     paths = [recipe.metrics_path(), recipe.plot_path(), os.path.join(folder, ERROR_LOG)]
     if recipe.checkpoint.save and os.path.isdir(folder):

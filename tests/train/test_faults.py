@@ -181,6 +181,9 @@ def test_overwrite_removes_what_the_trainer_wrote_only(tmp_path):
     recipe = load_recipe(TINY, [f"checkpoint.save={run}"])
     assert {os.path.basename(p) for p in earlier_run(recipe)} == {
         "step_0000005", ".tmp_step_0000006_123", "latest", "metrics.jsonl", "metrics_loss.png", "notes.txt"}
+    with pytest.raises(RunDirError, match="which --overwrite would clear"):  # nothing removed
+        clear_earlier_run(load_recipe(TINY, [f"checkpoint.save={run}", f"checkpoint.load={run}/step_0000005"]))
+    assert len(os.listdir(run)) == 7
     clear_earlier_run(recipe)
     assert os.listdir(run) == ["notes.txt"]
 
