@@ -274,6 +274,12 @@ def test_a_rank_killed_by_a_signal_is_one_line_and_stops_the_run(tmp_path):
         _wait_training(proc, run)
         ranks = _ranks(proc.pid)
         assert len(ranks) == 2
+        # While it trains, a second run on its folder is refused in one line naming it.
+        second = _run(*QUICK, f"checkpoint.save={run}", "--resume", timeout=60)
+        assert second.returncode == 2
+        [line] = _lines(second.stderr)
+        assert re.fullmatch(rf"ep-moe train: {re.escape(run)} is in use by pid {proc.pid} "
+                            rf"\(host {re.escape(socket.gethostname())}\) since \S+", line), line
         killed_at = time.monotonic()
         os.kill(ranks[1].pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=20)
