@@ -9,15 +9,22 @@ Two ways in, one shape out (``fn(rank, world_size, *args)`` runs once per rank i
 
 `launch` picks between them. NVLink multicast is switched off here (`disable_multicast`), once, when
 ``ep_moe`` is imported.
+
+Spawned ranks never outlive their launcher (`_die_with_parent`); a rank's exception reaches the launcher as
+a `RankFailure` (its type, message and traceback), a rank killed by a signal as a death, all in one
+`RankFailures` error.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import queue
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -107,20 +114,129 @@ def init_process_group(rank: int, world_size: int, port: int, backend: str = "gl
     _join(backend, rank, world_size, timeout_s, device)
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable,
-            args: tuple, results) -> None:
-    torch.set_num_threads(1)
-    init_process_group(rank, world_size, port, backend, timeout_s)
+class RankFailure(NamedTuple):
+    """One rank's exception, as it reached the launcher."""
+
+    rank: int
+    exc_type: str        # the exception's class name (``ValueError``)
+    message: str         # ``str(exc)``
+    traceback: str       # the formatted traceback, as printed by Python
+
+
+# Messages of errors that a rank raises because a peer died or failed (the peer's own error is the news).
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe",
+              "remote process exited", "socket closed", "connection refused")
+
+
+class RankFailures(RuntimeError):
+    """Spawned ranks failed. ``str()`` is the whole story (every failing rank's traceback); the parts:
+
+    * ``failures``: `RankFailure` per rank that raised, by rank;
+    * ``deaths``: ``{rank: signal number}`` for ranks killed by a signal the launcher did not send (the OS,
+      ``kill -9``);
+    * ``exit_codes``: ``{rank: status}`` for ranks that exited without a result and without a signal;
+    * ``stopped``: ranks the launcher stopped after another rank failed (or the run's time ran out);
+    * ``timed_out``: the run passed ``join_timeout_s``.
+    """
+
+    def __init__(self, failures: list[RankFailure], deaths: dict[int, int] | None = None,
+                 exit_codes: dict[int, int] | None = None, stopped: list[int] | None = None,
+                 timed_out: bool = False) -> None:
+        self.failures = sorted(failures)
+        self.deaths = dict(sorted((deaths or {}).items()))
+        self.exit_codes = dict(sorted((exit_codes or {}).items()))
+        self.stopped = sorted(stopped or [])
+        self.timed_out = timed_out
+        super().__init__(self._describe())
+
+    def __reduce__(self):  # picklable with its fields (a job that runs jobs, multiprocessing pools)
+        return type(self), (self.failures, self.deaths, self.exit_codes, self.stopped, self.timed_out)
+
+    def _describe(self) -> str:
+        lines = [f"rank {f.rank}: {f.exc_type}: {f.message}\n{f.traceback}" for f in self.failures]
+        lines += [f"rank {r} died: {signal_text(s)}" for r, s in self.deaths.items()]
+        missing = sorted([*self.deaths, *self.exit_codes, *self.stopped])
+        if missing:
+            codes: dict[int, Any] = {r: -s for r, s in self.deaths.items()}
+            codes.update(self.exit_codes)
+            codes.update({r: "stopped" for r in self.stopped})
+            lines.append(f"ranks without a result: {missing} (exit codes {dict(sorted(codes.items()))})"
+                         + (" after the run's time limit (join_timeout_s)" if self.timed_out else ""))
+        return "distributed run failed:\n" + "\n".join(lines)
+
+    def primary_failures(self) -> list[RankFailure]:
+        """The failures that are news: those not caused by a peer's death or failure (a gloo "connection
+        closed by peer" and the like), unless there is nothing else to show."""
+        own = [f for f in self.failures if not is_peer_lost(f.message)]
+        return own if own or self.deaths or self.exit_codes else list(self.failures)
+
+
+def is_peer_lost(message: str) -> bool:
+    """Whether a rank's error message says that a peer went away (a consequence, not a cause)."""
+    text = message.lower()
+    return any(marker in text for marker in _PEER_LOST)
+
+
+def signal_text(signum: int) -> str:
+    """``"signal 9 (SIGKILL)"``."""
     try:
+        return f"signal {signum} ({signal.Signals(signum).name})"
+    except ValueError:
+        return f"signal {signum}"
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int, rank: int) -> None:
+    """End this rank when the process that spawned it ends, however it ends (``kill -9`` included), so that
+    no orphan trains on, writing checkpoints and metrics.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (the kernel kills this process when the spawning thread
+    exits); elsewhere, and as a second line of defence, a daemon thread that checks the parent's pid every
+    0.5 s and exits the process with one line when the parent is gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                try:
+                    sys.stderr.write(f"ep_moe.distributed: rank {rank}: its launcher (pid {parent_pid}) is gone; "
+                                     "exiting\n")
+                    sys.stderr.flush()
+                finally:
+                    os._exit(1)
+
+    threading.Thread(target=watch, name="ep_moe-parent-watch", daemon=True).start()
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable,
+            args: tuple, results, parent_pid: int) -> None:
+    _die_with_parent(parent_pid, rank)
+    torch.set_num_threads(1)
+    failed = False
+    try:
+        init_process_group(rank, world_size, port, backend, timeout_s)
         results.put((rank, "ok", fn(rank, world_size, *args)))
-    except BaseException as exc:  # report to the parent with the traceback, then re-raise
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
+    except BaseException as exc:  # reported to the parent, with the traceback (the parent prints it)
+        results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        failed = True
     finally:
         try:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception:
             pass
+    if failed:
+        raise SystemExit(1)  # quietly: the launcher has the traceback
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
@@ -132,7 +248,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
     process group's timeout); ``join_timeout_s`` the whole run, after which ranks are killed.
     ``forward_signals``: SIGINT/SIGTERM reaching this process are passed on to the ranks (which decide
     what to do with them) instead of stopping it. Returns each rank's return value, by rank; raises
-    ``RuntimeError`` with the failing ranks' tracebacks.
+    `RankFailures` (a ``RuntimeError`` whose message has the failing ranks' tracebacks, with the same facts
+    in fields) when a rank raises, dies or gives no result.
+
+    Failures: once a rank has raised or died (a rank killed by a signal is noticed within about a second),
+    the others get ``FAILURE_GRACE_S`` to report, then are killed. Ranks die with this process, however it
+    ends (``kill -9`` included; see `_die_with_parent`).
     """
     previous = _forward_signals() if forward_signals else {}
     try:
@@ -184,34 +305,91 @@ def _forward_signals() -> dict:
     return {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
+# After the first failure (an error or a dead rank), how long the other ranks get to report before they are
+# stopped: enough for the same error on every rank, or a peer's "connection closed", to arrive.
+FAILURE_GRACE_S = 5.0
+# A rank that exited without a result is counted dead once its result has had this long to arrive.
+_RESULT_DRAIN_S = 1.0
+
+
+# The resource tracker (a helper process of multiprocessing) warns at its exit about the semaphores of a
+# process that was killed (the launcher's result queue after ``kill -9``): expected then, so not shown.
+_QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (if it is not running yet) without its leak warning: it takes
+    its warning options from this process's ``sys.warnoptions``."""
+    if _QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(_QUIET_TRACKER)
+
+
 def _spawn_and_collect(fn: Callable, world_size: int, args: tuple, backend: str, timeout_s: float,
-                       join_timeout_s: float) -> list[Any]:
+                       join_timeout_s: float, failure_grace_s: float = FAILURE_GRACE_S) -> list[Any]:
+    _quiet_resource_tracker()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, backend, timeout_s, fn, args, results))
+    procs = [ctx.Process(target=_worker,
+                         args=(rank, world_size, port, backend, timeout_s, fn, args, results, os.getpid()))
              for rank in range(world_size)]
-    for p in procs:
-        p.start()
     outcome: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + join_timeout_s
-    # Read results while the ranks run: a large result would otherwise block its sender forever.
-    while len(outcome) < world_size and time.monotonic() < deadline:
-        try:
-            rank, status, value = results.get(timeout=0.5)
-            outcome[rank] = (status, value)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) and results.empty():
+    exited_at: dict[int, float] = {}       # ranks seen exited before their result arrived
+    stopped: list[int] = []
+    timed_out = False
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + join_timeout_s
+        failed_at: float | None = None
+        # Read results while the ranks run (a large result would otherwise block its sender forever), and
+        # watch the processes: a rank killed by a signal reports nothing.
+        while True:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+                outcome[rank] = (status, value)
+                if status == "error" and failed_at is None:
+                    failed_at = time.monotonic()
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in outcome and r not in exited_at and p.exitcode is not None:
+                    exited_at[r] = now
+            gone = {r for r, t in exited_at.items() if r not in outcome and now - t >= _RESULT_DRAIN_S}
+            if failed_at is None and any(procs[r].exitcode != 0 for r in gone):
+                failed_at = now
+            pending = [r for r in range(world_size) if r not in outcome and r not in gone]
+            if not pending:
                 break
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [f"rank {r}: {v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
-    missing = [r for r in range(world_size) if r not in outcome]
-    if errors or missing:
-        codes = {r: p.exitcode for r, p in enumerate(procs)}
-        raise RuntimeError("distributed run failed:\n" + "\n".join(errors)
-                           + (f"\nranks without a result: {missing} (exit codes {codes})" if missing else ""))
+            if failed_at is not None and now - failed_at >= failure_grace_s:
+                stopped = [r for r in pending if procs[r].exitcode is None]
+                break
+            if now >= deadline:
+                stopped, timed_out = [r for r in pending if procs[r].exitcode is None], True
+                break
+        for r in stopped:
+            procs[r].kill()
+        while True:  # results that were on their way when the loop ended
+            try:
+                rank, status, value = results.get(timeout=0.1)
+            except queue.Empty:
+                break
+            outcome.setdefault(rank, (status, value))
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()) if not (stopped or timed_out) else 5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    finally:  # the launcher itself was interrupted: take the ranks down with it
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()
+                p.join()
+    failures = [RankFailure(r, *v) for r, (s, v) in sorted(outcome.items()) if s == "error"]
+    no_result = [r for r in range(world_size) if r not in outcome and r not in stopped]
+    deaths = {r: -procs[r].exitcode for r in no_result if (procs[r].exitcode or 0) < 0}
+    exit_codes = {r: procs[r].exitcode for r in no_result if r not in deaths}
+    if failures or deaths or exit_codes or stopped:
+        raise RankFailures(failures, deaths, exit_codes, stopped, timed_out)
     return [outcome[r][1] for r in range(world_size)]

@@ -1,8 +1,11 @@
 """``ep-moe train RECIPE.yaml [key=value ...]``: parse, check, then run the ranks.
 
 The recipe (overrides applied) is parsed by its engine's schema (`ep_moe.train.config`) and checked against
-this job's world size and device before any rank starts. Ranks start through `ep_moe.distributed.launch`,
-for every engine:
+this job's world size and device before any rank starts, with what else can be known there: the dispatcher
+backend can run, the checkpoint to load exists, the run folder can be written (`ep_moe.train.rundir`). Then
+the run folder is locked for this run (released at exit, errors and Ctrl-C included), and a fresh run into a
+folder that holds an earlier one is refused unless ``--resume`` or ``--overwrite`` says what to do with it.
+Ranks start through `ep_moe.distributed.launch`, for every engine:
 
 * under ``torchrun``: this process is one rank; NCCL on ``cuda:LOCAL_RANK`` (gloo when the device is the
   CPU);
@@ -12,6 +15,9 @@ for every engine:
 ``engine: ep_moe`` runs `ep_moe.train.loop` on each rank: Ctrl-C reaches every rank (and is forwarded to
 them), each finishes its step, a checkpoint is saved, and the command exits with status 130.
 ``engine: megatron`` / ``engine: deepspeed``: ``ep_moe.train.engines.<engine>.train(recipe, device)`` runs it.
+
+When spawned ranks fail, each distinct error is printed once, on one line with its ranks, and every traceback
+goes to ``error.log`` in the run folder (`ep_moe.train.failures`); a rank killed by a signal is one line too.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from typing import Any
 
 import torch
 
-from ep_moe.distributed import launch, torchrun_env
+from ep_moe.distributed import RankFailures, launch, torchrun_env
 
 from .config import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, validate
+from .failures import failure_lines, write_error_log
+from .rundir import RunDirError, RunDirLock, check_outputs, clear_earlier_run, refuse_earlier_run, run_dir
 
 EXTRAS = {"megatron": "megatron", "deepspeed": "deepspeed"}
 
@@ -38,13 +46,20 @@ def _parser() -> argparse.ArgumentParser:
                     "e.g. train.train_iters=50 model.expert_model_parallel_size=2 optimizer.lr=1e-3.",
         epilog="Built-in recipes (ep-moe recipes lists them): tiny-cpu (2 CPU ranks, ~1 minute), shakespeare-char, "
                "small-gpu-ep2 (torchrun --nproc-per-node 2 -m ep_moe.train small-gpu-ep2), megatron-gpt-moe-ep2, "
-               "deepspeed-moe-ep2.")
+               "deepspeed-moe-ep2. "
+               "A run writes into its run folder (checkpoint.save, else runs/<recipe name>), which it locks "
+               "(ep-moe.lock) while it runs; errors in the ranks are one line each, with every traceback in "
+               "<run folder>/error.log. Exit status: 0 done (a missed target too, unless "
+               "train.fail_on_target_miss), 1 failed, 2 could not start, 130 stopped.")
     p.add_argument("recipe", help="a recipe YAML file, or a built-in recipe's name (e.g. tiny-cpu)")
     # default=[]: without it, argparse names KEY=VALUE as required too when nothing is given
     p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in checkpoint.save (same as checkpoint.resume=true; "
                         "every engine)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run folder that holds an earlier run: its metrics, loss plot, error log "
+                        "and checkpoints are removed first (without this flag or --resume such a run is refused)")
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     return p
 
@@ -121,6 +136,43 @@ def preflight_ep_moe(recipe: Recipe) -> None:
         raise RecipeError(f"ep_moe: {exc}") from None
 
 
+def preflight_backend(recipe: AnyRecipe, device_type: str) -> None:
+    """``ep_moe.dispatcher_backend: native`` can run here: the CUDA extension imports and the ranks are on
+    GPUs (checked where the recipe's model dispatches through ep_moe with more than one EP rank, or, for the
+    other engines, through ep_moe at all). `RecipeError` naming the key and what to use instead."""
+    if recipe.ep_moe.dispatcher_backend != "native":
+        return
+    m = recipe.model
+    if recipe.engine == "ep_moe":
+        used = m.expert_model_parallel_size > 1  # EP 1 builds no Buffer: every expert is local
+    elif recipe.engine == "megatron":
+        used = m.moe_token_dispatcher == "ep_moe"
+    else:
+        used = m.moe_layer == "ep_moe"
+    if not used:
+        return
+    from ep_moe import native
+
+    if not native.extension_available():
+        raise RecipeError("ep_moe.dispatcher_backend: 'native' needs the CUDA extension ep_moe.native._C, which "
+                          f"is unavailable here ({native.extension_unavailable_reason()}); use "
+                          "ep_moe.dispatcher_backend=auto (native where it can run, else torch) or torch")
+    if device_type != "cuda":
+        raise RecipeError(f"ep_moe.dispatcher_backend: 'native' runs on CUDA GPUs, this job runs on {device_type} "
+                          "(use ep_moe.dispatcher_backend=torch or auto)")
+
+
+def preflight_checkpoint(recipe: Recipe) -> None:
+    """``engine: ep_moe``: the checkpoint the ranks would load (``checkpoint.load``, unless ``--resume`` finds
+    one in ``checkpoint.save``) is there. `RecipeError` naming the key."""
+    from .checkpoint import find_checkpoint_to_load
+
+    try:
+        find_checkpoint_to_load(recipe)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+
+
 def run_ep_moe(recipe: Recipe, device_type: str) -> list[dict[str, Any]]:
     """Train on every rank of the job (SIGINT/SIGTERM forwarded to spawned ranks); every rank's result dict."""
     return launch(_ep_moe_rank, recipe.train.nproc, recipe, device_type, device_type=device_type,
@@ -138,11 +190,21 @@ def engine_module(engine: str):
                           f"({exc}); install them with: pip install 'ep_moe[{EXTRAS[engine]}]'") from None
 
 
+def _say(line: str) -> None:
+    print(f"ep-moe train: {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``ep-moe train``: 0 ok, 1 a rank failed (or missed its target with train.fail_on_target_miss), 2 bad
-    recipe, 130 stopped (every engine)."""
+    """``ep-moe train``: 0 ok (a missed target too, unless train.fail_on_target_miss: then 1), 1 a rank failed,
+    2 could not start (a bad recipe, or a run folder that is in use or holds an earlier run), 130 stopped (every
+    engine)."""
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    if args.resume and args.overwrite:
+        _say("--resume continues the run in checkpoint.save, --overwrite starts it over: give one of them")
+        return 2
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+    lock: RunDirLock | None = None
+    recipe = None
     try:
         recipe = load_recipe(args.recipe, overrides)
         if args.print_config:
@@ -150,15 +212,36 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         module = None if recipe.engine == "ep_moe" else engine_module(recipe.engine)
         device = prepare(recipe)
+        preflight_backend(recipe, device)
+        if module is None:
+            preflight_ep_moe(recipe)
+            preflight_checkpoint(recipe)
+        env = torchrun_env()
+        if env is None or env.rank == 0:  # the process that writes: the launcher, or torchrun's rank 0
+            check_outputs(recipe)
+            lock = RunDirLock(run_dir(recipe)).acquire()
+            if lock.note:
+                _say(lock.note)
+            if args.overwrite:
+                clear_earlier_run(recipe)
+            elif not recipe.checkpoint.resume:
+                refuse_earlier_run(recipe)
         if module is not None:
             return int(module.train(recipe, device))
-        preflight_ep_moe(recipe)
         return max(r["exit_code"] for r in run_ep_moe(recipe, device))
-    except RecipeError as exc:
-        print(f"ep-moe train: {exc}", file=sys.stderr)
+    except (RecipeError, RunDirError) as exc:
+        _say(str(exc))
         return 2
-    except RuntimeError as exc:  # spawned ranks failed: their tracebacks are in the message
+    except RankFailures as exc:  # spawned ranks failed: one line per distinct error, the tracebacks in a file
+        log = write_error_log(run_dir(recipe), exc)
+        for line in failure_lines(exc, log):
+            _say(line)
+        return 1
+    except RuntimeError as exc:
         if torchrun_env() is not None:
             raise  # this rank's own error, with its traceback
-        print(f"ep-moe train: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 1
+    finally:
+        if lock is not None:
+            lock.release()

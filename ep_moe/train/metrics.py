@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import threading
 from typing import Any
 
 from tqdm import tqdm
@@ -55,6 +56,14 @@ def _terminal_columns() -> int:
         return 0
 
 
+def _thread_lock_only() -> None:
+    """Give tqdm a thread lock, unless it has a lock already: its default one holds a multiprocessing
+    semaphore, which a rank shares with no one, and which a rank killed by a signal leaves behind for the
+    resource tracker to warn about when the launcher exits."""
+    if "_lock" not in vars(tqdm):
+        tqdm.set_lock(threading.RLock())
+
+
 class Progress:
     """The progress bar on rank 0: ``step, loss, aux, tokens/s, expert-load imbalance``.
 
@@ -67,6 +76,10 @@ class Progress:
         # A terminal that reports no size (0x0: some containers, pseudo-terminals of CI runners) would get an
         # empty bar from tqdm: print plain lines there.
         show_bar = mode is True or (mode == "auto" and sys.stderr.isatty() and _terminal_columns() > 0)
+
+
+        show_bar = mode is True or (mode == "auto" and sys.stderr.isatty())
+        _thread_lock_only()
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (enabled and show_bar))
         self.use_bar = enabled and show_bar

@@ -1,0 +1,104 @@
+"""What ``ep-moe train`` shows when spawned ranks fail: one line per distinct error, the full story in a file.
+
+`ep_moe.distributed` hands the launcher a `RankFailures` (each rank's exception type, message and traceback;
+the ranks killed by a signal). `failure_lines` turns it into the lines printed on stderr:
+
+* each distinct error once, with the ranks that raised it (``rank 1: ValueError: ...``, ``ranks 0-1: ...``);
+  errors a rank raised only because a peer went away (gloo's "connection closed by peer") are left out when
+  there is a cause to show;
+* each rank killed by a signal (``rank 1 died: signal 9 (SIGKILL)``);
+* each line names the log file, where `write_error_log` puts every rank's traceback (``error.log`` in the
+  run directory, else a file in the temporary folder).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import tempfile
+
+from ep_moe.distributed import RankFailures, signal_text
+
+from .rundir import ERROR_LOG
+
+MAX_MESSAGE = 600  # characters of one error message on its line (the log has it all)
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``[1]`` -> ``"rank 1"``, ``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return "ranks " + ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def one_line(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` on one line (whitespace runs collapsed), cut at ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def failure_lines(exc: RankFailures, log_path: str | None) -> list[str]:
+    """The lines for the user (without the ``ep-moe train:`` prefix), in rank order of first appearance."""
+    where = f" [log: {log_path}]" if log_path else ""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for f in exc.primary_failures():
+        groups.setdefault((f.exc_type, one_line(f.message)), []).append(f.rank)
+    lines = [f"{rank_list(ranks)}: {exc_type}: {message}{where}" for (exc_type, message), ranks in groups.items()]
+    lines += [f"rank {r} died: {signal_text(s)}{where}" for r, s in exc.deaths.items()]
+    by_code: dict[int, list[int]] = {}
+    for r, code in exc.exit_codes.items():
+        by_code.setdefault(code, []).append(r)
+    lines += [f"{rank_list(ranks)} exited with status {code} without a result{where}"
+              for code, ranks in by_code.items()]
+    if exc.timed_out and exc.stopped:
+        lines.append(f"{rank_list(exc.stopped)} gave no result within the run's time limit and were stopped{where}")
+    if not lines:  # nothing structured: show the message itself
+        lines.append(one_line(str(exc)) + where)
+    return lines
+
+
+def error_log_text(exc: RankFailures, argv: list[str]) -> str:
+    """The log: when, the command, then every rank's error with its traceback and what happened to the rest."""
+    out = [f"ep-moe train failed at {datetime.datetime.now().isoformat(timespec='seconds')} (launcher pid "
+           f"{os.getpid()})", "command: ep-moe train " + " ".join(argv[1:]), ""]
+    shown = set(exc.primary_failures())
+    for f in exc.failures:
+        note = "" if f in shown else " (a consequence of another rank's failure)"
+        out += [f"--- rank {f.rank}: {f.exc_type}: {f.message}{note}", f.traceback.rstrip(), ""]
+    for r, s in exc.deaths.items():
+        out += [f"--- rank {r} died: {signal_text(s)}", ""]
+    for r, code in exc.exit_codes.items():
+        out += [f"--- rank {r} exited with status {code} without a result", ""]
+    if exc.stopped:
+        why = "the run's time limit passed" if exc.timed_out else "another rank failed"
+        out += [f"--- {rank_list(exc.stopped)} stopped by the launcher ({why})", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_error_log(folder: str, exc: RankFailures, argv: list[str] | None = None) -> str | None:
+    """Write `error_log_text` to ``<folder>/error.log`` (a temporary file when that fails); its path, or
+    None when no file could be written."""
+    text = error_log_text(exc, list(sys.argv if argv is None else argv))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, ERROR_LOG)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+    except OSError:
+        pass
+    try:
+        fd, path = tempfile.mkstemp(prefix="ep-moe-train-", suffix=".error.log")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+    except OSError:
+        return None
