@@ -76,9 +76,6 @@ class Progress:
         # A terminal that reports no size (0x0: some containers, pseudo-terminals of CI runners) would get an
         # empty bar from tqdm: print plain lines there.
         show_bar = mode is True or (mode == "auto" and sys.stderr.isatty() and _terminal_columns() > 0)
-
-
-        show_bar = mode is True or (mode == "auto" and sys.stderr.isatty())
         _thread_lock_only()
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (enabled and show_bar))
@@ -228,6 +225,24 @@ class RunLog:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+
+
+def start_engine_run(recipe, start_step: int, loaded_from: str | None, world: int, floor: float | None,
+                     banner: str, is_main: bool) -> tuple[RunLog | None, Progress]:
+    """The start of a Megatron or DeepSpeed engine run, as the trainer starts its own: rank 0's `RunLog` (None
+    elsewhere) with its run record, and the `Progress` with the banner, where the metrics go, and where the
+    run resumed from (or that there was nothing to resume yet)."""
+    log = RunLog(recipe, resume_step=start_step if loaded_from else None) if is_main else None
+    progress = Progress(recipe.logger.progress_bar, recipe.train.train_iters, start_step, enabled=is_main)
+    progress.message(banner)
+    progress.message(f"metrics: {recipe.metrics_path()}")
+    if loaded_from is not None:
+        progress.message(f"resumed from {loaded_from} at step {start_step}")
+    elif recipe.checkpoint.resume:
+        progress.message(f"no checkpoint in {recipe.checkpoint.save} yet: starting at step 0")
+    if log is not None:
+        log.write(run_record(recipe, start_step, world, recipe.model.expert_model_parallel_size, floor, loaded_from))
+    return log, progress
 
 
 def target_missed(final_loss: float, eval_loss: float | None, floor: float | None, target: float | None) -> bool:
