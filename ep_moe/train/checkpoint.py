@@ -54,6 +54,25 @@ def read_latest(save_dir: str) -> str | None:
     return path if name and os.path.isdir(path) else None
 
 
+def find_engine_checkpoint(save: str | None, load: str | None, resume: bool, is_checkpoint, what: str
+                           ) -> str | None:
+    """Where an engine starts from: with ``resume``, the latest checkpoint in ``save`` (if any); else ``load``
+    (a checkpoint folder, or a save folder: its latest); else None. ``is_checkpoint(path)`` tells this engine's
+    checkpoints; ``what`` names them in the error for a ``load`` that is neither."""
+    if resume and save is not None:
+        latest = read_latest(save)
+        if latest is not None and is_checkpoint(latest):
+            return latest
+    if load is not None:
+        if is_checkpoint(load):
+            return load
+        latest = read_latest(load)
+        if latest is not None and is_checkpoint(latest):
+            return latest
+        raise ValueError(f"checkpoint.load: {load!r} is neither {what} nor a save folder whose 'latest' is one")
+    return None
+
+
 def write_latest(save_dir: str, name: str) -> None:
     """Point ``<save_dir>/latest`` at the folder ``name`` (atomically: a killed run leaves the old pointer)."""
     pointer_tmp = os.path.join(save_dir, f".{LATEST}.tmp")

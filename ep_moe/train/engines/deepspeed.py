@@ -192,19 +192,7 @@ def find_checkpoint(recipe: DeepSpeedRecipe) -> str | None:
     from ep_moe.train import checkpoint as ckpt
 
     c = recipe.checkpoint
-    if c.resume and c.save is not None:
-        latest = ckpt.read_latest(c.save)
-        if latest is not None and _is_deepspeed_checkpoint(latest):
-            return latest
-    if c.load is not None:
-        if _is_deepspeed_checkpoint(c.load):
-            return c.load
-        latest = ckpt.read_latest(c.load)
-        if latest is not None and _is_deepspeed_checkpoint(latest):
-            return latest
-        raise ValueError(f"checkpoint.load: {c.load!r} is neither a DeepSpeed checkpoint folder (with "
-                         "*model_states.pt files) nor a save folder whose 'latest' is one")
-    return None
+    return ckpt.find_engine_checkpoint(c.save, c.load, c.resume, _is_deepspeed_checkpoint, "a DeepSpeed checkpoint folder (with *model_states.pt files)")
 
 
 def _rng_file(folder: str, rank: int) -> str:
@@ -253,13 +241,11 @@ def train_rank(recipe: DeepSpeedRecipe, device: torch.device) -> dict[str, Any]:
     from ep_moe.train.data import rank_slice
     from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
     from ep_moe.train.metrics import (
-        Progress,
-        RunLog,
         Throughput,
         eval_record,
         finish,
         imbalance_stats,
-        run_record,
+        start_engine_run,
         train_record,
     )
 
@@ -277,20 +263,12 @@ def train_rank(recipe: DeepSpeedRecipe, device: torch.device) -> dict[str, Any]:
     accum = engine.gradient_accumulation_steps()
     floor = data.entropy_floor
     is_main = rank == 0
-    log = RunLog(recipe, resume_step=start_step if loaded_from else None) if is_main else None
-    progress = Progress(recipe.logger.progress_bar, t.train_iters, start_step, enabled=is_main)
-    progress.message(f"ep-moe train (engine deepspeed): {m.moe_layer} MoE layer, {m.num_layers} layers x "
-                     f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), ZeRO-{recipe.deepspeed.zero_stage}, "
-                     f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
-                     f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
-                     f"{accum}), {t.train_iters} steps; {data.describe()}")
-    progress.message(f"metrics: {recipe.metrics_path()}")
-    if loaded_from is not None:
-        progress.message(f"resumed from {loaded_from} at step {start_step}")
-    elif c.resume:
-        progress.message(f"no checkpoint in {c.save} yet: starting at step 0")
-    if log is not None:
-        log.write(run_record(recipe, start_step, world, m.expert_model_parallel_size, floor, loaded_from))
+    banner = (f"ep-moe train (engine deepspeed): {m.moe_layer} MoE layer, {m.num_layers} layers x "
+              f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), ZeRO-{recipe.deepspeed.zero_stage}, "
+              f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
+              f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
+              f"{accum}), {t.train_iters} steps; {data.describe()}")
+    log, progress = start_engine_run(recipe, start_step, loaded_from, world, floor, banner, is_main)
     ep_group = _expert_parallel_group(m.expert_model_parallel_size)
     blocks = list(engine.module.blocks)
     losses, aux_losses = [], []

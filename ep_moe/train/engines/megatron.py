@@ -227,19 +227,7 @@ def find_checkpoint(recipe: MegatronRecipe) -> str | None:
     from ep_moe.train import checkpoint as ckpt
 
     c = recipe.checkpoint
-    if c.resume and c.save is not None:
-        latest = ckpt.read_latest(c.save)
-        if latest is not None and _is_megatron_checkpoint(latest):
-            return latest
-    if c.load is not None:
-        if _is_megatron_checkpoint(c.load):
-            return c.load
-        latest = ckpt.read_latest(c.load)
-        if latest is not None and _is_megatron_checkpoint(latest):
-            return latest
-        raise ValueError(f"checkpoint.load: {c.load!r} is neither a megatron engine checkpoint folder (with "
-                         f"{TRAINER_FILE}) nor a save folder whose 'latest' is one")
-    return None
+    return ckpt.find_engine_checkpoint(c.save, c.load, c.resume, _is_megatron_checkpoint, f"a megatron engine checkpoint folder (with {TRAINER_FILE})")
 
 
 def save_checkpoint(recipe: MegatronRecipe, model, optimizer, step: int, rank: int, world: int) -> str:
@@ -309,13 +297,11 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     from ep_moe.train.data import build_dataset, rank_slice
     from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
     from ep_moe.train.metrics import (
-        Progress,
-        RunLog,
         Throughput,
         eval_record,
         finish,
         imbalance_stats,
-        run_record,
+        start_engine_run,
         train_record,
     )
     from ep_moe.train.schedule import recipe_lr
@@ -380,20 +366,12 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     if loaded_from is not None:
         start_step = load_checkpoint(loaded_from, recipe, model, optimizer, rank, world)
     is_main = rank == 0
-    log = RunLog(recipe, resume_step=start_step if loaded_from else None) if is_main else None
-    progress = Progress(recipe.logger.progress_bar, t.train_iters, start_step, enabled=is_main)
-    progress.message(f"ep-moe train (engine megatron): megatron-core GPTModel, {m.num_layers} MoE layers x "
-                     f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), dispatcher {m.moe_token_dispatcher}, "
-                     f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
-                     f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
-                     f"{accum}), {t.train_iters} steps; {dataset.describe()}")
-    progress.message(f"metrics: {recipe.metrics_path()}")
-    if loaded_from is not None:
-        progress.message(f"resumed from {loaded_from} at step {start_step}")
-    elif c.resume:
-        progress.message(f"no checkpoint in {c.save} yet: starting at step 0")
-    if log is not None:
-        log.write(run_record(recipe, start_step, world, m.expert_model_parallel_size, floor, loaded_from))
+    banner = (f"ep-moe train (engine megatron): megatron-core GPTModel, {m.num_layers} MoE layers x "
+              f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), dispatcher {m.moe_token_dispatcher}, "
+              f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
+              f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
+              f"{accum}), {t.train_iters} steps; {dataset.describe()}")
+    log, progress = start_engine_run(recipe, start_step, loaded_from, world, floor, banner, is_main)
     summary: dict[str, Any] = {"losses": [], "evals": [], "final_loss": float("nan"), "eval_loss": None,
                                "entropy_floor": floor, "tokens_per_s": 0.0, "train_time_s": 0.0,
                                "total_time_s": 0.0, "dispatcher": m.moe_token_dispatcher, "device": device.type,
