@@ -26,6 +26,7 @@ from ..distributed import init_from_torchrun, torchrun_env
 from . import DEEPEP_V2_POLICY, LayerShape, PlanCache, Rates, dtype_bytes, format_table
 from .cache import recipe_layers
 from .plan import FALLBACK_GPU
+from .theoretical import estimate_theoretical_sms, get_theoretical_num_qps, v2_allocated_qps
 from .topology import DATASHEET, Topology, detect_topology
 
 
@@ -191,6 +192,8 @@ def _run(args: argparse.Namespace) -> int:
     say(format_table(unique))
     say("times in us; g = distinct ranks per token; * = SM-bound at the planned SMs; V2 SMs = DeepEP V2's rule "
         "on this topology")
+    for line in _theoretical_lines(shapes, topology, cache.policy):
+        say(line)
     if args.json and rank == 0:
         cache.save(args.json)
         say(f"wrote {args.json}")
@@ -201,6 +204,29 @@ def _run(args: argparse.Namespace) -> int:
     if buffer is not None:
         buffer.destroy()
     return 0
+
+
+def _theoretical_lines(shapes: list[LayerShape], topology: Topology, policy) -> list[str]:
+    """One line per (experts, top-k) of ``shapes``: DeepEP V2's analytic SM and QP counts on ``topology`` at
+    its own rates (0.9 x NVLink, the NIC's line rate, 200 / 50 GB/s per SM); tokens and hidden size do not
+    enter it. Shapes are named without the table's ``E.. K..`` labels, so rows stay found by them."""
+    lines = []
+    for experts, topk in dict.fromkeys((s.num_experts, s.topk) for s in shapes):
+        v2 = Rates.deepep_v2(topology)
+        est = estimate_theoretical_sms(experts, topk, rdma_gbs=v2.rdma_gbs, nvlink_gbs=v2.nvlink_gbs,
+                                       num_ranks=topology.world_size, num_nvlink_ranks=topology.nvlink_ranks,
+                                       hybrid=policy.hybrid, max_sms=policy.max_sms or topology.num_sms or None)
+        if topology.intranode:
+            qps = "no QPs (one NVLink domain)"
+        else:
+            cap = policy.num_allocated_qps or v2_allocated_qps(policy.hybrid)
+            qps = f"{get_theoretical_num_qps(est.num_sms, policy.hybrid, cap)} QPs"
+        why = ("nothing crosses a link: the whole device" if est.bottleneck == "none" else
+               f"{est.bottleneck}-bound at {est.rdma_gbs if est.bottleneck == 'rdma' else est.nvlink_gbs:.0f} "
+               f"GB/s, 1.25 x {est.exact_sms:.1f} SMs")
+        lines.append(f"theoretical (DeepEP V2's analytic model, not calibrated): {est.num_sms} SMs, {qps} for "
+                     f"experts {experts}, top-k {topk} on EP{topology.world_size} ({why})")
+    return lines
 
 
 if __name__ == "__main__":
