@@ -62,6 +62,20 @@ def test_tune_deepep_rule_multinode(capsys):
     assert row[6] == "32" and row[8] == "rdma" and row[9] == "6" and row[10] == "97"
 
 
+def test_tune_prints_deepep_v2s_theoretical_counts(capsys):
+    """One line per (experts, top-k) after the table. EP2 on H200: g = 2 * (1 - C(128, 8) / C(256, 8)) = 1.993;
+    per byte received the SMs write 1 and NVLink carries 1/2, so 0.9 x 478.1 GB/s / 0.5 / 50 GB/s = 17.2 SMs,
+    x 1.25 = 21.5 -> 22 (`tests/tuning/test_theoretical.py` works V2's counts out in full)."""
+    assert ep_moe_main(["tune", "--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "4096", "512",
+                        "--ranks", "2", "--gpu", "H200"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("theoretical")]
+    assert len(lines) == 1 and ": 22 SMs, no QPs (one NVLink domain) for experts 256, top-k 8 on EP2" in lines[0]
+    assert ep_moe_main(["tune", "--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "4096",
+                        "--ranks", "32", "--ranks-per-node", "8", "--gpu", "H100", "--nic-gbps", "400"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("theoretical")]
+    assert len(lines) == 1 and ": 6 SMs, 97 QPs for experts 256, top-k 8 on EP32 (rdma-bound" in lines[0]
+
+
 RECIPE = """
 model:
   num_layers: 4
