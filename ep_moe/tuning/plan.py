@@ -333,13 +333,15 @@ def planning_target(topology: Topology, rates: Rates | None) -> tuple[Topology, 
 
 def deepep_v2_num_sms(shape: LayerShape, topology: Topology, nvlink_gbs: float | None = None,
                       rdma_gbs: float | None = None) -> int:
-    """DeepEP V2's analytical SM count for this shape (balanced gate, its own rate assumptions)."""
+    """DeepEP V2's analytical SM count for this shape on ``topology`` (`theoretical.get_theoretical_num_sms`, with
+    V2's rate assumptions for the topology's links unless rates are given)."""
+    from .theoretical import get_theoretical_num_sms  # it imports this module's constants
+
     rates = Rates.deepep_v2(topology)
-    if nvlink_gbs is not None or rdma_gbs is not None:
-        rates = replace(rates, nvlink_gbs=rates.nvlink_gbs if nvlink_gbs is None else nvlink_gbs,
-                        rdma_gbs=rates.rdma_gbs if rdma_gbs is None else rdma_gbs)
-    dispatch = op_costs(shape, topology, DEEPEP_V2_POLICY)[0][0]  # V2 sizes both ops from the dispatch
-    return choose_num_sms([(dispatch, dispatch)], rates, DEEPEP_V2_POLICY, topology.num_sms or FALLBACK_DEVICE_SMS)
+    return get_theoretical_num_sms(
+        shape.num_experts, shape.topk, rdma_gbs=rates.rdma_gbs if rdma_gbs is None else rdma_gbs,
+        nvlink_gbs=rates.nvlink_gbs if nvlink_gbs is None else nvlink_gbs, num_ranks=topology.world_size,
+        num_nvlink_ranks=topology.ranks_per_domain, max_sms=topology.num_sms or FALLBACK_DEVICE_SMS)
 
 
 __all__ = ["DEEPEP_V2_POLICY", "CommPlan", "PlanPolicy", "check_num_sms", "choose_num_sms",
