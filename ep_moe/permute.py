@@ -253,7 +253,8 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
     how = _implementation(grad)
     if how == "native":
         grad_y, grad_w = torch.ops.ep_moe_native.unpermute_sum_backward(
-            grad, y.contiguous(), weights, pair_of_slot, num_topk, need_grad_y, need_grad_weights)
+            grad, y.contiguous(), None if weights is None else weights.contiguous(), pair_of_slot, num_topk,
+            need_grad_y, need_grad_weights)
         return (grad_y if need_grad_y else None), (grad_w if need_grad_weights else None)
     grad_y = grad_w = None
     M = pair_of_slot.shape[0]
