@@ -7,6 +7,8 @@ Main entry points:
 * `dispatch` / `combine` / `cached_dispatch`: the same, differentiable (torch.library custom ops).
 * `expert_dispatch` / `expert_combine`: the expert-major layout (rows grouped by local expert for a grouped
   GEMM) and the weighted combine, differentiable.
+* `ElasticBuffer`: DeepEP V2's buffer API (compact and expanded layouts, cached and fixed-size dispatch) on a
+  `Buffer`.
 * `TokenDispatcher`: what an MoE layer calls (the expert-major dispatch and combine, SM counts planned).
 """
 
@@ -18,6 +20,7 @@ disable_multicast()
 from .buffer import Buffer  # noqa: E402
 from .config import Config, NativeOptions  # noqa: E402
 from .dispatcher import DispatchContext, TokenDispatcher  # noqa: E402
+from .elastic import ElasticBuffer, ElasticHandle  # noqa: E402
 from .event import EventOverlap  # noqa: E402
 from .expert_major import ExpertDispatchOutput, ExpertHandle, expert_combine, expert_dispatch  # noqa: E402
 from .handle import DispatchHandle  # noqa: E402
@@ -31,6 +34,8 @@ __all__ = [
     "DispatchContext",
     "DispatchHandle",
     "DispatchOutput",
+    "ElasticBuffer",
+    "ElasticHandle",
     "EventOverlap",
     "ExpertDispatchOutput",
     "ExpertHandle",

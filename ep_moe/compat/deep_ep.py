@@ -1,6 +1,7 @@
 """DeepEP's normal-mode Python API on top of `ep_moe.Buffer`, so code written for DeepEP runs on ep_moe.
 
-Provided: ``Buffer`` (DeepEP's constructor signature; ``get_dispatch_layout``, ``dispatch`` -- fresh,
+Provided: ``ElasticBuffer`` (DeepEP V2's buffer: `ep_moe.ElasticBuffer`, compact and expanded dispatch/combine,
+cached and no-host-sync dispatch; its handle is ``EPHandle`` = `ep_moe.ElasticHandle`), ``Buffer`` (DeepEP's constructor signature; ``get_dispatch_layout``, ``dispatch`` -- fresh,
 cached, without top-k, ``num_worst_tokens`` --, ``combine``, ``capture``, ``set_num_sms``,
 ``get_dispatch_config``/``get_combine_config``, ``is_sm90_compiled``, ``get_comm_stream``, ``destroy``),
 ``Config`` (DeepEP's five-number constructor, ``get_nvl_buffer_size_hint``/``get_rdma_buffer_size_hint``),
@@ -41,6 +42,8 @@ from ..buffer import DEFAULT_TIMEOUT_S
 from ..buffer import Buffer as _CoreBuffer
 from ..config import DEFAULT_NUM_SMS, NativeOptions
 from ..config import Config as _CoreConfig
+from ..elastic import ElasticBuffer as _CoreElasticBuffer
+from ..elastic import ElasticHandle
 from ..event import EventOverlap as _CoreEventOverlap
 from ..layout import round_up
 from ..validation import FP8_DTYPES, _fail
@@ -50,8 +53,11 @@ log = logging.getLogger("ep_moe")
 topk_idx_t = torch.int64
 """DeepEP's dtype of ``topk_idx`` (DeepEP can be built with int32; ep_moe uses int64)."""
 
-DEEP_EP_API_VERSION = "1.2.1"
-"""The DeepEP release whose normal-mode API this module mirrors."""
+DEEP_EP_API_VERSION = "2.1.0"
+"""The DeepEP release whose API this module mirrors: V2's ``ElasticBuffer`` next to the legacy (V1) ``Buffer``,
+as DeepEP 2.x itself exports both."""
+DEEP_EP_LEGACY_API_VERSION = "1.2.1"
+"""The DeepEP release whose normal-mode ``Buffer`` API (V2's legacy buffer) this module mirrors."""
 __version__ = f"{DEEP_EP_API_VERSION}+ep_moe"
 
 _NVL_PEERS = 8      # ranks one NVLink domain holds in DeepEP's sizing
@@ -202,6 +208,45 @@ def _warn_chunk_fields_ignored(ignored: list[str]) -> None:
     warnings.warn(f"ep_moe.compat.deep_ep.Config: {', '.join(ignored)} ignored: DeepEP's chunk sizes have no "
                   "ep_moe counterpart; ep_moe.NativeOptions (Buffer(native_options=...)) sets the native "
                   "kernels' chunking (warned once per process)", UserWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------ elastic buffer
+EPHandle = ElasticHandle
+"""DeepEP V2's dispatch handle (`ep_moe.ElasticHandle`)."""
+
+
+class ElasticBuffer(_CoreElasticBuffer):
+    """DeepEP V2's ``deep_ep.ElasticBuffer`` on ep_moe (`ep_moe.ElasticBuffer`): DeepEP's arguments, plus
+    keyword-only ``backend`` (default ``$EP_MOE_BACKEND`` or "auto") and ``check_inputs`` (default False, as
+    DeepEP, which does not check expert ids). Events are DeepEP-style `EventOverlap` objects."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, num_bytes: int | None = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                 use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
+                 allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
+                 num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
+                 explicitly_destroy: bool = False, *, backend: str | None = None,
+                 check_inputs: bool = False) -> None:
+        super().__init__(group, num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk,
+                         use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction,
+                         prefer_overlap_with_compute, sl_idx, num_allocated_qps, num_cpu_timeout_secs,
+                         num_gpu_timeout_secs, explicitly_destroy,
+                         backend=backend or os.environ.get("EP_MOE_BACKEND", "auto"), check_inputs=check_inputs)
+
+    @staticmethod
+    def capture() -> EventHandle:
+        """An `EventHandle` on the current stream (V2 returns the handle itself)."""
+        return EventHandle()
+
+    def dispatch(self, *args, **kwargs):
+        """`ep_moe.ElasticBuffer.dispatch`; the event is a DeepEP-style `EventOverlap`."""
+        *result, event = super().dispatch(*args, **kwargs)
+        return (*result, _wrap_event(event))
+
+    def combine(self, *args, **kwargs):
+        """`ep_moe.ElasticBuffer.combine`; the event is a DeepEP-style `EventOverlap`."""
+        *result, event = super().combine(*args, **kwargs)
+        return (*result, _wrap_event(event))
 
 
 # ------------------------------------------------------------------------------------------ buffer
@@ -362,7 +407,8 @@ class Buffer(_CoreBuffer):
 
 
 # ------------------------------------------------------------------------------------------ import deep_ep
-_ALIASES = ("deep_ep", "deep_ep.utils", "deep_ep.buffer")
+_ALIASES = ("deep_ep", "deep_ep.utils", "deep_ep.buffer", "deep_ep.buffers", "deep_ep.buffers.elastic",
+            "deep_ep.buffers.legacy")
 _SHIM_MARK = "_EP_MOE_DEEP_EP_SHIM"
 _SHIM_SOURCE = (
     "# Written by ep_moe.compat.deep_ep: `import deep_ep` resolves to ep_moe's DeepEP-compatible module.\n"
@@ -373,7 +419,8 @@ _SHIM_SOURCE = (
 
 
 def install(rebind_megatron: bool = True) -> types.ModuleType:
-    """Make ``import deep_ep`` (and ``deep_ep.utils``, ``deep_ep.buffer``) resolve to this module, in
+    """Make ``import deep_ep`` (and ``deep_ep.utils``, ``deep_ep.buffer``, V2's ``deep_ep.buffers.elastic`` and
+    ``deep_ep.buffers.legacy``) resolve to this module, in
     this process. Call it before anything imports ``deep_ep``; a real DeepEP already imported is an
     error. With ``rebind_megatron``, a Megatron ``fused_a2a`` imported earlier without DeepEP is
     reloaded so its flex dispatcher's ``deepep`` backend uses this module. Returns this module."""
@@ -384,6 +431,7 @@ def install(rebind_megatron: bool = True) -> types.ModuleType:
                            f"({getattr(current, '__file__', current)}); install before anything imports deep_ep")
     this.utils = this  # `import deep_ep.utils` then `deep_ep.utils.X`
     this.buffer = this
+    this.buffers = this.elastic = this.legacy = this  # V2's `deep_ep.buffers.elastic` / `.legacy`
     for name in _ALIASES:
         sys.modules[name] = this
     if rebind_megatron:
@@ -469,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "install", "shim_dir", "topk_idx_t", "uninstall"]
+__all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "install", "shim_dir",
+           "topk_idx_t", "uninstall"]
 
 if __name__ == "__main__":
     # Run as a script, this file is `__main__`; the launcher works on the importable module.

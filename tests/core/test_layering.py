@@ -20,7 +20,7 @@ LEVELS = {
     "backends": 2, "permute": 2,
     "buffer": 3,
     "ops": 4, "tuning": 4, "expert_major": 4,
-    "dispatcher": 5,
+    "dispatcher": 5, "elastic": 5,
     "layers": 6, "__init__": 6,
     "compat": 7, "integrations": 7, "train": 7, "benchmarking": 7,
     "cli": 8,

@@ -1,0 +1,532 @@
+"""`ElasticBuffer`: DeepEP V2's buffer API (``deep_ep.ElasticBuffer``) over an `ep_moe.Buffer`.
+
+One class, two layouts chosen per call (docs/semantics.md, "ElasticBuffer"):
+
+* ``do_expand=False``, the compact layout: the rank-major dispatch (`ep_moe.ops.dispatch`: one row per token and
+  receiving rank, by source rank then token) and its combine, which sums the rows per token and carries
+  ``topk_weights`` back alongside;
+* ``do_expand=True``, the expanded layout: the expert-major dispatch (`ep_moe.expert_major`: one row per (token,
+  local expert) pair, grouped by expert, each group padded to ``expert_alignment``) and its combine, a plain sum
+  per token (as in V2 the weights are not applied; they travel back alongside).
+
+Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outputs sized from
+``num_max_tokens_per_rank`` and no host read; a ``handle`` repeats a dispatch's layout (cached dispatch).
+
+This is the first step of DeepEP V2's buffer: GPU (and CPU-tensor) memory as `ep_moe.Buffer` has it. Not provided
+yet: CPU memory (``num_cpu_bytes > 0``), Engram, pipeline-parallel send/recv, AGRS, FP8 dispatch, RDMA queue pairs
+(``sl_idx``, ``num_allocated_qps``, ``num_qps`` are recorded only).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops
+from .buffer import BACKENDS, Buffer
+from .event import EventOverlap
+from .expert_major import ExpertHandle, expert_combine, expert_dispatch
+from .handle import DispatchHandle
+from .permute import permute_rows, permute_rows_and_values, unpermute_sum
+from .validation import _fail, check_num_experts, check_positive_int, check_tensor
+
+log = logging.getLogger("ep_moe")
+
+ALIGNMENT_BYTES = 2 << 20
+"""``num_bytes`` is a multiple of this (2 MiB), as in DeepEP V2."""
+
+
+@dataclass
+class ElasticHandle:
+    """The handle of an `ElasticBuffer.dispatch` (DeepEP V2's ``EPHandle``): pass it to `ElasticBuffer.combine`
+    or back to `ElasticBuffer.dispatch` for a cached dispatch. L local experts, R ranks.
+
+    The fields V2 clients read come first; ``inner`` is ep_moe's own handle (a `DispatchHandle` for the compact
+    layout, an `ExpertHandle` for the expanded one).
+    """
+
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    """The SM count of the dispatch; its combine and a cached dispatch use it unless given another."""
+    topk_idx: Tensor
+    """[T, K] int64: the routing of the dispatch (a copy unless ``do_handle_copy=False``)."""
+    num_recv_tokens: int
+    """Rows received (compact) / rank-major rows behind the expanded ones; -1 without a host sync."""
+    num_expanded_tokens: int
+    """Sum of the aligned per-expert counts (the expanded rows in use); -1 without a host sync."""
+    num_recv_tokens_per_expert_list: list
+    """The L aligned per-expert counts on the host; ``[]`` without a host sync (``do_cpu_sync=False``)."""
+    psum_num_recv_tokens_per_scaleup_rank: Tensor
+    """[R] int32 on the device: inclusive prefix sum of the rows received from each source rank."""
+    psum_num_recv_tokens_per_expert: Tensor
+    """[L] int32 on the device. Compact: the inclusive prefix sum of the aligned counts. Expanded (as V2): expert
+    e's first row plus its unaligned count, so ``psum[e] - align(psum[e-1], A)`` is e's count."""
+    num_unaligned_recv_tokens_per_expert: Tensor | None
+    """[L] int32 on the device: the (token, expert) pairs per local expert; expanded layout only, else None."""
+    inner: DispatchHandle | ExpertHandle
+    num_worst_tokens: int
+    """0 (exact size, after a host sync) or the fixed row bound of the rank-major dispatch."""
+    recv_topk_idx: Tensor | None = None
+    """Compact layout: the dispatch's ``recv_topk_idx`` (a cached dispatch returns it again)."""
+
+
+def _event_of(event):
+    """The ``torch.cuda.Event`` inside a DeepEP-style event argument (EventOverlap, EventHandle, raw), or None."""
+    while event is not None and not isinstance(event, torch.cuda.Event):
+        event = getattr(event, "event", None)
+    return event
+
+
+def _wait_for(*events) -> None:
+    for event in events:
+        event = _event_of(event)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+def _cached_weights(buffer: Buffer, weights: Tensor, handle: DispatchHandle, num_sms: int) -> Tensor:
+    """A cached dispatch of ``[T, K]`` fp32 weights, sent as 16-byte rows (K padded to a multiple of 4) as the
+    ops' own backward does, so every backend takes them."""
+    num_topk = weights.shape[1]
+    padded = torch.nn.functional.pad(weights, (0, -num_topk % 4)).contiguous()
+    return ops.cached_dispatch(buffer, padded, handle, num_sms)[:, :num_topk]
+
+
+def _destroy_quietly(buffer: Buffer) -> None:
+    try:
+        buffer.destroy()
+    except Exception as exc:  # at interpreter exit the device or the group may be gone already
+        log.debug("ep_moe.ElasticBuffer: destroy at collection failed: %s", exc)
+
+
+class ElasticBuffer:
+    """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout.
+
+    Args:
+        group: the EP process group (None: the world group).
+        num_bytes: bytes of communication memory (a multiple of 2 MiB); None: `get_buffer_size_hint` of the MoE
+            settings below. The native backend starts with this much and grows when a call needs more; the torch
+            backend records it.
+        num_cpu_bytes: CPU memory for DeepEP's CPU/hybrid memory types: must be 0 (not provided yet).
+        num_max_tokens_per_rank: the default bound on tokens per rank (the same on every rank); sizes the
+            fixed-size outputs of ``do_cpu_sync=False``. hidden, num_topk, use_fp8_dispatch: the MoE settings
+            that size ``num_bytes`` (FP8 dispatch itself is not provided yet).
+        deterministic: accepted; ep_moe's orders are deterministic in every mode (rows by source rank and token,
+            expanded rows by expert, source rank, token, top-k slot; sums in a fixed order), so there is nothing
+            to sort.
+        allow_hybrid_mode, prefer_overlap_with_compute: recorded (no multi-node hybrid kernels; the SM count
+            comes from ep_moe's tuner). allow_multiple_reduction: the expanded combine's reduction mode
+            (`ep_moe.expert_major.expert_combine`). sl_idx, num_allocated_qps: recorded (no RDMA queue pairs).
+        num_cpu_timeout_secs: recorded. num_gpu_timeout_secs: the deadline of every wait for a peer
+            (`ep_moe.Buffer`'s ``timeout_s``).
+        explicitly_destroy: True: resources are freed by `destroy` only; False: also when the buffer is
+            collected or the interpreter exits.
+        backend: ``"auto"``, ``"native"`` or ``"torch"`` (as `ep_moe.Buffer`). check_inputs: also check expert
+            ids' range (a host read; `ep_moe.Buffer`).
+
+    Construction ends with a barrier of the group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, num_bytes: int | None = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                 use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
+                 allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
+                 num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
+                 explicitly_destroy: bool = False, *, backend: str = "auto", check_inputs: bool = True) -> None:
+        op = "ElasticBuffer"
+        if not dist.is_initialized():
+            raise RuntimeError("ep_moe.ElasticBuffer: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group first)")
+        if backend not in BACKENDS:
+            raise _fail(op, "backend", f"one of {BACKENDS}", repr(backend))
+        check_positive_int(op, "num_cpu_bytes", num_cpu_bytes, 0)
+        if num_cpu_bytes:
+            raise _fail(op, "num_cpu_bytes", "0 (CPU and hybrid memory types are not provided yet)", num_cpu_bytes)
+        for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden),
+                            ("num_topk", num_topk), ("sl_idx", sl_idx), ("num_allocated_qps", num_allocated_qps)):
+            check_positive_int(op, name, value, 0)
+        for name, value in (("num_cpu_timeout_secs", num_cpu_timeout_secs),
+                            ("num_gpu_timeout_secs", num_gpu_timeout_secs)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise _fail(op, name, "a positive number of seconds", repr(value))
+        group = group if group is not None else dist.group.WORLD
+        if num_bytes is None:
+            num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                                  allow_hybrid_mode, allow_multiple_reduction)
+        check_positive_int(op, "num_bytes", num_bytes, 0)
+        if num_bytes % ALIGNMENT_BYTES:
+            raise _fail(op, "num_bytes", "a multiple of 2 MiB (get_buffer_size_hint gives one)", num_bytes)
+        self.buffer = Buffer(group, num_bytes, explicitly_destroy=explicitly_destroy, backend=backend,
+                             timeout_s=float(num_gpu_timeout_secs), check_inputs=check_inputs)
+        self.group = self.buffer.group
+        self.rank = self.rank_idx = self.buffer.rank
+        self.num_ranks = self.group_size = self.buffer.group_size
+        self.num_bytes = num_bytes
+        self.num_cpu_bytes = num_cpu_bytes
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden, self.num_topk, self.use_fp8_dispatch = hidden, num_topk, use_fp8_dispatch
+        self.deterministic = deterministic
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.sl_idx, self.num_allocated_qps = sl_idx, num_allocated_qps
+        self.num_cpu_timeout_secs, self.num_gpu_timeout_secs = num_cpu_timeout_secs, num_gpu_timeout_secs
+        self.explicitly_destroy = explicitly_destroy
+        # One domain: every rank is a scale-up (NVLink or torch.distributed) peer, no scale-out ranks.
+        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
+        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend)
+        self._destroyed = False
+        self._finalizer = None if explicitly_destroy else weakref.finalize(self, _destroy_quietly, self.buffer)
+        self.buffer.barrier()
+
+    # ---------------------------------------------------------------- static API
+    @staticmethod
+    def get_buffer_size_hint(group: dist.ProcessGroup | None, num_max_tokens_per_rank: int, hidden: int,
+                             num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """Bytes (2 MiB aligned) in which one rank can receive every token of every rank: the larger of what the
+        dispatch (bf16 rows, or FP8 rows and scales) and the combine (bf16 rows; fp32 rows when
+        ``allow_multiple_reduction=False``, whose expanded combine sends fp32) need (`Buffer.get_buffer_size_hint`)."""
+        num_ranks = dist.get_world_size(group if group is not None else dist.group.WORLD)
+        size = Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, torch.bfloat16,
+                                           use_fp8_dispatch)
+        if not allow_multiple_reduction:
+            size = max(size, Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk,
+                                                         torch.float32))
+        return size
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream (empty on CPU)."""
+        return Buffer.capture()
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        return self.buffer.get_comm_stream()
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """``(RDMA ranks, NVLink ranks)``: one host, every rank a peer."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """``(scale-out ranks, scale-up ranks)``."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
+                                sm_write_gbs: float = 50) -> int:
+        """The SM count a dispatch with ``num_sms=0`` uses for this shape: on the native backend ep_moe's tuning
+        plan for the buffer's ``hidden`` and ``num_max_tokens_per_rank`` (`ep_moe.tuning.plan_for_layer`), else
+        the buffer default (`ep_moe.Buffer.num_sms`). The bandwidth arguments are accepted and not used."""
+        if self.buffer.backend_name != "native" or not (self.hidden and self.num_max_tokens_per_rank):
+            return Buffer.num_sms
+        return self._plan(num_experts, num_topk, self.hidden, torch.bfloat16, self.num_max_tokens_per_rank)
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """0: there are no RDMA queue pairs."""
+        return 0
+
+    # ---------------------------------------------------------------- helpers
+    def _check_live(self, op: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"ep_moe.ElasticBuffer.{op}: the buffer was destroyed")
+
+    def _plan(self, num_experts: int, num_topk: int, hidden: int, dtype: torch.dtype, tokens: int) -> int:
+        key = (num_experts, num_topk, hidden, dtype)
+        if key not in self._plans:
+            from .tuning import plan_for_layer
+
+            self._plans[key] = plan_for_layer(num_experts, num_topk, hidden, tokens, dtype,
+                                              num_ranks=self.num_ranks).num_sms
+        return self._plans[key]
+
+    def _num_sms(self, num_sms: int, num_experts: int, num_topk: int, x: Tensor, bound: int) -> int:
+        """The given count, else (native backend) the tuner's plan of this shape, else the buffer default."""
+        check_positive_int("ElasticBuffer.dispatch", "num_sms", num_sms, 0)
+        if num_sms:
+            return num_sms
+        if self.buffer.backend_name != "native":
+            return Buffer.num_sms
+        if (num_experts, num_topk, x.shape[1], x.dtype) not in self._plans and not bound:
+            # Ranks may hold different token counts: plan for the largest so that all agree (first call only).
+            tokens = torch.tensor([x.shape[0]], device=self.buffer.device)
+            dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.group)
+            bound = int(tokens)
+        return self._plan(num_experts, num_topk, x.shape[1], x.dtype, bound)
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x, topk_idx: Tensor | None = None, topk_weights: Tensor | None = None,
+                 cumulative_local_expert_recv_stats: Tensor | None = None, num_experts: int | None = None,
+                 num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None, num_sms: int = 0,
+                 num_qps: int = 0, previous_event=None, previous_event_before_epilogue=None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: ElasticHandle | None = None, do_handle_copy: bool = True, do_cpu_sync: bool | None = None,
+                 do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        """Send each token to the ranks of its experts (DeepEP V2's argument order and names).
+
+        Args:
+            x: ``[T, H]`` bf16/fp32 (FP8 pairs are not provided yet). topk_idx: ``[T, K]`` int64 global expert ids
+                (-1 none); None with ``handle``. topk_weights: ``[T, K]`` fp32 or None.
+            cumulative_local_expert_recv_stats: ``[L]`` int32/int64, incremented in place by the received (token,
+                local expert) pairs per expert (load statistics), or None.
+            num_experts: E (from the handle on a cached dispatch). expert_alignment: A (default 1).
+            num_max_tokens_per_rank: the bound on ``T`` of every rank for ``do_cpu_sync=False`` (default: the
+                buffer's).
+            num_sms: SMs of the dispatch (kept in the handle for its combine); 0: the tuner's plan on the native
+                backend, else `ep_moe.Buffer.num_sms`. num_qps: accepted (no queue pairs).
+            previous_event, previous_event_before_epilogue: the current stream waits for them first.
+            async_with_compute_stream, allocate_on_comm_stream: accepted; every call joins the current stream
+                before it returns, so the returned event is empty and waiting on it is free.
+            handle: an earlier dispatch's handle: repeat its layout (cached dispatch); ``topk_idx`` must be None,
+                ``topk_weights`` may be given (they travel the same way), ``do_cpu_sync`` None or False.
+            do_handle_copy: keep a copy of ``topk_idx`` in the handle (else the tensor itself).
+            do_cpu_sync: None: True for a fresh dispatch, False for a cached one. True: exact sizes (one host
+                read, in the count exchange). False: no host read; the rank-major dispatch has
+                ``W = num_max_tokens_per_rank * R`` rows and the expanded layout ``W * min(K, L) + L * (A - 1)``;
+                the rows past the used ones are zero with index -1 / weight 0.
+            do_expand: the expanded (expert-major) layout instead of the compact (rank-major) one; on a cached
+                dispatch the handle's layout is used (True with a compact handle is refused).
+            do_zero_padding: accepted; padding rows are always zero. use_tma_aligned_col_major_sf: accepted (FP8).
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``. Compact: ``recv_x [N, H]``,
+            ``recv_topk_idx [N, K]`` local expert ids or -1, ``recv_topk_weights [N, K]`` fp32 (0 where not local;
+            None without ``topk_weights``). Expanded: ``recv_x [M, H]`` grouped by local expert, ``recv_topk_idx``
+            None, ``recv_topk_weights [M]`` fp32 (each row's weight, 0 on padding; None without
+            ``topk_weights``). ``handle``: an `ElasticHandle` (the same object on a cached dispatch).
+            ``event``: an `ep_moe.EventOverlap`.
+        """
+        op = "ElasticBuffer.dispatch"
+        self._check_live("dispatch")
+        if isinstance(x, tuple | list):
+            raise _fail(op, "x", "a [T, H] bf16/fp32 tensor (FP8 dispatch is not provided yet)", "a pair")
+        check_tensor(op, "x", x, dtypes=self.buffer.backend.supported_dtypes, ndim=2, device=self.buffer.device)
+        check_positive_int(op, "num_qps", num_qps, 0)
+        _wait_for(previous_event, previous_event_before_epilogue)
+        if handle is not None:
+            return self._cached_dispatch(op, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                                         expert_alignment, num_sms, handle, do_cpu_sync, do_expand)
+        if topk_idx is None:
+            raise _fail(op, "topk_idx", "a [T, K] int64 tensor (or pass handle for a cached dispatch)", None)
+        if num_experts is None:
+            raise _fail(op, "num_experts", "a positive int (given for a fresh dispatch)", None)
+        check_num_experts(op, num_experts, self.num_ranks)
+        alignment = 1 if expert_alignment is None else check_positive_int(op, "expert_alignment",
+                                                                          expert_alignment, 1)
+        bound = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+        check_positive_int(op, "num_max_tokens_per_rank", bound, 0)
+        sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+        if not sync:
+            if not bound:
+                raise _fail(op, "num_max_tokens_per_rank", "> 0 (in the call or the buffer) with do_cpu_sync=False",
+                            bound)
+            if x.shape[0] > bound:
+                raise _fail(op, "num_max_tokens_per_rank", f">= the {x.shape[0]} tokens of x", bound)
+        check_tensor(op, "topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=x.device,
+                     shape=(x.shape[0], None))
+        weights = topk_weights
+        if weights is None:
+            weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            check_tensor(op, "cumulative_local_expert_recv_stats", stats, dtypes=(torch.int32, torch.int64), ndim=1,
+                         device=x.device, shape=(num_experts // self.num_ranks,))
+        num_worst_tokens = 0 if sync else bound * self.num_ranks
+        num_sms = self._num_sms(num_sms, num_experts, topk_idx.shape[1], x, bound)
+        routing = topk_idx.clone() if do_handle_copy else topk_idx
+        common = dict(num_experts=num_experts, expert_alignment=alignment, num_max_tokens_per_rank=bound,
+                      num_sms=num_sms, topk_idx=routing, num_worst_tokens=num_worst_tokens)
+        if do_expand:
+            out = expert_dispatch(self.buffer, x, topk_idx, weights, num_experts, alignment, num_worst_tokens, num_sms)
+            aligned, unaligned = out.tokens_per_expert, out.pairs_per_expert
+            starts = torch.cumsum(aligned, 0) - aligned
+            counts = [] if not sync else (out.tokens_per_expert_list if out.tokens_per_expert_list is not None
+                                          else aligned.tolist())
+            inner = out.handle
+            per_rank = (inner.dispatch.rank_prefix_matrix[:, self.rank] if inner.dispatch is not None
+                        else torch.tensor([x.shape[0]], device=x.device))
+            recv_rows = -1 if not sync else (inner.layout.num_rows)
+            new = ElasticHandle(do_expand=True, num_recv_tokens=recv_rows,
+                                num_expanded_tokens=sum(counts) if sync else -1,
+                                num_recv_tokens_per_expert_list=counts,
+                                psum_num_recv_tokens_per_scaleup_rank=per_rank.to(torch.int32),
+                                psum_num_recv_tokens_per_expert=(starts + unaligned).to(torch.int32),
+                                num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), inner=inner, **common)
+            result = (out.expert_x, None, out.expert_weights if topk_weights is not None else None)
+        else:
+            out = ops.dispatch(self.buffer, x, topk_idx, weights, num_experts, alignment, num_worst_tokens, num_sms)
+            unaligned = None
+            if sync:
+                host = out.num_recv_tokens_per_expert_host
+                counts = host.tolist() if host.numel() else out.num_recv_tokens_per_expert.tolist()
+            else:
+                counts = []
+            new = ElasticHandle(do_expand=False, num_recv_tokens=out.handle.num_recv_tokens,
+                                num_expanded_tokens=sum(counts) if sync else -1,
+                                num_recv_tokens_per_expert_list=counts,
+                                psum_num_recv_tokens_per_scaleup_rank=out.handle.rank_prefix_matrix[:, self.rank]
+                                .to(torch.int32),
+                                psum_num_recv_tokens_per_expert=torch.cumsum(out.num_recv_tokens_per_expert, 0)
+                                .to(torch.int32),
+                                num_unaligned_recv_tokens_per_expert=None, inner=out.handle,
+                                recv_topk_idx=out.recv_topk_idx, **common)
+            result = (out.recv_x, out.recv_topk_idx, out.recv_topk_weights if topk_weights is not None else None)
+        if stats is not None:
+            with torch.no_grad():
+                if unaligned is None:
+                    local = num_experts // self.num_ranks
+                    ids = out.recv_topk_idx[out.recv_topk_idx >= 0]
+                    unaligned = torch.bincount(ids, minlength=local)
+                stats.add_(unaligned.to(stats.dtype))
+        return (*result, new, EventOverlap(None))
+
+    def _cached_dispatch(self, op, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                         expert_alignment, num_sms, handle, do_cpu_sync, do_expand):
+        if not isinstance(handle, ElasticHandle):
+            raise _fail(op, "handle", "the ElasticHandle of an ElasticBuffer.dispatch", type(handle).__name__)
+        if topk_idx is not None:
+            raise _fail(op, "topk_idx", "None in a cached dispatch (with handle)", "a tensor")
+        if do_cpu_sync:
+            raise _fail(op, "do_cpu_sync", "None or False in a cached dispatch (with handle)", do_cpu_sync)
+        if do_expand and not handle.do_expand:
+            raise _fail(op, "do_expand", "False with the handle of a compact dispatch", True)
+        for name, given, recorded in (("num_experts", num_experts, handle.num_experts),
+                                      ("expert_alignment", expert_alignment, handle.expert_alignment),
+                                      ("num_max_tokens_per_rank", num_max_tokens_per_rank,
+                                       handle.num_max_tokens_per_rank)):
+            if given is not None and given != recorded:
+                raise _fail(op, name, f"None or the handle's {recorded}", given)
+        if x.shape[0] != handle.topk_idx.shape[0]:
+            raise _fail(op, "x", f"[T={handle.topk_idx.shape[0]}, H] (the handle's dispatch)", tuple(x.shape))
+        if topk_weights is not None:
+            check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=x.device,
+                         shape=tuple(handle.topk_idx.shape))
+        check_positive_int(op, "num_sms", num_sms, 0)
+        num_sms = num_sms or handle.num_sms
+        if not handle.do_expand:
+            recv_x = ops.cached_dispatch(self.buffer, x, handle.inner, num_sms)
+            recv_w = None
+            if topk_weights is not None:
+                recv_w = _cached_weights(self.buffer, topk_weights, handle.inner, num_sms)
+                recv_w = torch.where(handle.recv_topk_idx >= 0, recv_w, torch.zeros_like(recv_w))
+            return recv_x, handle.recv_topk_idx, recv_w, handle, EventOverlap(None)
+        inner: ExpertHandle = handle.inner
+        rows = x if inner.dispatch is None else ops.cached_dispatch(self.buffer, x, inner.dispatch, num_sms)
+        if topk_weights is None:
+            return permute_rows(rows, inner.layout), None, None, handle, EventOverlap(None)
+        recv_w = (topk_weights if inner.dispatch is None
+                  else _cached_weights(self.buffer, topk_weights, inner.dispatch, num_sms))
+        expert_x, expert_w = permute_rows_and_values(rows, recv_w, inner.layout)
+        return expert_x, None, expert_w, handle, EventOverlap(None)
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: Tensor, handle: ElasticHandle, topk_weights: Tensor | None = None,
+                bias: Tensor | tuple | None = None, num_sms: int = 0, num_qps: int = 0, previous_event=None,
+                previous_event_before_epilogue=None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False, *, expert_weights: Tensor | None = None):
+        """Return the rows of the dispatch that made ``handle`` to their tokens and sum them (DeepEP V2's order).
+
+        Args:
+            x: compact: ``[N, H]``, one row per received row; expanded: ``[M, H]``, one per expanded row.
+            topk_weights: compact ``[N, K]`` / expanded ``[M]`` fp32 carried back alongside and summed per
+                (token, k) (not applied to ``x``, as in V2), or None. Expanded with weights needs
+                ``allow_multiple_reduction=True`` (as V2).
+            bias: ``[T, H]`` or a pair, added after the sum in fp32 before the one rounding.
+            num_sms: 0: the handle's. num_qps, events, async_with_compute_stream, allocate_on_comm_stream: as
+                in `dispatch`.
+            expert_weights: (ep_moe, expanded only) ``[M]`` fp32 to weight each row before the sum
+                (`ep_moe.expert_major.expert_combine`), or None.
+
+        Returns:
+            ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] fp32 or None, event)``. Compact: the
+            sums of `ep_moe.ops.combine`. Expanded: `ep_moe.expert_major.expert_combine` with the buffer's
+            ``allow_multiple_reduction``; ``combined_topk_weights[t, k]`` is the weight of the row of pair (t, k),
+            0 where ``topk_idx`` is -1.
+        """
+        op = "ElasticBuffer.combine"
+        self._check_live("combine")
+        if not isinstance(handle, ElasticHandle):
+            raise _fail(op, "handle", "the ElasticHandle of an ElasticBuffer.dispatch", type(handle).__name__)
+        check_positive_int(op, "num_sms", num_sms, 0)
+        check_positive_int(op, "num_qps", num_qps, 0)
+        _wait_for(previous_event, previous_event_before_epilogue)
+        num_sms = num_sms or handle.num_sms
+        if not handle.do_expand:
+            if expert_weights is not None:
+                raise _fail(op, "expert_weights", "None with the handle of a compact dispatch", "a tensor")
+            combined, combined_w = ops.combine(self.buffer, x, handle.inner, topk_weights, bias, num_sms)
+            return combined, combined_w, EventOverlap(None)
+        inner: ExpertHandle = handle.inner
+        layout = inner.layout
+        check_tensor(op, "x", x, dtypes=self.buffer.backend.supported_dtypes, ndim=2, device=self.buffer.device,
+                     shape=(layout.num_slots, None))
+        weight_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        for name, w in (("topk_weights", topk_weights), ("expert_weights", expert_weights)):
+            if w is not None:
+                check_tensor(op, name, w, dtypes=(weight_dtype,), ndim=1, device=x.device, shape=(layout.num_slots,))
+        if not self.allow_multiple_reduction and inner.dispatch is not None:
+            if topk_weights is not None:
+                raise _fail(op, "topk_weights", "None in the expanded layout with allow_multiple_reduction=False",
+                            "a tensor")
+            if bias is not None:
+                raise _fail(op, "bias", "None in the expanded layout with allow_multiple_reduction=False",
+                            "a tensor")
+            combined = expert_combine(self.buffer, x, inner._replace(num_sms=num_sms), expert_weights, False)
+            return combined, None, EventOverlap(None)
+        rows = unpermute_sum(x, layout, expert_weights)  # per token, this rank's rows summed, rounded once
+        pair_w = None
+        if topk_weights is not None:  # each slot's weight back to its pair (t, k); 0 where there is none
+            padded = torch.cat([topk_weights, topk_weights.new_zeros(1)])
+            slot = layout.slot_of_pair
+            pair_w = padded[torch.where(slot >= 0, slot, layout.num_slots)]
+        if inner.dispatch is not None:
+            combined, combined_w = ops.combine(self.buffer, rows, inner.dispatch, pair_w, bias, num_sms)
+            return combined, combined_w, EventOverlap(None)
+        biases = bias if isinstance(bias, tuple | list) else (bias, None)
+        if any(b is not None for b in biases):  # the one-rank combine: the same fp32 sum and one rounding
+            acc = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+            for b in biases:
+                if b is not None:
+                    check_tensor(op, "bias", b, dtypes=self.buffer.backend.supported_dtypes, ndim=2,
+                                 device=x.device, shape=tuple(rows.shape))
+                    acc = acc + b.to(acc.dtype)
+            rows = acc.to(x.dtype)
+        return rows, pair_w, EventOverlap(None)
+
+    # ---------------------------------------------------------------- lifecycle
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Wait for every rank of the group (raises after ``num_gpu_timeout_secs``); ``with_cpu_sync`` also
+        synchronizes the device before and after. ``use_comm_stream`` and ``sequential`` are accepted."""
+        self._check_live("barrier")
+        cuda = with_cpu_sync and self.buffer.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.buffer.device)
+        self.buffer.barrier()
+        if cuda:
+            torch.cuda.synchronize(self.buffer.device)
+
+    def destroy(self) -> None:
+        """Free the buffer's resources (required with ``explicitly_destroy=True``; idempotent). The buffer is
+        unusable afterwards."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self.buffer.destroy()
+
+    def __repr__(self) -> str:
+        return (f"ElasticBuffer(rank={self.rank}, num_ranks={self.num_ranks}, backend={self.buffer.backend_name!r}, "
+                f"num_bytes={self.num_bytes}, num_max_tokens_per_rank={self.num_max_tokens_per_rank})")
+
+
+__all__ = ["ALIGNMENT_BYTES", "ElasticBuffer", "ElasticHandle"]
