@@ -224,16 +224,22 @@ class ElasticBuffer:
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
-        """The SM count a dispatch with ``num_sms=0`` uses for this shape: on the native backend ep_moe's tuning
-        plan for the buffer's ``hidden`` and ``num_max_tokens_per_rank`` (`ep_moe.tuning.plan_for_layer`), else
-        the buffer default (`ep_moe.Buffer.num_sms`). The bandwidth arguments are accepted and not used."""
-        if self.buffer.backend_name != "native" or not (self.hidden and self.num_max_tokens_per_rank):
-            return Buffer.num_sms
-        return self._plan(num_experts, num_topk, self.hidden, torch.bfloat16, self.num_max_tokens_per_rank)
+        """DeepEP V2's analytic SM count for this group (`ep_moe.tuning.get_theoretical_num_sms`: one NVLink
+        domain of ``num_ranks``; 0 rates are detected). A dispatch with ``num_sms=0`` does not use it: it takes
+        ep_moe's calibrated plan (`ep_moe.tuning.plan_for_layer`) on the native backend."""
+        from .tuning import get_theoretical_num_sms
+
+        return get_theoretical_num_sms(num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs,
+                                       sm_write_gbs, num_ranks=self.num_ranks, hybrid=self.allow_hybrid_mode,
+                                       prefer_overlap_with_compute=self.prefer_overlap_with_compute)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """0: there are no RDMA queue pairs."""
-        return 0
+        """DeepEP V2's queue-pair count for ``num_sms`` (`ep_moe.tuning.get_theoretical_num_qps`) in direct mode
+        (ep_moe's group is one NVLink domain), at most ``num_allocated_qps`` when it is set. ep_moe has no RDMA
+        path yet: the count is reported, not used."""
+        from .tuning import get_theoretical_num_qps
+
+        return get_theoretical_num_qps(num_sms, False, self.num_allocated_qps)
 
     # ---------------------------------------------------------------- helpers
     def _check_live(self, op: str) -> None:
