@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .config import Recipe
 from .data import build_dataset, rank_slice
-from .metrics import Progress, RunLog, eval_record, finish, run_record, train_record
+from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
 from .parallel import (
     ParallelState,
     build_ep_buffer,
@@ -215,7 +215,7 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     tokens_per_step = recipe.tokens_per_step
     scale = 1.0 / (accum * ps.world_size)
     train_time = 0.0
-    window: list[tuple[float, int]] = []
+    throughput = Throughput(tokens_per_step)
     eval_loss: float | None = None
     step = start_step
     last_saved: int | None = None
@@ -252,22 +252,14 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
                 torch.cuda.synchronize()
             step_time = time.monotonic() - step_start
             train_time += step_time
-            window = (window + [(step_time, tokens_per_step)])[-20:]
-            tokens_per_s = sum(n for _, n in window) / max(1e-9, sum(s for s, _ in window))
+            tokens_per_s = throughput.add(step_time)
             result.losses.append(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}; lower optimizer.lr or check the data")
-            imbalance = stats.get("load_imbalance")
-            progress.update(step, loss, aux, tokens_per_s, imbalance)
-            if is_main and (step % recipe.logger.log_interval == 0 or step == t.train_iters):
-                metrics.write(train_record(step, loss, aux, lr, grad_norm, tokens_per_s, time.monotonic() - t0, stats))
+            report_step(recipe, progress, metrics, step, loss, aux, lr, grad_norm, tokens_per_s, time.monotonic() - t0,
+                        stats)
             last = step == t.train_iters
             if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
                 eval_loss = evaluate(model, dataset, recipe, ps, accum)
-                if is_main:
-                    metrics.write(eval_record(step, eval_loss, time.monotonic() - t0))
-                    gap = f" (floor {floor:.4f}, gap {eval_loss - floor:+.4f})" if floor is not None else ""
-                    progress.message(f"step {step}: eval loss {eval_loss:.4f}{gap}")
+                report_eval(progress, metrics, step, eval_loss, floor, time.monotonic() - t0)
             c = recipe.checkpoint
             due = c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0))
             if due:

@@ -279,6 +279,30 @@ def finish(recipe, records_path: str, *, steps: int, final_loss: float, eval_los
     return summary, code
 
 
+def report_step(recipe, progress: Progress, log: RunLog | None, step: int, loss: float, aux: float | None,
+                lr: float, grad_norm: float | None, tokens_per_s: float, elapsed_s: float,
+                stats: dict[str, Any]) -> None:
+    """What every engine does after a training step: a loss that is not finite stops the run (FloatingPointError
+    naming the step), the progress line, and the train record on rank 0 (``log``; None elsewhere) every
+    ``logger.log_interval`` steps and at the last one."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step}; lower optimizer.lr or check the data")
+    progress.update(step, loss, aux if aux is not None else float("nan"), tokens_per_s, stats.get("load_imbalance"))
+    if log is not None and (step % recipe.logger.log_interval == 0 or step == recipe.train.train_iters):
+        log.write(train_record(step, loss, aux, lr, grad_norm, tokens_per_s, elapsed_s, stats))
+
+
+def report_eval(progress: Progress, log: RunLog | None, step: int, eval_loss: float, floor: float | None,
+                elapsed_s: float) -> None:
+    """What every engine does after an evaluation: on rank 0 (``log``) the eval record and a progress line with
+    the gap to the entropy floor."""
+    if log is None:
+        return
+    log.write(eval_record(step, eval_loss, elapsed_s))
+    gap = f" (floor {floor:.4f}, gap {eval_loss - floor:+.4f})" if floor is not None else ""
+    progress.message(f"step {step}: eval loss {eval_loss:.4f}{gap}")
+
+
 class Throughput:
     """Tokens per second over the last ``window`` steps (what the progress line and the records show)."""
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -242,11 +241,11 @@ def train_rank(recipe: DeepSpeedRecipe, device: torch.device) -> dict[str, Any]:
     from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
     from ep_moe.train.metrics import (
         Throughput,
-        eval_record,
         finish,
         imbalance_stats,
+        report_eval,
+        report_step,
         start_engine_run,
-        train_record,
     )
 
     started_all = time.perf_counter()
@@ -311,19 +310,12 @@ def train_rank(recipe: DeepSpeedRecipe, device: torch.device) -> dict[str, Any]:
             train_time += step_time
             tokens_per_s = throughput.add(step_time)
             aux_term = m.moe_aux_loss_coeff * aux_losses[-1]
-            if not math.isfinite(losses[-1]):
-                raise FloatingPointError(f"loss is {losses[-1]} at step {step}; lower optimizer.lr or check the data")
-            progress.update(step, losses[-1], aux_term, tokens_per_s, stats.get("load_imbalance"))
+            report_step(recipe, progress, log, step, losses[-1], aux_term, lr, grad_norm, tokens_per_s,
+                        time.perf_counter() - started_all, stats)
             last = step == t.train_iters
-            if log is not None and (step % recipe.logger.log_interval == 0 or last):
-                log.write(train_record(step, losses[-1], aux_term, lr, grad_norm, tokens_per_s,
-                                       time.perf_counter() - started_all, stats))
             if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
                 eval_loss = _evaluate(engine, data, recipe, rank, world, device)
-                if log is not None:
-                    log.write(eval_record(step, eval_loss, time.perf_counter() - started_all))
-                    gap = f" (floor {floor:.4f}, gap {eval_loss - floor:+.4f})" if floor is not None else ""
-                    progress.message(f"step {step}: eval loss {eval_loss:.4f}{gap}")
+                report_eval(progress, log, step, eval_loss, floor, time.perf_counter() - started_all)
             if c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0)):
                 engine.save_checkpoint(c.save, tag=ckpt.step_dir_name(step), client_state={"step": step})
                 saved = os.path.join(c.save, ckpt.step_dir_name(step))

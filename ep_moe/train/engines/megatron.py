@@ -298,11 +298,11 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
     from ep_moe.train.metrics import (
         Throughput,
-        eval_record,
         finish,
         imbalance_stats,
+        report_eval,
+        report_step,
         start_engine_run,
-        train_record,
     )
     from ep_moe.train.schedule import recipe_lr
 
@@ -452,20 +452,12 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
             step_time = time.perf_counter() - step_started
             train_time += step_time
             tokens_per_s = throughput.add(step_time)
-            if not math.isfinite(losses[-1]):
-                raise FloatingPointError(f"loss is {losses[-1]} at step {step}; lower optimizer.lr or check the data")
-            progress.update(step, losses[-1], aux_loss if aux_loss is not None else float("nan"), tokens_per_s,
-                            stats.get("load_imbalance"))
+            report_step(recipe, progress, log, step, losses[-1], aux_loss, lr, grad_norm, tokens_per_s,
+                        time.perf_counter() - started, stats)
             last = step == t.train_iters
-            if log is not None and (step % recipe.logger.log_interval == 0 or last):
-                log.write(train_record(step, losses[-1], aux_loss, lr, grad_norm, tokens_per_s,
-                                       time.perf_counter() - started, stats))
             if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
                 evals.append((step, evaluate()))
-                if log is not None:
-                    log.write(eval_record(step, evals[-1][1], time.perf_counter() - started))
-                    gap = f" (floor {floor:.4f}, gap {evals[-1][1] - floor:+.4f})" if floor is not None else ""
-                    progress.message(f"step {step}: eval loss {evals[-1][1]:.4f}{gap}")
+                report_eval(progress, log, step, evals[-1][1], floor, time.perf_counter() - started)
             if c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0)):
                 summary["checkpoint"] = save_checkpoint(recipe, model, optimizer, step, rank, world)
             if stop_now:
