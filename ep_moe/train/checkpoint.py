@@ -35,6 +35,13 @@ LATEST = "latest"
 FILES = ("model.pt", "optimizer.pt", "trainer.pt")
 
 
+def save_due(checkpoint, step: int, last: bool, stopping: bool) -> bool:
+    """Whether every engine saves after ``step``: with ``checkpoint.save`` set, at the last step, when stopping
+    (Ctrl-C), and every ``checkpoint.save_interval`` steps (0: never in between)."""
+    c = checkpoint
+    return c.save is not None and (last or stopping or bool(c.save_interval and step % c.save_interval == 0))
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 

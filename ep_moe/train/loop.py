@@ -261,8 +261,7 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
                 eval_loss = evaluate(model, dataset, recipe, ps, accum)
                 report_eval(progress, metrics, step, eval_loss, floor, time.monotonic() - t0)
             c = recipe.checkpoint
-            due = c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0))
-            if due:
+            if ckpt.save_due(c, step, last, stop_now):
                 result.checkpoint = ckpt.save_checkpoint(recipe, model, optimizer, ps, step)
                 last_saved = step
             if stop_now:

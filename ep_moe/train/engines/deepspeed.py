@@ -191,7 +191,8 @@ def find_checkpoint(recipe: DeepSpeedRecipe) -> str | None:
     from ep_moe.train import checkpoint as ckpt
 
     c = recipe.checkpoint
-    return ckpt.find_engine_checkpoint(c.save, c.load, c.resume, _is_deepspeed_checkpoint, "a DeepSpeed checkpoint folder (with *model_states.pt files)")
+    return ckpt.find_engine_checkpoint(c.save, c.load, c.resume, _is_deepspeed_checkpoint,
+                                       "a DeepSpeed checkpoint folder (with *model_states.pt files)")
 
 
 def _rng_file(folder: str, rank: int) -> str:
@@ -316,7 +317,7 @@ def train_rank(recipe: DeepSpeedRecipe, device: torch.device) -> dict[str, Any]:
             if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
                 eval_loss = _evaluate(engine, data, recipe, rank, world, device)
                 report_eval(progress, log, step, eval_loss, floor, time.perf_counter() - started_all)
-            if c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0)):
+            if ckpt.save_due(c, step, last, stop_now):
                 engine.save_checkpoint(c.save, tag=ckpt.step_dir_name(step), client_state={"step": step})
                 saved = os.path.join(c.save, ckpt.step_dir_name(step))
                 _save_rng_state(saved, rank, world)

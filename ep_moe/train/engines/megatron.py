@@ -227,7 +227,8 @@ def find_checkpoint(recipe: MegatronRecipe) -> str | None:
     from ep_moe.train import checkpoint as ckpt
 
     c = recipe.checkpoint
-    return ckpt.find_engine_checkpoint(c.save, c.load, c.resume, _is_megatron_checkpoint, f"a megatron engine checkpoint folder (with {TRAINER_FILE})")
+    return ckpt.find_engine_checkpoint(c.save, c.load, c.resume, _is_megatron_checkpoint,
+                                       f"a megatron engine checkpoint folder (with {TRAINER_FILE})")
 
 
 def save_checkpoint(recipe: MegatronRecipe, model, optimizer, step: int, rank: int, world: int) -> str:
@@ -294,6 +295,7 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from ep_moe.integrations.megatron import destroy_ep_buffers
+    from ep_moe.train import checkpoint as ckpt
     from ep_moe.train.data import build_dataset, rank_slice
     from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
     from ep_moe.train.metrics import (
@@ -458,7 +460,7 @@ def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
             if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
                 evals.append((step, evaluate()))
                 report_eval(progress, log, step, evals[-1][1], floor, time.perf_counter() - started)
-            if c.save is not None and (last or stop_now or (c.save_interval and step % c.save_interval == 0)):
+            if ckpt.save_due(c, step, last, stop_now):
                 summary["checkpoint"] = save_checkpoint(recipe, model, optimizer, step, rank, world)
             if stop_now:
                 interrupted = True
