@@ -87,13 +87,21 @@ def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: T
 
 def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
                           expert_alignment: int = 1, num_worst_tokens: int = 0, *, check_values: bool = True,
-                          num_sms: int = 0) -> ExpertDispatchOutput:
+                          num_sms: int = 0, expert_capacity: int = 0) -> ExpertDispatchOutput:
     """`expert_dispatch` with every expert in this process (a one-rank group, or no group at all): the
     tokens are the received rows, in order, so they are permuted directly. ``check_values``: also check the
-    expert ids' range (a host sync; never during CUDA-graph capture or in fixed size)."""
+    expert ids' range (a host sync; never during CUDA-graph capture or in fixed size).
+
+    ``expert_capacity`` C > 0 (alignment 1, exact size): every expert gets exactly C rows (``M = L * C``, as
+    DeepSpeed's capacity buffer), its first C pairs in (token, k) order and zero padding; a pair past C is
+    dropped (its token gets nothing from that expert). The counts are ``[C] * L`` on the host, with no host read."""
     op = "expert_dispatch"
     check_positive_int(op, "expert_alignment", expert_alignment, 1)
     check_positive_int(op, "num_worst_tokens", num_worst_tokens, 0)
+    check_positive_int(op, "expert_capacity", expert_capacity, 0)
+    if expert_capacity and (expert_alignment != 1 or num_worst_tokens):
+        raise _fail(op, "expert_capacity", "0 unless expert_alignment is 1 and num_worst_tokens 0",
+                    expert_capacity)
     if not isinstance(x, Tensor):
         raise _fail(op, "x", "a [T, H] tensor", type(x).__name__)
     check_tensor(op, "x", x, dtypes=HIDDEN_DTYPES + (torch.float64,), ndim=2, device=x.device)
@@ -106,7 +114,7 @@ def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num
                     num_worst_tokens)
     num_slots = max_slots(num_worst_tokens, topk_idx.shape[1], num_experts, expert_alignment) \
         if num_worst_tokens else None
-    layout = expert_layout(topk_idx, num_experts, expert_alignment, num_slots)
+    layout = expert_layout(topk_idx, num_experts, expert_alignment, num_slots, expert_capacity)
     handle = ExpertHandle(layout, None, topk_idx, num_sms)
     counts = None if num_worst_tokens else layout.tokens_per_expert_host.tolist()
     expert_x, expert_weights = permute_rows_and_values(x, topk_weights, layout)

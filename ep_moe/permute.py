@@ -64,13 +64,17 @@ def max_slots(num_rows: int, num_topk: int, num_experts: int, alignment: int) ->
     return num_rows * min(num_topk, num_experts) + num_experts * (alignment - 1)
 
 
-def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_slots: int | None = None
-                  ) -> ExpertLayout:
+def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_slots: int | None = None,
+                  capacity: int = 0) -> ExpertLayout:
     """The expert-major layout of ``topk_idx [N, K]`` int64 (expert ids in ``[0, num_experts)``, -1 = none).
 
     ``num_slots``: None = exactly the aligned total (one host read, which also brings the counts to the host:
     ``tokens_per_expert_host``); else M, a bound at least that large (`max_slots` always is): nothing waits on
     the host, and the slots past the total are padding. An id outside ``[0, num_experts)`` is not a pair.
+
+    ``capacity`` C > 0 (with ``alignment`` 1): every expert owns exactly C slots (``M = L * C``, expert e's from
+    ``e * C``; DeepSpeed's capacity buffer), its first C pairs in ``(i, k)`` order fill them and any later pair
+    has no slot (dropped: its rows get nothing back); ``tokens_per_expert_host`` is ``[C] * L``, with no host read.
     """
     if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
         raise ValueError(f"expert_layout: argument 'topk_idx' must be a [N, K] int64 tensor, got "
@@ -81,33 +85,48 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
         raise ValueError(f"expert_layout: argument 'num_experts' must be >= 1, got {num_experts}")
     if num_slots is not None and num_slots < 0:
         raise ValueError(f"expert_layout: argument 'num_slots' must be >= 0, got {num_slots}")
+    if capacity < 0:
+        raise ValueError(f"expert_layout: argument 'capacity' must be >= 0, got {capacity}")
+    if capacity and alignment != 1:
+        raise ValueError(f"expert_layout: argument 'alignment' must be 1 with a capacity, got {alignment}")
+    if capacity and num_slots not in (None, num_experts * capacity):
+        raise ValueError(f"expert_layout: argument 'num_slots' must be None or num_experts * capacity = "
+                         f"{num_experts * capacity} with a capacity, got {num_slots}")
     if _implementation(topk_idx) == "native" and num_experts <= NATIVE_MAX_EXPERTS:
         *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment,
-                                                               -1 if num_slots is None else num_slots)
-        return ExpertLayout(*tensors, host if num_slots is None else None)
-    return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots)
+                                                               -1 if num_slots is None else num_slots, capacity)
+        return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
+    return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots, capacity)
 
 
-def _expert_layout_torch(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None
-                         ) -> ExpertLayout:
+def _expert_layout_torch(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None,
+                         capacity: int = 0) -> ExpertLayout:
     num_rows, num_topk = topk_idx.shape
     num_pairs = num_rows * num_topk
     device = topk_idx.device
     key = torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, num_experts).flatten()
     order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
     pairs = count_values(key, num_experts + 1)[:num_experts]
-    padded = round_up(pairs, alignment)
-    host = None
-    if num_slots is None:
-        host = padded.cpu()
-        num_slots = int(host.sum())
     first_pair = torch.cumsum(pairs, 0) - pairs
+    host = None
+    if capacity:
+        padded = torch.full_like(pairs, capacity)
+        host = torch.full((num_experts,), capacity, dtype=torch.int64)
+        num_slots = num_experts * capacity
+        pairs = pairs.clamp(max=capacity)
+    else:
+        padded = round_up(pairs, alignment)
+        if num_slots is None:
+            host = padded.cpu()
+            num_slots = int(host.sum())
     first_slot = torch.cumsum(padded, 0) - padded
     sorted_key = key[order]
     is_pair = sorted_key < num_experts
     expert = sorted_key.clamp(max=num_experts - 1)
-    position = torch.arange(num_pairs, device=device)
-    slot = torch.where(is_pair, first_slot[expert] + position - first_pair[expert], num_slots)
+    within = torch.arange(num_pairs, device=device) - first_pair[expert]  # the pair's place in its expert
+    if capacity:
+        is_pair &= within < capacity
+    slot = torch.where(is_pair, first_slot[expert] + within, num_slots)
     # one spare entry takes every non-pair (and, with a bound that is too small, every pair past it)
     pair_of_slot = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64, device=device)
     pair_of_slot.scatter_(0, slot.clamp(max=num_slots), torch.where(is_pair, order, num_pairs))
