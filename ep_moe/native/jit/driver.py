@@ -1,0 +1,140 @@
+"""Loading and launching CUBINs with the CUDA driver API (``libcuda`` through ctypes): a module per (binary,
+device), loaded into the device's primary context (the one torch uses), and launches on a given stream (torch's
+current stream, so CUDA graph capture records them).
+
+Per launch the host work is one ctypes structure holding the arguments (its type built once per kernel
+signature), one array of pointers into it, and the ``cuLaunchKernel`` call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+CUDA_SUCCESS = 0
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the function attribute
+
+# Argument kinds of a kernel signature, as ctypes types (a pointer is passed as its integer address).
+PTR, I64, I32, U32, F32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed (the message names the call and the error)."""
+
+
+class _Driver:
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise DriverError(f"the CUDA driver library libcuda.so.1 does not load ({exc})") from exc
+        self.lib = lib
+        vp, c_uint, c_int = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        lib.cuGetErrorName.argtypes = [c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuLaunchKernel.argtypes = [vp, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, vp,
+                                       ctypes.POINTER(vp), ctypes.POINTER(vp)]
+        lib.cuLaunchKernel.restype = c_int
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+        lib.cuFuncSetAttribute.argtypes = [vp, c_int, c_int]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuCtxSetCurrent.argtypes = [vp]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(c_int), c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), c_int]
+        self.check(lib.cuInit(0), "cuInit")
+
+    def check(self, status: int, call: str) -> None:
+        if status != CUDA_SUCCESS:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(status, ctypes.byref(name))
+            raise DriverError(f"jit: {call} failed: {name.value.decode() if name.value else status}")
+
+    def use_primary_context(self, device: int) -> None:
+        """Make ``device``'s primary context current on this thread (torch's contexts are the primary ones)."""
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        current = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value != ctx.value:
+            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+_driver: _Driver | None = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> _Driver:
+    """The loaded driver; raises `DriverError` when libcuda is absent or does not initialize."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            _driver = _Driver()
+        return _driver
+
+
+class Function:
+    """One ``extern "C" __global__`` function of a loaded module, with its argument signature (a sequence of
+    `PTR`/`I64`/`I32`/`U32`/`F32`, in the kernel's order). `launch` takes the arguments as Python ints/floats
+    (pointers as ``tensor.data_ptr()``, 0 for null)."""
+
+    def __init__(self, handle: int, name: str, signature: Sequence[type], max_dynamic_shared: int = 0,
+                 launch_fn=None) -> None:
+        self.handle = ctypes.c_void_p(handle)
+        self.name = name
+        fields = [(f"a{i}", t) for i, t in enumerate(signature)]
+        self._args_type = type(f"Args_{name}", (ctypes.Structure,), {"_fields_": fields})
+        self._offsets = tuple(getattr(self._args_type, f).offset for f, _ in fields)
+        self._params_type = ctypes.c_void_p * max(len(fields), 1)
+        # launch_fn: cuLaunchKernel's signature; another callable only to time the host side without a GPU
+        self._launch = launch_fn if launch_fn is not None else driver().lib.cuLaunchKernel
+        self.max_dynamic_shared = max_dynamic_shared
+
+    def launch(self, grid: int | tuple[int, int, int], block: int, stream: int, *args: int | float,
+               shared_bytes: int = 0) -> None:
+        """Enqueue on ``stream`` (a ``cudaStream_t`` as int, e.g. ``torch.cuda.current_stream().cuda_stream``).
+        Raises `DriverError` when the launch is refused."""
+        packed = self._args_type(*args)
+        base = ctypes.addressof(packed)
+        params = self._params_type(*[base + off for off in self._offsets])
+        gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
+        status = self._launch(self.handle, gx, gy, gz, block, 1, 1, shared_bytes, stream, params, None)
+        if status != CUDA_SUCCESS:
+            driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
+                                   f"shared={shared_bytes})")
+
+
+class Module:
+    """A CUBIN loaded on one device; `function` looks a kernel up (once per name and signature)."""
+
+    def __init__(self, cubin: bytes, device: int, label: str) -> None:
+        drv = driver()
+        drv.use_primary_context(device)
+        self.label, self.device = label, device
+        self._cubin = cubin  # the driver reads the image during the load only; kept for reference
+        handle = ctypes.c_void_p()
+        drv.check(drv.lib.cuModuleLoadData(ctypes.byref(handle), cubin), f"cuModuleLoadData({label})")
+        self.handle = handle
+        self._functions: dict[tuple, Function] = {}
+
+    def function(self, name: str, signature: Sequence[type], max_dynamic_shared: int = 0) -> Function:
+        """``name`` of this module; ``max_dynamic_shared`` > 48 KiB raises the function's dynamic shared memory
+        limit (``cuFuncSetAttribute``)."""
+        cache_key = (name, tuple(signature), max_dynamic_shared)
+        found = self._functions.get(cache_key)
+        if found is None:
+            drv = driver()
+            drv.use_primary_context(self.device)
+            handle = ctypes.c_void_p()
+            drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(handle), self.handle, name.encode()),
+                      f"cuModuleGetFunction({self.label}, {name})")
+            if max_dynamic_shared > STATIC_SHARED_LIMIT:
+                drv.check(drv.lib.cuFuncSetAttribute(handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                     max_dynamic_shared), f"cuFuncSetAttribute({name})")
+            found = self._functions[cache_key] = Function(handle.value, name, signature, max_dynamic_shared)
+        return found
+
+
+__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver"]
