@@ -20,42 +20,16 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import multiprocessing as mp
-import os
 from pathlib import Path
 
 import pytest
+from support_jit import FakeCompiler
 
 from ep_moe.native import jit
 from ep_moe.native.jit import cache as jit_cache
 from ep_moe.native.jit.cache import KernelCache, cache_key
 from ep_moe.native.jit.compilers import FLAGS, CompileError
 from ep_moe.native.jit.source import KernelSource
-
-
-class FakeCompiler:
-    """Writes ``FAKECUBIN`` + sha256(source, defines, flags, arch, version); appends a line to ``log`` per compile."""
-
-    name = "fake"
-
-    def __init__(self, version: str = "1.0", log: Path | None = None, delay_s: float = 0.0, fail: bool = False):
-        self.identity = f"fake {version}"
-        self.log, self.delay_s, self.fail = log, delay_s, fail
-
-    def compile(self, source, include_dirs, defines, flags, arch) -> bytes:
-        if self.log is not None:
-            with open(self.log, "a", encoding="utf-8") as f:
-                f.write(f"{os.getpid()}\n")
-        if self.delay_s:
-            import time
-
-            time.sleep(self.delay_s)
-        if self.fail:
-            raise CompileError(f"jit: {self.identity} could not compile {source}:\n{source}(3): error: fake failure")
-        text = "|".join([source.read_text(), repr(tuple(defines)), repr(tuple(flags)), arch, self.identity])
-        return b"FAKECUBIN" + hashlib.sha256(text.encode()).digest()
-
-    def compiles(self) -> int:
-        return len(self.log.read_text().splitlines()) if self.log is not None and self.log.exists() else 0
 
 
 @pytest.fixture

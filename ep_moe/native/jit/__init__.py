@@ -106,19 +106,17 @@ def build(source: KernelSource, arch: str, compiler_: Compiler | None = None,
     if key in _failures:
         raise _failures[key]
     label = f"{source.label}-{arch}"
-    builds, start = store.builds, time.perf_counter()
+    start = time.perf_counter()
 
     def run_compiler() -> bytes:
         return compiler_.compile(source.file, [KERNELS_DIR], source.defines, FLAGS, arch)
 
     try:
-        payload = store.get_or_build(key, label, inputs, run_compiler)
+        payload, how = store.get_or_build(key, label, inputs, run_compiler)
     except CompileError as exc:
         _failures[key] = exc
         raise
-    seconds = time.perf_counter() - start
-    _history.append(LoadEvent(label, "compiled" if store.builds > builds else
-                              ("disk" if seconds > 1e-4 else "memory"), seconds))
+    _history.append(LoadEvent(label, how, time.perf_counter() - start))
     return payload
 
 

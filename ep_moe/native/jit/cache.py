@@ -92,7 +92,7 @@ def _safe_label(label: str) -> str:
 
 class KernelCache:
     """Binaries by key: `get_or_build` returns the payload from memory, else from a valid disk entry, else builds
-    it (once across processes, under the key's lock) and publishes it. Thread-safe.
+    it (once across processes, under the key's lock file) and publishes it. Thread-safe.
 
     ``directory``: None = `default_cache_dir`. An unwritable directory is not an error: binaries are then built
     in memory only, and a warning says so once.
@@ -102,7 +102,8 @@ class KernelCache:
         self.directory = Path(directory) if directory is not None else default_cache_dir()
         self.lock_timeout_s = lock_timeout_s
         self._memory: dict[str, bytes] = {}
-        self._mutex = threading.Lock()
+        self._mutex = threading.Lock()  # guards the dicts; a per-key lock serializes the build of one key
+        self._key_locks: dict[str, threading.Lock] = {}
         self._warned = False
         self.builds = 0  # how many times this object ran a build (for reports and tests)
 
@@ -124,44 +125,54 @@ class KernelCache:
             log.warning("ep_moe.jit: %s; rebuilding", exc)
             return None
 
-    def get_or_build(self, key: str, label: str, inputs: Mapping[str, Any], build: Callable[[], bytes]) -> bytes:
-        """The payload of ``key``: memory, disk, else ``build()`` (its exceptions propagate; nothing is published)."""
+    def get_or_build(self, key: str, label: str, inputs: Mapping[str, Any], build: Callable[[], bytes]
+                     ) -> tuple[bytes, str]:
+        """``(payload of key, where it came from: "memory", "disk" or "compiled")``: memory, disk, else ``build()``
+        (its exceptions propagate; nothing is published). Threads building different keys run in parallel."""
         with self._mutex:
             if key in self._memory:
-                return self._memory[key]
-            payload = self._load_or_build(key, label, inputs, build)
-            self._memory[key] = payload
-            return payload
+                return self._memory[key], "memory"
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._mutex:
+                if key in self._memory:
+                    return self._memory[key], "memory"
+            payload, how = self._load_or_build(key, label, inputs, build)
+            with self._mutex:
+                self._memory[key] = payload
+            return payload, how
 
-    def _load_or_build(self, key: str, label: str, inputs: Mapping[str, Any], build: Callable[[], bytes]) -> bytes:
+    def _load_or_build(self, key: str, label: str, inputs: Mapping[str, Any], build: Callable[[], bytes]
+                       ) -> tuple[bytes, str]:
         path = self.path_of(key, label)
         entry = self.read(path)
         if entry is not None:
-            return entry.payload
+            return entry.payload, "disk"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             lock = open(self.directory / f".{path.stem}.lock", "a+b")  # noqa: SIM115 (closed below)
         except OSError as exc:
             self._warn(f"cannot write to {self.directory} ({exc})")
-            return self._build(build)[0]
+            return self._build(build)[0], "compiled"
         try:
             self._lock(lock, path)
             entry = self.read(path)  # another process may have published it while this one waited
             if entry is not None:
-                return entry.payload
+                return entry.payload, "disk"
             payload, seconds = self._build(build)
             meta = {"label": label, "key": key, "inputs": dict(inputs), "compile_s": round(seconds, 3),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             self._publish(path, encode_entry(meta, payload))
             log.info("ep_moe.jit: compiled %s in %.2f s -> %s", label, seconds, path)
-            return payload
+            return payload, "compiled"
         finally:
             lock.close()  # releases the flock
 
     def _build(self, build: Callable[[], bytes]) -> tuple[bytes, float]:
         start = time.perf_counter()
         payload = build()
-        self.builds += 1
+        with self._mutex:
+            self.builds += 1
         if not isinstance(payload, bytes) or not payload:
             raise RuntimeError(f"jit: the build returned {type(payload).__name__} of length "
                                f"{len(payload) if isinstance(payload, bytes) else '-'}, not a binary")
@@ -227,6 +238,18 @@ class KernelCache:
             except (OSError, ValueError) as exc:
                 out.append((path, str(exc)))
         return out
+
+    def describe(self) -> list[str]:
+        """One line per disk entry: label and architecture (compiler, compile time, size); an invalid one says why."""
+        lines = []
+        for entry in self.entries():
+            if isinstance(entry, tuple):
+                lines.append(f"INVALID {entry[0].name}: {entry[1]}")
+                continue
+            meta = entry.meta
+            lines.append(f"{meta.get('label', entry.path.name)} ({meta.get('inputs', {}).get('compiler')}, "
+                         f"compiled in {meta.get('compile_s', '?')} s, {meta['size']} bytes)")
+        return lines
 
     def forget_memory(self) -> None:
         """Drop the in-process level (the disk level stays)."""

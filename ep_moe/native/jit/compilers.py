@@ -70,10 +70,11 @@ class NvccCompiler:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"{path} --version failed: {out.stderr.strip()}")
+        # "Cuda compilation tools, release 13.0, V13.0.88" and "Build cuda_13.0.r13.0/compiler.36424714_0"
         lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
-        release = next((line for line in lines if "release" in line), lines[-1] if lines else "unknown")
-        build = lines[-1] if lines else ""
-        self.identity = f"nvcc {release.split('release')[-1].strip(' ,')} ({build})"
+        release = next((line for line in lines if "release" in line), "unknown")
+        build = lines[-1].removeprefix("Build ") if lines else ""
+        self.identity = f"nvcc {release.rsplit(',', 1)[-1].strip().lstrip('V')} ({build})"
 
     def compile(self, source: Path, include_dirs: Sequence[Path], defines: Sequence[Define], flags: Sequence[str],
                 arch: str) -> bytes:

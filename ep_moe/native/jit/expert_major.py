@@ -202,5 +202,41 @@ def unpermute_sum_backward(grad_out: Tensor, y: Tensor, weights: Tensor | None, 
     return grad_y, grad_w
 
 
-__all__ = ["MAX_EXPERTS", "expert_layout", "pack_elements", "permute_rows", "row_word_bytes", "unpermute_sum",
-           "unpermute_sum_backward"]
+
+
+# ------------------------------------------------------------------------------------------ ahead of time
+SHAPE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+def specializations(hidden: int, topk: int, experts: int, dtype: str = "bf16") -> list[KernelSource]:
+    """The kernel specializations that the expert-major permute and reduce (forward and backward, with and without
+    values and weights) take for rows of ``hidden`` elements of ``dtype`` (``bf16``, ``fp32``, or ``fp8``: rows
+    that are only permuted), ``topk`` and ``experts`` local experts, at 16-byte aligned addresses (what torch's
+    allocator gives): what ``ep-moe jit warmup`` compiles. Raises ``ValueError`` naming a bad argument."""
+    if dtype not in SHAPE_DTYPES:
+        raise ValueError(f"specializations: argument 'dtype' must be one of {sorted(SHAPE_DTYPES)}, got {dtype!r}")
+    for name, value, low in (("hidden", hidden, 1), ("topk", topk, 1), ("experts", experts, 1)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"specializations: argument '{name}' must be an integer >= {low}, got {value!r}")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"specializations: argument 'experts' must be <= {MAX_EXPERTS} (more use torch), got {experts}")
+    element = torch.empty(0, dtype=SHAPE_DTYPES[dtype]).element_size()
+    row_bytes = hidden * element
+    word = next(w for w in (16, 4, 2, 1) if row_bytes % w == 0)
+    out = [KernelSource.of("expert_layout.cu", {"EP_EXPERTS": experts, "EP_TOPK": topk})]
+    out += [KernelSource.of("permute_rows.cu", {"EP_ROW_WORDS": row_bytes // word, "EP_TOPK": topk,
+                                                "EP_VALUES": values, "EP_WORD_BYTES": word}) for values in (0, 1)]
+    if dtype == "fp8":
+        return out
+    vec = 16 // element if hidden % (16 // element) == 0 else 1
+    rows = {"EP_DTYPE": ROW_DTYPES[SHAPE_DTYPES[dtype]], "EP_PACKS": hidden // vec, "EP_TOPK": topk, "EP_VEC": vec}
+    for weighted, pair_values in ((1, 0), (0, 0), (0, 1)):
+        out.append(KernelSource.of("unpermute_sum.cu", {**rows, "EP_WEIGHTED": weighted, "EP_PAIR_VALUES": pair_values}))
+    for weighted, grad_y, grad_w in ((1, 1, 1), (1, 1, 0), (1, 0, 1), (0, 1, 0)):
+        out.append(KernelSource.of("unpermute_sum_backward.cu", {**rows, "EP_WEIGHTED": weighted, "EP_GRAD_Y": grad_y,
+                                                                 "EP_GRAD_W": grad_w}))
+    return out
+
+
+__all__ = ["MAX_EXPERTS", "SHAPE_DTYPES", "expert_layout", "pack_elements", "permute_rows", "row_word_bytes",
+           "specializations", "unpermute_sum", "unpermute_sum_backward"]
