@@ -1,7 +1,8 @@
 """The JIT expert-major kernels' host side on CPU: ``ep-moe jit warmup`` and ``list`` (with a fake compiler), the
 ``ep-moe env`` lines, that `specializations` (what warmup compiles) covers every specialization the launchers ask
 for in a forward and backward pass, with the argument count of each kernel's signature, and, where nvcc is
-installed, that every kernel source compiles standalone with it (``nvcc -std=c++17 -arch=sm_90 -cubin``)."""
+installed, that every kernel source compiles standalone with it (``nvcc -std=c++17 -arch=sm_90 -cubin``), and
+likewise with NVRTC where a libnvrtc is found."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from support_jit import FakeCompiler
 from ep_moe.cli import jit as jit_cli
 from ep_moe.native import jit
 from ep_moe.native.jit import expert_major as J
-from ep_moe.native.jit.compilers import NvccCompiler, find_nvcc
+from ep_moe.native.jit.compilers import NvccCompiler, find_nvcc, find_nvrtc
 
 
 @pytest.fixture
@@ -121,10 +122,20 @@ def test_specializations_check_their_arguments():
         J.specializations(64, 0, 4)
 
 
-@pytest.mark.skipif(find_nvcc()[0] is None or shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_every_kernel_source_compiles_with_nvcc(tmp_path):
-    """One specialization of each source (plus 1- and 2-byte words), compiled standalone by nvcc for sm_90."""
-    nvcc = NvccCompiler(find_nvcc()[0])
+def _compiler(name: str):
+    if name == "nvcc":
+        path = find_nvcc()[0]
+        return NvccCompiler(path) if path and shutil.which("nvcc") else None
+    return find_nvrtc()[0]
+
+
+@pytest.mark.parametrize("name", ["nvcc", "nvrtc"])
+def test_every_kernel_source_compiles(tmp_path, name):
+    """One specialization of each source (plus 1- and 2-byte words), compiled standalone for sm_90 by nvcc or by
+    NVRTC (with no include path but the kernels' folder: no host or toolkit header)."""
+    compiler = _compiler(name)
+    if compiler is None:
+        pytest.skip(f"{name} is not installed here")
     sources = J.specializations(37, 3, 5, "fp32")
     picked = {s.file.name: s for s in sources}  # the last of each file
     picked["words"] = J.specializations(7, 2, 3, "bf16")[1]  # 14-byte rows: 2-byte words
@@ -133,5 +144,5 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
 
     store = jit.KernelCache(tmp_path)
     with ThreadPoolExecutor(4) as pool:
-        cubins = list(pool.map(lambda s: jit.build(s, "sm_90", nvcc, store), picked.values()))
+        cubins = list(pool.map(lambda s: jit.build(s, "sm_90", compiler, store), picked.values()))
     assert all(c[:4] == b"\x7fELF" for c in cubins), "a CUBIN is an ELF image"

@@ -158,7 +158,8 @@ class NvrtcCompiler:
         self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), text, str(source).encode(), 0, None, None),
                     "nvrtcCreateProgram")
         try:
-            options = [("--std=c++17" if f == "-std=c++17" else "--dopt=on" if f == "-O3" else f) for f in flags]
+            # NVRTC optimizes device code fully by default and has no -O flag
+            options = [("--std=c++17" if f == "-std=c++17" else f) for f in flags if f != "-O3"]
             dirs = dict.fromkeys([str(source.parent), *map(str, include_dirs)])
             options += [f"--gpu-architecture={arch}", *(f"-I{d}" for d in dirs), *(f"-D{k}={v}" for k, v in defines)]
             argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))

@@ -44,6 +44,7 @@ class _Driver:
         lib.cuDeviceGet.argtypes = [ctypes.POINTER(c_int), c_int]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), c_int]
         self.check(lib.cuInit(0), "cuInit")
+        self._primary: dict[int, ctypes.c_void_p] = {}
 
     def check(self, status: int, call: str) -> None:
         if status != CUDA_SUCCESS:
@@ -53,9 +54,12 @@ class _Driver:
 
     def use_primary_context(self, device: int) -> None:
         """Make ``device``'s primary context current on this thread (torch's contexts are the primary ones)."""
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        ctx = self._primary.get(device)
+        if ctx is None:  # retained once per device, for the process's life (as torch does)
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._primary[device] = ctx
         current = ctypes.c_void_p()
         self.check(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
         if current.value != ctx.value:
@@ -63,6 +67,7 @@ class _Driver:
 
 
 _driver: _Driver | None = None
+_thread = threading.local()  # the device whose primary context this thread made current (Function.launch)
 _driver_lock = threading.Lock()
 
 
@@ -81,8 +86,9 @@ class Function:
     (pointers as ``tensor.data_ptr()``, 0 for null)."""
 
     def __init__(self, handle: int, name: str, signature: Sequence[type], max_dynamic_shared: int = 0,
-                 launch_fn=None) -> None:
+                 launch_fn=None, device: int | None = None) -> None:
         self.handle = ctypes.c_void_p(handle)
+        self.device = device  # its module's device: launches make that primary context current once per thread
         self.name = name
         fields = [(f"a{i}", t) for i, t in enumerate(signature)]
         self._args_type = type(f"Args_{name}", (ctypes.Structure,), {"_fields_": fields})
@@ -96,6 +102,10 @@ class Function:
                shared_bytes: int = 0) -> None:
         """Enqueue on ``stream`` (a ``cudaStream_t`` as int, e.g. ``torch.cuda.current_stream().cuda_stream``).
         Raises `DriverError` when the launch is refused."""
+        if self.device is not None and getattr(_thread, "device", None) != self.device:
+            # a thread that has not touched CUDA through the runtime yet may have no current context
+            driver().use_primary_context(self.device)
+            _thread.device = self.device
         packed = self._args_type(*args)
         base = ctypes.addressof(packed)
         params = self._params_type(*[base + off for off in self._offsets])
@@ -133,7 +143,8 @@ class Module:
             if max_dynamic_shared > STATIC_SHARED_LIMIT:
                 drv.check(drv.lib.cuFuncSetAttribute(handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                      max_dynamic_shared), f"cuFuncSetAttribute({name})")
-            found = self._functions[cache_key] = Function(handle.value, name, signature, max_dynamic_shared)
+            found = self._functions[cache_key] = Function(handle.value, name, signature, max_dynamic_shared,
+                                                          device=self.device)
         return found
 
 
