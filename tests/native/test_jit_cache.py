@@ -171,10 +171,14 @@ def test_launch_arguments_are_packed_where_the_kernel_reads_them():
     def fake_launch(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         types = (PTR, I64, I32, F32, PTR)
         seen["args"] = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(types)]
-        seen["grid"], seen["block"], seen["stream"] = (gx, gy, gz), (bx, by, bz), stream
+        seen["grid"], seen["block"], seen["stream"] = (gx, gy, gz), (bx, by, bz), stream.value
         return 0
 
     f = Function(1234, "k", (PTR, I64, I32, F32, PTR), launch_fn=fake_launch)
-    f.launch(7, 256, 99, 0x7F00_0000_1000, -(2**40), -3, 0.5, 0)
+    f.launch(7, 256, 0x7F00_0000_2000, 0x7F00_0000_1000, -(2**40), -3, 0.5, 0)
     assert seen == {"args": [0x7F00_0000_1000, -(2**40), -3, 0.5, 0], "grid": (7, 1, 1), "block": (256, 1, 1),
-                    "stream": 99}
+                    "stream": ctypes.c_void_p(0x7F00_0000_2000).value}
+    f.launch((2, 3, 4), 128, 0, 1, 2, 3, 4.0, 5)
+    assert seen["args"] == [1, 2, 3, 4.0, 5] and seen["grid"] == (2, 3, 4)
+    with pytest.raises(TypeError, match="k takes 5 arguments"):
+        f.launch(1, 32, 0, 1, 2, 3)

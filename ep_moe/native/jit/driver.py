@@ -2,13 +2,14 @@
 device), loaded into the device's primary context (the one torch uses), and launches on a given stream (torch's
 current stream, so CUDA graph capture records them).
 
-Per launch the host work is one ctypes structure holding the arguments (its type built once per kernel
-signature), one array of pointers into it, and the ``cuLaunchKernel`` call.
+Per launch the host work is one ``struct.pack_into`` of the arguments into the function's own buffer (the array
+of pointers into it is built once) and the ``cuLaunchKernel`` call, under the function's lock.
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the fu
 
 # Argument kinds of a kernel signature, as ctypes types (a pointer is passed as its integer address).
 PTR, I64, I32, U32, F32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float
+_STRUCT_CODES = {PTR: "Q", I64: "q", I32: "i", U32: "I", F32: "f"}
 
 
 class DriverError(RuntimeError):
@@ -31,10 +33,10 @@ class _Driver:
         except OSError as exc:
             raise DriverError(f"the CUDA driver library libcuda.so.1 does not load ({exc})") from exc
         self.lib = lib
-        vp, c_uint, c_int = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+        vp, c_int = ctypes.c_void_p, ctypes.c_int
         lib.cuGetErrorName.argtypes = [c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.cuLaunchKernel.argtypes = [vp, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, vp,
-                                       ctypes.POINTER(vp), ctypes.POINTER(vp)]
+        # no argtypes on the hot call (they cost microseconds per call): Function.launch passes ctypes objects
+        # where a C int would not do (handle, stream, the parameter array)
         lib.cuLaunchKernel.restype = c_int
         lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
@@ -90,10 +92,18 @@ class Function:
         self.handle = ctypes.c_void_p(handle)
         self.device = device  # its module's device: launches make that primary context current once per thread
         self.name = name
-        fields = [(f"a{i}", t) for i, t in enumerate(signature)]
-        self._args_type = type(f"Args_{name}", (ctypes.Structure,), {"_fields_": fields})
-        self._offsets = tuple(getattr(self._args_type, f).offset for f, _ in fields)
-        self._params_type = ctypes.c_void_p * max(len(fields), 1)
+        # The arguments live in one buffer per function, packed by one struct.pack_into per launch (C alignment,
+        # as the kernel's parameters); the driver reads them through a fixed array of pointers into it, and
+        # copies them during cuLaunchKernel, so a lock around pack and launch makes the buffer safe to share.
+        codes = [_STRUCT_CODES[t] for t in signature]
+        self._struct = struct.Struct("@" + "".join(codes))
+        self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
+        self._view = memoryview(self._buffer).cast("B")  # pack_into is fastest through a memoryview
+        base = ctypes.addressof(self._buffer)
+        offsets = [struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize("@" + codes[i])
+                   for i in range(len(codes))]
+        self._params = (ctypes.c_void_p * max(len(codes), 1))(*[base + off for off in offsets])
+        self._lock = threading.Lock()
         # launch_fn: cuLaunchKernel's signature; another callable only to time the host side without a GPU
         self._launch = launch_fn if launch_fn is not None else driver().lib.cuLaunchKernel
         self.max_dynamic_shared = max_dynamic_shared
@@ -106,11 +116,15 @@ class Function:
             # a thread that has not touched CUDA through the runtime yet may have no current context
             driver().use_primary_context(self.device)
             _thread.device = self.device
-        packed = self._args_type(*args)
-        base = ctypes.addressof(packed)
-        params = self._params_type(*[base + off for off in self._offsets])
         gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
-        status = self._launch(self.handle, gx, gy, gz, block, 1, 1, shared_bytes, stream, params, None)
+        with self._lock:
+            try:
+                self._struct.pack_into(self._view, 0, *args)
+            except struct.error as exc:
+                raise TypeError(f"jit: {self.name} takes {len(self._params)} arguments of kinds "
+                                f"{self._struct.format}: {exc}") from None
+            status = self._launch(self.handle, gx, gy, gz, block, 1, 1, shared_bytes, ctypes.c_void_p(stream),
+                                  self._params, None)
         if status != CUDA_SUCCESS:
             driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
                                    f"shared={shared_bytes})")

@@ -52,7 +52,13 @@ def _on(device: int):
 
 
 def _stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    """The current stream of ``device`` as a ``cudaStream_t`` (torch's raw getter: no Stream object per call)."""
+    return _raw_stream(device)
+
+
+# torch's private raw getter (what torch.compile's generated code calls) when present, else the public API
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 def _ptr(t: Tensor | None) -> int:
