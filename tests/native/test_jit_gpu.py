@@ -86,6 +86,19 @@ def test_permute_and_reduce_equal_the_torch_definitions(case):
         assert_bits(got, P.unpermute_sum(y, layout, weights), f"unpermute_sum (weighted={weights is not None})")
 
 
+def test_rows_routed_nowhere():
+    """K = 0: the layout is all padding, the permute gives zeros, the reduce gives zeros (as torch's)."""
+    idx = torch.empty(5, 0, dtype=torch.int64)
+    want = P._expert_layout_torch(idx, 4, 4, 12)
+    got = P.expert_layout(idx.cuda(), 4, 4, 12)
+    for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
+        assert_bits(getattr(got, name), getattr(want, name), name)
+    x = rows((5, 8), BF16, seed=1)
+    assert_bits(P.permute_rows(x.cuda(), got), P.permute_rows(x, want), "rows")
+    y = rows((12, 8), BF16, seed=2)
+    assert_bits(P.unpermute_sum(y.cuda(), got), P.unpermute_sum(y, want), "reduce")
+
+
 def _gradients(device_layout, device, x, values, y, g_rows, g_values, g_out, seed_w):
     xi, vi = x.to(device).clone().requires_grad_(), values.to(device).clone().requires_grad_()
     r, sv = P.permute_rows_and_values(xi, vi, device_layout)

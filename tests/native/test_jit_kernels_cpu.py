@@ -146,3 +146,21 @@ def test_every_kernel_source_compiles(tmp_path, name):
     with ThreadPoolExecutor(4) as pool:
         cubins = list(pool.map(lambda s: jit.build(s, "sm_90", compiler, store), picked.values()))
     assert all(c[:4] == b"\x7fELF" for c in cubins), "a CUBIN is an ELF image"
+
+
+def test_no_top_k_columns_ask_for_no_zero_width_kernel(monkeypatch):
+    """K = 0 (rows routed nowhere): the launchers never ask for an EP_TOPK=0 kernel (zero-length arrays)."""
+    recorder = _Recorder()
+    monkeypatch.setattr(J, "_function", recorder)
+    monkeypatch.setattr(J, "_on", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(J, "_stream", lambda device: 0)
+    monkeypatch.setattr(J, "_device_of", lambda t: 0)
+    idx = torch.empty(5, 0, dtype=torch.int64)
+    pair_of_slot, slot_of_pair, sorted_slots, tokens, *_ = J.expert_layout(idx, 4, 4, 12)
+    assert pair_of_slot.tolist() == [0] * 12 and tokens.tolist() == [0] * 4  # all padding (pair index N*K = 0)
+    x = torch.zeros(5, 8, dtype=torch.bfloat16)
+    J.permute_rows(x, pair_of_slot, 0, None)
+    out, _ = J.unpermute_sum(torch.ones(12, 8), None, sorted_slots, None, None)
+    assert torch.equal(out, torch.zeros(5, 8))
+    J.unpermute_sum_backward(x, torch.zeros(12, 8, dtype=torch.bfloat16), None, pair_of_slot, 0, True, False)
+    assert all(dict(s.defines)["EP_TOPK"] != "0" for s in recorder.sources), recorder.sources

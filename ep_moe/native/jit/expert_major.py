@@ -145,7 +145,8 @@ def permute_rows(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor 
         return out, slot_values
     word = row_word_bytes(row_bytes, x, out)
     device = _device_of(x)
-    defines = (("EP_ROW_WORDS", row_bytes // word), ("EP_TOPK", num_topk), ("EP_VALUES", int(values is not None)),
+    # K = 0 has no pairs (every slot is padding): any K >= 1 gives the same kernel behaviour
+    defines = (("EP_ROW_WORDS", row_bytes // word), ("EP_TOPK", max(num_topk, 1)), ("EP_VALUES", int(values is not None)),
                ("EP_WORD_BYTES", word))
     with _on(device):
         _function("permute_rows.cu", defines, "ep_permute_rows", _PERMUTE_SIG, device).launch(
@@ -171,8 +172,8 @@ def unpermute_sum(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_
     out = torch.empty(rows, hidden, dtype=y.dtype, device=y.device)
     with_values = slot_values is not None
     pair_values = torch.empty((rows, topk) if with_values else (0,), dtype=torch.float32, device=y.device)
-    if rows == 0:
-        return out, pair_values
+    if rows == 0 or topk == 0:  # topk == 0: every row sums nothing
+        return out.zero_(), pair_values
     vec = pack_elements(y.element_size(), hidden, y, out)
     device = _device_of(y)
     defines = (("EP_DTYPE", dtype), ("EP_PACKS", hidden // vec), ("EP_PAIR_VALUES", int(with_values)),
@@ -198,7 +199,7 @@ def unpermute_sum_backward(grad_out: Tensor, y: Tensor, weights: Tensor | None, 
     vec = pack_elements(y.element_size(), hidden, grad_out, y, grad_y if need_grad_y else None)
     device = _device_of(y)
     defines = (("EP_DTYPE", dtype), ("EP_GRAD_W", int(need_grad_weights)), ("EP_GRAD_Y", int(need_grad_y)),
-               ("EP_PACKS", hidden // vec), ("EP_TOPK", num_topk), ("EP_VEC", vec),
+               ("EP_PACKS", hidden // vec), ("EP_TOPK", max(num_topk, 1)), ("EP_VEC", vec),
                ("EP_WEIGHTED", int(weights is not None)))
     with _on(device):
         _function("unpermute_sum_backward.cu", defines, "ep_unpermute_sum_backward", _BACKWARD_SIG, device).launch(
