@@ -2,7 +2,7 @@
 
 ``ep-moe jit warmup --shapes hidden=7168,topk=8,experts=32[,dtype=bf16] ... [--arch sm_90]`` compiles every
 specialization those shapes take (`ep_moe.native.jit.expert_major.specializations`) into the cache
-(``$EP_MOE_CACHE_DIR`` or ``--cache-dir``), one line per kernel with how long it took: run it where a CUDA
+(``--cache-dir``, else ``$EP_MOE_CACHE_DIR/jit``, else ``~/.cache/ep_moe/jit``), one line per kernel with how long it took: run it where a CUDA
 compiler is (a login node) for compute nodes that lack one (they load the entries with ``EP_MOE_JIT=1``).
 Without ``--arch`` the architecture of GPU 0 is used. ``ep-moe jit list`` prints the cached kernels.
 Exit status 1 when a kernel does not compile (its log is printed), 2 on bad arguments or no compiler.
@@ -43,7 +43,7 @@ def parse_shape(text: str) -> dict:
 
 def _warmup(args: argparse.Namespace) -> int:
     if args.cache_dir:
-        os.environ["EP_MOE_CACHE_DIR"] = args.cache_dir
+        jit.set_cache_dir(args.cache_dir)
     compiler, why = jit.compiler()
     if compiler is None:
         print(f"ep-moe jit warmup: no CUDA compiler ({why})", file=sys.stderr)
@@ -85,7 +85,7 @@ def _warmup(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     if args.cache_dir:
-        os.environ["EP_MOE_CACHE_DIR"] = args.cache_dir
+        jit.set_cache_dir(args.cache_dir)
     store = jit.process_cache()
     lines = store.describe()
     print(f"{store.directory}: {len(lines)} cached kernels")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="one or more shapes (dtype=bf16|fp32|fp8 optional, bf16 by default)")
     warm.add_argument("--arch", help="target architecture, e.g. sm_90 (default: GPU 0's)")
     warm.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
-    warm.add_argument("--cache-dir", help="the cache directory (default: $EP_MOE_CACHE_DIR, else ~/.cache/ep_moe/jit)")
+    warm.add_argument("--cache-dir", help="the JIT cache directory (default: $EP_MOE_CACHE_DIR/jit, else ~/.cache/ep_moe/jit)")
     listing = sub.add_parser("list", help="print the cached kernels")
     listing.add_argument("--cache-dir", help="the cache directory")
     args = parser.parse_args(argv)

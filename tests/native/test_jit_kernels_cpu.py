@@ -38,7 +38,7 @@ def test_parse_shape():
             jit_cli.parse_shape(bad)
 
 
-def test_warmup_compiles_then_reads_from_disk(fake_jit, capsys, monkeypatch):
+def test_warmup_compiles_then_reads_from_disk(fake_jit, capsys, monkeypatch, tmp_path):
     argv = ["warmup", "--shapes", "hidden=7168,topk=8,experts=32", "hidden=64,topk=2,experts=4,dtype=fp8",
             "--arch", "sm_90", "--jobs", "2"]
     assert jit_cli.main(argv) == 0
@@ -50,6 +50,9 @@ def test_warmup_compiles_then_reads_from_disk(fake_jit, capsys, monkeypatch):
     assert jit_cli.main(["list"]) == 0
     listing = capsys.readouterr().out
     assert "13 cached kernels" in listing and "expert_layout.cu[EP_EXPERTS=32,EP_TOPK=8]-sm_90" in listing
+    assert listing.startswith(str(tmp_path / "cache" / "jit")), "the JIT cache is $EP_MOE_CACHE_DIR/jit"
+    assert jit_cli.main(["list", "--cache-dir", str(tmp_path / "elsewhere")]) == 0
+    assert "0 cached kernels" in capsys.readouterr().out
 
 
 def test_warmup_reports_a_failed_compile_and_bad_shapes(fake_jit, capsys):

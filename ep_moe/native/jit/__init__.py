@@ -72,6 +72,14 @@ def process_cache() -> KernelCache:
         return _cache
 
 
+def set_cache_dir(directory: str | os.PathLike) -> KernelCache:
+    """Use ``directory`` as this process's disk cache from now on (``ep-moe jit --cache-dir``); returns it."""
+    global _cache
+    with _lock:
+        _cache = KernelCache(directory)
+        return _cache
+
+
 def key_inputs(source: KernelSource, compiler_identity: str, arch: str,
                flags: tuple[str, ...] = FLAGS) -> dict[str, Any]:
     """Everything that changes the binary of ``source``: the file's and every included header's sha256, the
@@ -187,4 +195,4 @@ def history() -> list[LoadEvent]:
 
 __all__ = ["FLAGS", "KERNELS_DIR", "CompileError", "Compiler", "JitUnavailable", "KernelCache", "KernelSource",
            "LoadEvent", "available", "build", "cache_key", "compiler", "default_cache_dir", "device_arch",
-           "history", "key_inputs", "mode", "module", "process_cache", "unavailable_reason"]
+           "history", "key_inputs", "mode", "module", "process_cache", "set_cache_dir", "unavailable_reason"]

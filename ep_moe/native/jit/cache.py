@@ -8,7 +8,8 @@ entry or a whole one; a lock file per key (``fcntl.flock``, polled with a timeou
 compile once and the others load that entry. A reader checks size and checksum: a truncated or corrupt entry
 is rebuilt and replaced.
 
-The directory is ``$EP_MOE_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/ep_moe/jit``, else ``~/.cache/ep_moe/jit``.
+The directory is ``jit/`` under ep_moe's cache folder: ``$EP_MOE_CACHE_DIR/jit`` when that variable is set (the
+folder that also holds the calibration cache), else ``~/.cache/ep_moe/jit``.
 No CUDA here (tested on CPU with a fake compiler).
 """
 
@@ -41,11 +42,9 @@ LOCK_TIMEOUT_S = float(os.environ.get("EP_MOE_JIT_LOCK_TIMEOUT_S", "900"))
 
 
 def default_cache_dir() -> Path:
-    """``$EP_MOE_CACHE_DIR``, else the user cache directory's ``ep_moe/jit``."""
-    if os.environ.get("EP_MOE_CACHE_DIR"):
-        return Path(os.environ["EP_MOE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ep_moe" / "jit"
+    """``$EP_MOE_CACHE_DIR/jit``, else ``~/.cache/ep_moe/jit``."""
+    root = os.environ.get("EP_MOE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ep_moe")
+    return Path(root).expanduser() / "jit"
 
 
 def cache_key(inputs: Mapping[str, Any]) -> str:
