@@ -199,12 +199,14 @@ def _implementation(t: Tensor) -> str:
     """``"native"``, ``"jit"``, ``"triton"`` or ``"torch"`` for tensors like ``t`` (see above)."""
     if not t.is_cuda or t.dtype == torch.float64:
         return "torch"
-    jit_mode = jit.mode()
-    if native.extension_available() and jit_mode != "force":
-        return "native"
-    if jit_mode != "off" and not torch.compiler.is_compiling() and jit.available():
+    jit_mode, compiling = jit.mode(), torch.compiler.is_compiling()
+    if jit_mode == "force" and not compiling and jit.available():
         return "jit"
-    if permute_triton.available() and not torch.compiler.is_compiling():
+    if native.extension_available():
+        return "native"
+    if jit_mode == "auto" and not compiling and jit.available():
+        return "jit"
+    if permute_triton.available() and not compiling:
         return "triton"
     return "torch"
 

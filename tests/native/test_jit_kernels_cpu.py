@@ -167,3 +167,30 @@ def test_no_top_k_columns_ask_for_no_zero_width_kernel(monkeypatch):
     assert torch.equal(out, torch.zeros(5, 8))
     J.unpermute_sum_backward(x, torch.zeros(12, 8, dtype=torch.bfloat16), None, pair_of_slot, 0, True, False)
     assert all(dict(s.defines)["EP_TOPK"] != "0" for s in recorder.sources), recorder.sources
+
+
+@pytest.mark.parametrize("env, extension, jit_ok, triton, compiling, want", [
+    ("", True, True, True, False, "native"),     # the extension first by default
+    ("", False, True, True, False, "jit"),       # no extension: JIT before Triton
+    ("", False, False, True, False, "triton"),   # no compiler: Triton
+    ("", False, False, False, False, "torch"),
+    ("1", True, True, True, False, "jit"),       # EP_MOE_JIT=1 prefers JIT
+    ("1", True, False, True, False, "native"),   # ... but not when it cannot run
+    ("0", False, True, True, False, "triton"),   # EP_MOE_JIT=0 never
+    ("1", True, True, True, True, "native"),     # torch.compile traces the extension's ops
+    ("", False, True, True, True, "torch"),      # ... and the torch definitions otherwise
+])
+def test_the_implementation_choice(monkeypatch, env, extension, jit_ok, triton, compiling, want):
+    from types import SimpleNamespace
+
+    from ep_moe import native
+    from ep_moe import permute as P
+
+    monkeypatch.setenv("EP_MOE_JIT", env)
+    monkeypatch.setattr(native, "extension_available", lambda: extension)
+    monkeypatch.setattr(jit, "available", lambda: jit_ok)
+    monkeypatch.setattr(P.permute_triton, "available", lambda: triton)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    assert P._implementation(SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) == want
+    assert P._implementation(SimpleNamespace(is_cuda=True, dtype=torch.float64)) == "torch"
+    assert P._implementation(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16)) == "torch"
