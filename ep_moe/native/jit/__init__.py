@@ -16,6 +16,7 @@ process compiled or loaded, with times.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Any, NamedTuple
 from .cache import KernelCache, cache_key, default_cache_dir
 from .compilers import FLAGS, CompileError, Compiler, find_compiler
 from .source import KERNELS_DIR, KernelSource, included_headers, sha256_file
+
+log = logging.getLogger("ep_moe")
 
 
 class JitUnavailable(RuntimeError):
@@ -179,6 +182,9 @@ def unavailable_reason() -> str | None:
                 driver()
             except Exception as exc:  # noqa: BLE001 (any failure to load libcuda means no JIT)
                 reason = str(exc)
+    if reason is not None and torch.version.cuda is not None:  # said once; CPU builds need no word
+        log.info("ep_moe.jit: JIT kernels cannot run here (%s); the expert-major kernels use the extension, "
+                 "Triton or torch", reason)
     _available = reason
     return reason
 
