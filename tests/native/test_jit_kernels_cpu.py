@@ -64,6 +64,12 @@ def test_warmup_reports_a_failed_compile_and_bad_shapes(fake_jit, capsys):
     assert "'experts' must be <= 1024" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where no GPU is visible")
+def test_warmup_without_a_gpu_needs_an_arch(fake_jit, capsys):
+    assert jit_cli.main(["warmup", "--shapes", "hidden=8,topk=1,experts=1"]) == 2
+    assert "pass --arch sm_90" in capsys.readouterr().err
+
+
 def test_env_reports_the_jit_compiler_and_cache(fake_jit):
     from ep_moe.cli.env import report
 
@@ -149,6 +155,12 @@ def test_every_kernel_source_compiles(tmp_path, name):
     with ThreadPoolExecutor(4) as pool:
         cubins = list(pool.map(lambda s: jit.build(s, "sm_90", compiler, store), picked.values()))
     assert all(c[:4] == b"\x7fELF" for c in cubins), "a CUBIN is an ELF image"
+    names = {"expert_layout.cu": [b"ep_expert_count", b"ep_expert_scan", b"ep_expert_assign", b"ep_expert_sort_rows"],
+             "permute_rows.cu": [b"ep_permute_rows"], "unpermute_sum.cu": [b"ep_unpermute_sum"],
+             "unpermute_sum_backward.cu": [b"ep_unpermute_sum_backward"]}
+    for source, cubin in zip(picked.values(), cubins):
+        for name in names[source.file.name]:
+            assert b".text." + name + b"\x00" in cubin, f"{source.label}: no kernel {name.decode()}"
 
 
 def test_no_top_k_columns_ask_for_no_zero_width_kernel(monkeypatch):
