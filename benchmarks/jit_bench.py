@@ -6,7 +6,7 @@ Triton (`ep_moe.permute_triton`), on one GPU.
     python3 benchmarks/jit_bench.py --tokens 4096 --hidden 2048 4096 7168 --topk 8 --experts 32 --cold
 
 Per shape it first checks that every implementation gives the same bits as the JIT kernels (the weights'
-gradient: Triton's summation order differs, so within 1e-5 relative), then times each operation:
+gradient: Triton's summation order differs, so within 1e-4), then times each operation:
 
 * ``layout``: the expert-major layout at a fixed size (``num_slots = max_slots``; Triton has none: torch's);
 * ``permute``: rows and values into slots; ``reduce``: the weighted sum back; ``backward``: the reduce's
@@ -134,7 +134,7 @@ def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.
     for name, outs in outputs.items():
         for i, (a, b) in enumerate(zip(outs, outputs[ref])):
             if i == len(outs) - 1 and name == "triton":  # the weights' gradient: Triton's own summation order
-                ok = torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+                ok = torch.allclose(a, b, rtol=1e-4, atol=1e-4)
             else:
                 ok = same(a, b)
             if not ok:
