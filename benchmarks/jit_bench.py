@@ -179,10 +179,12 @@ def main() -> None:
             results.append({"shape": shape, "timing": timing})
             print(f"\nT={T} H={H} K={args.topk} L={args.experts} A={args.alignment} {args.dtype}: "
                   "gpu us per call (host us per call)")
-            print(f"{'op':<9}" + "".join(f"{name:>22}" for name in timing))
+            ratio = "jit" in timing and "aot" in timing  # the specialized kernels' gain over the generic ones
+            print(f"{'op':<9}" + "".join(f"{name:>22}" for name in timing) + ("   aot/jit gpu" if ratio else ""))
             for op in ("layout", "permute", "reduce", "backward"):
                 cells = [f"{t[op]['gpu_us']:9.1f} ({t[op]['host_us']:6.1f})" for t in timing.values()]
-                print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells))
+                gain = f"{timing['aot'][op]['gpu_us'] / timing['jit'][op]['gpu_us']:14.2f}x" if ratio else ""
+                print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells) + gain)
     print("\nJIT kernels this process built or loaded:")
     for event in jit.history():
         if event.how != "memory":
