@@ -1,0 +1,139 @@
+"""Sharing file descriptors between the ranks of one node: ``(pid, fd)`` pairs go over the process group, and
+each rank takes a duplicate of a peer's descriptor with ``pidfd_open`` + ``pidfd_getfd`` (Linux >= 5.6).
+
+``pidfd_getfd`` needs ptrace-attach rights over the peer: the same user and, where the Yama module restricts
+ptrace (``/proc/sys/kernel/yama/ptrace_scope`` = 1), the peer's consent, which `allow_peer_access` gives
+(``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``). Scope 2 or 3, or a seccomp filter that blocks the call (some
+container runtimes), make it fail with EPERM; `PeerFdError` then says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import socket
+
+import torch.distributed as dist
+
+# pidfd_getfd is one of the syscalls numbered alike on every architecture (asm-generic, since Linux 5.6):
+# 438 on x86_64 and on aarch64.
+SYS_PIDFD_GETFD = {"x86_64": 438, "aarch64": 438, "arm64": 438}
+PR_SET_PTRACER = 0x59616D61  # "Yama"
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.prctl.restype = ctypes.c_int
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+class PeerFdError(RuntimeError):
+    """A peer's file descriptor could not be imported (permissions, an old kernel, a peer gone)."""
+
+
+def node_id() -> str:
+    """One string per host (the host name and the kernel's boot id): ranks with the same id share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def allow_peer_access() -> None:
+    """Let processes of this user take this process's descriptors (Yama's per-process exception). Without Yama
+    the call fails with EINVAL and nothing is needed."""
+    _libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+
+
+def _ptrace_scope() -> str:
+    try:
+        with open(YAMA_PTRACE_SCOPE, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return "absent"
+
+
+def pidfd_getfd(pid: int, fd: int) -> int:
+    """A new descriptor in this process for descriptor ``fd`` of process ``pid``. Raises `PeerFdError`."""
+    machine = platform.machine()
+    if machine not in SYS_PIDFD_GETFD or not hasattr(os, "pidfd_open"):
+        raise PeerFdError(f"ep_moe.memory: pidfd_getfd is not available on {machine} / this Python")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:
+        raise PeerFdError(f"ep_moe.memory: pidfd_open({pid}) failed: {exc} (has the peer exited?)") from exc
+    try:
+        new_fd = _libc.syscall(ctypes.c_long(SYS_PIDFD_GETFD[machine]), ctypes.c_int(pidfd), ctypes.c_int(fd),
+                               ctypes.c_uint(0))
+        if new_fd < 0:
+            err = ctypes.get_errno()
+            hint = ""
+            if err == errno.EPERM:
+                hint = (f"; ptrace-attach rights over pid {pid} are needed: the same user, Yama ptrace_scope "
+                        f"<= 1 (here: {_ptrace_scope()}), no seccomp filter blocking pidfd_getfd (containers: "
+                        f"CAP_SYS_PTRACE or a profile that allows it)")
+            elif err == errno.ENOSYS:
+                hint = "; the kernel is older than 5.6"
+            raise PeerFdError(f"ep_moe.memory: pidfd_getfd(pid={pid}, fd={fd}) failed: {os.strerror(err)}{hint}")
+        return new_fd
+    finally:
+        os.close(pidfd)
+
+
+def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None
+                 ) -> tuple[list[int], list[int | None]]:
+    """Collective over ``group``: share this rank's descriptor ``fd`` with the ranks of its node.
+
+    Returns ``(local_ranks, fds)``: the group ranks on this node in order, and for each group rank a descriptor
+    of this process (this rank's own: ``fd`` itself; a peer's on this node: a new duplicate the caller closes;
+    another node's: None). ``failure``: this rank could not make its descriptor (the reason; ``fd`` is then
+    ignored). Every rank raises if any rank failed (`PeerFdError` naming the ranks), so none is left waiting.
+    The exporters keep ``fd`` open until every import is done.
+    """
+    rank = dist.get_rank(group)
+    allow_peer_access()
+    entries: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(entries, (node_id(), os.getpid(), fd, failure), group=group)
+    failed = [f"rank {r}: {e[3]}" for r, e in enumerate(entries) if e[3] is not None]
+    if failed:
+        raise PeerFdError("ep_moe.memory: creating host segments failed: " + "; ".join(failed))
+    here = entries[rank][0]
+    local_ranks = [r for r, e in enumerate(entries) if e[0] == here]
+    fds: list[int | None] = [None] * len(entries)
+    error = None
+    for r in local_ranks:
+        if r == rank:
+            fds[r] = fd
+            continue
+        try:
+            fds[r] = pidfd_getfd(entries[r][1], entries[r][2])
+        except PeerFdError as exc:
+            error = f"rank {rank} importing rank {r}'s segment: {exc}"
+            break
+    errors: list = [None] * len(entries)
+    dist.all_gather_object(errors, error, group=group)  # also: every import is done before exporters close
+    failed = [e for e in errors if e is not None]
+    if failed:
+        for r, other in enumerate(fds):
+            if other is not None and r != rank:
+                os.close(other)
+        raise PeerFdError("ep_moe.memory: sharing host segments failed: " + "; ".join(failed))
+    return local_ranks, fds
+
+
+def ranks_by_node(group: dist.ProcessGroup) -> list[list[int]]:
+    """Collective: the group's ranks by node (each node's ranks in order; nodes by their lowest rank)."""
+    entries: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(entries, node_id(), group=group)
+    nodes: dict[str, list[int]] = {}
+    for r, e in enumerate(entries):
+        nodes.setdefault(e, []).append(r)
+    return list(nodes.values())
+
+
+__all__ = ["PeerFdError", "allow_peer_access", "exchange_fds", "node_id", "pidfd_getfd", "ranks_by_node"]
