@@ -202,8 +202,8 @@ class CudaRange:
         _check(driver().cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
         if not context.value:
             raise CudaDriverError("ep_moe.memory: no current CUDA context on this thread")
-        self.device = device
         self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.ordinal)
         self.numa_node = host_numa_node(self.ordinal)
         self.size = size
         self._mapped: list[tuple[int, int]] = []
@@ -254,7 +254,12 @@ class CudaRange:
             raise ValueError(f"ep_moe.memory: [{offset}, {offset + size}) is outside the {self.size}-byte range")
         if size == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.as_tensor(_DeviceView(self, offset, size), device=self.device)
+        view = torch.as_tensor(_DeviceView(self, offset, size), device=self.device)
+        if view.data_ptr() != self.address + offset or view.device != self.device:
+            # torch placed the interface's memory on another device and copied it: not a view, refuse it
+            raise CudaDriverError(f"ep_moe.memory: torch did not wrap the mapped range in place on {self.device} "
+                                  f"(got {view.device}, pointer {view.data_ptr():#x} for {self.address + offset:#x})")
+        return view
 
     def __del__(self) -> None:
         address = getattr(self, "address", None)

@@ -8,6 +8,7 @@ for real in CPU tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -41,7 +42,8 @@ class SymmetricMemory:
                              f"{memory_type!r}")
         failure = None
         try:
-            self._build(memory_type, group, num_bytes, num_cpu_bytes, device)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                self._build(memory_type, group, num_bytes, num_cpu_bytes, device)
         except (OSError, RuntimeError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
         failures: list = [None] * dist.get_world_size(group)
@@ -65,7 +67,12 @@ class SymmetricMemory:
                 fd = own.fd if cuda else create_shared_segment(host_size, f"ep_moe_host_segment_rank{rank}")
             except (OSError, RuntimeError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
-            local_ranks, fds = exchange_fds(group, fd, failure)
+            try:
+                local_ranks, fds = exchange_fds(group, fd, failure)
+            except BaseException:
+                if not cuda and fd >= 0:
+                    os.close(fd)  # (a HostAllocation closes its own)
+                raise
             self.layout = memory_layout("hybrid", rank, local_ranks, num_bytes, num_cpu_bytes)
             try:
                 self._range = CudaRange(self.layout.total_bytes, device) if cuda else HostRange(self.layout.total_bytes)
