@@ -15,6 +15,7 @@ import ctypes
 import os
 
 import torch
+import torch.utils.dlpack
 
 from .layout import ALIGNMENT_BYTES
 
@@ -189,6 +190,53 @@ class _DeviceView:
                                          "version": 3, "strides": None, "stream": None}
 
 
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DLDeleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DLDeleter)]
+KDL_CUDA, KDL_UINT = 2, 1  # dlpack.h: kDLCUDA, kDLUInt
+_dlpack_alive: dict[int, tuple] = {}  # manager_ctx -> what the capsule's tensor needs alive
+
+
+@_DLDeleter
+def _dlpack_deleter(managed) -> None:
+    _dlpack_alive.pop(managed.contents.manager_ctx, None)
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+def _dlpack_view(owner: CudaRange, offset: int, size: int) -> torch.Tensor:
+    """The same view through a DLPack capsule, which names its device (torch then asks the driver nothing about
+    the pointer). The capsule's deleter drops the reference to ``owner``."""
+    shape = (ctypes.c_int64 * 1)(size)
+    managed = _DLManagedTensor()
+    managed.dl_tensor = _DLTensor(owner.address + offset, _DLDevice(KDL_CUDA, owner.ordinal), 1,
+                                  _DLDataType(KDL_UINT, 8, 1), shape, None, 0)
+    key = id(managed)
+    managed.manager_ctx = key
+    managed.deleter = _dlpack_deleter
+    _dlpack_alive[key] = (owner, managed, shape)
+    return torch.utils.dlpack.from_dlpack(_capsule_new(ctypes.addressof(managed), b"dltensor", None))
+
+
 class CudaRange:
     """``size`` bytes of reserved device address space on ``device``; `map_device`, `map_host`, `map_imported`
     back parts of it and grant the device read-write access. Unmapped and released when the last view is gone."""
@@ -254,7 +302,10 @@ class CudaRange:
             raise ValueError(f"ep_moe.memory: [{offset}, {offset + size}) is outside the {self.size}-byte range")
         if size == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        view = torch.as_tensor(_DeviceView(self, offset, size), device=self.device)
+        try:
+            view = torch.as_tensor(_DeviceView(self, offset, size), device=self.device)
+        except RuntimeError:  # torch asked the driver about the pointer (cudaPointerGetAttributes) and refused it
+            view = _dlpack_view(self, offset, size)
         if view.data_ptr() != self.address + offset or view.device != self.device:
             # torch placed the interface's memory on another device and copied it: not a view, refuse it
             raise CudaDriverError(f"ep_moe.memory: torch did not wrap the mapped range in place on {self.device} "
