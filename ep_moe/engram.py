@@ -136,6 +136,8 @@ class EngramMixin:
             meta = self._engram_meta(op, storage, sf)
         except ValueError as exc:
             error = exc
+        if self.memory.host.device.type == "cuda":
+            torch.cuda.synchronize(self.memory.host.device)  # this rank's fetches are done before any rank writes
         metas: list = [None] * self.num_ranks
         dist.all_gather_object(metas, (meta, None if error is None else str(error)), group=self.group)
         if error is not None:
@@ -255,6 +257,10 @@ class EngramMixin:
         return EngramHook(fetched, fetched_sf, event)
 
     def _wait_work(self, work, stage: str) -> None:
+        if self.memory.host.device.type != "cpu":
+            # NCCL: a stream wait; a missing peer is caught by the process group's watchdog (its timeout)
+            work.wait()
+            return
         try:
             work.wait(timedelta(seconds=self.num_cpu_timeout_secs))
         except RuntimeError as exc:
@@ -265,9 +271,9 @@ class EngramMixin:
 
     def _all_to_all(self, out: Tensor, send: Tensor, out_counts: list[int] | None, send_counts: list[int] | None,
                     stage: str) -> Tensor:
-        if out.numel() or send.numel():
-            self._wait_work(dist.all_to_all_single(out, send, out_counts, send_counts, group=self.group,
-                                                   async_op=True), stage)
+        # every rank joins, even with nothing to send or receive: the peers' exchange is the same collective
+        self._wait_work(dist.all_to_all_single(out, send, out_counts, send_counts, group=self.group, async_op=True),
+                        stage)
         return out
 
     def _fetch_collective(self, op: str, table: EngramTable, flat: Tensor, T: int, P: int,

@@ -60,6 +60,10 @@ def _index_cases(num_ranks: int, rank: int, seed: int) -> list[tuple[str, torch.
         ("one rank", (N * (num_ranks - 1) + torch.randint(0, N, (6, 2), generator=gen)).to(torch.int32)),
         ("every id", torch.arange(total, dtype=torch.int32).flip(0).view(-1, 1).repeat(1, 2)),
         ("empty T", torch.empty(0, 4, dtype=torch.int32)),
+        ("empty T on rank 0", torch.empty(0, 4, dtype=torch.int32) if rank == 0
+         else torch.randint(0, total, (3, 4), generator=gen, dtype=torch.int32)),
+        ("empty T but on rank 0", torch.randint(0, total, (3, 4), generator=gen, dtype=torch.int32) if rank == 0
+         else torch.empty(0, 4, dtype=torch.int32)),
     ]
 
 
@@ -187,4 +191,4 @@ def _worker(rank: int, num_ranks: int) -> int:
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 def test_memory_types_and_engram(num_ranks: int) -> None:
-    assert run_distributed(_worker, num_ranks, timeout_s=60, join_timeout_s=300) == [2 * 4 * 5] * num_ranks
+    assert run_distributed(_worker, num_ranks, timeout_s=60, join_timeout_s=300) == [2 * 4 * 7] * num_ranks
