@@ -82,11 +82,17 @@ def _gather_rows(span: Tensor, segment_bytes: int, offset: int, num_entries: int
                  row: Tensor) -> Tensor:
     """``[len(owner), row_bytes]`` uint8: row ``row[j]`` of the table at ``offset`` of segment ``owner[j]``, read
     in place from ``span`` (uint8 over the adjacent segments, ``segment_bytes`` each)."""
-    word = _word_dtype(segment_bytes, offset, row_bytes)
+    word = _word_dtype(segment_bytes, offset, row_bytes, span.storage_offset())
     size = word.itemsize
     words = span.view(word)
+    if segment_bytes % row_bytes == 0 and offset % row_bytes == 0:
+        # rows tile every segment (e.g. power-of-two rows): one [rows, words] matrix over all segments and a plain
+        # row gather by owner * rows_per_segment + row
+        rows = words[offset // size:].view(-1)[:(span.numel() - offset) // row_bytes * (row_bytes // size)]
+        rows = rows.view(-1, row_bytes // size)
+        return rows.index_select(0, owner * (segment_bytes // row_bytes) + row).view(torch.uint8)
     table = words.as_strided((span.numel() // segment_bytes, num_entries, row_bytes // size),
-                             (segment_bytes // size, row_bytes // size, 1), offset // size)
+                             (segment_bytes // size, row_bytes // size, 1), words.storage_offset() + offset // size)
     return table[owner, row].view(torch.uint8)
 
 

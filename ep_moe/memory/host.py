@@ -74,7 +74,7 @@ class HostRange:
 
     def __del__(self) -> None:
         address = getattr(self, "address", None)
-        if address is not None:
+        if address is not None and _libc is not None:  # (module globals may be gone at interpreter exit)
             _libc.munmap(address, max(self.size, 1))
             self.address = None
 

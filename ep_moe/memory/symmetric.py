@@ -106,6 +106,7 @@ class SymmetricMemory:
         for segment in self.layout.segments[1:]:
             self.host_segments[segment.owner] = self._range.view(segment.offset, segment.size)
         self.host = self.host_segments[rank]
+        self._host_span = None
         self.rank, self.num_ranks = rank, num_ranks
 
     def _map_private(self, offset: int, size: int) -> None:
@@ -114,10 +115,12 @@ class SymmetricMemory:
         else:
             self._range.map_private(offset, size)
 
-    def host_span(self) -> torch.Tensor | None:
+    def host_span(self) -> torch.Tensor:
         """uint8 over every host segment of the range, contiguous (they are adjacent, in rank order)."""
-        first, last = self.layout.segments[1], self.layout.segments[-1]
-        return self._range.view(first.offset, last.offset + last.size - first.offset)
+        if self._host_span is None:
+            first, last = self.layout.segments[1], self.layout.segments[-1]
+            self._host_span = self._range.view(first.offset, last.offset + last.size - first.offset)
+        return self._host_span
 
     def all_host_segments_mapped(self) -> bool:
         """Whether every rank's host segment is mapped here (a hybrid group on one node, or one rank)."""
@@ -125,7 +128,7 @@ class SymmetricMemory:
 
     def close(self) -> None:
         """Drop this object's tensors; the range is unmapped once no tensor over it is left."""
-        self.gpu = self.host = None
+        self.gpu = self.host = self._host_span = None
         self.host_segments = [None] * self.num_ranks
         self._range = None
 

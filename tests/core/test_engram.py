@@ -41,11 +41,12 @@ def test_choice_and_layout() -> None:
         memory_layout("hybrid", 3, [0, 1], 0, 1)
 
 
-def _tables(num_ranks: int, dtype: torch.dtype, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _tables(num_ranks: int, dtype: torch.dtype, seed: int, hidden: int = H
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     tables, scales = [], []
     for _ in range(num_ranks):
-        raw = torch.randn(N, H, generator=gen) * 10.0 ** torch.randint(-3, 4, (N, 1), generator=gen)
+        raw = torch.randn(N, hidden, generator=gen) * 10.0 ** torch.randint(-3, 4, (N, 1), generator=gen)
         tables.append(raw.to(dtype))
         scales.append(torch.rand(N, S, generator=gen, dtype=torch.float32))
     return tables, scales
@@ -106,9 +107,12 @@ def _check_memory(eb: ElasticBuffer, rank: int, num_ranks: int) -> None:
 
 def _check_engram(eb: ElasticBuffer, rank: int, num_ranks: int) -> int:
     checked = 0
-    for seed, (dtype, with_sf) in enumerate([(torch.bfloat16, False), (torch.float32, True),
-                                             (torch.float8_e4m3fn, True), (torch.uint8, False)]):
-        tables, scales = _tables(num_ranks, torch.float32 if dtype == torch.uint8 else dtype, seed)
+    # rows of 24, 48, 12, 12 bytes (gathered through a strided view of the segments) and 64 bytes (rows tile the
+    # 2 MiB segments: one row gather)
+    for seed, (dtype, with_sf, hidden) in enumerate([(torch.bfloat16, False, H), (torch.float32, True, H),
+                                                     (torch.float8_e4m3fn, True, H), (torch.uint8, False, H),
+                                                     (torch.float32, True, 16)]):
+        tables, scales = _tables(num_ranks, torch.float32 if dtype == torch.uint8 else dtype, seed, hidden)
         if dtype == torch.uint8:
             tables = [t.to(torch.int32).to(torch.uint8) for t in tables]
         eb.engram_write(tables[rank], scales[rank] if with_sf else None)
@@ -116,7 +120,7 @@ def _check_engram(eb: ElasticBuffer, rank: int, num_ranks: int) -> int:
         for name, indices in _index_cases(num_ranks, rank, seed):
             hook = eb.engram_fetch(indices)
             fetched, fetched_sf = hook()
-            assert fetched.shape == (*indices.shape, H) and fetched.dtype == dtype, (name, fetched.shape)
+            assert fetched.shape == (*indices.shape, hidden) and fetched.dtype == dtype, (name, fetched.shape)
             assert torch.equal(_bits(fetched), _bits(everything[indices.long()])), (name, dtype)
             if with_sf:
                 assert torch.equal(_bits(fetched_sf), _bits(every_sf[indices.long()])), (name, "sf")
@@ -191,4 +195,4 @@ def _worker(rank: int, num_ranks: int) -> int:
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 def test_memory_types_and_engram(num_ranks: int) -> None:
-    assert run_distributed(_worker, num_ranks, timeout_s=60, join_timeout_s=300) == [2 * 4 * 7] * num_ranks
+    assert run_distributed(_worker, num_ranks, timeout_s=60, join_timeout_s=300) == [2 * 5 * 7] * num_ranks
