@@ -302,14 +302,17 @@ class CudaRange:
             raise ValueError(f"ep_moe.memory: [{offset}, {offset + size}) is outside the {self.size}-byte range")
         if size == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
+        address = self.address + offset
         try:
             view = torch.as_tensor(_DeviceView(self, offset, size), device=self.device)
         except RuntimeError:  # torch asked the driver about the pointer (cudaPointerGetAttributes) and refused it
+            view = None
+        if view is None or view.data_ptr() != address or view.device != self.device:
+            # refused, or placed on another device and copied (not a view): DLPack names the device itself
             view = _dlpack_view(self, offset, size)
-        if view.data_ptr() != self.address + offset or view.device != self.device:
-            # torch placed the interface's memory on another device and copied it: not a view, refuse it
+        if view.data_ptr() != address or view.device != self.device:
             raise CudaDriverError(f"ep_moe.memory: torch did not wrap the mapped range in place on {self.device} "
-                                  f"(got {view.device}, pointer {view.data_ptr():#x} for {self.address + offset:#x})")
+                                  f"(got {view.device}, pointer {view.data_ptr():#x} for {address:#x})")
         return view
 
     def __del__(self) -> None:
