@@ -11,12 +11,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
-from ep_moe.memory import ALIGNMENT_BYTES, align_up, choose_memory_type, memory_layout
+from ep_moe.memory import ALIGNMENT_BYTES, PeerFdError, align_up, choose_memory_type, memory_layout
+from ep_moe.memory.fdshare import exchange_fds, pidfd_getfd
+from ep_moe.memory.host import create_shared_segment
 
 N, H, S = 7, 12, 3  # entries per rank, hidden, scales per row
 
@@ -173,7 +178,29 @@ def _check_errors(eb: ElasticBuffer, rank: int, num_ranks: int) -> None:
     assert torch.equal(fetched, torch.cat(tables)[(good + 1).long()])
 
 
+def _check_exchange_failures(rank: int, num_ranks: int) -> None:
+    """A rank that could not make its segment, or a descriptor that cannot be taken: every rank raises."""
+    group = dist.group.WORLD
+    _raises(lambda: exchange_fds(group, -1, "no memory here" if rank == 0 else None), PeerFdError,
+            "rank 0: no memory here")
+    if num_ranks > 1:
+        fd = create_shared_segment(4096)
+        try:  # rank 0 announces a descriptor it does not have: its peers' pidfd_getfd fails (EBADF)
+            _raises(lambda: exchange_fds(group, 1 << 20 if rank == 0 else fd), PeerFdError,
+                    "importing rank 0's segment")
+        finally:
+            os.close(fd)
+
+
+def test_pidfd_getfd_errors() -> None:
+    with pytest.raises(PeerFdError, match="Bad file descriptor"):
+        pidfd_getfd(os.getpid(), 1 << 20)
+    with pytest.raises(PeerFdError, match="pidfd_open"):
+        pidfd_getfd(1 << 30, 0)
+
+
 def _worker(rank: int, num_ranks: int) -> int:
+    _check_exchange_failures(rank, num_ranks)
     gpu = ElasticBuffer(None, backend="torch", explicitly_destroy=True)
     assert gpu.memory_type == "gpu" and gpu.memory is None
     _raises(lambda: gpu.engram_write(torch.zeros(2, 2)), ValueError, "argument 'num_cpu_bytes'")
