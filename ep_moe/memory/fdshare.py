@@ -35,13 +35,18 @@ class PeerFdError(RuntimeError):
 
 
 def node_id() -> str:
-    """One string per host (the host name and the kernel's boot id): ranks with the same id share memory."""
+    """One string per host and PID namespace (host name, the kernel's boot id, the PID namespace's inode): ranks
+    with the same id can take each other's descriptors by pid."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = 0
+    return f"{socket.gethostname()}/{boot}/{pid_ns}"
 
 
 def allow_peer_access() -> None:
