@@ -4,16 +4,21 @@ each rank takes a duplicate of a peer's descriptor with ``pidfd_open`` + ``pidfd
 ``pidfd_getfd`` needs ptrace-attach rights over the peer: the same user and, where the Yama module restricts
 ptrace (``/proc/sys/kernel/yama/ptrace_scope`` = 1), the peer's consent, which `allow_peer_access` gives
 (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``). Scope 2 or 3, or a seccomp filter that blocks the call (some
-container runtimes), make it fail with EPERM; `PeerFdError` then says so.
+container runtimes), make it fail with EPERM. Then (``method="auto"``) the ranks of the node pass the descriptors
+over Unix sockets instead (``SCM_RIGHTS``, abstract names, one listening socket per rank), which needs no ptrace
+rights; `PeerFdError` says why when neither works.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import platform
+import secrets
 import socket
+import threading
 
 import torch.distributed as dist
 
@@ -24,14 +29,24 @@ PR_SET_PTRACER = 0x59616D61  # "Yama"
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
+log = logging.getLogger("ep_moe")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libc.prctl.restype = ctypes.c_int
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 
 
+SOCKET_TIMEOUT_S = 60.0
+"""The deadline of each step of the socket exchange (accept, connect, receive)."""
+
+
 class PeerFdError(RuntimeError):
-    """A peer's file descriptor could not be imported (permissions, an old kernel, a peer gone)."""
+    """A peer's file descriptor could not be imported (permissions, an old kernel, a peer gone). ``denied``: the
+    ``pidfd_getfd`` route is closed on this host (no rights, no syscall), where the socket route may still work."""
+
+    def __init__(self, message: str, denied: bool = False) -> None:
+        super().__init__(message)
+        self.denied = denied
 
 
 def node_id() -> str:
@@ -67,7 +82,7 @@ def pidfd_getfd(pid: int, fd: int) -> int:
     """A new descriptor in this process for descriptor ``fd`` of process ``pid``. Raises `PeerFdError`."""
     machine = platform.machine()
     if machine not in SYS_PIDFD_GETFD or not hasattr(os, "pidfd_open"):
-        raise PeerFdError(f"ep_moe.memory: pidfd_getfd is not available on {machine} / this Python")
+        raise PeerFdError(f"ep_moe.memory: pidfd_getfd is not available on {machine} / this Python", denied=True)
     try:
         pidfd = os.pidfd_open(pid)
     except OSError as exc:
@@ -84,51 +99,124 @@ def pidfd_getfd(pid: int, fd: int) -> int:
                         f"CAP_SYS_PTRACE or a profile that allows it)")
             elif err == errno.ENOSYS:
                 hint = "; the kernel is older than 5.6"
-            raise PeerFdError(f"ep_moe.memory: pidfd_getfd(pid={pid}, fd={fd}) failed: {os.strerror(err)}{hint}")
+            raise PeerFdError(f"ep_moe.memory: pidfd_getfd(pid={pid}, fd={fd}) failed: {os.strerror(err)}{hint}",
+                              denied=err in (errno.EPERM, errno.ENOSYS))
         return new_fd
     finally:
         os.close(pidfd)
 
 
-def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None
+def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None, method: str = "auto"
                  ) -> tuple[list[int], list[int | None]]:
     """Collective over ``group``: share this rank's descriptor ``fd`` with the ranks of its node.
 
     Returns ``(local_ranks, fds)``: the group ranks on this node in order, and for each group rank a descriptor
     of this process (this rank's own: ``fd`` itself; a peer's on this node: a new duplicate the caller closes;
     another node's: None). ``failure``: this rank could not make its descriptor (the reason; ``fd`` is then
-    ignored). Every rank raises if any rank failed (`PeerFdError` naming the ranks), so none is left waiting.
-    The exporters keep ``fd`` open until every import is done.
+    ignored). ``method``: ``"pidfd"`` (``pidfd_getfd``), ``"socket"`` (``SCM_RIGHTS``), or ``"auto"`` (pidfd, and
+    sockets where every failure was a denied ``pidfd_getfd``; the same choice on every rank). Every rank raises
+    if any rank failed (`PeerFdError` naming the ranks), so none is left waiting. The exporters keep ``fd`` open
+    until every import is done.
     """
-    rank = dist.get_rank(group)
+    if method not in ("auto", "pidfd", "socket"):
+        raise ValueError(f"ep_moe.memory: method must be 'auto', 'pidfd' or 'socket', got {method!r}")
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     allow_peer_access()
-    entries: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(entries, (node_id(), os.getpid(), fd, failure), group=group)
+    entries: list = [None] * num_ranks
+    dist.all_gather_object(entries, (node_id(), os.getpid(), fd, failure, secrets.token_hex(8)), group=group)
     failed = [f"rank {r}: {e[3]}" for r, e in enumerate(entries) if e[3] is not None]
     if failed:
         raise PeerFdError("ep_moe.memory: creating host segments failed: " + "; ".join(failed))
     here = entries[rank][0]
     local_ranks = [r for r, e in enumerate(entries) if e[0] == here]
-    fds: list[int | None] = [None] * len(entries)
+    fds: list[int | None] = [None] * num_ranks
+    fds[rank] = fd
+    if method != "socket":
+        error = None
+        for r in local_ranks:
+            if r == rank:
+                continue
+            try:
+                fds[r] = pidfd_getfd(entries[r][1], entries[r][2])
+            except PeerFdError as exc:
+                error = (f"rank {rank} importing rank {r}'s segment: {exc}", exc.denied)
+                break
+        errors: list = [None] * num_ranks
+        dist.all_gather_object(errors, error, group=group)  # also: every import is done before exporters close
+        failed = [e for e in errors if e is not None]
+        if not failed:
+            return local_ranks, fds
+        _close_peers(fds, rank)
+        if method == "pidfd" or not all(denied for _, denied in failed):
+            raise PeerFdError("ep_moe.memory: sharing host segments failed: " + "; ".join(m for m, _ in failed))
+        log.info("ep_moe.memory: pidfd_getfd is denied here (%s); passing the descriptors over Unix sockets",
+                 failed[0][0])
+    token = entries[local_ranks[0]][4]  # one name space per exchange and node
     error = None
-    for r in local_ranks:
-        if r == rank:
-            fds[r] = fd
-            continue
-        try:
-            fds[r] = pidfd_getfd(entries[r][1], entries[r][2])
-        except PeerFdError as exc:
-            error = f"rank {rank} importing rank {r}'s segment: {exc}"
-            break
-    errors: list = [None] * len(entries)
-    dist.all_gather_object(errors, error, group=group)  # also: every import is done before exporters close
+    try:
+        _exchange_by_socket(group, rank, local_ranks, fd, token, fds)
+    except OSError as exc:
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    errors = [None] * num_ranks
+    dist.all_gather_object(errors, error, group=group)
     failed = [e for e in errors if e is not None]
     if failed:
-        for r, other in enumerate(fds):
-            if other is not None and r != rank:
-                os.close(other)
-        raise PeerFdError("ep_moe.memory: sharing host segments failed: " + "; ".join(failed))
+        _close_peers(fds, rank)
+        raise PeerFdError("ep_moe.memory: passing host segments over Unix sockets failed: " + "; ".join(failed))
     return local_ranks, fds
+
+
+def _close_peers(fds: list[int | None], rank: int) -> None:
+    for r, other in enumerate(fds):
+        if other is not None and r != rank:
+            os.close(other)
+            fds[r] = None
+
+
+def _socket_name(token: str, rank: int) -> bytes:
+    return f"\0ep_moe_fd_{token}_{rank}".encode()
+
+
+def _exchange_by_socket(group: dist.ProcessGroup, rank: int, local_ranks: list[int], fd: int, token: str,
+                        fds: list[int | None]) -> None:
+    """Every rank of the node listens on an abstract Unix socket and sends ``fd`` (``SCM_RIGHTS``) to each peer
+    that connects, while it connects to each peer in turn and receives theirs into ``fds``."""
+    peers = [r for r in local_ranks if r != rank]
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(_socket_name(token, rank))
+        server.listen(max(len(peers), 1))
+        server.settimeout(SOCKET_TIMEOUT_S)
+        ready: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ready, True, group=group)  # every rank listens before any connects
+        served: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                for _ in peers:
+                    conn, _ = server.accept()
+                    with conn:
+                        socket.send_fds(conn, [b"f"], [fd])
+            except OSError as exc:
+                served.append(exc)
+
+        thread = threading.Thread(target=serve, name="ep_moe-fd-server", daemon=True)
+        thread.start()
+        for r in peers:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                client.settimeout(SOCKET_TIMEOUT_S)
+                client.connect(_socket_name(token, r))
+                _, received, _, _ = socket.recv_fds(client, 1, 1)
+                if len(received) != 1:
+                    raise OSError(f"rank {r} sent {len(received)} descriptors, not 1")
+                fds[r] = received[0]
+        thread.join(SOCKET_TIMEOUT_S * (len(peers) + 1))
+        if thread.is_alive():
+            raise OSError(f"peers did not take rank {rank}'s descriptor within {SOCKET_TIMEOUT_S:g} s each")
+        if served:
+            raise served[0]
+    finally:
+        server.close()
 
 
 def ranks_by_node(group: dist.ProcessGroup) -> list[list[int]]:

@@ -3,7 +3,8 @@
 
 * the choice of type and the layout (2 MiB segments, GPU first, host segments adjacent in rank order);
 * hybrid memory for real: ``memfd`` segments shared by ``(pid, fd)`` and ``pidfd_getfd``; every rank reads what
-  every other rank wrote into its own segment, and a write into a peer's segment is seen by its owner;
+  every other rank wrote into its own segment, and a write into a peer's segment is seen by its owner; the
+  socket route (``SCM_RIGHTS``) where ``pidfd_getfd`` is denied; failures raise on every rank;
 * ``engram_fetch`` equal, bit for bit, to indexing the concatenated tables (random ids, repeated ids, every id on
   one rank, empty ``T``; with and without scales), on the direct path (hybrid) and the collectives path (elastic);
 * bad tables and ids raise errors naming the argument, on every rank, with nothing left waiting.
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
-from ep_moe.memory import ALIGNMENT_BYTES, PeerFdError, align_up, choose_memory_type, memory_layout
+from ep_moe.memory import ALIGNMENT_BYTES, PeerFdError, align_up, choose_memory_type, fdshare, memory_layout
 from ep_moe.memory.fdshare import exchange_fds, pidfd_getfd
 from ep_moe.memory.host import create_shared_segment
 
@@ -192,6 +193,33 @@ def _check_exchange_failures(rank: int, num_ranks: int) -> None:
             os.close(fd)
 
 
+def _check_socket_exchange(rank: int, num_ranks: int) -> None:
+    """The route where pidfd_getfd is denied: descriptors over Unix sockets reach every rank of the node."""
+    fd = create_shared_segment(4096)
+    os.pwrite(fd, bytes([rank + 1]) * 8, 0)
+
+    def denied(pid: int, fd: int) -> int:
+        raise fdshare.PeerFdError("pidfd_getfd: Operation not permitted (simulated)", denied=True)
+
+    real = fdshare.pidfd_getfd
+    try:
+        for method in ("socket", "auto"):  # auto: pidfd_getfd denied on every rank, then the sockets
+            fdshare.pidfd_getfd = denied if method == "auto" else real
+            local_ranks, fds = exchange_fds(dist.group.WORLD, fd, method=method)
+            assert local_ranks == list(range(num_ranks)) and fds[rank] == fd
+            for owner in range(num_ranks):
+                assert os.pread(fds[owner], 8, 0) == bytes([owner + 1]) * 8, (method, rank, owner)
+            for owner in range(num_ranks):
+                if owner != rank:
+                    os.close(fds[owner])
+            dist.barrier()
+        if num_ranks > 1:
+            _raises(lambda: exchange_fds(dist.group.WORLD, fd, method="pidfd"), PeerFdError, "simulated")
+    finally:
+        fdshare.pidfd_getfd = real
+        os.close(fd)
+
+
 def test_pidfd_getfd_errors() -> None:
     with pytest.raises(PeerFdError, match="Bad file descriptor"):
         pidfd_getfd(os.getpid(), 1 << 20)
@@ -201,6 +229,7 @@ def test_pidfd_getfd_errors() -> None:
 
 def _worker(rank: int, num_ranks: int) -> int:
     _check_exchange_failures(rank, num_ranks)
+    _check_socket_exchange(rank, num_ranks)
     gpu = ElasticBuffer(None, backend="torch", explicitly_destroy=True)
     assert gpu.memory_type == "gpu" and gpu.memory is None
     _raises(lambda: gpu.engram_write(torch.zeros(2, 2)), ValueError, "argument 'num_cpu_bytes'")
