@@ -4,7 +4,8 @@ from GPU-mapped host memory, on one GPU (docs/semantics.md, "ElasticBuffer: memo
 * elastic, one process: the GPU segment, then the host-NUMA segment, in one virtual range; written and read back
   by the device;
 * hybrid, 2 to 4 processes sharing the one GPU (gloo for the ``(pid, fd)`` exchange): every rank reads on the device
-  what every other rank wrote into its host segment, and writes into a peer's segment reach their owner;
+  what every other rank wrote into its host segment, and writes into a peer's segment reach their owner; also
+  with the descriptors passed over Unix sockets (the route where ``pidfd_getfd`` is denied);
 * Engram over that hybrid memory (the direct path: a gather kernel reading the mapped host segments), and through
   `ElasticBuffer` on a one-rank NCCL group, equal bit for bit to indexing the concatenated tables.
 """
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
 from ep_moe.engram import EngramMixin
-from ep_moe.memory import ALIGNMENT_BYTES, SymmetricMemory
+from ep_moe.memory import ALIGNMENT_BYTES, SymmetricMemory, fdshare
 
 pytestmark = pytest.mark.gpu
 N, H, S = 1000, 512, 4  # 1 KiB bf16 rows
@@ -65,10 +66,16 @@ class _GpuEngram(EngramMixin):
         pass
 
 
-def _hybrid_worker(rank: int, num_ranks: int) -> int:
+def _denied(pid: int, fd: int) -> int:
+    raise fdshare.PeerFdError("pidfd_getfd: Operation not permitted (simulated)", denied=True)
+
+
+def _hybrid_worker(rank: int, num_ranks: int, route: str) -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     group = dist.group.WORLD
+    if route == "socket":  # the CUDA descriptors over Unix sockets, as where pidfd_getfd is denied
+        fdshare.pidfd_getfd = _denied
     engram = _GpuEngram(group, device, N * H * 2 + (1 << 20))
     memory = engram.memory
     assert engram.memory_type == "hybrid" and memory.all_host_segments_mapped()
@@ -114,9 +121,9 @@ def _hybrid_worker(rank: int, num_ranks: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3, 4])
-def test_hybrid_memory_and_engram_on_one_gpu(num_ranks: int) -> None:
-    assert run_distributed(_hybrid_worker, num_ranks, backend="gloo", join_timeout_s=300) == [4] * num_ranks
+@pytest.mark.parametrize("num_ranks, route", [(2, "pidfd"), (3, "pidfd"), (4, "pidfd"), (2, "socket")])
+def test_hybrid_memory_and_engram_on_one_gpu(num_ranks: int, route: str) -> None:
+    assert run_distributed(_hybrid_worker, num_ranks, route, backend="gloo", join_timeout_s=300) == [4] * num_ranks
 
 
 def _elastic_buffer_worker(rank: int, num_ranks: int) -> bool:
