@@ -1,0 +1,212 @@
+"""Hybrid mode (`ep_moe.hybrid`, docs/hybrid.md) on CPU with gloo: 4, 6 and 8 ranks viewed as 2 x 2, 2 x 3, 2 x 4
+and 4 x 2 give the flat path's outputs bit for bit (compact and expanded layouts, exact and fixed size, cached
+dispatch, combine with weights and bias, gradients) on random and adversarial routings (every token to one node,
+a node receiving nothing, a rank without tokens); the bytes each hop carries, counted by the backend, equal the
+model's exact count (`ep_moe.tuning.hybrid.exact_hop_rows`); the model's expectation agrees with Monte-Carlo.
+
+Every spawned rank regenerates all ranks' inputs from seeds. One spawned run per world size holds every case."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import pytest
+import torch
+
+from ep_moe.distributed import run_distributed
+from ep_moe.hybrid import ENV_SCALEOUT_RANKS, LogicalTopology, logical_topology
+from ep_moe.tuning.hybrid import exact_hop_rows, expected_traffic, hybrid_row_bytes, predict
+from ep_moe.tuning.model import LayerShape, expected_groups
+
+HIDDEN, TOPK = 16, 3
+
+
+def _routing(kind: str, rank: int, num_ranks: int, num_nodes: int, num_experts: int, gen: torch.Generator):
+    """``[T, K]`` expert ids of one rank: ``random`` (some -1 entries, a token with none), ``one_node`` (every
+    token to the last node's experts only), ``empty_node`` (node 0's experts receive nothing); rank 1 has no
+    tokens in ``empty_node``."""
+    tokens = 0 if kind == "empty_node" and rank == 1 else 5 + rank % 3
+    per_node = num_experts // num_nodes
+    pool = {"random": torch.arange(num_experts), "one_node": torch.arange(num_experts - per_node, num_experts),
+            "empty_node": torch.arange(per_node, num_experts)}[kind]
+    idx = pool[torch.rand(tokens, pool.numel(), generator=gen).argsort(dim=1)[:, :TOPK]]
+    if kind == "random" and tokens:
+        idx = idx.masked_fill(torch.rand(tokens, TOPK, generator=gen) < 0.2, -1)
+        idx[0] = -1
+    return idx
+
+
+def _inputs(kind: str, num_ranks: int, num_nodes: int, num_experts: int, dtype: torch.dtype):
+    xs, idxs, ws = [], [], []
+    for s in range(num_ranks):
+        gen = torch.Generator().manual_seed(1000 * num_nodes + 17 * s + len(kind))
+        idx = _routing(kind, s, num_ranks, num_nodes, num_experts, gen)
+        T = idx.shape[0]
+        # magnitudes 1e-3 .. 1e3: a sum in another order shows in the bits
+        xs.append((torch.randn(T, HIDDEN, generator=gen) * 10.0 ** torch.randint(-3, 4, (T, 1), generator=gen))
+                  .to(dtype))
+        idxs.append(idx)
+        ws.append(torch.rand(T, TOPK, generator=gen))
+    return xs, idxs, ws
+
+
+def _same(a, b, what: str) -> None:
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what}: bits differ"
+
+
+def _round_trip(eb, x, idx, w, bias, E: int, expand: bool, sync: bool, bound: int):
+    """Dispatch, an expert stand-in, combine (with weights), a cached dispatch, and the gradients of x and w."""
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    rx, ri, rw, h, _ = eb.dispatch(x, idx, w, num_experts=E, do_expand=expand, do_cpu_sync=sync,
+                                   num_max_tokens_per_rank=bound)
+    y = rx * 3 - 1
+    if expand:
+        out, out_w, _ = eb.combine(y, h, expert_weights=rw)
+    else:
+        out, out_w, _ = eb.combine(y, h, topk_weights=rw, bias=bias)
+    out.float().pow(2).sum().backward()
+    cached, _, cached_w, _, _ = eb.dispatch(x.detach() * 2, topk_weights=w.detach(), handle=h)
+    return [rx, ri, rw, out, out_w, cached, cached_w, x.grad, w.grad, h.psum_num_recv_tokens_per_expert,
+            torch.tensor(h.num_recv_tokens_per_expert_list, dtype=torch.int64)]
+
+
+def _worker(rank: int, num_ranks: int, views: list[int]) -> int:
+    from ep_moe import ElasticBuffer
+
+    E = 2 * num_ranks
+    flat = ElasticBuffer(allow_hybrid_mode=False)
+    assert flat.get_logical_domain_size() == (1, num_ranks) and flat.buffer.backend_name == "torch"
+    assert flat.get_physical_domain_size() == (1, num_ranks)  # one host
+    checked = 0
+    for num_nodes in views:
+        per_node = num_ranks // num_nodes
+        eb = ElasticBuffer(num_scaleout_ranks=num_nodes)
+        assert eb.buffer.backend_name == "hybrid"
+        assert eb.get_logical_domain_size() == (num_nodes, per_node)
+        assert (eb.scaleout_rank_idx, eb.scaleup_rank_idx) == divmod(rank, per_node)
+        traffic = eb.buffer.backend.traffic
+        for kind in ("random", "one_node", "empty_node"):
+            for dtype in (torch.bfloat16, torch.float32):
+                xs, idxs, ws = _inputs(kind, num_ranks, num_nodes, E, dtype)
+                x, idx, w = xs[rank], idxs[rank], ws[rank]
+                bias = torch.randn(x.shape[0], HIDDEN).to(dtype)
+                bound = max(i.shape[0] for i in idxs)
+                where = f"{num_nodes}x{per_node} {kind} {dtype}"
+                for expand in (False, True):
+                    for sync in (True, False):
+                        if dtype == torch.float32 and expand != sync:
+                            continue  # fp32 (where a different summation order shows): two of the modes
+                        want = _round_trip(flat, x, idx, w, bias, E, expand, sync, bound)
+                        traffic.reset()
+                        got = _round_trip(eb, x, idx, w, bias, E, expand, sync, bound)
+                        for i, (a, b) in enumerate(zip(got, want)):
+                            _same(a, b, f"{where} expand={expand} sync={sync} output {i}")
+                        checked += 1
+                # per-hop bytes: the counters of one plain dispatch + combine equal the model's exact counts
+                rows = exact_hop_rows(idxs, E, num_nodes)[rank]
+                size = hybrid_row_bytes(HIDDEN, x.element_size(), TOPK)
+                for sync in (True, False):
+                    traffic.reset()
+                    rx, _, _, h, _ = eb.dispatch(x, idx, w, num_experts=E, do_cpu_sync=sync,
+                                                 num_max_tokens_per_rank=bound)
+                    eb.combine(rx, h)
+                    eb.dispatch(x, handle=h)
+                    for op, hop, n, row_bytes in (("dispatch", "scaleout", rows.dispatch_scaleout, size["dispatch"]),
+                                                  ("dispatch", "scaleup", rows.dispatch_scaleup, size["dispatch"]),
+                                                  ("cached_dispatch", "scaleout", rows.dispatch_scaleout,
+                                                   size["cached_dispatch"]),
+                                                  ("cached_dispatch", "scaleup", rows.dispatch_scaleup,
+                                                   size["cached_dispatch"]),
+                                                  ("combine", "scaleup", rows.combine_scaleup, size["combine"]),
+                                                  ("combine", "scaleout", rows.combine_scaleout, size["combine"])):
+                        count = traffic.get(op, hop)
+                        assert (count.rows, count.bytes, count.calls) == (n, n * row_bytes, 1), \
+                            f"{where} sync={sync} {op}/{hop}: counted {count}, model {n} rows of {row_bytes} B"
+                    checked += 1
+        eb.destroy()
+    flat.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("num_ranks, views", [(4, [2]), (6, [2]), (8, [2, 4])])
+def test_hybrid_equals_flat_and_counts_match_the_model(num_ranks: int, views: list[int]) -> None:
+    per_view = 3 * (4 + 2 + 4)  # kinds x (bf16 modes + fp32 modes + traffic checks: 2 dtypes x 2 modes)
+    assert run_distributed(_worker, num_ranks, views, join_timeout_s=600) == [per_view * len(views)] * num_ranks
+
+
+# ------------------------------------------------------------------------------------------ topology
+def test_topology_views() -> None:
+    t = LogicalTopology.blocks(8, 2)
+    assert (t.num_scaleout_ranks, t.num_scaleup_ranks, t.is_hybrid) == (2, 4, True)
+    assert t.scaleout_members(1) == [1, 5] and t.scaleup_members(1) == [4, 5, 6, 7] and t.rank_at(1, 2) == 6
+    flat = LogicalTopology.flat(6)
+    assert (flat.num_scaleout_ranks, flat.num_scaleup_ranks, flat.is_hybrid) == (1, 6, False)
+    hosts = LogicalTopology.from_hosts(["a", "b", "b", "a"])  # ranks of a host need not be consecutive
+    assert hosts.node_of == (0, 1, 1, 0) and hosts.local_of == (0, 0, 1, 1) and hosts.scaleout_members(1) == [3, 2]
+    assert LogicalTopology.from_hosts(["a", "a", "b"]).num_scaleout_ranks == 1  # unequal hosts: flat
+    assert LogicalTopology.from_hosts([socket.gethostname()] * 3).source == "flat"
+    with pytest.raises(ValueError, match="argument 'num_scaleout_ranks'"):
+        LogicalTopology.blocks(6, 4)
+    with pytest.raises(ValueError, match="S x G grid"):
+        LogicalTopology((0, 0, 1), (0, 1, 0))
+
+
+def test_topology_overrides(monkeypatch) -> None:
+    physical = LogicalTopology.flat(8)
+    monkeypatch.setenv(ENV_SCALEOUT_RANKS, "4")
+    assert logical_topology(physical, 8).num_scaleout_ranks == 4
+    assert logical_topology(physical, 8, num_scaleout_ranks=2).num_scaleout_ranks == 2  # the argument wins
+    assert logical_topology(physical, 8, allow_hybrid_mode=False).num_scaleout_ranks == 1
+    monkeypatch.setenv(ENV_SCALEOUT_RANKS, "x")
+    with pytest.raises(ValueError, match=ENV_SCALEOUT_RANKS):
+        logical_topology(physical, 8)
+    monkeypatch.delenv(ENV_SCALEOUT_RANKS)
+    assert logical_topology(physical, 8) is physical
+
+
+# ------------------------------------------------------------------------------------------ model
+@pytest.mark.parametrize("num_nodes, per_node", [(2, 4), (4, 2), (4, 8)])
+def test_expected_traffic_matches_monte_carlo(num_nodes: int, per_node: int) -> None:
+    """Uniform top-K routings: the mean exact counts approach the balanced-gate expectation."""
+    E, K, T = 64, 6, 1500
+    R = num_nodes * per_node
+    gen = torch.Generator().manual_seed(R)
+    idxs = [torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K] for _ in range(R)]
+    rows = exact_hop_rows(idxs, E, num_nodes)
+    shape = LayerShape(E, K, 128, T)
+    hybrid = expected_traffic(shape, num_nodes, per_node, hybrid=True)
+    flat = expected_traffic(shape, num_nodes, per_node, hybrid=False)
+    d_row, c_row = shape.dispatch_row_bytes, shape.combine_row_bytes
+    for measured, expected in ((sum(r.dispatch_scaleout for r in rows) / R, hybrid.dispatch_nic / d_row),
+                               (sum(r.dispatch_scaleup for r in rows) / R, hybrid.dispatch_nvlink / d_row),
+                               (sum(r.combine_scaleup for r in rows) / R, hybrid.combine_nvlink / c_row),
+                               (sum(r.combine_scaleout for r in rows) / R, hybrid.combine_nic / c_row)):
+        assert math.isclose(measured, expected, rel_tol=0.03), (measured, expected)
+    # the unreduced combine moves what the flat path moves over the network
+    assert math.isclose(hybrid.combine_nic / c_row, flat.combine_nic / c_row)
+    # destination nodes per token: g(E, K, S), against the sampled mean
+    nodes = sum(len({int(e) // (E // num_nodes) for e in row}) for idx in idxs for row in idx) / (R * T)
+    assert math.isclose(nodes, expected_groups(E, K, num_nodes), rel_tol=0.02)
+
+
+def test_predict_and_simulate(tmp_path, capsys) -> None:
+    from ep_moe.tuning.simulate import main
+
+    shape = LayerShape(256, 8, 7168, 4096)
+    flat, hybrid = predict(shape, 4, 8, "flat"), predict(shape, 4, 8, "hybrid")
+    assert hybrid.traffic.dispatch_nic < flat.traffic.dispatch_nic and hybrid.dispatch_us < flat.dispatch_us
+    assert hybrid.traffic.combine_nic == flat.traffic.combine_nic
+    assert predict(shape, 4, 8, "hybrid", nic_gbs=1e6).dispatch_bound == "nvlink"
+    with pytest.raises(ValueError, match="argument 'mode'"):
+        predict(shape, 4, 8, "other")
+    png = tmp_path / "sim.png"
+    assert main(["--nodes", "2,4", "--gpus-per-node", "8", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid-node-reduced" in out and png.stat().st_size > 0
+    assert main(["--nodes", "3"]) == 2  # 256 experts over 3 nodes: a clear error
