@@ -178,7 +178,9 @@ class HybridBackend(TorchBackend):
 
     # ---------------------------------------------------------------- plans kept in the handle
     def _state(self, plan: _Plan) -> torch.Tensor:
-        head = torch.tensor([plan.c1, plan.c2], dtype=torch.int64, device=self.device)
+        head = torch.empty(2, dtype=torch.int64, device=self.device)  # fills, not a host copy: graph-capturable
+        head[0].fill_(plan.c1)
+        head[1].fill_(plan.c2)
         return torch.cat([head, plan.slot1.flatten(), plan.slot2.flatten(), plan.perm])
 
     def _plan_of(self, handle: DispatchHandle) -> _Plan:
