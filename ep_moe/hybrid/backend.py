@@ -98,8 +98,8 @@ class _Plan:
 class HybridBackend(TorchBackend):
     """Two-hop dispatch/combine (module docstring) on ``group`` viewed as ``topology``.
 
-    Builds two subgroups with ``dist.new_group`` (only their members take part): the scale-out group of this
-    rank's local index and the scale-up group of its node. ``traffic``: this rank's `HopTraffic`."""
+    Uses two subgroups made with ``dist.new_group`` (only their members take part; made once per process, `_subgroup`):
+    the scale-out group of this rank's local index and the scale-up group of its node. ``traffic``: this rank's `HopTraffic`."""
 
     name = "hybrid"
 
@@ -116,13 +116,10 @@ class HybridBackend(TorchBackend):
         self.scaleup_members = topology.scaleup_members(self.node)     # group ranks, by local index
         global_ranks = dist.get_process_group_ranks(group)
         timeout = timedelta(seconds=timeout_s)
-        # sort_ranks=False: a subgroup's rank k is member k, so all-to-all chunk k is node k / local index k.
-        self.scaleout_group = dist.new_group([global_ranks[r] for r in self.scaleout_members], timeout=timeout,
-                                             use_local_synchronization=True, sort_ranks=False,
-                                             group_desc=f"ep_moe_scaleout_l{self.local}")
-        self.scaleup_group = dist.new_group([global_ranks[r] for r in self.scaleup_members], timeout=timeout,
-                                            use_local_synchronization=True, sort_ranks=False,
-                                            group_desc=f"ep_moe_scaleup_n{self.node}")
+        self.scaleout_group = _subgroup([global_ranks[r] for r in self.scaleout_members], timeout,
+                                        f"ep_moe_scaleout_l{self.local}")
+        self.scaleup_group = _subgroup([global_ranks[r] for r in self.scaleup_members], timeout,
+                                       f"ep_moe_scaleup_n{self.node}")
         grid = [topology.scaleup_members(n) for n in range(self.num_nodes)]
         self._grid = torch.tensor(grid, dtype=torch.int64, device=device)  # [S, G] group ranks
         self._count_payload = device.type == "cpu"  # counting payload rows reads the device
@@ -357,13 +354,30 @@ class HybridBackend(TorchBackend):
         return acc.to(y.dtype), (acc_w[:T] if acc_w is not None else None)
 
     def destroy(self) -> None:
-        for group in (self.scaleout_group, self.scaleup_group):
-            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # the default group may be gone already at interpreter exit
-                    pass
+        """The subgroups stay (shared by every buffer on the same ranks, `_subgroup`)."""
         self.scaleout_group = self.scaleup_group = None
+
+
+_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _subgroup(global_members: list[int], timeout: timedelta, desc: str) -> dist.ProcessGroup:
+    """The process group of ``global_members`` (in that order: its rank k is member k), made once per process and
+    reused by every later buffer: a group made with ``use_local_synchronization`` (only its members take part) is
+    named by its ranks, so making it again, even after destroying it, would meet the old one's rendezvous keys."""
+    key = tuple(global_members)
+    group = _SUBGROUPS.get(key)
+    if group is not None:
+        try:
+            dist.get_world_size(group)  # still registered (not destroyed with the default group)
+            return group
+        except (RuntimeError, ValueError):
+            pass
+    # sort_ranks=False: a subgroup's rank k is member k, so all-to-all chunk k is node k / local index k.
+    group = dist.new_group(list(global_members), timeout=timeout, use_local_synchronization=True,
+                           sort_ranks=False, group_desc=desc)
+    _SUBGROUPS[key] = group
+    return group
 
 
 def _check_fixed(most_received: torch.Tensor, most_per_node: torch.Tensor, num_worst_tokens: int) -> None:
