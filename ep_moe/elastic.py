@@ -32,7 +32,7 @@ from .buffer import BACKENDS, Buffer
 from .event import EventOverlap
 from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 from .handle import DispatchHandle
-from .hybrid import HybridBackend, host_topology, logical_topology
+from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
 from .permute import permute_rows, permute_rows_and_values, unpermute_sum
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor
 
@@ -162,6 +162,8 @@ class ElasticBuffer:
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise _fail(op, name, "a positive number of seconds", repr(value))
         group = group if group is not None else dist.group.WORLD
+        if num_scaleout_ranks is not None:  # checked before anything is made
+            LogicalTopology.blocks(dist.get_world_size(group), num_scaleout_ranks)
         if num_bytes is None:
             num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
@@ -240,8 +242,9 @@ class ElasticBuffer:
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
         """DeepEP V2's analytic SM count for this group (`ep_moe.tuning.get_theoretical_num_sms`; NVLink domains of
-        the logical scale-up ranks in hybrid mode, else the hosts'; 0 rates are detected). A dispatch with ``num_sms=0`` does not use it: it takes
-        ep_moe's calibrated plan (`ep_moe.tuning.plan_for_layer`) on the native backend."""
+        the logical scale-up ranks in hybrid mode, else the hosts'; 0 rates are detected). A dispatch with
+        ``num_sms=0`` does not use it: it takes ep_moe's calibrated plan (`ep_moe.tuning.plan_for_layer`) on the
+        native backend."""
         from .tuning import get_theoretical_num_sms
 
         return get_theoretical_num_sms(num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs,

@@ -178,6 +178,8 @@ def test_one_rank_hybrid_backend_equals_flat(solo_group) -> None:
                 _same(a, b, f"1x1 expand={expand} sync={sync} output {i}")
     hyb.destroy()
     flat.destroy()
+    with pytest.raises(ValueError, match="argument 'num_scaleout_ranks'"):
+        ElasticBuffer(solo_group, num_scaleout_ranks=2)  # 2 does not divide 1 rank: refused before anything is made
 
 
 # ------------------------------------------------------------------------------------------ topology
