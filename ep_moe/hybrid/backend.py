@@ -13,9 +13,10 @@ A group of R = S x G ranks (S nodes of G ranks, `LogicalTopology`). Rank (n, l) 
   in increasing rank and rounds once: the flat combine's order, hence its bits. Reducing inside the node first
   would halve the network rows but change the rounding (an fp32 sum is not associative), so it is not done.
 
-Both hops use equal-split all-to-alls of fixed slots: ``num_worst_tokens`` rows per peer in fixed mode (no host
-read anywhere, CUDA-graph capturable), the largest exchanged count in exact mode (one host read, in the count
-exchange, as the flat backend). Every wait has the backend's deadline and its error names the hop. The
+Rows sit in fixed slots per peer: ``num_worst_tokens`` rows in fixed mode, where every slot row crosses (equal
+splits: no host read anywhere, CUDA-graph capturable); in exact mode (one host read, in the count exchange, as the
+flat backend) the slots hold the largest exchanged count and the scale-out hop sends only the rows in use
+(variable splits), while the scale-up hop exchanges whole slots. Every wait has the backend's deadline and its error names the hop. The
 scale-up hop uses torch.distributed collectives too (NCCL on GPU): the native NVLink kernels are not used here.
 
 `HopTraffic` counts what each rank sends to other ranks per operation and hop (payload rows and bytes on CPU,
@@ -86,6 +87,9 @@ class _Plan:
     slot1 [T, S]: each token's slot in the scale-out send buffer (node n's chunk n*C1...), spare S*C1 if none.
     slot2 [S*C1, G]: each forwarded row's slot in the scale-up send buffer (l' * C2 + j), spare G*C2.
     perm [N]: each output row's place among the G*C2 rows received by the scale-up hop; spare G*C2 for padding.
+    net (exact mode only, else None): the rows in use of each scale-out chunk, so that only they cross the network:
+    ``(dispatch sent [S], dispatch received [S], combine sent [S*G], combine received [S*G])`` (combine chunks are
+    G blocks of C1 rows, one per rank of the relaying node).
     """
 
     c1: int
@@ -93,6 +97,7 @@ class _Plan:
     slot1: torch.Tensor
     slot2: torch.Tensor
     perm: torch.Tensor
+    net: tuple[list[int], list[int], list[int], list[int]] | None = None
 
 
 class HybridBackend(TorchBackend):
@@ -123,23 +128,54 @@ class HybridBackend(TorchBackend):
         grid = [topology.scaleup_members(n) for n in range(self.num_nodes)]
         self._grid = torch.tensor(grid, dtype=torch.int64, device=device)  # [S, G] group ranks
         self._count_payload = device.type == "cpu"  # counting payload rows reads the device
-        self._plans: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(backend_state) -> (state, C1, C2)
+        self._plans: dict[int, tuple] = {}  # id(backend_state) -> (state, C1, C2, net)
         self.traffic = HopTraffic()
 
     # ---------------------------------------------------------------- one hop
-    def _hop(self, hop: str, send: torch.Tensor, num_peers: int, capacity: int, op: str) -> torch.Tensor:
-        """Equal-split all-to-all of ``send [num_peers * capacity, B]`` (chunk p to peer p of the hop) over the
-        hop's subgroup; returns ``[num_peers * capacity, B]`` (chunk p from peer p)."""
+    def _hop(self, op: str, hop: str, send: torch.Tensor, num_peers: int, capacity: int, payload_fn,
+             counts: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+        """All-to-all of ``send [num_peers * capacity, B]`` (chunk p to peer p) over the hop's subgroup; returns
+        ``[num_peers * capacity, B]`` (chunk p from peer p), and records the hop in `traffic` (payload rows from
+        ``payload_fn()``, on CPU only). ``counts``: ``(sent, received)``, per peer and block (a chunk is
+        ``len(sent) / num_peers`` equal blocks), the rows in use at the start of each block: only those cross
+        (variable splits; exact mode); None: every slot row crosses (equal splits; fixed mode, no host read)."""
+        others = [p for p in range(num_peers) if p != (self.node if hop == "scaleout" else self.local)]
+        row_bytes = send.shape[1]
+        if counts is None:
+            wire_rows = len(others) * capacity
+        else:
+            per_peer = len(counts[0]) // num_peers
+            wire_rows = sum(sum(counts[0][p * per_peer:(p + 1) * per_peer]) for p in others)
+        self.traffic.add(op, hop, int(payload_fn()) if self._count_payload else None, row_bytes,
+                         wire_rows * row_bytes)
         if num_peers == 1 or send.shape[0] == 0 or send.shape[1] == 0:  # the sizes are equal on every peer
             return send.clone()
         group = self.scaleout_group if hop == "scaleout" else self.scaleup_group
         members = self.scaleout_members if hop == "scaleout" else self.scaleup_members
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
         what = ("scale-out hop (network, among the same-index ranks of the nodes)" if hop == "scaleout"
                 else "scale-up hop (inside the node)")
-        self._wait(work, f"{op}/{hop}: the {what}, group ranks {members}")
+        stage = f"{op}/{hop}: the {what}, group ranks {members}"
+        if counts is None:
+            recv = torch.empty_like(send)
+            self._wait(dist.all_to_all_single(recv, send, group=group, async_op=True), stage)
+            return recv
+        sent_idx, recv_idx = (self._used_rows(c, send.shape[0], send.device) for c in counts)
+        per_peer = len(counts[0]) // num_peers
+        splits = [[sum(c[p * per_peer:(p + 1) * per_peer]) for p in range(num_peers)] for c in counts]
+        packed = torch.empty(recv_idx.numel(), row_bytes, dtype=send.dtype, device=send.device)
+        self._wait(dist.all_to_all_single(packed, send.index_select(0, sent_idx), splits[1], splits[0], group=group,
+                                          async_op=True), stage)
+        recv = torch.zeros_like(send)
+        recv.index_copy_(0, recv_idx, packed)
         return recv
+
+    @staticmethod
+    def _used_rows(counts: list[int], num_rows: int, device: torch.device) -> torch.Tensor:
+        """Indices of the rows in use of ``len(counts)`` equal blocks of ``num_rows`` rows: the first
+        ``counts[b]`` of block b."""
+        block = num_rows // len(counts)
+        used = torch.arange(block, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
+        return torch.nonzero(used.flatten()).flatten()
 
     @staticmethod
     def _slots(mask: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -157,27 +193,27 @@ class HybridBackend(TorchBackend):
             send.index_copy_(0, slots[:, p], rows)
         return send[:num_slots]
 
-    def _count(self, op: str, hop: str, rows_fn, row_bytes: int, others: int, capacity: int) -> None:
-        """Record a hop: payload rows from ``rows_fn()`` (on CPU only) and the wire bytes to ``others`` peers."""
-        rows = int(rows_fn()) if self._count_payload else None
-        self.traffic.add(op, hop, rows, row_bytes, others * capacity * row_bytes)
-
     def _forward(self, op: str, rows: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Both hops of a dispatch for ``rows [T, B]`` uint8: ``(recv1 [S*C1, B], recv2 [G*C2, B])``."""
-        S, G, c1, c2, row_bytes = self.num_nodes, self.per_node, plan.c1, plan.c2, rows.shape[1]
-        recv1 = self._hop("scaleout", self._scatter(rows, plan.slot1, S * c1), S, c1, op)
+        S, G, c1, c2 = self.num_nodes, self.per_node, plan.c1, plan.c2
         others = [n for n in range(S) if n != self.node]
-        self._count(op, "scaleout", lambda: (plan.slot1[:, others] < S * c1).sum(), row_bytes, S - 1, c1)
-        recv2 = self._hop("scaleup", self._scatter(recv1, plan.slot2, G * c2), G, c2, op)
         peers = [lo for lo in range(G) if lo != self.local]
-        self._count(op, "scaleup", lambda: (plan.slot2[:, peers] < G * c2).sum(), row_bytes, G - 1, c2)
+        recv1 = self._hop(op, "scaleout", self._scatter(rows, plan.slot1, S * c1), S, c1,
+                          lambda: (plan.slot1[:, others] < S * c1).sum(),
+                          None if plan.net is None else (plan.net[0], plan.net[1]))
+        recv2 = self._hop(op, "scaleup", self._scatter(recv1, plan.slot2, G * c2), G, c2,
+                          lambda: (plan.slot2[:, peers] < G * c2).sum())
         return recv1, recv2
 
     # ---------------------------------------------------------------- plans kept in the handle
     def _state(self, plan: _Plan) -> torch.Tensor:
-        head = torch.empty(2, dtype=torch.int64, device=self.device)  # fills, not a host copy: graph-capturable
-        head[0].fill_(plan.c1)
-        head[1].fill_(plan.c2)
+        if plan.net is None:  # fixed mode: fills, not a host copy (graph-capturable)
+            head = torch.empty(2, dtype=torch.int64, device=self.device)
+            head[0].fill_(plan.c1)
+            head[1].fill_(plan.c2)
+        else:
+            head = torch.tensor([plan.c1, plan.c2] + [v for part in plan.net for v in part], dtype=torch.int64,
+                                device=self.device)
         return torch.cat([head, plan.slot1.flatten(), plan.slot2.flatten(), plan.perm])
 
     def _plan_of(self, handle: DispatchHandle) -> _Plan:
@@ -187,25 +223,29 @@ class HybridBackend(TorchBackend):
         if state is None or state.dtype != torch.int64 or state.dim() != 1:
             raise ValueError("ep_moe.hybrid: argument 'handle' must come from a dispatch on the hybrid backend "
                              "(its backend_state holds the two-hop plan)")
+        T, S, G, N = handle.num_tokens, self.num_nodes, self.per_node, handle.num_recv_rows
+        head_len = 2 if handle.num_worst_tokens else 2 + 2 * S + 2 * S * G
         known = self._plans.get(id(state))
+        net = None
         if known is not None and known[0] is state:
-            c1, c2 = known[1], known[2]
+            _, c1, c2, net = known
         elif handle.num_worst_tokens:
             c1 = c2 = handle.num_worst_tokens
-        else:
-            c1, c2 = (int(v) for v in state[:2].tolist())
-        T, S, G, N = handle.num_tokens, self.num_nodes, self.per_node, handle.num_recv_rows
-        if state.numel() != 2 + T * S + S * c1 * G + N:
+        else:  # exact mode, a handle rebuilt from its tensors: one host read
+            head = state[:head_len].tolist() if state.numel() >= head_len else [0] * head_len
+            c1, c2, flat = head[0], head[1], head[2:]
+            net = (flat[:S], flat[S:2 * S], flat[2 * S:2 * S + S * G], flat[2 * S + S * G:])
+        if state.numel() != head_len + T * S + S * c1 * G + N:
             raise ValueError("ep_moe.hybrid: argument 'handle' does not match this group's topology "
                              f"({S} x {G}) or its own sizes")
-        body = state[2:]
+        body = state[head_len:]
         slot1, body = body[:T * S].view(T, S), body[T * S:]
         slot2, perm = body[:S * c1 * G].view(S * c1, G), body[S * c1 * G:]
-        return _Plan(c1, c2, slot1, slot2, perm)
+        return _Plan(c1, c2, slot1, slot2, perm, net)
 
     def _remember(self, state: torch.Tensor, plan: _Plan) -> None:
         key = id(state)
-        self._plans[key] = (state, plan.c1, plan.c2)
+        self._plans[key] = (state, plan.c1, plan.c2, plan.net)
         weakref.finalize(state, self._plans.pop, key, None)
 
     def _check_handle_call(self, op: int, op_name: str, x: torch.Tensor, handle: DispatchHandle, topk: int) -> None:
@@ -234,6 +274,7 @@ class HybridBackend(TorchBackend):
         node_matrix = gathered[:, HEADER_LEN + R:]                    # tokens [source, destination node]
         # rows forwarder (n, l'') sends to rank q of node n: from the sources of local index l'', [G, R]
         from_forwarder = count_matrix[self._grid].sum(dim=0)
+        net = None
         if W:
             c1 = c2 = num_rows = W
             _check_fixed(count_matrix.sum(dim=0).max(), node_matrix.max(), W)
@@ -243,6 +284,12 @@ class HybridBackend(TorchBackend):
             c2 = max(sum(counts[s][q] for s in self.topology.scaleout_members(lo)) for lo in range(G)
                      for q in range(R))
             num_rows = sum(row[me] for row in counts)
+            nodes = [row[HEADER_LEN + R:] for row in table]
+            at = self.topology.rank_at
+            n0, l0 = self.node, self.local
+            net = ([nodes[me][n] for n in range(S)], [nodes[at(n, l0)][n0] for n in range(S)],
+                   [counts[at(n, l0)][at(n0, lo)] for n in range(S) for lo in range(G)],
+                   [counts[me][at(n, lo)] for n in range(S) for lo in range(G)])
 
         token_index = torch.arange(T, dtype=torch.int64, device=x.device)[:, None]
         source = torch.full((T, 1), me, dtype=torch.int64, device=x.device)
@@ -253,11 +300,10 @@ class HybridBackend(TorchBackend):
         col_tok, col_src = col_w + 4 * K, col_w + 4 * K + 8
 
         # scale-out hop, then the forwarder's view: the rows of the sources of local index l, by node then token
-        plan = _Plan(c1, c2, self._slots(in_node, c1), torch.empty(0), torch.empty(0))
-        S_c1 = S * c1
-        recv1 = self._hop("scaleout", self._scatter(rows, plan.slot1, S_c1), S, c1, "dispatch")
+        plan = _Plan(c1, c2, self._slots(in_node, c1), torch.empty(0), torch.empty(0), net)
         others = [n for n in range(S) if n != self.node]
-        self._count("dispatch", "scaleout", lambda: (plan.slot1[:, others] < S_c1).sum(), rows.shape[1], S - 1, c1)
+        recv1 = self._hop("dispatch", "scaleout", self._scatter(rows, plan.slot1, S * c1), S, c1,
+                          lambda: (plan.slot1[:, others] < S * c1).sum(), None if net is None else net[:2])
         sent_here = node_matrix[self._grid[:, self.local], self.node]  # [S] rows from each node's forwarder
         valid1 = (torch.arange(c1, device=x.device)[None, :] < sent_here[:, None]).flatten()
         idx1 = from_bytes(recv1[:, col_idx:col_w], torch.int64, K).masked_fill(~valid1[:, None], -1)
@@ -267,9 +313,9 @@ class HybridBackend(TorchBackend):
         plan.slot2 = self._slots(in_peer, c2)
 
         # scale-up hop; then the flat order: by source rank, then token
-        recv2 = self._hop("scaleup", self._scatter(recv1, plan.slot2, G * c2), G, c2, "dispatch")
         peers = [lo for lo in range(G) if lo != self.local]
-        self._count("dispatch", "scaleup", lambda: (plan.slot2[:, peers] < G * c2).sum(), rows.shape[1], G - 1, c2)
+        recv2 = self._hop("dispatch", "scaleup", self._scatter(recv1, plan.slot2, G * c2), G, c2,
+                          lambda: (plan.slot2[:, peers] < G * c2).sum())
         valid2 = (torch.arange(c2, device=x.device)[None, :] < from_forwarder[:, me][:, None]).flatten()
         src2 = from_bytes(recv2[:, col_src:col_src + 8], torch.int64, 1)[:, 0]
         tok2 = from_bytes(recv2[:, col_tok:col_src], torch.int64, 1)[:, 0]
@@ -313,9 +359,8 @@ class HybridBackend(TorchBackend):
         # scale-up hop back: each row to the forwarder it came from, at the slot it was sent from
         send2 = torch.zeros(G * c2 + 1, row_bytes, dtype=torch.uint8, device=y.device)
         send2.index_copy_(0, plan.perm, rows)
-        back2 = self._hop("scaleup", send2[:G * c2], G, c2, "combine")
-        self._count("combine", "scaleup", lambda: ((plan.perm < G * c2) & (plan.perm // c2 != self.local)).sum(),
-                    row_bytes, G - 1, c2)
+        back2 = self._hop("combine", "scaleup", send2[:G * c2], G, c2,
+                          lambda: ((plan.perm < G * c2) & (plan.perm // c2 != self.local)).sum())
 
         # scale-out hop back: the forwarder relays every (token, rank) row, unreduced, to the token's source node;
         # block (n', l') of C1 rows holds, in token order, the rows of rank (n, l') for source (n', l)
@@ -327,9 +372,9 @@ class HybridBackend(TorchBackend):
         send1 = torch.zeros(S * G * c1 + 1, row_bytes, dtype=torch.uint8, device=y.device)
         send1.index_copy_(0, dest, back2.index_select(0, src) if back2.shape[0] else back2.new_zeros(src.shape[0],
                                                                                                    row_bytes))
-        back1 = self._hop("scaleout", send1[:S * G * c1], S, G * c1, "combine")
         others = [n for n in range(S) if n != self.node]
-        self._count("combine", "scaleout", lambda: sent[others].sum(), row_bytes, S - 1, G * c1)
+        back1 = self._hop("combine", "scaleout", send1[:S * G * c1], S, G * c1, lambda: sent[others].sum(),
+                          None if plan.net is None else plan.net[2:])
 
         # the source: sum over ranks in increasing order, in fp32 (fp64 for fp64), round once (the flat order)
         acc_dtype = torch.promote_types(y.dtype, torch.float32)

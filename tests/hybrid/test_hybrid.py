@@ -132,6 +132,8 @@ def _worker(rank: int, num_ranks: int, views: list[int]) -> int:
                         count = traffic.get(op, hop)
                         assert (count.rows, count.bytes, count.calls) == (n, n * row_bytes, 1), \
                             f"{where} sync={sync} {op}/{hop}: counted {count}, model {n} rows of {row_bytes} B"
+                        if sync and hop == "scaleout":  # exact size: only the rows in use cross the network
+                            assert count.wire_bytes == count.bytes, f"{where} {op}/{hop}: {count}"
                     checked += 1
         eb.destroy()
     flat.destroy()
@@ -141,7 +143,7 @@ def _worker(rank: int, num_ranks: int, views: list[int]) -> int:
         eb = ElasticBuffer(num_scaleout_ranks=2, num_gpu_timeout_secs=2)
         if rank != 3:
             try:
-                eb.buffer.backend._hop("scaleout", torch.zeros(2, 4, dtype=torch.uint8), 2, 1, "dispatch")
+                eb.buffer.backend._hop("dispatch", "scaleout", torch.zeros(2, 4, dtype=torch.uint8), 2, 1, lambda: 1)
             except TimeoutError as exc:
                 assert rank == 1 and "rank 1 of 4" in str(exc) and "scale-out hop" in str(exc), str(exc)
                 checked += 1
