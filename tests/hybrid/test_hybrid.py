@@ -2,13 +2,12 @@
 and 4 x 2 give the flat path's outputs bit for bit (compact and expanded layouts, exact and fixed size, cached
 dispatch, combine with weights and bias, gradients) on random and adversarial routings (every token to one node,
 a node receiving nothing, a rank without tokens); the bytes each hop carries, counted by the backend, equal the
-model's exact count (`ep_moe.tuning.hybrid.exact_hop_rows`); the model's expectation agrees with Monte-Carlo.
+model's exact count (`ep_moe.tuning.hybrid.exact_hop_rows`; its expectation: tests/tuning/test_hybrid_model.py).
 
 Every spawned rank regenerates all ranks' inputs from seeds. One spawned run per world size holds every case."""
 
 from __future__ import annotations
 
-import math
 import socket
 
 import pytest
@@ -16,8 +15,7 @@ import torch
 
 from ep_moe.distributed import run_distributed
 from ep_moe.hybrid import ENV_SCALEOUT_RANKS, LogicalTopology, logical_topology
-from ep_moe.tuning.hybrid import exact_hop_rows, expected_traffic, hybrid_row_bytes, predict
-from ep_moe.tuning.model import LayerShape, expected_groups
+from ep_moe.tuning.hybrid import exact_hop_rows, hybrid_row_bytes
 
 HIDDEN, TOPK = 16, 3
 
@@ -212,45 +210,3 @@ def test_topology_overrides(monkeypatch) -> None:
         logical_topology(physical, 8)
     monkeypatch.delenv(ENV_SCALEOUT_RANKS)
     assert logical_topology(physical, 8) is physical
-
-
-# ------------------------------------------------------------------------------------------ model
-@pytest.mark.parametrize("num_nodes, per_node", [(2, 4), (4, 2), (4, 8)])
-def test_expected_traffic_matches_monte_carlo(num_nodes: int, per_node: int) -> None:
-    """Uniform top-K routings: the mean exact counts approach the balanced-gate expectation."""
-    E, K, T = 64, 6, 1500
-    R = num_nodes * per_node
-    gen = torch.Generator().manual_seed(R)
-    idxs = [torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K] for _ in range(R)]
-    rows = exact_hop_rows(idxs, E, num_nodes)
-    shape = LayerShape(E, K, 128, T)
-    hybrid = expected_traffic(shape, num_nodes, per_node, hybrid=True)
-    flat = expected_traffic(shape, num_nodes, per_node, hybrid=False)
-    d_row, c_row = shape.dispatch_row_bytes, shape.combine_row_bytes
-    for measured, expected in ((sum(r.dispatch_scaleout for r in rows) / R, hybrid.dispatch_nic / d_row),
-                               (sum(r.dispatch_scaleup for r in rows) / R, hybrid.dispatch_nvlink / d_row),
-                               (sum(r.combine_scaleup for r in rows) / R, hybrid.combine_nvlink / c_row),
-                               (sum(r.combine_scaleout for r in rows) / R, hybrid.combine_nic / c_row)):
-        assert math.isclose(measured, expected, rel_tol=0.03), (measured, expected)
-    # the unreduced combine moves what the flat path moves over the network
-    assert math.isclose(hybrid.combine_nic / c_row, flat.combine_nic / c_row)
-    # destination nodes per token: g(E, K, S), against the sampled mean
-    nodes = sum(len({int(e) // (E // num_nodes) for e in row}) for idx in idxs for row in idx) / (R * T)
-    assert math.isclose(nodes, expected_groups(E, K, num_nodes), rel_tol=0.02)
-
-
-def test_predict_and_simulate(tmp_path, capsys) -> None:
-    from ep_moe.tuning.simulate import main
-
-    shape = LayerShape(256, 8, 7168, 4096)
-    flat, hybrid = predict(shape, 4, 8, "flat"), predict(shape, 4, 8, "hybrid")
-    assert hybrid.traffic.dispatch_nic < flat.traffic.dispatch_nic and hybrid.dispatch_us < flat.dispatch_us
-    assert hybrid.traffic.combine_nic == flat.traffic.combine_nic
-    assert predict(shape, 4, 8, "hybrid", nic_gbs=1e6).dispatch_bound == "nvlink"
-    with pytest.raises(ValueError, match="argument 'mode'"):
-        predict(shape, 4, 8, "other")
-    png = tmp_path / "sim.png"
-    assert main(["--nodes", "2,4", "--gpus-per-node", "8", "--plot", str(png)]) == 0
-    out = capsys.readouterr().out
-    assert "hybrid-node-reduced" in out and png.stat().st_size > 0
-    assert main(["--nodes", "3"]) == 2  # 256 experts over 3 nodes: a clear error
