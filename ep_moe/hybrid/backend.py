@@ -19,8 +19,9 @@ flat backend) the slots hold the largest exchanged count and the scale-out hop s
 (variable splits), while the scale-up hop exchanges whole slots. Every wait has the backend's deadline and its error names the hop. The
 scale-up hop uses torch.distributed collectives too (NCCL on GPU): the native NVLink kernels are not used here.
 
-`HopTraffic` counts what each rank sends to other ranks per operation and hop (payload rows and bytes on CPU,
-where counting costs no host sync; the collectives' wire bytes everywhere).
+`HopTraffic` counts what each rank sends to other ranks per operation and hop: the collectives' wire bytes
+everywhere, the payload rows and bytes on CPU (and on GPU for the exact-mode scale-out hop, where they are known on
+the host; elsewhere counting them would read the device, so they are -1 there).
 """
 
 from __future__ import annotations
@@ -146,8 +147,11 @@ class HybridBackend(TorchBackend):
         else:
             per_peer = len(counts[0]) // num_peers
             wire_rows = sum(sum(counts[0][p * per_peer:(p + 1) * per_peer]) for p in others)
-        self.traffic.add(op, hop, int(payload_fn()) if self._count_payload else None, row_bytes,
-                         wire_rows * row_bytes)
+        if self._count_payload:  # CPU: from the slots in use (a device read elsewhere)
+            payload = int(payload_fn())
+        else:  # GPU: known on the host where only the rows in use cross (exact mode, scale-out hop)
+            payload = wire_rows if counts is not None else None
+        self.traffic.add(op, hop, payload, row_bytes, wire_rows * row_bytes)
         if num_peers == 1 or send.shape[0] == 0 or send.shape[1] == 0:  # the sizes are equal on every peer
             return send.clone()
         group = self.scaleout_group if hop == "scaleout" else self.scaleup_group
