@@ -33,6 +33,7 @@ from .engram import EngramMixin
 from .event import EventOverlap
 from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 from .handle import DispatchHandle
+from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
 from .permute import permute_rows, permute_rows_and_values, unpermute_sum
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor
 
@@ -125,16 +126,18 @@ class ElasticBuffer(EngramMixin):
         deterministic: accepted; ep_moe's orders are deterministic in every mode (rows by source rank and token,
             expanded rows by expert, source rank, token, top-k slot; sums in a fixed order), so there is nothing
             to sort.
-        allow_hybrid_mode: with ``num_cpu_bytes > 0`` and several ranks on a node, the hybrid memory type
-            (every rank of the node maps every host segment). prefer_overlap_with_compute: recorded (the SM count
-            comes from ep_moe's tuner). allow_multiple_reduction: the expanded combine's reduction mode
+        allow_hybrid_mode: two hops (`ep_moe.hybrid`, docs/hybrid.md) when the logical topology has more than one
+            scale-out rank, False: the flat view (1 x R); with ``num_cpu_bytes > 0`` and several ranks on a node,
+            also the hybrid memory type (every rank of the node maps every host segment).
+            prefer_overlap_with_compute: recorded (the SM count comes from ep_moe's tuner). allow_multiple_reduction: the expanded combine's reduction mode
             (`ep_moe.expert_major.expert_combine`). sl_idx, num_allocated_qps: recorded (no RDMA queue pairs).
-        num_cpu_timeout_secs: the deadline of each collective wait of `engram_fetch`. num_gpu_timeout_secs: the deadline of every wait for a peer
-            (`ep_moe.Buffer`'s ``timeout_s``).
+        num_cpu_timeout_secs: the deadline of each collective wait of `engram_fetch`. num_gpu_timeout_secs: the
+            deadline of every wait for a peer (`ep_moe.Buffer`'s ``timeout_s``).
         explicitly_destroy: True: resources are freed by `destroy` only; False: also when the buffer is
             collected or the interpreter exits.
         backend: ``"auto"``, ``"native"`` or ``"torch"`` (as `ep_moe.Buffer`). check_inputs: also check expert
-            ids' range (a host read; `ep_moe.Buffer`).
+            ids' range (a host read; `ep_moe.Buffer`). num_scaleout_ranks: view the group as that many nodes of
+            consecutive ranks (else ``EP_MOE_SCALEOUT_RANKS``, else the ranks' hosts; `ep_moe.hybrid.topology`).
 
     Construction ends with a barrier of the group.
     """
@@ -144,7 +147,8 @@ class ElasticBuffer(EngramMixin):
                  use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
                  allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
                  num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
-                 explicitly_destroy: bool = False, *, backend: str = "auto", check_inputs: bool = True) -> None:
+                 explicitly_destroy: bool = False, *, backend: str = "auto", check_inputs: bool = True,
+                 num_scaleout_ranks: int | None = None) -> None:
         op = "ElasticBuffer"
         if not dist.is_initialized():
             raise RuntimeError("ep_moe.ElasticBuffer: torch.distributed is not initialized "
@@ -160,6 +164,8 @@ class ElasticBuffer(EngramMixin):
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise _fail(op, name, "a positive number of seconds", repr(value))
         group = group if group is not None else dist.group.WORLD
+        if num_scaleout_ranks is not None:  # checked before anything is made
+            LogicalTopology.blocks(dist.get_world_size(group), num_scaleout_ranks)
         if num_bytes is None:
             num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
@@ -182,10 +188,20 @@ class ElasticBuffer(EngramMixin):
         self.sl_idx, self.num_allocated_qps = sl_idx, num_allocated_qps
         self.num_cpu_timeout_secs, self.num_gpu_timeout_secs = num_cpu_timeout_secs, num_gpu_timeout_secs
         self.explicitly_destroy = explicitly_destroy
-        # One domain: every rank is a scale-up (NVLink or torch.distributed) peer, no scale-out ranks.
-        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
-        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank
-        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        # Logical (scale-out x scale-up) and physical (hosts) topology; two hops when it spans scale-out ranks.
+        physical = host_topology(self.group)
+        self.topology = logical_topology(physical, self.num_ranks, allow_hybrid_mode, num_scaleout_ranks)
+        if self.topology.is_hybrid:
+            flat_backend, self.buffer.backend = self.buffer.backend, HybridBackend(
+                self.group, self.buffer.device, float(num_gpu_timeout_secs), self.topology)
+            flat_backend.destroy()
+            self.buffer.backend_reason = f"hybrid mode, {self.topology.num_scaleout_ranks} x " \
+                                         f"{self.topology.num_scaleup_ranks} ({self.topology.source})"
+        self.num_scaleout_ranks, self.num_scaleup_ranks = (self.topology.num_scaleout_ranks,
+                                                           self.topology.num_scaleup_ranks)
+        self.scaleout_rank_idx = self.topology.node_of[self.rank]
+        self.scaleup_rank_idx = self.topology.local_of[self.rank]
+        self.num_rdma_ranks, self.num_nvlink_ranks = physical.num_scaleout_ranks, physical.num_scaleup_ranks
         self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend)
         self._destroyed = False
         self._finalizer = None if explicitly_destroy else weakref.finalize(self, _destroy_quietly, self.buffer)
@@ -217,32 +233,36 @@ class ElasticBuffer(EngramMixin):
         return self.buffer.get_comm_stream()
 
     def get_physical_domain_size(self) -> tuple[int, int]:
-        """``(RDMA ranks, NVLink ranks)``: one host, every rank a peer."""
+        """``(RDMA ranks, NVLink ranks)``: hosts of the group, ranks per host (from the ranks' host names)."""
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """``(scale-out ranks, scale-up ranks)``."""
+        """``(scale-out ranks, scale-up ranks)``: the view dispatch and combine use (`ep_moe.hybrid.topology`);
+        ``(1, R)`` with ``allow_hybrid_mode=False``."""
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
-        """DeepEP V2's analytic SM count for this group (`ep_moe.tuning.get_theoretical_num_sms`: one NVLink
-        domain of ``num_ranks``; 0 rates are detected). A dispatch with ``num_sms=0`` does not use it: it takes
-        ep_moe's calibrated plan (`ep_moe.tuning.plan_for_layer`) on the native backend."""
+        """DeepEP V2's analytic SM count for this group (`ep_moe.tuning.get_theoretical_num_sms`; NVLink domains of
+        the logical scale-up ranks in hybrid mode, else the hosts'; 0 rates are detected). A dispatch with
+        ``num_sms=0`` does not use it: it takes ep_moe's calibrated plan (`ep_moe.tuning.plan_for_layer`) on the
+        native backend."""
         from .tuning import get_theoretical_num_sms
 
         return get_theoretical_num_sms(num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs,
-                                       sm_write_gbs, num_ranks=self.num_ranks, hybrid=self.allow_hybrid_mode,
+                                       sm_write_gbs, num_ranks=self.num_ranks,
+                                       num_nvlink_ranks=(self.num_scaleup_ranks if self.num_scaleout_ranks > 1
+                                                         else self.num_nvlink_ranks), hybrid=self.allow_hybrid_mode,
                                        prefer_overlap_with_compute=self.prefer_overlap_with_compute)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """DeepEP V2's queue-pair count for ``num_sms`` (`ep_moe.tuning.get_theoretical_num_qps`) in direct mode
-        (ep_moe's group is one NVLink domain), at most ``num_allocated_qps`` when it is set. ep_moe has no RDMA
-        path yet: the count is reported, not used."""
+        """DeepEP V2's queue-pair count for ``num_sms`` (`ep_moe.tuning.get_theoretical_num_qps`), hybrid when the
+        logical topology has scale-out ranks, at most ``num_allocated_qps`` when it is set. ep_moe's network hop is
+        NCCL (no queue pairs of its own): the count is reported, not used."""
         from .tuning import get_theoretical_num_qps
 
-        return get_theoretical_num_qps(num_sms, False, self.num_allocated_qps)
+        return get_theoretical_num_qps(num_sms, self.num_scaleout_ranks > 1, self.num_allocated_qps)
 
     # ---------------------------------------------------------------- helpers
     def _check_live(self, op: str) -> None:

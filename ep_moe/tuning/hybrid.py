@@ -1,0 +1,168 @@
+"""Traffic and time of dispatch/combine across nodes: flat (one hop) vs hybrid (two hops, `ep_moe.hybrid`).
+
+A group of R = S x G ranks (S nodes of G GPUs, ranks of a node consecutive), E experts, top-K, T tokens per
+rank, H hidden. Counts are rows a rank sends to *other* ranks per call, per hop; bytes = rows x row bytes.
+
+* Flat: a token goes to each destination rank once; rows to ranks of other nodes cross the network (NIC), the
+  others NVLink.
+* Hybrid dispatch: a token crosses the network once per destination node (deduplicated), to the same-index GPU,
+  which forwards it over NVLink to the node's destination ranks.
+* Hybrid combine, as `ep_moe.hybrid` does it: rows return over NVLink to the forwarder, which relays every
+  (token, rank) row unreduced over the network (the flat combine's fp32 order, hence its bits): as many network
+  rows as flat. ``node_reduced`` gives what a combine that sums inside the node first would move (one row per
+  token and node, DeepEP's way; it changes the rounding and is not implemented).
+
+`exact_hop_rows` counts a given routing (what `ep_moe.hybrid.HopTraffic` measures); `expected_traffic` is
+the balanced-gate expectation with ``g(E, K, n) = n (1 - C(E - E/n, K) / C(E, K))`` distinct destination
+groups per token (`expected_groups`); `predict` turns bytes into time with the NIC and NVLink rates (the hops
+overlapped: the busier link bounds the call) and adds DeepEP V2's SM and QP counts (`ep_moe.tuning.theoretical`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import LayerShape, expected_groups
+from .rates import Rates
+from .theoretical import estimate_theoretical_sms, get_theoretical_num_qps, v2_allocated_qps
+from .topology import Topology
+
+DEFAULT_NIC_GBS = 50.0
+"""NIC bandwidth per GPU, GB/s (400 Gb/s)."""
+DEFAULT_GPU = "H200"
+
+
+def hybrid_row_bytes(hidden: int, dtype_bytes: int, topk: int) -> dict[str, int]:
+    """Bytes of one row on the wire of `ep_moe.hybrid.HybridBackend`, per operation: a dispatch row carries the
+    activations, the top-k ids (int64) and weights (fp32), the token index and the source rank (int64 each); a
+    cached dispatch the activations; a combine the activations (plus ``4 K`` with weights carried back)."""
+    act = hidden * dtype_bytes
+    return {"dispatch": act + 12 * topk + 16, "cached_dispatch": act, "combine": act,
+            "combine_with_weights": act + 4 * topk}
+
+
+@dataclass(frozen=True)
+class HopRows:
+    """Rows one rank sends to other ranks in one call, per operation and hop."""
+
+    dispatch_scaleout: int
+    dispatch_scaleup: int
+    combine_scaleup: int
+    combine_scaleout: int
+
+
+def exact_hop_rows(topk_idxs: list[torch.Tensor], num_experts: int, num_nodes: int) -> list[HopRows]:
+    """Per rank, the rows the hybrid path sends per hop for this routing (``topk_idxs[s] [T_s, K]`` global expert
+    ids of rank s, -1 = none), ranks ``n * G .. n * G + G - 1`` forming node n. Plain loops from the definitions
+    in the module docstring (independent of the backend)."""
+    num_ranks = len(topk_idxs)
+    if num_nodes < 1 or num_ranks % num_nodes or num_experts % num_ranks:
+        raise ValueError(f"exact_hop_rows: argument 'num_nodes' must divide the {num_ranks} ranks (and the ranks "
+                         f"the {num_experts} experts), got {num_nodes}")
+    per_node, per_rank = num_ranks // num_nodes, num_experts // num_ranks
+    d_out, d_up, c_up, c_out = ([0] * num_ranks for _ in range(4))
+    for s, idx in enumerate(topk_idxs):
+        node_s, local_s = divmod(s, per_node)
+        for row in idx.tolist():
+            ranks = sorted({e // per_rank for e in row if e >= 0})
+            nodes = sorted({q // per_node for q in ranks})
+            d_out[s] += sum(1 for n in nodes if n != node_s)
+            for n in nodes:
+                forwarder = n * per_node + local_s
+                here = [q for q in ranks if q // per_node == n]
+                d_up[forwarder] += sum(1 for q in here if q != forwarder)
+                for q in here:
+                    c_up[q] += q != forwarder
+                if n != node_s:
+                    c_out[forwarder] += len(here)
+    return [HopRows(*v) for v in zip(d_out, d_up, c_up, c_out)]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one GPU sends per call (balanced gate): over the network (NIC) and over NVLink, per operation."""
+
+    dispatch_nic: float
+    dispatch_nvlink: float
+    combine_nic: float
+    combine_nvlink: float
+
+
+def expected_traffic(shape: LayerShape, num_nodes: int, per_node: int, hybrid: bool,
+                     node_reduced: bool = False) -> Traffic:
+    """Expected bytes per GPU and call under a balanced gate (rows as in the module docstring; dispatch rows
+    ``shape.dispatch_row_bytes``, combine rows ``shape.combine_row_bytes``). ``node_reduced``: the hybrid
+    combine that sums inside the node first (not implemented; for comparison)."""
+    if num_nodes < 1 or per_node < 1:
+        raise ValueError(f"expected_traffic: arguments 'num_nodes' and 'per_node' must be >= 1, got {num_nodes}, "
+                         f"{per_node}")
+    R, S, G, T = num_nodes * per_node, num_nodes, per_node, shape.tokens
+    g_ranks = expected_groups(shape.num_experts, shape.topk, R)
+    d_row, c_row = shape.dispatch_row_bytes, shape.combine_row_bytes
+    remote_rank_rows = T * g_ranks * (R - G) / R   # (token, rank) pairs in other nodes
+    local_rank_rows = T * g_ranks * (G - 1) / R    # (token, rank) pairs in the own node, other ranks
+    if not hybrid or S == 1:
+        return Traffic(remote_rank_rows * d_row, local_rank_rows * d_row, remote_rank_rows * c_row,
+                       local_rank_rows * c_row)
+    g_nodes = expected_groups(shape.num_experts, shape.topk, S)
+    node_rows = T * g_nodes * (S - 1) / S          # (token, node) pairs in other nodes
+    forward_rows = T * g_ranks * (G - 1) / G       # rows a forwarder hands to the other ranks of its node
+    combine_nic = node_rows if node_reduced else remote_rank_rows
+    return Traffic(node_rows * d_row, forward_rows * d_row, combine_nic * c_row, forward_rows * c_row)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One configuration's predicted traffic and time per call."""
+
+    mode: str             # "flat", "hybrid" or "hybrid-node-reduced"
+    num_nodes: int
+    per_node: int
+    traffic: Traffic
+    dispatch_us: float
+    combine_us: float
+    dispatch_bound: str   # "nic" or "nvlink"
+    combine_bound: str
+    num_sms: int          # DeepEP V2's analytic SM count for this mode
+    num_qps: int          # and its queue pairs (capped by what V2 allocates)
+
+
+def default_nvlink_gbs(gpu: str = DEFAULT_GPU) -> float:
+    """NVLink bandwidth per GPU and direction that ep_moe's model assumes without calibration
+    (`Rates.defaults` of the GPU's datasheet)."""
+    return Rates.defaults(Topology.preset(gpu, 8, 8)).nvlink_gbs
+
+
+def predict(shape: LayerShape, num_nodes: int, per_node: int, mode: str, nic_gbs: float = DEFAULT_NIC_GBS,
+            nvlink_gbs: float | None = None, max_sms: int = 132) -> Prediction:
+    """Predicted time of one dispatch and one combine: the larger of NIC bytes / ``nic_gbs`` and NVLink bytes /
+    ``nvlink_gbs`` (GB/s per GPU; None: `default_nvlink_gbs`), the two hops overlapped chunk by chunk.
+    ``mode``: "flat", "hybrid" (as implemented) or "hybrid-node-reduced"."""
+    if mode not in ("flat", "hybrid", "hybrid-node-reduced"):
+        raise ValueError(f"predict: argument 'mode' must be 'flat', 'hybrid' or 'hybrid-node-reduced', got {mode!r}")
+    if nic_gbs <= 0:
+        raise ValueError(f"predict: argument 'nic_gbs' must be > 0, got {nic_gbs!r}")
+    nvlink = default_nvlink_gbs() if nvlink_gbs is None else nvlink_gbs
+    if nvlink <= 0:
+        raise ValueError(f"predict: argument 'nvlink_gbs' must be > 0, got {nvlink_gbs!r}")
+    hybrid = mode != "flat"
+    traffic = expected_traffic(shape, num_nodes, per_node, hybrid, mode == "hybrid-node-reduced")
+
+    def time(nic_bytes: float, nvl_bytes: float) -> tuple[float, str]:
+        nic_s, nvl_s = nic_bytes / (nic_gbs * 1e9), nvl_bytes / (nvlink * 1e9)
+        return max(nic_s, nvl_s) * 1e6, "nic" if nic_s >= nvl_s else "nvlink"
+
+    d_us, d_bound = time(traffic.dispatch_nic, traffic.dispatch_nvlink)
+    c_us, c_bound = time(traffic.combine_nic, traffic.combine_nvlink)
+    R = num_nodes * per_node
+    sms = estimate_theoretical_sms(shape.num_experts, shape.topk, rdma_gbs=nic_gbs, nvlink_gbs=nvlink,
+                                   num_ranks=R, num_nvlink_ranks=per_node, hybrid=hybrid, max_sms=max_sms).num_sms
+    scaleout = hybrid and num_nodes > 1
+    qps = get_theoretical_num_qps(sms, scaleout, v2_allocated_qps(scaleout))
+    return Prediction(mode, num_nodes, per_node, traffic, d_us, c_us, d_bound, c_bound, sms, qps)
+
+
+__all__ = ["DEFAULT_NIC_GBS", "HopRows", "Prediction", "Traffic", "default_nvlink_gbs", "exact_hop_rows",
+           "expected_traffic", "hybrid_row_bytes", "predict"]
