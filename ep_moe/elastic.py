@@ -12,9 +12,12 @@ One class, two layouts chosen per call (docs/semantics.md, "ElasticBuffer"):
 Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outputs sized from
 ``num_max_tokens_per_rank`` and no host read; a ``handle`` repeats a dispatch's layout (cached dispatch).
 
+Pipeline-parallel send/recv (``pp_*``, `ep_moe.pipeline_comm`) and all-gather / reduce-scatter sessions (AGRS,
+`ep_moe.agrs`) come from mixins, over torch.distributed on both backends.
+
 This is the first step of DeepEP V2's buffer: GPU (and CPU-tensor) memory as `ep_moe.Buffer` has it. Not provided
-yet: CPU memory (``num_cpu_bytes > 0``), Engram, pipeline-parallel send/recv, AGRS, FP8 dispatch, RDMA queue pairs
-(``sl_idx``, ``num_allocated_qps``, ``num_qps`` are recorded only).
+yet: CPU memory (``num_cpu_bytes > 0``), Engram, the native (copy-engine) PP and AGRS, FP8 dispatch, RDMA queue
+pairs (``sl_idx``, ``num_allocated_qps``, ``num_qps`` are recorded only).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
+from .agrs import AGRSMixin
 from .buffer import BACKENDS, Buffer
 from .event import EventOverlap
 from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 from .handle import DispatchHandle
 from .permute import permute_rows, permute_rows_and_values, unpermute_sum
+from .pipeline_comm import PipelineCommMixin
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor
 
 log = logging.getLogger("ep_moe")
@@ -107,8 +112,9 @@ def _destroy_quietly(buffer: Buffer) -> None:
         log.debug("ep_moe.ElasticBuffer: destroy at collection failed: %s", exc)
 
 
-class ElasticBuffer:
-    """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout.
+class ElasticBuffer(PipelineCommMixin, AGRSMixin):
+    """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout; PP send/recv
+    and AGRS sessions (the mixins).
 
     Args:
         group: the EP process group (None: the world group).
