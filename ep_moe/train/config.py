@@ -51,6 +51,13 @@ class TrainSection:
     target_loss_gap: float | None = None  # synthetic data: the final eval loss should be within this many
     #                                       nats/token of the entropy floor (reported in the summary)
     fail_on_target_miss: bool = False     # exit with status 1 when target_loss_gap is missed (default: report only)
+    # ep_moe engine only. 2: a two-stage pipeline (ep_moe.train.pipeline): ranks [0, W/2) run the first half of
+    # the layers, [W/2, W) the second, activations and gradients through an ElasticBuffer's pp_send / pp_recv.
+    pp_size: int = 1
+    # ep_moe engine only. How data-parallel gradients are summed: "all_reduce" (torch.distributed), or
+    # "reduce_scatter_all_gather" (ZeRO-1 style: an ElasticBuffer's AGRS reduce_scatter, fp32 in rank order,
+    # then all_gather of the summed shards; the optimizer state is not sharded).
+    dp_grad_reduction: Literal["all_reduce", "reduce_scatter_all_gather"] = "all_reduce"
 
 
 @dataclass
@@ -251,6 +258,18 @@ class Recipe(RecipeBase):
                  f"alignment themselves; leave it at 1, got {e.expert_alignment}")
         _require(not (self.train.precision == "bf16" and m.params_dtype == "bfloat16"), "train.precision",
                  "bf16 autocast keeps fp32 master weights; leave model.params_dtype at float32")
+        t = self.train
+        _require(t.pp_size in (1, 2), "train.pp_size", f"must be 1 or 2 (a two-stage pipeline), got {t.pp_size}")
+        if t.pp_size == 2:
+            _require(world_size % 2 == 0, "train.pp_size", f"2 needs an even number of ranks, got {world_size}")
+            _require(m.expert_model_parallel_size == 1, "model.expert_model_parallel_size",
+                     "must be 1 with train.pp_size=2 (expert parallelism inside a pipeline stage is not "
+                     f"provided), got {m.expert_model_parallel_size}")
+            _require(m.num_layers >= 2, "model.num_layers", f"must be >= 2 with train.pp_size=2, got {m.num_layers}")
+            _require(self.checkpoint.save is None and not self.checkpoint.resume, "checkpoint.save",
+                     "must be unset with train.pp_size=2 (pipeline checkpoints are not provided)")
+            _require(t.dp_grad_reduction == "all_reduce", "train.dp_grad_reduction",
+                     "must be all_reduce with train.pp_size=2")
 
 
 # ------------------------------------------------------------------------------ engines megatron and deepspeed
@@ -297,6 +316,7 @@ class MegatronRecipe(RecipeBase):
     model: MegatronModelSection = field(default_factory=MegatronModelSection)
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "train.pp_size": "its pipeline is Megatron's own", "train.dp_grad_reduction": "Megatron reduces gradients",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend and ep_moe.num_sms"
            for key in ("tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
@@ -350,6 +370,7 @@ class DeepSpeedRecipe(RecipeBase):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "train.deterministic": "no deterministic mode",
+        "train.pp_size": "no pipeline in this engine", "train.dp_grad_reduction": "DeepSpeed reduces gradients",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend"
            for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
@@ -638,10 +659,12 @@ def _shared_rules(recipe: AnyRecipe, world: int, device: str | None) -> None:
              f"must divide model.num_moe_experts={m.num_moe_experts}, got {ep}")
     _require(world % ep == 0, "model.expert_model_parallel_size",
              f"must divide the number of ranks ({world}), got {ep}")
-    per_step = t.micro_batch_size * world
+    dp_ranks = world // t.pp_size if t.pp_size >= 1 and world % t.pp_size == 0 else world  # per pipeline stage
+    per_step = t.micro_batch_size * dp_ranks
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size",
-             f"must be a multiple of train.micro_batch_size x ranks = {t.micro_batch_size} x {world} = "
-             f"{per_step}, got {t.global_batch_size}")
+             f"must be a multiple of train.micro_batch_size x "
+             f"{'ranks' if dp_ranks == world else 'data-parallel ranks (ranks / train.pp_size)'} = "
+             f"{t.micro_batch_size} x {dp_ranks} = {per_step}, got {t.global_batch_size}")
     _require(o.lr >= 0, "optimizer.lr", f"must be >= 0, got {o.lr}")
     _require(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas",

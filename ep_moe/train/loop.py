@@ -27,6 +27,7 @@ from .data import build_dataset, rank_slice
 from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
 from .parallel import (
     ParallelState,
+    build_agrs_reducers,
     build_ep_buffer,
     build_parallel_state,
     clip_grad_norm,
@@ -104,11 +105,14 @@ def build_model(recipe: Recipe, ps: ParallelState) -> torch.nn.Module:
     return model.to(ps.device)
 
 
-def build_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices (ndim >= 2) only, not on norms or other vectors."""
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device,
+                    params: list[torch.nn.Parameter] | None = None) -> torch.optim.Optimizer:
+    """AdamW over ``params`` (None: every parameter of ``model``); weight decay on matrices (ndim >= 2) only, not
+    on norms or other vectors."""
     o = recipe.optimizer
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    params = list(model.parameters()) if params is None else params
+    decay = [p for p in params if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach on GPU (fast), the plain per-tensor loop on CPU (simple and deterministic).
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -164,6 +168,10 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     """Train on this rank (the process group is already initialised). Collective: every rank calls it."""
     t0 = time.monotonic()
     t = recipe.train
+    if t.pp_size > 1:
+        from .pipeline import train_rank_pipeline
+
+        return train_rank_pipeline(recipe, device)
     if t.deterministic:
         enable_determinism()
     torch.manual_seed(recipe.rng.seed)
@@ -177,6 +185,8 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     non_expert, expert = model.non_expert_parameters(), model.expert_parameters()
     non_expert = [p for p in non_expert if p.requires_grad]
     expert = [p for p in expert if p.requires_grad]
+    reducers = (build_agrs_reducers(non_expert, expert, ps, t.timeout_s)
+                if t.dp_grad_reduction == "reduce_scatter_all_gather" else None)
 
     start_step = 0
     resumed_from = ckpt.find_checkpoint_to_load(recipe)
@@ -237,7 +247,7 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
                 ((out.loss + out.aux_loss) * scale).backward()
                 per_micro[i, 0] = out.loss.detach().double().item()
                 per_micro[i, 1] = out.aux_loss.detach().double().item()
-            sync_gradients(non_expert, expert, ps)
+            sync_gradients(non_expert, expert, ps, reducers)
             grad_norm = clip_grad_norm(non_expert, expert, recipe.optimizer.clip_grad, ps)
             optimizer.step()
             model.update_expert_bias()  # once per optimizer step, after all micro-batches
@@ -270,6 +280,8 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     finally:
         progress.close()
         stop.restore()
+        for reducer in (reducers or {}).values():
+            reducer.close()
         if metrics is not None:
             metrics.close()
 
