@@ -54,10 +54,10 @@ class TrainSection:
     # ep_moe engine only. 2: a two-stage pipeline (ep_moe.train.pipeline): ranks [0, W/2) run the first half of
     # the layers, [W/2, W) the second, activations and gradients through an ElasticBuffer's pp_send / pp_recv.
     pp_size: int = 1
-    # ep_moe engine only. How data-parallel gradients are summed: "all_reduce" (torch.distributed), or
-    # "reduce_scatter_all_gather" (ZeRO-1 style: an ElasticBuffer's AGRS reduce_scatter, fp32 in rank order,
-    # then all_gather of the summed shards; the optimizer state is not sharded).
-    dp_grad_reduction: Literal["all_reduce", "reduce_scatter_all_gather"] = "all_reduce"
+    # ep_moe engine only. 1: ZeRO-1 (ep_moe.train.zero): gradients reduce-scattered and parameters all-gathered
+    # through an ElasticBuffer's AGRS sessions, each rank's optimizer holding its shard of the parameters only.
+    # 0: gradients all-reduced, the whole optimizer state on every rank.
+    zero_stage: int = 0
 
 
 @dataclass
@@ -259,6 +259,11 @@ class Recipe(RecipeBase):
         _require(not (self.train.precision == "bf16" and m.params_dtype == "bfloat16"), "train.precision",
                  "bf16 autocast keeps fp32 master weights; leave model.params_dtype at float32")
         t = self.train
+        _require(t.zero_stage in (0, 1), "train.zero_stage", f"must be 0 or 1, got {t.zero_stage}")
+        if t.zero_stage == 1:
+            _require(self.checkpoint.save is None and self.checkpoint.load is None and not self.checkpoint.resume,
+                     "checkpoint.save", "must be unset with train.zero_stage=1 (checkpoints of a sharded optimizer "
+                     "are not provided)")
         _require(t.pp_size in (1, 2), "train.pp_size", f"must be 1 or 2 (a two-stage pipeline), got {t.pp_size}")
         if t.pp_size == 2:
             _require(world_size % 2 == 0, "train.pp_size", f"2 needs an even number of ranks, got {world_size}")
@@ -268,8 +273,7 @@ class Recipe(RecipeBase):
             _require(m.num_layers >= 2, "model.num_layers", f"must be >= 2 with train.pp_size=2, got {m.num_layers}")
             _require(self.checkpoint.save is None and not self.checkpoint.resume, "checkpoint.save",
                      "must be unset with train.pp_size=2 (pipeline checkpoints are not provided)")
-            _require(t.dp_grad_reduction == "all_reduce", "train.dp_grad_reduction",
-                     "must be all_reduce with train.pp_size=2")
+            _require(t.zero_stage == 0, "train.zero_stage", "must be 0 with train.pp_size=2")
 
 
 # ------------------------------------------------------------------------------ engines megatron and deepspeed
@@ -316,7 +320,7 @@ class MegatronRecipe(RecipeBase):
     model: MegatronModelSection = field(default_factory=MegatronModelSection)
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "train.pp_size": "its pipeline is Megatron's own", "train.dp_grad_reduction": "Megatron reduces gradients",
+        "train.pp_size": "its pipeline is Megatron's own", "train.zero_stage": "Megatron's optimizer is its own",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend and ep_moe.num_sms"
            for key in ("tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
@@ -370,7 +374,7 @@ class DeepSpeedRecipe(RecipeBase):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "train.deterministic": "no deterministic mode",
-        "train.pp_size": "no pipeline in this engine", "train.dp_grad_reduction": "DeepSpeed reduces gradients",
+        "train.pp_size": "no pipeline in this engine", "train.zero_stage": "set deepspeed.zero_stage",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend"
            for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }

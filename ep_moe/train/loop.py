@@ -27,7 +27,6 @@ from .data import build_dataset, rank_slice
 from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
 from .parallel import (
     ParallelState,
-    build_agrs_reducers,
     build_ep_buffer,
     build_parallel_state,
     clip_grad_norm,
@@ -36,6 +35,7 @@ from .parallel import (
     sync_gradients,
 )
 from .schedule import recipe_lr
+from .zero import ZeroOne
 
 INTERRUPTED_EXIT_CODE = 130
 
@@ -185,8 +185,9 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     non_expert, expert = model.non_expert_parameters(), model.expert_parameters()
     non_expert = [p for p in non_expert if p.requires_grad]
     expert = [p for p in expert if p.requires_grad]
-    reducers = (build_agrs_reducers(non_expert, expert, ps, t.timeout_s)
-                if t.dp_grad_reduction == "reduce_scatter_all_gather" else None)
+    zero = ZeroOne(non_expert, expert, ps, t.timeout_s) if t.zero_stage == 1 else None
+    if zero is not None:  # this rank's optimizer holds state for its shard of the parameters only
+        optimizer = build_optimizer(model, recipe, device, zero.owned_parameters())
 
     start_step = 0
     resumed_from = ckpt.find_checkpoint_to_load(recipe)
@@ -247,9 +248,14 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
                 ((out.loss + out.aux_loss) * scale).backward()
                 per_micro[i, 0] = out.loss.detach().double().item()
                 per_micro[i, 1] = out.aux_loss.detach().double().item()
-            sync_gradients(non_expert, expert, ps, reducers)
-            grad_norm = clip_grad_norm(non_expert, expert, recipe.optimizer.clip_grad, ps)
-            optimizer.step()
+            if zero is None:
+                sync_gradients(non_expert, expert, ps)
+                grad_norm = clip_grad_norm(non_expert, expert, recipe.optimizer.clip_grad, ps)
+                optimizer.step()
+            else:
+                grad_norm = zero.reduce_and_clip(recipe.optimizer.clip_grad)
+                optimizer.step()
+                zero.gather_parameters()
             model.update_expert_bias()  # once per optimizer step, after all micro-batches
             stats = model.moe_stats()
             table = _global_mean(per_micro, ps, accum, torch.tensor([1.0 if stop.requested else 0.0]))
@@ -280,8 +286,8 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     finally:
         progress.close()
         stop.restore()
-        for reducer in (reducers or {}).values():
-            reducer.close()
+        if zero is not None:
+            zero.close()
         if metrics is not None:
             metrics.close()
 

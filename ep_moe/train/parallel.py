@@ -124,67 +124,15 @@ def _unflatten_into(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> Non
         offset += n
 
 
-class AGRSGradientSum:
-    """Sums a flat fp32 gradient bucket over ``group`` with an `ep_moe.ElasticBuffer`'s AGRS session, ZeRO-1 style:
-    ``reduce_scatter`` of the bucket as ``[D, ceil(n / D)]`` (each rank gets its shard summed in fp32 in rank
-    order), then ``all_gather`` of the summed shards. The result equals `all_reduce_sum` with ``deterministic``
-    bit for bit. The optimizer state stays whole on every rank (not sharded). The buffer takes the torch
-    backend (AGRS runs over torch.distributed on every backend). Collective over ``group``."""
-
-    def __init__(self, group: dist.ProcessGroup, numel: int, device: torch.device, timeout_s: float) -> None:
-        from ..elastic import ALIGNMENT_BYTES, ElasticBuffer
-
-        self.size = dist.get_world_size(group)
-        self.numel = numel
-        self.shard = max(1, -(-numel // self.size))
-        per_rank = 2 * (-(-self.shard * 4 // 32) * 32)  # the reduce-scatter's chunk and the all-gather's
-        num_bytes = -(-per_rank * self.size // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-        self.buffer = ElasticBuffer(group, num_bytes=num_bytes, backend="torch", num_gpu_timeout_secs=timeout_s,
-                                    explicitly_destroy=True)
-        self.buffer.agrs_set_config(per_rank, 2)
-        self.device = device
-
-    def sum_(self, flat: torch.Tensor) -> torch.Tensor:
-        """Sum ``flat`` ([numel] fp32) over the group, in place."""
-        padded = torch.zeros(self.size * self.shard, dtype=torch.float32, device=self.device)
-        padded[: self.numel] = flat
-        self.buffer.create_agrs_session()
-        shard, handle = self.buffer.reduce_scatter(padded.view(self.size, self.shard))
-        handle()
-        (gathered,), handle = self.buffer.all_gather([shard])
-        handle()
-        flat.copy_(gathered.reshape(-1)[: self.numel])
-        self.buffer.destroy_agrs_session()
-        return flat
-
-    def close(self) -> None:
-        self.buffer.destroy()
-
-
-def build_agrs_reducers(non_expert: list[torch.nn.Parameter], expert: list[torch.nn.Parameter], ps: ParallelState,
-                        timeout_s: float) -> dict[str, AGRSGradientSum]:
-    """`AGRSGradientSum` for each bucket `sync_gradients` reduces over more than one rank (``train.dp_grad_reduction:
-    reduce_scatter_all_gather``). Collective (every rank, the same order)."""
-    reducers = {}
-    for key, params, group in (("non_expert", non_expert, ps.dp_group), ("expert", expert, ps.expert_dp_group)):
-        if params and dist.get_world_size(group) > 1:
-            reducers[key] = AGRSGradientSum(group, sum(p.numel() for p in params), ps.device, timeout_s)
-    return reducers
-
-
 def sync_gradients(non_expert: list[torch.nn.Parameter], expert: list[torch.nn.Parameter],
-                   ps: ParallelState, reducers: dict[str, AGRSGradientSum] | None = None) -> None:
+                   ps: ParallelState) -> None:
     """Sum non-expert gradients over the world and expert gradients over the expert-data-parallel group
-    (one flat fp32 bucket each), with `all_reduce_sum`, or the bucket's ``reducers`` entry (``"non_expert"``,
-    ``"expert"``; `build_agrs_reducers`). Parameters without a gradient count as zero on that rank."""
-    for key, params, group in (("non_expert", non_expert, ps.dp_group), ("expert", expert, ps.expert_dp_group)):
+    (one flat fp32 bucket each). Parameters without a gradient count as zero on that rank."""
+    for params, group in ((non_expert, ps.dp_group), (expert, ps.expert_dp_group)):
         if not params or dist.get_world_size(group) == 1:
             continue
         flat = _flat_grads(params).to(ps.device)
-        if reducers and key in reducers:
-            reducers[key].sum_(flat)
-        else:
-            all_reduce_sum(flat, group, ps.deterministic)
+        all_reduce_sum(flat, group, ps.deterministic)
         _unflatten_into(flat, params)
 
 

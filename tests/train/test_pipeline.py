@@ -1,7 +1,7 @@
 """The trainer's two-stage pipeline (``train.pp_size: 2``, `ep_moe.train.pipeline`, activations and gradients
-through an ElasticBuffer's ``pp_send`` / ``pp_recv``) converges like ``pp_size: 1``, and the ZeRO-1-style gradient
-reduction (``train.dp_grad_reduction: reduce_scatter_all_gather``, an ElasticBuffer's AGRS session) gives the
-default's losses, on CPU.
+through an ElasticBuffer's ``pp_send`` / ``pp_recv``) converges like ``pp_size: 1``, and ZeRO-1
+(``train.zero_stage: 1``, `ep_moe.train.zero`: gradients reduce-scattered, parameters all-gathered through an
+ElasticBuffer's AGRS sessions, the optimizer state sharded) gives the default's losses, on CPU.
 
 Tolerances, and why:
 
@@ -12,8 +12,10 @@ Tolerances, and why:
   forced to a fixed balanced assignment (no top-k decisions to flip), the per-step losses stay within
   ``1e-5`` absolute over 30 steps at losses of 2.4-3.4 (measured 2026-12-01: at most 9e-7, the first steps
   equal), and the loss falls by more than 0.5.
-* ``reduce_scatter_all_gather`` against ``all_reduce`` with ``train.deterministic`` (2 ranks, EP 1: both buckets
-  go through AGRS): bit for bit; both sum the ranks' fp32 gradients in rank order.
+* ZeRO-1 against the default with ``train.deterministic`` (2 ranks; EP 1: both buckets sharded; EP 2: the
+  non-expert bucket sharded, the experts' group of one rank not): bit for bit. Both sum the ranks' fp32
+  gradients in rank order, compute the clip norm from the same per-parameter squared sums in the same order, and
+  AdamW's update is elementwise.
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict:
     cpu = torch.device("cpu")
     pp = train_rank(_recipe(tmp, "pp2", world, ["train.pp_size=2"]), cpu)
     default = train_rank(_recipe(tmp, "dp", world, []), cpu)
-    agrs = train_rank(_recipe(tmp, "dp_agrs", world, ["train.dp_grad_reduction=reduce_scatter_all_gather"]), cpu)
-    return {"pp2": pp.losses, "pp2_eval": pp.eval_loss, "dp": default.losses, "dp_agrs": agrs.losses}
+    zero = train_rank(_recipe(tmp, "zero", world, ["train.zero_stage=1"]), cpu)
+    ep2 = ["model.expert_model_parallel_size=2", "ep_moe.dispatcher_backend=torch"]
+    default_ep2 = train_rank(_recipe(tmp, "dp_ep2", world, ep2), cpu)
+    zero_ep2 = train_rank(_recipe(tmp, "zero_ep2", world, ep2 + ["train.zero_stage=1"]), cpu)
+    return {"pp2": pp.losses, "pp2_eval": pp.eval_loss, "dp": default.losses, "zero": zero.losses,
+            "dp_ep2": default_ep2.losses, "zero_ep2": zero_ep2.losses}
 
 
 def _one_rank(rank: int, world: int, tmp: str) -> dict:
@@ -59,7 +65,7 @@ def _one_rank(rank: int, world: int, tmp: str) -> dict:
     return {"pp1": result.losses, "pp1_eval": result.eval_loss}
 
 
-def test_pipeline_converges_like_one_stage_and_agrs_reduction_equals_all_reduce(tmp_path):
+def test_pipeline_converges_like_one_stage_and_zero1_equals_all_reduce(tmp_path):
     two = run_distributed(_two_ranks, 2, str(tmp_path), timeout_s=300, join_timeout_s=900)
     one = run_distributed(_one_rank, 1, str(tmp_path), timeout_s=300, join_timeout_s=600)[0]
     pp1, pp2 = one["pp1"], two[0]["pp2"]
@@ -69,7 +75,10 @@ def test_pipeline_converges_like_one_stage_and_agrs_reduction_equals_all_reduce(
     assert worst <= 1e-5, f"pp_size 2 vs 1: max |loss difference| {worst:.3g}\n{pp1}\n{pp2}"
     assert pp1[0] - pp1[-1] > 0.5, f"the run must learn: {pp1[0]:.3f} -> {pp1[-1]:.3f}"
     assert abs(one["pp1_eval"] - two[0]["pp2_eval"]) <= 1e-5
-    assert two[0]["dp_agrs"] == two[0]["dp"], "reduce_scatter + all_gather must equal the rank-order all-reduce"
+    for rank in range(2):
+        assert two[rank]["zero"] == two[rank]["dp"], "ZeRO-1 must equal the rank-order all-reduce (EP 1)"
+        assert two[rank]["zero_ep2"] == two[rank]["dp_ep2"], "ZeRO-1 must equal the rank-order all-reduce (EP 2)"
+    assert two[0]["dp"][0] - two[0]["dp"][-1] > 0.5
 
 
 def test_pipeline_recipe_rules():
@@ -83,3 +92,18 @@ def test_pipeline_recipe_rules():
         _recipe("/tmp", "x", 2, ["train.pp_size=2", "checkpoint.save=/tmp/x"])
     with pytest.raises(RecipeError, match="train.pp_size"):
         _recipe("/tmp", "x", 3, ["train.pp_size=2", "train.global_batch_size=24"])
+    with pytest.raises(RecipeError, match="train.zero_stage"):
+        _recipe("/tmp", "x", 2, ["train.zero_stage=2"])
+    with pytest.raises(RecipeError, match="checkpoint.save"):
+        _recipe("/tmp", "x", 2, ["train.zero_stage=1", "checkpoint.save=/tmp/x"])
+
+
+@pytest.mark.parametrize("sizes,ranks", [([5, 1, 1, 9, 3], 2), ([4] * 7, 3), ([100, 1, 1], 4), ([], 2), ([7], 3)])
+def test_zero_runs_split_the_parameters_in_order(sizes, ranks):
+    from ep_moe.train.zero import split_runs
+
+    runs = split_runs(sizes, ranks)
+    assert len(runs) == ranks
+    assert [i for b, e in runs for i in range(b, e)] == list(range(len(sizes))), runs  # each once, in order
+    if len(sizes) >= ranks and len(set(sizes)) == 1:  # equal sizes: every rank owns some
+        assert all(e > b for b, e in runs), runs
