@@ -16,7 +16,8 @@ slots per direction, so no send waits. Gradients are then summed over each stage
 routers' expert bias is updated per stage. The logged loss is the same row-order mean as the default loop's.
 
 Mirrors `ep_moe.layers.model.MoETransformer.forward` split at ``L/2`` (the test against ``pp_size: 1`` guards
-this). Not provided with ``pp_size: 2``: expert parallelism inside a stage, checkpoints, the routing statistics
+this). With dropout each stage draws its masks from its own RNG, in another order than one process would, so
+the losses then match ``pp_size: 1`` statistically, not per step. Not provided with ``pp_size: 2``: expert parallelism inside a stage, checkpoints, the routing statistics
 of the progress line, a stop on SIGINT at a step boundary (the run is interrupted as any process).
 """
 
