@@ -30,6 +30,7 @@ operation).
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass, field
 
@@ -182,11 +183,25 @@ class AGRSMixin:
         state.open, state.used, state.ops, state.inplace, state.handles = True, 0, 0, [], []
         return state.session
 
-    def agrs_get_inplace_tensor(self, shape: tuple[int, ...] | list[int] | torch.Size,
-                                dtype: torch.dtype) -> torch.Tensor:
+    @contextlib.contextmanager
+    def agrs_new_session(self, enabled: bool = True):
+        """``with buffer.agrs_new_session(): ...``: `create_agrs_session` on entry and `destroy_agrs_session` on a
+        normal exit (DeepEP V2's context manager; ``enabled=False``: nothing). An exception inside leaves the
+        session open (destroying it is collective, and the peers may not get there)."""
+        if not enabled:
+            yield None
+            return
+        session = self.create_agrs_session()
+        yield session
+        self.destroy_agrs_session()
+
+    def agrs_get_inplace_tensor(self, shape, dtype: torch.dtype):
         """A contiguous ``shape`` tensor of ``dtype`` in this rank's slot of a new chunk of the session memory;
         passing it to `all_gather` (once, in this session) gathers it without a local copy. Takes its bytes of
-        the session now (`AGRSCapacityError` when they are not there). Its content is undefined until written."""
+        the session now (`AGRSCapacityError` when they are not there). Its content is undefined until written.
+        ``shape`` may also be a list of shapes (DeepEP V2's batched form): a tuple of such tensors, in order."""
+        if isinstance(shape, list | tuple) and shape and all(isinstance(s, list | tuple | torch.Size) for s in shape):
+            return tuple(self.agrs_get_inplace_tensor(s, dtype) for s in shape)
         op = "agrs_get_inplace_tensor"
         state = self._agrs_state(op, want_open=True)
         if not isinstance(shape, tuple | list | torch.Size) or not all(
@@ -213,15 +228,19 @@ class AGRSMixin:
         state.inplace.append(_Inplace(chunk, stride, shape, dtype, tensor.data_ptr() if own.numel() else -1))
         return tensor
 
-    def all_gather(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]
-                   ) -> tuple[list[torch.Tensor], AGRSHandle]:
+    def all_gather(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...] | torch.Tensor
+                   ) -> tuple[list[torch.Tensor] | torch.Tensor, AGRSHandle]:
         """Gather each of ``tensors`` from every rank: ``gathered[j]`` is ``[R, *tensors[j].shape]`` of its dtype,
-        ``gathered[j][i]`` rank i's tensor, a view of the session memory. In-place tensors
+        ``gathered[j][i]`` rank i's tensor, a view of the session memory. One tensor (not in a list) gives
+        ``(gathered tensor, handle)``, as DeepEP V2's single-tensor call. In-place tensors
         (`agrs_get_inplace_tensor`) are not copied; others are copied into this rank's slot. One operation of
         the session. Every rank passes the same count, dtypes and shapes (`AGRSMismatchError` on every rank
         otherwise); over the session's bytes or operations on any rank: `AGRSCapacityError` on every rank, before
         anything is sent. Read ``gathered`` after ``handle()``; it stays valid until `destroy_agrs_session`."""
         op = "all_gather"
+        if isinstance(tensors, torch.Tensor):
+            (gathered,), handle = self.all_gather([tensors])
+            return gathered, handle
         state = self._agrs_state(op, want_open=True)
         if not isinstance(tensors, list | tuple) or not tensors:
             raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'tensors' must be a non-empty list of "

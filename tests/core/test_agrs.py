@@ -74,9 +74,18 @@ def _adversarial(dtype: torch.dtype, num_ranks: int, shape: tuple, rank: int, sa
 
 def _sessions(rank: int, num_ranks: int) -> dict:
     eb = ElasticBuffer(num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
-    eb.agrs_set_config(64 * 1024, 8)
+    eb.agrs_set_config(64 * 1024, 10)
     checked, order_sensitive, inplace_ptrs = 0, 0, []
-    for session in range(2):  # the second session reuses the memory of the first
+    for session in range(3):  # the later sessions reuse the memory of the first
+        if session == 2:  # the context manager: create on entry, destroy on exit
+            with eb.agrs_new_session() as number:
+                assert number == 3
+                (g,), handle = eb.all_gather([torch.full((2,), float(rank))])
+                handle()
+                assert torch.equal(g[:, 0], torch.arange(num_ranks, dtype=torch.float32))
+            with eb.agrs_new_session(enabled=False):
+                pass
+            break
         assert eb.create_agrs_session() == session + 1
         # Several tensors in one call, every dtype; then one tensor per call.
         tensors = [_tensor(d, s, rank, 10 * session + j) for j, (d, s) in enumerate(GATHER_CASES)]
@@ -103,6 +112,17 @@ def _sessions(rank: int, num_ranks: int) -> dict:
             assert torch.equal(gb[i], torch.tensor([i, session, 7], dtype=torch.int32))
             assert torch.equal(gplain[i], _tensor(torch.float32, (6,), i, 200 + session))
         checked += 3
+        # DeepEP V2's forms: one tensor in, one out; a batch of in-place tensors.
+        c, d = eb.agrs_get_inplace_tensor([(3,), [2, 2]], torch.float32)
+        c.fill_(rank)
+        d.fill_(-rank)
+        gc, handle = eb.all_gather(c)
+        handle()
+        (gd,), handle = eb.all_gather([d])
+        handle()
+        assert gc.shape == (num_ranks, 3) and gc[rank].data_ptr() == c.data_ptr() and gd.shape == (num_ranks, 2, 2)
+        assert all(torch.all(gc[i] == i) and torch.all(gd[i] == -i) for i in range(num_ranks))
+        checked += 2
         # Reduce-scatter: the stated order bit for bit, on adversarial values.
         for dtype, shape in ((torch.float32, (33,)), (torch.bfloat16, (4, 8)), (torch.float16, (5,)),
                              (torch.float64, (3,))):
@@ -134,7 +154,7 @@ def _sessions(rank: int, num_ranks: int) -> dict:
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 def test_all_gather_reduce_scatter_sessions(num_ranks):
     results = run_distributed(_sessions, num_ranks)
-    per_session = len(GATHER_CASES) + 3 + 4 + 1
+    per_session = len(GATHER_CASES) + 3 + 2 + 4 + 1
     assert [r["checked"] for r in results] == [2 * per_session] * num_ranks
     if num_ranks >= 3:  # the reduce-scatter check is meaningful: some shard rounds differently in reverse order
         assert sum(r["order_sensitive"] for r in results) > 0
