@@ -212,3 +212,21 @@ def test_peer_that_never_receives_times_out():
     message = run_distributed(_peer_never_receives, 2, 2.0)[0]
     assert "rank 0 of 2 timed out" in message, message
     assert "stage 'pp_send to rank 1: waiting for rank 1 to pp_recv message #0" in message, message
+
+
+def _peer_never_sends(rank: int, num_ranks: int, timeout_s: float) -> str:
+    eb = ElasticBuffer(num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=timeout_s)
+    eb.pp_set_config(64, 1)
+    if rank == 1:
+        try:
+            eb.pp_recv(torch.zeros(4), 0)  # rank 0 never sends
+        except PPTimeoutError as exc:
+            return str(exc)
+        return "no timeout"
+    time.sleep(timeout_s + 3)
+    return ""
+
+
+def test_recv_from_a_peer_that_never_sends_times_out():
+    message = run_distributed(_peer_never_sends, 2, 2.0)[1]
+    assert "rank 1 of 2 timed out in stage 'pp_recv header of message #0 from rank 0'" in message, message
