@@ -121,7 +121,9 @@ setup(
     # The top-level recipes/ folder (the one copy) ships as ep_moe/recipes/ (`ep_moe.train.recipes`).
     packages=find_packages(include=["ep_moe", "ep_moe.*"]) + ["ep_moe.recipes"],
     package_dir={"ep_moe.recipes": "recipes"},
-    package_data={"ep_moe.native": ["build_info.json"], "ep_moe.recipes": ["*.yaml"]},
+    # the JIT kernels' sources ship with the package: they are compiled on first use (ep_moe.native.jit)
+    package_data={"ep_moe.native": ["build_info.json"], "ep_moe.native.jit": ["kernels/*.cu", "kernels/*.cuh"],
+                  "ep_moe.recipes": ["*.yaml"]},
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
         # tensorboard: the trainer's logger.tensorboard_dir (the tests write and read event files)

@@ -12,12 +12,11 @@ One class, two layouts chosen per call (docs/semantics.md, "ElasticBuffer"):
 Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outputs sized from
 ``num_max_tokens_per_rank`` and no host read; a ``handle`` repeats a dispatch's layout (cached dispatch).
 
-Pipeline-parallel send/recv (``pp_*``, `ep_moe.pipeline_comm`) and all-gather / reduce-scatter sessions (AGRS,
-`ep_moe.agrs`) come from mixins, over torch.distributed on both backends.
-
-This is the first step of DeepEP V2's buffer: GPU (and CPU-tensor) memory as `ep_moe.Buffer` has it. Not provided
-yet: CPU memory (``num_cpu_bytes > 0``), Engram, the native (copy-engine) PP and AGRS, FP8 dispatch, RDMA queue
-pairs (``sl_idx``, ``num_allocated_qps``, ``num_qps`` are recorded only).
+Memory types (``.memory_type``) and Engram (`engram_write` / `engram_fetch`) come from `ep_moe.engram.EngramMixin`
+over `ep_moe.memory`; pipeline-parallel send/recv (``pp_*``, `ep_moe.pipeline_comm`) and all-gather /
+reduce-scatter sessions (AGRS, `ep_moe.agrs`) from their mixins, over torch.distributed on both backends. Not
+provided yet: the native (copy-engine) PP and AGRS, FP8 dispatch, RDMA queue pairs (``sl_idx``,
+``num_allocated_qps``, ``num_qps`` are recorded only).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from torch import Tensor
 from . import ops
 from .agrs import AGRSMixin
 from .buffer import BACKENDS, Buffer
+from .engram import EngramMixin
 from .event import EventOverlap
 from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 from .handle import DispatchHandle
@@ -112,7 +112,7 @@ def _destroy_quietly(buffer: Buffer) -> None:
         log.debug("ep_moe.ElasticBuffer: destroy at collection failed: %s", exc)
 
 
-class ElasticBuffer(PipelineCommMixin, AGRSMixin):
+class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
     """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout; PP send/recv
     and AGRS sessions (the mixins).
 
@@ -121,17 +121,20 @@ class ElasticBuffer(PipelineCommMixin, AGRSMixin):
         num_bytes: bytes of communication memory (a multiple of 2 MiB); None: `get_buffer_size_hint` of the MoE
             settings below. The native backend starts with this much and grows when a call needs more; the torch
             backend records it.
-        num_cpu_bytes: CPU memory for DeepEP's CPU/hybrid memory types: must be 0 (not provided yet).
+        num_cpu_bytes: host bytes per rank (rounded up to 2 MiB). 0: the GPU memory type; > 0: the elastic or
+            hybrid type (``.memory_type``, `ep_moe.memory.choose_memory_type`), whose host segments hold Engram
+            tables (`engram_write`, `engram_fetch`).
         num_max_tokens_per_rank: the default bound on tokens per rank (the same on every rank); sizes the
             fixed-size outputs of ``do_cpu_sync=False``. hidden, num_topk, use_fp8_dispatch: the MoE settings
             that size ``num_bytes`` (FP8 dispatch itself is not provided yet).
         deterministic: accepted; ep_moe's orders are deterministic in every mode (rows by source rank and token,
             expanded rows by expert, source rank, token, top-k slot; sums in a fixed order), so there is nothing
             to sort.
-        allow_hybrid_mode, prefer_overlap_with_compute: recorded (no multi-node hybrid kernels; the SM count
+        allow_hybrid_mode: with ``num_cpu_bytes > 0`` and several ranks on a node, the hybrid memory type
+            (every rank of the node maps every host segment). prefer_overlap_with_compute: recorded (the SM count
             comes from ep_moe's tuner). allow_multiple_reduction: the expanded combine's reduction mode
             (`ep_moe.expert_major.expert_combine`). sl_idx, num_allocated_qps: recorded (no RDMA queue pairs).
-        num_cpu_timeout_secs: recorded. num_gpu_timeout_secs: the deadline of every wait for a peer
+        num_cpu_timeout_secs: the deadline of each collective wait of `engram_fetch`. num_gpu_timeout_secs: the deadline of every wait for a peer
             (`ep_moe.Buffer`'s ``timeout_s``).
         explicitly_destroy: True: resources are freed by `destroy` only; False: also when the buffer is
             collected or the interpreter exits.
@@ -154,8 +157,6 @@ class ElasticBuffer(PipelineCommMixin, AGRSMixin):
         if backend not in BACKENDS:
             raise _fail(op, "backend", f"one of {BACKENDS}", repr(backend))
         check_positive_int(op, "num_cpu_bytes", num_cpu_bytes, 0)
-        if num_cpu_bytes:
-            raise _fail(op, "num_cpu_bytes", "0 (CPU and hybrid memory types are not provided yet)", num_cpu_bytes)
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden),
                             ("num_topk", num_topk), ("sl_idx", sl_idx), ("num_allocated_qps", num_allocated_qps)):
             check_positive_int(op, name, value, 0)
@@ -193,6 +194,7 @@ class ElasticBuffer(PipelineCommMixin, AGRSMixin):
         self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend)
         self._destroyed = False
         self._finalizer = None if explicitly_destroy else weakref.finalize(self, _destroy_quietly, self.buffer)
+        self._setup_memory(num_bytes, num_cpu_bytes, allow_hybrid_mode)  # .memory_type, .memory (ep_moe.engram)
         self.buffer.barrier()
 
     # ---------------------------------------------------------------- static API
@@ -534,11 +536,13 @@ class ElasticBuffer(PipelineCommMixin, AGRSMixin):
         self._destroyed = True
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._release_memory()
         self.buffer.destroy()
 
     def __repr__(self) -> str:
         return (f"ElasticBuffer(rank={self.rank}, num_ranks={self.num_ranks}, backend={self.buffer.backend_name!r}, "
-                f"num_bytes={self.num_bytes}, num_max_tokens_per_rank={self.num_max_tokens_per_rank})")
+                f"num_bytes={self.num_bytes}, num_cpu_bytes={self.num_cpu_bytes}, memory_type={self.memory_type!r}, "
+                f"num_max_tokens_per_rank={self.num_max_tokens_per_rank})")
 
 
 __all__ = ["ALIGNMENT_BYTES", "ElasticBuffer", "ElasticHandle"]

@@ -21,10 +21,26 @@ import torch
 from torch import Tensor
 
 from .buffer import Buffer
+from .config import Config
 from .handle import DispatchHandle
 from .ops import combine, dispatch
-from .permute import ExpertLayout, expert_layout, max_slots, permute_rows_and_values, unpermute_sum
-from .validation import HIDDEN_DTYPES, _fail, check_num_experts, check_positive_int, check_tensor, check_topk
+from .permute import (
+    ExpertLayout,
+    expert_layout,
+    max_slots,
+    permute_rows,
+    permute_rows_and_values,
+    unpermute_sum,
+)
+from .validation import (
+    HIDDEN_DTYPES,
+    _fail,
+    check_num_experts,
+    check_positive_int,
+    check_tensor,
+    check_topk,
+    split_hidden,
+)
 
 
 class ExpertHandle(NamedTuple):
@@ -39,7 +55,8 @@ class ExpertHandle(NamedTuple):
 class ExpertDispatchOutput(NamedTuple):
     """Result of `expert_dispatch` (M expert-major rows, L local experts)."""
 
-    expert_x: Tensor            # [M, H]: bit-equal copies of the source rows, zero on padding
+    expert_x: Tensor | tuple[Tensor, Tensor]  # [M, H]: bit-equal copies of the source rows, zero on padding
+    #                                            (FP8 input: the pair (rows [M, H], scales [M, H/128] fp32))
     expert_weights: Tensor      # [M] fp32: each row's routing weight, 0 on padding (differentiable)
     tokens_per_expert: Tensor   # [L] int64 on the device: rows per expert, padding included (aligned)
     pairs_per_expert: Tensor    # [L] int64 on the device: (token, expert) pairs per expert (unaligned)
@@ -55,6 +72,10 @@ def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: T
     none) and ``topk_weights [T, K]`` fp32 (see the module docstring). Differentiable in ``x`` and
     ``topk_weights``.
 
+    ``x`` may be the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``: ``expert_x`` is then the pair of
+    expert-major rows and scales (bit-equal copies, zero on padding). Forward only, as DeepEP's FP8 dispatch: no
+    gradient reaches ``x`` or ``topk_weights`` (the combine of bf16/fp32 expert outputs stays differentiable).
+
     ``num_worst_tokens`` > 0: fixed size, a bound on the rows any rank receives (one rank: ``T`` at most), and
     ``M = num_worst_tokens * min(K, L) + L * (expert_alignment - 1)``. ``num_sms`` > 0: the SM budget of this
     dispatch, its combine and their backward."""
@@ -64,6 +85,9 @@ def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: T
     check_num_experts(op, num_experts, buffer.group_size)
     local = num_experts // buffer.group_size
     num_topk = topk_idx.shape[1] if topk_idx.dim() == 2 else 0
+    if isinstance(x, tuple | list):
+        return _expert_dispatch_fp8(buffer, x, topk_idx, topk_weights, num_experts, expert_alignment,
+                                    num_worst_tokens, num_sms)
     if buffer.group_size == 1:
         check_tensor(op, "x", x, dtypes=buffer.backend.supported_dtypes, ndim=2, device=buffer.device)
         return local_expert_dispatch(x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens,
@@ -85,15 +109,62 @@ def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: T
                                 counts)
 
 
+def _expert_dispatch_fp8(buffer: Buffer, x, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
+                         alignment: int, num_worst_tokens: int, num_sms: int) -> ExpertDispatchOutput:
+    """`expert_dispatch` of an FP8 pair: the rank-major dispatch of `Buffer` (which carries the scales), then
+    the permute of rows and scales by one layout. No autograd."""
+    op = "expert_dispatch"
+    num_ranks = buffer.group_size
+    local = num_experts // num_ranks
+    data, scales = split_hidden(op, x, buffer.device)
+    topk_weights = topk_weights.detach() if isinstance(topk_weights, Tensor) else topk_weights
+    if num_ranks == 1:
+        check_topk(op, topk_idx, topk_weights, data.shape[0], num_experts, data.device,
+                   buffer.check_inputs and not num_worst_tokens and not torch.compiler.is_compiling()
+                   and not (data.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if num_worst_tokens and data.shape[0] > num_worst_tokens:
+            raise _fail(op, "num_worst_tokens", f">= the {data.shape[0]} tokens here (one rank receives its own)",
+                        num_worst_tokens)
+        recv_x, recv_scales, recv_idx, recv_w, host, inner = data, scales, topk_idx, topk_weights, None, None
+    else:
+        result, _ = buffer.dispatch_result((data, scales), topk_idx=topk_idx, topk_weights=topk_weights,
+                                           expert_alignment=alignment, num_worst_tokens=num_worst_tokens,
+                                           config=Config(num_sms) if num_sms else None, num_experts=num_experts)
+        recv_x, recv_scales, recv_idx, recv_w = (result.recv_x, result.recv_scales, result.recv_topk_idx,
+                                                 result.recv_topk_weights)
+        host, inner = (None if num_worst_tokens else result.num_recv_tokens_per_expert_list), result.handle
+    if num_worst_tokens:
+        num_slots = max_slots(num_worst_tokens, topk_idx.shape[1], local, alignment)
+    else:
+        num_slots = sum(host) if host is not None else None  # else one host read, in expert_layout
+    layout = expert_layout(recv_idx, local, alignment, num_slots)
+    with torch.no_grad():
+        expert_x, expert_weights = permute_rows_and_values(recv_x, recv_w, layout)
+        expert_scales = permute_rows(recv_scales, layout)
+    if host is None and layout.tokens_per_expert_host is not None:
+        host = layout.tokens_per_expert_host.tolist()
+    return ExpertDispatchOutput((expert_x, expert_scales), expert_weights, layout.tokens_per_expert,
+                                layout.pairs_per_expert, ExpertHandle(layout, inner, topk_idx, num_sms),
+                                None if num_worst_tokens else host)
+
+
 def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
                           expert_alignment: int = 1, num_worst_tokens: int = 0, *, check_values: bool = True,
-                          num_sms: int = 0) -> ExpertDispatchOutput:
+                          num_sms: int = 0, expert_capacity: int = 0) -> ExpertDispatchOutput:
     """`expert_dispatch` with every expert in this process (a one-rank group, or no group at all): the
     tokens are the received rows, in order, so they are permuted directly. ``check_values``: also check the
-    expert ids' range (a host sync; never during CUDA-graph capture or in fixed size)."""
+    expert ids' range (a host sync; never during CUDA-graph capture or in fixed size).
+
+    ``expert_capacity`` C > 0 (alignment 1, exact size): every expert gets exactly C rows (``M = L * C``, as
+    DeepSpeed's capacity buffer), its first C pairs in (token, k) order and zero padding; a pair past C is
+    dropped (its token gets nothing from that expert). The counts are ``[C] * L`` on the host, with no host read."""
     op = "expert_dispatch"
     check_positive_int(op, "expert_alignment", expert_alignment, 1)
     check_positive_int(op, "num_worst_tokens", num_worst_tokens, 0)
+    check_positive_int(op, "expert_capacity", expert_capacity, 0)
+    if expert_capacity and (expert_alignment != 1 or num_worst_tokens):
+        raise _fail(op, "expert_capacity", "0 unless expert_alignment is 1 and num_worst_tokens 0",
+                    expert_capacity)
     if not isinstance(x, Tensor):
         raise _fail(op, "x", "a [T, H] tensor", type(x).__name__)
     check_tensor(op, "x", x, dtypes=HIDDEN_DTYPES + (torch.float64,), ndim=2, device=x.device)
@@ -106,7 +177,7 @@ def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num
                     num_worst_tokens)
     num_slots = max_slots(num_worst_tokens, topk_idx.shape[1], num_experts, expert_alignment) \
         if num_worst_tokens else None
-    layout = expert_layout(topk_idx, num_experts, expert_alignment, num_slots)
+    layout = expert_layout(topk_idx, num_experts, expert_alignment, num_slots, expert_capacity)
     handle = ExpertHandle(layout, None, topk_idx, num_sms)
     counts = None if num_worst_tokens else layout.tokens_per_expert_host.tolist()
     expert_x, expert_weights = permute_rows_and_values(x, topk_weights, layout)

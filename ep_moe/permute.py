@@ -18,7 +18,9 @@ A, then expert 1's, and so on; slots past the used total (a bound given for a fi
 
 Where the work runs (the same bits everywhere; the weights' gradient is a dot product whose summation order is
 each implementation's own, fixed): on CUDA, the kernels of the native extension (``ep_moe_native::*`` torch
-ops: a handful of launches per call, the layout included, and little host time), else the Triton kernels of
+ops: a handful of launches per call, the layout included, and little host time), else the JIT kernels of
+`ep_moe.native.jit.expert_major` (compiled on first use per shape, where a CUDA compiler is found;
+``EP_MOE_JIT=1`` prefers them over the extension, ``EP_MOE_JIT=0`` never uses them), else the Triton kernels of
 `ep_moe.permute_triton`; on CPU (and for float64, e.g. gradcheck) the torch definitions here. The public
 functions check their arguments once; the kernels' entry points do not check again.
 """
@@ -32,6 +34,8 @@ from torch import Tensor
 
 from . import native, permute_triton
 from .layout import count_values, round_up
+from .native import jit
+from .native.jit import expert_major as jit_kernels
 
 
 class ExpertLayout(NamedTuple):
@@ -64,13 +68,17 @@ def max_slots(num_rows: int, num_topk: int, num_experts: int, alignment: int) ->
     return num_rows * min(num_topk, num_experts) + num_experts * (alignment - 1)
 
 
-def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_slots: int | None = None
-                  ) -> ExpertLayout:
+def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_slots: int | None = None,
+                  capacity: int = 0) -> ExpertLayout:
     """The expert-major layout of ``topk_idx [N, K]`` int64 (expert ids in ``[0, num_experts)``, -1 = none).
 
     ``num_slots``: None = exactly the aligned total (one host read, which also brings the counts to the host:
     ``tokens_per_expert_host``); else M, a bound at least that large (`max_slots` always is): nothing waits on
     the host, and the slots past the total are padding. An id outside ``[0, num_experts)`` is not a pair.
+
+    ``capacity`` C > 0 (with ``alignment`` 1): every expert owns exactly C slots (``M = L * C``, expert e's from
+    ``e * C``; DeepSpeed's capacity buffer), its first C pairs in ``(i, k)`` order fill them and any later pair
+    has no slot (dropped: its rows get nothing back); ``tokens_per_expert_host`` is ``[C] * L``, with no host read.
     """
     if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
         raise ValueError(f"expert_layout: argument 'topk_idx' must be a [N, K] int64 tensor, got "
@@ -81,33 +89,53 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
         raise ValueError(f"expert_layout: argument 'num_experts' must be >= 1, got {num_experts}")
     if num_slots is not None and num_slots < 0:
         raise ValueError(f"expert_layout: argument 'num_slots' must be >= 0, got {num_slots}")
-    if _implementation(topk_idx) == "native" and num_experts <= NATIVE_MAX_EXPERTS:
-        *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment,
-                                                               -1 if num_slots is None else num_slots)
+    if capacity < 0:
+        raise ValueError(f"expert_layout: argument 'capacity' must be >= 0, got {capacity}")
+    if capacity and alignment != 1:
+        raise ValueError(f"expert_layout: argument 'alignment' must be 1 with a capacity, got {alignment}")
+    if capacity and num_slots not in (None, num_experts * capacity):
+        raise ValueError(f"expert_layout: argument 'num_slots' must be None or num_experts * capacity = "
+                         f"{num_experts * capacity} with a capacity, got {num_slots}")
+    how = _implementation(topk_idx)
+    slots = -1 if num_slots is None else num_slots
+    if how == "native" and num_experts <= NATIVE_MAX_EXPERTS:
+        *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots,
+                                                               capacity)
+        return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
+    if how == "jit" and num_experts <= NATIVE_MAX_EXPERTS and not capacity:  # the JIT layout has no capacity mode
+        *tensors, host = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots)
         return ExpertLayout(*tensors, host if num_slots is None else None)
-    return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots)
+    return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots, capacity)
 
 
-def _expert_layout_torch(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None
-                         ) -> ExpertLayout:
+def _expert_layout_torch(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None,
+                         capacity: int = 0) -> ExpertLayout:
     num_rows, num_topk = topk_idx.shape
     num_pairs = num_rows * num_topk
     device = topk_idx.device
     key = torch.where((topk_idx >= 0) & (topk_idx < num_experts), topk_idx, num_experts).flatten()
     order = torch.sort(key, stable=True).indices  # pairs by (expert, row, k)
     pairs = count_values(key, num_experts + 1)[:num_experts]
-    padded = round_up(pairs, alignment)
-    host = None
-    if num_slots is None:
-        host = padded.cpu()
-        num_slots = int(host.sum())
     first_pair = torch.cumsum(pairs, 0) - pairs
+    host = None
+    if capacity:
+        padded = torch.full_like(pairs, capacity)
+        host = torch.full((num_experts,), capacity, dtype=torch.int64)
+        num_slots = num_experts * capacity
+        pairs = pairs.clamp(max=capacity)
+    else:
+        padded = round_up(pairs, alignment)
+        if num_slots is None:
+            host = padded.cpu()
+            num_slots = int(host.sum())
     first_slot = torch.cumsum(padded, 0) - padded
     sorted_key = key[order]
     is_pair = sorted_key < num_experts
     expert = sorted_key.clamp(max=num_experts - 1)
-    position = torch.arange(num_pairs, device=device)
-    slot = torch.where(is_pair, first_slot[expert] + position - first_pair[expert], num_slots)
+    within = torch.arange(num_pairs, device=device) - first_pair[expert]  # the pair's place in its expert
+    if capacity:
+        is_pair &= within < capacity
+    slot = torch.where(is_pair, first_slot[expert] + within, num_slots)
     # one spare entry takes every non-pair (and, with a bound that is too small, every pair past it)
     pair_of_slot = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64, device=device)
     pair_of_slot.scatter_(0, slot.clamp(max=num_slots), torch.where(is_pair, order, num_pairs))
@@ -180,19 +208,28 @@ def _pair_dot_torch(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int
 
 
 # ------------------------------------------------------------------------------------------ implementations
-# Three implementations of the same contract, chosen per call by where the tensors are (`_implementation`):
+# Four implementations of the same contract, chosen per call by where the tensors are (`_implementation`):
 # the CUDA kernels of the native extension (torch ops ``ep_moe_native::*``, registered in C++: the least host
-# time per call), the Triton kernels of `ep_moe.permute_triton` (CUDA without the extension), and the torch
-# definitions above (CPU, float64, and Triton's place while torch.compile traces).
-NATIVE_MAX_EXPERTS = 1024  # experts the native layout kernels count in shared memory; beyond, torch
+# time per call), the JIT kernels (`ep_moe.native.jit.expert_major`: the same functions with the same outputs,
+# specialized per shape, launched from Python), the Triton kernels of `ep_moe.permute_triton` (CUDA without
+# either), and the torch definitions above (CPU, float64, and the JIT's and Triton's place while torch.compile
+# traces).
+NATIVE_MAX_EXPERTS = 1024  # experts the native (and JIT) layout kernels count in shared memory; beyond, torch
+assert NATIVE_MAX_EXPERTS == jit_kernels.MAX_EXPERTS
 
 
 def _implementation(t: Tensor) -> str:
+    """``"native"``, ``"jit"``, ``"triton"`` or ``"torch"`` for tensors like ``t`` (see above)."""
     if not t.is_cuda or t.dtype == torch.float64:
         return "torch"
+    jit_mode, compiling = jit.mode(), torch.compiler.is_compiling()
+    if jit_mode == "force" and not compiling and jit.available():
+        return "jit"
     if native.extension_available():
         return "native"
-    if permute_triton.available() and not torch.compiler.is_compiling():
+    if jit_mode == "auto" and not compiling and jit.available():
+        return "jit"
+    if permute_triton.available() and not compiling:
         return "triton"
     return "torch"
 
@@ -209,16 +246,18 @@ def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
 def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """(rows [M, H], slot_values [M] or None)."""
     how = _implementation(x)
-    if how == "native" and (values is None or values.dtype == torch.float32):
-        rows, slot_values = torch.ops.ep_moe_native.permute_rows(
-            x.contiguous(), pair_of_slot, num_topk, None if values is None else values.contiguous())
+    kernel = (torch.ops.ep_moe_native.permute_rows if how == "native" else
+              jit_kernels.permute_rows if how == "jit" else None)
+    if kernel is not None and (values is None or values.dtype == torch.float32):
+        rows, slot_values = kernel(x.contiguous(), pair_of_slot, num_topk,
+                                   None if values is None else values.contiguous())
         return rows, None if values is None else slot_values
-    if how != "torch":  # Triton (or native with values of another dtype)
+    if how != "torch":  # Triton (or native / JIT with values of another dtype)
         rows = torch.empty(pair_of_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         if how == "triton":
             permute_triton.run_permute_rows(x.contiguous(), pair_of_slot, num_topk, rows)
         else:
-            rows = torch.ops.ep_moe_native.permute_rows(x.contiguous(), pair_of_slot, num_topk, None)[0]
+            rows = kernel(x.contiguous(), pair_of_slot, num_topk, None)[0]
     else:
         rows = _permute_torch(x, pair_of_slot, num_topk)
     return rows, None if values is None else _slot_values_torch(values, pair_of_slot)
@@ -228,8 +267,9 @@ def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_val
                slot_of_pair: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out [N, H], pair_values [N, K] or None: ``slot_values`` at each pair's slot, 0 where it has none)."""
     how = _implementation(y)
-    if how == "native":
-        out, pair_values = torch.ops.ep_moe_native.unpermute_sum(
+    if how in ("native", "jit"):
+        kernel = torch.ops.ep_moe_native.unpermute_sum if how == "native" else jit_kernels.unpermute_sum
+        out, pair_values = kernel(
             y.contiguous(), None if weights is None else weights.contiguous(), sorted_slots,
             None if slot_values is None else slot_values.contiguous(), slot_of_pair)
         return out, None if slot_values is None else pair_values
@@ -251,8 +291,10 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
                         need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """(grad_y [M, H] or None, grad_weights [M] or None) of `unpermute_sum`."""
     how = _implementation(grad)
-    if how == "native":
-        grad_y, grad_w = torch.ops.ep_moe_native.unpermute_sum_backward(
+    if how in ("native", "jit"):
+        kernel = (torch.ops.ep_moe_native.unpermute_sum_backward if how == "native" else
+                  jit_kernels.unpermute_sum_backward)
+        grad_y, grad_w = kernel(
             grad, y.contiguous(), None if weights is None else weights.contiguous(), pair_of_slot, num_topk,
             need_grad_y, need_grad_weights)
         return (grad_y if need_grad_y else None), (grad_w if need_grad_weights else None)

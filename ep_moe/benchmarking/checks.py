@@ -93,7 +93,7 @@ FIXED_PADDING = {"recv_x": 0, "recv_scales": 0, "recv_topk_idx": -1, "recv_topk_
 
 
 # The expert-major dispatch's per-row outputs and what its fixed-size slots past the used rows hold.
-EXPERT_FIXED_PADDING = {"expert_x": 0, "expert_weights": 0}
+EXPERT_FIXED_PADDING = {"expert_x": 0, "expert_scales": 0, "expert_weights": 0}
 
 
 def check_fixed(fixed: dict, exact: dict, rows: int, padding_of: dict = FIXED_PADDING) -> list[str]:

@@ -26,8 +26,8 @@ OUTPUTS = {
     "dispatch_cached": ("recv_x", "recv_scales"),
     "dispatch_fixed": DISPATCH_OUTPUTS,
     "combine": ("combined_x",),
-    "expert_dispatch": EXPERT_OUTPUTS,
-    "expert_dispatch_fixed": EXPERT_OUTPUTS,
+    "expert_dispatch": EXPERT_OUTPUTS + ("expert_scales",),  # expert_scales: FP8 only
+    "expert_dispatch_fixed": EXPERT_OUTPUTS + ("expert_scales",),
     "expert_combine": ("combined_x",),
 }
 
@@ -36,7 +36,7 @@ Outputs = dict[str, object]  # name -> tensor (compared by fingerprint / bits) o
 
 def named_outputs(op: str, result) -> Outputs:
     """The outputs of one `ep_moe.Buffer` call of ``op`` (a key of `OUTPUTS`) by name, from what the call
-    returned; ``recv_scales`` only for an FP8 pair."""
+    returned; ``recv_scales`` / ``expert_scales`` only for an FP8 pair."""
     if op not in OUTPUTS:
         raise ValueError(f"named_outputs: argument 'op' must be one of {sorted(OUTPUTS)}, got {op!r}")
     if op == "layout":
@@ -47,7 +47,10 @@ def named_outputs(op: str, result) -> Outputs:
     if op == "expert_combine":
         return {"combined_x": result}
     if op in ("expert_dispatch", "expert_dispatch_fixed"):
-        return {name: getattr(result, name) for name in EXPERT_OUTPUTS}
+        named = {name: getattr(result, name) for name in EXPERT_OUTPUTS}
+        if isinstance(named["expert_x"], tuple | list):  # the FP8 pair
+            named["expert_x"], named["expert_scales"] = named["expert_x"]
+        return named
     recv_x = result[0]
     named: Outputs = ({"recv_x": recv_x[0], "recv_scales": recv_x[1]} if isinstance(recv_x, tuple | list)
                       else {"recv_x": recv_x})

@@ -12,6 +12,7 @@ COMMANDS = {
     "recipes": ("ep_moe.train.recipes", "list the built-in recipes (ep-moe train NAME runs one)"),
     "tune": ("ep_moe.tuning.cli", "print the per-layer SM/QP plan of a recipe or of given shapes"),
     "demo": ("ep_moe.cli.demo", "a small dispatch/combine round trip on spawned CPU ranks (checks an install)"),
+    "jit": ("ep_moe.cli.jit", "compile JIT kernels ahead of time (ep-moe jit warmup --shapes ...), list the cache"),
     "env": ("ep_moe.cli.env", "report the installation: versions, GPUs, whether the native kernels are built "
                               "(and why not)"),
 }

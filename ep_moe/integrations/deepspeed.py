@@ -231,18 +231,21 @@ class EPMOELayer(MOELayer):
         return self._dispatcher
 
     # ------------------------------------------------------------------ forward
-    def _route(self, tokens: Tensor, used_token: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _route(self, tokens: Tensor, used_token: Tensor | None) -> tuple[Tensor, Tensor, int]:
         """Run DeepSpeed's gate; set ``l_aux``/``exp_counts``; return ``(topk_idx [S, k] int64 with -1
-        for dropped routes, topk_weights [S, k] fp32)``."""
+        for dropped routes, topk_weights [S, k] fp32, capacity)``: the gate's per-expert capacity in capacity
+        mode with per-route output (every expert then has at most that many routes), else 0."""
         if _SPARSE_ROUTES:
-            self.l_aux, _capacity, _, indices, _locations, gates, self.exp_counts = self.gate(
+            self.l_aux, capacity, _, indices, _locations, gates, self.exp_counts = self.gate(
                 tokens, used_token, True, False)
             num_topk = indices.shape[0]
+            # DeepSpeed computes the capacity on the host in capacity mode (int() is no device sync there)
+            capacity = int(capacity) if self.gate.drop_tokens else 0
             # flatten + view: standard strides even for k == 1 (a transposed [S, 1] counts as contiguous)
             return (indices.t().long().flatten().view(-1, num_topk),
-                    gates.t().float().flatten().view(-1, num_topk))
+                    gates.t().float().flatten().view(-1, num_topk), capacity)
         self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(tokens, used_token)
-        return _dense_to_routes(combine_weights, dispatch_mask, self.gate.k)
+        return (*_dense_to_routes(combine_weights, dispatch_mask, self.gate.k), 0)
 
     def _run_experts(self, expert_input: Tensor, counts: list[int]) -> Tensor:
         """Each local expert on its contiguous rows (every expert runs, on zero rows too, so that its
@@ -253,10 +256,12 @@ class EPMOELayer(MOELayer):
             outputs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outputs)
 
-    def _local_forward(self, tokens: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
+    def _local_forward(self, tokens: Tensor, topk_idx: Tensor, topk_weights: Tensor, capacity: int) -> Tensor:
         """ep_size == 1: every expert is local; the expert-major permute and weighted reduce, no communication
-        (each token's rows summed in fp32 in increasing expert, rounded once)."""
-        out = local_expert_dispatch(tokens, topk_idx, topk_weights, self.num_local_experts, check_values=False)
+        (each token's rows summed in fp32 in increasing expert, rounded once). ``capacity`` > 0: every expert
+        runs on exactly that many rows (as in DeepSpeed's layer; no host read of the counts), else on its own."""
+        out = local_expert_dispatch(tokens, topk_idx, topk_weights, self.num_local_experts, check_values=False,
+                                    expert_capacity=capacity)
         expert_out = self._run_experts(out.expert_x, out.tokens_per_expert_list)
         return local_expert_combine(expert_out, out.handle, out.expert_weights)
 
@@ -274,9 +279,9 @@ class EPMOELayer(MOELayer):
                                       "are not supported; use deepspeed.moe.layer.MoE there")
         self._ensure_ep_group()
         tokens = hidden.reshape(-1, hidden.shape[-1])
-        topk_idx, topk_weights = self._route(tokens, used_token)
+        topk_idx, topk_weights, capacity = self._route(tokens, used_token)
         if self.ep_size == 1:
-            out = self._local_forward(tokens, topk_idx, topk_weights)
+            out = self._local_forward(tokens, topk_idx, topk_weights, capacity)
         else:
             dispatcher = self._get_dispatcher()
             if self.wall_clock_breakdown:

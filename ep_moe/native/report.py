@@ -2,7 +2,8 @@
 
 One ``name: value`` line per item (`ITEMS`): the Python interpreter, torch, CUDA and the GPUs, NCCL, torch's
 symmetric memory, the native extension (built or not, and why not) with ``setup.py``'s build record
-(`ep_moe.native.read_build_record`), and the multicast variables. ``ep-moe env`` (`ep_moe.cli.env`) prints
+(`ep_moe.native.read_build_record`), the JIT kernels (used or why not, the compiler found, the cache directory
+and its kernels), and the multicast variables. ``ep-moe env`` (`ep_moe.cli.env`) prints
 these and the rest of the installation. An item that cannot be found out says why instead.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 from .. import native
 from ..distributed import MULTICAST_OFF, nccl_version
+from . import jit
 
 Item = tuple[str, Callable[[], str]]
 
@@ -74,6 +76,29 @@ def _build_record() -> str:
     return f"{native.BUILD_RECORD}{fields}"
 
 
+def _jit_kernels() -> str:
+    mode = jit.mode()
+    if mode == "off":
+        return "off (EP_MOE_JIT=0)"
+    reason = jit.unavailable_reason()
+    if reason is not None:
+        return f"unavailable ({reason})"
+    if native.extension_available() and mode != "force":
+        return "available; the ahead-of-time extension is used instead (EP_MOE_JIT=1 prefers JIT)"
+    return "used for the expert-major kernels" + (" (EP_MOE_JIT=1)" if mode == "force" else "")
+
+
+def _jit_compiler() -> str:
+    compiler, why = jit.compiler()
+    return f"{compiler.identity} ({why})" if compiler is not None else f"none ({why})"
+
+
+def _jit_cache() -> str:
+    store = jit.process_cache()
+    lines = store.describe()
+    return f"{store.directory} ({len(lines)} kernels)" + "".join(f"\n    {line}" for line in lines)
+
+
 def _multicast() -> str:
     return " ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in MULTICAST_OFF)
 
@@ -87,6 +112,9 @@ ITEMS: tuple[Item, ...] = (
     ("symmetric memory", _symmetric_memory),
     ("native kernels", _native_kernels),
     ("build record", _build_record),
+    ("JIT kernels", _jit_kernels),
+    ("JIT compiler", _jit_compiler),
+    ("JIT cache", _jit_cache),
     ("multicast", _multicast),
 )
 

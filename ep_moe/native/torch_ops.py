@@ -8,13 +8,15 @@ import torch
 
 
 @torch.library.register_fake("ep_moe_native::expert_layout")
-def _(topk_idx, num_experts, alignment, num_slots):
+def _(topk_idx, num_experts, alignment, num_slots, capacity=0):
     rows, topk = topk_idx.shape
-    exact = num_slots < 0
-    if exact:
+    exact = num_slots < 0 and capacity == 0
+    if capacity:
+        num_slots = num_experts * capacity
+    elif exact:
         num_slots = torch.library.get_ctx().new_dynamic_size()
     longs = dict(dtype=torch.int64, device=topk_idx.device)
-    host = torch.empty(num_experts if exact else 0, dtype=torch.int64)
+    host = torch.empty(num_experts if exact or capacity else 0, dtype=torch.int64)
     return (torch.empty(num_slots, **longs), torch.empty(rows, topk, **longs), torch.empty(rows, topk, **longs),
             torch.empty(num_experts, **longs), torch.empty(num_experts, **longs), host)
 

@@ -117,6 +117,8 @@ class LoggerSection:
     plot_path: str | None = None      # PNG loss curve; None = <metrics file without .jsonl>_loss.png
     progress_bar: bool | Literal["auto"] = "auto"   # true, false, or auto: on when stderr is a terminal
     tensorboard_dir: str | None = None  # TensorBoard event files (rank 0, Megatron's scalar names); None = off
+    wandb_project: str | None = None    # Weights & Biases project (rank 0, the same scalars); None = off
+    wandb_run_name: str | None = None   # the W&B run's name; None = the run folder's name
 
 
 @dataclass
@@ -698,6 +700,10 @@ def _shared_rules(recipe: AnyRecipe, world: int, device: str | None) -> None:
         _require(_importable("tensorboard"), "logger.tensorboard_dir",
                  "needs the tensorboard package, which is not installed; install it with: "
                  "pip install tensorboard (or pip install 'ep_moe[tensorboard]'), or set logger.tensorboard_dir=null")
+    if lg.wandb_project is not None and device is not None:
+        _require(_importable("wandb"), "logger.wandb_project",
+                 "needs the wandb package, which is not installed; install it with: pip install wandb, or set "
+                 "logger.wandb_project=null")
     if isinstance(e.num_sms, list):
         _require(all(n >= 0 and n % 2 == 0 for n in e.num_sms), "ep_moe.num_sms",
                  f"must be even numbers >= 0, got {e.num_sms}")

@@ -9,16 +9,22 @@ the ranks killed by a signal). `failure_lines` turns it into the lines printed o
 * each rank killed by a signal (``rank 1 died: signal 9 (SIGKILL)``);
 * each line names the log file, where `write_error_log` puts every rank's traceback (``error.log`` in the
   run directory, else a file in the temporary folder).
+
+Under ``torchrun`` every rank is its own process and there is no launcher of ours to collect the errors:
+`report_rank_error` appends the rank's traceback to the same ``error.log`` (under a file lock) and prints its
+one line only when no rank of the same ``torchrun`` agent has printed that error already.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
 import sys
 import tempfile
+import traceback
 
-from ep_moe.distributed import RankFailures, signal_text
+from ep_moe.distributed import RankFailures, is_peer_lost, signal_text
 
 from .rundir import ERROR_LOG
 
@@ -102,3 +108,31 @@ def write_error_log(folder: str, exc: RankFailures, argv: list[str] | None = Non
         return path
     except OSError:
         return None
+
+
+def report_rank_error(folder: str, rank: int, exc: BaseException) -> str | None:
+    """This rank's error under ``torchrun``: append its traceback to ``<folder>/error.log`` and return the line
+    to print, or None when a rank of the same ``torchrun`` agent (the parent process) already printed the same
+    error, or when the error only says that a peer went away and another rank's own error is in the log."""
+    agent = f"agent {os.getppid()}"
+    exc_type, message = type(exc).__name__, one_line(str(exc))
+    header = f"--- {agent} rank {rank}: {exc_type}: {message}"
+    body = "".join(traceback.format_exception(exc)).rstrip()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, ERROR_LOG)
+        with open(path, "a+", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # ranks append one at a time, and decide against what is there
+            f.seek(0)
+            earlier = [line for line in f.read().splitlines() if line.startswith(f"--- {agent} rank ")]
+            f.seek(0, os.SEEK_END)
+            f.write(f"{header}\n{body}\n\n")
+            f.flush()
+    except OSError:
+        return f"rank {rank}: {exc_type}: {message} [no log: {folder} is not writable]"
+    shown = {line.split(": ", 1)[1] for line in earlier}
+    if f"{exc_type}: {message}" in shown:
+        return None
+    if is_peer_lost(message) and any(not is_peer_lost(line) for line in shown):
+        return None
+    return f"rank {rank}: {exc_type}: {message} [log: {path}]"

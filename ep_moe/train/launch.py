@@ -33,7 +33,7 @@ import torch
 from ep_moe.distributed import RankFailures, launch, torchrun_env
 
 from .config import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, validate
-from .failures import failure_lines, write_error_log
+from .failures import failure_lines, report_rank_error, write_error_log
 from .rundir import RunDirError, RunDirLock, check_outputs, clear_earlier_run, refuse_earlier_run, run_dir
 
 EXTRAS = {"megatron": "megatron", "deepspeed": "deepspeed"}
@@ -237,9 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         for line in failure_lines(exc, log):
             _say(line)
         return 1
-    except RuntimeError as exc:
-        if torchrun_env() is not None:
-            raise  # this rank's own error, with its traceback
+    except Exception as exc:
+        env = torchrun_env()
+        if env is not None and recipe is not None:  # this rank's own error: one line, the traceback in the log
+            line = report_rank_error(run_dir(recipe), env.rank, exc)
+            if line is not None:
+                _say(line)
+            return 1
+        if not isinstance(exc, RuntimeError):
+            raise
         _say(str(exc))
         return 1
     finally:

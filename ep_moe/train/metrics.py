@@ -12,6 +12,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .rundir import WANDB_RUN_ID
+
 
 class MetricsFile:
     """Append-only JSON lines, one object per record (``{"kind": "train" | "eval" | "run", ...}``).
@@ -188,43 +190,84 @@ class TensorBoardLog:
             self.writer.add_text("recipe", "```\n" + recipe_text + "\n```", 0)
 
     def write(self, record: dict[str, Any]) -> None:
-        if record.get("kind") not in ("train", "eval"):
-            return
-        step = record["step"]
-        for key, tag in self.SCALARS.items():
-            value = record.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                self.writer.add_scalar(tag, value, step)
-        for i, value in enumerate(record.get("load_imbalance_layers") or []):
-            self.writer.add_scalar(f"moe/load_imbalance_layer_{i}", value, step)
+        for tag, value in scalars_of(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
 
 
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """A train or eval record's scalars under the logged names (`TensorBoardLog.SCALARS`, and
+    ``moe/load_imbalance_layer_<i>``); ``{}`` for other records. Non-finite values are left out."""
+    if record.get("kind") not in ("train", "eval"):
+        return {}
+    out = {}
+    for key, tag in TensorBoardLog.SCALARS.items():
+        value = record.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            out[tag] = float(value)
+    for i, value in enumerate(record.get("load_imbalance_layers") or []):
+        out[f"moe/load_imbalance_layer_{i}"] = float(value)
+    return out
+
+
+class WandbLog:
+    """A Weights & Biases run of rank 0 with the scalars of `TensorBoardLog`. The run's id is kept in
+    ``<run folder>/wandb-run-id``, so that ``--resume`` continues the same W&B run."""
+
+    def __init__(self, project: str, name: str, folder: str, config: dict[str, Any], resume: bool):
+        import wandb
+
+        id_path = os.path.join(folder, WANDB_RUN_ID)
+        run_id = None
+        if resume and os.path.exists(id_path):
+            with open(id_path, encoding="utf-8") as f:
+                run_id = f.read().strip() or None
+        self.run = wandb.init(project=project, name=name, config=config, dir=folder, id=run_id,
+                              resume="allow" if run_id else None)
+        os.makedirs(folder, exist_ok=True)
+        with open(id_path, "w", encoding="utf-8") as f:
+            f.write(str(self.run.id))
+
+    def write(self, record: dict[str, Any]) -> None:
+        scalars = scalars_of(record)
+        if scalars:
+            self.run.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class RunLog:
-    """What rank 0 records, for every engine: the metrics file (`MetricsFile`) and, with
-    ``logger.tensorboard_dir``, TensorBoard event files (`TensorBoardLog`)."""
+    """What rank 0 records, for every engine: the metrics file (`MetricsFile`); with
+    ``logger.tensorboard_dir``, TensorBoard event files (`TensorBoardLog`); with ``logger.wandb_project``, a
+    W&B run (`WandbLog`)."""
 
     def __init__(self, recipe, resume_step: int | None = None):
         self.metrics = MetricsFile(recipe.metrics_path(), resume_step=resume_step)
-        self.tensorboard = None
+        self.sinks: list[TensorBoardLog | WandbLog] = []
         if recipe.logger.tensorboard_dir:
             import yaml
 
-            self.tensorboard = TensorBoardLog(recipe.logger.tensorboard_dir,
-                                              yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+            self.sinks.append(TensorBoardLog(recipe.logger.tensorboard_dir,
+                                             yaml.safe_dump(recipe.to_dict(), sort_keys=False)))
+        if recipe.logger.wandb_project:
+            folder = recipe.output_dir()
+            name = recipe.logger.wandb_run_name or os.path.basename(os.path.normpath(folder))
+            self.sinks.append(WandbLog(recipe.logger.wandb_project, name, folder, recipe.to_dict(),
+                                       resume=resume_step is not None))
 
     def write(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def start_engine_run(recipe, start_step: int, loaded_from: str | None, world: int, floor: float | None,

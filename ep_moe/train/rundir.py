@@ -32,8 +32,9 @@ from .config import AnyRecipe, RecipeError
 
 LOCK_NAME = "ep-moe.lock"
 ERROR_LOG = "error.log"
+WANDB_RUN_ID = "wandb-run-id"  # the W&B run a --resume continues (ep_moe.train.metrics.WandbLog)
 # Files of the run directory that do not make it "hold a run".
-_BOOKKEEPING = (LOCK_NAME, ERROR_LOG)
+_BOOKKEEPING = (LOCK_NAME, ERROR_LOG, WANDB_RUN_ID)
 
 try:  # POSIX
     import fcntl
@@ -279,7 +280,8 @@ def clear_earlier_run(recipe: AnyRecipe) -> list[str]:
             raise RunDirError(f"checkpoint.load: {load} is in {folder}, which --overwrite would clear; copy that "
                               "checkpoint elsewhere first, or continue the run with --resume")
     removed = []
-    paths = [recipe.metrics_path(), recipe.plot_path(), os.path.join(folder, ERROR_LOG)]
+    paths = [recipe.metrics_path(), recipe.plot_path(), os.path.join(folder, ERROR_LOG),
+             os.path.join(folder, WANDB_RUN_ID)]
     if recipe.checkpoint.save and os.path.isdir(folder):
         paths += sorted(os.path.join(folder, n) for n in os.listdir(folder) if _checkpoint_entry(n))
     for path in paths:

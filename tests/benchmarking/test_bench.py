@@ -273,8 +273,8 @@ def not_a_buffer(group, **kwargs) -> object:
     return object()
 
 
-def _bench_with(factories: dict[str, str], tmp_path, monkeypatch, extra: tuple[str, ...] = ()
-                ) -> tuple[int, dict, str]:
+def _bench_with(factories: dict[str, str], tmp_path, monkeypatch, extra: tuple[str, ...] = (),
+                rows_per_backend: int = 8) -> tuple[int, dict, str]:
     """``ep-moe bench`` on 2 gloo ranks with torch and a backend per ``factories`` entry (name -> factory in this
     module), plus ``extra`` arguments: the exit status, the rows by (backend, op, dtype), and what it printed
     (8 rows per backend: layout and 4 bf16 and 3 fp8 operations by default)."""
@@ -287,7 +287,7 @@ def _bench_with(factories: dict[str, str], tmp_path, monkeypatch, extra: tuple[s
     data = json.loads(out_json.read_text())
     assert data["meta"]["input_sets"] == {"24": SETS}
     rows = {(r["backend"], r["op"], r["dtype"]): r for r in data["rows"]}
-    assert len(rows) == len(data["rows"]) == (1 + len(factories)) * 8
+    assert len(rows) == len(data["rows"]) == (1 + len(factories)) * rows_per_backend
     return rc, rows, json.dumps(data["rows"])
 
 
@@ -320,6 +320,19 @@ def test_expert_major_operations_are_timed_and_checked(tmp_path, monkeypatch):
         assert rows[("honest", op, "bf16")]["check"] == "ok" and rows[("torch", op, "bf16")]["check"] == "ok"
     for op in ("expert_dispatch", "expert_dispatch_fixed"):
         assert any("expert_weights vs backend torch: differs" in p for p in failed[("skewed", op, "bf16")]), failed
+
+
+@pytest.mark.timeout(300)
+def test_expert_major_fp8_dispatches_are_timed_and_checked(tmp_path, monkeypatch):
+    """``--expert-major --dtype bf16 fp8``: the FP8 pair's expert-major dispatches (rows and scales) are timed
+    and checked too (13 rows per backend: layout, bf16 4 + 3, fp8 3 + 2; FP8 has no combine)."""
+    rc, rows, _ = _bench_with({"honest": "honest_buffer"}, tmp_path, monkeypatch,
+                              ("--expert-major", "--dtype", "bf16", "fp8"), rows_per_backend=13)
+    assert rc == 0 and _failed(rows) == {}
+    for backend in ("torch", "honest"):
+        assert rows[(backend, "expert_dispatch", "fp8")]["check"] == "ok"
+        assert rows[(backend, "expert_dispatch_fixed", "fp8")]["check"] == "ok"
+        assert (backend, "expert_combine", "fp8") not in rows
 
 
 @pytest.mark.timeout(300)

@@ -271,7 +271,7 @@ def _raises(fn, name: str) -> None:
 
 
 def _errors_worker(rank: int, num_ranks: int) -> bool:
-    _raises(lambda: ElasticBuffer(None, num_cpu_bytes=2 << 20, backend="torch"), "num_cpu_bytes")
+    _raises(lambda: ElasticBuffer(None, num_cpu_bytes=-1, backend="torch"), "num_cpu_bytes")
     _raises(lambda: ElasticBuffer(None, num_bytes=12345, backend="torch"), "num_bytes")
     _raises(lambda: ElasticBuffer(None, backend="nccl"), "backend")
     _raises(lambda: ElasticBuffer(None, num_gpu_timeout_secs=0, backend="torch"), "num_gpu_timeout_secs")

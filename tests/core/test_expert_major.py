@@ -28,6 +28,7 @@ def _cases(num_ranks: int) -> list[Case]:
         Case("one rank", tokens, 128, 3, E, "one_rank", "bf16", 1),
         Case("sparse (empty experts)", tokens, 128, 2, E, "sparse", "fp32", 16),
         Case("empty rank", (0,) + tokens[1:], 128, 2, E, "random", "bf16", 1),
+        Case("fp8 pair A16", tokens, 256, 3, E, "random", "fp8", 16),
     ]
 
 
@@ -42,12 +43,19 @@ def _ys(refs, hidden: int, dtype: torch.dtype, seed: int) -> tuple[list[torch.Te
 def _run_case(buffer: Buffer, rank: int, num_ranks: int, case: Case, seed: int, fixed: int) -> None:
     where = f"{case.name} R={rank}/{num_ranks} fixed={fixed}"
     inp = make_inputs(case, num_ranks, seed)
-    x, idx, w = inp.xs[rank], inp.idxs[rank], inp.weights[rank]
+    x, idx, w = inp.x(rank), inp.idxs[rank], inp.weights[rank]
     local = case.experts // num_ranks
     num_slots = max_slots(fixed, case.topk, local, case.alignment) if fixed else None
-    refs = reference_expert_dispatch(inp.xs, inp.idxs, inp.weights, case.experts, case.alignment, num_slots)
+    refs = reference_expert_dispatch(inp.xs, inp.idxs, inp.weights, case.experts, case.alignment, num_slots,
+                                     scales=inp.scales)
     out = expert_dispatch(buffer, x, idx, w, case.experts, case.alignment, num_worst_tokens=fixed)
     ref = refs[rank]
+    if inp.scales is not None:  # the FP8 pair: rows and scales, each bit for bit
+        check(isinstance(out.expert_x, tuple) and len(out.expert_x) == 2, where, "expert_x is a pair")
+        check_bits(out.expert_x[1], ref.expert_scales, where, "expert scales")
+        check(not out.expert_weights.requires_grad, where, "no autograd through an FP8 dispatch")
+        out = out._replace(expert_x=out.expert_x[0])
+        x = x[0].new_empty(0, case.hidden, dtype=torch.bfloat16)  # the experts' output dtype below
     check_bits(out.expert_x, ref.expert_x, where, "expert_x")
     check_bits(out.expert_weights, ref.expert_weights, where, "expert_weights")
     check(out.tokens_per_expert.tolist() == ref.num_recv_tokens_per_expert, where, "tokens_per_expert")

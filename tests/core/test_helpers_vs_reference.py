@@ -89,6 +89,44 @@ def test_expert_layout_equals_the_reference(kind, alignment):
 
 
 @pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("capacity", [1, 4, 40])
+def test_expert_layout_with_a_capacity_equals_a_loop(kind, capacity):
+    """DeepSpeed's capacity buffer: expert e owns slots [e * C, (e + 1) * C), filled by its first C pairs in
+    (row, k) order; later pairs have no slot; counts known on the host."""
+    gen = torch.Generator().manual_seed(capacity)
+    experts, topk = 16, 3
+    idx = _routing(kind, 29, topk, experts, gen)
+    want_slots = [idx.numel()] * (experts * capacity)
+    want_slot_of_pair = [-1] * idx.numel()
+    seen = [0] * experts
+    for pair, e in enumerate(idx.view(-1).tolist()):
+        if 0 <= e < experts and seen[e] < capacity:
+            want_slots[e * capacity + seen[e]] = pair
+            want_slot_of_pair[pair] = e * capacity + seen[e]
+        if 0 <= e < experts:
+            seen[e] += 1
+    layout = expert_layout(idx, experts, capacity=capacity)
+    assert layout.pair_of_slot.tolist() == want_slots
+    assert layout.slot_of_pair.view(-1).tolist() == want_slot_of_pair
+    assert layout.tokens_per_expert.tolist() == [capacity] * experts
+    assert layout.tokens_per_expert_host.tolist() == [capacity] * experts
+    assert layout.pairs_per_expert.tolist() == [min(n, capacity) for n in seen]
+    for row in range(idx.shape[0]):
+        slots = sorted(s for s in want_slot_of_pair[row * topk:(row + 1) * topk] if s >= 0)
+        assert layout.sorted_slots[row].tolist() == slots + [-1] * (topk - len(slots))
+
+
+def test_expert_layout_capacity_errors_name_the_argument():
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="'capacity'"):
+        expert_layout(idx, 4, capacity=-1)
+    with pytest.raises(ValueError, match="'alignment'"):
+        expert_layout(idx, 4, 2, capacity=3)
+    with pytest.raises(ValueError, match="'num_slots'"):
+        expert_layout(idx, 4, num_slots=5, capacity=3)
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
 def test_permute_and_weighted_unpermute_equal_loops(kind):
     """`permute_rows` copies each pair's row (FP8 bytes too), `unpermute_sum` adds w * y in increasing slot
     order in fp32 (products rounded first), rounds once; rows without a pair are zero."""

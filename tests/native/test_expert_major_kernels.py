@@ -88,6 +88,20 @@ def test_layout_equals_the_torch_definition(case, bound):
         assert got.tokens_per_expert_host is None
 
 
+@pytest.mark.parametrize("case", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("capacity", ["one", "below", "above"])
+def test_layout_with_a_capacity_equals_the_torch_definition(case, capacity):
+    kind, N, K, L, _ = case
+    idx = routing(kind, N, K, L, seed=N + K + L)
+    most = int(P._expert_layout_torch(idx, L, 1, None).pairs_per_expert.max()) if idx.numel() else 0
+    C = {"one": 1, "below": max(most // 2, 1), "above": most + 3}[capacity]
+    want = P._expert_layout_torch(idx, L, 1, None, C)
+    got = P.expert_layout(idx.cuda(), L, capacity=C)
+    for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
+        assert_bits(getattr(got, name), getattr(want, name), f"{name} (capacity {C})")
+    assert got.tokens_per_expert_host.tolist() == [C] * L and not got.tokens_per_expert_host.is_cuda
+
+
 def test_layout_of_more_experts_than_the_kernels_hold_uses_torch():
     idx = routing("random", 50, 4, 3000, seed=1)
     got = P.expert_layout(idx.cuda(), 3000, 1)

@@ -348,3 +348,39 @@ def test_failure_lines_group_ranks_and_leave_out_a_dead_peers_echo():
     only_echoes = RankFailures([RankFailure(0, "RuntimeError", peer, tb)])
     assert failure_lines(only_echoes, None) == [f"rank 0: RuntimeError: {peer}"]
     assert rank_list([3, 0, 1, 2, 7]) == "ranks 0-3, 7"
+
+
+# ---------------------------------------------------------------------------------------------- under torchrun
+def test_an_error_under_torchrun_is_one_line_of_ours_with_the_traceback_in_the_log(tmp_path):
+    """Under torchrun each rank is its own process: the error is one ``ep-moe train:`` line (printed once for
+    the ranks of one torchrun agent), the traceback goes to error.log, the exit status is non-zero."""
+    run = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ep_moe.train", TINY, *QUICK,
+           f"checkpoint.save={run}", "train.train_iters=20", "optimizer.lr=1e30", "scheduler.lr_warmup_iters=0",
+           "scheduler.min_lr=0"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0
+    ours = [line for line in _lines(out.stderr) if line.startswith("ep-moe train:")]
+    log = os.path.join(run, "error.log")
+    assert len(ours) == 1, out.stderr
+    assert re.fullmatch(r"ep-moe train: rank [01]: FloatingPointError: loss is (nan|inf) at step \d+; lower "
+                        rf"optimizer.lr or check the data \[log: {re.escape(log)}\]", ours[0]), ours[0]
+    text = open(log).read()
+    assert "FloatingPointError" in text and "Traceback (most recent call last)" in text
+    assert "ep_moe/train/" not in out.stderr  # no frame of a rank's traceback on the terminal
+
+
+def test_report_rank_error_prints_each_error_once_per_agent(tmp_path):
+    from ep_moe.train.failures import report_rank_error
+
+    folder = str(tmp_path / "run")
+    log = os.path.join(folder, "error.log")
+    first = report_rank_error(folder, 0, ValueError("hidden 64 vs 32"))
+    assert first == f"rank 0: ValueError: hidden 64 vs 32 [log: {log}]"
+    assert report_rank_error(folder, 1, ValueError("hidden 64 vs 32")) is None        # the same error: once
+    assert report_rank_error(folder, 2, RuntimeError("Connection closed by peer")) is None  # an echo of it
+    other = report_rank_error(folder, 3, KeyError("x"))
+    assert other == f"rank 3: KeyError: 'x' [log: {log}]"
+    text = open(log).read()
+    assert [line.split(" rank ")[1][0] for line in text.splitlines() if line.startswith("--- agent")] == \
+        ["0", "1", "2", "3"]

@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(1024) expert_scan_kernel(ExpertLayoutParams p)
       carry += __shfl_sync(kFull, inclusive, kWarp - 1);
     }
     if (lane == 0) {
-      const int64_t aligned = (carry + p.alignment - 1) / p.alignment * p.alignment;
-      p.pairs_per_expert[e] = carry;
+      const int64_t aligned = p.capacity > 0 ? p.capacity : (carry + p.alignment - 1) / p.alignment * p.alignment;
+      p.pairs_per_expert[e] = p.capacity > 0 && carry > p.capacity ? p.capacity : carry;
       p.tokens_per_expert[e] = aligned;
       padded[e] = aligned;
     }
@@ -124,8 +124,9 @@ __global__ void __launch_bounds__(kLayoutTileThreads) expert_assign_kernel(Exper
         int64_t before = running[e] + __popc(peers & lanes_below);
         for (int w = 0; w < warp; ++w) before += warp_count[w][e];
         slot = p.first_slot[e] + before;
-        if (slot < p.num_slots) p.pair_of_slot[slot] = i;
-        else slot = -1;  // a bound below the total: the pair has no slot
+        // a bound below the total, or a pair past its expert's capacity: no slot
+        if (slot < p.num_slots && (p.capacity == 0 || before < p.capacity)) p.pair_of_slot[slot] = i;
+        else slot = -1;
       }
       p.slot_of_pair[i] = slot;
     }

@@ -21,6 +21,8 @@ struct ExpertLayoutParams {
   int num_topk;                // K
   int num_experts;             // L <= kMaxLayoutExperts
   int64_t alignment;           // A >= 1
+  int64_t capacity;            // C > 0: every expert owns exactly C slots (from e * C), its pairs past C have
+                               // none (A is 1 then); 0: each expert's pairs rounded up to A
   int64_t num_slots;           // M (needed by the slots kernels only)
   int num_blocks;              // blocks of the count and assign kernels, <= kMaxLayoutBlocks
   int64_t pairs_per_block;     // a multiple of kLayoutTileThreads; block b takes pairs [b * this, ...)

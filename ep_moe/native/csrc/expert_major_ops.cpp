@@ -43,9 +43,10 @@ void check_launch(cudaError_t err, const char* op) {
 at::Tensor none_like(const at::Tensor& t, at::ScalarType dtype) { return at::empty({0}, t.options().dtype(dtype)); }
 
 // (pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K], tokens_per_expert [L], pairs_per_expert [L],
-//  tokens_per_expert on the host [L] (exact size; empty for a given bound)).
+//  tokens_per_expert on the host [L] (exact size or a capacity; empty for a given bound)).
+// capacity > 0: M = L * capacity, every expert's slot count is the capacity (no host read).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> expert_layout(
-    const at::Tensor& topk_idx, int64_t num_experts, int64_t alignment, int64_t num_slots) {
+    const at::Tensor& topk_idx, int64_t num_experts, int64_t alignment, int64_t num_slots, int64_t capacity) {
   const char* op = "expert_layout";
   TORCH_CHECK(topk_idx.dim() == 2, "ep_moe_native.expert_layout: argument 'topk_idx' must be [N, K]");
   check_cuda(topk_idx, op, "topk_idx", topk_idx);
@@ -53,11 +54,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   TORCH_CHECK(num_experts >= 1 && num_experts <= ep_moe::kMaxLayoutExperts, "ep_moe_native.expert_layout: argument "
               "'num_experts' must be in [1, ", ep_moe::kMaxLayoutExperts, "], got ", num_experts);
   TORCH_CHECK(alignment >= 1, "ep_moe_native.expert_layout: argument 'alignment' must be >= 1, got ", alignment);
+  TORCH_CHECK(capacity >= 0, "ep_moe_native.expert_layout: argument 'capacity' must be >= 0, got ", capacity);
+  TORCH_CHECK(capacity == 0 || (alignment == 1 && (num_slots < 0 || num_slots == num_experts * capacity)),
+              "ep_moe_native.expert_layout: with a capacity, argument 'alignment' must be 1 and 'num_slots' -1 or "
+              "num_experts * capacity");
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto longs = topk_idx.options();
   const int64_t rows = topk_idx.size(0), topk = topk_idx.size(1), pairs = rows * topk;
-  at::Tensor tokens = at::zeros({num_experts}, longs), counts = at::zeros({num_experts}, longs);
+  at::Tensor tokens = at::full({num_experts}, capacity, longs), counts = at::zeros({num_experts}, longs);
   ep_moe::ExpertLayoutParams p{};
   at::Tensor block_counts, first_slot;
   if (pairs > 0) {
@@ -72,6 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     p.num_topk = static_cast<int>(topk);
     p.num_experts = static_cast<int>(num_experts);
     p.alignment = alignment;
+    p.capacity = capacity;
     p.block_counts = block_counts.data_ptr<int32_t>();
     p.first_slot = first_slot.data_ptr<int64_t>();
     p.tokens_per_expert = tokens.data_ptr<int64_t>();
@@ -79,7 +85,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     check_launch(ep_moe::launch_expert_counts(p, stream), op);
   }
   at::Tensor host = at::empty({0}, longs.device(at::kCPU));
-  if (num_slots < 0) {  // exact size: the aligned total, read once on the host (with the counts)
+  if (capacity > 0) {  // every count is known on the host
+    host = at::full({num_experts}, capacity, longs.device(at::kCPU));
+    num_slots = num_experts * capacity;
+  } else if (num_slots < 0) {  // exact size: the aligned total, read once on the host (with the counts)
     host = at::empty({num_experts}, longs.device(at::kCPU).pinned_memory(true));
     check_launch(cudaMemcpyAsync(host.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(), sizeof(int64_t) * num_experts,
                                  cudaMemcpyDeviceToHost, stream), op);
@@ -274,7 +283,7 @@ at::Tensor routing_map_to_topk_backward(const at::Tensor& grad_weights, const at
 }  // namespace
 
 TORCH_LIBRARY(ep_moe_native, m) {
-  m.def("expert_layout(Tensor topk_idx, int num_experts, int alignment, int num_slots) "
+  m.def("expert_layout(Tensor topk_idx, int num_experts, int alignment, int num_slots, int capacity=0) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("permute_rows(Tensor x, Tensor pair_of_slot, int num_topk, Tensor? values) -> (Tensor, Tensor)");
   m.def("unpermute_sum(Tensor y, Tensor? weights, Tensor sorted_slots, Tensor? slot_values, Tensor? slot_of_pair) "

@@ -1,0 +1,198 @@
+"""The single-rank expert-major kernels three ways in one run: the JIT kernels (specialized per shape,
+`ep_moe.native.jit.expert_major`), the ahead-of-time extension (``ep_moe_native::*``, generic in the shape) and
+Triton (`ep_moe.permute_triton`), on one GPU.
+
+    python3 benchmarks/jit_bench.py                       # DeepEP-like: 4096 tokens, hidden 7168, top-8 of 32
+    python3 benchmarks/jit_bench.py --tokens 4096 --hidden 2048 4096 7168 --topk 8 --experts 32 --cold
+
+Per shape it first checks that every implementation gives the same bits as the JIT kernels (the weights'
+gradient: Triton's summation order differs, so within 1e-4), then times each operation:
+
+* ``layout``: the expert-major layout at a fixed size (``num_slots = max_slots``; Triton has none: torch's);
+* ``permute``: rows and values into slots; ``reduce``: the weighted sum back; ``backward``: the reduce's
+  gradients (rows and weights);
+* ``gpu``: CUDA events around ``--iters`` back-to-back calls, per call (host time hidden when the GPU is busy);
+* ``host``: the host's time per call (Python, allocation, launch), a loop of calls without waiting.
+
+``--cold`` points the JIT cache at a new temporary directory first, so the first call of each specialization
+compiles; the compile (or load) time of every JIT kernel is printed. Prints one table per shape; ``--json``
+writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from ep_moe import native, permute_triton
+from ep_moe import permute as P
+from ep_moe.native import jit
+from ep_moe.native.jit import expert_major as J
+
+
+def implementations() -> dict[str, dict]:
+    """Per implementation: layout(idx, L, A, M), permute(x, pos, K, values), reduce(y, w, sorted),
+    backward(grad, y, w, pos, K) -> (grad_y, grad_w); missing ones are left out (and said so)."""
+    impls: dict[str, dict] = {}
+    if jit.available():
+        impls["jit"] = {
+            "layout": lambda idx, L, A, M: J.expert_layout(idx, L, A, M),
+            "permute": lambda x, pos, K, v: J.permute_rows(x, pos, K, v),
+            "reduce": lambda y, w, srt: J.unpermute_sum(y, w, srt, None, None)[0],
+            "backward": lambda g, y, w, pos, K: J.unpermute_sum_backward(g, y, w, pos, K, True, True),
+        }
+    else:
+        print(f"jit: unavailable ({jit.unavailable_reason()})")
+    if native.extension_available():
+        ops = torch.ops.ep_moe_native
+        impls["aot"] = {
+            "layout": lambda idx, L, A, M: ops.expert_layout(idx, L, A, M),
+            "permute": lambda x, pos, K, v: ops.permute_rows(x, pos, K, v),
+            "reduce": lambda y, w, srt: ops.unpermute_sum(y, w, srt, None, None)[0],
+            "backward": lambda g, y, w, pos, K: ops.unpermute_sum_backward(g, y, w, pos, K, True, True),
+        }
+    else:
+        print(f"aot: the extension is not built ({native.extension_unavailable_reason()})")
+    if permute_triton.available():
+        def triton_permute(x, pos, K, v):
+            out = permute_triton.run_permute_rows(x, pos, K, torch.empty(pos.shape[0], x.shape[1], dtype=x.dtype,
+                                                                          device=x.device))
+            return out, P._slot_values_torch(v, pos)
+
+        def triton_backward(g, y, w, pos, K):
+            M = pos.shape[0]
+            return (permute_triton.run_scale_permute(g, w, pos, K, torch.empty(M, g.shape[1], dtype=g.dtype,
+                                                                               device=g.device)),
+                    permute_triton.run_pair_dot(g, y, pos, K, torch.empty(M, dtype=torch.float32, device=g.device)))
+
+        impls["triton"] = {
+            "layout": lambda idx, L, A, M: P._expert_layout_torch(idx, L, A, M),
+            "permute": triton_permute,
+            "reduce": lambda y, w, srt: permute_triton.run_unpermute_sum(
+                y, w, srt, torch.empty(srt.shape[0], y.shape[1], dtype=y.dtype, device=y.device)),
+            "backward": triton_backward,
+        }
+    else:
+        print("triton: unavailable")
+    return impls
+
+
+def time_gpu(fn, iters: int) -> float:
+    """Microseconds per call, CUDA events around ``iters`` calls after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def time_host(fn, iters: int) -> float:
+    """Host microseconds per call (the GPU queue absorbs the launches; synchronized before and after)."""
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    return host * 1e6 / iters
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.contiguous(), b.contiguous()
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.rand(T, L, generator=gen, device="cuda")
+    idx = scores.topk(min(K, L), dim=1).indices.to(torch.int64)
+    if K > L:
+        idx = torch.cat([idx, torch.full((T, K - L), -1, dtype=torch.int64, device="cuda")], 1)
+    M = P.max_slots(T, K, L, A)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    values = torch.rand(T * K, device="cuda", generator=gen)
+    y = torch.randn(M, H, device="cuda", generator=gen).to(dtype)
+    w = torch.rand(M, device="cuda", generator=gen)
+    grad = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    ref = next(iter(impls))
+    outputs = {}
+    for name, impl in impls.items():
+        lay = impl["layout"](idx, L, A, M)
+        pos, srt = lay[0], lay[2]
+        outputs[name] = (*lay[:5], *impl["permute"](x, pos, K, values), impl["reduce"](y, w, srt),
+                         *impl["backward"](grad, y, w, pos, K))
+    for name, outs in outputs.items():
+        for i, (a, b) in enumerate(zip(outs, outputs[ref])):
+            if i == len(outs) - 1 and name == "triton":  # the weights' gradient: Triton's own summation order
+                ok = torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+            else:
+                ok = same(a, b)
+            if not ok:
+                raise SystemExit(f"{name} output {i} differs from {ref} (T={T} H={H} K={K} L={L})")
+    lay = P._expert_layout_torch(idx, L, A, M)
+    pos, srt = lay.pair_of_slot, lay.sorted_slots
+    result = {}
+    for name, impl in impls.items():
+        calls = {"layout": lambda impl=impl: impl["layout"](idx, L, A, M),
+                 "permute": lambda impl=impl: impl["permute"](x, pos, K, values),
+                 "reduce": lambda impl=impl: impl["reduce"](y, w, srt),
+                 "backward": lambda impl=impl: impl["backward"](grad, y, w, pos, K)}
+        result[name] = {op: {"gpu_us": time_gpu(fn, iters), "host_us": time_host(fn, iters)}
+                        for op, fn in calls.items()}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[7168])
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=32, help="local experts")
+    parser.add_argument("--alignment", type=int, default=16)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--cold", action="store_true", help="a fresh JIT cache directory: first calls compile")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.cold:
+        os.environ["EP_MOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ep_moe_jit_bench_")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    impls = implementations()
+    compiler = jit.compiler()
+    print(f"GPU: {torch.cuda.get_device_name()}; JIT compiler: {compiler[0].identity if compiler[0] else compiler[1]};"
+          f" cache: {jit.process_cache().directory}")
+    results = []
+    for T in args.tokens:
+        for H in args.hidden:
+            shape = dict(T=T, H=H, K=args.topk, L=args.experts, A=args.alignment, dtype=args.dtype)
+            timing = run_shape(impls, T, H, args.topk, args.experts, args.alignment, dtype, args.iters)
+            results.append({"shape": shape, "timing": timing})
+            print(f"\nT={T} H={H} K={args.topk} L={args.experts} A={args.alignment} {args.dtype}: "
+                  "gpu us per call (host us per call)")
+            ratio = "jit" in timing and "aot" in timing  # the specialized kernels' gain over the generic ones
+            print(f"{'op':<9}" + "".join(f"{name:>22}" for name in timing) + ("   aot/jit gpu" if ratio else ""))
+            for op in ("layout", "permute", "reduce", "backward"):
+                cells = [f"{t[op]['gpu_us']:9.1f} ({t[op]['host_us']:6.1f})" for t in timing.values()]
+                gain = f"{timing['aot'][op]['gpu_us'] / timing['jit'][op]['gpu_us']:14.2f}x" if ratio else ""
+                print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells) + gain)
+    print("\nJIT kernels this process built or loaded:")
+    for event in jit.history():
+        if event.how != "memory":
+            print(f"  {event.how:<9}{event.seconds:7.3f} s  {event.label}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"results": results, "jit": [list(e) for e in jit.history() if e.how != "memory"]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

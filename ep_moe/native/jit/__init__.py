@@ -1,0 +1,204 @@
+"""JIT kernels: CUDA sources compiled on first use for the exact specialization a call needs, cached on disk, and
+loaded with the driver API, so that no kernel needs an ahead-of-time build.
+
+A kernel is a `KernelSource` (a ``.cu`` file under ``kernels/`` and its defines, e.g. the row width in 16-byte
+words and the top-k) compiled for one architecture. Its cache key (`key_inputs`, `cache.cache_key`) hashes the
+source, every header it includes (recursively), the compiler's identity and version, the flags, the architecture
+and the defines. `build` gives the CUBIN (memory, else disk, else the compiler: `compilers.find_compiler`);
+`module` loads it on a device (`driver.Module`) and `Module.function(...).launch(...)` runs a kernel on a stream.
+
+`available` / `unavailable_reason` say whether JIT kernels can run here (CUDA torch, a GPU, a compiler, the
+driver; without a compiler, ``EP_MOE_JIT=1`` still runs the kernels a warm cache holds: `build` then takes any
+entry that matches in everything but the compiler); `mode` reads ``EP_MOE_JIT`` (``1``: prefer JIT kernels over the ahead-of-time
+extension, ``0``: never use them, unset: use them where the extension is absent). `history` lists what this
+process compiled or loaded, with times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, NamedTuple
+
+from .cache import KernelCache, cache_key, default_cache_dir
+from .compilers import FLAGS, CompileError, Compiler, find_compiler
+from .source import KERNELS_DIR, KernelSource, included_headers, sha256_file
+
+log = logging.getLogger("ep_moe")
+
+
+class JitUnavailable(RuntimeError):
+    """JIT kernels cannot run here (the message is the one-line reason)."""
+
+
+class LoadEvent(NamedTuple):
+    label: str      # the specialization (`KernelSource.label`) and architecture
+    how: str        # "compiled" (by this process), "disk" (a cache entry), or "memory"
+    seconds: float  # wall time of the compile or the read
+
+
+_lock = threading.Lock()
+_compiler_found: tuple[Compiler | None, str] | None = None
+_cache: KernelCache | None = None
+_failures: dict[str, CompileError] = {}
+_modules: dict[tuple[KernelSource, int], Any] = {}
+_history: list[LoadEvent] = []
+
+
+def mode() -> str:
+    """``"force"`` (``EP_MOE_JIT=1``), ``"off"`` (``EP_MOE_JIT=0``) or ``"auto"`` (unset or empty)."""
+    value = os.environ.get("EP_MOE_JIT", "").strip()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("0", "1"):
+        return "force" if value == "1" else "off"
+    raise ValueError(f"EP_MOE_JIT={value!r}: expected 0, 1 or unset")
+
+
+def compiler() -> tuple[Compiler | None, str]:
+    """(the compiler found, or None; a one-line account), searched once per process."""
+    global _compiler_found
+    with _lock:
+        if _compiler_found is None:
+            _compiler_found = find_compiler()
+        return _compiler_found
+
+
+def process_cache() -> KernelCache:
+    """This process's cache (`default_cache_dir` at first use)."""
+    global _cache
+    with _lock:
+        if _cache is None:
+            _cache = KernelCache()
+        return _cache
+
+
+def set_cache_dir(directory: str | os.PathLike) -> KernelCache:
+    """Use ``directory`` as this process's disk cache from now on (``ep-moe jit --cache-dir``); returns it."""
+    global _cache
+    with _lock:
+        _cache = KernelCache(directory)
+        return _cache
+
+
+def key_inputs(source: KernelSource, compiler_identity: str, arch: str,
+               flags: tuple[str, ...] = FLAGS) -> dict[str, Any]:
+    """Everything that changes the binary of ``source``: the file's and every included header's sha256, the
+    compiler identity, the flags, the architecture and the defines."""
+    return {"source": source.file.name, "source_sha256": sha256_file(source.file),
+            "headers": included_headers(source.file, [KERNELS_DIR]), "defines": [list(d) for d in source.defines],
+            "compiler": compiler_identity, "flags": list(flags), "arch": arch}
+
+
+def build(source: KernelSource, arch: str, compiler_: Compiler | None = None,
+          store: KernelCache | None = None) -> bytes:
+    """The CUBIN of ``source`` for ``arch`` (``sm_90``): from the cache, else compiled and published. Needs no GPU.
+
+    Raises `JitUnavailable` when no compiler is found, `CompileError` (with the compiler's log) when the source
+    does not compile; a failed key raises the same error again without recompiling.
+    """
+    store = store if store is not None else process_cache()
+    if compiler_ is None:
+        compiler_, why = compiler()
+        if compiler_ is None:  # a cache warmed elsewhere (`ep-moe jit warmup`) may hold it
+            start = time.perf_counter()
+            inputs = key_inputs(source, "", arch)
+            entry = store.find_prebuilt(f"{source.label}-{arch}", inputs)
+            if entry is None:
+                raise JitUnavailable(f"no CUDA compiler for JIT kernels ({why}) and no cache entry of "
+                                     f"{source.label} for {arch} in {store.directory}; run `ep-moe jit "
+                                     "warmup` with this shape where a compiler is")
+            _history.append(LoadEvent(f"{source.label}-{arch}", "disk", time.perf_counter() - start))
+            return entry.payload
+    inputs = key_inputs(source, compiler_.identity, arch)
+    key = cache_key(inputs)
+    if key in _failures:
+        raise _failures[key]
+    label = f"{source.label}-{arch}"
+    start = time.perf_counter()
+
+    def run_compiler() -> bytes:
+        return compiler_.compile(source.file, [KERNELS_DIR], source.defines, FLAGS, arch)
+
+    try:
+        payload, how = store.get_or_build(key, label, inputs, run_compiler)
+    except CompileError as exc:
+        _failures[key] = exc
+        raise
+    _history.append(LoadEvent(label, how, time.perf_counter() - start))
+    return payload
+
+
+def device_arch(device: int) -> str:
+    """``$EP_MOE_JIT_ARCH`` (e.g. ``sm_90a``) or ``sm_<major><minor>`` of the device."""
+    if os.environ.get("EP_MOE_JIT_ARCH"):
+        return os.environ["EP_MOE_JIT_ARCH"]
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def module(source: KernelSource, device: int):
+    """``source`` built for ``device``'s architecture and loaded there (a `driver.Module`, kept for the process)."""
+    found = _modules.get((source, device))
+    if found is None:
+        from .driver import Module
+
+        cubin = build(source, device_arch(device))
+        with _lock:
+            found = _modules.get((source, device))
+            if found is None:
+                found = _modules[(source, device)] = Module(cubin, device, source.label)
+    return found
+
+
+_available: str | None | bool = False  # False: not decided yet
+
+
+def unavailable_reason() -> str | None:
+    """Why JIT kernels cannot run in this process (one line), or None when they can: a CUDA torch with a GPU,
+    the driver library, and a compiler. Decided once per process."""
+    global _available
+    if _available is not False:
+        return _available
+    import torch
+
+    reason = None
+    if torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is a CPU build"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA GPU is visible"
+    else:
+        found, why = compiler()
+        if found is None and mode() != "force":
+            reason = f"no CUDA compiler ({why}); `ep-moe jit warmup` on a machine with one fills the cache"
+        else:
+            try:
+                from .driver import driver
+
+                driver()
+            except Exception as exc:  # noqa: BLE001 (any failure to load libcuda means no JIT)
+                reason = str(exc)
+    if reason is not None and torch.version.cuda is not None:  # said once; CPU builds need no word
+        log.info("ep_moe.jit: JIT kernels cannot run here (%s); the expert-major kernels use the extension, "
+                 "Triton or torch", reason)
+    _available = reason
+    return reason
+
+
+def available() -> bool:
+    """True when JIT kernels can run here (`unavailable_reason`)."""
+    return unavailable_reason() is None
+
+
+def history() -> list[LoadEvent]:
+    """What this process built or read, in order (for reports: the compile time of each kernel)."""
+    return list(_history)
+
+
+__all__ = ["FLAGS", "KERNELS_DIR", "CompileError", "Compiler", "JitUnavailable", "KernelCache", "KernelSource",
+           "LoadEvent", "available", "build", "cache_key", "compiler", "default_cache_dir", "device_arch",
+           "history", "key_inputs", "mode", "module", "process_cache", "set_cache_dir", "unavailable_reason"]

@@ -1,0 +1,165 @@
+"""Loading and launching CUBINs with the CUDA driver API (``libcuda`` through ctypes): a module per (binary,
+device), loaded into the device's primary context (the one torch uses), and launches on a given stream (torch's
+current stream, so CUDA graph capture records them).
+
+Per launch the host work is one ``struct.pack_into`` of the arguments into the function's own buffer (the array
+of pointers into it is built once) and the ``cuLaunchKernel`` call, under the function's lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from collections.abc import Sequence
+
+CUDA_SUCCESS = 0
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the function attribute
+
+# Argument kinds of a kernel signature, as ctypes types (a pointer is passed as its integer address).
+PTR, I64, I32, U32, F32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float
+_STRUCT_CODES = {PTR: "Q", I64: "q", I32: "i", U32: "I", F32: "f"}
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed (the message names the call and the error)."""
+
+
+class _Driver:
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise DriverError(f"the CUDA driver library libcuda.so.1 does not load ({exc})") from exc
+        self.lib = lib
+        vp, c_int = ctypes.c_void_p, ctypes.c_int
+        lib.cuGetErrorName.argtypes = [c_int, ctypes.POINTER(ctypes.c_char_p)]
+        # no argtypes on the hot call (they cost microseconds per call): Function.launch passes ctypes objects
+        # where a C int would not do (handle, stream, the parameter array)
+        lib.cuLaunchKernel.restype = c_int
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+        lib.cuFuncSetAttribute.argtypes = [vp, c_int, c_int]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuCtxSetCurrent.argtypes = [vp]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(c_int), c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), c_int]
+        self.check(lib.cuInit(0), "cuInit")
+        self._primary: dict[int, ctypes.c_void_p] = {}
+
+    def check(self, status: int, call: str) -> None:
+        if status != CUDA_SUCCESS:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(status, ctypes.byref(name))
+            raise DriverError(f"jit: {call} failed: {name.value.decode() if name.value else status}")
+
+    def use_primary_context(self, device: int) -> None:
+        """Make ``device``'s primary context current on this thread (torch's contexts are the primary ones)."""
+        ctx = self._primary.get(device)
+        if ctx is None:  # retained once per device, for the process's life (as torch does)
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self._primary[device] = ctx
+        current = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value != ctx.value:
+            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+_driver: _Driver | None = None
+_thread = threading.local()  # the device whose primary context this thread made current (Function.launch)
+_driver_lock = threading.Lock()
+
+
+def driver() -> _Driver:
+    """The loaded driver; raises `DriverError` when libcuda is absent or does not initialize."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            _driver = _Driver()
+        return _driver
+
+
+class Function:
+    """One ``extern "C" __global__`` function of a loaded module, with its argument signature (a sequence of
+    `PTR`/`I64`/`I32`/`U32`/`F32`, in the kernel's order). `launch` takes the arguments as Python ints/floats
+    (pointers as ``tensor.data_ptr()``, 0 for null)."""
+
+    def __init__(self, handle: int, name: str, signature: Sequence[type], max_dynamic_shared: int = 0,
+                 launch_fn=None, device: int | None = None) -> None:
+        self.handle = ctypes.c_void_p(handle)
+        self.device = device  # its module's device: launches make that primary context current once per thread
+        self.name = name
+        # The arguments live in one buffer per function, packed by one struct.pack_into per launch (C alignment,
+        # as the kernel's parameters); the driver reads them through a fixed array of pointers into it, and
+        # copies them during cuLaunchKernel, so a lock around pack and launch makes the buffer safe to share.
+        codes = [_STRUCT_CODES[t] for t in signature]
+        self._struct = struct.Struct("@" + "".join(codes))
+        self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
+        self._view = memoryview(self._buffer).cast("B")  # pack_into is fastest through a memoryview
+        base = ctypes.addressof(self._buffer)
+        offsets = [struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize("@" + codes[i])
+                   for i in range(len(codes))]
+        self._params = (ctypes.c_void_p * max(len(codes), 1))(*[base + off for off in offsets])
+        self._lock = threading.Lock()
+        # launch_fn: cuLaunchKernel's signature; another callable only to time the host side without a GPU
+        self._launch = launch_fn if launch_fn is not None else driver().lib.cuLaunchKernel
+        self.max_dynamic_shared = max_dynamic_shared
+
+    def launch(self, grid: int | tuple[int, int, int], block: int, stream: int, *args: int | float,
+               shared_bytes: int = 0) -> None:
+        """Enqueue on ``stream`` (a ``cudaStream_t`` as int, e.g. ``torch.cuda.current_stream().cuda_stream``).
+        Raises `DriverError` when the launch is refused."""
+        if self.device is not None and getattr(_thread, "device", None) != self.device:
+            # a thread that has not touched CUDA through the runtime yet may have no current context
+            driver().use_primary_context(self.device)
+            _thread.device = self.device
+        gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
+        with self._lock:
+            try:
+                self._struct.pack_into(self._view, 0, *args)
+            except struct.error as exc:
+                raise TypeError(f"jit: {self.name} takes {len(self._params)} arguments of kinds "
+                                f"{self._struct.format}: {exc}") from None
+            status = self._launch(self.handle, gx, gy, gz, block, 1, 1, shared_bytes, ctypes.c_void_p(stream),
+                                  self._params, None)
+        if status != CUDA_SUCCESS:
+            driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
+                                   f"shared={shared_bytes})")
+
+
+class Module:
+    """A CUBIN loaded on one device; `function` looks a kernel up (once per name and signature)."""
+
+    def __init__(self, cubin: bytes, device: int, label: str) -> None:
+        drv = driver()
+        drv.use_primary_context(device)
+        self.label, self.device = label, device
+        self._cubin = cubin  # the driver reads the image during the load only; kept for reference
+        handle = ctypes.c_void_p()
+        drv.check(drv.lib.cuModuleLoadData(ctypes.byref(handle), cubin), f"cuModuleLoadData({label})")
+        self.handle = handle
+        self._functions: dict[tuple, Function] = {}
+
+    def function(self, name: str, signature: Sequence[type], max_dynamic_shared: int = 0) -> Function:
+        """``name`` of this module; ``max_dynamic_shared`` > 48 KiB raises the function's dynamic shared memory
+        limit (``cuFuncSetAttribute``)."""
+        cache_key = (name, tuple(signature), max_dynamic_shared)
+        found = self._functions.get(cache_key)
+        if found is None:
+            drv = driver()
+            drv.use_primary_context(self.device)
+            handle = ctypes.c_void_p()
+            drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(handle), self.handle, name.encode()),
+                      f"cuModuleGetFunction({self.label}, {name})")
+            if max_dynamic_shared > STATIC_SHARED_LIMIT:
+                drv.check(drv.lib.cuFuncSetAttribute(handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                     max_dynamic_shared), f"cuFuncSetAttribute({name})")
+            found = self._functions[cache_key] = Function(handle.value, name, signature, max_dynamic_shared,
+                                                          device=self.device)
+        return found
+
+
+__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver"]

@@ -1,0 +1,249 @@
+"""The single-rank expert-major kernels (layout, permute, weighted reduce and its gradients) as JIT kernels:
+the same contract and outputs as the extension's torch ops ``ep_moe_native::expert_layout``, ``permute_rows``,
+``unpermute_sum`` and ``unpermute_sum_backward`` (``csrc/expert_major_ops.cpp``), with the sources in
+``kernels/`` specialized per call on the row width (in words or 16-byte packs), the top-k, the expert count and
+which optional outputs are wanted.
+
+Every function takes contiguous CUDA tensors of one device (``ep_moe.permute`` checks shapes and dtypes
+before it calls), allocates its outputs and launches on that device's current stream; the first call of a
+specialization compiles (or reads the disk cache), later ones cost a dict lookup and the launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from . import KernelSource, module
+from .driver import I32, I64, PTR, Function
+
+MAX_EXPERTS = 1024      # the layout's shared-memory counters (EP_EXPERTS)
+LAYOUT_TILE = 256       # pairs per sub-tile = threads of a count / assign block
+LAYOUT_MAX_BLOCKS = 256
+ROWS_PER_BLOCK = 8      # the row kernels: one warp per row or slot, 256 threads
+ROW_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+
+_LAYOUT_SIG = (PTR, I64, I64, I64, I32, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR)
+_PERMUTE_SIG = (PTR, PTR, PTR, I64, I64, PTR, PTR)
+_UNPERMUTE_SIG = (PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR)
+_BACKWARD_SIG = (PTR, PTR, PTR, PTR, I64, I64, PTR, PTR)
+
+_functions: dict[tuple, Function] = {}
+
+
+def _function(file: str, defines: tuple[tuple[str, int], ...], name: str, signature: tuple, device: int) -> Function:
+    """The kernel ``name`` of ``file`` specialized by ``defines`` on ``device`` (built and loaded at first use)."""
+    key = (file, defines, name, device)
+    found = _functions.get(key)
+    if found is None:
+        found = _functions[key] = module(KernelSource.of(file, dict(defines)), device).function(name, signature)
+    return found
+
+
+def _device_of(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _on(device: int):
+    """Make ``device`` current for the launches (the driver launches in the current context)."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == device else torch.cuda.device(device)
+
+
+def _stream(device: int) -> int:
+    """The current stream of ``device`` as a ``cudaStream_t`` (torch's raw getter: no Stream object per call)."""
+    return _raw_stream(device)
+
+
+# torch's private raw getter (what torch.compile's generated code calls) when present, else the public API
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return (n + per_block - 1) // per_block
+
+
+def row_word_bytes(row_bytes: int, *tensors: Tensor) -> int:
+    """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every tensor's address."""
+    for word in (16, 4, 2):
+        if row_bytes % word == 0 and all(t.data_ptr() % word == 0 for t in tensors):
+            return word
+    return 1
+
+
+def pack_elements(element_size: int, hidden: int, *tensors: Tensor | None) -> int:
+    """Elements per 16-byte pack when ``hidden`` and every address allow it, else 1."""
+    vec = 16 // element_size
+    if hidden % vec == 0 and all(t is None or t.data_ptr() % 16 == 0 for t in tensors):
+        return vec
+    return 1
+
+
+# ------------------------------------------------------------------------------------------ layout
+def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``ep_moe_native::expert_layout``: ``(pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K],
+    tokens_per_expert [L], pairs_per_expert [L], tokens_per_expert on the host [L] (empty unless num_slots < 0,
+    the exact size, which reads the counts once on the host))``. ``topk_idx [N, K]`` int64, ``1 <= num_experts
+    <= MAX_EXPERTS``."""
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"jit.expert_layout: argument 'num_experts' must be in [1, {MAX_EXPERTS}], got {num_experts}")
+    rows, topk = topk_idx.shape
+    pairs = rows * topk
+    device = _device_of(topk_idx)
+    longs = dict(dtype=torch.int64, device=topk_idx.device)
+    tokens, counts = torch.zeros(num_experts, **longs), torch.zeros(num_experts, **longs)
+    defines = (("EP_EXPERTS", num_experts), ("EP_TOPK", topk))
+    with _on(device):
+        stream = _stream(device)
+        args: list[int] = []
+        if pairs > 0:
+            tiles = _blocks(pairs, LAYOUT_TILE)
+            blocks = min(tiles, LAYOUT_MAX_BLOCKS)
+            pairs_per_block = _blocks(tiles, blocks) * LAYOUT_TILE
+            num_blocks = _blocks(pairs, pairs_per_block)
+            block_counts = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=topk_idx.device)
+            first_slot = torch.empty(num_experts, **longs)
+            args = [topk_idx.data_ptr(), pairs, alignment, 0, num_blocks, pairs_per_block, block_counts.data_ptr(),
+                    first_slot.data_ptr(), tokens.data_ptr(), counts.data_ptr()]
+            _function("expert_layout.cu", defines, "ep_expert_count", _LAYOUT_SIG, device).launch(
+                num_blocks, LAYOUT_TILE, stream, *args, 0, 0, 0)
+            _function("expert_layout.cu", defines, "ep_expert_scan", _LAYOUT_SIG, device).launch(
+                1, 1024, stream, *args, 0, 0, 0)
+        host = torch.empty(0, dtype=torch.int64)
+        if num_slots < 0:  # exact size: the aligned total, read once on the host (with the counts)
+            host = tokens.cpu()
+            num_slots = int(host.sum())
+        pair_of_slot = torch.full((num_slots,), pairs, **longs)
+        slot_of_pair, sorted_slots = torch.empty(rows, topk, **longs), torch.empty(rows, topk, **longs)
+        if pairs > 0:
+            args[3] = num_slots
+            tail = [pair_of_slot.data_ptr(), slot_of_pair.data_ptr(), sorted_slots.data_ptr()]
+            _function("expert_layout.cu", defines, "ep_expert_assign", _LAYOUT_SIG, device).launch(
+                args[4], LAYOUT_TILE, stream, *args, *tail)
+            _function("expert_layout.cu", defines, "ep_expert_sort_rows", _LAYOUT_SIG, device).launch(
+                _blocks(rows, 256), 256, stream, *args, *tail)
+    return pair_of_slot, slot_of_pair, sorted_slots, tokens, counts, host
+
+
+# ------------------------------------------------------------------------------------------ rows
+def permute_rows(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None
+                 ) -> tuple[Tensor, Tensor]:
+    """``ep_moe_native::permute_rows``: ``(rows [M, H] of x's dtype, slot_values [M] fp32, empty without
+    values)``. ``x [N, H]`` any dtype, ``pair_of_slot [M]`` int64, ``values [N * K]`` fp32 or None."""
+    slots, (num_rows, hidden) = pair_of_slot.numel(), x.shape
+    out = x.new_empty((slots, hidden))  # new_empty: the cheapest allocation call from Python
+    slot_values = x.new_empty(slots if values is not None else 0, dtype=torch.float32)
+    row_bytes = hidden * x.element_size()
+    if slots == 0 or (row_bytes == 0 and values is None):
+        return out, slot_values
+    word = row_word_bytes(row_bytes, x, out)
+    device = _device_of(x)
+    # K = 0 has no pairs (every slot is padding): any K >= 1 gives the same kernel behaviour
+    defines = (("EP_ROW_WORDS", row_bytes // word), ("EP_TOPK", max(num_topk, 1)), ("EP_VALUES", int(values is not None)),
+               ("EP_WORD_BYTES", word))
+    with _on(device):
+        _function("permute_rows.cu", defines, "ep_permute_rows", _PERMUTE_SIG, device).launch(
+            _blocks(slots, ROWS_PER_BLOCK), 256, _stream(device), x.data_ptr(), out.data_ptr(), pair_of_slot.data_ptr(),
+            slots, num_rows * num_topk, _ptr(values), _ptr(slot_values) if values is not None else 0)
+    return out, slot_values
+
+
+def _row_dtype(t: Tensor, what: str) -> int:
+    try:
+        return ROW_DTYPES[t.dtype]
+    except KeyError:
+        raise ValueError(f"jit.{what}: rows must be bfloat16 or float32, got {t.dtype}") from None
+
+
+def unpermute_sum(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_values: Tensor | None,
+                  slot_of_pair: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``ep_moe_native::unpermute_sum``: ``(out [N, H] of y's dtype, pair_values [N, K] fp32, empty without
+    slot_values)``. ``y [M, H]`` bf16/fp32, ``weights [M]`` fp32 or None, ``sorted_slots [N, K]`` int64;
+    ``slot_values [M]`` fp32 with ``slot_of_pair [N, K]`` int64, or both None."""
+    dtype = _row_dtype(y, "unpermute_sum")
+    (rows, topk), (slots, hidden) = sorted_slots.shape, y.shape
+    out = y.new_empty((rows, hidden))
+    with_values = slot_values is not None
+    pair_values = y.new_empty((rows, topk) if with_values else (0,), dtype=torch.float32)
+    if rows == 0 or topk == 0:  # topk == 0: every row sums nothing
+        return out.zero_(), pair_values
+    vec = pack_elements(y.element_size(), hidden, y, out)
+    device = _device_of(y)
+    defines = (("EP_DTYPE", dtype), ("EP_PACKS", hidden // vec), ("EP_PAIR_VALUES", int(with_values)),
+               ("EP_TOPK", topk), ("EP_VEC", vec), ("EP_WEIGHTED", int(weights is not None)))
+    with _on(device):
+        _function("unpermute_sum.cu", defines, "ep_unpermute_sum", _UNPERMUTE_SIG, device).launch(
+            _blocks(rows, ROWS_PER_BLOCK), 256, _stream(device), y.data_ptr(), out.data_ptr(), rows, slots,
+            _ptr(weights), sorted_slots.data_ptr(), _ptr(slot_values), _ptr(slot_of_pair) if with_values else 0,
+            pair_values.data_ptr() if with_values else 0)
+    return out, pair_values
+
+
+def unpermute_sum_backward(grad_out: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor,
+                           num_topk: int, need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor, Tensor]:
+    """``ep_moe_native::unpermute_sum_backward``: ``(grad_y [M, H] (empty unless need_grad_y), grad_weights [M]
+    fp32 (empty unless need_grad_weights))``. ``grad_out [N, H]`` and ``y [M, H]`` of one dtype (bf16/fp32)."""
+    dtype = _row_dtype(y, "unpermute_sum_backward")
+    slots, hidden = pair_of_slot.numel(), y.shape[1]
+    grad_y = y.new_empty((slots, hidden) if need_grad_y else (0,))
+    grad_w = y.new_empty(slots if need_grad_weights else 0, dtype=torch.float32)
+    if slots == 0 or not (need_grad_y or need_grad_weights):
+        return grad_y, grad_w
+    vec = pack_elements(y.element_size(), hidden, grad_out, y, grad_y if need_grad_y else None)
+    device = _device_of(y)
+    defines = (("EP_DTYPE", dtype), ("EP_GRAD_W", int(need_grad_weights)), ("EP_GRAD_Y", int(need_grad_y)),
+               ("EP_PACKS", hidden // vec), ("EP_TOPK", max(num_topk, 1)), ("EP_VEC", vec),
+               ("EP_WEIGHTED", int(weights is not None)))
+    with _on(device):
+        _function("unpermute_sum_backward.cu", defines, "ep_unpermute_sum_backward", _BACKWARD_SIG, device).launch(
+            _blocks(slots, ROWS_PER_BLOCK), 256, _stream(device), grad_out.data_ptr(), y.data_ptr(), _ptr(weights),
+            pair_of_slot.data_ptr(), slots, grad_out.shape[0] * num_topk,
+            grad_y.data_ptr() if need_grad_y else 0, grad_w.data_ptr() if need_grad_weights else 0)
+    return grad_y, grad_w
+
+
+
+
+# ------------------------------------------------------------------------------------------ ahead of time
+SHAPE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+def specializations(hidden: int, topk: int, experts: int, dtype: str = "bf16") -> list[KernelSource]:
+    """The kernel specializations that the expert-major permute and reduce (forward and backward, with and without
+    values and weights) take for rows of ``hidden`` elements of ``dtype`` (``bf16``, ``fp32``, or ``fp8``: rows
+    that are only permuted), ``topk`` and ``experts`` local experts, at 16-byte aligned addresses (what torch's
+    allocator gives): what ``ep-moe jit warmup`` compiles. Raises ``ValueError`` naming a bad argument."""
+    if dtype not in SHAPE_DTYPES:
+        raise ValueError(f"specializations: argument 'dtype' must be one of {sorted(SHAPE_DTYPES)}, got {dtype!r}")
+    for name, value, low in (("hidden", hidden, 1), ("topk", topk, 1), ("experts", experts, 1)):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"specializations: argument '{name}' must be an integer >= {low}, got {value!r}")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"specializations: argument 'experts' must be <= {MAX_EXPERTS} (more use torch), got {experts}")
+    element = torch.empty(0, dtype=SHAPE_DTYPES[dtype]).element_size()
+    row_bytes = hidden * element
+    word = next(w for w in (16, 4, 2, 1) if row_bytes % w == 0)
+    out = [KernelSource.of("expert_layout.cu", {"EP_EXPERTS": experts, "EP_TOPK": topk})]
+    out += [KernelSource.of("permute_rows.cu", {"EP_ROW_WORDS": row_bytes // word, "EP_TOPK": topk,
+                                                "EP_VALUES": values, "EP_WORD_BYTES": word}) for values in (0, 1)]
+    if dtype == "fp8":
+        return out
+    vec = 16 // element if hidden % (16 // element) == 0 else 1
+    rows = {"EP_DTYPE": ROW_DTYPES[SHAPE_DTYPES[dtype]], "EP_PACKS": hidden // vec, "EP_TOPK": topk, "EP_VEC": vec}
+    for weighted, pair_values in ((1, 0), (0, 0), (0, 1)):
+        out.append(KernelSource.of("unpermute_sum.cu", {**rows, "EP_WEIGHTED": weighted, "EP_PAIR_VALUES": pair_values}))
+    for weighted, grad_y, grad_w in ((1, 1, 1), (1, 1, 0), (1, 0, 1), (0, 1, 0)):
+        out.append(KernelSource.of("unpermute_sum_backward.cu", {**rows, "EP_WEIGHTED": weighted, "EP_GRAD_Y": grad_y,
+                                                                 "EP_GRAD_W": grad_w}))
+    return out
+
+
+__all__ = ["MAX_EXPERTS", "SHAPE_DTYPES", "expert_layout", "pack_elements", "permute_rows", "row_word_bytes",
+           "specializations", "unpermute_sum", "unpermute_sum_backward"]
