@@ -13,8 +13,10 @@ Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outpu
 ``num_max_tokens_per_rank`` and no host read; a ``handle`` repeats a dispatch's layout (cached dispatch).
 
 Memory types (``.memory_type``) and Engram (`engram_write` / `engram_fetch`) come from `ep_moe.engram.EngramMixin`
-over `ep_moe.memory`. Not provided yet: pipeline-parallel send/recv, AGRS, FP8 dispatch, RDMA queue pairs
-(``sl_idx``, ``num_allocated_qps``, ``num_qps`` are recorded only).
+over `ep_moe.memory`; pipeline-parallel send/recv (``pp_*``, `ep_moe.pipeline_comm`) and all-gather /
+reduce-scatter sessions (AGRS, `ep_moe.agrs`) from their mixins, over torch.distributed on both backends. Not
+provided yet: the native (copy-engine) PP and AGRS, FP8 dispatch, RDMA queue pairs (``sl_idx``,
+``num_allocated_qps``, ``num_qps`` are recorded only).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
+from .agrs import AGRSMixin
 from .buffer import BACKENDS, Buffer
 from .engram import EngramMixin
 from .event import EventOverlap
@@ -35,6 +38,7 @@ from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 from .handle import DispatchHandle
 from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
 from .permute import permute_rows, permute_rows_and_values, unpermute_sum
+from .pipeline_comm import PipelineCommMixin
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor
 
 log = logging.getLogger("ep_moe")
@@ -109,8 +113,9 @@ def _destroy_quietly(buffer: Buffer) -> None:
         log.debug("ep_moe.ElasticBuffer: destroy at collection failed: %s", exc)
 
 
-class ElasticBuffer(EngramMixin):
-    """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout.
+class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
+    """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout; PP send/recv
+    and AGRS sessions (the mixins).
 
     Args:
         group: the EP process group (None: the world group).

@@ -51,6 +51,13 @@ class TrainSection:
     target_loss_gap: float | None = None  # synthetic data: the final eval loss should be within this many
     #                                       nats/token of the entropy floor (reported in the summary)
     fail_on_target_miss: bool = False     # exit with status 1 when target_loss_gap is missed (default: report only)
+    # ep_moe engine only. 2: a two-stage pipeline (ep_moe.train.pipeline): ranks [0, W/2) run the first half of
+    # the layers, [W/2, W) the second, activations and gradients through an ElasticBuffer's pp_send / pp_recv.
+    pp_size: int = 1
+    # ep_moe engine only. 1: ZeRO-1 (ep_moe.train.zero): gradients reduce-scattered and parameters all-gathered
+    # through an ElasticBuffer's AGRS sessions, each rank's optimizer holding its shard of the parameters only.
+    # 0: gradients all-reduced, the whole optimizer state on every rank.
+    zero_stage: int = 0
 
 
 @dataclass
@@ -253,6 +260,22 @@ class Recipe(RecipeBase):
                  f"alignment themselves; leave it at 1, got {e.expert_alignment}")
         _require(not (self.train.precision == "bf16" and m.params_dtype == "bfloat16"), "train.precision",
                  "bf16 autocast keeps fp32 master weights; leave model.params_dtype at float32")
+        t = self.train
+        _require(t.zero_stage in (0, 1), "train.zero_stage", f"must be 0 or 1, got {t.zero_stage}")
+        if t.zero_stage == 1:
+            _require(self.checkpoint.save is None and self.checkpoint.load is None and not self.checkpoint.resume,
+                     "checkpoint.save", "must be unset with train.zero_stage=1 (checkpoints of a sharded optimizer "
+                     "are not provided)")
+        _require(t.pp_size in (1, 2), "train.pp_size", f"must be 1 or 2 (a two-stage pipeline), got {t.pp_size}")
+        if t.pp_size == 2:
+            _require(world_size % 2 == 0, "train.pp_size", f"2 needs an even number of ranks, got {world_size}")
+            _require(m.expert_model_parallel_size == 1, "model.expert_model_parallel_size",
+                     "must be 1 with train.pp_size=2 (expert parallelism inside a pipeline stage is not "
+                     f"provided), got {m.expert_model_parallel_size}")
+            _require(m.num_layers >= 2, "model.num_layers", f"must be >= 2 with train.pp_size=2, got {m.num_layers}")
+            _require(self.checkpoint.save is None and not self.checkpoint.resume, "checkpoint.save",
+                     "must be unset with train.pp_size=2 (pipeline checkpoints are not provided)")
+            _require(t.zero_stage == 0, "train.zero_stage", "must be 0 with train.pp_size=2")
 
 
 # ------------------------------------------------------------------------------ engines megatron and deepspeed
@@ -299,6 +322,7 @@ class MegatronRecipe(RecipeBase):
     model: MegatronModelSection = field(default_factory=MegatronModelSection)
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "train.pp_size": "its pipeline is Megatron's own", "train.zero_stage": "Megatron's optimizer is its own",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend and ep_moe.num_sms"
            for key in ("tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
@@ -352,6 +376,7 @@ class DeepSpeedRecipe(RecipeBase):
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "train.deterministic": "no deterministic mode",
+        "train.pp_size": "no pipeline in this engine", "train.zero_stage": "set deepspeed.zero_stage",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend"
            for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
     }
@@ -640,10 +665,12 @@ def _shared_rules(recipe: AnyRecipe, world: int, device: str | None) -> None:
              f"must divide model.num_moe_experts={m.num_moe_experts}, got {ep}")
     _require(world % ep == 0, "model.expert_model_parallel_size",
              f"must divide the number of ranks ({world}), got {ep}")
-    per_step = t.micro_batch_size * world
+    dp_ranks = world // t.pp_size if t.pp_size >= 1 and world % t.pp_size == 0 else world  # per pipeline stage
+    per_step = t.micro_batch_size * dp_ranks
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size",
-             f"must be a multiple of train.micro_batch_size x ranks = {t.micro_batch_size} x {world} = "
-             f"{per_step}, got {t.global_batch_size}")
+             f"must be a multiple of train.micro_batch_size x "
+             f"{'ranks' if dp_ranks == world else 'data-parallel ranks (ranks / train.pp_size)'} = "
+             f"{t.micro_batch_size} x {dp_ranks} = {per_step}, got {t.global_batch_size}")
     _require(o.lr >= 0, "optimizer.lr", f"must be >= 0, got {o.lr}")
     _require(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas",

@@ -35,6 +35,7 @@ from .parallel import (
     sync_gradients,
 )
 from .schedule import recipe_lr
+from .zero import ZeroOne
 
 INTERRUPTED_EXIT_CODE = 130
 
@@ -104,11 +105,14 @@ def build_model(recipe: Recipe, ps: ParallelState) -> torch.nn.Module:
     return model.to(ps.device)
 
 
-def build_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices (ndim >= 2) only, not on norms or other vectors."""
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, device: torch.device,
+                    params: list[torch.nn.Parameter] | None = None) -> torch.optim.Optimizer:
+    """AdamW over ``params`` (None: every parameter of ``model``); weight decay on matrices (ndim >= 2) only, not
+    on norms or other vectors."""
     o = recipe.optimizer
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    params = list(model.parameters()) if params is None else params
+    decay = [p for p in params if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach on GPU (fast), the plain per-tensor loop on CPU (simple and deterministic).
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -164,6 +168,10 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     """Train on this rank (the process group is already initialised). Collective: every rank calls it."""
     t0 = time.monotonic()
     t = recipe.train
+    if t.pp_size > 1:
+        from .pipeline import train_rank_pipeline
+
+        return train_rank_pipeline(recipe, device)
     if t.deterministic:
         enable_determinism()
     torch.manual_seed(recipe.rng.seed)
@@ -177,6 +185,9 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     non_expert, expert = model.non_expert_parameters(), model.expert_parameters()
     non_expert = [p for p in non_expert if p.requires_grad]
     expert = [p for p in expert if p.requires_grad]
+    zero = ZeroOne(non_expert, expert, ps, t.timeout_s) if t.zero_stage == 1 else None
+    if zero is not None:  # this rank's optimizer holds state for its shard of the parameters only
+        optimizer = build_optimizer(model, recipe, device, zero.owned_parameters())
 
     start_step = 0
     resumed_from = ckpt.find_checkpoint_to_load(recipe)
@@ -237,9 +248,14 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
                 ((out.loss + out.aux_loss) * scale).backward()
                 per_micro[i, 0] = out.loss.detach().double().item()
                 per_micro[i, 1] = out.aux_loss.detach().double().item()
-            sync_gradients(non_expert, expert, ps)
-            grad_norm = clip_grad_norm(non_expert, expert, recipe.optimizer.clip_grad, ps)
-            optimizer.step()
+            if zero is None:
+                sync_gradients(non_expert, expert, ps)
+                grad_norm = clip_grad_norm(non_expert, expert, recipe.optimizer.clip_grad, ps)
+                optimizer.step()
+            else:
+                grad_norm = zero.reduce_and_clip(recipe.optimizer.clip_grad)
+                optimizer.step()
+                zero.gather_parameters()
             model.update_expert_bias()  # once per optimizer step, after all micro-batches
             stats = model.moe_stats()
             table = _global_mean(per_micro, ps, accum, torch.tensor([1.0 if stop.requested else 0.0]))
@@ -270,6 +286,8 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     finally:
         progress.close()
         stop.restore()
+        if zero is not None:
+            zero.close()
         if metrics is not None:
             metrics.close()
 

@@ -15,11 +15,11 @@ PACKAGE = Path(ep_moe.__file__).parent
 # Bottom to top. `__init__` is the public API (it re-exports up to the dispatcher).
 LEVELS = {
     "config": 0, "handle": 0, "event": 0, "validation": 0, "layout": 0, "reference": 0, "distributed": 0,
-    "permute_triton": 0,
+    "permute_triton": 0, "wire": 0,
     "native": 1, "memory": 1,
     "backends": 2, "permute": 2, "engram": 2, "hybrid": 2,
     "buffer": 3,
-    "ops": 4, "tuning": 4, "expert_major": 4,
+    "ops": 4, "tuning": 4, "expert_major": 4, "pipeline_comm": 4, "agrs": 4,
     "dispatcher": 5, "elastic": 5,
     "layers": 6, "__init__": 6,
     "compat": 7, "integrations": 7, "train": 7, "benchmarking": 7,

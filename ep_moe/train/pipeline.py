@@ -1,0 +1,327 @@
+"""Two-stage pipeline training of the MoE transformer (``train.pp_size: 2``), CPU and GPU.
+
+Ranks: ``W`` ranks, ``D = W / 2`` data-parallel ranks per stage. Ranks ``[0, D)`` are stage 0 (the embedding and
+layers ``[0, L/2)``), ranks ``[D, W)`` stage 1 (layers ``[L/2, L)``, the final norm, the output layer and the
+loss). Rank ``j`` and rank ``j + D`` form a pipeline; they share an `ep_moe.ElasticBuffer` over their pair group,
+whose `pp_send` / `pp_recv` carry the activations forward and their gradients back (fp32, ``[m, S, H]``). Every
+rank builds the whole model from the same seed and keeps (and optimizes) only its stage's parameters; with tied
+embeddings both stages hold the embedding and sum its gradient over the pair, as Megatron does.
+
+Schedule, per optimizer step (GPipe: all forwards, then all backwards): stage 0 runs the ``accum`` micro-batches
+of its data-parallel rank (`ep_moe.train.data.rank_slice` over ``D`` ranks) forward and sends each activation;
+stage 1 receives each, runs the rest forward and backward, and sends the input's gradient back; stage 0 then
+receives the gradients in order and back-propagates them (with its layers' aux loss). The buffer has ``accum``
+slots per direction, so no send waits. Gradients are then summed over each stage's data-parallel group
+(`ep_moe.train.parallel.sync_gradients`), clipped by the global norm over both stages, and AdamW steps; the
+routers' expert bias is updated per stage. The logged loss is the same row-order mean as the default loop's.
+
+Mirrors `ep_moe.layers.model.MoETransformer.forward` split at ``L/2`` (the test against ``pp_size: 1`` guards
+this). With dropout each stage draws its masks from its own RNG, in another order than one process would, so
+the losses then match ``pp_size: 1`` statistically, not per step. Not provided with ``pp_size: 2``: expert parallelism inside a stage, checkpoints, the routing statistics
+of the progress line, a stop on SIGINT at a step boundary (the run is interrupted as any process).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..elastic import ALIGNMENT_BYTES, ElasticBuffer
+from ..layers.model import rotary_tables
+from .config import Recipe
+from .data import build_dataset, rank_slice
+from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
+from .parallel import ParallelState, all_reduce_sum, enable_determinism, sync_gradients
+from .schedule import recipe_lr
+
+
+@dataclass
+class PipelineState:
+    rank: int
+    world_size: int
+    stage: int                        # 0 or 1
+    dp_rank: int                      # rank inside the stage
+    dp_size: int                      # D = W / 2
+    dp_group: dist.ProcessGroup       # the ranks of this stage
+    pair_group: dist.ProcessGroup     # [j, j + D]: this rank's pipeline (stage s is rank index s in it)
+    device: torch.device
+    deterministic: bool
+
+    @property
+    def peer(self) -> int:
+        """The other stage's rank index in the pair group."""
+        return 1 - self.stage
+
+
+def build_pipeline_state(device: torch.device, deterministic: bool) -> PipelineState:
+    """The stage and pair groups (every rank creates every group, in the same order)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = world // 2
+    dp_group, _ = dist.new_subgroups_by_enumeration([list(range(0, d)), list(range(d, world))])
+    pair_group, _ = dist.new_subgroups_by_enumeration([[j, j + d] for j in range(d)])
+    return PipelineState(rank, world, rank // d, rank % d, d, dp_group, pair_group, device, deterministic)
+
+
+def split_layer(num_layers: int) -> int:
+    """Stage 0 runs layers ``[0, split)``, stage 1 ``[split, L)``."""
+    return num_layers // 2
+
+
+def stage_parameters(model, stage: int) -> list[torch.nn.Parameter]:
+    """The parameters stage ``stage`` uses (the tied embedding on both)."""
+    k = split_layer(model.config.num_layers)
+    if stage == 0:
+        params = [model.embedding] + [p for layer in model.layers[:k] for p in layer.parameters()]
+    else:
+        params = [p for layer in model.layers[k:] for p in layer.parameters()] + list(model.final_norm.parameters())
+        params.append(model.output_weight if model.output_weight is not None else model.embedding)
+    return [p for p in params if p.requires_grad]
+
+
+def _layers(model, x: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
+    c = model.config
+    cos, sin = rotary_tables(x.shape[1], c.head_dim, c.rotary_base, x.device)
+    aux = torch.zeros((), dtype=torch.float32, device=x.device)
+    for layer in layers:
+        x = layer(x, cos, sin)
+        if layer.moe is not None:
+            aux = aux + layer.moe.aux_loss
+    return x, aux
+
+
+def stage0_forward(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embedding and the first half of the layers: ``(activation [B, S, H], aux loss of these layers)``."""
+    x = F.embedding(input_ids, model.embedding)
+    return _layers(model, x, model.layers[: split_layer(model.config.num_layers)])
+
+
+def stage1_forward(model, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second half of the layers, the final norm, the output layer and the mean cross-entropy:
+    ``(loss, aux loss of these layers)``."""
+    x, aux = _layers(model, x, model.layers[split_layer(model.config.num_layers):])
+    x = model.final_norm(x)
+    weight = model.output_weight if model.output_weight is not None else model.embedding
+    logits = F.linear(x, weight)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, aux
+
+
+class StageRunner:
+    """One rank's stage: the model, its pipeline buffer, and forward/backward of a list of micro-batches."""
+
+    def __init__(self, recipe: Recipe, ps: PipelineState, model, accum: int) -> None:
+        self.recipe, self.ps, self.model, self.accum = recipe, ps, model, accum
+        m, s, h = recipe.train.micro_batch_size, recipe.model.seq_length, recipe.model.hidden_size
+        self.act_shape = (m, s, h)
+        slot = m * s * h * 4
+        slots = max(accum, recipe.train.eval_iters * accum, 1)
+        num_bytes = -(-slot * slots * 4 // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        self.buffer = ElasticBuffer(ps.pair_group, num_bytes=num_bytes, backend="torch",
+                                    num_gpu_timeout_secs=recipe.train.timeout_s, explicitly_destroy=True)
+        self.buffer.pp_set_config(slot, slots)
+
+    def _autocast(self):
+        if self.recipe.train.precision == "bf16":
+            return torch.autocast(device_type=self.ps.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def run(self, micro_batches: list[torch.Tensor], scale: float, train: bool) -> torch.Tensor:
+        """Forward (and with ``train`` backward) every micro-batch through both stages. Returns ``[n, 2]``
+        float64: stage 1's ``(cross-entropy, its aux loss)``, stage 0's ``(0, its aux loss)`` per micro-batch."""
+        ps, buf, peer = self.ps, self.buffer, self.ps.peer
+        out = torch.zeros(len(micro_batches), 2, dtype=torch.float64)
+        grad_ctx = nullcontext() if train else torch.no_grad()
+        if ps.stage == 0:
+            kept = []
+            for i, mb in enumerate(micro_batches):
+                with grad_ctx, self._autocast():
+                    x, aux = stage0_forward(self.model, mb[:, :-1].to(ps.device))
+                buf.pp_send(x.detach().float(), peer)
+                out[i, 1] = aux.detach().double().item()
+                if train:
+                    kept.append((x, aux))
+            for x, aux in kept:
+                grad = torch.empty(self.act_shape, dtype=torch.float32, device=ps.device)
+                buf.pp_recv(grad, peer)
+                tensors, grads = [x], [grad.to(x.dtype)]
+                if aux.requires_grad:
+                    tensors.append(aux * scale)
+                    grads.append(None)
+                torch.autograd.backward(tensors, grads)
+            return out
+        for i, mb in enumerate(micro_batches):
+            x = torch.empty(self.act_shape, dtype=torch.float32, device=ps.device)
+            buf.pp_recv(x, peer)
+            x = x.to(self.model.embedding.dtype)
+            with grad_ctx, self._autocast():
+                if train:
+                    x.requires_grad_(True)
+                loss, aux = stage1_forward(self.model, x, mb[:, 1:].to(ps.device))
+            if train:
+                ((loss + aux) * scale).backward()
+                buf.pp_send(x.grad.float(), peer)
+            out[i, 0] = loss.detach().double().item()
+            out[i, 1] = aux.detach().double().item()
+        return out
+
+    def close(self) -> None:
+        self.buffer.destroy()
+
+
+def _step_table(per_micro: torch.Tensor, ps: PipelineState, extra: list[float]) -> torch.Tensor:
+    """Every rank's ``[n, 2]`` in one ``[n, D, 2]`` float64 table summed over the world (stage 0 adds its aux,
+    stage 1 its cross-entropy and aux), plus ``extra`` summed."""
+    n = per_micro.shape[0]
+    table = torch.zeros(n, ps.dp_size, 2, dtype=torch.float64)
+    table[:, ps.dp_rank] = per_micro
+    flat = torch.cat([table.flatten(), torch.tensor(extra, dtype=torch.float64)]).to(ps.device)
+    dist.all_reduce(flat)
+    return flat.cpu()
+
+
+def _row_order_mean(values: torch.Tensor) -> float:
+    total = 0.0
+    for v in values.flatten().tolist():
+        total += v
+    return total / values.numel()
+
+
+def _clip(params: list[torch.nn.Parameter], shared: torch.nn.Parameter | None, max_norm: float,
+          ps: PipelineState) -> float:
+    """Clip by the global L2 norm over both stages (a tied embedding counted once, on stage 0)."""
+    grads = [p.grad.float() for p in params if p.grad is not None and not (ps.stage == 1 and p is shared)]
+    sq = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    if grads:  # as `ep_moe.train.parallel.clip_grad_norm`: fp32 sums per tensor, added in fp64
+        sq += torch.stack([g.pow(2).sum() for g in grads]).double().sum()
+    all_reduce_sum(sq, ps.pair_group, ps.deterministic)
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def train_rank_pipeline(recipe: Recipe, device: torch.device):
+    """`ep_moe.train.loop.train_rank` for ``train.pp_size: 2`` (the process group is initialised). Returns the
+    loop's `RunResult`. Collective: every rank calls it."""
+    from ep_moe.layers.model import ModelConfig, MoETransformer
+
+    from .loop import RunResult, build_optimizer
+
+    t0 = time.monotonic()
+    t = recipe.train
+    if t.deterministic:
+        enable_determinism()
+    torch.manual_seed(recipe.rng.seed)
+    ps = build_pipeline_state(device, t.deterministic)
+    is_main = ps.rank == 0
+    accum = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+    dataset = build_dataset(recipe)
+    floor = dataset.entropy_floor
+    config = ModelConfig(**recipe.model.model_config_kwargs())
+    model = MoETransformer(config, buffer=None, dp_group=ps.dp_group if ps.dp_size > 1 else None,
+                           seed=recipe.rng.seed).to(device)
+    params = stage_parameters(model, ps.stage)
+    shared = model.embedding if model.output_weight is None else None
+    optimizer = build_optimizer(model, recipe, device, params)
+    own = {id(p) for p in params}
+    expert_ids = {id(p) for p in model.expert_parameters()}
+    non_expert = [p for p in params if id(p) not in expert_ids]
+    expert = [p for p in params if id(p) in expert_ids]
+    sync_state = ParallelState(ps.rank, ps.world_size, 1, 0, ps.dp_group, ps.dp_group, ps.dp_group, device,
+                               t.deterministic)
+    k = split_layer(config.num_layers)
+    own_moe = [layer.moe for layer in (model.layers[:k] if ps.stage == 0 else model.layers[k:])
+               if layer.moe is not None]
+    runner = StageRunner(recipe, ps, model, accum)
+    result = RunResult(rank=ps.rank, entropy_floor=floor)
+    metrics = RunLog(recipe, resume_step=None) if is_main else None
+    progress = Progress(recipe.logger.progress_bar, t.train_iters, 0, enabled=is_main)
+    if is_main:
+        progress.message(f"ep-moe train: {ps.world_size} rank(s) on {device.type}, pipeline 2 stages x DP "
+                         f"{ps.dp_size} (layers [0, {k}) | [{k}, {config.num_layers})), global batch "
+                         f"{t.global_batch_size} x {recipe.model.seq_length} tokens (micro {t.micro_batch_size}, "
+                         f"accumulation {accum}), {t.train_iters} steps; {dataset.describe()}")
+        metrics.write(run_record(recipe, 0, ps.world_size, 1, floor, None))
+    scale = 1.0 / (accum * ps.dp_size)
+    throughput = Throughput(recipe.tokens_per_step)
+    train_time, eval_loss, step = 0.0, None, 0
+    try:
+        model.train()
+        while step < t.train_iters:
+            step_start = time.monotonic()
+            lr = recipe_lr(recipe, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = dataset.batch("train", step, t.global_batch_size)
+            optimizer.zero_grad(set_to_none=True)
+            for p in model.parameters():
+                if id(p) not in own:
+                    p.grad = None
+            mbs = [rank_slice(batch, ps.dp_rank, ps.dp_size, t.micro_batch_size, i) for i in range(accum)]
+            per_micro = runner.run(mbs, scale, train=True)
+            sync_gradients(non_expert, expert, sync_state)
+            if shared is not None:  # the tied embedding: stage 0's lookup + stage 1's output layer
+                if shared.grad is None:
+                    shared.grad = torch.zeros_like(shared)
+                all_reduce_sum(shared.grad, ps.pair_group, ps.deterministic)
+            grad_norm = _clip(params, shared, recipe.optimizer.clip_grad, ps)
+            optimizer.step()
+            for moe in own_moe:
+                moe.router.update_expert_bias()
+                moe.router.reset_stats()
+            table = _step_table(per_micro, ps, [])
+            by_micro = table[: accum * ps.dp_size * 2].view(accum * ps.dp_size, 2)
+            loss, aux = _row_order_mean(by_micro[:, 0]), _row_order_mean(by_micro[:, 1])
+            step += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.monotonic() - step_start
+            train_time += step_time
+            result.losses.append(loss)
+            report_step(recipe, progress, metrics, step, loss, aux, lr, grad_norm, throughput.add(step_time),
+                        time.monotonic() - t0, {})
+            if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or step == t.train_iters):
+                eval_loss = _evaluate(runner, dataset, recipe, ps, accum, own_moe)
+                report_eval(progress, metrics, step, eval_loss, floor, time.monotonic() - t0)
+    finally:
+        progress.close()
+        if metrics is not None:
+            metrics.close()
+        runner.close()
+    result.last_step = step
+    result.final_loss = result.losses[-1] if result.losses else math.nan
+    result.eval_loss = eval_loss
+    result.train_time_s = train_time
+    result.tokens_per_s = recipe.tokens_per_step * len(result.losses) / max(train_time, 1e-9)
+    result.total_time_s = time.monotonic() - t0
+    if is_main:
+        result.summary, result.exit_code = finish(
+            recipe, recipe.metrics_path(), steps=step, final_loss=result.final_loss, eval_loss=eval_loss,
+            floor=floor, tokens_per_s=result.tokens_per_s, train_time_s=train_time,
+            total_time_s=result.total_time_s, title=f"{recipe.name}: PP 2 x DP {ps.dp_size}")
+    return result
+
+
+@torch.no_grad()
+def _evaluate(runner: StageRunner, dataset, recipe: Recipe, ps: PipelineState, accum: int, own_moe) -> float:
+    """Mean cross-entropy over ``eval_iters`` validation global batches, through the pipeline."""
+    t = recipe.train
+    runner.model.eval()
+    mbs = [rank_slice(dataset.batch("valid", j, t.global_batch_size), ps.dp_rank, ps.dp_size, t.micro_batch_size, i)
+           for j in range(t.eval_iters) for i in range(accum)]
+    per_micro = runner.run(mbs, 1.0, train=False)
+    runner.model.train()
+    for moe in own_moe:  # drop the evaluation forwards' routing statistics
+        moe.router.reset_stats()
+    table = _step_table(per_micro, ps, [])
+    n = len(mbs) * ps.dp_size
+    return _row_order_mean(table[: n * 2].view(n, 2)[:, 0])

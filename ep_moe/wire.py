@@ -1,0 +1,87 @@
+"""What PP and AGRS (`ep_moe.pipeline_comm`, `ep_moe.agrs`) share on the torch.distributed transport: stable
+dtype codes for their headers, byte views of tensors, the 32-byte slot rounding, and waits with a deadline whose
+error names the rank and the stage.
+
+A header is a small int64 tensor sent before the data, so that a receiver (PP) or every rank (AGRS) can check
+that both sides agree on what moves before a message of a mismatched size is posted (gloo aborts the process on
+one, NCCL hangs or reads past the end).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+SLOT_ALIGNMENT = 32
+"""Slots and session chunks start on 32-byte boundaries (every dtype's alignment, and DeepEP V2's rounding)."""
+
+MAX_DIMS = 8
+"""The most dimensions a header carries (a PP tensor or an AGRS tensor may have at most this many)."""
+
+# Stable codes (index + 1); never reorder, only append. 0 in a header: unknown.
+_DTYPES = tuple(d for d in (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+    torch.float32, torch.float64, torch.complex64, torch.complex128,
+    getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
+    getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
+) if d is not None)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The header code of ``dtype`` (0 for a dtype without one: such tensors are refused by the callers)."""
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+
+
+def dtype_name(code: int) -> str:
+    return str(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else f"dtype code {code}"
+
+
+def round_up(num_bytes: int, alignment: int = SLOT_ALIGNMENT) -> int:
+    return -(-num_bytes // alignment) * alignment
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 view (no copy)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def host_header(values: list[int], length: int, device: torch.device) -> torch.Tensor:
+    """``values`` padded with zeros to ``length`` int64, on ``device`` (the transport's: CPU for gloo)."""
+    if len(values) > length:
+        raise AssertionError(f"header of {len(values)} values > {length}")
+    header = torch.zeros(length, dtype=torch.int64)
+    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    return header if device.type == "cpu" else header.to(device)
+
+
+def wait_work(work: dist.Work | None, device: torch.device, timeout_s: float, error: type[Exception], op: str,
+              rank: int, num_ranks: int, stage: str) -> None:
+    """Wait for ``work``. On CPU (gloo) with a deadline: a peer that never posts its side raises ``error``
+    naming this rank and ``stage`` (another failure, e.g. a peer that died: a RuntimeError of the same
+    wording; gloo then closes the pair: the group is unusable afterwards). On a GPU
+    the current stream waits on the work; a missing peer is caught by the process group's watchdog."""
+    if work is None:
+        return
+    if device.type != "cpu":
+        work.wait()
+        return
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        timed_out = "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+        what = "timed out" if timed_out else "failed"
+        raise (error if timed_out else RuntimeError)(f"ep_moe.ElasticBuffer.{op}: rank {rank} of {num_ranks} {what} in stage '{stage}' after "
+                    f"waiting up to {timeout_s:g} s for its peer(s) ({exc})") from exc
+
+
+__all__ = ["MAX_DIMS", "SLOT_ALIGNMENT", "byte_view", "dtype_code", "dtype_name", "host_header", "nbytes",
+           "round_up", "wait_work"]
