@@ -26,6 +26,7 @@ the host; elsewhere counting them would read the device, so they are -1 there).
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -422,9 +423,17 @@ def _subgroup(global_members: list[int], timeout: timedelta, desc: str) -> dist.
             return group
         except (RuntimeError, ValueError):
             pass
-    # sort_ranks=False: a subgroup's rank k is member k, so all-to-all chunk k is node k / local index k.
+    # A subgroup's rank k must be member k (all-to-all chunk k is node k / local index k): sort_ranks=False where
+    # this torch has it; older ones sort the ranks, which is the same only for members in increasing order.
+    extra = {}
+    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+        extra["sort_ranks"] = False
+    elif list(global_members) != sorted(global_members):
+        raise RuntimeError(f"ep_moe hybrid backend: the {desc} group's members {list(global_members)} are not in "
+                           "increasing rank order and this torch's dist.new_group sorts them (no sort_ranks); "
+                           "number the ranks node by node (torchrun does) or use a newer torch")
     group = dist.new_group(list(global_members), timeout=timeout, use_local_synchronization=True,
-                           sort_ranks=False, group_desc=desc)
+                           group_desc=desc, **extra)
     _SUBGROUPS[key] = group
     return group
 
