@@ -15,7 +15,7 @@ Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outpu
 Memory types (``.memory_type``) and Engram (`engram_write` / `engram_fetch`) come from `ep_moe.engram.EngramMixin`
 over `ep_moe.memory`; pipeline-parallel send/recv (``pp_*``, `ep_moe.pipeline_comm`) and all-gather /
 reduce-scatter sessions (AGRS, `ep_moe.agrs`) from their mixins, over torch.distributed on both backends. Not
-provided yet: the native (copy-engine) PP and AGRS, FP8 dispatch, RDMA queue pairs (``sl_idx``,
+provided yet: the native (copy-engine) PP and AGRS, RDMA queue pairs (``sl_idx``,
 ``num_allocated_qps``, ``num_qps`` are recorded only).
 """
 
@@ -32,14 +32,15 @@ from torch import Tensor
 from . import ops
 from .agrs import AGRSMixin
 from .buffer import BACKENDS, Buffer
+from .config import Config
 from .engram import EngramMixin
 from .event import EventOverlap
 from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 from .handle import DispatchHandle
 from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
-from .permute import permute_rows, permute_rows_and_values, unpermute_sum
+from .permute import pair_values, permute_rows, permute_rows_and_values, unpermute_sum
 from .pipeline_comm import PipelineCommMixin
-from .validation import _fail, check_num_experts, check_positive_int, check_tensor
+from .validation import _fail, check_num_experts, check_positive_int, check_tensor, split_hidden
 
 log = logging.getLogger("ep_moe")
 
@@ -127,7 +128,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             tables (`engram_write`, `engram_fetch`).
         num_max_tokens_per_rank: the default bound on tokens per rank (the same on every rank); sizes the
             fixed-size outputs of ``do_cpu_sync=False``. hidden, num_topk, use_fp8_dispatch: the MoE settings
-            that size ``num_bytes`` (FP8 dispatch itself is not provided yet).
+            that size ``num_bytes`` (an FP8 pair may be dispatched whatever ``use_fp8_dispatch`` says).
         deterministic: accepted; ep_moe's orders are deterministic in every mode (rows by source rank and token,
             expanded rows by expert, source rank, token, top-k slot; sums in a fixed order), so there is nothing
             to sort.
@@ -308,7 +309,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         """Send each token to the ranks of its experts (DeepEP V2's argument order and names).
 
         Args:
-            x: ``[T, H]`` bf16/fp32 (FP8 pairs are not provided yet). topk_idx: ``[T, K]`` int64 global expert ids
+            x: ``[T, H]`` bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)`` (forward only,
+                as DeepEP's FP8 dispatch: ``recv_x`` is then the pair of rows and scales). topk_idx: ``[T, K]`` int64 global expert ids
                 (-1 none); None with ``handle``. topk_weights: ``[T, K]`` fp32 or None.
             cumulative_local_expert_recv_stats: ``[L]`` int32/int64, incremented in place by the received (token,
                 local expert) pairs per expert (load statistics), or None.
@@ -341,14 +343,13 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         """
         op = "ElasticBuffer.dispatch"
         self._check_live("dispatch")
-        if isinstance(x, tuple | list):
-            raise _fail(op, "x", "a [T, H] bf16/fp32 tensor (FP8 dispatch is not provided yet)", "a pair")
-        check_tensor(op, "x", x, dtypes=self.buffer.backend.supported_dtypes, ndim=2, device=self.buffer.device)
+        data, scales = split_hidden(op, x, self.buffer.device, self.buffer.backend.supported_dtypes)
         check_positive_int(op, "num_qps", num_qps, 0)
         _wait_for(previous_event, previous_event_before_epilogue)
         if handle is not None:
-            return self._cached_dispatch(op, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
-                                         expert_alignment, num_sms, handle, do_cpu_sync, do_expand)
+            return self._cached_dispatch(op, data, scales, topk_idx, topk_weights, num_experts,
+                                         num_max_tokens_per_rank, expert_alignment, num_sms, handle, do_cpu_sync,
+                                         do_expand)
         if topk_idx is None:
             raise _fail(op, "topk_idx", "a [T, K] int64 tensor (or pass handle for a cached dispatch)", None)
         if num_experts is None:
@@ -363,19 +364,19 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             if not bound:
                 raise _fail(op, "num_max_tokens_per_rank", "> 0 (in the call or the buffer) with do_cpu_sync=False",
                             bound)
-            if x.shape[0] > bound:
-                raise _fail(op, "num_max_tokens_per_rank", f">= the {x.shape[0]} tokens of x", bound)
-        check_tensor(op, "topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=x.device,
-                     shape=(x.shape[0], None))
+            if data.shape[0] > bound:
+                raise _fail(op, "num_max_tokens_per_rank", f">= the {data.shape[0]} tokens of x", bound)
+        check_tensor(op, "topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=data.device,
+                     shape=(data.shape[0], None))
         weights = topk_weights
         if weights is None:
-            weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=x.device)
+            weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=data.device)
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             check_tensor(op, "cumulative_local_expert_recv_stats", stats, dtypes=(torch.int32, torch.int64), ndim=1,
-                         device=x.device, shape=(num_experts // self.num_ranks,))
+                         device=data.device, shape=(num_experts // self.num_ranks,))
         num_worst_tokens = 0 if sync else bound * self.num_ranks
-        num_sms = self._num_sms(num_sms, num_experts, topk_idx.shape[1], x, bound)
+        num_sms = self._num_sms(num_sms, num_experts, topk_idx.shape[1], data, bound)
         routing = topk_idx.clone() if do_handle_copy else topk_idx
         common = dict(num_experts=num_experts, expert_alignment=alignment, num_max_tokens_per_rank=bound,
                       num_sms=num_sms, topk_idx=routing, num_worst_tokens=num_worst_tokens)
@@ -387,7 +388,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                                           else aligned.tolist())
             inner = out.handle
             per_rank = (inner.dispatch.rank_prefix_matrix[:, self.rank] if inner.dispatch is not None
-                        else torch.tensor([x.shape[0]], device=x.device))
+                        else torch.tensor([data.shape[0]], device=data.device))
             recv_rows = -1 if not sync else (inner.layout.num_rows)
             new = ElasticHandle(do_expand=True, num_recv_tokens=recv_rows,
                                 num_expanded_tokens=sum(counts) if sync else -1,
@@ -397,7 +398,12 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                                 num_unaligned_recv_tokens_per_expert=unaligned.to(torch.int32), inner=inner, **common)
             result = (out.expert_x, None, out.expert_weights if topk_weights is not None else None)
         else:
-            out = ops.dispatch(self.buffer, x, topk_idx, weights, num_experts, alignment, num_worst_tokens, num_sms)
+            if scales is None:
+                out = ops.dispatch(self.buffer, x, topk_idx, weights, num_experts, alignment, num_worst_tokens,
+                                   num_sms)
+            else:
+                out = self._dispatch_fp8(data, scales, topk_idx, weights, num_experts, alignment, num_worst_tokens,
+                                         num_sms)
             unaligned = None
             if sync:
                 host = out.num_recv_tokens_per_expert_host
@@ -423,7 +429,26 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                 stats.add_(unaligned.to(stats.dtype))
         return (*result, new, EventOverlap(None))
 
-    def _cached_dispatch(self, op, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+    def _dispatch_fp8(self, data: Tensor, scales: Tensor, topk_idx: Tensor, weights: Tensor, num_experts: int,
+                      alignment: int, num_worst_tokens: int, num_sms: int) -> ops.DispatchOutput:
+        """The compact dispatch of an FP8 pair: `Buffer`'s (which carries the scales), no autograd; the result in
+        `ops.dispatch`'s shape with ``recv_x`` the pair of rows and scales."""
+        result, _ = self.buffer.dispatch_result((data, scales), topk_idx=topk_idx, topk_weights=weights.detach(),
+                                                expert_alignment=alignment, num_worst_tokens=num_worst_tokens,
+                                                config=Config(num_sms), num_experts=num_experts)
+        host = result.num_recv_tokens_per_expert_list
+        return ops.DispatchOutput((result.recv_x, result.recv_scales), result.recv_topk_idx,
+                                  result.recv_topk_weights, result.num_recv_tokens_per_expert, result.handle,
+                                  torch.tensor(host if host is not None and not num_worst_tokens else [],
+                                               dtype=torch.int64))
+
+    def _cached_rows(self, data: Tensor, scales: Tensor | None, inner: DispatchHandle, num_sms: int):
+        """A cached rank-major dispatch of ``data`` (differentiable) or of the FP8 pair (no autograd)."""
+        if scales is None:
+            return ops.cached_dispatch(self.buffer, data, inner, num_sms)
+        return self.buffer.dispatch((data, scales), handle=inner, config=Config(num_sms))[0]
+
+    def _cached_dispatch(self, op, data, scales, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
                          expert_alignment, num_sms, handle, do_cpu_sync, do_expand):
         if not isinstance(handle, ElasticHandle):
             raise _fail(op, "handle", "the ElasticHandle of an ElasticBuffer.dispatch", type(handle).__name__)
@@ -439,26 +464,38 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                                        handle.num_max_tokens_per_rank)):
             if given is not None and given != recorded:
                 raise _fail(op, name, f"None or the handle's {recorded}", given)
-        if x.shape[0] != handle.topk_idx.shape[0]:
-            raise _fail(op, "x", f"[T={handle.topk_idx.shape[0]}, H] (the handle's dispatch)", tuple(x.shape))
+        if data.shape[0] != handle.topk_idx.shape[0]:
+            raise _fail(op, "x", f"[T={handle.topk_idx.shape[0]}, H] (the handle's dispatch)", tuple(data.shape))
         if topk_weights is not None:
-            check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=x.device,
+            check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=data.device,
                          shape=tuple(handle.topk_idx.shape))
         check_positive_int(op, "num_sms", num_sms, 0)
         num_sms = num_sms or handle.num_sms
         if not handle.do_expand:
-            recv_x = ops.cached_dispatch(self.buffer, x, handle.inner, num_sms)
+            recv_x = self._cached_rows(data, scales, handle.inner, num_sms)
             recv_w = None
             if topk_weights is not None:
                 recv_w = _cached_weights(self.buffer, topk_weights, handle.inner, num_sms)
                 recv_w = torch.where(handle.recv_topk_idx >= 0, recv_w, torch.zeros_like(recv_w))
             return recv_x, handle.recv_topk_idx, recv_w, handle, EventOverlap(None)
         inner: ExpertHandle = handle.inner
-        rows = x if inner.dispatch is None else ops.cached_dispatch(self.buffer, x, inner.dispatch, num_sms)
-        if topk_weights is None:
+        rows = (data if scales is None else (data, scales)) if inner.dispatch is None \
+            else self._cached_rows(data, scales, inner.dispatch, num_sms)
+        if scales is not None:  # the FP8 pair: rows and scales by the one layout, no autograd
+            rows, row_scales = rows
+            with torch.no_grad():
+                row_scales = permute_rows(row_scales, inner.layout)
+        recv_w = None
+        if topk_weights is not None:
+            recv_w = (topk_weights if inner.dispatch is None
+                      else _cached_weights(self.buffer, topk_weights, inner.dispatch, num_sms))
+        if scales is not None:
+            with torch.no_grad():
+                expert_x = permute_rows(rows, inner.layout)
+                expert_w = None if recv_w is None else pair_values(recv_w, inner.layout)
+            return (expert_x, row_scales), None, expert_w, handle, EventOverlap(None)
+        if recv_w is None:
             return permute_rows(rows, inner.layout), None, None, handle, EventOverlap(None)
-        recv_w = (topk_weights if inner.dispatch is None
-                  else _cached_weights(self.buffer, topk_weights, inner.dispatch, num_sms))
         expert_x, expert_w = permute_rows_and_values(rows, recv_w, inner.layout)
         return expert_x, None, expert_w, handle, EventOverlap(None)
 

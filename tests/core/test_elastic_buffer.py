@@ -239,6 +239,45 @@ def _gradients(eb: ElasticBuffer, rank: int, num_ranks: int) -> None:
         check_equal(w.grad, (inp.idxs[rank] >= 0).float() * 2, where, f"expand={expand} grad via combined weights")
 
 
+def _fp8(eb: ElasticBuffer, rank: int, num_ranks: int, seed: int) -> int:
+    """The FP8 pair, forward only: compact and expanded, exact and fixed size, fresh and cached; rows and scales
+    bit for bit the reference's, and the compact combine of bf16 rows works on the FP8 dispatch's handle."""
+    case = Case("fp8", tuple(9 + 4 * s for s in range(num_ranks)), 256, 3, 4 * num_ranks, "random", "fp8", 4)
+    where = f"fp8 R={rank}/{num_ranks}"
+    inp = make_inputs(case, num_ranks, seed)
+    x, idx, w = inp.x(rank), inp.idxs[rank], inp.weights[rank]
+    bound = max(case.tokens)
+    ref = reference_dispatch(inp.xs, inp.idxs, inp.weights, case.experts, case.alignment, scales=inp.scales)
+    n = ref[rank].recv_x.shape[0]
+    for sync in (True, False):
+        (rx, rs), ridx, rw, h, _ = eb.dispatch(x, idx, w, num_experts=case.experts, expert_alignment=case.alignment,
+                                               num_max_tokens_per_rank=bound, do_cpu_sync=sync)
+        check_bits(rx[:n], ref[rank].recv_x, where, f"compact rows (sync={sync})")
+        check_bits(rs[:n], ref[rank].recv_scales, where, f"compact scales (sync={sync})")
+        check_bits(rw[:n], ref[rank].recv_topk_weights, where, f"compact weights (sync={sync})")
+        check(bool((rs[n:] == 0).all() and (ridx[n:] == -1).all()), where, "compact padding")
+        (cx, cs), _, _, _, _ = eb.dispatch(x, handle=h)
+        check_bits(cx, rx, where, "cached compact rows")
+        check_bits(cs, rs, where, "cached compact scales")
+        ys = [torch.ones(r.recv_x.shape[0], case.hidden, dtype=torch.bfloat16) for r in ref]
+        want, _ = reference_combine(ys, ref, list(case.tokens))[rank]
+        y = torch.cat([ys[rank], torch.zeros(rx.shape[0] - n, case.hidden, dtype=torch.bfloat16)])
+        check_equal(eb.combine(y, h)[0], want, where, f"combine after an FP8 dispatch (sync={sync})")
+        slots = None if sync else max_slots(bound * num_ranks, case.topk, case.experts // num_ranks, case.alignment)
+        eref = reference_expert_dispatch(inp.xs, inp.idxs, inp.weights, case.experts, case.alignment, slots,
+                                         scales=inp.scales)[rank]
+        (ex, es), _, ew, eh, _ = eb.dispatch(x, idx, w, num_experts=case.experts, expert_alignment=case.alignment,
+                                             num_max_tokens_per_rank=bound, do_cpu_sync=sync, do_expand=True)
+        check_bits(ex, eref.expert_x, where, f"expanded rows (sync={sync})")
+        check_bits(es, eref.expert_scales, where, f"expanded scales (sync={sync})")
+        check_bits(ew, eref.expert_weights, where, f"expanded weights (sync={sync})")
+        (cx, cs), _, cw, _, _ = eb.dispatch(x, topk_weights=w, handle=eh)
+        check_bits(cx, ex, where, "cached expanded rows")
+        check_bits(cs, es, where, "cached expanded scales")
+        check_bits(cw, ew, where, "cached expanded weights")
+    return 1
+
+
 def _worker(rank: int, num_ranks: int) -> int:
     eb = ElasticBuffer(None, num_max_tokens_per_rank=0, backend="torch", num_gpu_timeout_secs=60)
     check(eb.num_ranks == num_ranks and eb.rank == rank and eb.num_bytes % (2 << 20) == 0, f"R={rank}", "attrs")
@@ -247,6 +286,7 @@ def _worker(rank: int, num_ranks: int) -> int:
         where = f"{case.name} R={rank}/{num_ranks}"
         checked += _compact(eb, rank, num_ranks, case, seed, where)
         checked += _expanded(eb, rank, num_ranks, case, seed, where)
+    checked += _fp8(eb, rank, num_ranks, 77)
     _gradients(eb, rank, num_ranks)
     if num_ranks > 1:
         _single_reduction(rank, num_ranks)
@@ -258,7 +298,7 @@ def _worker(rank: int, num_ranks: int) -> int:
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 def test_elastic_buffer_equals_the_reference(num_ranks: int) -> None:
     checked = run_distributed(_worker, num_ranks, join_timeout_s=300)
-    assert checked == [2 * len(_cases(num_ranks))] * num_ranks
+    assert checked == [2 * len(_cases(num_ranks)) + 1] * num_ranks
 
 
 def _raises(fn, name: str) -> None:
@@ -292,7 +332,7 @@ def _errors_worker(rank: int, num_ranks: int) -> bool:
     _raises(lambda: eb.dispatch(x, idx, w), "num_experts")
     _raises(lambda: eb.dispatch(x, idx, w, num_experts=0), "num_experts")
     _raises(lambda: eb.dispatch(x, idx, w, num_experts=E, expert_alignment=0), "expert_alignment")
-    _raises(lambda: eb.dispatch((x, x), idx, w, num_experts=E), "x")
+    _raises(lambda: eb.dispatch((x, x), idx, w, num_experts=E), "x[0]")  # a pair must be FP8 rows + scales
     _, _, _, h, _ = eb.dispatch(x, idx, w, num_experts=E)
     _, _, _, he, _ = eb.dispatch(x, idx, w, num_experts=E, do_expand=True)
     _raises(lambda: eb.dispatch(x, idx, handle=h), "topk_idx")
