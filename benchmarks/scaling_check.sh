@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a 4- or 8-GPU NVLink machine for the EP 4/8 issue: build, the native GPU suite at EP N,
+# One device call on a 2-, 4- or 8-GPU NVLink machine (the two-GPU issue: N=2): build, the native GPU suite at EP N,
 # ep-moe bench at DeepEP's workload and 8192 tokens (BF16 + FP8, SM sweep + the tuner's count), the tuner's
 # check at EP N, the Megatron / DeepSpeed layer benchmarks and the GPU training recipe at EP N (the same
 # micro-batch per GPU as at EP 2, so tokens/s should grow with N). Logs and JSON under $OUT.
@@ -7,7 +7,9 @@
 #   N=8 bash benchmarks/scaling_check.sh          # default N: every visible GPU
 #   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
 #
-# STEPS picks among: build test bench copyengine tune layers train (default: all). Multicast stays off
+# STEPS picks among: build test bench services copyengine tune layers train (default: all). `services`:
+# ElasticBuffer's PP/AGRS, the two-stage pipeline and ZeRO-1 trainer, hybrid views (1 x N, N x 1), Engram on
+# hybrid memory and the JIT kernels' GPU suites at EP N, and engram_fetch's GB/s beside the H2D copy rate. Multicast stays off
 # (importing ep_moe turns it off). `copyengine`: cached dispatch and combine by pushers and by the copy engine
 # at EP N (its `auto` is off above 2 ranks until this is measured; the GPU suite above forces it in half its
 # cases), the combine's reducers with and without bulk copies.
@@ -17,7 +19,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ep_moe_scaling}
 mkdir -p "$OUT"
 N=${N:-$(nvidia-smi -L | wc -l)}
-STEPS=${STEPS:-"build test bench copyengine tune layers train"}
+STEPS=${STEPS:-"build test bench services copyengine tune layers train"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 echo "EP $N on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 
@@ -33,6 +35,14 @@ if has bench; then
   timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 8192 --num-sms 16 24 32 48 --plan-sms --runs 30 --expert-major \
     --measure-link --json "$OUT/bench_ep$N.json" --plot "$OUT/bench_ep$N.png" > "$OUT/bench_ep$N.txt" 2>&1
   echo "bench at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_ep$N.txt"
+fi
+if has services; then
+  timeout 900 python3 -m pytest -m gpu tests/core/test_pp_agrs_gpu.py tests/train/test_pipeline_gpu.py \
+    tests/hybrid/test_hybrid_gpu.py tests/core/test_engram_gpu.py tests/native/test_jit_gpu.py -q -p no:cacheprovider \
+    > "$OUT/services_ep$N.log" 2>&1
+  echo "ElasticBuffer services / hybrid / JIT GPU tests at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/services_ep$N.log" | tail -8
+  timeout 300 torchrun --nproc-per-node "$N" benchmarks/engram_fetch.py > "$OUT/engram_ep$N.txt" 2>&1
+  echo "engram_fetch at EP $N: rc $?"; grep -E "GB/s" "$OUT/engram_ep$N.txt"
 fi
 if has copyengine; then
   # copy engine for dispatch and combine (0 / 1) and the combine's reducers (bulk copies: auto / 0 / 1)
