@@ -388,7 +388,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                                           else aligned.tolist())
             inner = out.handle
             per_rank = (inner.dispatch.rank_prefix_matrix[:, self.rank] if inner.dispatch is not None
-                        else torch.tensor([data.shape[0]], device=data.device))
+                        else torch.full((1,), data.shape[0], dtype=torch.int64, device=data.device))  # no copy
             recv_rows = -1 if not sync else (inner.layout.num_rows)
             new = ElasticHandle(do_expand=True, num_recv_tokens=recv_rows,
                                 num_expanded_tokens=sum(counts) if sync else -1,
