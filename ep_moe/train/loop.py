@@ -34,7 +34,7 @@ from .parallel import (
     layer_num_sms,
     sync_gradients,
 )
-from .schedule import recipe_lr
+from .schedule import begin_step
 from .zero import ZeroOne
 
 INTERRUPTED_EXIT_CODE = 130
@@ -235,11 +235,7 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
         model.train()
         while step < t.train_iters:
             step_start = time.monotonic()
-            lr = recipe_lr(recipe, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = dataset.batch("train", step, t.global_batch_size)
-            optimizer.zero_grad(set_to_none=True)
+            lr, batch = begin_step(recipe, optimizer, dataset, step)
             per_micro = torch.zeros(accum, 2, dtype=torch.float64)
             for i in range(accum):
                 mb = rank_slice(batch, ps.rank, ps.world_size, t.micro_batch_size, i).to(device)

@@ -38,7 +38,7 @@ from .config import Recipe
 from .data import build_dataset, rank_slice
 from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
 from .parallel import ParallelState, all_reduce_sum, enable_determinism, sync_gradients
-from .schedule import recipe_lr
+from .schedule import begin_step
 
 
 @dataclass
@@ -258,11 +258,7 @@ def train_rank_pipeline(recipe: Recipe, device: torch.device):
         model.train()
         while step < t.train_iters:
             step_start = time.monotonic()
-            lr = recipe_lr(recipe, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = dataset.batch("train", step, t.global_batch_size)
-            optimizer.zero_grad(set_to_none=True)
+            lr, batch = begin_step(recipe, optimizer, dataset, step)
             for p in model.parameters():
                 if id(p) not in own:
                     p.grad = None

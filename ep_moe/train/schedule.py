@@ -31,3 +31,13 @@ def recipe_lr(recipe, step: int) -> float:
     s, o = recipe.scheduler, recipe.optimizer
     decay = s.lr_decay_iters if s.lr_decay_iters is not None else recipe.train.train_iters
     return lr_at(step, o.lr, s.min_lr, s.lr_warmup_iters, decay, s.lr_decay_style)
+
+
+def begin_step(recipe, optimizer, dataset, step: int):
+    """The start of a training step in every trainer: the step's learning rate into every parameter group,
+    gradients cleared, and the step's global batch (``dataset.batch("train", step, global_batch_size)``)."""
+    lr = recipe_lr(recipe, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    return lr, dataset.batch("train", step, recipe.train.global_batch_size)
