@@ -22,6 +22,20 @@ def check(cond: bool, where: str, what: str) -> None:
         raise CaseFailure(f"[{where}] {what}")
 
 
+def expect_raises(seen: list[str], rank: int, base: type, error: type, fn, *words: str) -> None:
+    """``fn()`` raises ``error`` (a subclass of ``base``) whose message holds every one of ``words``; its class
+    name is appended to ``seen``."""
+    try:
+        fn()
+    except error as exc:
+        text = str(exc)
+        assert all(w in text for w in words), f"rank {rank}: {error.__name__} without {words}: {text}"
+        assert isinstance(exc, base)
+        seen.append(error.__name__)
+        return
+    raise AssertionError(f"rank {rank}: expected {error.__name__}")
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``t`` (so that comparisons are bit for bit, whatever the dtype)."""
     t = t.contiguous()

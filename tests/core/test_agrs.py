@@ -8,11 +8,13 @@ naming rank and stage (docs/semantics.md, "ElasticBuffer: PP and AGRS")."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from support_core import expect_raises
 
 from ep_moe import ElasticBuffer
 from ep_moe.agrs import (
@@ -164,16 +166,7 @@ def _misuse(rank: int, num_ranks: int) -> list[str]:
     eb = ElasticBuffer(num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
     seen = []
 
-    def expect(error, fn, *words):
-        try:
-            fn()
-        except error as exc:
-            text = str(exc)
-            assert all(w in text for w in words), f"rank {rank}: {error.__name__} without {words}: {text}"
-            assert isinstance(exc, AGRSError)
-            seen.append(error.__name__)
-            return
-        raise AssertionError(f"rank {rank}: expected {error.__name__}")
+    expect = functools.partial(expect_raises, seen, rank, AGRSError)
 
     x = torch.zeros(4)
     expect(AGRSConfigError, lambda: eb.create_agrs_session(), "agrs_set_config")

@@ -6,10 +6,12 @@ leaves later messages in order); a peer that never receives ends in a timeout na
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
+from support_core import expect_raises
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
@@ -125,16 +127,7 @@ def _misuse(rank: int, num_ranks: int) -> list[str]:
     prev, nxt = (rank - 1) % num_ranks, (rank + 1) % num_ranks
     seen = []
 
-    def expect(error, fn, *words):
-        try:
-            fn()
-        except error as exc:
-            text = str(exc)
-            assert all(w in text for w in words), f"rank {rank}: {error.__name__} without {words}: {text}"
-            assert isinstance(exc, PPError)
-            seen.append(error.__name__)
-            return
-        raise AssertionError(f"rank {rank}: expected {error.__name__}")
+    expect = functools.partial(expect_raises, seen, rank, PPError)
 
     x = torch.zeros(4)
     expect(PPConfigError, lambda: eb.pp_send(x, nxt), "pp_set_config")
