@@ -102,9 +102,9 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
         *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots,
                                                                capacity)
         return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
-    if how == "jit" and num_experts <= NATIVE_MAX_EXPERTS and not capacity:  # the JIT layout has no capacity mode
-        *tensors, host = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots)
-        return ExpertLayout(*tensors, host if num_slots is None else None)
+    if how == "jit" and num_experts <= NATIVE_MAX_EXPERTS:
+        *tensors, host = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots, capacity)
+        return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
     return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots, capacity)
 
 

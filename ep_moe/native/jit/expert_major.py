@@ -86,20 +86,22 @@ def pack_elements(element_size: int, hidden: int, *tensors: Tensor | None) -> in
 
 
 # ------------------------------------------------------------------------------------------ layout
-def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int
+def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int = 0
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``ep_moe_native::expert_layout``: ``(pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K],
     tokens_per_expert [L], pairs_per_expert [L], tokens_per_expert on the host [L] (empty unless num_slots < 0,
-    the exact size, which reads the counts once on the host))``. ``topk_idx [N, K]`` int64, ``1 <= num_experts
-    <= MAX_EXPERTS``."""
+    the exact size, which reads the counts once on the host, or a capacity))``. ``topk_idx [N, K]`` int64,
+    ``1 <= num_experts <= MAX_EXPERTS``. ``capacity`` C > 0 (alignment 1; a kernel specialized on C): every
+    expert owns exactly C slots, ``M = L * C``, with no host read."""
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"jit.expert_layout: argument 'num_experts' must be in [1, {MAX_EXPERTS}], got {num_experts}")
     rows, topk = topk_idx.shape
     pairs = rows * topk
     device = _device_of(topk_idx)
     longs = dict(dtype=torch.int64, device=topk_idx.device)
-    tokens, counts = torch.zeros(num_experts, **longs), torch.zeros(num_experts, **longs)
-    defines = (("EP_EXPERTS", num_experts), ("EP_TOPK", topk))
+    tokens = torch.full((num_experts,), capacity, **longs) if capacity else torch.zeros(num_experts, **longs)
+    counts = torch.zeros(num_experts, **longs)
+    defines = (("EP_EXPERTS", num_experts), ("EP_TOPK", topk)) + ((("EP_CAPACITY", capacity),) if capacity else ())
     with _on(device):
         stream = _stream(device)
         args: list[int] = []
@@ -117,7 +119,10 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
             _function("expert_layout.cu", defines, "ep_expert_scan", _LAYOUT_SIG, device).launch(
                 1, 1024, stream, *args, 0, 0, 0)
         host = torch.empty(0, dtype=torch.int64)
-        if num_slots < 0:  # exact size: the aligned total, read once on the host (with the counts)
+        if capacity:  # every count is known on the host
+            host = torch.full((num_experts,), capacity, dtype=torch.int64)
+            num_slots = num_experts * capacity
+        elif num_slots < 0:  # exact size: the aligned total, read once on the host (with the counts)
             host = tokens.cpu()
             num_slots = int(host.sum())
         pair_of_slot = torch.full((num_slots,), pairs, **longs)

@@ -4,17 +4,22 @@
 // this order by ep_moe/native/jit/expert_major.py: ep_expert_count (num_blocks x 256), ep_expert_scan (1 x 1024),
 // then (after the caller knows M) ep_expert_assign (num_blocks x 256) and ep_expert_sort_rows (one thread per row).
 // Block b of the count and assign kernels takes pairs [b * pairs_per_block, ...), a multiple of 256.
-// Specialization: EP_EXPERTS (L <= 1024: the shared-memory counters are sized to it), EP_TOPK (K).
+// Specialization: EP_EXPERTS (L <= 1024: the shared-memory counters are sized to it), EP_TOPK (K), and optionally
+// EP_CAPACITY (C > 0: every expert owns exactly C slots, from e * C, and its pairs past C have none; alignment 1).
 #include "ep_jit.cuh"
 
 #if !defined(EP_EXPERTS) || !defined(EP_TOPK)
 #error "expert_layout.cu needs EP_EXPERTS and EP_TOPK"
+#endif
+#ifndef EP_CAPACITY
+#define EP_CAPACITY 0
 #endif
 
 namespace {
 using namespace ep_jit;
 constexpr int kExperts = EP_EXPERTS;
 constexpr int kTopk = EP_TOPK;
+constexpr i64 kCapacity = EP_CAPACITY;
 constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / kWarp;
 static_assert(kExperts >= 1 && kExperts <= 1024, "EP_EXPERTS must be in [1, 1024]");
@@ -67,8 +72,8 @@ extern "C" __global__ void __launch_bounds__(1024) ep_expert_scan(EP_LAYOUT_PARA
       carry += __shfl_sync(kFull, inclusive, kWarp - 1);
     }
     if (lane == 0) {
-      const i64 aligned = (carry + alignment - 1) / alignment * alignment;
-      pairs_per_expert[e] = carry;
+      const i64 aligned = kCapacity > 0 ? kCapacity : (carry + alignment - 1) / alignment * alignment;
+      pairs_per_expert[e] = kCapacity > 0 && carry > kCapacity ? kCapacity : carry;
       tokens_per_expert[e] = aligned;
       padded[e] = aligned;
     }
@@ -114,8 +119,9 @@ extern "C" __global__ void __launch_bounds__(kTileThreads) ep_expert_assign(EP_L
         i64 before = running[e] + __popc(peers & lanes_below);
         for (int w = 0; w < warp; ++w) before += warp_count[w][e];
         slot = first_slot[e] + before;
-        if (slot < num_slots) pair_of_slot[slot] = i;
-        else slot = -1;  // a bound below the total: the pair has no slot
+        // a bound below the total, or a pair past its expert's capacity: no slot
+        if (slot < num_slots && (kCapacity == 0 || before < kCapacity)) pair_of_slot[slot] = i;
+        else slot = -1;
       }
       slot_of_pair[i] = slot;
     }
