@@ -17,18 +17,19 @@ import textwrap
 import locations
 import pytest
 import torch
+
+# The extension's cases, collected here again and run with this module's fixture (EP_MOE_JIT=1): the same
+# assertions against the torch definitions, through the JIT kernels.
 from test_expert_major_kernels import (
     BF16,
-    FP8,
     FP32,
-    LAYOUT_IDS,
-    LAYOUTS,
-    ROW_IDS,
-    ROWS,
-    _on_gpu,
     assert_bits,
     routing,
     rows,
+    test_gradients_equal_the_torch_definitions,  # noqa: F401
+    test_layout_equals_the_torch_definition,  # noqa: F401
+    test_layout_with_a_capacity_equals_the_torch_definition,  # noqa: F401
+    test_permute_and_reduce_equal_the_torch_definitions,  # noqa: F401
 )
 
 from ep_moe import native
@@ -44,46 +45,6 @@ pytestmark = [pytest.mark.gpu,
 def _jit_forced(monkeypatch):
     monkeypatch.setenv("EP_MOE_JIT", "1")
     assert P._implementation(torch.empty(1, device="cuda")) == "jit", jit.unavailable_reason()
-
-
-@pytest.mark.parametrize("case", LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("bound", ["exact", "total", "max", "below"])
-def test_layout_equals_the_torch_definition(case, bound):
-    kind, N, K, L, A = case
-    idx = routing(kind, N, K, L, seed=N + K + L)
-    exact = P._expert_layout_torch(idx, L, A, None)
-    num_slots = {"exact": None, "total": exact.num_slots, "max": P.max_slots(N, K, L, A),
-                 "below": max(exact.num_slots - 2 * A - 1, 0)}[bound]
-    want = exact if num_slots is None else P._expert_layout_torch(idx, L, A, num_slots)
-    got = P.expert_layout(idx.cuda(), L, A, num_slots)
-    for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
-        assert_bits(getattr(got, name), getattr(want, name), f"{name} ({bound})")
-    if num_slots is None:
-        assert torch.equal(got.tokens_per_expert_host, want.tokens_per_expert_host)
-    else:
-        assert got.tokens_per_expert_host is None
-
-
-@pytest.mark.parametrize("case", ROWS, ids=ROW_IDS)
-def test_permute_and_reduce_equal_the_torch_definitions(case):
-    N, K, L, A, H, dtype, misaligned = case
-    idx = routing("random", N, K, L, seed=7 + N)
-    layout = P._expert_layout_torch(idx, L, A, P.max_slots(N, K, L, A))
-    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
-    x = rows((N, H), dtype, seed=1)
-    values = torch.rand(N, K, generator=torch.Generator().manual_seed(2))
-    got_rows, got_values = P.permute_rows_and_values(_on_gpu(x, misaligned), values.cuda(), gpu_layout)
-    want_rows, want_values = P.permute_rows_and_values(x, values, layout)
-    assert_bits(got_rows, want_rows, "rows")
-    assert_bits(got_values, want_values, "slot values")
-    assert_bits(P.permute_rows(_on_gpu(x, misaligned), gpu_layout), want_rows, "rows without values")
-    if dtype == FP8:
-        return
-    y = rows((layout.num_slots, H), dtype, seed=3)
-    w = torch.rand(layout.num_slots, generator=torch.Generator().manual_seed(4))
-    for weights in (w, None):
-        got = P.unpermute_sum(_on_gpu(y, misaligned), gpu_layout, None if weights is None else weights.cuda())
-        assert_bits(got, P.unpermute_sum(y, layout, weights), f"unpermute_sum (weighted={weights is not None})")
 
 
 def test_rows_routed_nowhere():
@@ -107,29 +68,6 @@ def _gradients(device_layout, device, x, values, y, g_rows, g_values, g_out, see
     wi = torch.rand(y.shape[0], generator=torch.Generator().manual_seed(seed_w)).to(device).requires_grad_()
     P.unpermute_sum(yi, device_layout, wi).backward(g_out.to(device))
     return xi.grad, vi.grad, yi.grad, wi.grad
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP32])
-@pytest.mark.parametrize("H", [4096, 37])
-def test_gradients_equal_the_torch_definitions(dtype, H):
-    N, K, L, A = 300, 4, 16, 16
-    idx = routing("random", N, K, L, seed=11)
-    layout = P._expert_layout_torch(idx, L, A, P.max_slots(N, K, L, A))
-    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
-    x, y = rows((N, H), dtype, seed=5), rows((layout.num_slots, H), dtype, seed=6)
-    values = torch.rand(N, K, generator=torch.Generator().manual_seed(7))
-    g_rows, g_values = rows((layout.num_slots, H), dtype, seed=8), torch.randn(layout.num_slots)
-    g_out = rows((N, H), dtype, seed=9)
-    inputs = (x, values, y, g_rows, g_values, g_out, 10)
-    got, want = _gradients(gpu_layout, "cuda", *inputs), _gradients(layout, "cpu", *inputs)
-    for name, a, b in zip(("grad x", "grad values", "grad y"), got[:3], want[:3]):
-        assert_bits(a, b, name)
-    rows_of = (layout.pair_of_slot.clamp(max=N * K - 1) // K)
-    valid = layout.pair_of_slot < N * K
-    exact = torch.where(valid, (g_out.double()[rows_of] * y.double()).sum(1), 0.0)
-    scale = torch.where(valid, (g_out.double()[rows_of].abs() * y.double().abs()).sum(1), 0.0)
-    assert torch.all((got[3].double().cpu() - exact).abs() <= 1e-5 * scale + 1e-30)
-    assert torch.equal(_gradients(gpu_layout, "cuda", *inputs)[3], got[3])
 
 
 @pytest.mark.skipif(not native.extension_available(), reason="the ahead-of-time extension is not built")
