@@ -38,7 +38,17 @@ import torch
 import torch.distributed as dist
 
 from .validation import check_positive_int
-from .wire import MAX_DIMS, byte_view, dtype_code, dtype_name, host_header, nbytes, round_up, wait_work
+from .wire import (
+    MAX_DIMS,
+    byte_view,
+    check_wire_tensor,
+    dtype_code,
+    dtype_name,
+    host_header,
+    nbytes,
+    round_up,
+    wait_work,
+)
 
 HEADER_LEN = 10 + MAX_DIMS
 _MAGIC = 0x4147_5253  # "AGRS"
@@ -360,19 +370,7 @@ class AGRSMixin:
                   self.num_ranks, stage)
 
     def _agrs_check_tensor(self, op: str, arg: str, t: object) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' must be a torch.Tensor, "
-                                  f"got {type(t).__name__}")
-        device = self.buffer.device
-        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-            raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' must be on device {device}, "
-                                  f"got {t.device}")
-        if dtype_code(t.dtype) == 0:
-            raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' has dtype {t.dtype}, which AGRS "
-                                  "does not carry")
-        if t.dim() > MAX_DIMS:
-            raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' must have at most {MAX_DIMS} dims, "
-                                  f"got {t.dim()}")
+        check_wire_tensor(AGRSTensorError, "AGRS", op, arg, t, self.buffer.device)
 
     def _agrs_inplace_of(self, op: str, arg: str, t: torch.Tensor, state: _AGRSState, taken: list,
                          allow: bool = True) -> _Inplace | None:

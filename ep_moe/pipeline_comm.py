@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 
 from .validation import check_positive_int
-from .wire import MAX_DIMS, byte_view, dtype_code, dtype_name, host_header, round_up, wait_work
+from .wire import (
+    byte_view,
+    check_wire_tensor,
+    dtype_code,
+    dtype_name,
+    host_header,
+    round_up,
+    wait_work,
+)
 
 HEADER_LEN = 16
 _MAGIC = 0x5050_4550  # "PPEP": a message of this module
@@ -258,18 +266,7 @@ class PipelineCommMixin:
                               f"{(self.rank + 1) % self.num_ranks} of {self.num_ranks}), got {peer!r}")
         if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0:
             raise PPConfigError(f"ep_moe.ElasticBuffer.{op}: argument 'num_sms' must be an int >= 0, got {num_sms!r}")
-        if not isinstance(x, torch.Tensor):
-            raise PPTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'x' must be a torch.Tensor, "
-                                f"got {type(x).__name__}")
-        device = self.buffer.device
-        if x.device.type != device.type or (device.index is not None and x.device.index != device.index):
-            raise PPTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'x' must be on device {device}, got {x.device}")
-        if dtype_code(x.dtype) == 0:
-            raise PPTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'x' has dtype {x.dtype}, which PP does not "
-                                "carry")
-        if x.dim() > MAX_DIMS:
-            raise PPTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'x' must have at most {MAX_DIMS} dims, "
-                                f"got {x.dim()}")
+        check_wire_tensor(PPTensorError, "PP", op, "x", x, self.buffer.device)
         return state, state.channels[peer]
 
     def _pp_wait(self, op: str, work, stage: str) -> None:

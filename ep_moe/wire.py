@@ -63,6 +63,21 @@ def host_header(values: list[int], length: int, device: torch.device) -> torch.T
     return header if device.type == "cpu" else header.to(device)
 
 
+def check_wire_tensor(error: type[Exception], service: str, op: str, arg: str, t: object,
+                      device: torch.device) -> None:
+    """Raise ``error`` naming ``arg`` unless ``t`` is a tensor on ``device`` of a dtype the headers carry
+    (`dtype_code`) with at most `MAX_DIMS` dims. ``service``: ``"PP"`` or ``"AGRS"``, for the message."""
+    if not isinstance(t, torch.Tensor):
+        raise error(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+        raise error(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' must be on device {device}, got {t.device}")
+    if dtype_code(t.dtype) == 0:
+        raise error(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' has dtype {t.dtype}, which {service} does not "
+                    "carry")
+    if t.dim() > MAX_DIMS:
+        raise error(f"ep_moe.ElasticBuffer.{op}: argument '{arg}' must have at most {MAX_DIMS} dims, got {t.dim()}")
+
+
 def wait_work(work: dist.Work | None, device: torch.device, timeout_s: float, error: type[Exception], op: str,
               rank: int, num_ranks: int, stage: str) -> None:
     """Wait for ``work``. On CPU (gloo) with a deadline: a peer that never posts its side raises ``error``
