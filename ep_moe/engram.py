@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from torch import Tensor
 
 from .memory import SymmetricMemory, memory_type_of_group
 from .validation import _fail, check_positive_int
+from .wire import wait_work
 
 SF_ALIGNMENT_BYTES = 4096
 """The scales start at the first multiple of this after the table in the host segment."""
@@ -263,17 +263,8 @@ class EngramMixin:
         return EngramHook(fetched, fetched_sf, event)
 
     def _wait_work(self, work, stage: str) -> None:
-        if self.memory.host.device.type != "cpu":
-            # NCCL: a stream wait; a missing peer is caught by the process group's watchdog (its timeout)
-            work.wait()
-            return
-        try:
-            work.wait(timedelta(seconds=self.num_cpu_timeout_secs))
-        except RuntimeError as exc:
-            what = "timed out" if "timed out" in str(exc).lower() else "failed"
-            raise (TimeoutError if what == "timed out" else RuntimeError)(
-                f"ep_moe.ElasticBuffer.engram_fetch: rank {self.rank} of {self.num_ranks} {what} in stage "
-                f"'{stage}' (waited up to {self.num_cpu_timeout_secs} s for its peers): {exc}") from exc
+        wait_work(work, self.memory.host.device, float(self.num_cpu_timeout_secs), TimeoutError, "engram_fetch",
+                  self.rank, self.num_ranks, stage)
 
     def _all_to_all(self, out: Tensor, send: Tensor, out_counts: list[int] | None, send_counts: list[int] | None,
                     stage: str) -> Tensor:
