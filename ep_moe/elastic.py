@@ -481,19 +481,15 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         inner: ExpertHandle = handle.inner
         rows = (data if scales is None else (data, scales)) if inner.dispatch is None \
             else self._cached_rows(data, scales, inner.dispatch, num_sms)
-        if scales is not None:  # the FP8 pair: rows and scales by the one layout, no autograd
-            rows, row_scales = rows
-            with torch.no_grad():
-                row_scales = permute_rows(row_scales, inner.layout)
         recv_w = None
         if topk_weights is not None:
             recv_w = (topk_weights if inner.dispatch is None
                       else _cached_weights(self.buffer, topk_weights, inner.dispatch, num_sms))
-        if scales is not None:
+        if scales is not None:  # the FP8 pair: rows and scales by the one layout, no autograd
             with torch.no_grad():
-                expert_x = permute_rows(rows, inner.layout)
+                expert_x = tuple(permute_rows(t, inner.layout) for t in rows)
                 expert_w = None if recv_w is None else pair_values(recv_w, inner.layout)
-            return (expert_x, row_scales), None, expert_w, handle, EventOverlap(None)
+            return expert_x, None, expert_w, handle, EventOverlap(None)
         if recv_w is None:
             return permute_rows(rows, inner.layout), None, None, handle, EventOverlap(None)
         expert_x, expert_w = permute_rows_and_values(rows, recv_w, inner.layout)
