@@ -61,6 +61,16 @@ class SymmetricBuffer:
             raise RuntimeError(f"ep_moe: symmetric buffer landed at different offsets on the ranks ({offsets}); "
                                "set TORCH_SYMMMEM_IMPLICIT_POOL=0")
         self.ptrs: list[int] = [p + offset for p in base]
+        self._offset = offset
+
+    def peer_tensor(self, rank: int) -> torch.Tensor:
+        """uint8 ``[nbytes]`` over rank ``rank``'s copy, addressable from this GPU (this rank's own is
+        ``tensor``). Copies into it (``copy_``, the copy engine) land in the peer's memory."""
+        if not 0 <= rank < len(self.ptrs):
+            raise ValueError(f"ep_moe: argument 'rank' must be in [0, {len(self.ptrs)}), got {rank}")
+        if rank == self.rank:
+            return self.tensor
+        return self._handle.get_buffer(rank, (self.nbytes,), torch.uint8, self._offset)
 
     def destroy(self) -> None:
         """Drop this rank's references (the memory is released once no rank maps it)."""
