@@ -22,8 +22,8 @@ the losses then match ``pp_size: 1`` statistically, not per step.
 The loop itself (resume, Ctrl-C at a step boundary, evaluation, checkpoints, metrics) is the default trainer's
 (`ep_moe.train.loop.run_training`); this module provides its steps (`PipelineSteps`). A checkpoint has the default
 trainer's format: before a save each rank takes the other stage's current values and optimizer state over its
-pair, so rank 0 writes the whole model, loadable with ``pp_size`` 1 or 2. Not provided with ``pp_size: 2``: expert
-parallelism inside a stage, the routing statistics of the progress line.
+pair, so rank 0 writes the whole model, loadable with ``pp_size`` 1 or 2. Expert parallelism works inside each
+stage (`build_pipeline_state`). Not provided with ``pp_size: 2``: the routing statistics of the progress line.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from ..layers.model import rotary_tables
 from . import checkpoint as ckpt
 from .config import Recipe
 from .data import build_dataset, rank_slice
-from .loop import build_optimizer, row_order_mean
-from .parallel import ParallelState, all_reduce_sum, sync_gradients
+from .loop import build_model, build_optimizer, row_order_mean
+from .parallel import ParallelState, all_reduce_sum, build_parallel_state, sync_gradients
 
 
 @dataclass
@@ -55,6 +55,7 @@ class PipelineState:
     pair_group: dist.ProcessGroup     # [j, j + D]: this rank's pipeline (stage s is rank index s in it)
     device: torch.device
     deterministic: bool
+    inside: ParallelState             # the stage's own EP / expert-data-parallel groups (rank = dp_rank)
 
     @property
     def peer(self) -> int:
@@ -63,17 +64,20 @@ class PipelineState:
 
     @property
     def ep_size(self) -> int:
-        """Expert parallelism inside a stage: none (every rank holds all experts of its layers)."""
-        return 1
+        """Expert parallelism inside each stage (EP groups of contiguous ranks of the stage)."""
+        return self.inside.ep_size
 
 
-def build_pipeline_state(device: torch.device, deterministic: bool) -> PipelineState:
-    """The stage and pair groups (every rank creates every group, in the same order)."""
+def build_pipeline_state(ep_size: int, device: torch.device, deterministic: bool) -> PipelineState:
+    """The pair groups, then the stage and EP groups inside each stage (every rank creates every group, in the
+    same order). Rank ``j`` of stage 0 and rank ``j`` of stage 1 have the same EP rank, so a pair holds the same
+    experts of their layers."""
     rank, world = dist.get_rank(), dist.get_world_size()
     d = world // 2
-    dp_group, _ = dist.new_subgroups_by_enumeration([list(range(0, d)), list(range(d, world))])
     pair_group, _ = dist.new_subgroups_by_enumeration([[j, j + d] for j in range(d)])
-    return PipelineState(rank, world, rank // d, rank % d, d, dp_group, pair_group, device, deterministic)
+    inside = build_parallel_state(ep_size, device, deterministic, stages=2)
+    return PipelineState(rank, world, rank // d, rank % d, d, inside.dp_group, pair_group, device, deterministic,
+                         inside)
 
 
 def split_layer(num_layers: int) -> int:
@@ -193,18 +197,24 @@ def _step_table(per_micro: torch.Tensor, ps: PipelineState, extra: list[float]) 
     return flat.cpu()
 
 
-def _clip(params: list[torch.nn.Parameter], shared: torch.nn.Parameter | None, max_norm: float,
-          ps: PipelineState) -> float:
-    """Clip by the global L2 norm over both stages (a tied embedding counted once, on stage 0)."""
-    grads = [p.grad.float() for p in params if p.grad is not None and not (ps.stage == 1 and p is shared)]
-    sq = torch.zeros(1, dtype=torch.float64, device=ps.device)
-    if grads:  # as `ep_moe.train.parallel.clip_grad_norm`: fp32 sums per tensor, added in fp64
-        sq += torch.stack([g.pow(2).sum() for g in grads]).double().sum()
+def _clip(non_expert: list[torch.nn.Parameter], expert: list[torch.nn.Parameter], shared: torch.nn.Parameter | None,
+          max_norm: float, ps: PipelineState) -> float:
+    """Clip by the global L2 norm over both stages (a tied embedding counted once, on stage 0), each stage's part
+    as `ep_moe.train.parallel.clip_grad_norm` forms it (its experts' squares summed over the stage's EP group)."""
+    def squares(params) -> torch.Tensor:  # fp32 sums per tensor, added in fp64
+        grads = [p.grad.float() for p in params if p.grad is not None and not (ps.stage == 1 and p is shared)]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=ps.device)
+        return torch.stack([g.pow(2).sum() for g in grads]).double().sum()
+
+    expert_sq = squares(expert).reshape(1)
+    all_reduce_sum(expert_sq, ps.inside.ep_group, ps.deterministic)
+    sq = (squares(non_expert) + expert_sq[0]).reshape(1)
     all_reduce_sum(sq, ps.pair_group, ps.deterministic)
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
+        for p in list(non_expert) + list(expert):
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
@@ -232,17 +242,16 @@ class PipelineSteps:
     """The two-stage pipeline as the shared loop's `ep_moe.train.loop.TrainSteps` (see the module docstring)."""
 
     def __init__(self, recipe: Recipe, device: torch.device) -> None:
-        from ep_moe.layers.model import ModelConfig, MoETransformer
-
         t = recipe.train
         self.recipe, self.device = recipe, device
-        self.ps = ps = build_pipeline_state(device, t.deterministic)
-        self.rank, self.world_size, self.ep_size = ps.rank, ps.world_size, 1
+        self.ps = ps = build_pipeline_state(recipe.model.expert_model_parallel_size, device, t.deterministic)
+        self.rank, self.world_size, self.ep_size = ps.rank, ps.world_size, ps.ep_size
         self.accum = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self.dataset = build_dataset(recipe)
-        config = ModelConfig(**recipe.model.model_config_kwargs())
-        self.model = model = MoETransformer(config, buffer=None, dp_group=ps.dp_group if ps.dp_size > 1 else None,
-                                            seed=recipe.rng.seed).to(device)
+        # the whole model on every rank (its EP shard of every layer), with the stage's EP buffer; only this
+        # stage's part is used and optimized
+        self.model = model = build_model(recipe, ps.inside)
+        config = model.config
         self.params = stage_parameters(model, ps.stage)
         self.shared = model.embedding if model.output_weight is None else None
         self.optimizer = build_optimizer(model, recipe, device, self.params)
@@ -250,8 +259,6 @@ class PipelineSteps:
         expert_ids = {id(p) for p in model.expert_parameters()}
         self.non_expert = [p for p in self.params if id(p) not in expert_ids]
         self.expert = [p for p in self.params if id(p) in expert_ids]
-        self.sync_state = ParallelState(ps.rank, ps.world_size, 1, 0, ps.dp_group, ps.dp_group, ps.dp_group, device,
-                                        t.deterministic)
         k = split_layer(config.num_layers)
         self.own_moe = [layer.moe for layer in (model.layers[:k] if ps.stage == 0 else model.layers[k:])
                         if layer.moe is not None]
@@ -276,12 +283,12 @@ class PipelineSteps:
                 p.grad = None
         mbs = [rank_slice(batch, ps.dp_rank, ps.dp_size, t.micro_batch_size, i) for i in range(self.accum)]
         per_micro = self.runner.run(mbs, self.scale, train=True)
-        sync_gradients(self.non_expert, self.expert, self.sync_state)
+        sync_gradients(self.non_expert, self.expert, ps.inside)
         if shared is not None:  # the tied embedding: stage 0's lookup + stage 1's output layer
             if shared.grad is None:
                 shared.grad = torch.zeros_like(shared)
             all_reduce_sum(shared.grad, ps.pair_group, ps.deterministic)
-        grad_norm = _clip(self.params, shared, self.recipe.optimizer.clip_grad, ps)
+        grad_norm = _clip(self.non_expert, self.expert, shared, self.recipe.optimizer.clip_grad, ps)
         self.optimizer.step()
         for moe in self.own_moe:
             moe.router.update_expert_bias()

@@ -81,22 +81,28 @@ def test_pipeline_converges_like_one_stage_and_zero1_equals_all_reduce(tmp_path)
     assert two[0]["dp"][0] - two[0]["dp"][-1] > 0.5
 
 
-def _pipeline_with_data_parallel(rank: int, world: int, tmp: str, steps: int) -> list[float]:
+def _pipeline_with_data_parallel(rank: int, world: int, tmp: str, steps: int, ep: int) -> list[float]:
     from ep_moe.train.loop import train_rank
 
-    extra = [f"train.train_iters={steps}"] + (["train.pp_size=2"] if world == 4 else [])
-    return train_rank(_recipe(tmp, f"w{world}", world, extra), torch.device("cpu")).losses
+    extra = [f"train.train_iters={steps}", f"model.expert_model_parallel_size={ep}", "ep_moe.dispatcher_backend=torch"]
+    extra += ["train.pp_size=2"] if world == 4 else []
+    return train_rank(_recipe(tmp, f"w{world}_ep{ep}", world, extra), torch.device("cpu")).losses
 
 
-def test_pipeline_with_two_data_parallel_ranks_per_stage(tmp_path):
-    """4 ranks, ``pp_size: 2``: each stage's 2 ranks sum their gradients; equal to ``pp_size: 1`` on 2 ranks (the
-    same micro-batches per data-parallel rank) within the same bound (measured: 4e-7 over 30 steps)."""
-    steps = 8
-    four = run_distributed(_pipeline_with_data_parallel, 4, str(tmp_path), steps, timeout_s=300, join_timeout_s=900)
-    two = run_distributed(_pipeline_with_data_parallel, 2, str(tmp_path), steps, timeout_s=300, join_timeout_s=600)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_pipeline_with_two_data_parallel_ranks_per_stage(tmp_path, ep):
+    """4 ranks, ``pp_size: 2``: each stage's 2 ranks sum their gradients (EP 1), or hold half the experts each
+    (EP 2 inside the stage: the MoE layers dispatch over the stage's pair of ranks); equal to ``pp_size: 1`` on 2
+    ranks at the same EP size (the same micro-batches per data-parallel rank) within the same bound (measured:
+    4e-7 over 30 steps at EP 1)."""
+    steps = 5
+    four = run_distributed(_pipeline_with_data_parallel, 4, str(tmp_path), steps, ep, timeout_s=300,
+                           join_timeout_s=900)
+    two = run_distributed(_pipeline_with_data_parallel, 2, str(tmp_path), steps, ep, timeout_s=300,
+                          join_timeout_s=600)
     assert all(losses == four[0] for losses in four) and len(four[0]) == steps
     worst = max(abs(a - b) for a, b in zip(four[0], two[0]))
-    assert worst <= 1e-5, f"pp_size 2 x DP 2 vs DP 2: max |loss difference| {worst:.3g}"
+    assert worst <= 1e-5, f"pp_size 2 x DP 2 (EP {ep}) vs DP 2: max |loss difference| {worst:.3g}"
 
 
 def test_pipeline_recipe_rules():
@@ -104,7 +110,7 @@ def test_pipeline_recipe_rules():
 
     with pytest.raises(RecipeError, match="train.pp_size"):
         _recipe("/tmp", "x", 2, ["train.pp_size=3"])
-    with pytest.raises(RecipeError, match="model.expert_model_parallel_size"):
+    with pytest.raises(RecipeError, match="model.expert_model_parallel_size"):  # a stage has one rank
         _recipe("/tmp", "x", 2, ["train.pp_size=2", "model.expert_model_parallel_size=2"])
     with pytest.raises(RecipeError, match="train.pp_size"):
         _recipe("/tmp", "x", 3, ["train.pp_size=2", "train.global_batch_size=24"])
