@@ -1,0 +1,99 @@
+"""The choice of the native kernels' symmetric memory (``EP_MOE_SYMMETRIC_MEMORY``, `ep_moe.native.symmetric`) on
+the CPU: the variable's values, the check that every rank names the same provider (every rank raises the same
+error naming the ranks, before anything is allocated), the VMM provider's uniform failure where it cannot map, and
+a gloo `Buffer` that stays on the CPU where no GPU exists. The mapping itself is tested on a GPU
+(`test_native_shared_gpu.py`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ep_moe.distributed import run_distributed
+from ep_moe.native.symmetric import SYMMETRIC_MEMORY_ENV, symmetric_memory_provider
+
+
+def test_provider_values(monkeypatch):
+    monkeypatch.delenv(SYMMETRIC_MEMORY_ENV, raising=False)
+    assert symmetric_memory_provider() == "torch"
+    for value, provider in (("", "torch"), ("torch", "torch"), (" VMM ", "vmm"), ("vmm", "vmm")):
+        monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, value)
+        assert symmetric_memory_provider() == provider
+    monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, "nvshmem")
+    with pytest.raises(ValueError, match=f"{SYMMETRIC_MEMORY_ENV} must be one of torch, vmm.*'nvshmem'"):
+        symmetric_memory_provider()
+    assert symmetric_memory_provider("vmm") == "vmm"
+
+
+def _set_provider(value: str | None) -> None:
+    if value is None:
+        os.environ.pop(SYMMETRIC_MEMORY_ENV, None)
+    else:
+        os.environ[SYMMETRIC_MEMORY_ENV] = value
+
+
+def _raises(fn, *args) -> str:
+    """``fn(*args)``'s exception as ``"Type: message"`` ('' when it returns)."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the caller compares the text
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _provider_worker(rank: int, world: int) -> list[str]:
+    import ep_moe.native as native
+    from ep_moe import Buffer
+    from ep_moe.native.symmetric import (
+        SymmetricBuffer,
+        TorchSymmetricBuffer,
+        VmmSymmetricBuffer,
+        agreed_symmetric_memory_provider,
+    )
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    seen = []
+    # 1) rank 0 names vmm, the others nothing (torch): every rank raises, naming the ranks of each value
+    _set_provider("vmm" if rank == 0 else None)
+    seen.append(_raises(agreed_symmetric_memory_provider, group))
+    seen.append(_raises(SymmetricBuffer, group, cpu, 1 << 20))  # the factory checks before it allocates
+    # 2) a bad value on every rank: the same ValueError everywhere
+    _set_provider("Nvshmem")
+    seen.append(_raises(agreed_symmetric_memory_provider, group))
+    # 3) subclasses constructed by name: every rank must construct the same one
+    _set_provider("vmm")
+    seen.append(_raises(VmmSymmetricBuffer if rank == 0 else TorchSymmetricBuffer, group, cpu, 1 << 20))
+    # 4) the VMM provider where it cannot map (not a CUDA device): every rank raises, naming every rank
+    seen.append(_raises(SymmetricBuffer, group, cpu, 1 << 20))
+    # 5) the native backend's check agrees on the provider first, whatever the device (as if it were built)
+    built, native._C = native._C, object()
+    try:
+        _set_provider(None if rank == 0 else "vmm")
+        seen.append(_raises(native.unavailable_reason, group, cpu))
+        _set_provider("vmm")
+        seen.append(str(native.unavailable_reason(group, cpu)))
+    finally:
+        native._C = built
+    # 6) a gloo Buffer with vmm named but no GPU: the CPU and the torch backend, as without the variable
+    buffer = Buffer(group, backend="auto")
+    seen.append(f"{buffer.device} {buffer.backend_name}")
+    buffer.destroy()
+    return seen
+
+
+def test_every_rank_must_name_the_same_provider():
+    results = run_distributed(_provider_worker, 2, timeout_s=60, join_timeout_s=120)
+    assert results[0] == results[1], results  # every rank raised the same error, so none was left waiting
+    mixed, factory, bad, by_name, no_cuda, native_mixed, native_cpu, buffer = results[0]
+    assert mixed.startswith("ValueError") and "'vmm' on rank 0" in mixed and "'torch' on rank 1" in mixed, mixed
+    assert SYMMETRIC_MEMORY_ENV in mixed and factory == mixed, factory
+    assert bad.startswith("ValueError") and "'Nvshmem'" in bad and "must be one of torch, vmm" in bad, bad
+    assert by_name.startswith("ValueError") and "'vmm' on rank 0;" in by_name and "'torch' on rank 1" in by_name
+    assert no_cuda.startswith("PeerFdError") and "symmetric device memory" in no_cuda, no_cuda
+    assert all(f"rank {r}: ValueError: argument 'device' must be a CUDA device" in no_cuda for r in range(2))
+    assert native_mixed.startswith("ValueError") and "'torch' on rank 0" in native_mixed, native_mixed
+    assert native_cpu == "the group runs on cpu, not CUDA", native_cpu
+    assert buffer == "cpu torch" or torch.cuda.is_available(), buffer
