@@ -203,7 +203,7 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
     """Case ``index`` (``case``, default `make_case`) on ``nat`` equals ``ref`` bit for bit: layout, fresh
     dispatch, combine and (every third index) cached dispatch. ``ref`` may live on another device (the CPU): it
     gets copies of the inputs."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = nat.device
     case = make_case(index) if case is None else case
     data, idx, weights = make_inputs(case, rank, world, device, seed=index)
     x = data[0] if isinstance(data, tuple) else data
