@@ -147,8 +147,8 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
         return f"the group has {num_ranks} ranks (native kernels serve at most {MAX_RANKS})"
     memory_reason = None
     if provider == "torch":
-        try:
-            import torch.distributed._symmetric_memory  # noqa: F401
+        try:  # (an import statement here would make `torch` a local name of this function)
+            importlib.import_module("torch.distributed._symmetric_memory")
         except ImportError as exc:
             memory_reason = f"torch.distributed._symmetric_memory is unavailable ({exc})"
     else:

@@ -68,16 +68,26 @@ def _provider_worker(rank: int, world: int) -> list[str]:
     seen.append(_raises(VmmSymmetricBuffer if rank == 0 else TorchSymmetricBuffer, group, cpu, 1 << 20))
     # 4) the VMM provider where it cannot map (not a CUDA device): every rank raises, naming every rank
     seen.append(_raises(SymmetricBuffer, group, cpu, 1 << 20))
-    # 5) the native backend's check agrees on the provider first, whatever the device (as if it were built)
+    # 5) the native backend's check agrees on the provider first, whatever the device (as if it were built);
+    # 6) then decides alike on every rank from what every rank gathered
     built, native._C = native._C, object()
+    current_device, torch.cuda.current_device = torch.cuda.current_device, lambda: 0
     try:
         _set_provider(None if rank == 0 else "vmm")
         seen.append(_raises(native.unavailable_reason, group, cpu))
         _set_provider("vmm")
         seen.append(str(native.unavailable_reason(group, cpu)))
+        # ranks on one GPU (as the check sees them): torch's symmetric memory refuses them; vmm would serve them,
+        # where the driver can (not here: no GPU), and says so for every rank
+        gpu = torch.device("cuda", 0)
+        _set_provider(None)
+        seen.append(str(native.unavailable_reason(group, gpu)))
+        _set_provider("vmm")
+        seen.append(str(native.unavailable_reason(group, gpu)))
     finally:
         native._C = built
-    # 6) a gloo Buffer with vmm named but no GPU: the CPU and the torch backend, as without the variable
+        torch.cuda.current_device = current_device
+    # 7) a gloo Buffer with vmm named but no GPU: the CPU and the torch backend, as without the variable
     buffer = Buffer(group, backend="auto")
     seen.append(f"{buffer.device} {buffer.backend_name}")
     buffer.destroy()
@@ -87,7 +97,7 @@ def _provider_worker(rank: int, world: int) -> list[str]:
 def test_every_rank_must_name_the_same_provider():
     results = run_distributed(_provider_worker, 2, timeout_s=60, join_timeout_s=120)
     assert results[0] == results[1], results  # every rank raised the same error, so none was left waiting
-    mixed, factory, bad, by_name, no_cuda, native_mixed, native_cpu, buffer = results[0]
+    mixed, factory, bad, by_name, no_cuda, native_mixed, native_cpu, torch_shared, vmm_shared, buffer = results[0]
     assert mixed.startswith("ValueError") and "'vmm' on rank 0" in mixed and "'torch' on rank 1" in mixed, mixed
     assert SYMMETRIC_MEMORY_ENV in mixed and factory == mixed, factory
     assert bad.startswith("ValueError") and "'Nvshmem'" in bad and "must be one of torch, vmm" in bad, bad
@@ -96,4 +106,8 @@ def test_every_rank_must_name_the_same_provider():
     assert all(f"rank {r}: ValueError: argument 'device' must be a CUDA device" in no_cuda for r in range(2))
     assert native_mixed.startswith("ValueError") and "'torch' on rank 0" in native_mixed, native_mixed
     assert native_cpu == "the group runs on cpu, not CUDA", native_cpu
+    if not torch.cuda.is_available():
+        assert torch_shared.startswith("ranks 0, 1 share GPU 0") and SYMMETRIC_MEMORY_ENV in torch_shared, torch_shared
+        assert all(f"rank {r}: {SYMMETRIC_MEMORY_ENV}=vmm, but the CUDA VMM calls cannot serve it" in vmm_shared
+                   for r in range(2)), vmm_shared
     assert buffer == "cpu torch" or torch.cuda.is_available(), buffer
