@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ep_moe import native
 from ep_moe.distributed import run_distributed
@@ -45,3 +46,34 @@ def run_on_one_gpu(fn: Callable, world: int, *args: Any, timeout_s: float = 120.
     ``timeout_s`` bounds each gloo collective, ``join_timeout_s`` the run). ``fn`` must be importable."""
     return run_distributed(_on_shared_gpu, world, fn, *args, backend="gloo", timeout_s=timeout_s,
                            join_timeout_s=join_timeout_s)
+
+
+def check_symmetric_buffer(buf, rank: int, world: int) -> None:
+    """Collective over the world group: every rank fills its copy of ``buf`` (a `SymmetricBuffer`) with its own
+    pattern; every rank then reads every copy through ``peer_tensor`` (at ``ptrs``), writes its rank into slot
+    ``rank`` (1 KiB) of every copy, and finds every rank's write in its own copy."""
+    device = buf.tensor.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def pattern(owner: int) -> torch.Tensor:
+        return ((torch.arange(buf.nbytes, device=device) * 7 + 13 * owner + 1) % 251).to(torch.uint8)
+
+    assert len(buf.ptrs) == world and buf.tensor.numel() == buf.nbytes and buf.tensor.data_ptr() == buf.ptrs[rank]
+    buf.tensor.copy_(pattern(rank))
+    sync()
+    dist.barrier()
+    for owner in range(world):
+        peer = buf.peer_tensor(owner)
+        assert peer.data_ptr() == buf.ptrs[owner] and peer.device == device and peer.numel() == buf.nbytes
+        assert torch.equal(peer, pattern(owner)), f"rank {rank} reads rank {owner}'s copy wrong"
+    dist.barrier()
+    for owner in range(world):
+        buf.peer_tensor(owner)[rank * 1024:(rank + 1) * 1024].fill_(100 + rank)
+    sync()
+    dist.barrier()
+    for writer in range(world):
+        got = buf.tensor[writer * 1024:(writer + 1) * 1024]
+        assert bool((got == 100 + writer).all()), f"rank {writer}'s write did not reach rank {rank}"
+    with pytest.raises(ValueError, match="'rank'"):
+        buf.peer_tensor(world)
+    dist.barrier()

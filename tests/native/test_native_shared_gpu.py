@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support_shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_runs
+from support_shared_gpu import DEVICE, check_symmetric_buffer, run_on_one_gpu, skip_unless_shared_gpu_runs
 from test_native_gpu import (
     ROUTINGS,
     _all_ok,
@@ -118,35 +118,11 @@ def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
 
 
 def _vmm_memory_worker(rank: int, world: int) -> int:
-    """Every rank fills its copy with its own pattern; every rank then reads every copy through ``peer_tensor``
-    (and ``ptrs``), and writes its rank into a slot of every peer's copy, which the owner reads back."""
     from ep_moe.native.symmetric import SymmetricBuffer, VmmSymmetricBuffer
 
-    nbytes = 3 << 20  # rounded up to 4 MiB
-    buf = SymmetricBuffer(dist.group.WORLD, DEVICE, nbytes)
-    assert isinstance(buf, VmmSymmetricBuffer) and buf.nbytes == 4 << 20 and len(buf.ptrs) == world
-
-    def pattern(owner: int) -> torch.Tensor:
-        return ((torch.arange(buf.nbytes, device=DEVICE) * 7 + 13 * owner + 1) % 251).to(torch.uint8)
-
-    buf.tensor.copy_(pattern(rank))
-    torch.cuda.synchronize()
-    dist.barrier()
-    for owner in range(world):
-        peer = buf.peer_tensor(owner)
-        assert peer.data_ptr() == buf.ptrs[owner] and peer.device == DEVICE
-        assert torch.equal(peer, pattern(owner)), f"rank {rank} reads rank {owner}'s copy wrong"
-    dist.barrier()
-    for owner in range(world):  # slot `rank` (a 1 KiB block) of every copy
-        buf.peer_tensor(owner)[rank * 1024:(rank + 1) * 1024].fill_(100 + rank)
-    torch.cuda.synchronize()
-    dist.barrier()
-    for writer in range(world):
-        got = buf.tensor[writer * 1024:(writer + 1) * 1024]
-        assert bool((got == 100 + writer).all()), f"rank {writer}'s write did not reach rank {rank}"
-    with pytest.raises(ValueError, match="'rank'"):
-        buf.peer_tensor(world)
-    dist.barrier()
+    buf = SymmetricBuffer(dist.group.WORLD, DEVICE, 3 << 20)  # rounded up to 4 MiB
+    assert isinstance(buf, VmmSymmetricBuffer) and buf.nbytes == 4 << 20 and buf.tensor.device == DEVICE
+    check_symmetric_buffer(buf, rank, world)
     buf.destroy()
     return world
 

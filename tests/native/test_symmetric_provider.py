@@ -1,18 +1,25 @@
 """The choice of the native kernels' symmetric memory (``EP_MOE_SYMMETRIC_MEMORY``, `ep_moe.native.symmetric`) on
 the CPU: the variable's values, the check that every rank names the same provider (every rank raises the same
-error naming the ranks, before anything is allocated), the VMM provider's uniform failure where it cannot map, and
-a gloo `Buffer` that stays on the CPU where no GPU exists. The mapping itself is tested on a GPU
-(`test_native_shared_gpu.py`)."""
+error naming the ranks, before anything is allocated), the native backend's decisions for ranks sharing a GPU, the
+VMM provider's uniform failure where it cannot map, and a gloo `Buffer` that stays on the CPU where no GPU exists.
+
+The VMM provider's own logic (descriptor exchange, every rank's allocation mapped in rank order, ``ptrs``,
+``peer_tensor``, a failure on one rank raised on every rank) runs on its CPU model: the device allocation and the
+CUDA range replaced by a ``memfd`` segment and a reserved host range (`ep_moe.memory.host`), shared between the
+processes the same way. The CUDA mapping itself is tested on a GPU (`test_native_shared_gpu.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from support_shared_gpu import check_symmetric_buffer
 
 from ep_moe.distributed import run_distributed
+from ep_moe.memory.host import HostRange, create_shared_segment
 from ep_moe.native.symmetric import SYMMETRIC_MEMORY_ENV, symmetric_memory_provider
 
 
@@ -111,3 +118,54 @@ def test_every_rank_must_name_the_same_provider():
         assert all(f"rank {r}: {SYMMETRIC_MEMORY_ENV}=vmm, but the CUDA VMM calls cannot serve it" in vmm_shared
                    for r in range(2)), vmm_shared
     assert buffer == "cpu torch" or torch.cuda.is_available(), buffer
+
+
+class _SegmentAllocation:
+    """The CPU model of `DeviceAllocation`: a ``memfd`` segment, its descriptor in place of the exported one."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.size, self.fd = size, create_shared_segment(size, "ep_moe_test_vmm_buffer")
+        self.handle = self.fd
+
+
+class _HostRangeModel(HostRange):
+    """The CPU model of `CudaRange`: allocations mapped by their descriptors into a reserved host range.
+    ``refuse_imports``: `map_imported` raises (a mapping that fails on one rank)."""
+
+    refuse_imports = False
+
+    def __init__(self, size: int, device: torch.device, host: bool = True) -> None:
+        assert not host, "the VMM provider maps no host memory"
+        super().__init__(size)
+
+    def map_allocation(self, offset: int, size: int, allocation: _SegmentAllocation) -> None:
+        self.map_shared(offset, size, allocation.fd)
+
+    def map_imported(self, offset: int, size: int, fd: int) -> None:
+        if self.refuse_imports:
+            raise RuntimeError("cuMemSetAccess failed: CUDA_ERROR_INVALID_DEVICE (simulated)")
+        self.map_shared(offset, size, fd)
+
+
+def _vmm_model_worker(rank: int, world: int) -> str:
+    import ep_moe.native.symmetric as symmetric
+
+    symmetric.DeviceAllocation, symmetric.CudaRange = _SegmentAllocation, _HostRangeModel
+    torch.cuda.device = lambda device: contextlib.nullcontext()  # (no CUDA device to make current)
+    _set_provider("vmm")
+    buf = symmetric.SymmetricBuffer(dist.group.WORLD, torch.device("cuda", 0), (1 << 20) + 1)
+    assert isinstance(buf, symmetric.VmmSymmetricBuffer) and buf.nbytes == 2 << 20
+    assert buf.ptrs == [buf.ptrs[0] + r * buf.nbytes for r in range(world)]  # one range, in rank order
+    check_symmetric_buffer(buf, rank, world)
+    buf.destroy()
+    assert buf.tensor is None and buf.ptrs == []
+    _HostRangeModel.refuse_imports = rank == world - 1
+    return _raises(symmetric.SymmetricBuffer, dist.group.WORLD, torch.device("cuda", 0), 1 << 20)
+
+
+def test_vmm_provider_on_its_cpu_model():
+    world = 3
+    errors = run_distributed(_vmm_model_worker, world, timeout_s=60, join_timeout_s=120)
+    assert all(e == errors[0] for e in errors), errors  # every rank raised the same error
+    assert errors[0] == (f"RuntimeError: ep_moe: mapping {2 << 20} bytes of VMM symmetric memory failed: rank "
+                         f"{world - 1}: RuntimeError: cuMemSetAccess failed: CUDA_ERROR_INVALID_DEVICE (simulated)")
