@@ -154,7 +154,7 @@ def host_numa_node(ordinal: int) -> int:
 
 
 class _ExportedAllocation:
-    """A pinned allocation of ``size`` bytes (``location``: on GPU ``device`` itself, or in the host NUMA node
+    """A pinned allocation of ``size`` bytes (on GPU ``device`` itself, or, ``on_host``, in the host NUMA node
     closest to it), exported as a POSIX file descriptor (``fd``, for the other processes of the node). Released
     when collected unless a `CudaRange` took it over (`CudaRange.map_allocation`)."""
 
@@ -371,4 +371,5 @@ def close_fd(fd: int | None) -> None:
         os.close(fd)
 
 
-__all__ = ["CudaDriverError", "CudaRange", "DeviceAllocation", "HostAllocation", "close_fd", "driver", "vmm_unavailable_reason"]
+__all__ = ["CudaDriverError", "CudaRange", "DeviceAllocation", "HostAllocation", "close_fd", "driver",
+           "vmm_unavailable_reason"]

@@ -35,6 +35,15 @@ def test_provider_values(monkeypatch):
     assert symmetric_memory_provider("vmm") == "vmm"
 
 
+def test_vmm_memory_needs_a_cuda_device():
+    from ep_moe.memory.cuda_vmm import CudaDriverError, CudaRange, DeviceAllocation
+
+    with pytest.raises(CudaDriverError, match="device memory cannot be shared: cpu is not a CUDA device"):
+        DeviceAllocation(torch.device("cpu"), 2 << 20)
+    with pytest.raises(CudaDriverError, match="VMM mapping is not available: cpu is not a CUDA device"):
+        CudaRange(2 << 20, torch.device("cpu"), host=False)
+
+
 def _set_provider(value: str | None) -> None:
     if value is None:
         os.environ.pop(SYMMETRIC_MEMORY_ENV, None)
