@@ -35,6 +35,18 @@ def test_provider_values(monkeypatch):
     assert symmetric_memory_provider("vmm") == "vmm"
 
 
+def test_env_report_names_the_provider(monkeypatch):
+    from ep_moe.native import report
+
+    monkeypatch.delenv(SYMMETRIC_MEMORY_ENV, raising=False)
+    assert report._symmetric_memory().startswith(f"torch ({SYMMETRIC_MEMORY_ENV}=(unset)): torch.distributed.")
+    monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, "vmm")
+    line = report._symmetric_memory()
+    assert line.startswith(f"vmm ({SYMMETRIC_MEMORY_ENV}=vmm): CUDA VMM device memory shared by file descriptor"), line
+    if not torch.cuda.is_available():
+        assert line.endswith("unavailable: cpu is not a CUDA device"), line
+
+
 def test_vmm_memory_needs_a_cuda_device():
     from ep_moe.memory.cuda_vmm import CudaDriverError, CudaRange, DeviceAllocation
 
