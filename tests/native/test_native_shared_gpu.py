@@ -44,9 +44,10 @@ NUM_CASES = 10
 
 def small_case(index: int) -> dict:
     """Case ``index`` of `NUM_CASES` (a `test_native_gpu.make_case` dict, small): the three dtypes among the cached
-    dispatches (every third index), fixed size on indices 2 and 6 (even: exact-size ones run with the copy engine
-    off, odd ones with it forced on), every routing of `ROUTINGS`, biases 0/1/2 in turn; experts divisible by 2, 3
-    and 4 ranks. Index 9: rows of 520 bytes, which the kernels do not take (the torch fallback)."""
+    dispatches (every third index), fixed size on indices 2 and 6, every routing of `ROUTINGS`, biases 0/1/2 in
+    turn, experts divisible by 2, 3 and 4 ranks. `_case_options` runs odd indices (all exact size) with the copy
+    engine forced on, even ones with it off. Index 9: rows of 520 bytes, which the kernels do not take (the torch
+    fallback)."""
     case = dict(hidden=(256, 512, 1024)[index % 3], tokens=(64, 7, 200, 1, 64, 0, 128, 33, 96, 40)[index],
                 topk=(2, 4, 1, 8, 6, 2, 4, 8, 3, 2)[index], experts=(24, 48)[index % 2],
                 dtype=("bf16", "fp8", "fp32")[(index + index // 3) % 3], routing=ROUTINGS[index % len(ROUTINGS)],
@@ -105,7 +106,7 @@ def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
         case, error = small_case(index), None
         try:
             _check_case(rank, world, index, nat, ref, _case_options(index), case)
-            if index % 3 != 2:  # expert-major on most cases (both layouts of FP8 and fixed size included)
+            if index % 3 != 2:  # expert-major on two cases of three (FP8 and fixed size among them)
                 _check_expert_major(rank, world, index, nat, ref, case)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
