@@ -119,13 +119,29 @@ def _provider_worker(rank: int, world: int) -> list[str]:
     buffer = Buffer(group, backend="auto")
     seen.append(f"{buffer.device} {buffer.backend_name}")
     buffer.destroy()
+    # 8) with a GPU (as the choice sees it), the device of a gloo Buffer follows the agreed provider: the GPU for
+    # vmm unless the torch backend is asked for; ranks that disagree all raise before choosing
+    from ep_moe.buffer import _device_of
+
+    available, torch.cuda.is_available = torch.cuda.is_available, lambda: True
+    current_device, torch.cuda.current_device = torch.cuda.current_device, lambda: 0
+    try:
+        _set_provider("vmm")
+        seen.append(" ".join(str(_device_of(group, requested)) for requested in ("auto", "native", "torch")))
+        _set_provider(None)
+        seen.append(str(_device_of(group, "auto")))
+        _set_provider("vmm" if rank == 1 else None)
+        seen.append(_raises(_device_of, group, "native"))
+    finally:
+        torch.cuda.is_available, torch.cuda.current_device = available, current_device
     return seen
 
 
 def test_every_rank_must_name_the_same_provider():
     results = run_distributed(_provider_worker, 2, timeout_s=60, join_timeout_s=120)
     assert results[0] == results[1], results  # every rank raised the same error, so none was left waiting
-    mixed, factory, bad, by_name, no_cuda, native_mixed, native_cpu, torch_shared, vmm_shared, buffer = results[0]
+    (mixed, factory, bad, by_name, no_cuda, native_mixed, native_cpu, torch_shared, vmm_shared, buffer,
+     vmm_devices, torch_device, device_mixed) = results[0]
     assert mixed.startswith("ValueError") and "'vmm' on rank 0" in mixed and "'torch' on rank 1" in mixed, mixed
     assert SYMMETRIC_MEMORY_ENV in mixed and factory == mixed, factory
     assert bad.startswith("ValueError") and "'Nvshmem'" in bad and "must be one of torch, vmm" in bad, bad
@@ -139,6 +155,8 @@ def test_every_rank_must_name_the_same_provider():
         assert all(f"rank {r}: {SYMMETRIC_MEMORY_ENV}=vmm, but the CUDA VMM calls cannot serve it" in vmm_shared
                    for r in range(2)), vmm_shared
     assert buffer == "cpu torch" or torch.cuda.is_available(), buffer
+    assert vmm_devices == "cuda:0 cuda:0 cpu" and torch_device == "cpu", (vmm_devices, torch_device)
+    assert device_mixed.startswith("ValueError") and "'vmm' on rank 1" in device_mixed, device_mixed
 
 
 class _SegmentAllocation:
