@@ -185,6 +185,6 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     return per_rank, per_expert, in_rank
 
 
-__all__ = ["BUILD_RECORD", "MAX_RANKS", "SYMMETRIC_MEMORY_ENV", "buffer_size_hint", "dispatch_layout",
-           "explain_missing_extension", "extension_available", "extension_unavailable_reason", "read_build_record",
-           "symmetric_memory_provider", "unavailable_reason"]
+__all__ = ["BUILD_RECORD", "MAX_RANKS", "SYMMETRIC_MEMORY_ENV", "agreed_symmetric_memory_provider",
+           "buffer_size_hint", "dispatch_layout", "explain_missing_extension", "extension_available",
+           "extension_unavailable_reason", "read_build_record", "symmetric_memory_provider", "unavailable_reason"]
