@@ -101,6 +101,7 @@ class _Recorder:
 def test_warmup_covers_every_specialization_of_a_pass(monkeypatch, dtype, hidden):
     recorder = _Recorder()
     monkeypatch.setattr(J, "_function", recorder)
+    monkeypatch.setattr(J, "_layout", {})  # the layout's per-specialization cache of what _function gave
     monkeypatch.setattr(J, "_on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(J, "_stream", lambda device: 0)
     monkeypatch.setattr(J, "_device_of", lambda t: 0)
@@ -167,6 +168,7 @@ def test_no_top_k_columns_ask_for_no_zero_width_kernel(monkeypatch):
     """K = 0 (rows routed nowhere): the launchers never ask for an EP_TOPK=0 kernel (zero-length arrays)."""
     recorder = _Recorder()
     monkeypatch.setattr(J, "_function", recorder)
+    monkeypatch.setattr(J, "_layout", {})  # the layout's per-specialization cache of what _function gave
     monkeypatch.setattr(J, "_on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(J, "_stream", lambda device: 0)
     monkeypatch.setattr(J, "_device_of", lambda t: 0)
