@@ -463,6 +463,30 @@ void barrier(const Env& env) {
   check_launch(ep_moe::launch_barrier(env.env, c10::cuda::getCurrentCUDAStream().stream()), "barrier");
 }
 
+// A header exchange before a host-side decision (kernels.h, launch_exchange); the result goes where the
+// notify's header check writes it in host_counts. `prefix`: the handle's [R, R] int32 rank_prefix_matrix,
+// whose layout digest fills the layout slot (absent: the header's own value).
+void exchange(const Env& env, const std::vector<int64_t>& header, const OptTensor& prefix, const at::Tensor& host_counts,
+              const OptTensor& test_perturb) {
+  const int num_ranks = env.env.num_ranks;
+  const int64_t host_words = num_ranks * (num_ranks + 1) + num_ranks * ep_moe::kHeaderWords + ep_moe::kHeaderLen + 1;
+  TORCH_CHECK(!host_counts.is_cuda() && host_counts.is_pinned() && host_counts.scalar_type() == at::kInt &&
+                  host_counts.numel() >= host_words,
+              "ep_moe.native: host_counts must be pinned int32 of at least ", host_words, " words");
+  int32_t* host_dev = nullptr;
+  TORCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host_counts.data_ptr(), 0) == cudaSuccess,
+              "ep_moe.native: host_counts is not device-mapped");
+  const bool with_prefix = present(prefix);
+  if (with_prefix)
+    TORCH_CHECK(prefix->is_cuda() && prefix->is_contiguous() && prefix->scalar_type() == at::kInt &&
+                    prefix->numel() == num_ranks * num_ranks,
+                "ep_moe.native: prefix must be a contiguous [R, R] int32 CUDA tensor");
+  const ep_moe::HeaderCheck check = header_check(header, with_prefix, test_perturb);
+  check_launch(ep_moe::launch_exchange(env.env, check, with_prefix ? prefix->data_ptr<int32_t>() : nullptr,
+                                       host_dev + num_ranks * (num_ranks + 1), c10::cuda::getCurrentCUDAStream().stream()),
+               "exchange");
+}
+
 void close_epoch(const Env& env) {
   check_launch(ep_moe::launch_close_epoch(env.env, c10::cuda::getCurrentCUDAStream().stream()), "close_epoch");
 }
@@ -493,4 +517,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine", &combine, "return rows to their sources and sum per token");
   m.def("barrier", &barrier, "device barrier over the group");
   m.def("close_epoch", &close_epoch, "close the epoch of a notify that no dispatch kernel follows");
+  m.def("exchange", &exchange, "header exchange before a host-side decision (every rank's header to host_counts)");
 }

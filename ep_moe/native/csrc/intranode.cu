@@ -1281,6 +1281,43 @@ __global__ void barrier_kernel(KernelEnv env) {
   if (threadIdx.x == 0) env.state->seq = epoch;
 }
 
+// One warp, an operation of its own: this rank's header of a call the host is about to take a decision on
+// (the torch fallback, growing the buffer, new options), with the layout digest of `prefix` when
+// hc.digest_from_prefix, announced and compared with every rank's; every header as seen, this rank's own and
+// the verdict go to `host_out` in the layout of the notify's (NotifyParams::check), for the host's wait.
+__global__ void exchange_kernel(KernelEnv env, HeaderCheck hc, const int32_t* prefix, int32_t* host_out) {
+  const uint64_t epoch = current_epoch(env);
+  const int lane = threadIdx.x, num_ranks = env.num_ranks;
+  const int32_t digest = hc.digest_from_prefix ? warp_layout_digest(prefix, num_ranks) : hc.header[kHeaderLayout];
+  if (lane < num_ranks) announce_header(env, hc, digest, epoch);
+  int32_t seen[kHeaderWords];
+  bool ok = true;
+  if (lane < num_ranks) {
+    ok = wait_flag(wait_ctx(env), &control_of(env, env.rank)->arrive[lane], epoch, kStageHeaderExchange, lane, 0);
+    if (ok) load_header(env, hc, epoch, lane, seen);
+  }
+  bool differs = false;
+  volatile int32_t* out = host_out;
+  if (lane < num_ranks && ok) {
+#pragma unroll
+    for (int w = 0; w < kHeaderWords; ++w) {
+      out[lane * kHeaderWords + w] = seen[w];
+      if (w < kHeaderLen) differs |= seen[w] != (w == kHeaderLayout ? digest : hc.header[w]);
+    }
+  }
+  const bool all_ok = __all_sync(0xffffffffu, ok);
+  const bool disagree = all_ok && __any_sync(0xffffffffu, differs);
+  const bool any_copy_engine = __any_sync(0xffffffffu, lane < num_ranks && ok && seen[kHeaderCopySeq] != 0);
+  if (lane == 0) {
+#pragma unroll
+    for (int w = 0; w < kHeaderLen; ++w) out[num_ranks * kHeaderWords + w] = w == kHeaderLayout ? digest : hc.header[w];
+    out[num_ranks * kHeaderWords + kHeaderLen] = disagree ? 1 : 0;
+  }
+  if (disagree) close_after_disagreement(env, epoch, kStageHeaderExchange, any_copy_engine, [](int) { return true; });
+  __syncwarp();
+  if (lane == 0) env.state->seq = epoch;
+}
+
 // One thread: closes the epoch a notify opened (see launch_close_epoch).
 __global__ void close_epoch_kernel(KernelEnv env) {
   const uint64_t epoch = current_epoch(env);
@@ -1329,6 +1366,12 @@ cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream) {
 
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream) {
   barrier_kernel<<<1, 32, 0, stream>>>(env);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_exchange(const KernelEnv& env, const HeaderCheck& check, const int32_t* prefix, int32_t* host_out,
+                            cudaStream_t stream) {
+  exchange_kernel<<<1, 32, 0, stream>>>(env, check, prefix, host_out);
   return cudaGetLastError();
 }
 

@@ -50,6 +50,7 @@ enum Stage {
   kStageBarrier = 6,         // barrier
   kStageDispatchCapacity = 7,
   kStageCombineCapacity = 8,
+  kStageHeaderExchange = 9,  // a header exchange before a host-side decision (launch_exchange)
 };
 
 struct LocalState;
@@ -249,5 +250,11 @@ cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);
 // Closes the epoch a notify opened when no dispatch kernel follows it (an exact-size dispatch whose header check
 // failed: the host raises instead of launching the dispatch; without this, the next notify would reuse the epoch).
 cudaError_t launch_close_epoch(const KernelEnv& env, cudaStream_t stream);
+// A header exchange as an operation of its own (one warp; an epoch): announces `check` (with the layout digest
+// of `prefix`, [R, R] int32 on the device, when check.digest_from_prefix), compares it with every rank's and
+// writes what the notify's header check writes (NotifyParams::check) to `host_out` (pinned, device-mapped).
+// Run before a host-side decision that must be the same on every rank (the torch fallback, a larger buffer).
+cudaError_t launch_exchange(const KernelEnv& env, const HeaderCheck& check, const int32_t* prefix, int32_t* host_out,
+                            cudaStream_t stream);
 
 }  // namespace ep_moe
