@@ -17,7 +17,7 @@ from ep_moe.reference import reference_combine, reference_dispatch
 BUFFER_TIMEOUT_S = 10.0
 GROUP_TIMEOUT_S = 30.0
 H, K, E_PER_RANK = 128, 2, 2
-TOKENS = (6, 9, 4)  # T of ranks 0, 1, 2
+TOKENS = (6, 9, 4, 7, 5, 8, 3, 6)  # T of ranks 0, 1, 2, ... (the GPU version runs up to 8 ranks)
 
 
 def _scenarios(rank: int, num_ranks: int, buffer: Buffer, x, idx, w, E: int, W: int):
