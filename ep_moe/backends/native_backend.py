@@ -160,6 +160,7 @@ class NativeBackend(CommBackend):
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
             # the error record, then the mismatch record (csrc/kernels.h)
             self._error = torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, pin_memory=True)
+            self._error_record = self._error[:C.ERROR_WORDS]  # read at every call's start
             # [R * R] rows s sends r, then [R] tokens of every rank (written by notify), then the header check's
             # words: [R][HEADER_WORDS] every rank's header as seen, this rank's, the verdict (notify, exchange)
             self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1) + C.MAX_RANKS * HEADER_WORDS + HEADER_LEN + 1,
@@ -205,7 +206,7 @@ class NativeBackend(CommBackend):
             raise RuntimeError(f"ep_moe[native]: the buffer is unusable after an earlier failure: {self._broken}")
         if self._destroyed:
             raise RuntimeError("ep_moe[native]: the buffer was destroyed")
-        record = self._error.tolist()
+        record = self._error_record.tolist()
         if record[0] == 0:
             return
         code, rank, stage, channel, peer, detail = record[:6]
