@@ -83,13 +83,16 @@ def mismatch_error(rank: int, own: list[int], seen: list[list[int]]) -> ValueErr
     """The `ValueError` of a disagreement the kernels of rank ``rank`` found: ``own`` is its header of the call,
     ``seen[r]`` rank ``r``'s as its kernel saw it (the same on every rank), worded by
     `agreement.mismatch_message`. Where every rank's header as seen is the same and only differs from ``own``
-    (which only the test-only `NativeBackend.test_header_perturbation` causes), both are named apart."""
+    (which only the test-only `NativeBackend.test_header_perturbation` causes), both are named apart; where all
+    are the same, the ranks disagreed on taking the copy engine (csrc/intranode.cu, check_headers_warp)."""
     op_name = {agreement.OP_COMBINE: "combine", agreement.OP_BARRIER: "barrier"}.get(own[0], "dispatch")
     message = agreement.mismatch_message(op_name, seen)
     if message is None:
         labels = [f"rank {rank}'s own call"] + [f"rank {r} as seen by rank {rank}'s kernel" for r in range(len(seen))]
         message = agreement.mismatch_message(op_name, [own, *seen], labels)
-    return ValueError(message or f"ep_moe.{op_name}: ranks disagree (headers {seen}, own {own})")
+    return ValueError(message or f"ep_moe.{op_name}: ranks disagree on taking the copy engine for this call with "
+                      "equal headers (only some ranks know the handle's layout on the host, e.g. a handle rebuilt "
+                      "from its tensors on some ranks)")
 
 
 def parse_mismatch_record(words: list[int]) -> ValueError | None:

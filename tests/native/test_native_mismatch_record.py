@@ -70,6 +70,12 @@ def test_operations_that_differ_name_the_barrier() -> None:
     assert message == "ep_moe.barrier: ranks disagree on the operation: rank 0 has combine, rank 1 has barrier"
 
 
+def test_equal_headers_mean_the_copy_engine_choice() -> None:
+    a = _header(op=agreement.OP_COMBINE, layout=5)
+    message = str(parse_mismatch_record(_record(0, a, [a, a])))
+    assert message.startswith("ep_moe.combine: ranks disagree on taking the copy engine for this call")
+
+
 def test_empty_record_is_none() -> None:
     assert parse_mismatch_record([0] * MISMATCH_WORDS) is None
 

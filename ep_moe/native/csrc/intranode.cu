@@ -113,10 +113,13 @@ enum HeaderVerdict { kHeadersAgree = 0, kHeadersDisagree = 1, kHeadersWaitFailed
 
 // Warp: lanes < R wait for rank `lane`'s arrival in this epoch and load its header; then every lane compares
 // the R headers with this rank's own (`hc`, `digest` in the layout slot). With `record`, a disagreement writes
-// the mismatch record. Lane r's `copy_seq`: rank r's kHeaderCopySeq. Every warp that calls it gets the same
-// verdict (the headers of an epoch stay put until every rank arrived in the next one).
+// the mismatch record. Lane r's `copy_seq`: rank r's kHeaderCopySeq. Ranks of which some take the copy engine
+// (`copy_engine_here`) and some do not also disagree, whatever their headers (a receiver would otherwise wait
+// for copies that never come, or for no number at all): that happens where only some ranks know the handle's
+// layout on the host. Every warp that calls it gets the same verdict (the headers of an epoch stay put until
+// every rank arrived in the next one).
 __device__ HeaderVerdict check_headers_warp(const KernelEnv& env, const HeaderCheck& hc, int32_t digest, uint64_t epoch,
-                                            int stage, bool record, uint64_t* copy_seq) {
+                                            int stage, bool record, uint64_t* copy_seq, bool copy_engine_here) {
   const int lane = threadIdx.x & 31, num_ranks = env.num_ranks;
   int32_t own[kHeaderLen], seen[kHeaderWords];
 #pragma unroll
@@ -130,7 +133,7 @@ __device__ HeaderVerdict check_headers_warp(const KernelEnv& env, const HeaderCh
   }
   if (!__all_sync(0xffffffffu, ok)) return kHeadersWaitFailed;
   *copy_seq = static_cast<uint32_t>(seen[kHeaderCopySeq]);
-  bool differs = false;
+  bool differs = lane < num_ranks && (seen[kHeaderCopySeq] != 0) != copy_engine_here;
 #pragma unroll
   for (int s = 0; s < kHeaderLen; ++s) differs |= seen[s] != own[s];
   if (!__any_sync(0xffffffffu, differs)) return kHeadersAgree;
@@ -726,7 +729,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   uint64_t lane_copy_seq = 0;
   if (p.write_arrival) {
     verdict = check_headers_warp(env, p.check, sh.digest, epoch, kStageDispatchSend,
-                                 blockIdx.x == 0 && threadIdx.x < 32, &lane_copy_seq);
+                                 blockIdx.x == 0 && threadIdx.x < 32, &lane_copy_seq, p.copy_engine.seq != 0);
     skip = verdict != kHeadersAgree;
   }
   const int32_t* prefix = sh.prefix;
@@ -1094,7 +1097,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   // copy-engine number (the value its copy stream writes into copy_engine_flag).
   uint64_t lane_copy_seq = 0;
   const HeaderVerdict verdict = check_headers_warp(env, p.check, sh.digest, epoch, kStageCombineSend,
-                                                   blockIdx.x == 0 && threadIdx.x < 32, &lane_copy_seq);
+                                                   blockIdx.x == 0 && threadIdx.x < 32, &lane_copy_seq,
+                                                   p.copy_engine.seq != 0);
   // Every rank checks every rank's rows against the (identical) capacity: the same verdict everywhere.
   bool skip = verdict != kHeadersAgree;
   for (int s = 0; s < num_ranks && !skip; ++s) {
@@ -1275,7 +1279,7 @@ __global__ void barrier_kernel(KernelEnv env) {
   barrier.header[kHeaderOp] = kOpBarrier;
   if (static_cast<int>(threadIdx.x) < env.num_ranks) announce_header(env, barrier, 0, epoch);
   uint64_t copy_seq = 0;
-  if (check_headers_warp(env, barrier, 0, epoch, kStageBarrier, true, &copy_seq) == kHeadersDisagree)
+  if (check_headers_warp(env, barrier, 0, epoch, kStageBarrier, true, &copy_seq, false) == kHeadersDisagree)
     close_after_disagreement(env, epoch, kStageBarrier, __any_sync(0xffffffffu, copy_seq != 0), [](int) { return true; });
   __syncthreads();
   if (threadIdx.x == 0) env.state->seq = epoch;
@@ -1304,6 +1308,7 @@ __global__ void exchange_kernel(KernelEnv env, HeaderCheck hc, const int32_t* pr
       out[lane * kHeaderWords + w] = seen[w];
       if (w < kHeaderLen) differs |= seen[w] != (w == kHeaderLayout ? digest : hc.header[w]);
     }
+    differs |= seen[kHeaderCopySeq] != 0;  // a rank in a copy-engine call disagrees with one exchanging (see there)
   }
   const bool all_ok = __all_sync(0xffffffffu, ok);
   const bool disagree = all_ok && __any_sync(0xffffffffu, differs);
