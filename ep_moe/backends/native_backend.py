@@ -164,6 +164,7 @@ class NativeBackend(CommBackend):
             # the error record, then the mismatch record (csrc/kernels.h)
             self._error = torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, pin_memory=True)
             self._error_record = self._error[:C.ERROR_WORDS]  # read at every call's start
+            self._mismatch_record = self._error[C.ERROR_WORDS:]
             # [R * R] rows s sends r, then [R] tokens of every rank (written by notify), then the header check's
             # words: [R][HEADER_WORDS] every rank's header as seen, this rank's, the verdict (notify, exchange)
             self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1) + C.MAX_RANKS * HEADER_WORDS + HEADER_LEN + 1,
@@ -242,12 +243,11 @@ class NativeBackend(CommBackend):
         that covers that call: every rank's kernels found the same disagreements, so every rank has the same
         record there and raises at the same point (a check at a call's start could see it on one rank and not
         yet on another, and put the ranks out of step)."""
-        base = _c().ERROR_WORDS
-        words = self._error[base:base + MISMATCH_WORDS].tolist()
-        error = parse_mismatch_record(words)
-        if error is not None:
-            self._error[base + _FOUND] = 0
-            raise error
+        if int(self._mismatch_record[_FOUND]) == 0:  # the common case: one word
+            return
+        error = parse_mismatch_record(self._mismatch_record.tolist())
+        self._mismatch_record[_FOUND] = 0
+        raise error
 
     def _header_check(self) -> tuple[bool, list[int], list[list[int]]]:
         """The header check a notify or an exchange wrote into host_counts (after a host wait)."""
