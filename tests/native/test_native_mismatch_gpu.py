@@ -265,8 +265,9 @@ def mismatch_session(rank: int, num_ranks: int, group: dist.ProcessGroup, device
 def perturbed_copy_engine_session(rank: int, num_ranks: int, group: dist.ProcessGroup, device: torch.device
                                   ) -> list[str]:
     """The knob on every rank (so every rank sees the same perturbed header) with the copy engine forced on: a
-    cached dispatch and a combine whose copy streams were released before the verdict; every rank raises at
-    the barrier, and the next calls equal the reference. Returns this rank's outcomes."""
+    cached dispatch and a combine whose copy streams were released before the verdict; then a combine that
+    only some ranks take by the copy engine. Every rank raises at the barrier, and the next calls equal the
+    reference. Returns this rank's outcomes."""
     case = Case("knob", TOKENS[:num_ranks], H, K, E_PER_RANK * num_ranks, "random", "bf16")
     inp = make_inputs(case, num_ranks, seed=9)
     E = case.experts
@@ -282,6 +283,12 @@ def perturbed_copy_engine_session(rank: int, num_ranks: int, group: dist.Process
         outcomes.append(f"{what}: {_call_then_barrier(buffer, call)}")
         _set(knob, OFF)
         outcomes.append(f"{what} after: {_correct_calls_on(rank, buffer, inp, E, device) or 'ok'}")
+    # The copy-engine choice: the last rank's handle lost its backend state (as one rebuilt from its tensors
+    # would), so its host does not know the layout and its combine takes the pushers; the others' take the
+    # copy engine. Their headers agree: the choice itself is the disagreement.
+    handle = out[4]._replace(backend_state=None) if rank == num_ranks - 1 else out[4]
+    outcomes.append(f"choice: {_call_then_barrier(buffer, lambda: buffer.combine(out[0], handle))}")
+    outcomes.append(f"choice after: {_correct_calls_on(rank, buffer, inp, E, device) or 'ok'}")
     buffer.destroy()
     return outcomes
 
@@ -334,5 +341,7 @@ def test_copy_engine_calls_with_a_perturbed_header() -> None:
                                       "size: "), f"rank {rank}: {outcomes}"
         assert outcomes[2].startswith("combine: ValueError: ep_moe.combine: ranks disagree on the hidden size: "), \
             f"rank {rank}: {outcomes}"
-        assert outcomes[1] == "cached dispatch after: ok" and outcomes[3] == "combine after: ok", \
+        assert outcomes[4].startswith("choice: ValueError: ep_moe.combine: ranks disagree on taking the copy engine"), \
+            f"rank {rank}: {outcomes}"
+        assert outcomes[1::2] == ["cached dispatch after: ok", "combine after: ok", "choice after: ok"], \
             f"rank {rank}: {outcomes}"
