@@ -229,14 +229,12 @@ class NativeBackend(CommBackend):
         self._broken = message
         raise RuntimeError(message)
 
-    def _wait_on_host(self, mismatch: bool = True) -> None:
-        """Block until the work queued so far on the current stream ran, then surface kernel errors, and with
-        ``mismatch`` a disagreement recorded by an earlier call (`_raise_mismatch`)."""
+    def _wait_on_host(self) -> None:
+        """Block until the work queued so far on the current stream ran, then surface kernel errors (not a
+        disagreement an earlier call recorded: see `_raise_mismatch` for where that is raised)."""
         self._notify_done.record(torch.cuda.current_stream(self.device))
         self._notify_done.synchronize()
         self._raise_if_failed()
-        if mismatch:
-            self._raise_mismatch()
 
     def _raise_mismatch(self) -> None:
         """Raise (and clear) the mismatch record of a call that did not wait on the host. Only after a host wait
@@ -273,7 +271,7 @@ class NativeBackend(CommBackend):
         if prefix is not None:
             prefix = prefix.to(torch.int32).contiguous()
         _c().exchange(self._buffer_env, header, prefix, self._host_counts, self.test_header_perturbation)
-        self._wait_on_host(mismatch=False)
+        self._wait_on_host()
         disagree, own, seen = self._header_check()
         if disagree:
             raise mismatch_error(self.rank, own, [h[:HEADER_LEN] for h in seen])
@@ -476,7 +474,7 @@ class NativeBackend(CommBackend):
         if num_worst_tokens:
             rows = num_worst_tokens
         else:
-            self._wait_on_host(mismatch=False)  # an earlier call's record is raised once this call is launched
+            self._wait_on_host()  # an earlier call's mismatch record is raised once this call's kernels are queued
             disagree, own, seen = self._header_check()
             if disagree:  # before the counts are used: no dispatch kernel follows, so close the notify's epoch
                 C.close_epoch(env)
