@@ -8,14 +8,15 @@ disagree on a call's hidden size, dtype, top-k, experts, fixed size or handle ra
   (raised by the call), a fixed-size dispatch, a cached dispatch and a combine (raised by the next host wait,
   ``barrier()``), and a fixed-size dispatch + combine captured in a CUDA graph whose replay with the knob on
   writes nothing into the outputs. The next correct call equals the torch backend's bit for bit.
-* Two or more ranks (``EP_MOE_TEST_WORLD`` GPUs, default 2): every scenario of tests/core/test_rank_mismatch.py
-  (the last rank passes the other value), with the copy engine off and forced on; then the knob on every rank
-  with the copy engine forced on (the copy-engine copies of a disagreeing call are waited for before its
-  epoch closes). The session functions take the group and the device from their caller, so that a harness
-  running several processes on one GPU can call them too.
+* Two or more ranks: every scenario of tests/core/test_rank_mismatch.py (the last rank passes the other value),
+  with the copy engine off and forced on; then the knob on every rank with the copy engine forced on (the
+  copy-engine copies of a disagreeing call are waited for before its epoch closes) and a combine that only some
+  ranks take by the copy engine. On ``EP_MOE_TEST_WORLD`` GPUs (default 2; NCCL), and on ONE GPU shared by 2 and
+  3 processes (`support_shared_gpu`: gloo, ``EP_MOE_SYMMETRIC_MEMORY=vmm``). The session functions take the
+  group, the device and the buffer's timeout from their caller.
 
-Run: ``pytest -m gpu tests/native/test_native_mismatch_gpu.py`` (one-rank tests on any GPU; the others skip
-without ``EP_MOE_TEST_WORLD`` GPUs).
+Run: ``pytest -m gpu tests/native/test_native_mismatch_gpu.py`` (the one-rank and shared-GPU tests on one GPU;
+the multi-GPU ones skip without ``EP_MOE_TEST_WORLD`` GPUs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from support_shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_runs
 
 from ep_moe import Buffer, NativeOptions, native
 from ep_moe.distributed import run_distributed
@@ -39,8 +41,9 @@ from test_rank_mismatch import E_PER_RANK, SCENARIOS, TOKENS, H, K, _expected, _
 
 pytestmark = pytest.mark.gpu
 
-WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of the multi-rank tests
+WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of the multi-GPU tests
 BUFFER_TIMEOUT_S = 10.0
+SHARED_TIMEOUT_S = 60.0  # ranks sharing a GPU: a peer's kernel may wait for time slices of every other process
 SLOT = {"hidden": 1, "topk": 4, "experts": 5, "worst": 6, "layout": 7}  # agreement's header slots
 OFF = (-1, 0, 0)  # the knob's values that change nothing (no rank is source -1)
 
@@ -242,15 +245,15 @@ def _correct_calls_on(rank: int, buffer: Buffer, inp, E: int, device: torch.devi
 
 
 def mismatch_session(rank: int, num_ranks: int, group: dist.ProcessGroup, device: torch.device,
-                     copy_engine: bool) -> dict[str, tuple[str, float, str]]:
-    """Every scenario of tests/core/test_rank_mismatch.py on a native Buffer over ``group``, this rank's
-    tensors on ``device``. Every rank makes every call, then ``barrier()`` (where a call that does not wait on
-    the host raises its disagreement), then correct calls. Returns, per scenario, (the first error of the call
-    or the barrier, seconds, what the correct calls afterwards got wrong)."""
+                     copy_engine: bool, timeout_s: float = BUFFER_TIMEOUT_S) -> dict[str, tuple[str, float, str]]:
+    """Every scenario of tests/core/test_rank_mismatch.py on a native Buffer over ``group`` (``timeout_s``), this
+    rank's tensors on ``device``. Every rank makes every call, then ``barrier()`` (where a call that does not wait
+    on the host raises its disagreement), then correct calls. Returns, per scenario, (the first error of the
+    call or the barrier, seconds, what the correct calls afterwards got wrong)."""
     case = Case("mismatch", TOKENS[:num_ranks], H, K, E_PER_RANK * num_ranks, "random", "bf16")
     inp = make_inputs(case, num_ranks, seed=5)
     E = case.experts
-    buffer = Buffer(group, backend="native", timeout_s=BUFFER_TIMEOUT_S, native_options=_options(copy_engine))
+    buffer = Buffer(group, backend="native", timeout_s=timeout_s, native_options=_options(copy_engine))
     assert buffer.backend_name == "native", buffer.backend_name
     x, idx, w = inp.x(rank).to(device), inp.idxs[rank].to(device), inp.weights[rank].to(device)
     results = {}
@@ -262,8 +265,8 @@ def mismatch_session(rank: int, num_ranks: int, group: dist.ProcessGroup, device
     return results
 
 
-def perturbed_copy_engine_session(rank: int, num_ranks: int, group: dist.ProcessGroup, device: torch.device
-                                  ) -> list[str]:
+def perturbed_copy_engine_session(rank: int, num_ranks: int, group: dist.ProcessGroup, device: torch.device,
+                                  timeout_s: float = BUFFER_TIMEOUT_S) -> list[str]:
     """The knob on every rank (so every rank sees the same perturbed header) with the copy engine forced on: a
     cached dispatch and a combine whose copy streams were released before the verdict; then a combine that
     only some ranks take by the copy engine. Every rank raises at the barrier, and the next calls equal the
@@ -271,7 +274,7 @@ def perturbed_copy_engine_session(rank: int, num_ranks: int, group: dist.Process
     case = Case("knob", TOKENS[:num_ranks], H, K, E_PER_RANK * num_ranks, "random", "bf16")
     inp = make_inputs(case, num_ranks, seed=9)
     E = case.experts
-    buffer = Buffer(group, backend="native", timeout_s=BUFFER_TIMEOUT_S, native_options=_options(True))
+    buffer = Buffer(group, backend="native", timeout_s=timeout_s, native_options=_options(True))
     knob = torch.tensor(OFF, dtype=torch.int32, device=device)
     buffer.backend.test_header_perturbation = knob
     x, idx, w = inp.x(rank).to(device), inp.idxs[rank].to(device), inp.weights[rank].to(device)
@@ -293,49 +296,65 @@ def perturbed_copy_engine_session(rank: int, num_ranks: int, group: dist.Process
     return outcomes
 
 
-def _mismatch_worker(rank: int, world: int, copy_engine: bool) -> dict:
+def _mismatch_worker(rank: int, world: int, copy_engine: bool, timeout_s: float) -> dict:
+    """On the GPU this rank's launcher chose (one per rank, NCCL; or GPU 0 shared, gloo)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    return mismatch_session(rank, world, dist.group.WORLD, device, copy_engine)
+    return mismatch_session(rank, world, dist.group.WORLD, device, copy_engine, timeout_s)
 
 
-def _perturbed_worker(rank: int, world: int) -> list[str]:
+def _perturbed_worker(rank: int, world: int, timeout_s: float) -> list[str]:
     device = torch.device("cuda", torch.cuda.current_device())
-    return perturbed_copy_engine_session(rank, world, dist.group.WORLD, device)
+    return perturbed_copy_engine_session(rank, world, dist.group.WORLD, device, timeout_s)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["pushers", "copy_engine_forced"])
-def session(request) -> tuple[int, list[dict]]:
-    if WORLD < 2:
-        pytest.skip("ranks can only disagree with two or more (EP_MOE_TEST_WORLD >= 2)")
-    _need_gpus(WORLD)
-    return WORLD, run_distributed(_mismatch_worker, WORLD, request.param, backend="nccl", timeout_s=120,
-                                  join_timeout_s=600)
+def _run(where: str, world: int, fn, *args) -> tuple[list, float]:
+    """``fn(rank, world, *args, timeout_s)`` on ``world`` GPUs (NCCL) or ``world`` processes on one GPU."""
+    if where == "gpus":
+        if world < 2:
+            pytest.skip("ranks can only disagree with two or more (EP_MOE_TEST_WORLD >= 2)")
+        _need_gpus(world)
+        return run_distributed(fn, world, *args, BUFFER_TIMEOUT_S, backend="nccl", timeout_s=120,
+                               join_timeout_s=600), BUFFER_TIMEOUT_S
+    skip_unless_shared_gpu_runs()
+    assert DEVICE.index == 0
+    return run_on_one_gpu(fn, world, *args, SHARED_TIMEOUT_S, timeout_s=240, join_timeout_s=900), SHARED_TIMEOUT_S
+
+
+# (where, ranks, copy engine forced)
+SESSIONS = [("gpus", WORLD, False), ("gpus", WORLD, True), ("shared", 2, False), ("shared", 3, False),
+            ("shared", 2, True)]
+
+
+@pytest.fixture(scope="module", params=SESSIONS,
+                ids=[f"{w}-{n}ranks-{'copy_engine' if ce else 'pushers'}" for w, n, ce in SESSIONS])
+def session(request) -> tuple[int, list[dict], float]:
+    where, world, copy_engine = request.param
+    results, timeout_s = _run(where, world, _mismatch_worker, copy_engine)
+    return world, results, timeout_s
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_rank_raises_naming_field_and_values(session, scenario) -> None:
-    num_ranks, results = session
+    num_ranks, results, timeout_s = session
     for rank, result in enumerate(results):
         outcome, elapsed, _ = result[scenario]
         assert outcome.startswith("ValueError: "), f"rank {rank}: {outcome}"
         for needle in _expected(num_ranks)[scenario]:
             assert needle in outcome, f"rank {rank}: {needle!r} not in {outcome!r}"
-        assert elapsed < BUFFER_TIMEOUT_S, f"rank {rank} took {elapsed:.1f} s (waited for a peer)"
+        assert elapsed < timeout_s, f"rank {rank} took {elapsed:.1f} s (waited for a peer)"
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_buffer_still_works_after_the_mismatch(session, scenario) -> None:
-    _, results = session
+    _, results, _ = session
     for rank, result in enumerate(results):
         failure = result[scenario][2]
         assert not failure, f"rank {rank}: the correct calls after '{scenario}': {failure}"
 
 
-def test_copy_engine_calls_with_a_perturbed_header() -> None:
-    if WORLD < 2:
-        pytest.skip("the copy engine needs a peer (EP_MOE_TEST_WORLD >= 2)")
-    _need_gpus(WORLD)
-    results = run_distributed(_perturbed_worker, WORLD, backend="nccl", timeout_s=120, join_timeout_s=300)
+@pytest.mark.parametrize("where", ["gpus", "shared"])
+def test_copy_engine_calls_with_a_perturbed_header(where: str) -> None:
+    results, _ = _run(where, WORLD if where == "gpus" else 2, _perturbed_worker)
     for rank, outcomes in enumerate(results):
         assert outcomes[0].startswith("cached dispatch: ValueError: ep_moe.dispatch: ranks disagree on the hidden "
                                       "size: "), f"rank {rank}: {outcomes}"
