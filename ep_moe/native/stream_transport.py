@@ -241,10 +241,15 @@ class _SymmetricWords:
         self.memory.destroy()
 
 
+def _host_int64(*shape: int) -> torch.Tensor:
+    """A host int64 buffer, pinned where CUDA is (so that copies to and from the device are asynchronous)."""
+    return torch.empty(shape, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+
+
 def _pinned_int64(values: Sequence[int], length: int) -> torch.Tensor:
-    header = torch.zeros(length, dtype=torch.int64)
+    header = _host_int64(length).zero_()
     header[: len(values)] = torch.tensor(list(values), dtype=torch.int64)
-    return header.pin_memory()
+    return header
 
 
 class PPStreamTransport:
@@ -259,7 +264,7 @@ class PPStreamTransport:
         self.memory = _SymmetricWords(group, device, self.layout.total_bytes, self.layout.words_bytes)
         self.bases = dict(bases)
         self.freed_upto = {peer: send_base for peer, (send_base, _) in bases.items()}  # messages known freed
-        self._header_host = torch.empty(PP_HEADER_BYTES // WORD_BYTES, dtype=torch.int64, pin_memory=True)
+        self._header_host = _host_int64(PP_HEADER_BYTES // WORD_BYTES)
 
     def wait_free(self, dst: int, seq: int, error: type[Exception], op: str, stage: str) -> None:
         """Return when message ``seq`` to ``dst`` has a free slot: the message ``inflight`` before it on the same
@@ -343,8 +348,7 @@ class AGRSStreamTransport:
         self.memory = _SymmetricWords(group, device, self.layout.total_bytes, self.layout.words_end)
         self.data = self.memory.own(self.layout.data_offset, num_ranks * session_bytes)
         self.counter = 0  # header exchanges so far (operations and session ends), the same on every rank
-        self._rows_host = torch.empty(num_ranks, self.layout.row_bytes // WORD_BYTES, dtype=torch.int64,
-                                      pin_memory=True)
+        self._rows_host = _host_int64(num_ranks, self.layout.row_bytes // WORD_BYTES)
 
     @property
     def peers(self) -> list[int]:
