@@ -443,3 +443,32 @@ def test_a_missing_peer_times_out_with_rank_and_stage():
     assert 3.0 <= elapsed < 3.0 + 12.0 and result["stream_ok"], result
     assert "stopped after an earlier timeout" in result["agrs"], result  # the transport refuses further work
     print(message)
+
+
+# ------------------------------------------------------------------------------------------ ranks sharing one GPU
+def _run_on_one_gpu():
+    """The harness of several processes on GPU 0 (``EP_MOE_SYMMETRIC_MEMORY=vmm``, branch ``shared-gpu``)."""
+    try:
+        import support_shared_gpu
+    except ImportError:
+        pytest.skip("tests/native/support_shared_gpu.py (ranks sharing one GPU through VMM memory) is not here")
+    support_shared_gpu.skip_unless_shared_gpu_runs()
+    return support_shared_gpu.run_on_one_gpu
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("worker", [pp_ring_worker, agrs_worker], ids=["pp_ring", "agrs"])
+def test_workers_on_one_shared_gpu(worker, world):
+    results = _run_on_one_gpu()(worker, world)
+    if any("skip" in r for r in results):
+        pytest.skip(results[0].get("skip", "a rank skipped"))
+    assert all(r["checked"] > 0 for r in results), results
+
+
+def test_a_missing_peer_times_out_on_one_shared_gpu():
+    result = _run_on_one_gpu()(timeout_worker, 2)[0]
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    message, elapsed = result["pp"]
+    assert "rank 0 of 2 timed out in stage 'pp_recv header of message #0 from rank 1'" in message, message
+    assert 3.0 <= elapsed < 3.0 + 12.0 and result["stream_ok"], result
