@@ -209,3 +209,14 @@ def test_a_cpu_buffer_refuses_the_native_transport():
     assert "backend is 'torch'" in messages[0]
     assert messages[1].startswith("AGRSConfigError: ep_moe.ElasticBuffer.agrs_set_config: argument 'transport'")
     assert "must be one of ('auto', 'torch', 'native'), got 'rdma'" in messages[2]
+
+
+def test_batched_copy_attributes_have_cuda_h_layout():
+    """``CUmemcpyAttributes`` as cuda.h (CUDA 12.8 to 13.0) lays it out: int, two CUmemLocation, unsigned int."""
+    import ctypes
+
+    from ep_moe.native.stream_ops import MemcpyAttributes
+
+    assert ctypes.sizeof(MemcpyAttributes) == 24
+    assert [getattr(MemcpyAttributes, f).offset for f in ("srcAccessOrder", "srcLocHint", "dstLocHint", "flags")] == \
+        [0, 4, 12, 20]
