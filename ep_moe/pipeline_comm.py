@@ -194,7 +194,8 @@ class PipelineCommMixin:
         most the slot's bytes) is copied into a send slot; the call returns once the message is posted, and
         ``x`` may be changed at once. When all ``num_max_inflight_tensors`` slots to that peer hold messages it
         has not received, waits for the oldest to be received: `PPTimeoutError` (naming rank and stage) after
-        the buffer's ``num_gpu_timeout_secs``. ``num_sms`` is accepted (the native transport takes no SMs; torch's uses its group's own).
+        the buffer's ``num_gpu_timeout_secs``. ``num_sms`` is accepted (the native transport takes no SMs;
+        torch's uses its group's own).
 
         Raises `PPConfigError` (no ``pp_set_config``), `PPPeerError` (not a neighbour), `PPTensorError` (bad x),
         before anything is sent.
@@ -235,7 +236,8 @@ class PipelineCommMixin:
         """Receive the next message from the neighbour ``src_rank_idx`` into ``x`` (in place). ``x`` must have the
         sender's dtype and shape: otherwise `PPMismatchError` naming both sides (the message is taken and
         dropped, so the order of later messages holds). Waits up to ``num_gpu_timeout_secs`` for the message
-        (`PPTimeoutError` naming rank and stage). ``num_sms`` is accepted (the native transport takes no SMs; torch's uses its group's own).
+        (`PPTimeoutError` naming rank and stage). ``num_sms`` is accepted (the native transport takes no SMs;
+        torch's uses its group's own).
 
         Raises `PPConfigError`, `PPPeerError`, `PPTensorError` as `pp_send`.
         """

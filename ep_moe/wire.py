@@ -124,5 +124,5 @@ def wait_work(work: dist.Work | None, device: torch.device, timeout_s: float, er
                     f"waiting up to {timeout_s:g} s for its peer(s) ({exc})") from exc
 
 
-__all__ = ["MAX_DIMS", "SLOT_ALIGNMENT", "TRANSPORTS", "TRANSPORT_ENV", "byte_view", "choose_transport", "dtype_code", "dtype_name", "host_header", "nbytes",
-           "round_up", "wait_work"]
+__all__ = ["MAX_DIMS", "SLOT_ALIGNMENT", "TRANSPORTS", "TRANSPORT_ENV", "byte_view", "choose_transport",
+           "dtype_code", "dtype_name", "host_header", "nbytes", "round_up", "wait_work"]
