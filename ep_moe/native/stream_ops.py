@@ -210,7 +210,7 @@ class SignalWaiter:
         self.ops = stream_ops()
         self.stream = self.ops.create_stream(device, highest_priority=False)
         self._rescue = self.ops.create_stream(device, highest_priority=True)
-        self._word_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        self._word_host = torch.empty(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
         self.failure: tuple[type[Exception], str] | None = None
         self._stuck = False  # a timed-out wait whose stream could not be released
 

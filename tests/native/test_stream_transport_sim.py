@@ -463,3 +463,94 @@ def test_a_peer_that_never_joins_times_out_naming_rank_and_stage(simulated):
     message = _threads(_agrs_never_joins, 2)[0]
     assert ("rank 0 of 2 timed out in stage 'all_gather #1 of session 1: header exchange' after waiting 0.5 s for "
             "its peer(s) (rank 1's header: word 0 < 1)") in message, message
+
+
+# ------------------------------------------------------------------------------------------ the guarded wait
+class _QueueStream:
+    """A stream whose queued waits hold back what is recorded after them (`_QueueEvent`)."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream, self.waits, self.synchronized = handle, [], 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+class _QueueEvent:
+    def __init__(self) -> None:
+        self.waits = []
+
+    def record(self, stream) -> None:
+        self.waits = list(stream.waits)
+
+    def query(self) -> bool:
+        return all(_load(addr) >= value for addr, value in self.waits)
+
+
+class _QueueOps(_Ops):
+    def __init__(self) -> None:
+        self.streams, self.destroyed = [], []
+
+    def create_stream(self, device, highest_priority: bool) -> _QueueStream:
+        self.streams.append(_QueueStream(100 + len(self.streams)))
+        self.streams[-1].highest_priority = highest_priority
+        return self.streams[-1]
+
+    def destroy_stream(self, stream) -> None:
+        self.destroyed.append(stream)
+
+    def wait(self, stream: int, addr: int, value: int) -> None:
+        next(s for s in self.streams if s.cuda_stream == stream).waits.append((addr, value))
+
+
+@pytest.fixture
+def queued(monkeypatch):
+    import ep_moe.native.stream_ops as stream_ops
+
+    ops = _QueueOps()
+    monkeypatch.setattr(stream_ops, "stream_ops", lambda: ops)
+    monkeypatch.setattr(torch.cuda, "Event", _QueueEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    return ops
+
+
+def test_guarded_wait_returns_when_the_words_arrive(queued):
+    waiter = SignalWaiter(torch.device("cpu"), 1, 2, timeout_s=10.0)
+    assert [s.highest_priority for s in queued.streams] == [False, True]  # the waiter's and the rescue stream
+    words = torch.zeros(2, dtype=torch.int64)
+    seen = []
+
+    def late_writes():
+        time.sleep(0.2)
+        words[1] = 4
+        words[0] = 9
+
+    writer = threading.Thread(target=late_writes)
+    writer.start()
+    start = time.monotonic()
+    waiter.wait([_Word(words[0:1], 9, "rank 0's rows"), _Word(words[1:2], 3, "rank 0's header")], TimeoutError,
+                "all_gather", "stage", then=lambda stream: seen.append(stream))
+    writer.join()
+    assert 0.15 < time.monotonic() - start < 5 and seen == [waiter.stream]
+    waiter.check(TimeoutError, "all_gather")  # no failure recorded
+    waiter.destroy()
+    assert queued.destroyed == queued.streams and all(s.synchronized == 1 for s in queued.streams)
+
+
+def test_guarded_wait_times_out_rescues_and_refuses_further_work(queued):
+    waiter = SignalWaiter(torch.device("cpu"), 0, 3, timeout_s=0.3)
+    words = torch.tensor([5, 1], dtype=torch.int64)
+    start = time.monotonic()
+    with pytest.raises(PPTimeoutError) as info:
+        waiter.wait([_Word(words[0:1], 5, "rank 1's rows"), _Word(words[1:2], 2, "rank 2's rows")], PPTimeoutError,
+                    "pp_recv", "pp_recv header of message #4 from rank 2")
+    assert 0.3 <= time.monotonic() - start < 5
+    assert str(info.value) == ("ep_moe.ElasticBuffer.pp_recv: rank 0 of 3 timed out in stage 'pp_recv header of "
+                               "message #4 from rank 2' after waiting 0.3 s for its peer(s) (rank 2's rows: word 1 "
+                               "< 2); the stream was released")
+    assert words.tolist() == [5, 2]  # the rescue wrote the awaited value: the stream's wait is satisfied
+    with pytest.raises(AGRSTimeoutError, match=r"rank 0: the PP/AGRS stream transport stopped after an earlier "
+                                               r"timeout \(rank 0 of 3 timed out in stage 'pp_recv header"):
+        waiter.check(AGRSTimeoutError, "all_gather")
+    with pytest.raises(PPTimeoutError, match="stopped after an earlier timeout"):
+        waiter.wait([], PPTimeoutError, "pp_send", "another stage")
