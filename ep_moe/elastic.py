@@ -590,6 +590,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         if self._finalizer is not None:
             self._finalizer.detach()
         self._release_memory()
+        self._pp_release()  # the native PP / AGRS transports' symmetric buffers
+        self._agrs_release()
         self.buffer.destroy()
 
     def __repr__(self) -> str:
