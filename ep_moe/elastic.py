@@ -22,7 +22,6 @@ provided yet: the native (copy-engine) PP and AGRS, RDMA queue pairs (``sl_idx``
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from .engram import EngramMixin
 from .event import EventOverlap
 from .expert_major import ExpertHandle, expert_combine, expert_dispatch
 from .handle import DispatchHandle
-from .hybrid import ENV_CHUNKS, HybridBackend, LogicalTopology, host_topology, logical_topology
+from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
 from .permute import pair_values, permute_rows, permute_rows_and_values, unpermute_sum
 from .pipeline_comm import PipelineCommMixin
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor, split_hidden
@@ -215,8 +214,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         self.scaleout_rank_idx = self.topology.node_of[self.rank]
         self.scaleup_rank_idx = self.topology.local_of[self.rank]
         self.num_rdma_ranks, self.num_nvlink_ranks = physical.num_scaleout_ranks, physical.num_scaleup_ranks
-        self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend); ("hybrid", ...) -> hybrid's
-        self._hybrid_chunks_fixed = num_hybrid_chunks is not None or bool(os.environ.get(ENV_CHUNKS, "").strip())
+        self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend); ("hybrid", ...) -> its shape
         self._destroyed = False
         self._finalizer = None if explicitly_destroy else weakref.finalize(self, _destroy_quietly, self.buffer)
         self._setup_memory(num_bytes, num_cpu_bytes, allow_hybrid_mode)  # .memory_type, .memory (ep_moe.engram)
@@ -297,21 +295,20 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         shape, for the largest token count of any rank) sets the chunk count of the call (unless fixed by
         ``num_hybrid_chunks`` / ``EP_MOE_HYBRID_CHUNKS``) and, without an explicit ``num_sms``, the SMs of the
         in-node hop."""
-        key = ("hybrid", num_experts, num_topk, x.shape[1], x.dtype)
-        if key not in self._plans:
-            from .tuning import LayerShape
-            from .tuning.hybrid import plan_hybrid
+        from .tuning.hybrid import apply_hybrid_plan
 
+        key = ("hybrid", num_experts, num_topk, x.shape[1], x.dtype)
+        backend = self.buffer.backend
+        plan = self._plans.get(key)
+        if plan is None:
             if not bound:  # ranks may hold different token counts: plan for the largest so that all agree
                 tokens = torch.tensor([x.shape[0]], device=self.buffer.device)
                 dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.group)
                 bound = int(tokens)
-            shape = LayerShape(num_experts, num_topk, x.shape[1], bound, min(x.element_size(), 4))
-            self._plans[key] = plan_hybrid(shape, self.num_scaleout_ranks, self.num_scaleup_ranks,
-                                           max_chunks=self.buffer.backend.max_chunks)
-        plan = self._plans[key]
-        if not self._hybrid_chunks_fixed:
-            self.buffer.backend.set_num_chunks(plan.num_chunks)
+            plan = self._plans[key] = apply_hybrid_plan(backend, num_experts, num_topk, x.shape[1], bound,
+                                                        x.element_size())
+        elif not backend.chunks_fixed:  # another shape's plan may have set another count since
+            backend.set_num_chunks(plan.num_chunks)
         return num_sms or plan.scaleup_sms
 
     def _num_sms(self, num_sms: int, num_experts: int, num_topk: int, x: Tensor, bound: int) -> int:

@@ -224,8 +224,9 @@ class HybridBackend(TorchBackend):
             chunk).
         topology: the S x G view (`LogicalTopology`) of ``group``.
         num_chunks: the most chunks the scale-out hop is cut into, and the count of a call until `set_num_chunks`
-            lowers it (1 to `MAX_CHUNKS`; None: ``EP_MOE_HYBRID_CHUNKS``, else `DEFAULT_CHUNKS`). Equal on every
-            rank (checked here, a `ValueError` naming it).
+            lowers it (1 to `MAX_CHUNKS`; None: ``EP_MOE_HYBRID_CHUNKS``, else `DEFAULT_CHUNKS`, which the tuner's
+            plan may lower per shape: ``chunks_fixed`` is False only then). Equal on every rank (checked here, a
+            `ValueError` naming it).
         scaleup: the in-node transport, one of `SCALEUP_MODES` (None: ``EP_MOE_HYBRID_SCALEUP``, else "auto").
             "native" raises a RuntimeError where the node's subgroup cannot run the native kernels.
         native_options: the native scale-up's `NativeOptions` (None: from the environment).
@@ -246,6 +247,8 @@ class HybridBackend(TorchBackend):
                              f"got {topology.num_ranks}")
         self.max_chunks = _choose_int("num_chunks", num_chunks, ENV_CHUNKS, DEFAULT_CHUNKS, 1, MAX_CHUNKS)
         self.num_chunks = self.max_chunks
+        # fixed by the caller (argument or environment): the tuner's plan leaves it alone
+        self.chunks_fixed = num_chunks is not None or bool(os.environ.get(ENV_CHUNKS, "").strip())
         mode = scaleup if scaleup is not None else (os.environ.get(ENV_SCALEUP, "").strip() or "auto")
         if mode not in SCALEUP_MODES:
             where = "argument 'scaleup'" if scaleup is not None else f"environment variable {ENV_SCALEUP}"

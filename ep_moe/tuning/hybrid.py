@@ -211,7 +211,8 @@ class HybridPlan:
     traffic: Traffic
 
     def describe(self) -> str:
-        return (f"hybrid {self.num_nodes} x {self.per_node}: {self.num_chunks} chunks, {self.scaleup_sms} SMs in "
+        chunks = f"{self.num_chunks} chunk" + ("s" if self.num_chunks > 1 else "")
+        return (f"hybrid {self.num_nodes} x {self.per_node}: {chunks}, {self.scaleup_sms} SMs in "
                 f"the node (native), {self.scaleout_sms} SMs by DeepEP V2's rule for the network hop (NCCL here); "
                 f"dispatch {self.dispatch_us:.0f} us (NIC {self.dispatch_nic_us:.0f}, NVLink "
                 f"{self.dispatch_nvlink_us:.0f}), combine {self.combine_us:.0f} us (NIC {self.combine_nic_us:.0f}, "
@@ -257,6 +258,19 @@ def plan_hybrid(shape: LayerShape, num_nodes: int, per_node: int, nic_gbs: float
                       pipeline_us(c_nic, c_nvl, chunks, chunk_overhead_us), d_nic, d_nvl, c_nic, c_nvl, traffic)
 
 
+def apply_hybrid_plan(backend, num_experts: int, topk: int, hidden: int, tokens: int, dtype_bytes: int
+                      ) -> HybridPlan:
+    """The plan of this shape for a `ep_moe.hybrid.HybridBackend` (its S x G view and most chunks), whose chunk
+    count it then sets unless the buffer fixed one (``backend.chunks_fixed``). ``tokens``: the most any rank
+    holds (every rank must pass the same arguments, so that all cut the same chunks). Returns the plan (its
+    ``scaleup_sms`` is the in-node hop's SM count)."""
+    plan = plan_hybrid(LayerShape(num_experts, topk, hidden, tokens, min(dtype_bytes, 4)), backend.num_nodes,
+                       backend.per_node, max_chunks=backend.max_chunks)
+    if not backend.chunks_fixed:
+        backend.set_num_chunks(plan.num_chunks)
+    return plan
+
+
 __all__ = ["DEFAULT_CHUNK_OVERHEAD_US", "DEFAULT_NIC_GBS", "MAX_PLANNED_CHUNKS", "HopRows", "HybridPlan",
-           "Prediction", "Traffic", "default_nvlink_gbs", "exact_hop_rows", "expected_traffic", "hybrid_row_bytes",
+           "Prediction", "Traffic", "apply_hybrid_plan", "default_nvlink_gbs", "exact_hop_rows", "expected_traffic", "hybrid_row_bytes",
            "pipeline_us", "plan_hybrid", "predict"]

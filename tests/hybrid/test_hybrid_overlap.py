@@ -150,6 +150,20 @@ def _worker(rank: int, num_ranks: int, configs: list[tuple[int, int, str]]) -> i
     if num_ranks == 4:
         import torch.distributed as dist
 
+        from ep_moe.tuning import LayerShape
+        from ep_moe.tuning.hybrid import plan_hybrid
+
+        # no chunk count given: the hybrid model's plan of the call's shape sets it (a tiny shape: one chunk)
+        eb = ElasticBuffer(num_scaleout_ranks=2)
+        assert not eb.buffer.backend.chunks_fixed and eb.buffer.backend.num_chunks == 4
+        xs, idxs, ws = _inputs("random", num_ranks, 2, E, torch.bfloat16)
+        bound = max(i.shape[0] for i in idxs)
+        eb.dispatch(xs[rank], idxs[rank], ws[rank], num_experts=E, num_max_tokens_per_rank=bound)
+        plan = plan_hybrid(LayerShape(E, TOPK, HIDDEN, bound, 2), 2, 2, max_chunks=4)
+        assert eb.buffer.backend.num_chunks == plan.num_chunks == 1, (eb.buffer.backend.num_chunks, plan)
+        eb.destroy()
+        checked += 1
+
         try:  # a chunk count that differs between ranks: every rank raises, before any row moves
             ElasticBuffer(num_scaleout_ranks=2, num_hybrid_chunks=1 + rank % 2)
         except ValueError as exc:
@@ -179,6 +193,6 @@ def test_chunked_overlap_scaleup_transports_and_fp8_equal_flat(num_ranks: int, c
     per_config = 2 * (4 + 4 + 2)  # kinds x (bf16/fp32 round trips + FP8 round trips + FP8 traffic checks)
     expected = [sum(per_config + (1 if c[1] >= 3 else 0) for c in configs)] * num_ranks
     if num_ranks == 4:
-        expected = [e + 1 for e in expected]  # the disagreeing chunk counts
+        expected = [e + 2 for e in expected]  # the planned chunk count, the disagreeing chunk counts
         expected[1] += 1                      # the timeout
     assert run_distributed(_worker, num_ranks, configs, join_timeout_s=600) == expected
