@@ -348,7 +348,9 @@ class HybridBackend(TorchBackend):
         else:  # GPU: known on the host where only the rows in use cross (exact mode)
             payload = wire_rows if counts is not None else None
         tally.add(hop, payload, wire_rows, row_bytes)
-        if num_peers == 1 or send.shape[0] == 0 or send.shape[1] == 0:  # the sizes are equal on every peer
+        # nothing to exchange (sizes are equal on every peer); one peer: a copy, except on the side stream, where
+        # the collective runs anyway so that one GPU (the 1 x 1 view) exercises the overlapped path
+        if (num_peers == 1 and not side) or send.shape[0] == 0 or send.shape[1] == 0:
             out = send.clone()
             return _Pending(lambda: out)
         group = self.scaleout_group if hop == "scaleout" else self.scaleup_group

@@ -227,9 +227,9 @@ def plan_hybrid(shape: LayerShape, num_nodes: int, per_node: int, nic_gbs: float
     ``nic_gbs``, NVLink at ``nvlink_gbs``, None: `default_nvlink_gbs`; one SM's peer stores at
     ``sm_peer_write_gbs``, None: `Rates`' default). Chunks: the count in ``1..max_chunks`` with the least
     predicted dispatch + combine (`pipeline_us`; ties: fewer). ValueError naming a bad argument."""
-    if num_nodes < 2 or per_node < 1:
-        raise ValueError(f"plan_hybrid: arguments 'num_nodes' (>= 2) and 'per_node' (>= 1) must describe a hybrid "
-                         f"group, got {num_nodes}, {per_node}")
+    if num_nodes < 1 or per_node < 1:  # one node (the 1 x G view of the two-hop code): no network bytes
+        raise ValueError(f"plan_hybrid: arguments 'num_nodes' and 'per_node' must be >= 1, got {num_nodes}, "
+                         f"{per_node}")
     if not isinstance(max_chunks, int) or max_chunks < 1:
         raise ValueError(f"plan_hybrid: argument 'max_chunks' must be an int >= 1, got {max_chunks!r}")
     if nic_gbs <= 0:

@@ -75,9 +75,10 @@ def test_pipeline_and_plan_hybrid() -> None:
             assert plan.traffic == expected_traffic(shape, nodes, 8, hybrid=True)
     assert plan_hybrid(big, 2, 8).num_chunks > 1 and plan_hybrid(small, 2, 8).num_chunks == 1
     assert plan_hybrid(big, 2, 8, max_chunks=2).num_chunks <= 2
+    assert plan_hybrid(big, 1, 8).num_chunks == 1  # one node (the two-hop code's 1 x G view): nothing to overlap
     # a faster NIC leaves the in-node hop less time: it needs at least as many SMs
     assert plan_hybrid(big, 2, 8, nic_gbs=400.0).scaleup_sms >= plan_hybrid(big, 2, 8).scaleup_sms
-    for kwargs, name in (({"num_nodes": 1, "per_node": 8}, "num_nodes"), ({"num_nodes": 2, "per_node": 8,
+    for kwargs, name in (({"num_nodes": 0, "per_node": 8}, "num_nodes"), ({"num_nodes": 2, "per_node": 8,
                                                                             "max_chunks": 0}, "max_chunks"),
                          ({"num_nodes": 2, "per_node": 8, "nic_gbs": 0.0}, "nic_gbs")):
         with pytest.raises(ValueError, match=name):
