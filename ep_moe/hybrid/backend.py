@@ -268,15 +268,17 @@ class HybridBackend(TorchBackend):
         self._grid = torch.tensor(grid, dtype=torch.int64, device=device)  # [S, G] group ranks
         self._node_of = torch.tensor(topology.node_of, dtype=torch.int64, device=device)  # [R]
         self._count_payload = device.type == "cpu"  # counting payload rows reads the device
-        self._plans: dict[int, tuple] = {}  # id(backend_state) -> (state, plan)
+        self._plans: dict[int, tuple] = {}  # state.data_ptr() -> (numel, nc, cs, c2, net) while the state lives
         self._side: torch.cuda.Stream | None = None  # the scale-out hop's stream (CUDA), made on first use
         self.traffic = HopTraffic()
-        # Every rank must cut the same chunks (the count exchange's width depends on it): checked once, here.
-        agreed = self._all_gather_counts(torch.tensor([self.max_chunks], dtype=torch.int64, device=device),
-                                         "init/chunks").flatten().tolist()
+        # Every rank must cut the same chunks (the count exchange's width depends on the most, and a planned count
+        # must be planned everywhere): checked once, here.
+        mine = torch.tensor([self.max_chunks, int(self.chunks_fixed)], dtype=torch.int64, device=device)
+        agreed = [tuple(row) for row in self._all_gather_counts(mine, "init/chunks").tolist()]
         if len(set(agreed)) > 1:
             raise ValueError(f"HybridBackend: argument 'num_chunks' (ElasticBuffer's num_hybrid_chunks, or "
-                             f"{ENV_CHUNKS}) must be equal on every rank, got {agreed} by rank")
+                             f"{ENV_CHUNKS}) must be equal on every rank (given, or left to the plan, everywhere), "
+                             f"got (chunks, given) {agreed} by rank")
         self._inner: CommBackend | None = None
         self.scaleup_transport, self.scaleup_reason = self._make_scaleup(mode, native_options)
 
@@ -430,8 +432,12 @@ class HybridBackend(TorchBackend):
         dest = torch.where(position % capacity < used.index_select(0, block), block, -1)
         in_rank = dest[:, None] == torch.arange(G, device=send.device)[None, :]
         weights = torch.zeros(bound, 1, dtype=torch.float32, device=send.device)
-        result = self._inner.dispatch(rows, None, dest[:, None], weights, in_rank, used, None, G, 1, bound,
-                                      config or Config())
+        try:
+            result = self._inner.dispatch(rows, None, dest[:, None], weights, in_rank, used, None, G, 1, bound,
+                                          config or Config())
+        except TimeoutError as exc:  # name the hop and the chunk, not only the inner backend's stage
+            raise TimeoutError(f"ep_moe[hybrid backend]: rank {self.rank} of {self.num_ranks} timed out in stage "
+                               f"'{self._stage(op, 'scaleup', chunk, num_chunks)}' ({exc})") from exc
         received = as_bytes(result.recv_x)[:, :row_bytes]  # [bound, B]: by source rank, then row
         from_rank = _counts_from_prefix(result.handle.rank_prefix_matrix)[:, self.local]  # [G]
         start = torch.cumsum(from_rank, 0) - from_rank

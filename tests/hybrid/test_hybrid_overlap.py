@@ -161,6 +161,16 @@ def _worker(rank: int, num_ranks: int, configs: list[tuple[int, int, str]]) -> i
         eb.dispatch(xs[rank], idxs[rank], ws[rank], num_experts=E, num_max_tokens_per_rank=bound)
         plan = plan_hybrid(LayerShape(E, TOPK, HIDDEN, bound, 2), 2, 2, max_chunks=4)
         assert eb.buffer.backend.num_chunks == plan.num_chunks == 1, (eb.buffer.backend.num_chunks, plan)
+        # a TokenDispatcher on the hybrid buffer plans the same way and equals one on the flat buffer
+        from ep_moe import TokenDispatcher
+
+        eb.buffer.backend.set_num_chunks(3)
+        hybrid_layer, flat_layer = (TokenDispatcher(b.buffer, num_experts=E, expert_alignment=4) for b in (eb, flat))
+        got, want = (layer.dispatch(xs[rank], idxs[rank], ws[rank]) for layer in (hybrid_layer, flat_layer))
+        assert eb.buffer.backend.num_chunks == hybrid_layer.plan.num_chunks == 1
+        for i, (a, b) in enumerate(zip(got[:3], want[:3])):
+            _same(a, b, f"TokenDispatcher output {i}")
+        _same(hybrid_layer.combine(got[0] * 2, got[3]), flat_layer.combine(want[0] * 2, want[3]), "TokenDispatcher")
         eb.destroy()
         checked += 1
 
