@@ -47,9 +47,14 @@ def buffer_by_id(buffer_id: int) -> Buffer:
         raise RuntimeError(f"ep_moe: Buffer {buffer_id} was destroyed or never existed") from None
 
 
-def _device_of(group: dist.ProcessGroup) -> torch.device:
+def _device_of(group: dist.ProcessGroup, requested: str) -> torch.device:
+    """NCCL: the current CUDA device. gloo: the CPU, except where ``EP_MOE_SYMMETRIC_MEMORY=vmm`` asks for the
+    native backend's VMM memory (ranks that may share one GPU) and ``requested`` is not ``"torch"``: the current
+    CUDA device then (the native backend's host collectives run over gloo)."""
     backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if "nccl" in backend or (requested != "torch" and native.symmetric_memory_provider() == "vmm"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -58,7 +63,9 @@ class Buffer:
     """Dispatch and combine MoE tokens within one expert-parallel process group.
 
     Args:
-        group: the EP process group (default: the world group). gloo runs on CPU, NCCL on GPU.
+        group: the EP process group (default: the world group). gloo runs on CPU, NCCL on GPU; gloo runs on
+            the current GPU too where ``EP_MOE_SYMMETRIC_MEMORY=vmm`` and ``backend`` is not ``"torch"`` (the
+            native kernels over ranks that may share one GPU, docs/native.md).
         num_nvl_bytes: bytes of symmetric (NVLink) memory for the native backend; 0 = sized by
             `get_buffer_size_hint` on first use. Accepted (and ignored) by the torch backend.
         num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
@@ -97,7 +104,7 @@ class Buffer:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
-        self.device = _device_of(self.group)
+        self.device = _device_of(self.group, backend)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.timeout_s = float(timeout_s)

@@ -209,7 +209,9 @@ class NativeBackend(CommBackend):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("ep_moe[native]: run one dispatch before CUDA-graph capture (it sizes the "
                                "symmetric buffer), or create the Buffer with num_nvl_bytes")
-        size = torch.tensor([needed], dtype=torch.int64, device=self.device)
+        # a gloo group (ranks sharing a GPU, EP_MOE_SYMMETRIC_MEMORY=vmm) reduces on the host
+        gloo = "gloo" in str(dist.get_backend(self.group)).lower()
+        size = torch.tensor([needed], dtype=torch.int64, device="cpu" if gloo else self.device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX, group=self.group)
         self._data = SymmetricBuffer(self.group, self.device, int(size.item()))
 

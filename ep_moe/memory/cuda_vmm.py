@@ -2,7 +2,8 @@
 virtual memory management calls (``cuMemAddressReserve``, ``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``),
 through ``ctypes`` on ``libcuda``; host segments are pinned host-NUMA allocations (the NUMA node closest to the
 GPU), shared between processes as POSIX file descriptors (``cuMemExportToShareableHandle`` /
-``cuMemImportFromShareableHandle``).
+``cuMemImportFromShareableHandle``), and so are device allocations (`DeviceAllocation`: the native kernels'
+symmetric memory over ranks that may share one GPU, `ep_moe.native.symmetric`).
 
 Enum values and struct layouts are those of CUDA's ``cuda.h`` (checked against CUDA 13.0; they are stable since
 CUDA 12.2, which added host-NUMA locations). `vmm_unavailable_reason` says why a device cannot use this (no
@@ -104,17 +105,19 @@ def _attribute(attribute: int, ordinal: int) -> int:
     return value.value
 
 
-def vmm_unavailable_reason(device: torch.device, exportable: bool) -> str | None:
-    """None when ``device`` can map host-NUMA memory with the VMM calls (and export it as a file descriptor when
-    ``exportable``), else the reason."""
+def vmm_unavailable_reason(device: torch.device, exportable: bool, host: bool = True) -> str | None:
+    """None when ``device`` can map memory with the VMM calls (host-NUMA memory too when ``host``; exported as a
+    file descriptor when ``exportable``), else the reason."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"{device} is not a CUDA device"
     try:
         lib = driver()
         _check(lib.cuInit(0), "cuInit")
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
-        checks = [(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "virtual memory management"),
-                  (CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "host-NUMA VMM allocations")]
+        checks = [(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "virtual memory management")]
+        if host:
+            checks.append((CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                           "host-NUMA VMM allocations"))
         if exportable:
             checks.append((CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, "POSIX-fd export"))
         for attribute, what in checks:
@@ -150,18 +153,24 @@ def host_numa_node(ordinal: int) -> int:
     return max(_attribute(CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, ordinal), 0)
 
 
-class HostAllocation:
-    """A pinned host-NUMA allocation of ``size`` bytes near GPU ``device``, exported as a POSIX file descriptor
-    (``fd``, for the peers of the node). Released when collected unless a `CudaRange` took it over."""
+class _ExportedAllocation:
+    """A pinned allocation of ``size`` bytes (on GPU ``device`` itself, or, ``on_host``, in the host NUMA node
+    closest to it), exported as a POSIX file descriptor (``fd``, for the other processes of the node). Released
+    when collected unless a `CudaRange` took it over (`CudaRange.map_allocation`)."""
 
-    def __init__(self, device: torch.device, size: int) -> None:
-        reason = vmm_unavailable_reason(device, exportable=True)
+    what = "memory"  # for errors: what could not be shared
+
+    def __init__(self, device: torch.device, size: int, on_host: bool) -> None:
+        self.fd = -1
+        reason = vmm_unavailable_reason(device, exportable=True, host=on_host)
         if reason is not None:
-            raise CudaDriverError(f"ep_moe.memory: host segments cannot be shared: {reason}")
+            raise CudaDriverError(f"ep_moe.memory: {self.what} cannot be shared: {reason}")
         torch.zeros(1, device=device)  # the primary context, current on this thread
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        location = (CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa_node(ordinal)) if on_host else \
+            (CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
         self.size = size
-        self.handle = _create(_prop(CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa_node(ordinal), True), size)
+        self.handle = _create(_prop(*location, True), size)
         fd = ctypes.c_int(-1)
         _check(driver().cuMemExportToShareableHandle(ctypes.byref(fd), self.handle,
                                                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
@@ -178,6 +187,27 @@ class HostAllocation:
         if getattr(self, "handle", None) is not None and _driver is not None:
             _driver.cuMemRelease(self.handle)
             self.handle = None
+
+
+class HostAllocation(_ExportedAllocation):
+    """A pinned host-NUMA allocation of ``size`` bytes near GPU ``device``, exported as a POSIX file descriptor
+    (``fd``, for the peers of the node). Released when collected unless a `CudaRange` took it over."""
+
+    what = "host segments"
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        super().__init__(device, size, on_host=True)
+
+
+class DeviceAllocation(_ExportedAllocation):
+    """``size`` bytes (a multiple of 2 MiB) of GPU ``device``'s memory, exported as a POSIX file descriptor
+    (``fd``): other processes map it, on the same GPU or, with peer access, from another GPU of the node.
+    Released when collected unless a `CudaRange` took it over. Contents start undefined (not zeroed)."""
+
+    what = "device memory"
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        super().__init__(device, size, on_host=False)
 
 
 class _DeviceView:
@@ -239,10 +269,11 @@ def _dlpack_view(owner: CudaRange, offset: int, size: int) -> torch.Tensor:
 
 class CudaRange:
     """``size`` bytes of reserved device address space on ``device``; `map_device`, `map_host`, `map_imported`
-    back parts of it and grant the device read-write access. Unmapped and released when the last view is gone."""
+    back parts of it and grant the device read-write access. ``host=False``: no host memory will be mapped (the
+    device need not support host-NUMA allocations). Unmapped and released when the last view is gone."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
-        reason = vmm_unavailable_reason(device, exportable=False)
+    def __init__(self, size: int, device: torch.device, host: bool = True) -> None:
+        reason = vmm_unavailable_reason(device, exportable=False, host=host)
         if reason is not None:
             raise CudaDriverError(f"ep_moe.memory: the CUDA VMM mapping is not available: {reason}")
         torch.zeros(1, device=device)  # the runtime's primary context is current on this thread from here on
@@ -252,7 +283,7 @@ class CudaRange:
             raise CudaDriverError("ep_moe.memory: no current CUDA context on this thread")
         self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self.ordinal)
-        self.numa_node = host_numa_node(self.ordinal)
+        self.numa_node = host_numa_node(self.ordinal) if host else None
         self.size = size
         self._mapped: list[tuple[int, int]] = []
         self._handles: list[int] = []
@@ -277,17 +308,21 @@ class CudaRange:
 
     def map_host(self, offset: int, size: int) -> None:
         """Back ``[offset, offset + size)`` with pinned memory of the GPU's host NUMA node."""
+        if self.numa_node is None:
+            raise CudaDriverError("ep_moe.memory: this range was reserved without host memory (host=False)")
         if size:
             self._map(offset, size, _create(_prop(CU_MEM_LOCATION_TYPE_HOST_NUMA, self.numa_node, False), size))
 
-    def map_allocation(self, offset: int, size: int, allocation: HostAllocation) -> None:
-        """Map this process's exportable host allocation at ``offset`` (the range takes it over)."""
+    def map_allocation(self, offset: int, size: int, allocation: _ExportedAllocation) -> None:
+        """Map this process's exportable allocation (a `HostAllocation` or `DeviceAllocation`) at ``offset``
+        (the range takes it over)."""
         handle, allocation.handle = allocation.handle, None
         self._map(offset, size, handle)
 
     def map_imported(self, offset: int, size: int, fd: int) -> None:
-        """Map the allocation exported as ``fd`` (another process's host segment) at ``offset``; ``fd`` may be
-        closed afterwards."""
+        """Map the allocation exported as ``fd`` (another process's host segment or device memory) at ``offset``
+        and grant this range's device access (a peer GPU's memory needs peer access); ``fd`` may be closed
+        afterwards."""
         if not size:
             return
         handle = ctypes.c_uint64()
@@ -336,4 +371,5 @@ def close_fd(fd: int | None) -> None:
         os.close(fd)
 
 
-__all__ = ["CudaDriverError", "CudaRange", "HostAllocation", "close_fd", "driver", "vmm_unavailable_reason"]
+__all__ = ["CudaDriverError", "CudaRange", "DeviceAllocation", "HostAllocation", "close_fd", "driver",
+           "vmm_unavailable_reason"]

@@ -106,8 +106,8 @@ def pidfd_getfd(pid: int, fd: int) -> int:
         os.close(pidfd)
 
 
-def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None, method: str = "auto"
-                 ) -> tuple[list[int], list[int | None]]:
+def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None, method: str = "auto",
+                 what: str = "host segments") -> tuple[list[int], list[int | None]]:
     """Collective over ``group``: share this rank's descriptor ``fd`` with the ranks of its node.
 
     Returns ``(local_ranks, fds)``: the group ranks on this node in order, and for each group rank a descriptor
@@ -115,8 +115,8 @@ def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None, 
     another node's: None). ``failure``: this rank could not make its descriptor (the reason; ``fd`` is then
     ignored). ``method``: ``"pidfd"`` (``pidfd_getfd``), ``"socket"`` (``SCM_RIGHTS``), or ``"auto"`` (pidfd, and
     sockets where every failure was a denied ``pidfd_getfd``; the same choice on every rank). Every rank raises
-    if any rank failed (`PeerFdError` naming the ranks), so none is left waiting. The exporters keep ``fd`` open
-    until every import is done.
+    if any rank failed (`PeerFdError` naming the ranks and ``what`` was shared), so none is left waiting. The
+    exporters keep ``fd`` open until every import is done.
     """
     if method not in ("auto", "pidfd", "socket"):
         raise ValueError(f"ep_moe.memory: method must be 'auto', 'pidfd' or 'socket', got {method!r}")
@@ -126,7 +126,7 @@ def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None, 
     dist.all_gather_object(entries, (node_id(), os.getpid(), fd, failure, secrets.token_hex(8)), group=group)
     failed = [f"rank {r}: {e[3]}" for r, e in enumerate(entries) if e[3] is not None]
     if failed:
-        raise PeerFdError("ep_moe.memory: creating host segments failed: " + "; ".join(failed))
+        raise PeerFdError(f"ep_moe.memory: creating {what} failed: " + "; ".join(failed))
     here = entries[rank][0]
     local_ranks = [r for r, e in enumerate(entries) if e[0] == here]
     fds: list[int | None] = [None] * num_ranks
@@ -148,7 +148,7 @@ def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None, 
             return local_ranks, fds
         _close_peers(fds, rank)
         if method == "pidfd" or not all(denied for _, denied in failed):
-            raise PeerFdError("ep_moe.memory: sharing host segments failed: " + "; ".join(m for m, _ in failed))
+            raise PeerFdError(f"ep_moe.memory: sharing {what} failed: " + "; ".join(m for m, _ in failed))
         log.info("ep_moe.memory: pidfd_getfd is denied here (%s); passing the descriptors over Unix sockets",
                  failed[0][0])
     token = entries[local_ranks[0]][4]  # one name space per exchange and node
@@ -162,7 +162,7 @@ def exchange_fds(group: dist.ProcessGroup, fd: int, failure: str | None = None, 
     failed = [e for e in errors if e is not None]
     if failed:
         _close_peers(fds, rank)
-        raise PeerFdError("ep_moe.memory: passing host segments over Unix sockets failed: " + "; ".join(failed))
+        raise PeerFdError(f"ep_moe.memory: passing {what} over Unix sockets failed: " + "; ".join(failed))
     return local_ranks, fds
 
 

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..memory.cuda_vmm import vmm_unavailable_reason
 from .sizing import buffer_size_hint
+from .symmetric import SYMMETRIC_MEMORY_ENV, agreed_symmetric_memory_provider, symmetric_memory_provider
 
 log = logging.getLogger("ep_moe")
 
@@ -130,25 +132,44 @@ def extension_unavailable_reason() -> str | None:
 def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
     """Why the native backend cannot serve ``group`` on ``device``, or None when it can.
 
-    Collective: every rank of ``group`` must call it (it gathers host names and devices).
+    Collective: every rank of ``group`` must call it (it gathers each rank's ``EP_MOE_SYMMETRIC_MEMORY``, host,
+    device and what it can map). Raises `ValueError` on every rank when the ranks name different symmetric memory
+    providers (`symmetric.agreed_symmetric_memory_provider`). With the ``torch`` provider every rank needs a GPU
+    of its own; with ``vmm`` ranks may share one. Ranks on distinct GPUs need peer access to each other.
     """
     if _C is None:
         return f"the CUDA extension ep_moe.native._C is unavailable ({_IMPORT_ERROR})"
+    provider = agreed_symmetric_memory_provider(group)
     if device.type != "cuda":
         return f"the group runs on {device.type}, not CUDA"
     num_ranks = dist.get_world_size(group)
     if num_ranks > MAX_RANKS:
         return f"the group has {num_ranks} ranks (native kernels serve at most {MAX_RANKS})"
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError as exc:
-        return f"torch.distributed._symmetric_memory is unavailable ({exc})"
-    here = (socket.gethostname(), torch.cuda.current_device())
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, here, group=group)
-    if len({host for host, _ in everyone}) != 1:
+    memory_reason = None
+    if provider == "torch":
+        try:  # (an import statement here would make `torch` a local name of this function)
+            importlib.import_module("torch.distributed._symmetric_memory")
+        except ImportError as exc:
+            memory_reason = f"torch.distributed._symmetric_memory is unavailable ({exc})"
+    else:
+        reason = vmm_unavailable_reason(device, exportable=True, host=False)
+        if reason is not None:
+            memory_reason = f"{SYMMETRIC_MEMORY_ENV}=vmm, but the CUDA VMM calls cannot serve it: {reason}"
+    here = (socket.gethostname(), torch.cuda.current_device(), memory_reason)
+    everyone: list = [None] * num_ranks
+    dist.all_gather_object(everyone, here, group=group)  # every rank decides from the same facts
+    failed = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(everyone) if why is not None]
+    if failed:
+        return "; ".join(failed)
+    if len({host for host, _, _ in everyone}) != 1:
         return "the group spans several hosts (native kernels are intranode only)"
-    for _host, dev in everyone:
+    devices = [dev for _, dev, _ in everyone]
+    if provider == "torch" and len(set(devices)) != num_ranks:
+        shared = next(dev for dev in devices if devices.count(dev) > 1)
+        ranks = [r for r, dev in enumerate(devices) if dev == shared]
+        return (f"ranks {', '.join(map(str, ranks))} share GPU {shared}, which torch symmetric memory cannot serve "
+                f"(set {SYMMETRIC_MEMORY_ENV}=vmm on every rank)")
+    for dev in set(devices):
         if dev != here[1] and not torch.cuda.can_device_access_peer(here[1], dev):
             return f"GPU {here[1]} cannot access GPU {dev} as a peer (no NVLink/P2P)"
     return None
@@ -164,5 +185,6 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     return per_rank, per_expert, in_rank
 
 
-__all__ = ["BUILD_RECORD", "MAX_RANKS", "buffer_size_hint", "dispatch_layout", "explain_missing_extension",
-           "extension_available", "extension_unavailable_reason", "read_build_record", "unavailable_reason"]
+__all__ = ["BUILD_RECORD", "MAX_RANKS", "SYMMETRIC_MEMORY_ENV", "buffer_size_hint", "dispatch_layout",
+           "explain_missing_extension", "extension_available", "extension_unavailable_reason", "read_build_record",
+           "symmetric_memory_provider", "unavailable_reason"]

@@ -1,5 +1,13 @@
-"""One block of symmetric memory per EP group: the same size on every rank, every rank's copy
-addressable from every GPU of the group (peer pointers), on `torch.distributed._symmetric_memory`.
+"""One block of symmetric memory per EP group: the same size on every rank, every rank's copy addressable from
+this process (peer pointers), from one of two providers chosen by ``EP_MOE_SYMMETRIC_MEMORY`` (read here only,
+`symmetric_memory_provider`):
+
+* ``torch`` (default): `torch.distributed._symmetric_memory` (`TorchSymmetricBuffer`). One GPU per rank: its
+  rendezvous refuses ranks that share a device.
+* ``vmm``: the CUDA driver's virtual-memory calls (`VmmSymmetricBuffer`): every rank exports a device allocation
+  as a POSIX file descriptor, the ranks of the node exchange them (`ep_moe.memory.fdshare.exchange_fds`), and each
+  maps every rank's allocation, in rank order, into one reserved range. Works over any process group (gloo
+  included) and for ranks that share one GPU, which is how the multi-rank kernels are tested on one GPU.
 
 The kernels only use unicast peer stores and loads: NVLink multicast stays off (`ep_moe.distributed.disable_multicast`,
 when ``ep_moe`` is imported).
@@ -7,10 +15,52 @@ when ``ep_moe`` is imported).
 
 from __future__ import annotations
 
+import os
+from abc import ABC, abstractmethod
+
 import torch
 import torch.distributed as dist
 
+from ..memory.cuda_vmm import CudaRange, DeviceAllocation
+from ..memory.fdshare import exchange_fds
 from .sizing import align_up
+
+SYMMETRIC_MEMORY_ENV = "EP_MOE_SYMMETRIC_MEMORY"
+PROVIDERS = ("torch", "vmm")
+
+
+def symmetric_memory_provider(value: str | None = None) -> str:
+    """The provider ``value`` names (default: ``EP_MOE_SYMMETRIC_MEMORY``; unset or empty: ``"torch"``), one of
+    `PROVIDERS`, case and surrounding spaces ignored. Raises `ValueError` naming the variable for another value."""
+    raw = os.environ.get(SYMMETRIC_MEMORY_ENV) if value is None else value
+    provider = (raw or "").strip().lower() or "torch"
+    if provider not in PROVIDERS:
+        raise ValueError(f"ep_moe: {SYMMETRIC_MEMORY_ENV} must be one of {', '.join(PROVIDERS)} (unset: torch), "
+                         f"got {raw!r}")
+    return provider
+
+
+def agreed_symmetric_memory_provider(group: dist.ProcessGroup) -> str:
+    """Collective over ``group`` (one ``all_gather_object``): the provider every rank's ``EP_MOE_SYMMETRIC_MEMORY``
+    names. Every rank raises the same `ValueError` when they differ (each value with its ranks) or when the
+    common value is not a provider."""
+    raw = os.environ.get(SYMMETRIC_MEMORY_ENV)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, raw, group=group)
+    named = [(theirs or "").strip().lower() or "torch" for theirs in everyone]
+    if len(set(named)) > 1:
+        raise ValueError(f"ep_moe: {SYMMETRIC_MEMORY_ENV} must be equal on every rank of the group (unset means "
+                         f"torch), got {_by_value(named)}")
+    return symmetric_memory_provider(raw)
+
+
+def _by_value(everyone: list[str]) -> str:
+    """``'vmm' on rank 0; 'torch' on ranks 1, 2``: each value with its ranks."""
+    ranks_by_value: dict[str, list[int]] = {}
+    for rank, value in enumerate(everyone):
+        ranks_by_value.setdefault(value, []).append(rank)
+    return "; ".join(f"{value!r} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                     for value, ranks in ranks_by_value.items())
 
 
 def _allocate(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -39,14 +89,66 @@ def _rendezvous(tensor: torch.Tensor, group: dist.ProcessGroup):
         return symm_mem.rendezvous(tensor, group)
 
 
-class SymmetricBuffer:
+class SymmetricBuffer(ABC):
     """``nbytes`` (rounded up to 2 MiB) of device memory on every rank of ``group``.
 
-    Collective: every rank constructs it with the same size. ``ptrs[r]`` is the address, valid on this
-    GPU, of rank ``r``'s copy; ``tensor`` is this rank's copy (uint8). Contents start undefined.
+    ``SymmetricBuffer(group, device, nbytes)`` makes one of the provider ``EP_MOE_SYMMETRIC_MEMORY`` names
+    (`TorchSymmetricBuffer` or `VmmSymmetricBuffer`, both subclasses; constructing a subclass picks it). Collective:
+    every rank constructs it with the same size, and every rank must use the same provider (checked first, one
+    ``all_gather_object``: every rank raises the same `ValueError` naming the ranks).
+
+    Attributes: ``nbytes``; ``rank`` (in ``group``); ``tensor`` (this rank's copy, uint8 ``[nbytes]``); ``ptrs``
+    (``ptrs[r]``: the address of rank ``r``'s copy, valid in this process on ``device``). Contents start
+    undefined (users zero what they need, as the native backend does with its control block).
     """
 
+    provider = ""
+    nbytes: int
+    rank: int
+    tensor: torch.Tensor | None
+    ptrs: list[int]
+
+    def __new__(cls, group: dist.ProcessGroup, device: torch.device, nbytes: int):
+        agreed = False
+        if cls is SymmetricBuffer:  # the provider every rank's EP_MOE_SYMMETRIC_MEMORY names (collective)
+            cls = TorchSymmetricBuffer if agreed_symmetric_memory_provider(group) == "torch" else VmmSymmetricBuffer
+            agreed = True
+        buffer = super().__new__(cls)
+        buffer._provider_agreed = agreed
+        return buffer
+
+    def _agree_on_provider(self, group: dist.ProcessGroup) -> None:
+        """A subclass constructed by name: check (collectively) that every rank constructs the same one."""
+        if self._provider_agreed:
+            return
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, self.provider, group=group)
+        if len(set(everyone)) > 1:
+            raise ValueError(f"ep_moe: every rank of the group must use the same symmetric memory provider, got "
+                             f"{_by_value(everyone)}")
+
+    @abstractmethod
+    def peer_tensor(self, rank: int) -> torch.Tensor:
+        """uint8 ``[nbytes]`` over rank ``rank``'s copy, addressable from this GPU (this rank's own is
+        ``tensor``). Copies into it (``copy_``, the copy engine) land in the peer's memory. Raises `ValueError`
+        for a rank outside the group."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Drop this rank's references (the memory is released once no rank maps it)."""
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < len(self.ptrs):
+            raise ValueError(f"ep_moe: argument 'rank' must be in [0, {len(self.ptrs)}), got {rank}")
+
+
+class TorchSymmetricBuffer(SymmetricBuffer):
+    """`SymmetricBuffer` on ``torch.distributed._symmetric_memory`` (one GPU per rank)."""
+
+    provider = "torch"
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+        self._agree_on_provider(group)
         self.nbytes = align_up(max(int(nbytes), 1))
         self.group = group
         self.rank = dist.get_rank(group)
@@ -64,16 +166,91 @@ class SymmetricBuffer:
         self._offset = offset
 
     def peer_tensor(self, rank: int) -> torch.Tensor:
-        """uint8 ``[nbytes]`` over rank ``rank``'s copy, addressable from this GPU (this rank's own is
-        ``tensor``). Copies into it (``copy_``, the copy engine) land in the peer's memory."""
-        if not 0 <= rank < len(self.ptrs):
-            raise ValueError(f"ep_moe: argument 'rank' must be in [0, {len(self.ptrs)}), got {rank}")
+        self._check_rank(rank)
         if rank == self.rank:
             return self.tensor
         return self._handle.get_buffer(rank, (self.nbytes,), torch.uint8, self._offset)
 
     def destroy(self) -> None:
-        """Drop this rank's references (the memory is released once no rank maps it)."""
         self._handle = None
         self.tensor = None
         self.ptrs = []
+
+
+class VmmSymmetricBuffer(SymmetricBuffer):
+    """`SymmetricBuffer` over the CUDA driver's VMM calls: rank ``r``'s copy is its own device allocation, mapped
+    in every rank's process at ``r * nbytes`` of one reserved range (``ptrs[r] = base + r * nbytes``).
+
+    Every rank grants its own device read-write access to the whole range: ranks on one GPU share it directly;
+    a rank on another GPU of the node needs peer access to it (``cuMemSetAccess`` fails otherwise, and the
+    error says so). All ranks must be on one host. A failure on any rank (allocation, export, exchange,
+    mapping) raises a `RuntimeError` on every rank naming the ranks and their errors, so none is left waiting.
+    """
+
+    provider = "vmm"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+        self._agree_on_provider(group)
+        self.nbytes = align_up(max(int(nbytes), 1))
+        self.group = group
+        self.rank = dist.get_rank(group)
+        num_ranks = dist.get_world_size(group)
+        self.tensor, self.ptrs, self._range = None, [], None
+        own, failure = None, None
+        if device.type != "cuda":
+            failure = f"ValueError: argument 'device' must be a CUDA device, got {device}"
+        else:
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            try:
+                with torch.cuda.device(device):
+                    own = DeviceAllocation(device, self.nbytes)
+            except (OSError, RuntimeError) as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+        # every rank's descriptor (raises on every rank, naming the ranks, when any rank failed above)
+        local_ranks, fds = exchange_fds(group, own.fd if own is not None else -1, failure,
+                                        what="symmetric device memory")
+        try:
+            if len(local_ranks) != num_ranks:
+                raise RuntimeError(f"the group spans several hosts (ranks {local_ranks} are on this one): VMM "
+                                   "symmetric memory is intranode only")
+            with torch.cuda.device(device):
+                memory = CudaRange(num_ranks * self.nbytes, device, host=False)
+                for r in range(num_ranks):  # in rank order, this rank's own allocation included
+                    if r == self.rank:
+                        memory.map_allocation(r * self.nbytes, self.nbytes, own)
+                    else:
+                        memory.map_imported(r * self.nbytes, self.nbytes, fds[r])
+                self.tensor = memory.view(self.rank * self.nbytes, self.nbytes)
+            self._range = memory
+        except (OSError, RuntimeError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            for other in fds:  # the mappings hold the memory; the descriptors are not needed any more
+                if other is not None:
+                    os.close(other)
+            own.fd = -1  # closed above (it was this rank's entry of fds)
+        failures: list = [None] * num_ranks
+        dist.all_gather_object(failures, failure, group=group)
+        failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None]
+        if failed:
+            self.tensor, self._range = None, None
+            raise RuntimeError(f"ep_moe: mapping {self.nbytes} bytes of VMM symmetric memory failed: "
+                               + "; ".join(failed))
+        self.ptrs = [self._range.address + r * self.nbytes for r in range(num_ranks)]
+
+    def peer_tensor(self, rank: int) -> torch.Tensor:
+        self._check_rank(rank)
+        if rank == self.rank:
+            return self.tensor
+        return self._range.view(rank * self.nbytes, self.nbytes)
+
+    def destroy(self) -> None:
+        # The range is unmapped once its last view is gone; a peer's allocation lives until its owner and every
+        # rank that mapped it let go.
+        self.tensor = None
+        self._range = None
+        self.ptrs = []
+
+
+__all__ = ["PROVIDERS", "SYMMETRIC_MEMORY_ENV", "SymmetricBuffer", "TorchSymmetricBuffer", "VmmSymmetricBuffer",
+           "agreed_symmetric_memory_provider", "symmetric_memory_provider"]

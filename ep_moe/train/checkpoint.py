@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -125,9 +126,11 @@ def find_checkpoint_to_load(recipe) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
-def optimizer_global_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def optimizer_global_state(model: torch.nn.Module, state: Mapping[torch.nn.Parameter, dict[str, Any]],
                            ep_group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """``{"tensors": {state key: {global param key: tensor}}, "scalars": {state key: {param name: tensor}}}``.
+    """``{"tensors": {state key: {global param key: tensor}}, "scalars": {state key: {param name: tensor}}}`` of
+    ``state`` (an optimizer's ``state``, or the complete state a sharded trainer gathered: every parameter of this
+    rank's model part).
 
     Collective over ``ep_group``: per-parameter moments (same shape as the parameter) of expert weights go
     through `to_global`; 0-dim entries (Adam's ``step``) are kept by parameter name.
@@ -135,7 +138,7 @@ def optimizer_global_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     scalars: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in model.named_parameters():
-        for key, value in optimizer.state.get(param, {}).items():
+        for key, value in state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.ndim == 0:
@@ -152,7 +155,9 @@ def optimizer_global_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def load_optimizer_global_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                                 ep_group: dist.ProcessGroup | None) -> None:
-    """Put a saved `optimizer_global_state` (any EP size) into ``optimizer`` (no communication)."""
+    """Put a saved `optimizer_global_state` (any EP size) into ``optimizer`` (no communication): the state of the
+    parameters ``optimizer`` steps (a sharded optimizer or a pipeline stage steps only some of the model's)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     params = dict(model.named_parameters())
     for key, mapping in state["tensors"].items():
         local = to_local(mapping, model, ep_group, strict=True)
@@ -164,12 +169,14 @@ def load_optimizer_global_state(model: torch.nn.Module, optimizer: torch.optim.O
             if value.shape != param.shape:
                 raise ValueError(f"checkpoint: optimizer state '{key}' of '{name}' has shape {tuple(value.shape)}, "
                                  f"the parameter {tuple(param.shape)}")
-            optimizer.state[param][key] = value.to(param.device).clone()
+            if id(param) in stepped:
+                optimizer.state[param][key] = value.to(param.device).clone()
     for key, mapping in state["scalars"].items():
         for name, value in mapping.items():
             if name not in params:
                 raise ValueError(f"checkpoint: optimizer state '{key}' for unknown parameter '{name}'")
-            optimizer.state[params[name]][key] = value.clone()
+            if id(params[name]) in stepped:
+                optimizer.state[params[name]][key] = value.clone()
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -187,12 +194,16 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- save / load
-def save_checkpoint(recipe, model, optimizer, ps, step: int) -> str:
-    """Save step ``step`` into ``checkpoint.save`` (collective: every rank calls it); returns the folder."""
+def save_checkpoint(recipe, model, optimizer_state: Mapping[torch.nn.Parameter, dict[str, Any]], ps,
+                    step: int) -> str:
+    """Save step ``step`` into ``checkpoint.save`` (collective: every rank calls it); returns the folder.
+    ``optimizer_state``: every parameter's optimizer state on this rank (``optimizer.state``, or what a sharded
+    trainer gathered); ``model`` must hold every parameter's current value (a pipeline stage first takes the
+    other stage's)."""
     save_dir = recipe.checkpoint.save
     ep_group = model.ep_group
     model_state = {k: v.detach().cpu() for k, v in global_state_dict(model, ep_group).items()}
-    optim_state = optimizer_global_state(model, optimizer, ep_group)
+    optim_state = optimizer_global_state(model, optimizer_state, ep_group)
     rng_states: list[Any] = [None] * ps.world_size
     if ps.world_size > 1:
         dist.all_gather_object(rng_states, _rng_state(ps.device))

@@ -262,19 +262,13 @@ class Recipe(RecipeBase):
                  "bf16 autocast keeps fp32 master weights; leave model.params_dtype at float32")
         t = self.train
         _require(t.zero_stage in (0, 1), "train.zero_stage", f"must be 0 or 1, got {t.zero_stage}")
-        if t.zero_stage == 1:
-            _require(self.checkpoint.save is None and self.checkpoint.load is None and not self.checkpoint.resume,
-                     "checkpoint.save", "must be unset with train.zero_stage=1 (checkpoints of a sharded optimizer "
-                     "are not provided)")
         _require(t.pp_size in (1, 2), "train.pp_size", f"must be 1 or 2 (a two-stage pipeline), got {t.pp_size}")
         if t.pp_size == 2:
             _require(world_size % 2 == 0, "train.pp_size", f"2 needs an even number of ranks, got {world_size}")
-            _require(m.expert_model_parallel_size == 1, "model.expert_model_parallel_size",
-                     "must be 1 with train.pp_size=2 (expert parallelism inside a pipeline stage is not "
-                     f"provided), got {m.expert_model_parallel_size}")
+            _require((world_size // 2) % m.expert_model_parallel_size == 0, "model.expert_model_parallel_size",
+                     f"must divide the ranks of a pipeline stage ({world_size // 2}) with train.pp_size=2, got "
+                     f"{m.expert_model_parallel_size}")
             _require(m.num_layers >= 2, "model.num_layers", f"must be >= 2 with train.pp_size=2, got {m.num_layers}")
-            _require(self.checkpoint.save is None and not self.checkpoint.resume, "checkpoint.save",
-                     "must be unset with train.pp_size=2 (pipeline checkpoints are not provided)")
             _require(t.zero_stage == 0, "train.zero_stage", "must be 0 with train.pp_size=2")
 
 

@@ -16,7 +16,7 @@ import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -137,7 +137,7 @@ def _global_mean(per_micro: torch.Tensor, ps: ParallelState, accum: int, extra: 
     return flat.cpu()
 
 
-def _row_order_mean(values: torch.Tensor) -> float:
+def row_order_mean(values: torch.Tensor) -> float:
     """Mean in float64, added one by one in row order (independent of the rank count)."""
     total = 0.0
     for v in values.flatten().tolist():
@@ -161,56 +161,167 @@ def evaluate(model, dataset, recipe: Recipe, ps: ParallelState, accum: int) -> f
     model.train()
     model.moe_stats()  # drop the routing statistics of the evaluation forwards (collective, all ranks)
     table = _global_mean(per_micro, ps, t.eval_iters * accum, torch.zeros(0))
-    return _row_order_mean(table[: t.eval_iters * accum * ps.world_size])
+    return row_order_mean(table[: t.eval_iters * accum * ps.world_size])
+
+
+class TrainSteps(Protocol):
+    """What the shared loop (`run_training`) needs from one way of training (data/expert parallel here, the
+    two-stage pipeline in `ep_moe.train.pipeline`): built collectively, one object per rank."""
+
+    rank: int
+    world_size: int
+    ep_size: int
+    device: torch.device
+    optimizer: torch.optim.Optimizer
+    dataset: Any
+
+    def opening_lines(self) -> list[str]:
+        """What rank 0 prints before the first step (the layout of the ranks, the model, the backend)."""
+
+    def title(self) -> str:
+        """The plot's and the summary's title."""
+
+    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, Any]]:
+        """Forward and backward of this rank's micro-batches of ``batch`` (the step's global batch, gradients
+        cleared), gradient reduction and clipping, the optimizer step: ``(per_micro [n, 2] float64 (cross-entropy,
+        aux loss) of this rank, grad_norm, routing statistics)``."""
+
+    def step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
+        """Collective: the step's row-order mean cross-entropy and aux loss over the global batch, and whether any
+        rank asked to stop."""
+
+    def evaluate(self) -> float:
+        """Collective: the mean validation cross-entropy."""
+
+    def save(self, step: int) -> str:
+        """Collective: a checkpoint of step ``step`` (the format of `ep_moe.train.checkpoint`); its folder."""
+
+    def load(self, path: str) -> int:
+        """Load a checkpoint (any EP size, any of the trainer's layouts); its step."""
+
+    def close(self) -> None:
+        """Release the communication buffers."""
+
+
+class DataParallelSteps:
+    """The default trainer: expert parallelism inside data parallelism (optionally ZeRO-1), see the module
+    docstring."""
+
+    def __init__(self, recipe: Recipe, device: torch.device) -> None:
+        t = recipe.train
+        self.recipe, self.device = recipe, device
+        self.ps = ps = build_parallel_state(recipe.model.expert_model_parallel_size, device, t.deterministic)
+        self.rank, self.world_size, self.ep_size = ps.rank, ps.world_size, ps.ep_size
+        self.accum = recipe.grad_accum_steps(ps.world_size)
+        self.dataset = build_dataset(recipe)
+        self.model = model = build_model(recipe, ps)
+        self.optimizer = build_optimizer(model, recipe, device)
+        self.non_expert = [p for p in model.non_expert_parameters() if p.requires_grad]
+        self.expert = [p for p in model.expert_parameters() if p.requires_grad]
+        self.zero = ZeroOne(self.non_expert, self.expert, ps, t.timeout_s) if t.zero_stage == 1 else None
+        if self.zero is not None:  # this rank's optimizer holds state for its shard of the parameters only
+            self.optimizer = build_optimizer(model, recipe, device, self.zero.owned_parameters())
+        self.scale = 1.0 / (self.accum * ps.world_size)
+        model.train()
+
+    def opening_lines(self) -> list[str]:
+        t, ps, model = self.recipe.train, self.ps, self.model
+        backend = (f"{model.buffer.backend_name} ({model.buffer.backend_reason})" if model.buffer is not None
+                   else "none (EP 1: all experts local)")
+        return [f"ep-moe train: {ps.world_size} rank(s) on {self.device.type}, EP {ps.ep_size} x DP "
+                f"{ps.expert_dp_size}, {model.num_parameters(global_experts=True):,} parameters, global batch "
+                f"{t.global_batch_size} x {self.recipe.model.seq_length} tokens (micro {t.micro_batch_size}, "
+                f"accumulation {self.accum}), {t.train_iters} steps; {self.dataset.describe()}",
+                f"dispatcher backend: {backend}; metrics: {self.recipe.metrics_path()}"]
+
+    def title(self) -> str:
+        return f"{self.recipe.name}: EP {self.ps.ep_size} x DP {self.ps.expert_dp_size}"
+
+    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, Any]]:
+        t, ps, model, zero = self.recipe.train, self.ps, self.model, self.zero
+        per_micro = torch.zeros(self.accum, 2, dtype=torch.float64)
+        for i in range(self.accum):
+            mb = rank_slice(batch, ps.rank, ps.world_size, t.micro_batch_size, i).to(self.device)
+            with _autocast(self.recipe, self.device):
+                out = model(mb[:, :-1], mb[:, 1:])
+            ((out.loss + out.aux_loss) * self.scale).backward()
+            per_micro[i, 0] = out.loss.detach().double().item()
+            per_micro[i, 1] = out.aux_loss.detach().double().item()
+        if zero is None:
+            sync_gradients(self.non_expert, self.expert, ps)
+            grad_norm = clip_grad_norm(self.non_expert, self.expert, self.recipe.optimizer.clip_grad, ps)
+            self.optimizer.step()
+        else:
+            grad_norm = zero.reduce_and_clip(self.recipe.optimizer.clip_grad)
+            self.optimizer.step()
+            zero.gather_parameters()
+        model.update_expert_bias()  # once per optimizer step, after all micro-batches
+        return per_micro, grad_norm, model.moe_stats()
+
+    def step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
+        table = _global_mean(per_micro, self.ps, self.accum, torch.tensor([1.0 if stop else 0.0]))
+        n = self.accum * self.ps.world_size * 2
+        by_micro = table[:n].view(self.accum * self.ps.world_size, 2)
+        return row_order_mean(by_micro[:, 0]), row_order_mean(by_micro[:, 1]), bool(table[n] > 0)
+
+    def evaluate(self) -> float:
+        return evaluate(self.model, self.dataset, self.recipe, self.ps, self.accum)
+
+    def save(self, step: int) -> str:
+        state = self.optimizer.state if self.zero is None else self.zero.full_optimizer_state(self.optimizer)
+        return ckpt.save_checkpoint(self.recipe, self.model, state, self.ps, step)
+
+    def load(self, path: str) -> int:
+        return ckpt.load_checkpoint(path, self.model, self.optimizer, self.ps)
+
+    def close(self) -> None:
+        if self.zero is not None:
+            self.zero.close()
 
 
 def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     """Train on this rank (the process group is already initialised). Collective: every rank calls it."""
     t0 = time.monotonic()
     t = recipe.train
-    if t.pp_size > 1:
-        from .pipeline import train_rank_pipeline
-
-        return train_rank_pipeline(recipe, device)
     if t.deterministic:
         enable_determinism()
     torch.manual_seed(recipe.rng.seed)
-    ps = build_parallel_state(recipe.model.expert_model_parallel_size, device, t.deterministic)
-    is_main = ps.rank == 0
-    accum = recipe.grad_accum_steps(ps.world_size)
-    dataset = build_dataset(recipe)
-    floor = dataset.entropy_floor
-    model = build_model(recipe, ps)
-    optimizer = build_optimizer(model, recipe, device)
-    non_expert, expert = model.non_expert_parameters(), model.expert_parameters()
-    non_expert = [p for p in non_expert if p.requires_grad]
-    expert = [p for p in expert if p.requires_grad]
-    zero = ZeroOne(non_expert, expert, ps, t.timeout_s) if t.zero_stage == 1 else None
-    if zero is not None:  # this rank's optimizer holds state for its shard of the parameters only
-        optimizer = build_optimizer(model, recipe, device, zero.owned_parameters())
+    if t.pp_size > 1:
+        from .pipeline import PipelineSteps
 
+        steps: TrainSteps = PipelineSteps(recipe, device)
+    else:
+        steps = DataParallelSteps(recipe, device)
+    try:
+        return run_training(recipe, steps, t0)
+    finally:
+        steps.close()
+
+
+def run_training(recipe: Recipe, steps: TrainSteps, t0: float) -> RunResult:
+    """The loop every trainer layout shares: resume, per step the schedule's learning rate and batch, the
+    layout's step, the agreed losses and stop request, progress and metrics, evaluation, checkpoints, and the
+    summary. Collective."""
+    t = recipe.train
+    is_main = steps.rank == 0
+    dataset, device = steps.dataset, steps.device
+    floor = dataset.entropy_floor
     start_step = 0
     resumed_from = ckpt.find_checkpoint_to_load(recipe)
     if resumed_from is not None:
-        start_step = ckpt.load_checkpoint(resumed_from, model, optimizer, ps)
-    result = RunResult(rank=ps.rank, entropy_floor=floor, last_step=start_step)
+        start_step = steps.load(resumed_from)
+    result = RunResult(rank=steps.rank, entropy_floor=floor, last_step=start_step)
 
     metrics = RunLog(recipe, resume_step=start_step if resumed_from else None) if is_main else None
     progress = Progress(recipe.logger.progress_bar, t.train_iters, start_step, enabled=is_main)
     if is_main:
-        n_params = model.num_parameters(global_experts=True)
-        progress.message(
-            f"ep-moe train: {ps.world_size} rank(s) on {device.type}, EP {ps.ep_size} x DP {ps.expert_dp_size}, "
-            f"{n_params:,} parameters, global batch {t.global_batch_size} x {recipe.model.seq_length} tokens "
-            f"(micro {t.micro_batch_size}, accumulation {accum}), {t.train_iters} steps; {dataset.describe()}")
-        backend = (f"{model.buffer.backend_name} ({model.buffer.backend_reason})" if model.buffer is not None
-                   else "none (EP 1: all experts local)")
-        progress.message(f"dispatcher backend: {backend}; metrics: {recipe.metrics_path()}")
+        for line in steps.opening_lines():
+            progress.message(line)
         if resumed_from:
             progress.message(f"resumed from {resumed_from} at step {start_step}")
         elif recipe.checkpoint.resume:
             progress.message(f"no checkpoint in {recipe.checkpoint.save} yet: starting at step 0")
-        metrics.write(run_record(recipe, start_step, ps.world_size, ps.ep_size, floor, resumed_from))
+        metrics.write(run_record(recipe, start_step, steps.world_size, steps.ep_size, floor, resumed_from))
 
     if start_step >= t.train_iters:
         progress.close()
@@ -223,42 +334,18 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
         return result
 
     stop = StopRequest()
-    tokens_per_step = recipe.tokens_per_step
-    scale = 1.0 / (accum * ps.world_size)
     train_time = 0.0
-    throughput = Throughput(tokens_per_step)
+    throughput = Throughput(recipe.tokens_per_step)
     eval_loss: float | None = None
     step = start_step
     last_saved: int | None = None
     interrupted = False
     try:
-        model.train()
         while step < t.train_iters:
             step_start = time.monotonic()
-            lr, batch = begin_step(recipe, optimizer, dataset, step)
-            per_micro = torch.zeros(accum, 2, dtype=torch.float64)
-            for i in range(accum):
-                mb = rank_slice(batch, ps.rank, ps.world_size, t.micro_batch_size, i).to(device)
-                with _autocast(recipe, device):
-                    out = model(mb[:, :-1], mb[:, 1:])
-                ((out.loss + out.aux_loss) * scale).backward()
-                per_micro[i, 0] = out.loss.detach().double().item()
-                per_micro[i, 1] = out.aux_loss.detach().double().item()
-            if zero is None:
-                sync_gradients(non_expert, expert, ps)
-                grad_norm = clip_grad_norm(non_expert, expert, recipe.optimizer.clip_grad, ps)
-                optimizer.step()
-            else:
-                grad_norm = zero.reduce_and_clip(recipe.optimizer.clip_grad)
-                optimizer.step()
-                zero.gather_parameters()
-            model.update_expert_bias()  # once per optimizer step, after all micro-batches
-            stats = model.moe_stats()
-            table = _global_mean(per_micro, ps, accum, torch.tensor([1.0 if stop.requested else 0.0]))
-            n = accum * ps.world_size * 2
-            by_micro = table[:n].view(accum * ps.world_size, 2)
-            loss, aux = _row_order_mean(by_micro[:, 0]), _row_order_mean(by_micro[:, 1])
-            stop_now = bool(table[n] > 0)
+            lr, batch = begin_step(recipe, steps.optimizer, dataset, step)
+            per_micro, grad_norm, stats = steps.train_step(batch)
+            loss, aux, stop_now = steps.step_losses(per_micro, stop.requested)
             step += 1
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -270,11 +357,10 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
                         stats)
             last = step == t.train_iters
             if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
-                eval_loss = evaluate(model, dataset, recipe, ps, accum)
+                eval_loss = steps.evaluate()
                 report_eval(progress, metrics, step, eval_loss, floor, time.monotonic() - t0)
-            c = recipe.checkpoint
-            if ckpt.save_due(c, step, last, stop_now):
-                result.checkpoint = ckpt.save_checkpoint(recipe, model, optimizer, ps, step)
+            if ckpt.save_due(recipe.checkpoint, step, last, stop_now):
+                result.checkpoint = steps.save(step)
                 last_saved = step
             if stop_now:
                 interrupted = True
@@ -282,8 +368,6 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     finally:
         progress.close()
         stop.restore()
-        if zero is not None:
-            zero.close()
         if metrics is not None:
             metrics.close()
 
@@ -291,7 +375,7 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     result.final_loss = result.losses[-1] if result.losses else math.nan
     result.eval_loss = eval_loss
     result.train_time_s = train_time
-    result.tokens_per_s = tokens_per_step * len(result.losses) / max(train_time, 1e-9)
+    result.tokens_per_s = recipe.tokens_per_step * len(result.losses) / max(train_time, 1e-9)
     result.total_time_s = time.monotonic() - t0
     if interrupted:
         result.exit_code = INTERRUPTED_EXIT_CODE
@@ -305,7 +389,7 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
         result.summary, result.exit_code = finish(
             recipe, recipe.metrics_path(), steps=step, final_loss=result.final_loss, eval_loss=eval_loss, floor=floor,
             tokens_per_s=result.tokens_per_s, train_time_s=train_time, total_time_s=result.total_time_s,
-            title=f"{recipe.name}: EP {ps.ep_size} x DP {ps.expert_dp_size}")
+            title=steps.title())
     return result
 
 

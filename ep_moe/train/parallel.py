@@ -40,17 +40,30 @@ class ParallelState:
         return self.world_size // self.ep_size
 
 
-def build_parallel_state(ep_size: int, device: torch.device, deterministic: bool) -> ParallelState:
-    """Create the EP and expert-data-parallel groups (every rank creates every group, in the same order)."""
+def build_parallel_state(ep_size: int, device: torch.device, deterministic: bool, stages: int = 1) -> ParallelState:
+    """Create the EP and expert-data-parallel groups (every rank creates every group, in the same order).
+
+    ``stages`` > 1 (a pipeline): the world is cut into ``stages`` contiguous blocks of ``W / stages`` ranks, and the
+    state is this rank's block's: ``rank`` and ``world_size`` inside the block, the groups inside it, and
+    ``dp_group`` the block (with one stage, the world)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % ep_size:
-        raise ValueError(f"model.expert_model_parallel_size: must divide the world size {world}, got {ep_size}")
-    ep_groups = [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(world // ep_size)]
-    edp_groups = [list(range(j, world, ep_size)) for j in range(ep_size)]
+    if world % stages:
+        raise ValueError(f"train.pp_size: must divide the world size {world}, got {stages}")
+    size = world // stages
+    if size % ep_size:
+        raise ValueError(f"model.expert_model_parallel_size: must divide the ranks of a stage ({size}), got {ep_size}")
+    blocks = [list(range(b * size, (b + 1) * size)) for b in range(stages)]
+    ep_groups = [block[g * ep_size:(g + 1) * ep_size] for block in blocks for g in range(size // ep_size)]
+    edp_groups = [block[j::ep_size] for block in blocks for j in range(ep_size)]
     ep_group, _ = dist.new_subgroups_by_enumeration(ep_groups)
     expert_dp_group, _ = dist.new_subgroups_by_enumeration(edp_groups)
-    return ParallelState(rank, world, ep_size, rank % ep_size, ep_group, expert_dp_group, dist.group.WORLD,
-                         device, deterministic)
+    if stages == 1:
+        dp_group = dist.group.WORLD
+    else:
+        dp_group, _ = dist.new_subgroups_by_enumeration(blocks)
+    local = rank % size
+    return ParallelState(local, size, ep_size, local % ep_size, ep_group, expert_dp_group, dp_group, device,
+                         deterministic)
 
 
 def build_ep_buffer(ps: ParallelState, backend: str) -> Buffer | None:

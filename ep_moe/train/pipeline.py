@@ -17,14 +17,17 @@ routers' expert bias is updated per stage. The logged loss is the same row-order
 
 Mirrors `ep_moe.layers.model.MoETransformer.forward` split at ``L/2`` (the test against ``pp_size: 1`` guards
 this). With dropout each stage draws its masks from its own RNG, in another order than one process would, so
-the losses then match ``pp_size: 1`` statistically, not per step. Not provided with ``pp_size: 2``: expert parallelism inside a stage, checkpoints, the routing statistics
-of the progress line, a stop on SIGINT at a step boundary (the run is interrupted as any process).
+the losses then match ``pp_size: 1`` statistically, not per step.
+
+The loop itself (resume, Ctrl-C at a step boundary, evaluation, checkpoints, metrics) is the default trainer's
+(`ep_moe.train.loop.run_training`); this module provides its steps (`PipelineSteps`). A checkpoint has the default
+trainer's format: before a save each rank takes the other stage's current values and optimizer state over its
+pair, so rank 0 writes the whole model, loadable with ``pp_size`` 1 or 2. Expert parallelism works inside each
+stage (`build_pipeline_state`). Not provided with ``pp_size: 2``: the routing statistics of the progress line.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -34,11 +37,11 @@ import torch.nn.functional as F
 
 from ..elastic import ALIGNMENT_BYTES, ElasticBuffer
 from ..layers.model import rotary_tables
+from . import checkpoint as ckpt
 from .config import Recipe
 from .data import build_dataset, rank_slice
-from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
-from .parallel import ParallelState, all_reduce_sum, enable_determinism, sync_gradients
-from .schedule import begin_step
+from .loop import build_model, build_optimizer, row_order_mean
+from .parallel import ParallelState, all_reduce_sum, build_parallel_state, sync_gradients
 
 
 @dataclass
@@ -52,20 +55,29 @@ class PipelineState:
     pair_group: dist.ProcessGroup     # [j, j + D]: this rank's pipeline (stage s is rank index s in it)
     device: torch.device
     deterministic: bool
+    inside: ParallelState             # the stage's own EP / expert-data-parallel groups (rank = dp_rank)
 
     @property
     def peer(self) -> int:
         """The other stage's rank index in the pair group."""
         return 1 - self.stage
 
+    @property
+    def ep_size(self) -> int:
+        """Expert parallelism inside each stage (EP groups of contiguous ranks of the stage)."""
+        return self.inside.ep_size
 
-def build_pipeline_state(device: torch.device, deterministic: bool) -> PipelineState:
-    """The stage and pair groups (every rank creates every group, in the same order)."""
+
+def build_pipeline_state(ep_size: int, device: torch.device, deterministic: bool) -> PipelineState:
+    """The pair groups, then the stage and EP groups inside each stage (every rank creates every group, in the
+    same order). Rank ``j`` of stage 0 and rank ``j`` of stage 1 have the same EP rank, so a pair holds the same
+    experts of their layers."""
     rank, world = dist.get_rank(), dist.get_world_size()
     d = world // 2
-    dp_group, _ = dist.new_subgroups_by_enumeration([list(range(0, d)), list(range(d, world))])
     pair_group, _ = dist.new_subgroups_by_enumeration([[j, j + d] for j in range(d)])
-    return PipelineState(rank, world, rank // d, rank % d, d, dp_group, pair_group, device, deterministic)
+    inside = build_parallel_state(ep_size, device, deterministic, stages=2)
+    return PipelineState(rank, world, rank // d, rank % d, d, inside.dp_group, pair_group, device, deterministic,
+                         inside)
 
 
 def split_layer(num_layers: int) -> int:
@@ -185,126 +197,147 @@ def _step_table(per_micro: torch.Tensor, ps: PipelineState, extra: list[float]) 
     return flat.cpu()
 
 
-def _row_order_mean(values: torch.Tensor) -> float:
-    total = 0.0
-    for v in values.flatten().tolist():
-        total += v
-    return total / values.numel()
+def _clip(non_expert: list[torch.nn.Parameter], expert: list[torch.nn.Parameter], shared: torch.nn.Parameter | None,
+          max_norm: float, ps: PipelineState) -> float:
+    """Clip by the global L2 norm over both stages (a tied embedding counted once, on stage 0), each stage's part
+    as `ep_moe.train.parallel.clip_grad_norm` forms it (its experts' squares summed over the stage's EP group)."""
+    def squares(params) -> torch.Tensor:  # fp32 sums per tensor, added in fp64
+        grads = [p.grad.float() for p in params if p.grad is not None and not (ps.stage == 1 and p is shared)]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=ps.device)
+        return torch.stack([g.pow(2).sum() for g in grads]).double().sum()
 
-
-def _clip(params: list[torch.nn.Parameter], shared: torch.nn.Parameter | None, max_norm: float,
-          ps: PipelineState) -> float:
-    """Clip by the global L2 norm over both stages (a tied embedding counted once, on stage 0)."""
-    grads = [p.grad.float() for p in params if p.grad is not None and not (ps.stage == 1 and p is shared)]
-    sq = torch.zeros(1, dtype=torch.float64, device=ps.device)
-    if grads:  # as `ep_moe.train.parallel.clip_grad_norm`: fp32 sums per tensor, added in fp64
-        sq += torch.stack([g.pow(2).sum() for g in grads]).double().sum()
+    expert_sq = squares(expert).reshape(1)
+    all_reduce_sum(expert_sq, ps.inside.ep_group, ps.deterministic)
+    sq = (squares(non_expert) + expert_sq[0]).reshape(1)
     all_reduce_sum(sq, ps.pair_group, ps.deterministic)
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
+        for p in list(non_expert) + list(expert):
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
 
 
-def train_rank_pipeline(recipe: Recipe, device: torch.device):
-    """`ep_moe.train.loop.train_rank` for ``train.pp_size: 2`` (the process group is initialised). Returns the
-    loop's `RunResult`. Collective: every rank calls it."""
-    from ep_moe.layers.model import ModelConfig, MoETransformer
+def stage_state_names(model, stage: int) -> set[str]:
+    """The ``model.state_dict()`` entries stage ``stage`` trains (the tied embedding on both)."""
+    k = split_layer(model.config.num_layers)
+    tied = model.output_weight is None
+    names = set()
+    for name in model.state_dict():
+        if name.startswith("layers."):
+            index = int(name.split(".")[1])
+            if (index < k) == (stage == 0):
+                names.add(name)
+        elif name == "embedding":
+            if stage == 0 or tied:
+                names.add(name)
+        elif stage == 1:  # the final norm and the untied output layer
+            names.add(name)
+    return names
 
-    from .loop import RunResult, build_optimizer
 
-    t0 = time.monotonic()
-    t = recipe.train
-    if t.deterministic:
-        enable_determinism()
-    torch.manual_seed(recipe.rng.seed)
-    ps = build_pipeline_state(device, t.deterministic)
-    is_main = ps.rank == 0
-    accum = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
-    dataset = build_dataset(recipe)
-    floor = dataset.entropy_floor
-    config = ModelConfig(**recipe.model.model_config_kwargs())
-    model = MoETransformer(config, buffer=None, dp_group=ps.dp_group if ps.dp_size > 1 else None,
-                           seed=recipe.rng.seed).to(device)
-    params = stage_parameters(model, ps.stage)
-    shared = model.embedding if model.output_weight is None else None
-    optimizer = build_optimizer(model, recipe, device, params)
-    own = {id(p) for p in params}
-    expert_ids = {id(p) for p in model.expert_parameters()}
-    non_expert = [p for p in params if id(p) not in expert_ids]
-    expert = [p for p in params if id(p) in expert_ids]
-    sync_state = ParallelState(ps.rank, ps.world_size, 1, 0, ps.dp_group, ps.dp_group, ps.dp_group, device,
-                               t.deterministic)
-    k = split_layer(config.num_layers)
-    own_moe = [layer.moe for layer in (model.layers[:k] if ps.stage == 0 else model.layers[k:])
-               if layer.moe is not None]
-    runner = StageRunner(recipe, ps, model, accum)
-    result = RunResult(rank=ps.rank, entropy_floor=floor)
-    metrics = RunLog(recipe, resume_step=None) if is_main else None
-    progress = Progress(recipe.logger.progress_bar, t.train_iters, 0, enabled=is_main)
-    if is_main:
-        progress.message(f"ep-moe train: {ps.world_size} rank(s) on {device.type}, pipeline 2 stages x DP "
-                         f"{ps.dp_size} (layers [0, {k}) | [{k}, {config.num_layers})), global batch "
-                         f"{t.global_batch_size} x {recipe.model.seq_length} tokens (micro {t.micro_batch_size}, "
-                         f"accumulation {accum}), {t.train_iters} steps; {dataset.describe()}")
-        metrics.write(run_record(recipe, 0, ps.world_size, 1, floor, None))
-    scale = 1.0 / (accum * ps.dp_size)
-    throughput = Throughput(recipe.tokens_per_step)
-    train_time, eval_loss, step = 0.0, None, 0
-    try:
+class PipelineSteps:
+    """The two-stage pipeline as the shared loop's `ep_moe.train.loop.TrainSteps` (see the module docstring)."""
+
+    def __init__(self, recipe: Recipe, device: torch.device) -> None:
+        t = recipe.train
+        self.recipe, self.device = recipe, device
+        self.ps = ps = build_pipeline_state(recipe.model.expert_model_parallel_size, device, t.deterministic)
+        self.rank, self.world_size, self.ep_size = ps.rank, ps.world_size, ps.ep_size
+        self.accum = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+        self.dataset = build_dataset(recipe)
+        # the whole model on every rank (its EP shard of every layer), with the stage's EP buffer; only this
+        # stage's part is used and optimized
+        self.model = model = build_model(recipe, ps.inside)
+        config = model.config
+        self.params = stage_parameters(model, ps.stage)
+        self.shared = model.embedding if model.output_weight is None else None
+        self.optimizer = build_optimizer(model, recipe, device, self.params)
+        self.own = {id(p) for p in self.params}
+        expert_ids = {id(p) for p in model.expert_parameters()}
+        self.non_expert = [p for p in self.params if id(p) not in expert_ids]
+        self.expert = [p for p in self.params if id(p) in expert_ids]
+        k = split_layer(config.num_layers)
+        self.own_moe = [layer.moe for layer in (model.layers[:k] if ps.stage == 0 else model.layers[k:])
+                        if layer.moe is not None]
+        self.runner = StageRunner(recipe, ps, model, self.accum)
+        self.scale = 1.0 / (self.accum * ps.dp_size)
         model.train()
-        while step < t.train_iters:
-            step_start = time.monotonic()
-            lr, batch = begin_step(recipe, optimizer, dataset, step)
-            for p in model.parameters():
-                if id(p) not in own:
-                    p.grad = None
-            mbs = [rank_slice(batch, ps.dp_rank, ps.dp_size, t.micro_batch_size, i) for i in range(accum)]
-            per_micro = runner.run(mbs, scale, train=True)
-            sync_gradients(non_expert, expert, sync_state)
-            if shared is not None:  # the tied embedding: stage 0's lookup + stage 1's output layer
-                if shared.grad is None:
-                    shared.grad = torch.zeros_like(shared)
-                all_reduce_sum(shared.grad, ps.pair_group, ps.deterministic)
-            grad_norm = _clip(params, shared, recipe.optimizer.clip_grad, ps)
-            optimizer.step()
-            for moe in own_moe:
-                moe.router.update_expert_bias()
-                moe.router.reset_stats()
-            table = _step_table(per_micro, ps, [])
-            by_micro = table[: accum * ps.dp_size * 2].view(accum * ps.dp_size, 2)
-            loss, aux = _row_order_mean(by_micro[:, 0]), _row_order_mean(by_micro[:, 1])
-            step += 1
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.monotonic() - step_start
-            train_time += step_time
-            result.losses.append(loss)
-            report_step(recipe, progress, metrics, step, loss, aux, lr, grad_norm, throughput.add(step_time),
-                        time.monotonic() - t0, {})
-            if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or step == t.train_iters):
-                eval_loss = _evaluate(runner, dataset, recipe, ps, accum, own_moe)
-                report_eval(progress, metrics, step, eval_loss, floor, time.monotonic() - t0)
-    finally:
-        progress.close()
-        if metrics is not None:
-            metrics.close()
-        runner.close()
-    result.last_step = step
-    result.final_loss = result.losses[-1] if result.losses else math.nan
-    result.eval_loss = eval_loss
-    result.train_time_s = train_time
-    result.tokens_per_s = recipe.tokens_per_step * len(result.losses) / max(train_time, 1e-9)
-    result.total_time_s = time.monotonic() - t0
-    if is_main:
-        result.summary, result.exit_code = finish(
-            recipe, recipe.metrics_path(), steps=step, final_loss=result.final_loss, eval_loss=eval_loss,
-            floor=floor, tokens_per_s=result.tokens_per_s, train_time_s=train_time,
-            total_time_s=result.total_time_s, title=f"{recipe.name}: PP 2 x DP {ps.dp_size}")
-    return result
+
+    def opening_lines(self) -> list[str]:
+        t, ps, k = self.recipe.train, self.ps, split_layer(self.model.config.num_layers)
+        return [f"ep-moe train: {ps.world_size} rank(s) on {self.device.type}, pipeline 2 stages x DP {ps.dp_size} "
+                f"(layers [0, {k}) | [{k}, {self.model.config.num_layers})), global batch {t.global_batch_size} x "
+                f"{self.recipe.model.seq_length} tokens (micro {t.micro_batch_size}, accumulation {self.accum}), "
+                f"{t.train_iters} steps; {self.dataset.describe()}"]
+
+    def title(self) -> str:
+        return f"{self.recipe.name}: PP 2 x DP {self.ps.dp_size}"
+
+    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict]:
+        t, ps, shared = self.recipe.train, self.ps, self.shared
+        for p in self.model.parameters():
+            if id(p) not in self.own:
+                p.grad = None
+        mbs = [rank_slice(batch, ps.dp_rank, ps.dp_size, t.micro_batch_size, i) for i in range(self.accum)]
+        per_micro = self.runner.run(mbs, self.scale, train=True)
+        sync_gradients(self.non_expert, self.expert, ps.inside)
+        if shared is not None:  # the tied embedding: stage 0's lookup + stage 1's output layer
+            if shared.grad is None:
+                shared.grad = torch.zeros_like(shared)
+            all_reduce_sum(shared.grad, ps.pair_group, ps.deterministic)
+        grad_norm = _clip(self.non_expert, self.expert, shared, self.recipe.optimizer.clip_grad, ps)
+        self.optimizer.step()
+        for moe in self.own_moe:
+            moe.router.update_expert_bias()
+            moe.router.reset_stats()
+        return per_micro, grad_norm, {}
+
+    def step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
+        n = self.accum * self.ps.dp_size
+        table = _step_table(per_micro, self.ps, [1.0 if stop else 0.0])
+        by_micro = table[: n * 2].view(n, 2)
+        return row_order_mean(by_micro[:, 0]), row_order_mean(by_micro[:, 1]), bool(table[n * 2] > 0)
+
+    def evaluate(self) -> float:
+        return _evaluate(self.runner, self.dataset, self.recipe, self.ps, self.accum, self.own_moe)
+
+    def _take_other_stage(self) -> dict:
+        """Collective over the pair: this rank's model copy gets the other stage's current values, and the
+        result is every parameter's optimizer state (this stage's own, the other stage's received), as one
+        process training the whole model would hold them."""
+        model, ps = self.model, self.ps
+        values = model.state_dict()
+        names = stage_state_names(model, ps.stage)
+        params = dict(model.named_parameters())
+        mine = {name: values[name].detach().cpu() for name in names}
+        state = {name: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                        for k, v in self.optimizer.state[p].items()}
+                 for name, p in params.items() if id(p) in self.own and p in self.optimizer.state}
+        parts: list = [None, None]
+        dist.all_gather_object(parts, (mine, state), group=ps.pair_group)
+        other_values, other_state = parts[ps.peer]
+        full = dict(self.optimizer.state)
+        with torch.no_grad():
+            for name, value in other_values.items():
+                if name not in names:  # (a tied embedding is equal on both stages)
+                    values[name].copy_(value)
+        for name, entry in other_state.items():
+            p = params[name]
+            if id(p) not in self.own:
+                full[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.ndim else v for k, v in entry.items()}
+        return full
+
+    def save(self, step: int) -> str:
+        return ckpt.save_checkpoint(self.recipe, self.model, self._take_other_stage(), self.ps, step)
+
+    def load(self, path: str) -> int:
+        return ckpt.load_checkpoint(path, self.model, self.optimizer, self.ps)
+
+    def close(self) -> None:
+        self.runner.close()
 
 
 @torch.no_grad()
@@ -320,4 +353,4 @@ def _evaluate(runner: StageRunner, dataset, recipe: Recipe, ps: PipelineState, a
         moe.router.reset_stats()
     table = _step_table(per_micro, ps, [])
     n = len(mbs) * ps.dp_size
-    return _row_order_mean(table[: n * 2].view(n, 2)[:, 0])
+    return row_order_mean(table[: n * 2].view(n, 2)[:, 0])

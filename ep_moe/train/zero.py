@@ -17,11 +17,17 @@ parameters over the data-parallel world, the experts over the expert-data-parall
    rank's parameters.
 
 With ``train.deterministic`` the losses equal the default (all-reduce) trainer's bit for bit. The AGRS buffers use
-the torch backend (AGRS runs over torch.distributed on every backend). Checkpoints with ZeRO-1 are not provided
-(the optimizer state is sharded); the recipe rules refuse ``checkpoint.save`` / ``load``.
+the torch backend (AGRS runs over torch.distributed on every backend).
+
+Checkpoints: before a save every rank gathers its bucket groups' optimizer state (`ZeroOne.full_optimizer_state`),
+so the checkpoint is the default trainer's format (it loads with or without ZeRO-1, at any EP size); a load keeps
+the state of this rank's own parameters only.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,6 +140,25 @@ class ZeroBucket:
                     p.copy_(table[d, self.offsets[i]: self.offsets[i] + p.numel()].view_as(p))
         self.buffer.destroy_agrs_session()
 
+    def gather_optimizer_state(self, state: Mapping[torch.nn.Parameter, dict[str, Any]]
+                               ) -> dict[torch.nn.Parameter, dict[str, Any]]:
+        """Every parameter's optimizer state in this bucket, each from the rank that owns it (collective over the
+        group; tensors land on the parameters' device)."""
+        if self.buffer is None:
+            return {p: state[p] for p in self.params if p in state}
+        begin, end = self.runs[self.rank]
+        mine = {i: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state[self.params[i]].items()}
+                for i in range(begin, end) if self.params[i] in state}
+        parts: list = [None] * self.size
+        dist.all_gather_object(parts, mine, group=self.group)
+        out = {}
+        for d, part in enumerate(parts):
+            for i, entry in part.items():
+                p = self.params[i]
+                out[p] = state[p] if d == self.rank else {
+                    k: v.to(p.device) if isinstance(v, torch.Tensor) and v.ndim else v for k, v in entry.items()}
+        return out
+
     def close(self) -> None:
         if self.buffer is not None:
             self.buffer.destroy()
@@ -177,6 +202,12 @@ class ZeroOne:
     def gather_parameters(self) -> None:
         self.non_expert.gather_parameters()
         self.expert.gather_parameters()
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[torch.nn.Parameter, dict[str, Any]]:
+        """The optimizer state of every parameter of both buckets, as an unsharded optimizer would hold it (for a
+        checkpoint). Collective."""
+        return {**self.non_expert.gather_optimizer_state(optimizer.state),
+                **self.expert.gather_optimizer_state(optimizer.state)}
 
     def close(self) -> None:
         self.non_expert.close()

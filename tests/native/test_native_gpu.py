@@ -113,6 +113,16 @@ def make_combine_inputs(case: dict, rows: int, num_tokens: int, rank: int, devic
     return y, bias
 
 
+def on_device(device: torch.device, value):
+    """``value`` (a tensor, a tuple of them, or anything else, returned as it is) with its tensors on ``device``:
+    the same inputs for a reference `Buffer` on another device (the torch backend over gloo on the CPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(on_device(device, v) for v in value)
+    return value
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A view whose equality is bit equality (NaN-safe)."""
     if t.dtype in (torch.int32, torch.int64, torch.bool, torch.uint8):
@@ -126,6 +136,7 @@ def assert_bits_equal(name: str, a, b) -> None:
         return
     assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != {b.dtype}"
+    b = b.to(a.device)  # a reference computed on another device (the CPU) is compared where a lives
     if not torch.equal(bits(a), bits(b)):
         diff = (bits(a) != bits(b)).nonzero()
         raise AssertionError(f"{name}: differs at {diff.shape[0]} places, first {diff[:3].tolist()}")
@@ -187,9 +198,13 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     return num_cases
 
 
-def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOptions) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
-    case = make_case(index)
+def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOptions, case: dict | None = None
+                ) -> None:
+    """Case ``index`` (``case``, default `make_case`) on ``nat`` equals ``ref`` bit for bit: layout, fresh
+    dispatch, combine and (every third index) cached dispatch. ``ref`` may live on another device (the CPU): it
+    gets copies of the inputs."""
+    device = nat.device
+    case = make_case(index) if case is None else case
     data, idx, weights = make_inputs(case, rank, world, device, seed=index)
     x = data[0] if isinstance(data, tuple) else data
     worst = 0
@@ -206,8 +221,10 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
     per_rank, _, per_expert, in_rank, _ = nat.get_dispatch_layout(idx, case["experts"])
     outs = []
     for buf in (nat, ref):
-        outs.append(buf.dispatch(data, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights,
+        on = buf.device
+        outs.append(buf.dispatch(on_device(on, data), num_tokens_per_rank=on_device(on, per_rank),
+                                 is_token_in_rank=on_device(on, in_rank), num_tokens_per_expert=on_device(on, per_expert),
+                                 topk_idx=on_device(on, idx), topk_weights=on_device(on, weights),
                                  expert_alignment=case["alignment"], num_worst_tokens=worst, config=config))
     (rx_n, ri_n, rw_n, cnt_n, h_n, _), (rx_r, ri_r, rw_r, cnt_r, h_r, _) = outs
     if isinstance(rx_n, tuple):
@@ -227,7 +244,8 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
     rows = rx_r[0].shape[0] if isinstance(rx_r, tuple) else rx_r.shape[0]
     y, bias = make_combine_inputs(case, rows, x.shape[0], rank, device, seed=index)
     c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
-    c_r, cw_r, _ = ref.combine(y, h_r, topk_weights=rw_r, bias=bias, config=config)
+    c_r, cw_r, _ = ref.combine(on_device(ref.device, y), h_r, topk_weights=rw_r, bias=on_device(ref.device, bias),
+                               config=config)
     assert_bits_equal(f"{label} combined", c_n, c_r)
     assert_bits_equal(f"{label} combined_weights", cw_n, cw_r)
 
@@ -235,7 +253,7 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
     if index % 3 == 0:
         data2, _, _ = make_inputs(case, rank, world, device, seed=index + 100_000)
         cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
-        cx_r = ref.dispatch(data2, handle=h_r, config=config)[0]
+        cx_r = ref.dispatch(on_device(ref.device, data2), handle=h_r, config=config)[0]
         if isinstance(cx_n, tuple):
             assert_bits_equal(f"{label} cached recv_x", cx_n[0], cx_r[0])
             assert_bits_equal(f"{label} cached recv_scales", cx_n[1], cx_r[1])
@@ -243,21 +261,28 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
             assert_bits_equal(f"{label} cached recv_x", cx_n, cx_r)
 
 
-def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
-    from ep_moe import Buffer
+GRAPH_EXPERTS, GRAPH_TOPK = 64, 4
 
+
+def _routed_inputs(seed: int, rank: int, device: torch.device, tokens: int, hidden: int):
+    """``(x [tokens, hidden] bf16, topk_idx, topk_weights)``, top-`GRAPH_TOPK` of `GRAPH_EXPERTS`, from ``seed``."""
+    g = torch.Generator(device=device).manual_seed(seed * 13 + rank)
+    idx = torch.rand(tokens, GRAPH_EXPERTS, generator=g, device=device).topk(GRAPH_TOPK, 1).indices
+    x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+    w = torch.rand(tokens, GRAPH_TOPK, generator=g, device=device)
+    return x, idx, w
+
+
+def check_graph_replays(buf, ref, rank: int, world: int, hidden: int = 2048, tokens: int = 256,
+                        replays: int = 3) -> None:
+    """A fixed-size dispatch + combine on ``buf`` captured in one CUDA graph, replayed on ``replays`` new input
+    sets, each equal bit for bit to ``ref`` (the torch backend, on this GPU or the CPU) on the same inputs."""
     device = torch.device("cuda", torch.cuda.current_device())
-    buf = Buffer(backend="native")
-    ref = Buffer(backend="torch")
-    hidden, topk, experts, tokens = 2048, 4, 64, 256
+    experts = GRAPH_EXPERTS
     worst = world * tokens
 
     def inputs(seed):
-        g = torch.Generator(device=device).manual_seed(seed * 13 + rank)
-        idx = torch.rand(tokens, experts, generator=g, device=device).topk(topk, 1).indices
-        x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
-        w = torch.rand(tokens, topk, generator=g, device=device)
-        return x, idx, w
+        return _routed_inputs(seed, rank, device, tokens, hidden)
 
     static_x, static_idx, static_w = (t.clone() for t in inputs(0))
 
@@ -274,14 +299,15 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_recv_x, g_recv_idx, g_combined, g_combined_w = step()
-    for seed in range(1, 4):
+    for seed in range(1, replays + 1):
         x, idx, w = inputs(seed)
         static_x.copy_(x)
         static_idx.copy_(idx)
         static_w.copy_(w)
         graph.replay()
         torch.cuda.synchronize()
-        r_x, r_idx, r_w, _, r_h, _ = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst,
+        r_x, r_idx, r_w, _, r_h, _ = ref.dispatch(on_device(ref.device, x), topk_idx=on_device(ref.device, idx),
+                                                  topk_weights=on_device(ref.device, w), num_worst_tokens=worst,
                                                   num_experts=experts)
         assert_bits_equal(f"graph replay {seed} recv_x", g_recv_x, r_x)
         assert_bits_equal(f"graph replay {seed} recv_topk_idx", g_recv_idx, r_idx)
@@ -290,9 +316,19 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
         assert_bits_equal(f"graph replay {seed} combined_weights", g_combined_w, r_cw)
     del graph
 
+
+def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
+    from ep_moe import Buffer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(backend="native")
+    ref = Buffer(backend="torch")
+    experts, tokens = GRAPH_EXPERTS, 256
+    check_graph_replays(buf, ref, rank, world, 2048, tokens)
+
     # Long run, exact mode (host sync per dispatch): no growth of allocated GPU memory, with pushers for
     # half the iterations and the copy engine (dispatch and combine) for the other half.
-    x, idx, w = inputs(99)
+    x, idx, w = _routed_inputs(99, rank, device, tokens, 2048)
     elapsed = 0.0
     for copy_engine in (False, True):
         # the copy-engine half on two side streams, flags on a third
@@ -343,19 +379,17 @@ def _rank0_times_out_alone(rank: int, options: NativeOptions, what: str, call, x
     return text
 
 
-def _timeout_worker(rank: int, world: int) -> str:
+def _rank0_notify_times_out(rank: int, x, idx, w) -> str:
+    """After a dispatch together, the other ranks skip a dispatch: rank 0 must time out in the count exchange
+    (the host waits there) with a `NativeTimeoutError` naming rank 0, the stage and the channel, and refuse
+    further work. Returns rank 0's message ('' on the others)."""
     from ep_moe import Buffer
     from ep_moe.backends.native_backend import NativeTimeoutError
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    x = torch.randn(64, 1024, device=device).to(torch.bfloat16)
-    idx = torch.rand(64, 16, device=device).topk(2, 1).indices
-    w = torch.rand(64, 2, device=device)
-    messages = []
-    # 1) rank 1 skips a dispatch: rank 0 times out in the count exchange (host waits there). One
-    # dispatch together first: the first call sizes the symmetric buffer, collectively.
+    # One dispatch together first: the first call sizes the symmetric buffer, collectively.
     buf = Buffer(backend="native", timeout_s=2.0)
     buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16)
+    text = ""
     if rank == 0:
         start = time.monotonic()
         with pytest.raises(NativeTimeoutError) as info:
@@ -367,10 +401,25 @@ def _timeout_worker(rank: int, world: int) -> str:
         assert isinstance(info.value, RuntimeError) and isinstance(info.value, TimeoutError)
         with pytest.raises(RuntimeError, match="unusable"):
             buf.barrier()
-        messages.append(text)
     else:
         time.sleep(4.0)  # keep this rank's buffer alive while rank 0 writes into it and times out
     buf.destroy()
+    return text
+
+
+def timeout_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x [64, 1024] bf16, topk_idx (top-2 of 16), topk_weights)`` of the forced-timeout checks."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(64, 1024, device=device).to(torch.bfloat16)
+    idx = torch.rand(64, 16, device=device).topk(2, 1).indices
+    w = torch.rand(64, 2, device=device)
+    return x, idx, w
+
+
+def _timeout_worker(rank: int, world: int) -> str:
+    x, idx, w = timeout_inputs()
+    # 1) rank 1 skips a dispatch: rank 0 times out in the count exchange.
+    messages = [_rank0_notify_times_out(rank, x, idx, w)]
     # 2) rank 1 skips a cached dispatch whose x goes by the copy engine: rank 0's kernel gives up waiting
     # and still releases its copy stream (no hang); the error surfaces at the next call.
     # On one side stream, on two, and on one with a flag stream (each must be released).

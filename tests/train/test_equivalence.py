@@ -64,7 +64,7 @@ def _check_resharded_load(recipe, ckpt_dir: str) -> bool:
     saved_model = torch.load(os.path.join(ckpt_dir, "model.pt"), weights_only=True)
     saved_optim = torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True)
     model_state = global_state_dict(model, model.ep_group)
-    optim_state = optimizer_global_state(model, optimizer, model.ep_group)
+    optim_state = optimizer_global_state(model, optimizer.state, model.ep_group)
     same_model = saved_model.keys() == model_state.keys() and all(
         torch.equal(saved_model[k], model_state[k]) for k in saved_model)
     same_optim = all(

@@ -81,22 +81,28 @@ def test_pipeline_converges_like_one_stage_and_zero1_equals_all_reduce(tmp_path)
     assert two[0]["dp"][0] - two[0]["dp"][-1] > 0.5
 
 
-def _pipeline_with_data_parallel(rank: int, world: int, tmp: str, steps: int) -> list[float]:
+def _pipeline_with_data_parallel(rank: int, world: int, tmp: str, steps: int, ep: int) -> list[float]:
     from ep_moe.train.loop import train_rank
 
-    extra = [f"train.train_iters={steps}"] + (["train.pp_size=2"] if world == 4 else [])
-    return train_rank(_recipe(tmp, f"w{world}", world, extra), torch.device("cpu")).losses
+    extra = [f"train.train_iters={steps}", f"model.expert_model_parallel_size={ep}", "ep_moe.dispatcher_backend=torch"]
+    extra += ["train.pp_size=2"] if world == 4 else []
+    return train_rank(_recipe(tmp, f"w{world}_ep{ep}", world, extra), torch.device("cpu")).losses
 
 
-def test_pipeline_with_two_data_parallel_ranks_per_stage(tmp_path):
-    """4 ranks, ``pp_size: 2``: each stage's 2 ranks sum their gradients; equal to ``pp_size: 1`` on 2 ranks (the
-    same micro-batches per data-parallel rank) within the same bound (measured: 4e-7 over 30 steps)."""
-    steps = 8
-    four = run_distributed(_pipeline_with_data_parallel, 4, str(tmp_path), steps, timeout_s=300, join_timeout_s=900)
-    two = run_distributed(_pipeline_with_data_parallel, 2, str(tmp_path), steps, timeout_s=300, join_timeout_s=600)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_pipeline_with_two_data_parallel_ranks_per_stage(tmp_path, ep):
+    """4 ranks, ``pp_size: 2``: each stage's 2 ranks sum their gradients (EP 1), or hold half the experts each
+    (EP 2 inside the stage: the MoE layers dispatch over the stage's pair of ranks); equal to ``pp_size: 1`` on 2
+    ranks at the same EP size (the same micro-batches per data-parallel rank) within the same bound (measured:
+    4e-7 over 30 steps at EP 1)."""
+    steps = 5
+    four = run_distributed(_pipeline_with_data_parallel, 4, str(tmp_path), steps, ep, timeout_s=300,
+                           join_timeout_s=900)
+    two = run_distributed(_pipeline_with_data_parallel, 2, str(tmp_path), steps, ep, timeout_s=300,
+                          join_timeout_s=600)
     assert all(losses == four[0] for losses in four) and len(four[0]) == steps
     worst = max(abs(a - b) for a, b in zip(four[0], two[0]))
-    assert worst <= 1e-5, f"pp_size 2 x DP 2 vs DP 2: max |loss difference| {worst:.3g}"
+    assert worst <= 1e-5, f"pp_size 2 x DP 2 (EP {ep}) vs DP 2: max |loss difference| {worst:.3g}"
 
 
 def test_pipeline_recipe_rules():
@@ -104,16 +110,75 @@ def test_pipeline_recipe_rules():
 
     with pytest.raises(RecipeError, match="train.pp_size"):
         _recipe("/tmp", "x", 2, ["train.pp_size=3"])
-    with pytest.raises(RecipeError, match="model.expert_model_parallel_size"):
+    with pytest.raises(RecipeError, match="model.expert_model_parallel_size"):  # a stage has one rank
         _recipe("/tmp", "x", 2, ["train.pp_size=2", "model.expert_model_parallel_size=2"])
-    with pytest.raises(RecipeError, match="checkpoint.save"):
-        _recipe("/tmp", "x", 2, ["train.pp_size=2", "checkpoint.save=/tmp/x"])
     with pytest.raises(RecipeError, match="train.pp_size"):
         _recipe("/tmp", "x", 3, ["train.pp_size=2", "train.global_batch_size=24"])
     with pytest.raises(RecipeError, match="train.zero_stage"):
         _recipe("/tmp", "x", 2, ["train.zero_stage=2"])
-    with pytest.raises(RecipeError, match="checkpoint.save"):
-        _recipe("/tmp", "x", 2, ["train.zero_stage=1", "checkpoint.save=/tmp/x"])
+
+
+class _StopAtSecondStep:
+    """Stands in for `ep_moe.train.loop.StopRequest`: on the rank that builds it with ``ask``, a stop is requested
+    from the loop's second look on (after step 1's losses, so the ranks agree to stop after step 2)."""
+
+    def __init__(self, ask: bool) -> None:
+        self.looks, self.ask, self.signal_name = 0, ask, "SIGINT"
+
+    @property
+    def requested(self) -> bool:
+        self.looks += 1
+        return self.ask and self.looks >= 2
+
+    def restore(self) -> None:
+        pass
+
+
+def _checkpoints(rank: int, world: int, tmp: str) -> dict:
+    from ep_moe.train import loop
+    from ep_moe.train.loop import train_rank
+
+    cpu, out = torch.device("cpu"), {}
+    six, three = ["train.train_iters=6"], ["train.train_iters=3"]
+    for name, layout in (("pp", ["train.pp_size=2"]), ("zero", ["train.zero_stage=1"])):
+        save = [f"checkpoint.save={tmp}/{name}", "checkpoint.keep_last=0", "checkpoint.save_interval=0"]
+        out[name] = train_rank(_recipe(tmp, f"{name}_all", world, layout + six), cpu).losses
+        first = train_rank(_recipe(tmp, f"{name}_a", world, layout + three + save), cpu)
+        second = train_rank(_recipe(tmp, f"{name}_b", world, layout + six + save + ["checkpoint.resume=true"]), cpu)
+        out[f"{name}_resumed"] = first.losses + second.losses
+        # the step-3 checkpoint in the default layout (DP 2, no ZeRO)
+        load = [f"checkpoint.load={tmp}/{name}/step_0000003"]
+        out[f"{name}_to_default"] = train_rank(_recipe(tmp, f"{name}_c", world, six + load), cpu).losses
+    # a stop request (Ctrl-C) on stage 1 only: both stages stop after step 2 and save there
+    real = loop.StopRequest
+    loop.StopRequest = lambda: _StopAtSecondStep(ask=rank == 1)
+    try:
+        stopped = train_rank(_recipe(tmp, "pp_stop", world, ["train.pp_size=2"] + six + [
+            f"checkpoint.save={tmp}/pp_stop"]), cpu)
+    finally:
+        loop.StopRequest = real
+    out["stop"] = (stopped.exit_code, stopped.last_step, stopped.checkpoint)
+    return out
+
+
+def test_pipeline_and_zero1_checkpoints_resume_exactly_and_load_in_the_default_layout(tmp_path):
+    """``pp_size: 2`` and ZeRO-1 save the default trainer's checkpoint format: a run resumed from step 3 gives the
+    uninterrupted run's losses bit for bit; the step-3 checkpoint loaded by the default layout (DP 2) continues
+    with ZeRO-1's losses bit for bit and the pipeline's within the pipeline-vs-one-stage bound (module
+    docstring); a stop request on one stage stops both after the step and saves there."""
+    out = run_distributed(_checkpoints, 2, str(tmp_path), timeout_s=300, join_timeout_s=900)
+    for rank in range(2):
+        assert out[rank]["pp_resumed"] == out[rank]["pp"], "pp_size 2: resumed from step 3 != uninterrupted"
+        assert out[rank]["zero_resumed"] == out[rank]["zero"], "ZeRO-1: resumed from step 3 != uninterrupted"
+        assert out[rank]["zero_to_default"] == out[rank]["zero"][3:], "ZeRO-1 checkpoint in the default layout"
+        worst = max(abs(a - b) for a, b in zip(out[rank]["pp_to_default"], out[rank]["pp"][3:]))
+        assert len(out[rank]["pp_to_default"]) == 3 and worst <= 1e-5, out[rank]
+        code, last, folder = out[rank]["stop"]
+        assert (code, last) == (130, 2), out[rank]["stop"]
+        assert folder is not None and folder.endswith("step_0000002"), folder
+    from ep_moe.train.checkpoint import checkpoint_info
+
+    assert checkpoint_info(str(tmp_path / "pp" / "step_0000003"))["step"] == 3
 
 
 @pytest.mark.parametrize("sizes,ranks", [([5, 1, 1, 9, 3], 2), ([4] * 7, 3), ([100, 1, 1], 4), ([], 2), ([7], 3)])

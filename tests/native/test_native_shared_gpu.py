@@ -1,0 +1,187 @@
+"""The native backend's multi-rank kernels at 2, 3 and 4 processes sharing ONE GPU (`support_shared_gpu`: gloo,
+``cuda:0``, ``EP_MOE_SYMMETRIC_MEMORY=vmm``), against the torch backend on CPU copies of the same inputs over the
+same gloo group:
+
+* the VMM symmetric memory itself: every rank sees what every rank wrote, writes into a peer's copy reach it;
+* `Buffer(backend="auto")` picks the native backend there; fresh exact-size and fixed-size (``num_worst_tokens``)
+  dispatch, combine with weights and biases, cached dispatch, BF16/FP32/FP8, the copy engine forced on and off
+  (`test_native_gpu._case_options`), a row width the kernels do not take (the torch fallback on the GPU over
+  gloo), and the expert-major `expert_dispatch` / `expert_combine` (both reduction modes), bit for bit;
+* a fixed-size dispatch + combine captured in a CUDA graph and replayed;
+* forced timeouts: a rank that does not enter makes rank 0 raise `NativeTimeoutError` naming rank and stage.
+
+Shapes are small: the processes' kernels take turns on the GPU (time slicing, no MPS), so every wait on a
+peer may cost a scheduler time slice. Run: ``pytest -m gpu tests/native/test_native_shared_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from support_shared_gpu import DEVICE, check_symmetric_buffer, run_on_one_gpu, skip_unless_shared_gpu_runs
+from test_native_gpu import (
+    ROUTINGS,
+    _all_ok,
+    _case_options,
+    _check_case,
+    _copy_engine_options,
+    _rank0_notify_times_out,
+    _rank0_times_out_alone,
+    assert_bits_equal,
+    check_graph_replays,
+    make_inputs,
+    on_device,
+    timeout_inputs,
+)
+
+pytestmark = pytest.mark.gpu
+
+BUFFER_TIMEOUT_S = 60.0  # a peer's kernel may wait for time slices of every other process on the GPU
+NUM_CASES = 10
+
+
+def small_case(index: int) -> dict:
+    """Case ``index`` of `NUM_CASES` (a `test_native_gpu.make_case` dict, small): the three dtypes among the cached
+    dispatches (every third index), fixed size on indices 2 and 6 (even: exact-size ones run with the copy engine
+    off, odd ones with it forced on), every routing of `ROUTINGS`, biases 0/1/2 in turn; experts divisible by 2, 3
+    and 4 ranks. Index 9: rows of 520 bytes, which the kernels do not take (the torch fallback)."""
+    case = dict(hidden=(256, 512, 1024)[index % 3], tokens=(64, 7, 200, 1, 64, 0, 128, 33, 96, 40)[index],
+                topk=(2, 4, 1, 8, 6, 2, 4, 8, 3, 2)[index], experts=(24, 48)[index % 2],
+                dtype=("bf16", "fp8", "fp32")[(index + index // 3) % 3], routing=ROUTINGS[index % len(ROUTINGS)],
+                alignment=(1, 128)[index % 4 == 3], worst=index in (2, 6), bias=index % 3, uneven=index % 4 == 0,
+                num_sms=(2, 8, 24)[index % 3])
+    if index == NUM_CASES - 1:
+        case.update(hidden=260, dtype="bf16")
+    return case
+
+
+def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict) -> None:
+    """`expert_dispatch` and `expert_combine` (both reduction modes) through ``nat`` equal ``ref``'s on copies of
+    the same inputs, bit for bit (FP8: the dispatch only, as DeepEP's)."""
+    from ep_moe import expert_combine, expert_dispatch
+
+    device = nat.device
+    data, idx, weights = make_inputs(case, rank, world, device, seed=20_000 + index)
+    worst = world * max(case["tokens"], 1) + 5 if case["worst"] else 0
+    label = f"expert-major case {index} {case}"
+    outs = [expert_dispatch(buf, on_device(buf.device, data), on_device(buf.device, idx),
+                            on_device(buf.device, weights), case["experts"], case["alignment"], worst)
+            for buf in (nat, ref)]
+    got, want = outs
+    if isinstance(got.expert_x, tuple):
+        assert_bits_equal(f"{label} expert_x", got.expert_x[0], want.expert_x[0])
+        assert_bits_equal(f"{label} expert_scales", got.expert_x[1], want.expert_x[1])
+    else:
+        assert_bits_equal(f"{label} expert_x", got.expert_x, want.expert_x)
+    assert_bits_equal(f"{label} expert_weights", got.expert_weights, want.expert_weights)
+    assert_bits_equal(f"{label} tokens_per_expert", got.tokens_per_expert, want.tokens_per_expert)
+    assert_bits_equal(f"{label} pairs_per_expert", got.pairs_per_expert, want.pairs_per_expert)
+    if got.tokens_per_expert_list is not None and want.tokens_per_expert_list is not None:
+        assert got.tokens_per_expert_list == want.tokens_per_expert_list, label
+    y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(30_000 + 31 * index + rank)
+    y = torch.randn(got.expert_weights.shape[0], case["hidden"], generator=g, device=device).to(y_dtype)
+    for multiple in (True, False):
+        combined = expert_combine(nat, y, got.handle, got.expert_weights, allow_multiple_reduction=multiple)
+        expected = expert_combine(ref, on_device(ref.device, y), want.handle, want.expert_weights,
+                                  allow_multiple_reduction=multiple)
+        assert_bits_equal(f"{label} expert_combine (multiple reduction {multiple})", combined, expected)
+
+
+def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
+    from ep_moe import Buffer
+
+    nat = Buffer(backend="auto", timeout_s=BUFFER_TIMEOUT_S)
+    ref = Buffer(backend="torch")
+    assert nat.backend_name == "native", (nat.backend_name, nat.backend_reason)
+    assert nat.device == DEVICE and ref.device == torch.device("cpu"), (nat.device, ref.device)
+    # each options value's first use is a collective check: all of them now, so that a case failing on one
+    # rank cannot leave the others waiting in one
+    for options in dict.fromkeys(_case_options(index) for index in indices):
+        nat.backend._env_for(options)
+    for index in indices:
+        case, error = small_case(index), None
+        try:
+            _check_case(rank, world, index, nat, ref, _case_options(index), case)
+            if index % 3 != 2:  # expert-major on most cases (both layouts of FP8 and fixed size included)
+                _check_expert_major(rank, world, index, nat, ref, case)
+        except Exception as exc:  # every rank stops at the same case, with this rank's reason
+            error = exc
+        if not _all_ok(error is None, dist.group.WORLD):
+            raise AssertionError(f"case {index} {case} failed on "
+                                 f"{'this rank' if error is not None else 'another rank'}") from error
+    nat.barrier()
+    nat.destroy()
+    ref.destroy()
+    return len(indices)
+
+
+def _vmm_memory_worker(rank: int, world: int) -> int:
+    from ep_moe.native.symmetric import SymmetricBuffer, VmmSymmetricBuffer
+
+    buf = SymmetricBuffer(dist.group.WORLD, DEVICE, 3 << 20)  # rounded up to 4 MiB
+    assert isinstance(buf, VmmSymmetricBuffer) and buf.nbytes == 4 << 20 and buf.tensor.device == DEVICE
+    check_symmetric_buffer(buf, rank, world)
+    buf.destroy()
+    return world
+
+
+def _graph_worker(rank: int, world: int) -> int:
+    from ep_moe import Buffer
+
+    nat = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S)
+    ref = Buffer(backend="torch")
+    check_graph_replays(nat, ref, rank, world, hidden=512, tokens=64, replays=2)
+    nat.barrier()
+    nat.destroy()
+    ref.destroy()
+    return 2
+
+
+def _shared_timeout_worker(rank: int, world: int) -> str:
+    """The count exchange, then a combine with pushers and one with the copy engine, each skipped by the other
+    ranks: rank 0 times out in each (the copy engine's stream is released, no hang)."""
+    x, idx, w = timeout_inputs()
+    messages = [_rank0_notify_times_out(rank, x, idx, w)]
+    for forced in (False, True):
+        messages.append(_rank0_times_out_alone(
+            rank, _copy_engine_options(forced), "combine",
+            lambda buf, handle, recv_x, recv_w: buf.combine(recv_x, handle, topk_weights=recv_w), x, idx, w))
+    torch.cuda.synchronize()
+    return "\n".join(m for m in messages if m)
+
+
+def test_vmm_symmetric_memory_is_shared():
+    skip_unless_shared_gpu_runs()
+    assert run_on_one_gpu(_vmm_memory_worker, 3) == [3] * 3
+
+
+KERNEL_CASES = list(range(NUM_CASES - 1))  # the last case's rows go to the torch fallback (its own test)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_native_on_one_gpu_equals_torch_backend(world):
+    skip_unless_shared_gpu_runs()
+    counts = run_on_one_gpu(_shared_equality_worker, world, KERNEL_CASES, timeout_s=180, join_timeout_s=900)
+    assert counts == [len(KERNEL_CASES)] * world
+
+
+def test_fallback_rows_on_one_gpu():
+    """Rows the kernels do not take (520 bytes) go to the torch backend inside the native one: on the GPU, its
+    collectives through gloo."""
+    skip_unless_shared_gpu_runs()
+    assert run_on_one_gpu(_shared_equality_worker, 2, [NUM_CASES - 1], timeout_s=180) == [1, 1]
+
+
+def test_graph_replay_on_one_gpu():
+    skip_unless_shared_gpu_runs()
+    assert run_on_one_gpu(_graph_worker, 2, timeout_s=180) == [2, 2]
+
+
+def test_forced_timeout_on_one_gpu():
+    skip_unless_shared_gpu_runs()
+    messages = run_on_one_gpu(_shared_timeout_worker, 2, timeout_s=180)
+    lines = messages[0].splitlines()
+    assert len(lines) == 3 and all("rank 0" in line for line in lines) and not messages[1], messages
+    print(messages[0])
