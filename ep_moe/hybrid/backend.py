@@ -196,11 +196,6 @@ class _Plan:
         return out
 
 
-def _piece(m: int, k: int, nc: int) -> int:
-    """Rows of piece k when m rows are cut into nc near-equal pieces (positions ``[k m // nc, (k+1) m // nc)``)."""
-    return (k + 1) * m // nc - k * m // nc
-
-
 def _choose_int(name: str, value: int | None, env: str, default: int, low: int, high: int) -> int:
     if value is None:
         raw = os.environ.get(env, "").strip()
@@ -506,27 +501,27 @@ class HybridBackend(TorchBackend):
         cs = -(-W // nc)
         return cs, [min(W, self.num_nodes * cs)] * nc
 
-    def _exact_sizes(self, nodes: list[list[int]], chunks: list[list[list[int]]], nc: int
-                     ) -> tuple[int, list[int], list[_ChunkNet]]:
-        """Exact mode: ``(cs, c2, net)`` from every source's tokens per node ``nodes [R][S]`` and rows per
-        (chunk, destination rank) ``chunks [R][nc][R]`` (the count exchange, on the host)."""
+    def _exact_sizes(self, nodes: torch.Tensor, chunks: torch.Tensor) -> tuple[int, list[int], list[_ChunkNet]]:
+        """Exact mode: ``(cs, c2, net)`` from every source's tokens per node ``nodes [R, S]`` and rows per (chunk,
+        destination rank) ``chunks [R, nc, R]`` (the count exchange, on the host; torch ops, so that large groups
+        cost no Python loops over ranks)."""
         S, G, me, n0, l0 = self.num_nodes, self.per_node, self.rank, self.node, self.local
-        at = self.topology.rank_at
-        cs = -(-max(max(row) for row in nodes) // nc)
-        c2, net = [], []
-        for k in range(nc):
-            # rows forwarder (n, l) hands rank (n, l') in chunk k: from the sources of local index l
-            def forwarded(n: int, lo: int, lo2: int, k: int = k) -> int:
-                return sum(chunks[at(n2, lo)][k][at(n, lo2)] for n2 in range(S))
-
-            c2.append(max(forwarded(n, lo, lo2) for n in range(S) for lo in range(G) for lo2 in range(G)))
-            net.append(_ChunkNet(
-                [_piece(nodes[me][n], k, nc) for n in range(S)],
-                [_piece(nodes[at(n, l0)][n0], k, nc) for n in range(S)],
-                [forwarded(n0, l0, lo2) for lo2 in range(G)],
-                [forwarded(n0, lo, l0) for lo in range(G)],
-                [chunks[at(n2, l0)][k][at(n0, lo2)] for n2 in range(S) for lo2 in range(G)],
-                [chunks[me][k][at(n2, lo2)] for n2 in range(S) for lo2 in range(G)]))
+        nc = chunks.shape[1]
+        grid = self._grid.cpu()  # [S, G] group ranks
+        cs = -(-int(nodes.max()) // nc)
+        # forwarded[l, k, n, l2]: rows forwarder (n, l) hands rank (n, l2) in chunk k (from the sources of index l)
+        forwarded = chunks.index_select(0, grid.flatten()).view(S, G, nc, -1).sum(dim=0)[:, :, grid]  # [G,nc,S,G]
+        c2 = forwarded.amax(dim=(0, 2, 3)).tolist()
+        k = torch.arange(nc)[:, None]
+        pieces = ((k + 1) * nodes[:, None, :] // nc - k * nodes[:, None, :] // nc)  # [R, nc, S] tokens per piece
+        out_sent = pieces[me].tolist()                                              # [nc][S]
+        out_recv = pieces[grid[:, l0], :, n0].t().tolist()                          # [nc][S]
+        up_sent = forwarded[l0, :, n0, :].tolist()                                  # [nc][G]
+        up_recv = forwarded[:, :, n0, l0].t().tolist()                              # [nc][G]
+        back_sent = chunks[grid[:, l0]][:, :, grid[n0]].permute(1, 0, 2).reshape(nc, -1).tolist()  # [nc][S*G]
+        back_recv = chunks[me][:, grid.flatten()].tolist()                          # [nc][S*G]
+        net = [_ChunkNet(out_sent[k], out_recv[k], up_sent[k], up_recv[k], back_sent[k], back_recv[k])
+               for k in range(nc)]
         return cs, c2, net
 
     def _state(self, plan: _Plan) -> torch.Tensor:
@@ -615,7 +610,8 @@ class HybridBackend(TorchBackend):
         nc_column = torch.full((1,), nc, dtype=torch.int64, device=x.device)
         gathered = self._all_gather_counts(torch.cat([head, num_tokens_per_rank.to(torch.int64), per_node, nc_column,
                                                       rows_per_chunk.flatten()]), "dispatch/notify")
-        table = None if W else gathered.tolist()  # exact mode: the one host read
+        host = None if W else gathered.cpu()  # exact mode: the one host read
+        table = None if W else host.tolist()
         self._agree("dispatch", gathered, table)
         first_chunk = HEADER_LEN + R + S + 1
         count_matrix = gathered[:, HEADER_LEN:HEADER_LEN + R]               # rows [source, destination rank]
@@ -634,9 +630,8 @@ class HybridBackend(TorchBackend):
             num_rows, net = W, None
             _check_fixed(count_matrix.sum(dim=0).max(), node_matrix.max(), W)
         else:
-            nodes = [row[HEADER_LEN + R:HEADER_LEN + R + S] for row in table]
-            chunks = [[row[first_chunk + k * R:first_chunk + (k + 1) * R] for k in range(nc)] for row in table]
-            cs, c2, net = self._exact_sizes(nodes, chunks, nc)
+            cs, c2, net = self._exact_sizes(host[:, HEADER_LEN + R:HEADER_LEN + R + S],
+                                            host[:, first_chunk:].view(R, MC, R)[:, :nc])
             num_rows = sum(row[HEADER_LEN + me] for row in table)
 
         piece_start = chunk * per_node // nc
