@@ -62,11 +62,10 @@ class NativeTimeoutError(TimeoutError, RuntimeError):
 
 
 def _c():
-    from ..native import _C
+    """The intranode kernels: the extension or the JIT module (`ep_moe.native.intranode_kernels`)."""
+    from ..native import intranode_kernels
 
-    if _C is None:
-        raise RuntimeError("ep_moe: the native CUDA extension is not built")
-    return _C
+    return intranode_kernels()
 
 
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -169,6 +168,7 @@ class NativeBackend(CommBackend):
 
     # ---------------------------------------------------------------- options
     def _new_env(self, options: NativeOptions):
+        policy.check_copy_engine(options, getattr(_c(), "COPY_ENGINE", True), self.num_ranks)
         return _c().Env(self.rank, self._control.ptrs, self._state, self._error, int(self.timeout_s * 1e9),
                         options.dispatch_chunks, options.combine_chunks, options.min_chunk_rows)
 
@@ -464,7 +464,7 @@ class NativeBackend(CommBackend):
         if known is None:
             return None
         counts = known[1]
-        return counts if policy.wanted(options, counts, row_bytes) else None
+        return counts if policy.wanted(options, counts, row_bytes, getattr(_c(), "COPY_ENGINE", True)) else None
 
     def _copy_engine_tokens(self, options: NativeOptions, cached: bool, counts: list[list[int]],
                             tokens: list[int], hidden: int, elem_size: int, num_scales: int, num_topk: int
@@ -475,7 +475,7 @@ class NativeBackend(CommBackend):
         if torch.cuda.is_current_stream_capturing():
             return None
         row_bytes = hidden * elem_size + 4 * num_scales
-        if not policy.wanted_for_dispatch(options, counts, tokens, row_bytes, cached):
+        if not policy.wanted_for_dispatch(options, counts, tokens, row_bytes, cached, getattr(_c(), "COPY_ENGINE", True)):
             return None
         self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk)
         regions = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, num_topk)

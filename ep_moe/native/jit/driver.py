@@ -130,6 +130,30 @@ class Function:
                                    f"shared={shared_bytes})")
 
 
+    def launch_params(self, grid: int, block: int, stream: int, params: ctypes.Structure, shared_bytes: int = 0) -> None:
+        """Enqueue a kernel whose one argument is a parameter struct passed by value (``params``, its ctypes
+        mirror; the driver copies it during the call, so no lock is needed). Raises `DriverError` when refused."""
+        if self.device is not None and getattr(_thread, "device", None) != self.device:
+            driver().use_primary_context(self.device)
+            _thread.device = self.device
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        status = self._launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), args, None)
+        if status != CUDA_SUCCESS:
+            driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
+                                   f"shared={shared_bytes})")
+
+
+def host_device_pointer(host_ptr: int, device: int) -> int:
+    """The device address of pinned, mapped host memory at ``host_ptr`` (``cuMemHostGetDevicePointer``; what the
+    kernels write their error record and counts through). Raises `DriverError` when the memory is not mapped."""
+    drv = driver()
+    drv.use_primary_context(device)
+    out = ctypes.c_uint64()
+    drv.check(drv.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0),
+              "cuMemHostGetDevicePointer")
+    return out.value
+
+
 class Module:
     """A CUBIN loaded on one device; `function` looks a kernel up (once per name and signature)."""
 
@@ -162,4 +186,4 @@ class Module:
         return found
 
 
-__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver"]
+__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver", "host_device_pointer"]

@@ -7,6 +7,7 @@ No CUDA, no torch: pure file reading and hashing (tested on CPU).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -62,8 +63,8 @@ class KernelSource:
 
 
 def included_headers(source: Path, include_dirs: Iterable[Path] = ()) -> dict[str, str]:
-    """Every header ``source`` reaches through ``#include "..."`` (recursively), as ``{path: sha256}``, a path
-    relative to the including file's folder when found there, else to the first include dir that has it.
+    """Every header ``source`` reaches through ``#include "..."`` (recursively), as ``{path: sha256}`` with the path
+    relative to ``source``'s folder (found next to the including file, else in the first include dir that has it).
 
     An include found nowhere (a toolkit header written with quotes) is left out: the compiler's identity stands
     for the toolkit's headers. Conditional includes count as included (a superset keys safely).
@@ -84,10 +85,8 @@ def included_headers(source: Path, include_dirs: Iterable[Path] = ()) -> dict[st
             if candidate in seen:
                 continue
             seen.add(candidate)
-            try:
-                rel = candidate.relative_to(source.parent.resolve()).as_posix()
-            except ValueError:
-                rel = candidate.as_posix()
+            # relative to the source's folder (``../`` allowed): the same key wherever the package is installed
+            rel = Path(os.path.relpath(candidate, source.parent.resolve())).as_posix()
             found[rel] = sha256_file(candidate)
             pending.append(candidate)
     return dict(sorted(found.items()))

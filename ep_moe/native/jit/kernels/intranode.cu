@@ -1,0 +1,28 @@
+// The intranode kernels (layout, notify, dispatch, combine, barrier) as one JIT module: the ahead-of-time
+// extension's own sources (ep_moe/native/csrc), device code only (their host launchers are left out under
+// __CUDACC_RTC__; ep_moe/native/jit/intranode.py fills the same parameter structs and launches from Python).
+// One generic build per architecture: nothing is specialized (the kernels take ranks, rows and types at run time).
+//
+// The kernels keep their C++ names (in an unnamed namespace); intranode.py finds them in the CUBIN's symbol table.
+// The combine's two instantiations are made here, where the extension's launcher makes them.
+#include "../../csrc/layout.cu"
+#include "../../csrc/intranode.cu"
+
+namespace ep_moe {
+namespace {
+template __global__ void combine_kernel<kBF16>(CombineParams);
+template __global__ void combine_kernel<kFP32>(CombineParams);
+}  // namespace
+}  // namespace ep_moe
+
+// The constants the Python launchers mirror (ep_moe/native/jit/intranode.py: CONSTANTS, in this order), written
+// once at first use and compared there: a header change that the mirror missed raises instead of launching.
+extern "C" __global__ void ep_intranode_constants(long long* out) {
+  using namespace ep_moe;
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const long long values[] = {kMaxRanks, kMaxChunks, kMaxNotifyExperts, kControlBytes, kThreads, kMaxCopyEngineChunks,
+                              kMaxCopyStreams, kErrWords, kTraceSlots, kCopyEngineTraceSlots, kNotifyThreads,
+                              kLayoutThreads, kBulkStages, kReduceWarps, kBulkHeaderBytes, kBulkSmemBudget,
+                              sizeof(Control), sizeof(LocalState)};
+  for (int i = 0; i < static_cast<int>(sizeof(values) / sizeof(values[0])); ++i) out[i] = values[i];
+}
