@@ -215,6 +215,18 @@ class Env:
         env.chunks_per_pair = dispatch_chunks
         env.min_chunk_rows = min_chunk_rows
         self.combine_chunks_per_pair = combine_chunks
+        self._mapped: dict[int, tuple[Tensor, int]] = {}
+        # Compile (or read) and check the kernels now, while the backend is being built (its ranks then meet in
+        # a barrier), not in a first call, where peers would wait in a kernel for this rank's compile.
+        kernels(self.device)
+
+    def device_pointer(self, pinned: Tensor) -> int:
+        """The device address of a pinned host tensor (the notify's count buffers), looked up once per tensor:
+        the tensor is kept, so its address cannot be reused by another allocation while this Env lives."""
+        found = self._mapped.get(pinned.data_ptr())
+        if found is None or found[0] is not pinned:
+            found = self._mapped[pinned.data_ptr()] = (pinned, host_device_pointer(pinned.data_ptr(), self.device))
+        return found[1]
 
 
 # ------------------------------------------------------------------------------------------ layout
@@ -273,7 +285,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
     p.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
     p.pos = pos.data_ptr()
     p.send_list = send_list.data_ptr()
-    p.host_counts = host_device_pointer(host_counts.data_ptr(), env.device)
+    p.host_counts = env.device_pointer(host_counts)
     p.num_worst_tokens = num_worst_tokens
     p.rows_capacity = rows_capacity
     if host_expert_counts is not None:  # the per-expert counts travel with the row counts
@@ -290,7 +302,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
         p.num_topk = topk_idx.shape[1]
         p.experts_per_rank = experts_per_rank
         p.expert_alignment = expert_alignment
-        p.host_expert_counts = host_device_pointer(host_expert_counts.data_ptr(), env.device)
+        p.host_expert_counts = env.device_pointer(host_expert_counts)
     _launch(env.device, "notify", 1 + num_ranks, NOTIFY_THREADS, p)
 
 
