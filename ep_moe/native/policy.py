@@ -15,6 +15,8 @@
   relative sizes (`copy_engine_shares`), spread over side streams round robin (`copy_engine_streams`),
   and their flag writes may go on a stream of their own (`copy_engine_flag_stream`): each chunk's flags
   then wait for an event behind its copies, and the copy stream goes on at once.
+* Kernels without a copy engine (the JIT module, `ep_moe.native.jit.intranode`): the copy-engine rules take
+  ``available=False`` and say no; `check_copy_engine` refuses options that force it.
 * Reducers (`bulk_reduce`): the combine's reducer warps either load rows into registers or have lane 0
   copy pieces of them into shared memory with ``cp.async.bulk``; the sums are equal bit for bit.
 
