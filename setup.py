@@ -4,9 +4,9 @@ The pure-Python package installs everywhere. The CUDA extension ``ep_moe.native.
 intranode kernels) is compiled only when both a CUDA toolkit and a CUDA build of torch are present
 at build time; install with ``--no-build-isolation`` so that the build sees the installed torch.
 Elsewhere the package installs without it: the same kernels are then compiled on first use where a CUDA
-compiler is found (``ep_moe.native.jit.intranode``, without the copy engine), else the ``torch`` backend runs.
-The extension stays the default build while the JIT module lacks the copy engine; ``EP_MOE_SKIP_NATIVE=1``
-installs without compiling anything.
+compiler is found (``ep_moe.native.jit``), else the ``torch`` backend runs. The extension stays the default
+build while the JIT layer does not cover all of it yet (``routing_map_to_topk``; the JIT copy engine is not
+yet measured on two GPUs); ``EP_MOE_SKIP_NATIVE=1`` installs without compiling anything.
 
 The decision is printed to stderr (pip shows it only with ``-v``) and recorded in
 ``ep_moe/native/build_info.json`` (shipped with the package), which ``ep-moe env`` and

@@ -168,7 +168,6 @@ class NativeBackend(CommBackend):
 
     # ---------------------------------------------------------------- options
     def _new_env(self, options: NativeOptions):
-        policy.check_copy_engine(options, getattr(_c(), "COPY_ENGINE", True), self.num_ranks)
         return _c().Env(self.rank, self._control.ptrs, self._state, self._error, int(self.timeout_s * 1e9),
                         options.dispatch_chunks, options.combine_chunks, options.min_chunk_rows)
 
@@ -464,7 +463,7 @@ class NativeBackend(CommBackend):
         if known is None:
             return None
         counts = known[1]
-        return counts if policy.wanted(options, counts, row_bytes, getattr(_c(), "COPY_ENGINE", True)) else None
+        return counts if policy.wanted(options, counts, row_bytes) else None
 
     def _copy_engine_tokens(self, options: NativeOptions, cached: bool, counts: list[list[int]],
                             tokens: list[int], hidden: int, elem_size: int, num_scales: int, num_topk: int
@@ -475,7 +474,7 @@ class NativeBackend(CommBackend):
         if torch.cuda.is_current_stream_capturing():
             return None
         row_bytes = hidden * elem_size + 4 * num_scales
-        if not policy.wanted_for_dispatch(options, counts, tokens, row_bytes, cached, getattr(_c(), "COPY_ENGINE", True)):
+        if not policy.wanted_for_dispatch(options, counts, tokens, row_bytes, cached):
             return None
         self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk)
         regions = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, num_topk)

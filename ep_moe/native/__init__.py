@@ -177,7 +177,7 @@ def kernels_unavailable_reason() -> str | None:
 def intranode_kernels():
     """The intranode kernels' module (`kernels_kind`): ``ep_moe.native._C`` or ``ep_moe.native.jit.intranode``,
     which have the same functions (``Env``, ``layout``, ``notify``, ``dispatch``, ``combine``, ``barrier``) and
-    constants; the JIT one has ``KIND == "jit"`` and ``COPY_ENGINE`` False. Raises `RuntimeError` saying why
+    constants; the JIT one has ``KIND == "jit"``. Raises `RuntimeError` saying why
     when neither can run."""
     kind, why = _kernels_choice()
     if kind is None:
@@ -203,7 +203,7 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
     """Why the native backend cannot serve ``group`` on ``device``, or None when it can.
 
     Collective: every rank of ``group`` must call it (it gathers host names, devices and which build of the
-    kernels each rank uses: ranks must agree, since only the extension has the copy engine).
+    kernels each rank uses: ranks must agree, so that every rank runs the same code).
     """
     kind, why = _kernels_choice()
     if kind is None:

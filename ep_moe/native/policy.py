@@ -15,8 +15,6 @@
   relative sizes (`copy_engine_shares`), spread over side streams round robin (`copy_engine_streams`),
   and their flag writes may go on a stream of their own (`copy_engine_flag_stream`): each chunk's flags
   then wait for an event behind its copies, and the copy stream goes on at once.
-* Kernels without a copy engine (the JIT module, `ep_moe.native.jit.intranode`): the copy-engine rules take
-  ``available=False`` and say no; `check_copy_engine` refuses options that force it.
 * Reducers (`bulk_reduce`): the combine's reducer warps either load rows into registers or have lane 0
   copy pieces of them into shared memory with ``cp.async.bulk``; the sums are equal bit for bit.
 
@@ -107,49 +105,35 @@ def _largest_pair(counts: list[list[int]]) -> int:
     return max((counts[s][r] for s in range(num_ranks) for r in range(num_ranks) if s != r), default=0)
 
 
-def _forced(options: NativeOptions, op: str, num_ranks: int, available: bool = True) -> bool | None:
-    """The answer the mode gives alone ("off", one rank, or kernels without a copy engine: no; "on": yes), or
-    None under "auto"."""
+def _forced(options: NativeOptions, op: str, num_ranks: int) -> bool | None:
+    """The answer the mode gives alone ("off" or one rank: no; "on": yes), or None under "auto"."""
     mode = options.dispatch_copy_engine if op == "dispatch" else options.combine_copy_engine
-    if mode == "off" or num_ranks < 2 or not available:
+    if mode == "off" or num_ranks < 2:
         return False
     return True if mode == "on" else None
 
 
-def check_copy_engine(options: NativeOptions, available: bool, num_ranks: int) -> None:
-    """Raise `ValueError` naming the option when ``options`` force the copy engine ("on") on a group where it
-    would run (two or more ranks) but the kernels in use have none (``available`` False: the JIT module,
-    `ep_moe.native.jit.intranode`); called before anything is sent, so that no call silently goes without it."""
-    if available or num_ranks < 2:
-        return
-    for op in OPS:
-        if getattr(options, f"{op}_copy_engine") == "on":
-            raise ValueError(f"ep_moe.NativeOptions: field '{op}_copy_engine' is 'on', but the native kernels in use "
-                             "(the JIT module) have no copy engine; use 'auto' or 'off', or the ahead-of-time "
-                             "extension (EP_MOE_JIT=0 with ep_moe.native._C built)")
-
-
-def wanted(options: NativeOptions, counts: list[list[int]], row_bytes: int, available: bool = True) -> bool:
+def wanted(options: NativeOptions, counts: list[list[int]], row_bytes: int) -> bool:
     """Whether a combine of this layout (``[R][R]`` rows sent, rows of ``row_bytes``) returns its rows by the
     copy engine. "auto": on at most `AUTO_MAX_RANKS` ranks when the largest pair moves at least
-    `AUTO_MIN_PAIR_BYTES`; never where the kernels have no copy engine (``available`` False)."""
+    `AUTO_MIN_PAIR_BYTES`."""
     num_ranks = len(counts)
-    forced = _forced(options, "combine", num_ranks, available)
+    forced = _forced(options, "combine", num_ranks)
     if forced is not None:
         return forced
     return num_ranks <= AUTO_MAX_RANKS and _largest_pair(counts) * row_bytes >= AUTO_MIN_PAIR_BYTES
 
 
 def wanted_for_dispatch(options: NativeOptions, counts: list[list[int]], tokens: list[int], row_bytes: int,
-                        cached: bool = True, available: bool = True) -> bool:
+                        cached: bool = True) -> bool:
     """Whether a dispatch of this layout (``[R][R]`` rows sent, ``[R]`` tokens per rank, rows of
     ``row_bytes``) sends every rank's whole ``x`` by the copy engine. "auto": cached dispatches only (a
     fresh one launches right after the host waited for the counts, and queuing the copies would delay its
     kernel), on at most `AUTO_MAX_RANKS` ranks, when every peer receives at least
     `AUTO_MIN_DISPATCH_DENSITY` of every source's tokens and the largest ``x`` is at least
-    `AUTO_MIN_PAIR_BYTES`; never where the kernels have no copy engine (``available`` False)."""
+    `AUTO_MIN_PAIR_BYTES`."""
     num_ranks = len(counts)
-    forced = _forced(options, "dispatch", num_ranks, available)
+    forced = _forced(options, "dispatch", num_ranks)
     if forced is not None:
         return forced
     if not cached:

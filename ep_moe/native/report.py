@@ -91,10 +91,10 @@ def _jit_kernels() -> str:
 def _intranode_kernels() -> str:
     kind = native.kernels_kind()
     if kind == "aot":
-        return "the ahead-of-time extension ep_moe.native._C (copy engine: yes)"
+        return "the ahead-of-time extension ep_moe.native._C"
     if kind == "jit":
-        return ("JIT: csrc's kernels compiled on first use, one build per architecture (ep_moe.native.jit.intranode; "
-                "copy engine: no, 'auto' never takes it)")
+        return ("JIT: csrc's kernels compiled on first use, one build per architecture, launched from Python "
+                "(ep_moe.native.jit.intranode)")
     return f"none, the native backend is unavailable ({native.kernels_unavailable_reason()})"
 
 

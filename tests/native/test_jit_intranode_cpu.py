@@ -7,12 +7,14 @@
   launchers look up is found exactly once in the CUBIN's symbol table;
 * the launchers: arguments checked (errors name the argument) before anything is launched, and the parameter structs
   filled as ``csrc/binding.cpp`` fills them (a recorder stands in for the GPU);
-* the choice between the extension and the JIT module (``EP_MOE_JIT``), the copy-engine rules of `policy` for a
-  module without one, and the ``ep-moe env`` line.
+* the copy engine's schedule (`ep_moe.native.jit.copy_engine`) run on host memory by a fake driver: every peer's
+  buffer holds what the kernels read, flags written after their chunk's copies, checks before any launch;
+* the choice between the extension and the JIT module (``EP_MOE_JIT``), and the ``ep-moe env`` line.
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import subprocess
@@ -20,8 +22,8 @@ import subprocess
 import pytest
 import torch
 
-from ep_moe import NativeOptions, native
-from ep_moe.native import jit, policy
+from ep_moe import native
+from ep_moe.native import jit
 from ep_moe.native.jit import cubin
 from ep_moe.native.jit import intranode as I
 from ep_moe.native.jit import params as P
@@ -78,12 +80,17 @@ def test_constants_equal_the_sources(tmp_path):
     the order in which ``ep_intranode_constants`` writes them (the kernel's list is `CONSTANTS`' names)."""
     wrapper = (jit.KERNELS_DIR / "intranode.cu").read_text()
     listed = re.search(r"const long long values\[\] = \{(.*?)\};", wrapper, re.S).group(1)
-    assert [v.strip() for v in listed.split(",")] == [name for name, _ in P.CONSTANTS]
+    assert [v.strip() for v in re.split(r",(?![^()]*\))", listed)] == [name for name, _ in P.CONSTANTS]
+    offset_of = re.search(r"^#define EP_OFFSET_OF.*$", wrapper, re.M).group(0)
     source = (f'#include "{(P.CSRC_DIR / "layout.cu").as_posix()}"\n#include "{(P.CSRC_DIR / "intranode.cu").as_posix()}"\n'
-              "#include <cstdio>\nint main() {\n  using namespace ep_moe;\n  const long long values[] = {"
+              f"#include <cstdio>\n{offset_of}\nint main() {{\n  using namespace ep_moe;\n  const long long values[] = {{"
               + listed + "};\n  for (long long v : values) std::printf(\"%lld\\n\", v);\n}\n")
     compiled = _host_program(tmp_path, source, "constants")
     assert P.constant_mismatches(compiled) == []
+    # the copy-engine flags' offset, read from the device at first use: as the sum of Control's members before it
+    ranks, chunks, experts = P.MAX_RANKS, dict(P.CONSTANTS)["kMaxChunks"], dict(P.CONSTANTS)["kMaxNotifyExperts"]
+    before = 8 * ranks + 8 * 2 * ranks + 4 * 2 * ranks * ranks + 4 * 2 * ranks + 4 * 2 * ranks * experts
+    assert compiled[-1] == before + 2 * 8 * ranks * chunks, "Control's members before copy_engine_flag changed"
 
 
 def test_mismatches_name_the_field():
@@ -284,7 +291,7 @@ def test_dispatch_launch_and_checks(recorded):
            ({"scales": torch.zeros(6, 2)}, "'scales' and 'recv_scales' go together"),
            ({"recv_src_rank": None}, "every top-k output"),
            ({"data_ptrs": [1]}, "'data_ptrs' and 'offsets'"),
-           ({"copy_engine_seq": 3}, "no copy engine"),
+           ({"copy_engine_seq": 3}, "no pusher blocks and the go word"),
            ({"trace": torch.zeros(5, dtype=torch.int64)}, "'trace' must be int64 with 6 slots per block"))
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -322,7 +329,7 @@ def test_combine_launch_and_checks(recorded):
            ({"out_weights": None}, "'topk_weights' and 'out_weights' go together"),
            ({"out_weights": torch.zeros(5, 2)}, "'out_weights' must be \\[T, K\\]"),
            ({"pos": torch.zeros(2, 2, dtype=torch.int32)}, "'pos' does not match"),
-           ({"copy_engine_seq": 1}, "combine_copy_engine"))
+           ({"copy_engine_seq": 1}, "no pusher blocks and the go word"))
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
             I.combine(env, **{**args, **change})
@@ -381,7 +388,7 @@ def test_kernels_choice(monkeypatch, env_value, aot, jit_reason, expected):
         else:
             assert jit_reason in why and "ep_moe.native._C is unavailable" in why
     elif expected == "jit":
-        assert native.intranode_kernels() is I and I.KIND == "jit" and not I.COPY_ENGINE
+        assert native.intranode_kernels() is I and I.KIND == "jit"
 
 
 def test_ranks_must_use_one_build():
@@ -391,21 +398,6 @@ def test_ranks_must_use_one_build():
         "set EP_MOE_JIT alike on every rank")
 
 
-def test_policy_without_a_copy_engine():
-    on = NativeOptions(dispatch_copy_engine="on", combine_copy_engine="auto")
-    with pytest.raises(ValueError, match="field 'dispatch_copy_engine' is 'on'.*no copy engine"):
-        policy.check_copy_engine(on, available=False, num_ranks=2)
-    policy.check_copy_engine(on, available=False, num_ranks=1)  # one rank never uses it
-    policy.check_copy_engine(on, available=True, num_ranks=8)
-    policy.check_copy_engine(NativeOptions(), available=False, num_ranks=8)
-    big = [[0, 1 << 20], [1 << 20, 0]]
-    auto = NativeOptions()
-    assert policy.wanted(auto, big, 7168 * 2) and not policy.wanted(auto, big, 7168 * 2, available=False)
-    tokens = [1 << 20, 1 << 20]
-    assert policy.wanted_for_dispatch(auto, big, tokens, 7168 * 2, cached=True)
-    assert not policy.wanted_for_dispatch(auto, big, tokens, 7168 * 2, cached=True, available=False)
-
-
 def test_env_reports_which_build(monkeypatch):
     from ep_moe.native.report import ITEMS, format_report
 
@@ -413,4 +405,213 @@ def test_env_reports_which_build(monkeypatch):
     text = format_report([item for item in ITEMS if item[0] == "intranode kernels"])
     assert text.startswith("intranode kernels: ")
     if native._kernels_choice()[0] == "jit":
-        assert "JIT: csrc's kernels compiled on first use" in text and "copy engine: no" in text
+        assert "JIT: csrc's kernels compiled on first use" in text
+
+
+# ------------------------------------------------------------------------------------------ the copy engine
+class _HostOps:
+    """The copy engine's driver calls on host memory: copies and flag writes happen at once, and every
+    operation is logged per stream, to check the order the GPU would run them in."""
+
+    def __init__(self):
+        self.log: dict[int, list] = {}
+
+    def _on(self, stream, op):
+        self.log.setdefault(stream, []).append(op)
+
+    def wait_value(self, stream, address, value):
+        self._on(stream, ("wait", address, value))
+
+    def write_value(self, stream, address, value):
+        ctypes.c_uint64.from_address(address).value = value
+        self._on(stream, ("write", address, value))
+
+    def copy(self, dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+        self._on(stream, ("copy", dst, nbytes))
+
+    def after_chunk(self, k, before, after):
+        self._on(before, ("record", k))
+        self._on(after, ("wait_event", k))
+
+
+FLAGS_OFFSET = 99072  # where Control::copy_engine_flag starts (test_constants_equal_the_sources checks it)
+
+
+class _Rank:
+    """One simulated rank's memory: control block and symmetric data buffer as CPU tensors."""
+
+    def __init__(self, data_bytes):
+        self.ctrl = torch.zeros(I.CONTROL_BYTES, dtype=torch.uint8)
+        self.data = torch.zeros(data_bytes, dtype=torch.uint8)
+
+    def flag(self, src, k):
+        return int(self.ctrl[FLAGS_OFFSET + (src * I.MAX_CHUNKS + k) * 8:][:8].view(torch.int64)[0])
+
+
+def _layout(num_ranks, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 40, (num_ranks, num_ranks), generator=g)
+    counts[0, 1 % num_ranks] = 0  # an empty pair
+    return counts.tolist(), [int(v) for v in torch.cumsum(counts, 0).flatten()]
+
+
+def _check_order(ops, streams, flag_stream, ctrl_ptrs, me, seq):
+    """Every copy stream starts by waiting for the go word; each flag write comes after its chunk's copies into
+    that peer on its stream (inline), or on the flag stream after the chunk's event, recorded behind the copies."""
+    for s in streams:
+        assert ops.log[s][0][0] == "wait" and ops.log[s][0][2] == seq
+    for stream, entries in ops.log.items():
+        for i, op in enumerate(entries):
+            if op[0] != "write":
+                continue
+            peer = next(p for p, base in enumerate(ctrl_ptrs) if base <= op[1] < base + I.CONTROL_BYTES)
+            k = (op[1] - ctrl_ptrs[peer] - FLAGS_OFFSET) // 8 - me * I.MAX_CHUNKS
+            if flag_stream == 0:
+                assert stream == streams[k % len(streams)]
+            else:
+                assert stream == flag_stream and ("wait_event", k) in entries[:i]
+                copy_entries = ops.log[streams[k % len(streams)]]
+                assert ("record", k) in copy_entries
+
+
+@pytest.mark.parametrize("num_ranks, num_streams, flag_stream", [(2, 1, 0), (3, 2, 0), (3, 1, 99), (4, 2, 99)])
+def test_copy_engine_combine_lands_every_row_and_flag(recorded, monkeypatch, num_ranks, num_streams, flag_stream):
+    ops = _HostOps()
+    monkeypatch.setattr(I, "cuda_ops", lambda device: ops)
+    monkeypatch.setattr(I.kernels(0), "control_flags_offset", FLAGS_OFFSET, raising=False)
+    counts, prefix = _layout(num_ranks, num_ranks * 10 + num_streams)
+    hidden, topk, shares, streams = 24, 3, [1, 2, 1], [1000 + i for i in range(num_streams)]
+    rows_cap = 200
+    y_bytes, w_bytes = hidden * 2, topk * 4
+    ranks = [_Rank(rows_cap * (y_bytes + w_bytes)) for _ in range(num_ranks)]
+    ctrl = [r.ctrl.data_ptr() for r in ranks]
+    data = [r.data.data_ptr() for r in ranks]
+    g = torch.Generator().manual_seed(5)
+    ys, ws = [], []
+    for me in range(num_ranks):
+        received = sum(counts[s][me] for s in range(num_ranks))
+        y = torch.randn(received, hidden, generator=g).to(torch.bfloat16)
+        w = torch.rand(received, topk, generator=g)
+        ys.append(y)
+        ws.append(w)
+        env = I.Env(me, ctrl, torch.zeros(8, dtype=torch.int64), torch.zeros(I.ERROR_WORDS, dtype=torch.int32),
+                    10**9, 16, 32, 4)
+        args = _combine_args(T=5, R=num_ranks, H=hidden, K=topk, N=received)
+        args.update(data_ptrs=data, off_y=0, off_weights=rows_cap * y_bytes, rows_capacity=rows_cap, y=y,
+                    weights=w, num_push_blocks=0, copy_engine_streams=streams, copy_engine_flag_stream=flag_stream,
+                    copy_engine_seq=7 + me, copy_engine_go=torch.zeros(1, dtype=torch.int64),
+                    copy_engine_shares=shares, host_prefix=prefix)
+        ops.log.clear()
+        I.combine(env, **args)
+        assert recorded[-1][0] == "combine_bf16", "the kernel goes first"
+        assert recorded[-1][3].copy_engine.seq == 7 + me and list(recorded[-1][3].copy_engine.bounds)[:4] == [0, 1, 3, 4]
+        _check_order(ops, streams, flag_stream, ctrl, me, 7 + me)
+    for q in range(num_ranks):  # q's buffer: the rows q sent each peer s, back, after those of peers below s
+        for s in range(num_ranks):
+            if s == q or counts[q][s] == 0:
+                continue
+            first = sum(counts[p][s] for p in range(q))  # where q's rows start among those s received
+            base = sum(counts[q][p] for p in range(s) if p != q)
+            n = counts[q][s]
+            got = ranks[q].data[base * y_bytes:(base + n) * y_bytes]
+            assert torch.equal(got, ys[s][first:first + n].contiguous().view(torch.uint8).flatten())
+            got_w = ranks[q].data[rows_cap * y_bytes + base * w_bytes:][:n * w_bytes]
+            assert torch.equal(got_w, ws[s][first:first + n].contiguous().view(torch.uint8).flatten())
+            bounds = [0, 1, 3, 4]  # the cumulative shares [1, 2, 1]
+            chunks = [k for k in range(3) if n * bounds[k + 1] // 4 > n * bounds[k] // 4]
+            assert [ranks[q].flag(s, k) for k in chunks] == [7 + s] * len(chunks)
+            assert all(ranks[q].flag(s, k) == 0 for k in range(3) if k not in chunks), "no flag for an empty chunk"
+
+
+@pytest.mark.parametrize("cached, fp8_scales", [(False, False), (True, False), (False, True)])
+def test_copy_engine_dispatch_lands_every_token_and_flag(recorded, monkeypatch, cached, fp8_scales):
+    ops = _HostOps()
+    monkeypatch.setattr(I, "cuda_ops", lambda device: ops)
+    monkeypatch.setattr(I.kernels(0), "control_flags_offset", FLAGS_OFFSET, raising=False)
+    num_ranks, hidden, topk, num_scales = 3, 32, 2, 4 if fp8_scales else 0
+    counts, prefix = _layout(num_ranks, 3)
+    tokens = [max(counts[s]) + 3 for s in range(num_ranks)]
+    slot_rows = 64
+    rows_cap = slot_rows * num_ranks
+    x_bytes = hidden * 2
+    offsets = [0, rows_cap * x_bytes, rows_cap * (x_bytes + 4 * num_scales)]
+    offsets += [offsets[2] + rows_cap * topk * 8, offsets[2] + rows_cap * topk * 12]
+    ranks = [_Rank(offsets[4] + rows_cap * 4) for _ in range(num_ranks)]
+    ctrl, data = [r.ctrl.data_ptr() for r in ranks], [r.data.data_ptr() for r in ranks]
+    g = torch.Generator().manual_seed(9)
+    inputs = []
+    for me in range(num_ranks):
+        T = tokens[me]
+        x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
+        scales = torch.rand(T, num_scales, generator=g) if fp8_scales else None
+        idx = torch.randint(0, 12, (T, topk), generator=g)
+        w = torch.rand(T, topk, generator=g)
+        send = torch.stack([torch.randperm(T, generator=g).to(torch.int32) for _ in range(num_ranks)])
+        inputs.append((x, scales, idx, w, send))
+        received = prefix[(num_ranks - 1) * num_ranks + me]
+        env = I.Env(me, ctrl, torch.zeros(8, dtype=torch.int64), torch.zeros(I.ERROR_WORDS, dtype=torch.int32),
+                    10**9, 16, 32, 4)
+        args = _dispatch_args(T=T, R=num_ranks, H=hidden, K=topk, L=4, N=received, topk=not cached)
+        args.update(data_ptrs=data, offsets=offsets, x=x, scales=scales, send_list=send,
+                    recv_scales=torch.zeros(received, num_scales) if fp8_scales else None,
+                    rows_capacity=rows_cap, num_push_blocks=0, copy_engine_streams=[5, 6], copy_engine_flag_stream=0,
+                    copy_engine_seq=3, copy_engine_go=torch.zeros(1, dtype=torch.int64), copy_engine_shares=[1, 1],
+                    copy_engine_tokens=tokens, host_prefix=prefix,
+                    cached_src_idx=torch.zeros(received, dtype=torch.int32) if cached else None)
+        if not cached:
+            args.update(topk_idx=idx, topk_weights=w)
+        ops.log.clear()
+        I.dispatch(env, **args)
+        p = recorded[-1][3]
+        assert p.copy_engine_slot_rows == slot_rows and list(p.copy_engine_tokens)[:3] == tokens
+        _check_order(ops, [5, 6], 0, ctrl, me, 3)
+    for d in range(num_ranks):
+        for s in range(num_ranks):
+            if s == d:
+                continue
+            x, scales, idx, w, send = inputs[s]
+            T, slot = tokens[s], s * slot_rows
+            region = ranks[d].data[offsets[0] + slot * x_bytes:][:T * x_bytes]
+            assert torch.equal(region, x.contiguous().view(torch.uint8).flatten())
+            if fp8_scales:
+                assert torch.equal(ranks[d].data[offsets[1] + slot * 4 * num_scales:][:T * 4 * num_scales],
+                                   scales.contiguous().view(torch.uint8).flatten())
+            if not cached:
+                n = counts[s][d]
+                assert torch.equal(ranks[d].data[offsets[4] + slot * 4:][:n * 4], send[d, :n].view(torch.uint8))
+                assert torch.equal(ranks[d].data[offsets[2] + slot * topk * 8:][:T * topk * 8],
+                                   idx.view(torch.uint8).flatten())
+                assert torch.equal(ranks[d].data[offsets[3] + slot * topk * 4:][:T * topk * 4],
+                                   w.view(torch.uint8).flatten())
+            assert [ranks[d].flag(s, k) for k in range(2)] == [3, 3]
+
+
+def test_copy_engine_checks_before_any_launch(recorded):
+    env = _env()
+    go = torch.zeros(1, dtype=torch.int64)
+    base = {**_combine_args(), "num_push_blocks": 0, "copy_engine_streams": [5], "copy_engine_seq": 1,
+            "copy_engine_go": go, "copy_engine_shares": [1], "host_prefix": [0, 0, 0, 0]}
+    for change, match in (({"num_push_blocks": 1}, "no pusher blocks"), ({"copy_engine_go": None}, "go word"),
+                          ({"copy_engine_streams": []}, "1 to 4 side streams"),
+                          ({"copy_engine_streams": [5, 0]}, "legacy default stream"),
+                          ({"copy_engine_flag_stream": 5}, "must not be one of the copy streams"),
+                          ({"copy_engine_go": go.int()}, "'copy_engine_go' must be an int64"),
+                          ({"copy_engine_shares": [1] * 17}, "1 to 16 shares"),
+                          ({"copy_engine_shares": [0]}, "must be in \\[1, 1024\\]"),
+                          ({"host_prefix": [0]}, "'host_prefix' must hold the R x R"),
+                          ({"host_prefix": [0, 200, 0, 200], "rows_capacity": 100}, "gets 200 rows back"),
+                          ({"trace": torch.zeros(6 * 6, dtype=torch.int64)}, "trace needs 129 slots")):
+        with pytest.raises(ValueError, match=match):
+            I.combine(env, **{**base, **change})
+    dispatch = {**_dispatch_args(topk=False), "num_push_blocks": 0, "copy_engine_streams": [5],
+                "copy_engine_seq": 1, "copy_engine_go": go, "copy_engine_shares": [1], "copy_engine_tokens": [6, 6],
+                "host_prefix": [6, 3, 9, 9], "cached_src_idx": torch.zeros(9, dtype=torch.int32)}
+    for change, match in (({"cached_src_idx": None}, "exactly when cached"),
+                          ({"copy_engine_tokens": [6, 251]}, "rank 1's 251 tokens do not fit its slot of 250 rows"),
+                          ({"copy_engine_tokens": [6, 5]}, "x has 6 tokens but the layout 5"),
+                          ({"host_prefix": [6, 3, 9, 8]}, "receives exactly its rows"),
+                          ({"cached_src_idx": torch.zeros(9, dtype=torch.int64)}, "'cached_src_idx' must be int32")):
+        with pytest.raises(ValueError, match=match):
+            I.dispatch(env, **{**dispatch, **change})
+    assert recorded == [], "nothing launched"

@@ -10,9 +10,8 @@ next of ten input sets, its outputs fingerprinted on the device (`ep_moe.benchma
 compared at the end with the torch backend's on that set; with pushers, then with the copy engine.
 
 Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``.
-``EP_MOE_JIT=1`` runs every test on the JIT build of the same kernels (`ep_moe.native.jit.intranode`; the
-workers check that it is the one used); it has no copy engine, so the cases that force it run the pushers
-there, and the copy-engine soak skips.
+``EP_MOE_JIT=1`` runs every test on the JIT build of the same kernels (`ep_moe.native.jit.intranode`, its
+copy engine in Python over the driver API; the equality workers check that it is the one used).
 ``EP_MOE_TEST_WORLD`` sets the ranks (GPUs) of every test: 1 runs on one GPU (tests that need a peer skip,
 saying why), 4 or 8 on more, e.g. ``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/native/test_native_gpu.py``.
 """
@@ -165,7 +164,7 @@ def _copy_engine_options(forced: bool, streams: int = 1, flag_stream: bool = Fal
     """Options that force the copy engine on or off for dispatch and combine, with its chunks spread over
     ``streams`` side streams and its flag writes on a stream of their own or not, and the combine's reducers
     on bulk copies (``bulk``: auto, on or off)."""
-    mode = "on" if forced and native.kernels_kind() != "jit" else "off"  # the JIT module has no copy engine
+    mode = "on" if forced else "off"
     return NativeOptions(dispatch_copy_engine=mode, combine_copy_engine=mode, combine_bulk_reduce=bulk,
                          dispatch_copy_engine_streams=streams, combine_copy_engine_streams=streams,
                          dispatch_copy_engine_flag_stream=flag_stream, combine_copy_engine_flag_stream=flag_stream)
@@ -742,8 +741,6 @@ def test_options_must_be_equal_on_every_rank():
 @pytest.mark.parametrize("path", ["pushers", "copy_engine"])
 def test_back_to_back_soak_checks_every_call(path):
     _need_gpus()
-    if path == "copy_engine" and _jit_wanted():
-        pytest.skip("EP_MOE_JIT=1: the JIT module has no copy engine")
     if path == "copy_engine" and WORLD < 2:
         pytest.skip("the copy engine carries rows between ranks, so it needs two or more ranks "
                     "(EP_MOE_TEST_WORLD >= 2); on one rank every call copies locally, as the 'pushers' case soaks")

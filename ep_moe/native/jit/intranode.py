@@ -9,9 +9,9 @@ ctypes mirrors of `ep_moe.native.jit.params`, and every kernel is launched with 
 stream of the tensors' device. Before the first launch on a device the module checks that the mirrors and the
 constants it uses equal what the compiler sees (`JitLayoutError` otherwise).
 
-Not here: the copy engine (``csrc/copy_engine.cu``: side streams, chunked device-to-device copies and stream
-memory operations). `COPY_ENGINE` is False, `ep_moe.native.policy` never picks it for this module, and options
-that force it are refused when the backend is built (`ep_moe.native.policy.check_copy_engine`).
+A call with the copy engine (``copy_engine_seq > 0``) launches its kernel, then queues the copy-engine half
+(``csrc/copy_engine.cu``'s host code, here in `ep_moe.native.jit.copy_engine` over the driver API) on the side
+streams the backend passes, after the same checks as the extension's.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from torch import Tensor
 
 from . import KernelSource, module, process_cache
 from . import params as P
+from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
 from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, host_device_pointer
 
-KIND = "jit"          # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
-COPY_ENGINE = False   # see the module docstring
+KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
 
 _K = dict(P.CONSTANTS)
 MAX_RANKS = _K["kMaxRanks"]
@@ -42,6 +42,7 @@ ERROR_WORDS = _K["kErrWords"]
 TRACE_SLOTS = _K["kTraceSlots"]
 COPY_ENGINE_TRACE_SLOTS = _K["kCopyEngineTraceSlots"]
 MAX_COPY_ENGINE_CHUNKS = _K["kMaxCopyEngineChunks"]
+MAX_COPY_STREAMS = _K["kMaxCopyStreams"]
 THREADS, NOTIFY_THREADS, LAYOUT_THREADS = _K["kThreads"], _K["kNotifyThreads"], _K["kLayoutThreads"]
 ELEM_TYPES = {torch.bfloat16: 1, torch.float32: 2}  # ElemType of kernels.h (kNone = 0)
 
@@ -102,6 +103,8 @@ class _Kernels:
             raise JitLayoutError("ep_moe.native.jit: the parameter mirrors (ep_moe/native/jit/params.py) do not match "
                                  "the CUDA sources; add the new fields to the mirror in kernels.h's order:\n  "
                                  + "\n  ".join(wrong))
+        # where Control::copy_engine_flag starts in a control block (read, not mirrored: Control may grow)
+        self.control_flags_offset = constants[-1]
         symbols = function_symbols(loaded._cubin)
         combine_smem = _K["kBulkSmemBudget"]  # the most a bulk-copy combine asks for (bulk_piece16 stays below)
         self.fn = {name: loaded.function(find_kernel(symbols, fragment), (),
@@ -173,10 +176,36 @@ def _trace_ptr(trace: Tensor | None, num_blocks: int) -> int:
     return trace.data_ptr()
 
 
-def _no_copy_engine(seq: int, what: str) -> None:
-    if seq != 0:
-        raise _fail(f"a copy-engine {what} was asked for, but the JIT intranode module has no copy engine (set "
-                    f"NativeOptions.{what}_copy_engine to 'auto' or 'off', or use the ahead-of-time extension)")
+def _copy_engine_params(p, streams: list[int], flag_stream: int, seq: int, go: Tensor | None, shares: list[int],
+                        num_push_blocks: int, trace: Tensor | None, num_blocks: int) -> None:
+    """Fill ``p.copy_engine`` (seq 0: none), checked before any kernel starts, since the kernel releases the copy
+    streams and the copies write into the peers' buffers unchecked (``copy_engine_params`` of binding.cpp)."""
+    if seq == 0:
+        return
+    if seq < 0 or num_push_blocks != 0 or go is None:
+        raise _fail("a copy-engine call needs no pusher blocks and the go word ('copy_engine_go')")
+    if not 1 <= len(streams) <= MAX_COPY_STREAMS or 0 in streams:
+        raise _fail(f"argument 'copy_engine_streams' must hold 1 to {MAX_COPY_STREAMS} side streams (not the legacy "
+                    f"default stream), got {len(streams)}")
+    if flag_stream in streams:
+        raise _fail("argument 'copy_engine_flag_stream' must not be one of the copy streams")
+    _check_cuda(go, "copy_engine_go")
+    if go.dtype != torch.int64 or go.numel() < 1:
+        raise _fail("argument 'copy_engine_go' must be an int64 CUDA tensor")
+    if not 1 <= len(shares) <= MAX_COPY_ENGINE_CHUNKS:
+        raise _fail(f"argument 'copy_engine_shares' must hold 1 to {MAX_COPY_ENGINE_CHUNKS} shares, got {len(shares)}")
+    ce = p.copy_engine
+    total = 0
+    for k, share in enumerate(shares):
+        if not 1 <= share <= 1024:
+            raise _fail(f"argument 'copy_engine_shares' must be in [1, 1024], got {share}")
+        total += share
+        ce.bounds[k + 1] = total
+    ce.chunks, ce.seq, ce.go = len(shares), seq, go.data_ptr()
+    if trace is not None:  # the copy-engine timeline after the blocks' slots
+        if trace.numel() < num_blocks * TRACE_SLOTS + COPY_ENGINE_TRACE_SLOTS:
+            raise _fail(f"a copy-engine call's trace needs {COPY_ENGINE_TRACE_SLOTS} slots after the blocks'")
+        ce.trace = trace.data_ptr() + num_blocks * TRACE_SLOTS * 8
 
 
 # ------------------------------------------------------------------------------------------ Env
@@ -316,8 +345,8 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
              copy_engine_streams: list[int], copy_engine_flag_stream: int, copy_engine_seq: int,
              copy_engine_go: Tensor | None, copy_engine_shares: list[int], copy_engine_tokens: list[int],
              host_prefix: list[int], cached_src_idx: Tensor | None) -> None:
-    """Rows to their destinations (the extension's ``dispatch``; the copy-engine arguments must say none)."""
-    _no_copy_engine(copy_engine_seq, "dispatch")
+    """Rows to their destinations (the extension's ``dispatch``); with ``copy_engine_seq > 0`` every rank's whole x
+    (and, fresh, its top-k and send lists) goes to the peers by the copy engine (`copy_engine.enqueue_dispatch`)."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks or len(offsets) != 5:
         raise _fail("arguments 'data_ptrs' and 'offsets' must hold R pointers and 5 offsets")
@@ -376,8 +405,38 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     p.write_arrival = write_arrival
     p.num_blocks, p.num_push_blocks = num_blocks, num_push_blocks
     p.trace = _trace_ptr(trace, num_blocks)
+    _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                        copy_engine_shares, num_push_blocks, trace, num_blocks)
     shared = 4 * experts_per_rank if has_topk else 0  # hist[]: received pairs per local expert
+    if copy_engine_seq == 0:
+        _launch(env.device, "dispatch", num_blocks, THREADS, p, shared)
+        return
+    # Every source's tokens must fit its slot (the copies are not bounds-checked). A cached dispatch reads the
+    # handle's recv_src_idx; a fresh one the send lists its peers' copy streams stage.
+    if (len(copy_engine_tokens) != num_ranks or len(host_prefix) != num_ranks * num_ranks
+            or has_topk == (cached_src_idx is not None)):
+        raise _fail("a copy-engine dispatch needs every rank's tokens ('copy_engine_tokens'), the R x R prefix matrix "
+                    "('host_prefix'), and 'cached_src_idx' exactly when cached")
+    p.copy_engine_slot_rows = slot_rows = rows_capacity // num_ranks
+    for r, tokens in enumerate(copy_engine_tokens):
+        if not 0 <= tokens <= slot_rows:
+            raise _fail(f"rank {r}'s {tokens} tokens do not fit its slot of {slot_rows} rows")
+        p.copy_engine_tokens[r] = tokens
+    me = env.env.rank
+    if copy_engine_tokens[me] != p.num_tokens:
+        raise _fail(f"x has {p.num_tokens} tokens but the layout {copy_engine_tokens[me]}")
+    if p.num_recv_rows != host_prefix[(num_ranks - 1) * num_ranks + me]:
+        raise _fail("a copy-engine dispatch receives exactly its rows (no padding)")
+    if cached_src_idx is not None:
+        _check_cuda(cached_src_idx, "cached_src_idx")
+        if cached_src_idx.dtype != torch.int32 or cached_src_idx.numel() < recv_x.shape[0]:
+            raise _fail("argument 'cached_src_idx' must be int32 with a row per received row")
+        p.cached_src_idx = cached_src_idx.data_ptr()
+    # The kernel goes first: the copy streams' first operation waits for its go word (see combine).
+    loaded = kernels(env.device)
     _launch(env.device, "dispatch", num_blocks, THREADS, p, shared)
+    enqueue_dispatch(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
+                     loaded.control_flags_offset)
 
 
 # ------------------------------------------------------------------------------------------ combine
@@ -402,8 +461,8 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             num_push_blocks: int, trace: Tensor | None, copy_engine_streams: list[int], copy_engine_flag_stream: int,
             copy_engine_seq: int, copy_engine_go: Tensor | None, copy_engine_shares: list[int],
             host_prefix: list[int], bulk_reduce: bool) -> None:
-    """Rows back to their sources, summed per token (the extension's ``combine``; no copy engine)."""
-    _no_copy_engine(copy_engine_seq, "combine")
+    """Rows back to their sources, summed per token (the extension's ``combine``); with ``copy_engine_seq > 0`` the
+    rows go back by the copy engine (`copy_engine.enqueue_combine`) while every block reduces."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks:
         raise _fail("argument 'data_ptrs' must hold R pointers")
@@ -449,10 +508,26 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
     p.out = out.data_ptr()
     p.num_blocks, p.num_push_blocks = num_blocks, num_push_blocks
     p.trace = _trace_ptr(trace, num_blocks)
+    _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                        copy_engine_shares, num_push_blocks, trace, num_blocks)
     p.bulk_reduce = bulk_reduce
     p.bulk_piece16 = bulk_piece16(num_ranks, y_bytes // 16) if bulk_reduce else 0
     shared = bulk_smem_bytes(num_ranks, p.bulk_piece16) if p.bulk_piece16 > 0 else 0
-    _launch(env.device, "combine_bf16" if y_type == 1 else "combine_fp32", num_blocks, THREADS, p, shared)
+    name = "combine_bf16" if y_type == 1 else "combine_fp32"
+    if copy_engine_seq == 0:
+        _launch(env.device, name, num_blocks, THREADS, p, shared)
+        return
+    if len(host_prefix) != num_ranks * num_ranks:  # the copies are not bounds-checked: every rank's rows must fit
+        raise _fail("argument 'host_prefix' must hold the R x R rank prefix matrix")
+    most = most_rows_back(list(host_prefix), num_ranks)
+    if most > rows_capacity:
+        raise _fail(f"a rank gets {most} rows back but the symmetric buffer holds {rows_capacity}")
+    # The kernel goes first: the copy streams' first operation waits for the kernel's go word, and streams can share
+    # a hardware queue, where that wait would hold back a kernel queued after it.
+    loaded = kernels(env.device)
+    _launch(env.device, name, num_blocks, THREADS, p, shared)
+    enqueue_combine(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
+                    loaded.control_flags_offset)
 
 
 # ------------------------------------------------------------------------------------------ barrier
@@ -461,5 +536,5 @@ def barrier(env: Env) -> None:
     _launch(env.device, "barrier", 1, 32, env.env)
 
 
-__all__ = ["COPY_ENGINE", "KERNELS", "KIND", "LAUNCHES", "SOURCE", "Env", "JitLayoutError", "barrier", "bulk_piece16",
+__all__ = ["KERNELS", "KIND", "LAUNCHES", "SOURCE", "Env", "JitLayoutError", "barrier", "bulk_piece16",
            "bulk_smem_bytes", "combine", "dispatch", "kernels", "layout", "notify", "probe_file", "specializations"]

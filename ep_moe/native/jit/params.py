@@ -29,8 +29,10 @@ CONSTANTS: tuple[tuple[str, int], ...] = (
     ("kCopyEngineTraceSlots", 1 + 8 * 16), ("kNotifyThreads", 1024), ("kLayoutThreads", 256), ("kBulkStages", 2),
     ("kReduceWarps", 512 // 32), ("kBulkHeaderBytes", (512 // 32 * 2 * (8 + 16) + 127) // 128 * 128),
     ("kBulkSmemBudget", 200 << 10), ("sizeof(Control)", 0), ("sizeof(LocalState)", 32),
+    ("EP_OFFSET_OF(Control, copy_engine_flag)", 0),
 )
-# sizeof(Control) is not used by the launchers (the control buffer is kControlBytes); its 0 means "not checked".
+# A 0 means "not checked": sizeof(Control) is not used by the launchers (the control buffer is kControlBytes),
+# and the copy-engine flags' offset is read from the device (`intranode.kernels(device).control_flags_offset`).
 _C = dict(CONSTANTS)
 MAX_RANKS = _C["kMaxRanks"]
 MAX_COPY_ENGINE_CHUNKS = _C["kMaxCopyEngineChunks"]

@@ -15,14 +15,18 @@ template __global__ void combine_kernel<kFP32>(CombineParams);
 }  // namespace
 }  // namespace ep_moe
 
-// The constants the Python launchers mirror (ep_moe/native/jit/intranode.py: CONSTANTS, in this order), written
-// once at first use and compared there: a header change that the mirror missed raises instead of launching.
+// A member's offset (NVRTC has no <cstddef>): the address of the member of a struct at address 0.
+#define EP_OFFSET_OF(T, member) (reinterpret_cast<long long>(&(reinterpret_cast<T*>(0)->member)))
+
+// The constants the Python launchers use (ep_moe/native/jit/params.py: CONSTANTS, in this order), written once at
+// first use: compared with the mirror there (a header change that the mirror missed raises instead of launching),
+// and, for the control block's copy-engine flags (whose offset may move as fields are added), used from here.
 extern "C" __global__ void ep_intranode_constants(long long* out) {
   using namespace ep_moe;
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const long long values[] = {kMaxRanks, kMaxChunks, kMaxNotifyExperts, kControlBytes, kThreads, kMaxCopyEngineChunks,
                               kMaxCopyStreams, kErrWords, kTraceSlots, kCopyEngineTraceSlots, kNotifyThreads,
                               kLayoutThreads, kBulkStages, kReduceWarps, kBulkHeaderBytes, kBulkSmemBudget,
-                              sizeof(Control), sizeof(LocalState)};
+                              sizeof(Control), sizeof(LocalState), EP_OFFSET_OF(Control, copy_engine_flag)};
   for (int i = 0; i < static_cast<int>(sizeof(values) / sizeof(values[0])); ++i) out[i] = values[i];
 }
