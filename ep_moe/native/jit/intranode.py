@@ -64,14 +64,22 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 # ------------------------------------------------------------------------------------------ loading and checks
 def probe_file(directory: Path | None = None) -> Path:
-    """`params.probe_source` written (once, content-addressed) under ``<cache>/src``: what `ep-moe jit warmup`
-    and the first use compile."""
+    """`params.probe_source` written (once, content-addressed) under ``<cache>/src`` (a temporary folder where that
+    cannot be written): what `ep-moe jit warmup` and the first use compile."""
     text = P.probe_source()
-    folder = Path(directory) if directory is not None else process_cache().directory / "src"
-    path = folder / f"params_layout-{hashlib.sha256(text.encode()).hexdigest()[:16]}.cu"
+    name = f"params_layout-{hashlib.sha256(text.encode()).hexdigest()[:16]}.cu"
+    if directory is not None:
+        return _write_once(Path(directory) / name, text)
+    try:
+        return _write_once(process_cache().directory / "src" / name, text)
+    except OSError:
+        return _write_once(Path(tempfile.gettempdir()) / "ep_moe_jit_src" / name, text)
+
+
+def _write_once(path: Path, text: str) -> Path:
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-", suffix=".cu")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".cu")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)  # atomic: a concurrent process reads the old or the new whole file
