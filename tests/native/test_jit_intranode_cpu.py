@@ -128,8 +128,19 @@ def test_the_intranode_source_and_probe_compile_and_hold_every_kernel(tmp_path, 
     probe = jit.build(jit.KernelSource.of(I.probe_file(tmp_path / "src")), "sm_90", compiler, store)
     assert "ep_params_layout" in cubin.function_symbols(probe)
     inputs = jit.key_inputs(I.SOURCE, compiler.identity, "sm_90")
-    assert {"../../csrc/intranode.cu", "../../csrc/kernels.h", "../../csrc/rtc_prelude.h"} <= set(inputs["headers"]), \
+    assert {f"ep_moe/native/csrc/{name}" for name in ("layout.cu", "intranode.cu", "common.cuh", "kernels.h",
+                                                       "rtc_prelude.h")} == set(inputs["headers"]), \
         "the cache key covers the csrc sources the JIT build includes"
+
+
+def test_the_probe_keys_alike_wherever_it_is_written(tmp_path):
+    """The probe is generated into the cache folder: its key must not depend on that folder (or on where the
+    package is installed), so that a cache warmed on one machine serves another."""
+    keys = [jit.cache_key(jit.key_inputs(jit.KernelSource.of(I.probe_file(tmp_path / d)), "c 1", "sm_90"))
+            for d in ("a", "b/c")]
+    assert keys[0] == keys[1]
+    assert set(jit.key_inputs(jit.KernelSource.of(I.probe_file(tmp_path / "a")), "c 1", "sm_90")["headers"]) == {
+        "ep_moe/native/csrc/kernels.h", "ep_moe/native/csrc/rtc_prelude.h"}
 
 
 def test_cubin_errors():
