@@ -93,6 +93,32 @@ def test_constants_equal_the_sources(tmp_path):
     assert compiled[-1] == before + 2 * 8 * ranks * chunks, "Control's members before copy_engine_flag changed"
 
 
+def _binding_functions() -> dict[str, list[str]]:
+    """The extension's Python functions (binding.cpp's ``m.def``) and ``Env``'s constructor, with their argument
+    names in order, read from the C++ source."""
+    text = (P.CSRC_DIR / "binding.cpp").read_text()
+    out = {}
+    for name in re.findall(r'm\.def\("(\w+)"', text):
+        params = re.search(r"^\S.*?\b" + name + r"\((.*?)\)\s*\{", text, re.M | re.S).group(1)
+        out[name] = [re.sub(r"[^\w].*$", "", p.split()[-1].lstrip("&*")) for p in params.split(",") if p.strip()]
+    out["Env"] = re.findall(r'pybind11::arg\("(\w+)"\)', text)
+    return out
+
+
+def test_the_module_has_the_extensions_functions_and_constants():
+    """What the native backend calls on ``_C`` exists here with the same arguments in the same order: a binding
+    that gains an argument (or a constant) fails here until intranode.py follows."""
+    import inspect
+
+    functions = _binding_functions()
+    assert set(functions) >= {"Env", "layout", "notify", "dispatch", "combine", "barrier"}
+    for name, args in functions.items():
+        assert list(inspect.signature(getattr(I, name)).parameters) == args, name
+    text = (P.CSRC_DIR / "binding.cpp").read_text()
+    for attr in re.findall(r'm\.attr\("(\w+)"\)', text):
+        assert isinstance(getattr(I, attr), int), attr
+
+
 def test_mismatches_name_the_field():
     layout = [value for _, value in P.layout_of()]
     index = [name for name, _ in P.layout_of()].index("DispatchParams.copy_engine")
