@@ -237,6 +237,22 @@ def test_env_fills_the_kernel_env_and_checks_its_arguments(recorded):
             I.Env(*args)
 
 
+def test_env_maps_each_pinned_buffer_once(recorded, monkeypatch):
+    """The notify's pinned count buffers are mapped once per tensor (no driver call per call), and a new tensor at
+    the same address is mapped again (the Env holds the old one, so that cannot happen while it lives)."""
+    env = _env()
+    looked_up = []
+    monkeypatch.setattr(I, "host_device_pointer", lambda ptr, device: looked_up.append(ptr) or ptr + 1)
+    args = _notify_args()
+    for _ in range(3):
+        I.notify(env, **args)
+    counts, experts = args["host_counts"], args["host_expert_counts"]
+    assert sorted(looked_up) == sorted([counts.data_ptr(), experts.data_ptr()])
+    assert recorded[-1][3].host_counts == counts.data_ptr() + 1
+    I.notify(env, **{**args, "host_counts": counts.clone()})
+    assert len(looked_up) == 3
+
+
 def test_layout_launch(recorded):
     idx = torch.randint(-1, 16, (600, 4))
     per_rank, per_expert, in_rank = I.layout(idx, 16, 4)
