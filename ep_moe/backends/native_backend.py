@@ -117,11 +117,10 @@ class NativeTimeoutError(TimeoutError, RuntimeError):
 
 
 def _c():
-    from ..native import _C
+    """The intranode kernels: the extension or the JIT module (`ep_moe.native.intranode_kernels`)."""
+    from ..native import intranode_kernels
 
-    if _C is None:
-        raise RuntimeError("ep_moe: the native CUDA extension is not built")
-    return _C
+    return intranode_kernels()
 
 
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -2,7 +2,8 @@
 
 One ``name: value`` line per item (`ITEMS`): the Python interpreter, torch, CUDA and the GPUs, NCCL, the symmetric
 memory (the provider ``EP_MOE_SYMMETRIC_MEMORY`` names, and whether it can serve here), the native extension (built
-or not, and why not) with ``setup.py``'s build record (`ep_moe.native.read_build_record`), the JIT kernels (used or why not, the compiler found, the cache directory
+or not, and why not) with ``setup.py``'s build record (`ep_moe.native.read_build_record`), which build the intranode
+kernels come from (extension or JIT), the JIT kernels (used or why not, the compiler found, the cache directory
 and its kernels), and the multicast variables. ``ep-moe env`` (`ep_moe.cli.env`) prints
 these and the rest of the installation. An item that cannot be found out says why instead.
 """
@@ -94,7 +95,17 @@ def _jit_kernels() -> str:
         return f"unavailable ({reason})"
     if native.extension_available() and mode != "force":
         return "available; the ahead-of-time extension is used instead (EP_MOE_JIT=1 prefers JIT)"
-    return "used for the expert-major kernels" + (" (EP_MOE_JIT=1)" if mode == "force" else "")
+    return "used for the intranode and expert-major kernels" + (" (EP_MOE_JIT=1)" if mode == "force" else "")
+
+
+def _intranode_kernels() -> str:
+    kind = native.kernels_kind()
+    if kind == "aot":
+        return "the ahead-of-time extension ep_moe.native._C"
+    if kind == "jit":
+        return ("JIT: csrc's kernels compiled on first use, one build per architecture, launched from Python "
+                "(ep_moe.native.jit.intranode)")
+    return f"none, the native backend is unavailable ({native.kernels_unavailable_reason()})"
 
 
 def _jit_compiler() -> str:
@@ -121,6 +132,7 @@ ITEMS: tuple[Item, ...] = (
     ("symmetric memory", _symmetric_memory),
     ("native kernels", _native_kernels),
     ("build record", _build_record),
+    ("intranode kernels", _intranode_kernels),
     ("JIT kernels", _jit_kernels),
     ("JIT compiler", _jit_compiler),
     ("JIT cache", _jit_cache),

@@ -3,9 +3,6 @@
 // and 16-byte copy loops. Pure CUDA; no torch.
 #pragma once
 
-#include <cstdint>
-#include <cuda_runtime.h>
-
 #include "kernels.h"
 
 namespace ep_moe {

@@ -20,7 +20,9 @@
 // the copy stream when every peer entered the combine. Reducers launched with p.bulk_reduce (by default
 // those of a copy-engine combine) read the rows through shared memory by bulk copies (bulk_reduce), which
 // keeps far more bytes in flight per SM than loads into registers.
+#ifndef __CUDACC_RTC__  // NVRTC: rtc_prelude.h has the bf16 conversions used here
 #include <cuda_bf16.h>
+#endif
 
 #include "common.cuh"
 
@@ -1334,6 +1336,7 @@ __global__ void close_epoch_kernel(KernelEnv env) {
 }  // namespace
 
 // ========================================================================================== launchers
+#ifndef __CUDACC_RTC__  // host code: the JIT build (ep_moe/native/jit/intranode.py) launches from Python
 cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream) {
   notify_kernel<<<1 + p.env.num_ranks, kNotifyThreads, 0, stream>>>(p);
   return cudaGetLastError();
@@ -1373,6 +1376,7 @@ cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream) {
   barrier_kernel<<<1, 32, 0, stream>>>(env);
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 cudaError_t launch_exchange(const KernelEnv& env, const HeaderCheck& check, const int32_t* prefix, int32_t* host_out,
                             cudaStream_t stream) {

@@ -3,8 +3,12 @@
 // the CUDA error of the launch.
 #pragma once
 
+#ifdef __CUDACC_RTC__
+#include "rtc_prelude.h"  // NVRTC (the JIT build) has no toolkit headers
+#else
 #include <cstdint>
 #include <cuda_runtime.h>
+#endif
 
 namespace ep_moe {
 
