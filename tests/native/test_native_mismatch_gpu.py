@@ -336,11 +336,13 @@ def session(request) -> tuple[int, list[dict], float]:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_rank_raises_naming_field_and_values(session, scenario) -> None:
     num_ranks, results, timeout_s = session
+    # every rank's outcome in every message: a rank out of step shows in its peers' outcomes too
+    every = "; ".join(f"rank {r}: {result[scenario][0]!r}" for r, result in enumerate(results))
     for rank, result in enumerate(results):
         outcome, elapsed, _ = result[scenario]
-        assert outcome.startswith("ValueError: "), f"rank {rank}: {outcome}"
+        assert outcome.startswith("ValueError: "), f"rank {rank}: {outcome} ({every})"
         for needle in _expected(num_ranks)[scenario]:
-            assert needle in outcome, f"rank {rank}: {needle!r} not in {outcome!r}"
+            assert needle in outcome, f"rank {rank}: {needle!r} not in {outcome!r} ({every})"
         assert elapsed < timeout_s, f"rank {rank} took {elapsed:.1f} s (waited for a peer)"
 
 
