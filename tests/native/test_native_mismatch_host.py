@@ -128,11 +128,6 @@ class DeviceModel:
         while any(self.pending.values()):
             self._run_wave(list(self.pending))
 
-    def wait_stream(self, waiting: str, other: str) -> None:
-        """``waiting.wait_stream(other)``: what ``waiting`` queues later runs after what ``other`` holds now."""
-        if waiting != other:
-            self.run_stream(other)
-
     def closed_epochs(self) -> list[int]:
         return [epoch for kernel, epoch in self.ran if kernel not in self.OPENS_ONLY]
 
