@@ -270,24 +270,6 @@ class RunLog:
         self.sinks = []
 
 
-def start_engine_run(recipe, start_step: int, loaded_from: str | None, world: int, floor: float | None,
-                     banner: str, is_main: bool) -> tuple[RunLog | None, Progress]:
-    """The start of a Megatron or DeepSpeed engine run, as the trainer starts its own: rank 0's `RunLog` (None
-    elsewhere) with its run record, and the `Progress` with the banner, where the metrics go, and where the
-    run resumed from (or that there was nothing to resume yet)."""
-    log = RunLog(recipe, resume_step=start_step if loaded_from else None) if is_main else None
-    progress = Progress(recipe.logger.progress_bar, recipe.train.train_iters, start_step, enabled=is_main)
-    progress.message(banner)
-    progress.message(f"metrics: {recipe.metrics_path()}")
-    if loaded_from is not None:
-        progress.message(f"resumed from {loaded_from} at step {start_step}")
-    elif recipe.checkpoint.resume:
-        progress.message(f"no checkpoint in {recipe.checkpoint.save} yet: starting at step 0")
-    if log is not None:
-        log.write(run_record(recipe, start_step, world, recipe.model.expert_model_parallel_size, floor, loaded_from))
-    return log, progress
-
-
 def target_missed(final_loss: float, eval_loss: float | None, floor: float | None, target: float | None) -> bool:
     """Whether a synthetic run missed ``train.target_loss_gap`` (the final eval loss, else the final train loss,
     more than ``target`` above the entropy floor). False when there is no floor or no target."""

@@ -231,128 +231,115 @@ def _expert_parallel_group(ep_size: int):
         return None
 
 
+class DeepSpeedSteps:
+    """This engine's steps for the trainer's shared loop (`ep_moe.train.loop.run_training`): a DeepSpeed engine
+    (ZeRO, its optimizer and learning-rate schedule) over the trainer's data. Collective to build."""
+
+    def __init__(self, recipe: DeepSpeedRecipe, device: torch.device) -> None:
+        self.recipe, self.device = recipe, device
+        self.engine, self.dataset = setup_engine(recipe, device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        m = recipe.model
+        self.ep_size = m.expert_model_parallel_size
+        self.accum = self.engine.gradient_accumulation_steps()
+        self.ep_group = _expert_parallel_group(m.expert_model_parallel_size)
+        self.blocks = list(self.engine.module.blocks)
+        self.aux_losses: list[float] = []  # per step: the summed l_aux, mean over ranks and micro-batches
+        torch.manual_seed(recipe.rng.seed + 17 * self.rank)  # gate sampling / RTS draw from here (a load restores it)
+
+    def find_checkpoint(self) -> str | None:
+        return find_checkpoint(self.recipe)
+
+    def load(self, path: str) -> int:
+        load_dir, tag = os.path.split(os.path.normpath(path))
+        _, client = self.engine.load_checkpoint(load_dir, tag=tag)
+        _load_rng_state(path, self.rank, self.world_size)
+        return int((client or {}).get("step", 0))
+
+    def opening_lines(self) -> list[str]:
+        m, t = self.recipe.model, self.recipe.train
+        return [f"ep-moe train (engine deepspeed): {m.moe_layer} MoE layer, {m.num_layers} layers x "
+                f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), ZeRO-{self.recipe.deepspeed.zero_stage}, "
+                f"{self.world_size} rank(s) on {self.device.type}, EP {m.expert_model_parallel_size}, global batch "
+                f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
+                f"{self.accum}), {t.train_iters} steps; {self.dataset.describe()}",
+                f"metrics: {self.recipe.metrics_path()}"]
+
+    def title(self) -> str:
+        m = self.recipe.model
+        return f"{self.recipe.name}: deepspeed, {m.moe_layer} MoE layer, EP {m.expert_model_parallel_size}"
+
+    def begin(self, step: int) -> tuple[float, torch.Tensor]:
+        # the schedule's value for this step (DeepSpeed steps its scheduler after the update; it clears gradients)
+        return self.engine.get_lr()[0], self.dataset.batch("train", step, self.recipe.train.global_batch_size)
+
+    def step(self, batch: torch.Tensor, stop_requested: bool):
+        from ep_moe.train.data import rank_slice
+        from ep_moe.train.loop import StepOutcome
+        from ep_moe.train.metrics import imbalance_stats
+
+        engine, m, t, device = self.engine, self.recipe.model, self.recipe.train, self.device
+        step_loss = torch.zeros(3, dtype=torch.float64, device=device)  # the group may be NCCL-only
+        counts = None
+        for micro in range(self.accum):
+            rows = rank_slice(batch, self.rank, self.world_size, t.micro_batch_size, micro).to(device)
+            logits, aux = engine(rows[:, :-1])
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+            engine.backward(ce + m.moe_aux_loss_coeff * aux)
+            engine.step()
+            step_loss += torch.stack([ce.detach(), aux.detach(), aux.new_zeros(())]).to(torch.float64)
+            micro_counts = torch.stack([b.exp_counts.detach().to(device, torch.float64) for b in self.blocks])
+            counts = micro_counts if counts is None else counts + micro_counts
+        step_loss[2] = 1.0 if stop_requested else 0.0
+        dist.all_reduce(step_loss)
+        stop = bool(step_loss[2] > 0)
+        step_loss /= self.accum * self.world_size
+        self.aux_losses.append(float(step_loss[1]))
+        dist.all_reduce(counts, group=self.ep_group)
+        stats = imbalance_stats(counts.cpu())
+        stats["aux_loss"] = self.aux_losses[-1] / m.num_layers  # raw l_aux, mean over MoE layers
+        norm = engine.get_global_grad_norm()
+        return StepOutcome(loss=float(step_loss[0]), aux_loss=m.moe_aux_loss_coeff * self.aux_losses[-1],
+                           grad_norm=None if norm is None else float(norm), stats=stats, stop=stop)
+
+    def evaluate(self) -> float:
+        return _evaluate(self.engine, self.dataset, self.recipe, self.rank, self.world_size, self.device)
+
+    def save(self, step: int) -> str:
+        from ep_moe.train import checkpoint as ckpt
+
+        c = self.recipe.checkpoint
+        self.engine.save_checkpoint(c.save, tag=ckpt.step_dir_name(step), client_state={"step": step})
+        saved = os.path.join(c.save, ckpt.step_dir_name(step))
+        _save_rng_state(saved, self.rank, self.world_size)
+        if self.rank == 0:
+            ckpt.prune(c.save, step, c.keep_last)
+        dist.barrier()
+        return saved
+
+    def close(self) -> None:
+        """Nothing to release here (the ep_moe layer's buffers are released by the rank's entry point)."""
+
+
 def train_rank(recipe: DeepSpeedRecipe, device: torch.device) -> dict[str, Any]:
     """Train on this rank of an initialized process group. Returns per-step mean losses over all ranks
     (``losses``: cross-entropy; ``aux_losses``: the summed ``l_aux``), the final ``eval_loss``, the data's
     entropy ``floor`` (None for text), ``tokens_per_s``, ``seconds``, the ``engine`` and the ``exit_code``
-    (rank 0 decides it). Progress lines, metrics records, TensorBoard scalars, checkpoint folders, resume,
-    the loss plot and the summary are the trainer's (`ep_moe.train.metrics`, `ep_moe.train.checkpoint`)."""
-    from ep_moe.train import checkpoint as ckpt
-    from ep_moe.train.data import rank_slice
-    from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
-    from ep_moe.train.metrics import (
-        Throughput,
-        finish,
-        imbalance_stats,
-        report_eval,
-        report_step,
-        start_engine_run,
-    )
+    (rank 0 decides it). The loop (progress lines, metrics records, TensorBoard scalars, checkpoint folders,
+    resume, Ctrl-C, the loss plot and the summary) is the trainer's own (`ep_moe.train.loop.run_training`);
+    `DeepSpeedSteps` provides the steps."""
+    from ep_moe.train.loop import run_training
 
-    started_all = time.perf_counter()
-    engine, data = setup_engine(recipe, device)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t, m, c = recipe.train, recipe.model, recipe.checkpoint
-    start_step, loaded_from = 0, find_checkpoint(recipe)
-    torch.manual_seed(recipe.rng.seed + 17 * rank)  # gate sampling / RTS draw from here
-    if loaded_from is not None:
-        load_dir, tag = os.path.split(os.path.normpath(loaded_from))
-        _, client = engine.load_checkpoint(load_dir, tag=tag)
-        start_step = int((client or {}).get("step", 0))
-        _load_rng_state(loaded_from, rank, world)
-    accum = engine.gradient_accumulation_steps()
-    floor = data.entropy_floor
-    is_main = rank == 0
-    banner = (f"ep-moe train (engine deepspeed): {m.moe_layer} MoE layer, {m.num_layers} layers x "
-              f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), ZeRO-{recipe.deepspeed.zero_stage}, "
-              f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
-              f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
-              f"{accum}), {t.train_iters} steps; {data.describe()}")
-    log, progress = start_engine_run(recipe, start_step, loaded_from, world, floor, banner, is_main)
-    ep_group = _expert_parallel_group(m.expert_model_parallel_size)
-    blocks = list(engine.module.blocks)
-    losses, aux_losses = [], []
-    eval_loss = None
-    tokens_per_step = recipe.tokens_per_step
-    throughput = Throughput(tokens_per_step)
-    train_time, interrupted, saved, step = 0.0, False, None, start_step
-    stop = StopRequest()
+    started = time.monotonic()
+    steps = DeepSpeedSteps(recipe, device)
     try:
-        while step < t.train_iters:
-            step_started = time.perf_counter()
-            lr = engine.get_lr()[0]  # the schedule's value for this step (DeepSpeed steps it after the update)
-            batch = data.batch("train", step, t.global_batch_size)
-            step_loss = torch.zeros(3, dtype=torch.float64, device=device)  # the group may be NCCL-only
-            counts = None
-            for micro in range(accum):
-                rows = rank_slice(batch, rank, world, t.micro_batch_size, micro).to(device)
-                logits, aux = engine(rows[:, :-1])
-                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
-                engine.backward(ce + m.moe_aux_loss_coeff * aux)
-                engine.step()
-                step_loss += torch.stack([ce.detach(), aux.detach(), aux.new_zeros(())]).to(torch.float64)
-                micro_counts = torch.stack([b.exp_counts.detach().to(device, torch.float64) for b in blocks])
-                counts = micro_counts if counts is None else counts + micro_counts
-            step_loss[2] = 1.0 if stop.requested else 0.0
-            dist.all_reduce(step_loss)
-            stop_now = bool(step_loss[2] > 0)
-            step_loss /= accum * world
-            losses.append(float(step_loss[0]))
-            aux_losses.append(float(step_loss[1]))
-            dist.all_reduce(counts, group=ep_group)
-            stats = imbalance_stats(counts.cpu())
-            stats["aux_loss"] = aux_losses[-1] / m.num_layers  # raw l_aux, mean over MoE layers
-            norm = engine.get_global_grad_norm()
-            grad_norm = None if norm is None else float(norm)
-            step += 1
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - step_started
-            train_time += step_time
-            tokens_per_s = throughput.add(step_time)
-            aux_term = m.moe_aux_loss_coeff * aux_losses[-1]
-            report_step(recipe, progress, log, step, losses[-1], aux_term, lr, grad_norm, tokens_per_s,
-                        time.perf_counter() - started_all, stats)
-            last = step == t.train_iters
-            if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
-                eval_loss = _evaluate(engine, data, recipe, rank, world, device)
-                report_eval(progress, log, step, eval_loss, floor, time.perf_counter() - started_all)
-            if ckpt.save_due(c, step, last, stop_now):
-                engine.save_checkpoint(c.save, tag=ckpt.step_dir_name(step), client_state={"step": step})
-                saved = os.path.join(c.save, ckpt.step_dir_name(step))
-                _save_rng_state(saved, rank, world)
-                if is_main:
-                    ckpt.prune(c.save, step, c.keep_last)
-                dist.barrier()
-            if stop_now:
-                interrupted = True
-                break
+        result = run_training(recipe, steps, started)
     finally:
-        progress.close()
-        stop.restore()
-        if log is not None:
-            log.close()
-    steps_run = step - start_step
-    out = {"losses": losses, "aux_losses": aux_losses, "eval_loss": eval_loss, "floor": floor,
-           "seconds": train_time, "tokens_per_s": tokens_per_step * steps_run / train_time if steps_run else 0.0,
-           "moe_layer": m.moe_layer, "engine": engine, "exit_code": 0, "last_step": step, "checkpoint": saved}
-    if start_step >= t.train_iters:
-        if is_main:
-            print(f"nothing to train: the checkpoint is at step {start_step} >= train.train_iters={t.train_iters} "
-                  "(raise train.train_iters to continue)", flush=True)
-    elif interrupted:
-        out["exit_code"] = INTERRUPTED_EXIT_CODE
-        if is_main:
-            where = (f"checkpoint {saved}; continue with --resume" if saved
-                     else "no checkpoint (set checkpoint.save to keep one)")
-            print(f"interrupted ({stop.signal_name}) after step {step}: {where}", flush=True)
-    elif is_main:
-        _, out["exit_code"] = finish(
-            recipe, recipe.metrics_path(), steps=step, final_loss=losses[-1] if losses else float("nan"),
-            eval_loss=eval_loss, floor=floor, tokens_per_s=out["tokens_per_s"], train_time_s=train_time,
-            total_time_s=time.perf_counter() - started_all,
-            title=f"{recipe.name}: deepspeed, {m.moe_layer} MoE layer, EP {m.expert_model_parallel_size}")
-    return out
+        steps.close()
+    return {"losses": result.losses, "aux_losses": steps.aux_losses, "eval_loss": result.eval_loss,
+            "floor": result.entropy_floor, "seconds": result.train_time_s, "tokens_per_s": result.tokens_per_s,
+            "moe_layer": recipe.model.moe_layer, "engine": steps.engine, "exit_code": result.exit_code,
+            "last_step": result.last_step, "checkpoint": result.checkpoint}
 
 
 def _evaluate(engine, data, recipe: DeepSpeedRecipe, rank: int, world: int, device: torch.device) -> float | None:

@@ -287,208 +287,185 @@ def load_checkpoint(path: str, recipe: MegatronRecipe, model, optimizer, rank: i
 
 
 # ------------------------------------------------------------------------------------------ one rank
-def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
-    """Train on this rank of an initialised process group; returns the run's summary (same on all ranks but
-    ``exit_code``, which rank 0 decides). Progress lines, metrics records, TensorBoard scalars, checkpoints,
-    resume, the loss plot and the summary are the trainer's (`ep_moe.train.metrics`, `ep_moe.train.checkpoint`)."""
-    _quiet_megatron()
-    from megatron.core import parallel_state
+class MegatronSteps:
+    """This engine's steps for the trainer's shared loop (`ep_moe.train.loop.run_training`): the model, its
+    optimizer, the data, and one optimizer step as Megatron's DDP would take it (see the module docstring).
+    Collective to build: every rank of an initialised process group."""
 
-    from ep_moe.integrations.megatron import destroy_ep_buffers
-    from ep_moe.train import checkpoint as ckpt
-    from ep_moe.train.data import build_dataset, rank_slice
-    from ep_moe.train.loop import INTERRUPTED_EXIT_CODE, StopRequest
-    from ep_moe.train.metrics import (
-        Throughput,
-        finish,
-        imbalance_stats,
-        report_eval,
-        report_step,
-        start_engine_run,
-    )
-    from ep_moe.train.schedule import recipe_lr
+    def __init__(self, recipe: MegatronRecipe, device: torch.device) -> None:
+        _quiet_megatron()
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    started = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    m, t, o, c = recipe.model, recipe.train, recipe.optimizer, recipe.checkpoint
-    validate(recipe, world, device.type)
-    if device.type == "cpu":
-        # Megatron wraps parts of its MoE code in torch.compile; on CPU that means C++ builds per shape.
-        importlib.import_module("torch._dynamo").config.disable = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=m.expert_model_parallel_size)
-    elif parallel_state.get_expert_model_parallel_world_size() != m.expert_model_parallel_size:
-        raise RecipeError("model.expert_model_parallel_size: Megatron's parallel state is already initialised "
-                          "with another expert-parallel size")
-    if device.type == "cuda":
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from ep_moe.train.data import build_dataset
 
-        model_parallel_cuda_manual_seed(recipe.rng.seed)
-    if t.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    dataset = build_dataset(recipe)
-    floor = getattr(dataset, "entropy_floor", None)
-    model = build_model(recipe, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    dense = [p for p in params if not _is_expert(p)]
-    experts = [p for p in params if _is_expert(p)]
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+        self.recipe, self.device = recipe, device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        m, t, o = recipe.model, recipe.train, recipe.optimizer
+        self.ep_size = m.expert_model_parallel_size
+        validate(recipe, self.world_size, device.type)
+        if device.type == "cpu":
+            # Megatron wraps parts of its MoE code in torch.compile; on CPU that means C++ builds per shape.
+            importlib.import_module("torch._dynamo").config.disable = True
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(expert_model_parallel_size=m.expert_model_parallel_size)
+        elif parallel_state.get_expert_model_parallel_world_size() != m.expert_model_parallel_size:
+            raise RecipeError("model.expert_model_parallel_size: Megatron's parallel state is already initialised "
+                              "with another expert-parallel size")
+        if device.type == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    accum = t.global_batch_size // (t.micro_batch_size * world)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / accum, device=device))
-    expert_dp_group = parallel_state.get_expert_data_parallel_group()
-    ep_group = parallel_state.get_expert_model_parallel_group()
-    positions = torch.arange(m.seq_length, device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and t.precision == "bf16")
+            model_parallel_cuda_manual_seed(recipe.rng.seed)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.dataset = build_dataset(recipe)
+        self.model = model = build_model(recipe, device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.dense = [p for p in self.params if not _is_expert(p)]
+        self.experts = [p for p in self.params if _is_expert(p)]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": o.weight_decay},
+             {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        self.accum = t.global_batch_size // (t.micro_batch_size * self.world_size)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.accum, device=device))
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.positions = torch.arange(m.seq_length, device=device)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16,
+                                       enabled=device.type == "cuda" and t.precision == "bf16")
+        self.counts = _RoutingCounts(model)
+        self.coeff = m.moe_aux_loss_coeff if m.moe_router_load_balancing_type != "none" else 0.0
+        model.train()
 
-    def batch_loss(tokens: torch.Tensor) -> torch.Tensor:
-        tokens = tokens.to(device)
+    def _batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        with autocast:
-            per_token = model(inputs, positions.expand_as(inputs), None, labels=labels)
+        with self.autocast:
+            per_token = self.model(inputs, self.positions.expand_as(inputs), None, labels=labels)
         return per_token.float().mean()
 
-    def evaluate() -> float:
-        model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=device)
+    def find_checkpoint(self) -> str | None:
+        return find_checkpoint(self.recipe)
+
+    def load(self, path: str) -> int:
+        return load_checkpoint(path, self.recipe, self.model, self.optimizer, self.rank, self.world_size)
+
+    def opening_lines(self) -> list[str]:
+        m, t = self.recipe.model, self.recipe.train
+        return [f"ep-moe train (engine megatron): megatron-core GPTModel, {m.num_layers} MoE layers x "
+                f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), dispatcher {m.moe_token_dispatcher}, "
+                f"{self.world_size} rank(s) on {self.device.type}, EP {m.expert_model_parallel_size}, global batch "
+                f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
+                f"{self.accum}), {t.train_iters} steps; {self.dataset.describe()}",
+                f"metrics: {self.recipe.metrics_path()}"]
+
+    def title(self) -> str:
+        m = self.recipe.model
+        return f"{self.recipe.name}: megatron, dispatcher {m.moe_token_dispatcher}, EP {m.expert_model_parallel_size}"
+
+    def begin(self, step: int) -> tuple[float, torch.Tensor]:
+        from ep_moe.train.schedule import begin_step
+
+        _router_losses()  # only this step's training forwards count
+        self.counts.take()
+        return begin_step(self.recipe, self.optimizer, self.dataset, step)
+
+    def step(self, batch: torch.Tensor, stop_requested: bool):
+        from ep_moe.train.data import rank_slice
+        from ep_moe.train.loop import StepOutcome
+        from ep_moe.train.metrics import imbalance_stats
+
+        m, t, o, device = self.recipe.model, self.recipe.train, self.recipe.optimizer, self.device
+        accum, world = self.accum, self.world_size
+        step_loss = torch.zeros((), dtype=torch.float64, device=device)
+        for micro in range(accum):
+            loss = self._batch_loss(rank_slice(batch, self.rank, world, t.micro_batch_size, micro))
+            (loss / accum).backward()
+            step_loss += loss.detach().double()
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        _sum_grads(self.dense, None, 1.0 / world)
+        _sum_grads(self.experts, self.expert_dp_group, 1.0 / world)
+        zero = torch.zeros((), device=device)
+        dense_sq = sum((p.grad.float() ** 2).sum() for p in self.dense) if self.dense else zero
+        expert_sq = sum((p.grad.float() ** 2).sum() for p in self.experts) if self.experts else zero
+        expert_sq = expert_sq.clone()
+        dist.all_reduce(expert_sq, group=self.ep_group)
+        grad_norm = float((dense_sq + expert_sq).sqrt())
+        if o.clip_grad > 0 and grad_norm > o.clip_grad:
+            for p in self.params:
+                p.grad.mul_(o.clip_grad / (grad_norm + 1e-6))
+        self.optimizer.step()
+        # Router losses (raw, mean over micro-batches and MoE layers), this step's loss and the stop flag: one
+        # all-reduce over the world.
+        router = _router_losses()
+        aux_raw = sum((v for k, v in router.items() if "load_balancing_loss" in k), torch.zeros(m.num_layers))
+        z_raw = router.get("z_loss", torch.zeros(m.num_layers))
+        reduced = torch.cat([step_loss.view(1).cpu(), aux_raw / accum, z_raw / accum,
+                             torch.tensor([1.0 if stop_requested else 0.0], dtype=torch.float64)]).to(device)
+        dist.all_reduce(reduced)
+        reduced = reduced.cpu()
+        aux_layers = reduced[1:1 + m.num_layers] / world
+        z_layers = reduced[1 + m.num_layers:1 + 2 * m.num_layers] / world
+        layer_counts = self.counts.take()
+        stats: dict[str, Any] = {}
+        if layer_counts is not None:
+            summed = layer_counts.to(device)
+            dist.all_reduce(summed, group=self.ep_group)
+            stats = imbalance_stats(summed.cpu())
+        if router:
+            stats.update(aux_loss=float(aux_layers.mean()), z_loss=float(z_layers.mean()) if "z_loss" in router
+                         else None)
+        return StepOutcome(loss=float(reduced[0]) / (accum * world),
+                           aux_loss=self.coeff * float(aux_layers.sum()) if router else None,
+                           grad_norm=grad_norm, stats=stats, stop=bool(reduced[-1] > 0))
+
+    def evaluate(self) -> float:
+        from ep_moe.train.data import rank_slice
+
+        t = self.recipe.train
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
             for i in range(t.eval_iters):
-                batch = dataset.batch("valid", i, t.global_batch_size)
-                for micro in range(accum):
-                    total += batch_loss(rank_slice(batch, rank, world, t.micro_batch_size, micro)).double()
+                batch = self.dataset.batch("valid", i, t.global_batch_size)
+                for micro in range(self.accum):
+                    tokens = rank_slice(batch, self.rank, self.world_size, t.micro_batch_size, micro)
+                    total += self._batch_loss(tokens).double()
         dist.all_reduce(total)
-        model.train()
-        return float(total) / (t.eval_iters * accum * world)
+        self.model.train()
+        return float(total) / (t.eval_iters * self.accum * self.world_size)
 
-    start_step, loaded_from = 0, find_checkpoint(recipe)
-    if loaded_from is not None:
-        start_step = load_checkpoint(loaded_from, recipe, model, optimizer, rank, world)
-    is_main = rank == 0
-    banner = (f"ep-moe train (engine megatron): megatron-core GPTModel, {m.num_layers} MoE layers x "
-              f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), dispatcher {m.moe_token_dispatcher}, "
-              f"{world} rank(s) on {device.type}, EP {m.expert_model_parallel_size}, global batch "
-              f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
-              f"{accum}), {t.train_iters} steps; {dataset.describe()}")
-    log, progress = start_engine_run(recipe, start_step, loaded_from, world, floor, banner, is_main)
-    summary: dict[str, Any] = {"losses": [], "evals": [], "final_loss": float("nan"), "eval_loss": None,
-                               "entropy_floor": floor, "tokens_per_s": 0.0, "train_time_s": 0.0,
-                               "total_time_s": 0.0, "dispatcher": m.moe_token_dispatcher, "device": device.type,
-                               "world": world, "exit_code": 0, "last_step": start_step, "checkpoint": None}
-    if start_step >= t.train_iters:
-        progress.close()
-        if log is not None:
-            log.close()
-            print(f"nothing to train: the checkpoint is at step {start_step} >= train.train_iters={t.train_iters} "
-                  "(raise train.train_iters to continue)", flush=True)
+    def save(self, step: int) -> str:
+        return save_checkpoint(self.recipe, self.model, self.optimizer, step, self.rank, self.world_size)
+
+    def close(self) -> None:
+        from ep_moe.integrations.megatron import destroy_ep_buffers
+
+        self.counts.remove()
         destroy_ep_buffers()
-        return summary
 
-    counts = _RoutingCounts(model)
-    coeff = m.moe_aux_loss_coeff if m.moe_router_load_balancing_type != "none" else 0.0
-    throughput = Throughput(recipe.tokens_per_step)
-    losses: list[float] = []
-    evals: list[tuple[int, float]] = []
-    train_time, interrupted, step = 0.0, False, start_step
-    stop = StopRequest()
-    model.train()
+
+def train_rank(recipe: MegatronRecipe, device: torch.device) -> dict[str, Any]:
+    """Train on this rank of an initialised process group; returns the run's summary (same on all ranks but
+    ``exit_code``, which rank 0 decides). The loop (progress lines, metrics records, TensorBoard scalars,
+    checkpoints, resume, Ctrl-C, the loss plot and the summary) is the trainer's own
+    (`ep_moe.train.loop.run_training`); `MegatronSteps` provides the steps."""
+    from ep_moe.train.loop import run_training
+
+    started = time.monotonic()
+    steps = MegatronSteps(recipe, device)
     try:
-        while step < t.train_iters:
-            step_started = time.perf_counter()
-            lr = recipe_lr(recipe, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            _router_losses()
-            counts.take()  # only this step's training forwards count
-            batch = dataset.batch("train", step, t.global_batch_size)
-            step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            for micro in range(accum):
-                loss = batch_loss(rank_slice(batch, rank, world, t.micro_batch_size, micro))
-                (loss / accum).backward()
-                step_loss += loss.detach().double()
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            _sum_grads(dense, None, 1.0 / world)
-            _sum_grads(experts, expert_dp_group, 1.0 / world)
-            dense_sq = sum((p.grad.float() ** 2).sum() for p in dense) if dense else torch.zeros((), device=device)
-            expert_sq = sum((p.grad.float() ** 2).sum() for p in experts) if experts else torch.zeros((), device=device)
-            expert_sq = expert_sq.clone()
-            dist.all_reduce(expert_sq, group=ep_group)
-            grad_norm = float((dense_sq + expert_sq).sqrt())
-            if o.clip_grad > 0 and grad_norm > o.clip_grad:
-                for p in params:
-                    p.grad.mul_(o.clip_grad / (grad_norm + 1e-6))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            # Router losses (raw, mean over micro-batches and MoE layers), this step's loss and the stop flag:
-            # one all-reduce over the world.
-            router = _router_losses()
-            aux_raw = sum((v for k, v in router.items() if "load_balancing_loss" in k), torch.zeros(m.num_layers))
-            z_raw = router.get("z_loss", torch.zeros(m.num_layers))
-            flag = 1.0 if stop.requested else 0.0
-            reduced = torch.cat([step_loss.view(1).cpu(), aux_raw / accum, z_raw / accum,
-                                 torch.tensor([flag], dtype=torch.float64)]).to(device)
-            dist.all_reduce(reduced)
-            reduced = reduced.cpu()
-            losses.append(float(reduced[0]) / (accum * world))
-            aux_layers = reduced[1:1 + m.num_layers] / world
-            z_layers = reduced[1 + m.num_layers:1 + 2 * m.num_layers] / world
-            stop_now = bool(reduced[-1] > 0)
-            layer_counts = counts.take()
-            stats: dict[str, Any] = {}
-            if layer_counts is not None:
-                summed = layer_counts.to(device)
-                dist.all_reduce(summed, group=ep_group)
-                stats = imbalance_stats(summed.cpu())
-            if router:
-                stats.update(aux_loss=float(aux_layers.mean()), z_loss=float(z_layers.mean()) if "z_loss" in router
-                             else None)
-            aux_loss = coeff * float(aux_layers.sum()) if router else None
-            step += 1
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - step_started
-            train_time += step_time
-            tokens_per_s = throughput.add(step_time)
-            report_step(recipe, progress, log, step, losses[-1], aux_loss, lr, grad_norm, tokens_per_s,
-                        time.perf_counter() - started, stats)
-            last = step == t.train_iters
-            if t.eval_iters and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
-                evals.append((step, evaluate()))
-                report_eval(progress, log, step, evals[-1][1], floor, time.perf_counter() - started)
-            if ckpt.save_due(c, step, last, stop_now):
-                summary["checkpoint"] = save_checkpoint(recipe, model, optimizer, step, rank, world)
-            if stop_now:
-                interrupted = True
-                break
+        result = run_training(recipe, steps, started)
     finally:
-        progress.close()
-        stop.restore()
-        counts.remove()
-        if log is not None:
-            log.close()
-    summary.update(losses=losses, evals=evals, final_loss=losses[-1] if losses else float("nan"),
-                   eval_loss=evals[-1][1] if evals else None, last_step=step, train_time_s=train_time,
-                   tokens_per_s=recipe.tokens_per_step * len(losses) / max(train_time, 1e-9),
-                   total_time_s=time.perf_counter() - started)
-    if interrupted:
-        summary["exit_code"] = INTERRUPTED_EXIT_CODE
-        if is_main:
-            where = (f"checkpoint {summary['checkpoint']}; continue with --resume" if summary["checkpoint"]
-                     else "no checkpoint (set checkpoint.save to keep one)")
-            print(f"interrupted ({stop.signal_name}) after step {step}: {where}", flush=True)
-    elif is_main:
-        _, summary["exit_code"] = finish(
-            recipe, recipe.metrics_path(), steps=step, final_loss=summary["final_loss"],
-            eval_loss=summary["eval_loss"], floor=floor, tokens_per_s=summary["tokens_per_s"],
-            train_time_s=train_time, total_time_s=summary["total_time_s"],
-            title=f"{recipe.name}: megatron, dispatcher {m.moe_token_dispatcher}, EP {m.expert_model_parallel_size}")
-    destroy_ep_buffers()
-    return summary
+        steps.close()
+    return {"losses": result.losses, "evals": result.evals, "final_loss": result.final_loss,
+            "eval_loss": result.eval_loss, "entropy_floor": result.entropy_floor, "tokens_per_s": result.tokens_per_s,
+            "train_time_s": result.train_time_s, "total_time_s": result.total_time_s,
+            "dispatcher": recipe.model.moe_token_dispatcher, "device": device.type, "world": steps.world_size,
+            "exit_code": result.exit_code, "last_step": result.last_step, "checkpoint": result.checkpoint}
 
 
 # ------------------------------------------------------------------------------------------ entry points
