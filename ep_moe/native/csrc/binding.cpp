@@ -252,7 +252,9 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               int64_t copy_engine_flag_stream, int64_t copy_engine_seq,
               const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
               const std::vector<int64_t>& copy_engine_tokens, const std::vector<int64_t>& host_prefix,
-              const OptTensor& cached_src_idx) {
+              const OptTensor& cached_src_idx, bool rows_in_place) {
+  // rows_in_place (DispatchParams): recv_x is [0, H] (its dtype and width only) and recv_scales absent; the
+  // received rows count is recv_topk_idx's.
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks && offsets.size() == 5,
               "ep_moe.native: data_ptrs must hold R pointers and offsets 5");
@@ -291,9 +293,10 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.num_topk = p.has_topk ? static_cast<int>(topk_idx->size(1)) : 0;
   TORCH_CHECK(p.has_topk == present(topk_weights), "ep_moe.native: topk_idx and topk_weights go together");
   p.experts_per_rank = static_cast<int>(experts_per_rank);
-  p.recv_x = reinterpret_cast<uint8_t*>(recv_x.data_ptr());
+  p.recv_x = rows_in_place ? nullptr : reinterpret_cast<uint8_t*>(recv_x.data_ptr());
   p.recv_scales = ptr_or_null<float>(recv_scales, "recv_scales");
-  TORCH_CHECK(p.has_scales == present(recv_scales), "ep_moe.native: scales and recv_scales go together");
+  TORCH_CHECK(p.has_scales == present(recv_scales) || (rows_in_place && !present(recv_scales)),
+              "ep_moe.native: scales and recv_scales go together");
   p.recv_topk_idx = ptr_or_null<int64_t>(recv_topk_idx, "recv_topk_idx");
   p.recv_topk_weights = ptr_or_null<float>(recv_topk_weights, "recv_topk_weights");
   p.recv_src_idx = ptr_or_null<int32_t>(recv_src_idx, "recv_src_idx");
@@ -305,7 +308,10 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
                     present(recv_src_rank) && present(expert_scratch) && present(num_recv_per_expert) &&
                     expert_scratch->numel() >= experts_per_rank && num_recv_per_expert->numel() == experts_per_rank,
                 "ep_moe.native: a dispatch with top-k needs every top-k output");
-  p.num_recv_rows = static_cast<int>(recv_x.size(0));
+  TORCH_CHECK(!rows_in_place || (p.has_topk && recv_x.size(0) == 0 && copy_engine_seq == 0),
+              "ep_moe.native: a dispatch with rows in place is fresh, has an empty recv_x and no copy engine");
+  p.num_recv_rows = static_cast<int>(rows_in_place ? recv_topk_idx->size(0) : recv_x.size(0));
+  p.rows_in_place = rows_in_place;
   p.expert_alignment = static_cast<int>(expert_alignment);
   p.rows_capacity = rows_capacity;
   p.write_arrival = write_arrival;

@@ -194,7 +194,15 @@ __global__ void __launch_bounds__(kRowThreads) permute_rows_kernel(PermuteRowsPa
   const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(Word));
   Word* dst = reinterpret_cast<Word*>(p.out) + s * words;
   if (valid) {
-    const Word* src = reinterpret_cast<const Word*>(p.x) + (pair / p.num_topk) * words;
+    const int64_t row = pair / p.num_topk;
+    const Word* src = reinterpret_cast<const Word*>(p.x) + row * words;
+    if (p.own_x != nullptr) {  // two sources: this rank's own rows come from its input
+      const int r = p.rank, R = p.num_ranks;
+      const int64_t first = r > 0 ? __ldg(p.rank_prefix_matrix + (r - 1) * R + r) : 0;
+      const int64_t end = __ldg(p.rank_prefix_matrix + r * R + r);
+      if (row >= first && row < end)
+        src = reinterpret_cast<const Word*>(p.own_x) + static_cast<int64_t>(__ldg(p.own_tokens + (row - first))) * words;
+    }
     for (int64_t j = lane; j < words; j += kWarp) dst[j] = src[j];
   } else {
     const Word zero{};
@@ -284,9 +292,10 @@ __global__ void __launch_bounds__(kRowThreads) unpermute_sum_backward_kernel(Unp
 
 // The widest of 16/4/2/1-byte words that divides the row bytes and every pointer.
 template <typename Launch>
-cudaError_t by_word(int64_t row_bytes, const void* a, const void* b, Launch launch) {
+cudaError_t by_word(int64_t row_bytes, const void* a, const void* b, Launch launch, const void* c = nullptr) {
   const auto fits = [&](int64_t w) {
-    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(a) % w == 0 && reinterpret_cast<uintptr_t>(b) % w == 0;
+    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(a) % w == 0 && reinterpret_cast<uintptr_t>(b) % w == 0 &&
+           reinterpret_cast<uintptr_t>(c) % w == 0;
   };
   if (fits(16)) return launch(uint4{});
   if (fits(4)) return launch(uint32_t{});
@@ -385,7 +394,7 @@ cudaError_t launch_permute_rows(const PermuteRowsParams& p, cudaStream_t stream)
   return by_word(p.row_bytes, p.x, p.out, [&](auto word) {
     permute_rows_kernel<decltype(word)><<<row_blocks(p.num_slots), kRowThreads, 0, stream>>>(p);
     return cudaGetLastError();
-  });
+  }, p.own_x);
 }
 
 cudaError_t launch_unpermute_sum(const UnpermuteSumParams& p, cudaStream_t stream) {

@@ -394,9 +394,10 @@ __device__ __forceinline__ void store_local_topk(const DispatchParams& p, int64_
 // Warp: this rank's own token t, received as output row `row` (data and metadata).
 __device__ __forceinline__ void copy_self_row(const DispatchParams& p, int t, int64_t row, int32_t* hist) {
   const int lane = threadIdx.x & 31;
-  warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
-              reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
-  if (p.has_scales)
+  if (!p.rows_in_place)
+    warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
+                reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
+  if (p.has_scales && !p.rows_in_place)
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] = __ldg(p.scales + static_cast<int64_t>(t) * p.num_scales + c);
   if (p.has_topk)
@@ -423,7 +424,7 @@ __device__ __forceinline__ void copy_staged_data(const DispatchParams& p, int64_
 __device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int32_t* hist) {
   const int lane = threadIdx.x & 31;
   const uint8_t* data = p.data[p.env.rank];
-  copy_staged_data(p, row, row);
+  if (!p.rows_in_place) copy_staged_data(p, row, row);
   if (p.has_topk) {
     const long long* src_idx = reinterpret_cast<const long long*>(data + p.off_idx) + row * p.num_topk;
     const int32_t* src_w = reinterpret_cast<const int32_t*>(data + p.off_weights) + row * p.num_topk;
@@ -442,10 +443,10 @@ __device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int6
 
 // Local block: padding rows of a fixed-size (num_worst_tokens) receive, as the torch backend fills them.
 __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, int rows) {
-  const int64_t n16 = static_cast<int64_t>(rows) * p.x_bytes / 16;
+  const int64_t n16 = p.rows_in_place ? 0 : static_cast<int64_t>(rows) * p.x_bytes / 16;
   int4* x = reinterpret_cast<int4*>(p.recv_x + row0 * p.x_bytes);
   for (int64_t i = threadIdx.x; i < n16; i += blockDim.x) x[i] = make_int4(0, 0, 0, 0);
-  if (p.has_scales)
+  if (p.has_scales && !p.rows_in_place)
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * p.num_scales; i += blockDim.x)
       p.recv_scales[row0 * p.num_scales + i] = 0.f;
   if (p.has_topk) {
