@@ -286,8 +286,13 @@ class Buffer:
                         is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                         expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                         previous_event: EventOverlap | None = None, async_finish: bool = False, *,
-                        num_experts: int | None = None) -> tuple[DispatchResult, EventOverlap]:
-        """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host)."""
+                        num_experts: int | None = None, consume_in_place=None) -> tuple[DispatchResult, EventOverlap]:
+        """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host).
+
+        ``consume_in_place`` (a fresh dispatch for which `receives_in_place` is True): the received rows stay
+        where they landed (``recv_x`` and ``recv_scales`` are None) and ``consume_in_place(result,
+        ReceivedRows)`` runs on the communication stream right after the dispatch (the rows are valid only
+        there); its return value is ``result.consumed``."""
         op = "dispatch"
         data, scales = split_hidden(op, x, self.device, self.backend.supported_dtypes)
         config = config or self.get_dispatch_config(self.group_size)
@@ -336,11 +341,26 @@ class Buffer:
                      shape=(num_tokens, self.group_size))
         if data.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not num_worst_tokens:
             raise _fail(op, "num_worst_tokens", "> 0 during CUDA-graph capture (no host sync allowed)", 0)
+        if consume_in_place is not None:
+            if not self.receives_in_place(x, num_experts):
+                raise _fail(op, "consume_in_place", "None: this buffer's backend cannot leave these rows in place",
+                            "a function")
+            return self._run(
+                lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
+                                              num_tokens_per_rank, None, num_experts, expert_alignment,
+                                              num_worst_tokens, config, consume=consume_in_place),
+                [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
         return self._run(
             lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
                                           num_tokens_per_rank, None, num_experts, expert_alignment,
                                           num_worst_tokens, config),
             [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
+
+    def receives_in_place(self, x, num_experts: int) -> bool:
+        """Whether a fresh dispatch of ``x`` (``[T, H]`` or the FP8 pair) to ``num_experts`` experts can leave
+        its received rows in place (``dispatch_result(..., consume_in_place=fn)``); the same on every rank."""
+        data = x[0] if isinstance(x, tuple | list) else x
+        return self.backend.receives_in_place(data.shape[1] * data.element_size(), num_experts)
 
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,

@@ -40,7 +40,7 @@ from ..config import Config, NativeOptions
 from ..handle import DispatchHandle
 from ..native import policy, sizing
 from ..native.symmetric import SymmetricBuffer
-from .base import CommBackend, DispatchResult
+from .base import CommBackend, DispatchResult, ReceivedRows
 from .torch_backend import TorchBackend
 
 MAX_LOCAL_EXPERTS = 8192  # experts per rank the dispatch kernel counts in shared memory
@@ -268,6 +268,10 @@ class NativeBackend(CommBackend):
     def _kernels_take(self, row_bytes: int, num_local_experts: int = 0) -> bool:
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
+    def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
+        """A fresh dispatch the kernels take, at two or more ranks (see `CommBackend.receives_in_place`)."""
+        return self.num_ranks > 1 and self._kernels_take(row_bytes, num_experts // self.num_ranks)
+
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``
@@ -277,10 +281,15 @@ class NativeBackend(CommBackend):
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
-                 num_experts, expert_alignment, num_worst_tokens, config: Config) -> DispatchResult:
+                 num_experts, expert_alignment, num_worst_tokens, config: Config, *, consume=None) -> DispatchResult:
+        """``consume`` (a fresh dispatch that `receives_in_place`): the kernel leaves the received rows where
+        they landed (no copy into recv_x; never by the copy engine) and ``consume(result, ReceivedRows)`` runs
+        on this stream right after it; its value is ``result.consumed``."""
         self._raise_if_failed()
         row = x.shape[1] * x.element_size()
         local_experts = num_experts // self.num_ranks if handle is None else 0
+        if consume is not None and (handle is not None or not self.receives_in_place(row, num_experts)):
+            raise ValueError("ep_moe[native]: argument 'consume' needs a fresh dispatch that receives_in_place")
         if not self._kernels_take(row, local_experts):
             return self._fallback.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
                                            num_tokens_per_rank, handle, num_experts, expert_alignment,
@@ -313,10 +322,10 @@ class NativeBackend(CommBackend):
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
                 C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
-                           [], [], None)
+                           [], [], None, False)
             else:  # x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
-                    C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx)
+                    C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx, False)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -351,12 +360,15 @@ class NativeBackend(CommBackend):
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
             self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
-            tokens = self._copy_engine_tokens(options, False, counts, tokens, hidden, x.element_size(),
-                                              num_scales, num_topk)
+            # rows left in place are read from the pushers' layout: never by the copy engine
+            tokens = None if consume is not None else self._copy_engine_tokens(
+                options, False, counts, tokens, hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         dev = x.device
-        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
-        recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=dev) if num_scales else None
+        in_place = consume is not None
+        recv_x = torch.empty(0 if in_place else rows, hidden, dtype=x.dtype, device=dev)
+        recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=dev) \
+            if num_scales and not in_place else None
         recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
         recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
         recv_src = torch.empty(2, rows, dtype=torch.int32, device=dev)  # source index, source rank
@@ -365,15 +377,33 @@ class NativeBackend(CommBackend):
                 topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
                 self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks)
         if tokens is None:
-            C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None)
+            C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None,
+                       in_place)
         else:  # x, the top-k and the send lists go by the copy engine
             with self._copy_engine_call(options, "dispatch", "dispatch", blocks, num_scales) as ce:
-                C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None)
+                C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None, False)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
             counts_list = counts_out.tolist()
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle, counts_list)
+        if not in_place:
+            return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle, counts_list)
+        # The peers' rows stay in this rank's buffer, where the pushers put them in output order; the own rows
+        # are x's (send list to itself). `consume` reads them on this stream before any later call of this
+        # buffer is queued behind it: peers write into this buffer again only after this rank's next kernel
+        # (on this same stream, so after `consume`'s work) released its arrival (`arrive`) for that call, and a
+        # buffer that grows is only retired (kept until destroy), never freed or reused.
+        received = ReceivedRows(
+            self._data_view(regions.x, regions.rows, hidden, x.dtype),
+            self._data_view(regions.scales, regions.rows, num_scales, torch.float32) if num_scales else None,
+            rows, x, x_scales, route[1].view(num_ranks, num_tokens)[me], prefix, me)
+        result = DispatchResult(None, None, recv_idx, recv_w, counts_out, new_handle, counts_list)
+        return result._replace(consumed=consume(result, received))
+
+    def _data_view(self, offset: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, width]`` of ``dtype`` at byte ``offset`` of this rank's data buffer (a view)."""
+        nbytes = rows * width * torch.empty(0, dtype=dtype).element_size()
+        return self._data.tensor[offset:offset + nbytes].view(dtype).view(rows, width)
 
     def _route_of(self, handle: DispatchHandle) -> torch.Tensor:
         """``[2, T, R]`` int32 (pos, send_list) of a handle made by another backend."""
