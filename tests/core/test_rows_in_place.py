@@ -208,8 +208,8 @@ def _worker(rank: int, num_ranks: int) -> int:
     in_place.backend = InPlaceTorchBackend(in_place.group, in_place.device, 60.0)
     checked = 0
     for seed, case in enumerate(_cases(num_ranks), start=1):
-        most = max(case.tokens) * num_ranks  # a bound on the rows any rank receives: T = N, then T < N
-        for fixed in (0, most, most + 5):
+        most = max(case.tokens) * num_ranks  # a bound on the rows any rank receives: T = N, or T < N
+        for fixed in (0, most + 5 * (seed % 2)):
             _compare(in_place, plain, rank, num_ranks, case, seed, fixed)
             checked += 1
     in_place.destroy()
@@ -219,7 +219,7 @@ def _worker(rank: int, num_ranks: int) -> int:
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])
 def test_rows_in_place_equal_the_composed_path(num_ranks: int) -> None:
-    assert run_distributed(_worker, num_ranks, join_timeout_s=300) == [3 * len(_cases(num_ranks))] * num_ranks
+    assert run_distributed(_worker, num_ranks, join_timeout_s=300) == [2 * len(_cases(num_ranks))] * num_ranks
 
 
 def _refusal_worker(rank: int, num_ranks: int) -> str:
