@@ -148,6 +148,42 @@ def test_permute_and_reduce_equal_the_torch_definitions(case):
         assert_bits(got, P.unpermute_sum(y, layout, weights), f"unpermute_sum (weighted={weights is not None})")
 
 
+@pytest.mark.parametrize("case", ROWS, ids=ROW_IDS)
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_permute_received_rows_equals_the_torch_definition(case, rank):
+    """``ep_moe_native::permute_received_rows`` (the expert-major dispatch's permute from the receive buffer and
+    the own input) against `permute_received_rows`' torch definition on the CPU: 3 ranks, this rank first, in the
+    middle or last; a buffer larger than the N rows, garbage in the own range and past the total; the own input
+    misaligned where the case says (narrower words)."""
+    N, K, L, A, H, dtype, misaligned = case
+    gen = torch.Generator().manual_seed(11 + N + rank)
+    T = N // 2 + 1
+    own = min(T, N // 3)  # this rank's own rows, then the other two sources' between and around them
+    others = [r for r in range(3) if r != rank]
+    counts = torch.randint(0, 4, (3, 3), generator=gen)  # only column `rank` matters here
+    counts[rank, rank], counts[others[0], rank] = own, (N - own) // 2
+    counts[others[1], rank] = N - own - (N - own) // 2
+    prefix = torch.cumsum(counts, 0).to(torch.int32)
+    idx = routing("random", N, K, L, seed=5 + N)
+    layout = P._expert_layout_torch(idx, L, A, P.max_slots(N, K, L, A))
+    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
+    buffer = rows((N + 3, H), dtype, seed=6)
+    own_x = rows((T, H), dtype, seed=8)
+    own_tokens = torch.randperm(T, generator=gen).to(torch.int32)
+    values = torch.rand(N, K, generator=gen)
+    args = (N, own_x, own_tokens, prefix, rank, layout, values)
+    want_rows, want_values = P.permute_received_rows(buffer, *args)
+    got_rows, got_values = P.permute_received_rows(
+        buffer.cuda(), N, _on_gpu(own_x, misaligned), own_tokens.cuda(), prefix.cuda(), rank, gpu_layout,
+        values.cuda())
+    assert_bits(got_rows, want_rows, "rows")
+    assert_bits(got_values, want_values, "slot values")
+    alone, none = P.permute_received_rows(buffer.cuda(), N, own_x.cuda(), own_tokens.cuda(), prefix.cuda(), rank,
+                                          gpu_layout)
+    assert_bits(alone, want_rows, "rows without values")
+    assert none is None
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 @pytest.mark.parametrize("H", [4096, 37])
 def test_gradients_equal_the_torch_definitions(dtype, H):
