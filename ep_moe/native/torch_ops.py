@@ -39,6 +39,11 @@ def _(y, weights, sorted_slots, slot_values, slot_of_pair):
     return y.new_empty(sorted_slots.shape[0], y.shape[1]), y.new_empty(pairs, dtype=torch.float32)
 
 
+@torch.library.register_fake("ep_moe_native::unpermute_own_rows")
+def _(y, weights, sorted_slots, rank_prefix_matrix, rank):
+    return y.new_empty(sorted_slots.shape[0], y.shape[1])
+
+
 @torch.library.register_fake("ep_moe_native::unpermute_sum_backward")
 def _(grad_out, y, weights, pair_of_slot, num_topk, need_grad_y, need_grad_weights):
     slots = pair_of_slot.shape[0]

@@ -361,7 +361,10 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
              int64_t copy_engine_flag_stream, int64_t copy_engine_seq, const OptTensor& copy_engine_go,
              const std::vector<int64_t>& copy_engine_shares,
-             const std::vector<int64_t>& host_prefix, bool bulk_reduce) {
+             const std::vector<int64_t>& host_prefix, bool bulk_reduce, const OptTensor& expert_y,
+             const OptTensor& expert_weights, const OptTensor& sorted_slots) {
+  // expert_y (CombineParams): an expert-major combine; y then holds the own rows only ([N, H], N = the rows of
+  // sorted_slots [N, K]).
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
   check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
@@ -407,6 +410,25 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   set_launch(p, num_blocks, num_push_blocks, trace, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq,
              copy_engine_go, copy_engine_shares);
   p.bulk_reduce = bulk_reduce;
+  if (present(expert_y)) {
+    TORCH_CHECK(present(sorted_slots), "ep_moe.native: expert_y needs sorted_slots");
+    check_cuda(*expert_y, "expert_y");
+    check_cuda(*sorted_slots, "sorted_slots");
+    TORCH_CHECK(expert_y->dim() == 2 && expert_y->size(1) == y.size(1) && expert_y->scalar_type() == y.scalar_type() &&
+                    reinterpret_cast<uintptr_t>(expert_y->data_ptr()) % 16 == 0,
+                "ep_moe.native: expert_y must be [M, H] of y's dtype at a 16-byte-aligned address");
+    TORCH_CHECK(sorted_slots->dim() == 2 && sorted_slots->size(0) == y.size(0) &&
+                    sorted_slots->scalar_type() == at::kLong && copy_engine_seq == 0,
+                "ep_moe.native: an expert-major combine needs sorted_slots [N, K] int64 (N = y's rows) and no copy "
+                "engine");
+    p.expert_y = reinterpret_cast<const uint8_t*>(expert_y->data_ptr());
+    p.expert_weights = ptr_or_null<const float>(expert_weights, "expert_weights");
+    if (p.expert_weights != nullptr)
+      TORCH_CHECK(expert_weights->numel() == expert_y->size(0), "ep_moe.native: expert_weights must be [M]");
+    p.sorted_slots = sorted_slots->data_ptr<int64_t>();
+    p.expert_topk = static_cast<int>(sorted_slots->size(1));
+    p.expert_slots = expert_y->size(0);
+  }
   std::vector<int32_t> prefix32;
   if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit
     TORCH_CHECK(static_cast<int>(host_prefix.size()) == num_ranks * num_ranks,

@@ -216,6 +216,11 @@ __global__ void __launch_bounds__(kRowThreads) unpermute_sum_kernel(UnpermuteSum
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= p.num_rows) return;
+  if (p.rank_prefix_matrix != nullptr) {  // own rows only
+    const int r = p.rank, R = p.num_ranks;
+    const int64_t first = r > 0 ? __ldg(p.rank_prefix_matrix + (r - 1) * R + r) : 0;
+    if (row < first || row >= __ldg(p.rank_prefix_matrix + r * R + r)) return;
+  }
   const int K = p.num_topk;
   const int64_t* slots = p.sorted_slots + row * K;
   const int64_t packs = p.hidden / VEC;

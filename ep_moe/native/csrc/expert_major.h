@@ -79,6 +79,11 @@ struct UnpermuteSumParams {
   const float* slot_values;    // [M] or null
   const int64_t* slot_of_pair; // [P] (with slot_values)
   float* pair_values;          // [P] (with slot_values)
+  // Only this rank's own rows of a rank-major layout (an expert-major combine, whose kernel sums the other rows
+  // as they go out): rows i outside [rank_prefix_matrix[rank - 1, rank] (0 for rank 0), [rank, rank]) are not
+  // written. Null: every row.
+  const int32_t* rank_prefix_matrix;  // [R, R] on the device, or null
+  int num_ranks, rank;
 };
 cudaError_t launch_unpermute_sum(const UnpermuteSumParams& p, cudaStream_t stream);
 

@@ -248,6 +248,48 @@ std::tuple<at::Tensor, at::Tensor> unpermute_sum(const at::Tensor& y, const OptT
   return {out, pair_values};
 }
 
+// out [N, H] of y's dtype: unpermute_sum's rows for this rank's own rows of a rank-major layout only (rows i in
+// [rank_prefix_matrix[rank - 1, rank], [rank, rank]), read on the device); the other rows are left unwritten
+// (an expert-major combine computes them as they go out, and reads only the own ones from here).
+at::Tensor unpermute_own_rows(const at::Tensor& y, const OptTensor& weights, const at::Tensor& sorted_slots,
+                              const at::Tensor& rank_prefix_matrix, int64_t rank) {
+  const char* op = "unpermute_own_rows";
+  TORCH_CHECK(y.dim() == 2 && sorted_slots.dim() == 2,
+              "ep_moe_native.unpermute_own_rows: arguments 'y' and 'sorted_slots' must be [M, H] and [N, K]");
+  check_cuda(y, op, "y", y);
+  check_cuda(sorted_slots, op, "sorted_slots", y);
+  check_dtype(sorted_slots, at::kLong, op, "sorted_slots");
+  check_cuda(rank_prefix_matrix, op, "rank_prefix_matrix", y);
+  check_dtype(rank_prefix_matrix, at::kInt, op, "rank_prefix_matrix");
+  const int64_t num_ranks = rank_prefix_matrix.size(0);
+  TORCH_CHECK(rank_prefix_matrix.dim() == 2 && rank_prefix_matrix.size(1) == num_ranks && rank >= 0 && rank < num_ranks,
+              "ep_moe_native.unpermute_own_rows: argument 'rank_prefix_matrix' must be [R, R] with 0 <= rank < R");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const int64_t rows = sorted_slots.size(0), slots = y.size(0);
+  ep_moe::UnpermuteSumParams p{};
+  p.dtype = row_dtype(y, op, "y");
+  if (present(weights)) {
+    check_cuda(*weights, op, "weights", y);
+    check_dtype(*weights, at::kFloat, op, "weights");
+    TORCH_CHECK(weights->numel() == slots, "ep_moe_native.unpermute_own_rows: argument 'weights' must be [M=", slots,
+                "]");
+    p.weights = weights->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({rows, y.size(1)}, y.options());
+  p.y = y.data_ptr();
+  p.out = out.data_ptr();
+  p.hidden = y.size(1);
+  p.num_rows = rows;
+  p.num_slots = slots;
+  p.num_topk = static_cast<int>(sorted_slots.size(1));
+  p.sorted_slots = sorted_slots.data_ptr<int64_t>();
+  p.rank_prefix_matrix = rank_prefix_matrix.data_ptr<int32_t>();
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.rank = static_cast<int>(rank);
+  check_launch(ep_moe::launch_unpermute_sum(p, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return out;
+}
+
 // (grad_y [M, H] (empty unless asked), grad_weights [M] fp32 (empty unless asked)).
 std::tuple<at::Tensor, at::Tensor> unpermute_sum_backward(const at::Tensor& grad_out, const at::Tensor& y,
                                                           const OptTensor& weights, const at::Tensor& pair_of_slot,
@@ -350,6 +392,8 @@ TORCH_LIBRARY(ep_moe_native, m) {
         "int rank, Tensor pair_of_slot, int num_topk, Tensor? values) -> (Tensor, Tensor)");
   m.def("unpermute_sum(Tensor y, Tensor? weights, Tensor sorted_slots, Tensor? slot_values, Tensor? slot_of_pair) "
         "-> (Tensor, Tensor)");
+  m.def("unpermute_own_rows(Tensor y, Tensor? weights, Tensor sorted_slots, Tensor rank_prefix_matrix, int rank) "
+        "-> Tensor");
   m.def("unpermute_sum_backward(Tensor grad_out, Tensor y, Tensor? weights, Tensor pair_of_slot, int num_topk, "
         "bool need_grad_y, bool need_grad_weights) -> (Tensor, Tensor)");
   m.def("routing_map_to_topk(Tensor routing_map, Tensor probs, int num_topk) -> (Tensor, Tensor)");
@@ -361,6 +405,7 @@ TORCH_LIBRARY_IMPL(ep_moe_native, CUDA, m) {
   m.impl("permute_rows", &permute_rows);
   m.impl("permute_received_rows", &permute_received_rows);
   m.impl("unpermute_sum", &unpermute_sum);
+  m.impl("unpermute_own_rows", &unpermute_own_rows);
   m.impl("unpermute_sum_backward", &unpermute_sum_backward);
   m.impl("routing_map_to_topk", &routing_map_to_topk);
   m.impl("routing_map_to_topk_backward", &routing_map_to_topk_backward);

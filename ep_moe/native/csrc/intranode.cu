@@ -716,6 +716,52 @@ __device__ __forceinline__ const int4* shfl_ptr(uint64_t ptr, int lane) {
   return reinterpret_cast<const int4*>((static_cast<uint64_t>(hi) << 32) | lo);
 }
 
+// Warp: what an expert-major combine sends back for received row `row` (CombineParams::expert_y): the fp32
+// sum over the row's slots in increasing order, from 0, of weight * y (each product rounded first: no fused
+// multiply-add) or of y, rounded once to the row type; bit for bit ep_moe_native::unpermute_sum's row.
+// The elements of a 16-byte word of rows of kType as floats (exact, -0 included).
+template <int kType>
+__device__ __forceinline__ void unpack_word(const int4& v, float* out) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                         static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kType == kBF16) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      out[i] = __uint_as_float(w[i]);
+    }
+  }
+}
+
+template <int kType>
+__device__ __forceinline__ void store_expert_row(const CombineParams& p, int4* dst, int64_t row, int n16, int lane) {
+  constexpr int kElems = Vec<kType>::kElems;
+  const int64_t* slots = p.sorted_slots + row * p.expert_topk;
+  const int4* y = reinterpret_cast<const int4*>(p.expert_y);
+  for (int c = lane; c < n16; c += 32) {
+    float acc[kElems];
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) acc[e] = 0.0f;
+    for (int j = 0; j < p.expert_topk; ++j) {
+      const int64_t s = __ldg(slots + j);
+      if (s < 0 || s >= p.expert_slots) continue;
+      float term[kElems];
+      unpack_word<kType>(__ldg(y + s * n16 + c), term);
+      if (p.expert_weights != nullptr) {
+        const float w = __ldg(p.expert_weights + s);
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, term[e]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[e] = __fadd_rn(acc[e], term[e]);
+      }
+    }
+    dst[c] = Vec<kType>::pack(acc);
+  }
+}
+
 // One warp sums token t's top-k weights over the ranks in `mask` (when the combine has weights); lane r
 // holds in `w_ptr` the address of rank r's.
 __device__ __forceinline__ void reduce_weights(const CombineParams& p, int t, uint32_t mask, uint64_t w_ptr, int lane) {
@@ -943,9 +989,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
         const int32_t* src_w = reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j) * p.num_topk;
         const bool lane_weight = p.has_weights && lane < p.num_topk;
         const int32_t w = lane_weight ? __ldg(src_w + lane) : 0;
-        warp_copy16(reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes),
-                    reinterpret_cast<const int4*>(p.y + (my_rows + j) * y_bytes), static_cast<int>(y_bytes / 16),
-                    lane);
+        if (p.expert_y != nullptr)
+          store_expert_row<kType>(p, reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes), my_rows + j,
+                                  static_cast<int>(y_bytes / 16), lane);
+        else
+          warp_copy16(reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes),
+                      reinterpret_cast<const int4*>(p.y + (my_rows + j) * y_bytes), static_cast<int>(y_bytes / 16),
+                      lane);
         if (lane_weight) dst_w[lane] = w;
         if (p.has_weights)
           for (int k = lane + 32; k < p.num_topk; k += 32) dst_w[k] = __ldg(src_w + k);

@@ -197,6 +197,16 @@ struct CombineParams {
   // stage; 0: register reducers) where the block's shared memory holds at least a warp pass per source.
   bool bulk_reduce;
   int bulk_piece16;
+  // Expert-major combine (expert_y non-null; never with the copy engine): the pushers send, for received row
+  // i, the fp32 sum over its slots sorted_slots[i] (increasing, -1 = none) of expert_weights[s] * expert_y[s]
+  // (each product rounded first: no fused multiply-add; plain sums without weights), from 0, rounded once
+  // to y_type: the arithmetic of ep_moe_native::unpermute_sum, computed as the row goes out. y then holds only
+  // this rank's own rows (read in place by the reducers; ep_moe_native::unpermute_own_rows).
+  const uint8_t* expert_y;         // [expert_slots, hidden] of y_type
+  const float* expert_weights;     // [expert_slots] or null
+  const int64_t* sorted_slots;     // [N, expert_topk]
+  int expert_topk;
+  int64_t expert_slots;
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
