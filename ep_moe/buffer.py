@@ -400,6 +400,41 @@ class Buffer:
             [x, topk_weights, *biases], previous_event, async_finish)
         return combined, combined_w, event
 
+    def combines_expert_rows(self, y: torch.Tensor) -> bool:
+        """Whether `combine_expert_rows` takes ``y`` (``[M, H]``) on this buffer's backend; the same on every rank."""
+        return self.backend.combines_expert_rows(y.shape[1] * y.element_size())
+
+    def combine_expert_rows(self, y: torch.Tensor, handle: DispatchHandle, sorted_slots: torch.Tensor,
+                            weights: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+        """`combine` of the rank-major rows ``ep_moe.permute.unpermute_sum(y, layout, weights)`` without forming
+        them first: the backend sums each row's expert-major rows as it sends the row back (`combines_expert_rows`).
+
+        Args:
+            y: ``[M, H]`` bf16/fp32 expert-major rows. handle: the rank-major dispatch's.
+            sorted_slots: ``[N, K]`` int64, each received row's slots in increasing order, then -1 (the layout's).
+            weights: ``[M]`` fp32 or None (plain sums).
+
+        Returns:
+            ``combined [T, H]`` in y's dtype, equal bit for bit to ``combine(unpermute_sum(y, layout, weights),
+            handle)``."""
+        op = "combine"
+        check_handle(op, handle, self.group_size, self.device)
+        rows = handle.num_recv_rows
+        check_tensor(op, "y", y, dtypes=self.backend.supported_dtypes, ndim=2, device=self.device)
+        check_tensor(op, "sorted_slots", sorted_slots, dtypes=(torch.int64,), ndim=2, device=self.device,
+                     shape=(rows if rows >= 0 else None, None))
+        if weights is not None:
+            check_tensor(op, "weights", weights, dtypes=(torch.float32,), ndim=1, device=self.device,
+                         shape=(y.shape[0],))
+        if not self.combines_expert_rows(y):
+            raise _fail(op, "y", "rows this buffer's backend combines from the expert-major layout "
+                        "(see combines_expert_rows)", tuple(y.shape))
+        config = config or self.get_combine_config(self.group_size)
+        (combined, _), _ = self._run(
+            lambda: self.backend.combine(y, handle, None, (None, None), config, expert_rows=(sorted_slots, weights)),
+            [y, sorted_slots, weights], None, False)
+        return combined
+
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:
         """Wait for every rank of the group (raises after ``timeout_s``)."""

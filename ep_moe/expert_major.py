@@ -15,7 +15,9 @@ Fixed size (``num_worst_tokens`` > 0, a bound on the rows any rank receives): th
 Where the buffer's backend `receives_in_place` (the native kernels at two or more ranks), the dispatch does not
 copy the received rows into rank-major ``recv_x``: its kernel leaves the peers' rows in the receive buffer, and
 one permute reads each row there (or, for this rank's own tokens, from ``x``) and writes it into its expert-major
-slots (`ep_moe.permute.permute_received_rows`); ``handle.rows_in_place`` says so. Same bits, same gradients.
+slots (`ep_moe.permute.permute_received_rows`); ``handle.rows_in_place`` says so. Likewise its combine
+(``allow_multiple_reduction=True``) does not form the rank-major rows first: the backend sums each row's expert-major
+rows, weighted, as it sends the row back (`Buffer.combine_expert_rows`). Same bits, same gradients.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from torch import Tensor
 from .buffer import Buffer
 from .config import Config
 from .handle import DispatchHandle
-from .ops import combine, dispatch
+from .ops import cached_dispatch, combine, dispatch
 from .permute import (
     ExpertLayout,
+    check_unpermute_args,
     expert_layout,
     max_slots,
     permute_received_rows,
@@ -38,6 +41,7 @@ from .permute import (
     permute_rows_and_values,
     permute_rows_backward,
     unpermute_sum,
+    unpermute_sum_backward,
 )
 from .validation import (
     HIDDEN_DTYPES,
@@ -300,12 +304,44 @@ def expert_combine(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Ten
     if not isinstance(y, Tensor) or y.dim() != 2 or y.shape[0] != layout.num_slots:
         raise _fail(op, "y", f"a [M={layout.num_slots}, H] tensor (M from the handle's dispatch)",
                     tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__)
+    if handle.dispatch is not None and allow_multiple_reduction and _combines_expert_rows(buffer, y):
+        check_unpermute_args(y, layout, weights)
+        return _ExpertCombineRows.apply(y, weights, buffer, handle)
     if handle.dispatch is None or allow_multiple_reduction:
         rows = unpermute_sum(y, layout, weights)  # all experts in one process: both modes are this sum
         if handle.dispatch is None:
             return rows
         return combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0]
     return _combine_each_pair(buffer, y, handle, weights)
+
+
+def _combines_expert_rows(buffer: Buffer, y: Tensor) -> bool:
+    """Whether this combine sums the expert-major rows as they go out (shapes and backend alone: the same on every
+    rank; not while torch.compile traces)."""
+    return (y.dtype in (torch.bfloat16, torch.float32) and not torch.compiler.is_compiling()
+            and buffer.combines_expert_rows(y))
+
+
+class _ExpertCombineRows(torch.autograd.Function):
+    """(y [M, H], weights [M] or None) -> [T, H] by `Buffer.combine_expert_rows`. The backward is the composed
+    path's (a cached dispatch of the output's gradient, then `unpermute_sum`'s gradient), bit for bit."""
+
+    @staticmethod
+    def forward(ctx, y, weights, buffer, handle):
+        config = Config(num_sms=handle.num_sms) if handle.num_sms > 0 else None
+        out = buffer.combine_expert_rows(y, handle.dispatch, handle.layout.sorted_slots, weights, config)
+        ctx.save_for_backward(y, weights)
+        ctx.buffer, ctx.handle = buffer, handle
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights = ctx.saved_tensors
+        handle = ctx.handle
+        grad_rows = cached_dispatch(ctx.buffer, grad.contiguous(), handle.dispatch, handle.num_sms)
+        need_w = weights is not None and ctx.needs_input_grad[1]
+        grad_y, grad_w = unpermute_sum_backward(grad_rows, y, handle.layout, weights, ctx.needs_input_grad[0], need_w)
+        return grad_y, grad_w, None, None
 
 
 def local_expert_combine(y: Tensor, handle: ExpertHandle, weights: Tensor | None = None) -> Tensor:

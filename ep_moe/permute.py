@@ -410,6 +410,12 @@ def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None
     """``y [M, H]`` (bf16/fp32) back to ``[N, H]``: each row the fp32 sum over its pairs, in increasing slot
     order, of ``weights[slot] * y[slot]`` (``weights [M]`` fp32; None = 1), rounded once to y's dtype.
     Differentiable in ``y`` and ``weights``."""
+    check_unpermute_args(y, layout, weights)
+    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.sorted_slots)
+
+
+def check_unpermute_args(y: Tensor, layout: ExpertLayout, weights: Tensor | None) -> None:
+    """`unpermute_sum`'s argument checks (a ValueError naming the argument)."""
     if y.dim() != 2 or y.shape[0] != layout.num_slots:
         raise ValueError(f"unpermute_sum: argument 'y' must be [M={layout.num_slots}, H], got {tuple(y.shape)}")
     if y.dtype not in (torch.bfloat16, torch.float32, torch.float64):
@@ -418,7 +424,14 @@ def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None
     if weights is not None and (weights.shape != (layout.num_slots,) or weights.dtype != weight_dtype):
         raise ValueError(f"unpermute_sum: argument 'weights' must be [M={layout.num_slots}] {weight_dtype}, got "
                          f"{tuple(weights.shape)} {weights.dtype}")
-    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.sorted_slots)
+
+
+def unpermute_sum_backward(grad: Tensor, y: Tensor, layout: ExpertLayout, weights: Tensor | None,
+                           need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
+    """What `unpermute_sum`'s autograd backward computes for ``grad [N, H]``: ``(grad_y [M, H] or None,
+    grad_weights [M] fp32 or None)``."""
+    return _unpermute_backward(grad.contiguous(), y, weights, layout.pair_of_slot, layout.num_topk, need_grad_y,
+                               need_grad_weights)
 
 
 def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor,
@@ -475,4 +488,4 @@ def pair_values(values: Tensor, layout: ExpertLayout) -> Tensor:
 
 
 __all__ = ["ExpertLayout", "expert_layout", "max_slots", "pair_values", "permute_received_rows", "permute_rows",
-           "permute_rows_and_values", "permute_rows_backward", "unpermute_sum"]
+           "permute_rows_and_values", "permute_rows_backward", "unpermute_sum", "unpermute_sum_backward"]

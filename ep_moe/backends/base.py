@@ -83,6 +83,12 @@ class CommBackend(ABC):
         stream before it returns). Decided from shapes alone, the same on every rank. None do by default."""
         return False
 
+    def combines_expert_rows(self, row_bytes: int) -> bool:
+        """Whether a combine can take expert-major rows of ``row_bytes`` bytes and form each rank-major row as it
+        goes out (``combine(y [M, H], ..., expert_rows=(sorted_slots [N, K], weights [M] or None))``: row i is
+        the fp32 sum over its slots, in order, of ``weights[s] * y[s]``, rounded once). None do by default."""
+        return False
+
     @abstractmethod
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor | None, torch.Tensor | None], config: Config

@@ -134,6 +134,9 @@ class NativeBackend(CommBackend):
         self.last_push_blocks: dict[str, int] = {}  # pusher blocks of the traced kernel (leading the trace)
         # copy-engine calls: [0] go set, [1 + s * MAX_COPY_ENGINE_CHUNKS + k] source s's chunk k landed (ns)
         self.last_copy_engine_trace: dict[str, torch.Tensor] = {}
+        # calls that took the expert-major paths (rows left in place; rows summed as they go out)
+        self.in_place_dispatches = 0
+        self.expert_row_combines = 0
         dist.barrier(group=group)  # every control block is zero before any peer writes into it
 
     # ---------------------------------------------------------------- health and errors
@@ -268,6 +271,10 @@ class NativeBackend(CommBackend):
     def _kernels_take(self, row_bytes: int, num_local_experts: int = 0) -> bool:
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
+    def combines_expert_rows(self, row_bytes: int) -> bool:
+        """At two or more ranks, rows the kernels take (see `CommBackend.combines_expert_rows`)."""
+        return self.num_ranks > 1 and self._kernels_take(row_bytes)
+
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
         """A fresh dispatch the kernels take, at two or more ranks (see `CommBackend.receives_in_place`)."""
         return self.num_ranks > 1 and self._kernels_take(row_bytes, num_experts // self.num_ranks)
@@ -398,6 +405,7 @@ class NativeBackend(CommBackend):
             self._data_view(regions.scales, regions.rows, num_scales, torch.float32) if num_scales else None,
             rows, x, x_scales, route[1].view(num_ranks, num_tokens)[me], prefix, me)
         result = DispatchResult(None, None, recv_idx, recv_w, counts_out, new_handle, counts_list)
+        self.in_place_dispatches += 1
         return result._replace(consumed=consume(result, received))
 
     def _data_view(self, offset: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -419,8 +427,25 @@ class NativeBackend(CommBackend):
         return torch.stack([pos.to(torch.int32), send_list.view(num_tokens, num_ranks)])
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y, handle, topk_weights, bias, config: Config):
+    def combine(self, y, handle, topk_weights, bias, config: Config, *, expert_rows=None):
+        """``expert_rows`` = ``(sorted_slots [N, K] int64, weights [M] fp32 or None)`` (`combines_expert_rows`):
+        ``y`` is ``[M, H]`` expert-major; the pushers form each rank-major row as they send it (never by the
+        copy engine), and the own rows, which the reducers read in place, are formed first
+        (``ep_moe_native::unpermute_own_rows``)."""
         self._raise_if_failed()
+        if expert_rows is not None:
+            if not self.combines_expert_rows(y.shape[1] * y.element_size()) or any(b is not None for b in bias):
+                raise ValueError("ep_moe[native]: argument 'expert_rows' needs rows the kernels take and no bias")
+            sorted_slots, expert_weights = expert_rows
+            expert_y = _aligned(y)
+            expert_weights = None if expert_weights is None else expert_weights.contiguous()
+            prefix = handle.rank_prefix_matrix.to(torch.int32).contiguous()
+            y = torch.ops.ep_moe_native.unpermute_own_rows(expert_y, expert_weights, sorted_slots.contiguous(),
+                                                           prefix, self.rank)
+            expert_args = (expert_y, expert_weights, sorted_slots.contiguous())
+            self.expert_row_combines += 1
+        else:
+            expert_args = (None, None, None)
         if not self._kernels_take(y.shape[1] * y.element_size()) or any(
                 b is not None and b.dtype not in self.supported_dtypes for b in bias):
             return self._fallback.combine(y, handle, topk_weights, bias, config)
@@ -442,13 +467,16 @@ class NativeBackend(CommBackend):
         args = (env, self._data.ptrs, regions.y, regions.weights, regions.rows,
                 handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
                 route[0], y, topk_weights, bias0, bias1, out, out_w, blocks)
-        counts = self._copy_engine_counts(options, route, hidden * y.element_size())
+        # expert-major rows are summed as they go out: never by the copy engine
+        counts = None if expert_rows is not None else self._copy_engine_counts(options, route,
+                                                                                hidden * y.element_size())
         bulk = policy.bulk_reduce(options, copy_engine=counts is not None)
         if counts is None:
-            C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk)
+            C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk,
+                      *expert_args)
         else:  # the rows go back by the copy engine
             with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
-                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk)
+                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, *expert_args)
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine

@@ -1,13 +1,16 @@
-"""Expert-major dispatch with the received rows left in place (`ep_moe.expert_major`, the native backend's path at
-EP >= 2; docs/native.md, "Expert-major rows from the receive buffer"), on the CPU:
+"""Expert-major dispatch with the received rows left in place, and its combine with the rank-major rows formed as
+they go out (`ep_moe.expert_major`, the native backend's paths at EP >= 2; docs/native.md, "Expert-major rows in
+the dispatch and combine kernels"), on the CPU:
 
 * `ep_moe.permute.permute_received_rows` (the torch definition: own rows from the input through the send list,
   the others from the receive buffer's rank-major rows) equals `permute_rows_and_values` of the rank-major rows,
   for every rank position, exact and fixed-size layouts, empty own ranges, FP8 bytes; its errors name the argument;
 * the whole path through `Buffer.dispatch_result(consume_in_place=...)` and the autograd function, at 2/3/4 gloo
   ranks, with a test double of the backend (`InPlaceTorchBackend`: the torch backend's dispatch, then a "receive
-  buffer" whose own-rank rows and rows past the total are garbage, as in the native buffer), equals the composed
-  path bit for bit: rows, weights, counts, combine, and the gradients of x and of the routing weights;
+  buffer" whose own-rank rows and rows past the total are garbage, as in the native buffer; its combine of
+  expert-major rows forms the rank-major rows from ``sorted_slots`` and the weights), equals the composed path bit
+  for bit: rows, weights, counts, both combine modes, and the gradients of x, of the routing weights, of the
+  experts' rows and of their weights;
 * a backend that cannot leave rows in place refuses ``consume_in_place`` with a named error.
 
 The CUDA kernel of the same op is checked against this definition on the GPU
@@ -25,7 +28,13 @@ from ep_moe.backends.base import ReceivedRows
 from ep_moe.backends.torch_backend import TorchBackend
 from ep_moe.distributed import run_distributed
 from ep_moe.expert_major import expert_combine, expert_dispatch
-from ep_moe.permute import expert_layout, max_slots, permute_received_rows, permute_rows_and_values
+from ep_moe.permute import (
+    _unpermute_sum_torch,
+    expert_layout,
+    max_slots,
+    permute_received_rows,
+    permute_rows_and_values,
+)
 
 GARBAGE = 0x5A  # byte pattern of rows the in-place path must not read
 
@@ -123,12 +132,24 @@ def test_permute_received_rows_errors_name_the_argument() -> None:
 class InPlaceTorchBackend(TorchBackend):
     """Test double: the torch backend's dispatch, then the received rows as the native kernels leave them (the
     peers' rows in a receive buffer whose own-rank rows and rows past the total are garbage; the own rows in x,
-    through the send list to this rank), handed to ``consume``."""
+    through the send list to this rank), handed to ``consume``; a combine of expert-major rows forms the
+    rank-major rows (the torch definition of unpermute_sum) and combines them."""
 
     name = "torch-in-place"
+    expert_row_combines = 0
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
         return self.num_ranks > 1
+
+    def combines_expert_rows(self, row_bytes: int) -> bool:
+        return self.num_ranks > 1
+
+    def combine(self, y, handle, topk_weights, bias, config=None, *, expert_rows=None):
+        if expert_rows is not None:
+            sorted_slots, weights = expert_rows
+            y = _unpermute_sum_torch(y, weights, sorted_slots)
+            self.expert_row_combines += 1
+        return super().combine(y, handle, topk_weights, bias, config)
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
                  num_experts, expert_alignment, num_worst_tokens, config=None, *, consume=None):
@@ -203,11 +224,23 @@ def _compare(in_place: Buffer, plain: Buffer, rank: int, num_ranks: int, case: C
     check(got.tokens_per_expert_list == want.tokens_per_expert_list, where, "tokens_per_expert_list")
     if isinstance(got.expert_x, tuple):
         return
-    y = torch.randn(got.expert_x.shape, generator=torch.Generator().manual_seed(seed)).to(got.expert_x.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(got.expert_x.shape, generator=gen).to(got.expert_x.dtype)
+    grad_out = torch.randn(inp.idxs[rank].shape[0], case.hidden, generator=gen).to(y.dtype)
     for multiple in (True, False):
-        a = expert_combine(in_place, y, got.handle, got.expert_weights.detach(), multiple)
-        b = expert_combine(plain, y, want.handle, want.expert_weights.detach(), multiple)
-        check_bits(a, b, where, f"combine multiple_reduction={multiple}")
+        results = []
+        before = in_place.backend.expert_row_combines
+        for buffer, out in ((in_place, got), (plain, want)):
+            y_in, w_in = y.clone().requires_grad_(True), out.expert_weights.detach().clone().requires_grad_(True)
+            combined = expert_combine(buffer, y_in, out.handle, w_in, multiple)
+            # gradients with multiple reduction (the path that changed); the other mode's output does not depend
+            # on y where a rank received no pair, so its backward is not the same collective on every rank
+            results.append((combined, *(torch.autograd.grad(combined, [y_in, w_in], grad_out) if multiple else ())))
+        fused = in_place.backend.expert_row_combines - before
+        check(fused == (1 if multiple else 0), where, f"rows formed as they go out only with multiple_reduction "
+              f"(multiple_reduction={multiple}: {fused} calls)")
+        for name, a, b in zip(("combine", "grad y", "grad expert weights"), *results):
+            check_bits(a.detach(), b, where, f"{name} multiple_reduction={multiple}")
 
 
 def _worker(rank: int, num_ranks: int) -> int:
