@@ -185,6 +185,28 @@ def test_permute_received_rows_equals_the_torch_definition(case, rank):
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_unpermute_own_rows_equals_unpermute_sum_on_the_own_rows(dtype, rank):
+    """``ep_moe_native::unpermute_own_rows`` (the own rows of an expert-major combine) equals `unpermute_sum`'s torch
+    definition on this rank's rows of a 3-rank prefix matrix, weighted and plain (the other rows are unspecified)."""
+    N, K, L, A, H = 40, 4, 6, 16, 264
+    idx = routing("random", N, K, L, seed=21 + rank)
+    layout = P._expert_layout_torch(idx, L, A, P.max_slots(N, K, L, A))
+    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
+    y = rows((layout.num_slots, H), dtype, seed=22)
+    w = torch.rand(layout.num_slots, generator=torch.Generator().manual_seed(23))
+    counts = torch.tensor([[5, 7, 9], [11, 13, 6], [9, 20, 25]])  # column r: rows each source sends rank r
+    prefix = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    first, end = (int(prefix[rank - 1, rank]) if rank else 0), int(prefix[rank, rank])
+    for weights in (w, None):
+        want = P.unpermute_sum(y, layout, weights)
+        got = torch.ops.ep_moe_native.unpermute_own_rows(y.cuda(), None if weights is None else weights.cuda(),
+                                                         gpu_layout.sorted_slots, prefix, rank)
+        assert got.shape == want.shape and end > first
+        assert_bits(got[first:end], want[first:end], f"own rows (weighted={weights is not None})")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
 @pytest.mark.parametrize("H", [4096, 37])
 def test_gradients_equal_the_torch_definitions(dtype, H):
     N, K, L, A = 300, 4, 16, 16

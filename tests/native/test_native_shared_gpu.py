@@ -8,7 +8,8 @@ same gloo group:
   (`test_native_gpu._case_options`), a row width the kernels do not take (the torch fallback on the GPU over
   gloo), and the expert-major `expert_dispatch` / `expert_combine` (both reduction modes) and the dispatch's
   gradients, bit for bit; the expert-major dispatch leaves the received rows in the receive buffer and permutes
-  them from there (``handle.rows_in_place``) wherever the kernels take the rows, also on adversarial routings,
+  them from there (``handle.rows_in_place``), and its combine sums the expert-major rows as they go out
+  (``NativeBackend.expert_row_combines``), wherever the kernels take the rows, also on adversarial routings,
   alignments 1 and 128, fixed size with ``num_worst_tokens`` = R * T (T = N) and above (T < N);
 * a fixed-size dispatch + combine captured in a CUDA graph and replayed;
 * forced timeouts: a rank that does not enter makes rank 0 raise `NativeTimeoutError` naming rank and stage.
@@ -104,11 +105,24 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
     y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(30_000 + 31 * index + rank)
     y = torch.randn(got.expert_weights.shape[0], case["hidden"], generator=g, device=device).to(y_dtype)
+    fused = case["hidden"] * y.element_size() % 16 == 0  # the kernels take the rows: summed as they go out
     for multiple in (True, False):
+        before = nat.backend.expert_row_combines
         combined = expert_combine(nat, y, got.handle, got.expert_weights, allow_multiple_reduction=multiple)
         expected = expert_combine(ref, on_device(ref.device, y), want.handle, want.expert_weights,
                                   allow_multiple_reduction=multiple)
         assert_bits_equal(f"{label} expert_combine (multiple reduction {multiple})", combined, expected)
+        assert nat.backend.expert_row_combines - before == int(fused and multiple), label
+    # the combine's gradients (multiple reduction): y's and the expert weights'
+    g_out = torch.randn(combined.shape, generator=g, device=device).to(y_dtype)
+    grads = []
+    for buf, out in ((nat, got), (ref, want)):
+        y_in = on_device(buf.device, y).clone().requires_grad_(True)
+        w_in = out.expert_weights.clone().requires_grad_(True)
+        combined = expert_combine(buf, y_in, out.handle, w_in)
+        grads.append(torch.autograd.grad(combined, [y_in, w_in], on_device(buf.device, g_out)))
+    for name, a, b in zip(("grad y", "grad expert weights"), *grads):
+        assert_bits_equal(f"{label} expert_combine {name}", a, b)
 
 
 def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
@@ -197,7 +211,7 @@ def _graph_worker(rank: int, world: int) -> int:
 
 def _expert_major_graph_worker(rank: int, world: int) -> int:
     """A fixed-size `expert_dispatch` (rows left in place) -> trivial expert (``2 * x``) -> weighted
-    `expert_combine` on the native backend, captured in one CUDA graph and replayed on new routings, each equal bit
+    `expert_combine` (rows summed as they go out) on the native backend, captured in one CUDA graph and replayed on new routings, each equal bit
     for bit to the torch backend on CPU copies."""
     from ep_moe import Buffer, expert_combine, expert_dispatch
 
@@ -215,7 +229,7 @@ def _expert_major_graph_worker(rank: int, world: int) -> int:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_combined = layer(nat, *static)
-    assert g_out.handle.rows_in_place
+    assert g_out.handle.rows_in_place and nat.backend.expert_row_combines == 2  # warm-up and capture
     for seed in (1, 2):
         for target, new in zip(static, _routed_inputs(seed, rank, DEVICE, tokens, hidden)):
             target.copy_(new)
