@@ -3,7 +3,10 @@
 The pure-Python package installs everywhere. The CUDA extension ``ep_moe.native._C`` (the native
 intranode kernels) is compiled only when both a CUDA toolkit and a CUDA build of torch are present
 at build time; install with ``--no-build-isolation`` so that the build sees the installed torch.
-Elsewhere the package installs without it and runs on the ``torch`` backend.
+Elsewhere the package installs without it: the same kernels are then compiled on first use where a CUDA
+compiler is found (``ep_moe.native.jit``), else the ``torch`` backend runs. The extension stays the default
+build while the JIT layer does not cover all of it yet (``routing_map_to_topk``; the JIT copy engine is not
+yet measured on two GPUs); ``EP_MOE_SKIP_NATIVE=1`` installs without compiling anything.
 
 The decision is printed to stderr (pip shows it only with ``-v``) and recorded in
 ``ep_moe/native/build_info.json`` (shipped with the package), which ``ep-moe env`` and
@@ -121,8 +124,10 @@ setup(
     # The top-level recipes/ folder (the one copy) ships as ep_moe/recipes/ (`ep_moe.train.recipes`).
     packages=find_packages(include=["ep_moe", "ep_moe.*"]) + ["ep_moe.recipes"],
     package_dir={"ep_moe.recipes": "recipes"},
-    # the JIT kernels' sources ship with the package: they are compiled on first use (ep_moe.native.jit)
-    package_data={"ep_moe.native": ["build_info.json"], "ep_moe.native.jit": ["kernels/*.cu", "kernels/*.cuh"],
+    # the JIT kernels' sources ship with the package: they are compiled on first use (ep_moe.native.jit); the
+    # intranode ones are csrc's own (kernels/intranode.cu includes them)
+    package_data={"ep_moe.native": ["build_info.json", "csrc/*.cu", "csrc/*.cuh", "csrc/*.h"],
+                  "ep_moe.native.jit": ["kernels/*.cu", "kernels/*.cuh"],
                   "ep_moe.recipes": ["*.yaml"]},
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={

@@ -17,6 +17,14 @@ gradient: Triton's summation order differs, so within 1e-4), then times each ope
 ``--cold`` points the JIT cache at a new temporary directory first, so the first call of each specialization
 compiles; the compile (or load) time of every JIT kernel is printed. Prints one table per shape; ``--json``
 writes the numbers.
+
+``--intranode`` adds the intranode kernels at EP 1 (a one-rank group in this process): a ``Buffer(backend="native")``
+on the JIT module (`ep_moe.native.jit.intranode`, ``EP_MOE_JIT=1``) against one on the extension (``EP_MOE_JIT=0``),
+outputs checked equal bit for bit, then per call: ``layout`` (get_dispatch_layout), ``dispatch`` (fresh, fixed size:
+``num_worst_tokens``, no host sync), ``cached`` (dispatch with the handle) and ``combine`` (with top-k weights),
+GPU and host time as above:
+
+    python3 benchmarks/jit_bench.py --intranode --tokens 128 4096 --hidden 7168 --topk 8 --experts 256
 """
 
 from __future__ import annotations
@@ -152,6 +160,49 @@ def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.
     return result
 
 
+def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int) -> dict:
+    """The native backend at EP 1 on the JIT module and on the extension (see the module docstring)."""
+    import ep_moe
+    from ep_moe.native.jit import intranode
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int64)
+    weights = torch.rand(T, K, device="cuda", generator=gen)
+    config = ep_moe.Config(num_sms=24)
+    result, outputs = {}, {}
+    for name, flag in (("jit", "1"), ("aot", "0")):
+        os.environ["EP_MOE_JIT"] = flag  # the backend looks its module up per call: keep the flag while timing
+        try:
+            if native.kernels_kind() != name:
+                print(f"intranode {name}: unavailable ({native.kernels_unavailable_reason()})")
+                continue
+            buf = ep_moe.Buffer(backend="native")
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+            kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=idx, topk_weights=weights, num_worst_tokens=T, config=config)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kwargs)
+            combined = buf.combine(recv_x, handle, topk_weights=recv_w, config=config)[0]
+            outputs[name] = (per_rank, per_expert, in_rank, recv_x, recv_w, combined)
+            calls = {"layout": lambda buf=buf: buf.get_dispatch_layout(idx, E),
+                     "dispatch": lambda buf=buf, kw=kwargs: buf.dispatch(x, **kw),
+                     "cached": lambda buf=buf, h=handle: buf.dispatch(x, handle=h, config=config),
+                     "combine": lambda buf=buf, h=handle, r=recv_x, w=recv_w: buf.combine(r, h, topk_weights=w,
+                                                                                           config=config)}
+            result[name] = {op: {"gpu_us": time_gpu(fn, iters), "host_us": time_host(fn, iters)}
+                            for op, fn in calls.items()}
+            buf.destroy()
+        finally:
+            os.environ.pop("EP_MOE_JIT", None)
+    if len(outputs) == 2:
+        for i, (a, b) in enumerate(zip(outputs["jit"], outputs["aot"])):
+            if not same(a, b):
+                raise SystemExit(f"intranode output {i} of the JIT module differs from the extension's (T={T} H={H})")
+    if "jit" in result:
+        result["jit_launches"] = dict(intranode.LAUNCHES)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
@@ -163,6 +214,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--cold", action="store_true", help="a fresh JIT cache directory: first calls compile")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--intranode", action="store_true",
+                        help="also the intranode dispatch/combine at EP 1, JIT module vs extension (--experts: all)")
     args = parser.parse_args()
     if args.cold:
         os.environ["EP_MOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ep_moe_jit_bench_")
@@ -185,6 +238,26 @@ def main() -> None:
                 cells = [f"{t[op]['gpu_us']:9.1f} ({t[op]['host_us']:6.1f})" for t in timing.values()]
                 gain = f"{timing['aot'][op]['gpu_us'] / timing['jit'][op]['gpu_us']:14.2f}x" if ratio else ""
                 print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells) + gain)
+    if args.intranode:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        for T in args.tokens:
+            for H in args.hidden:
+                timing = run_intranode(T, H, args.topk, args.experts, dtype, args.iters)
+                results.append({"intranode": dict(T=T, H=H, K=args.topk, E=args.experts, dtype=args.dtype),
+                                "timing": timing})
+                names = [n for n in ("jit", "aot") if n in timing]
+                print(f"\nintranode at EP 1, T={T} H={H} K={args.topk} E={args.experts} {args.dtype}: "
+                      "gpu us per call (host us per call)")
+                both = len(names) == 2
+                print(f"{'op':<9}" + "".join(f"{n:>22}" for n in names) + ("   jit/aot gpu  jit/aot host" if both else ""))
+                for op in ("layout", "dispatch", "cached", "combine"):
+                    cells = [f"{timing[n][op]['gpu_us']:9.1f} ({timing[n][op]['host_us']:6.1f})" for n in names]
+                    ratios = (f"{timing['jit'][op]['gpu_us'] / timing['aot'][op]['gpu_us']:13.2f}x"
+                              f"{timing['jit'][op]['host_us'] / timing['aot'][op]['host_us']:13.2f}x" if both else "")
+                    print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells) + ratios)
+        dist.destroy_process_group()
     print("\nJIT kernels this process built or loaded:")
     for event in jit.history():
         if event.how != "memory":

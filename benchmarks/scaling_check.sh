@@ -9,7 +9,8 @@
 #
 # STEPS picks among: build test bench services copyengine tune layers train (default: all). `services`:
 # ElasticBuffer's PP/AGRS, the two-stage pipeline and ZeRO-1 trainer, hybrid views (1 x N, N x 1), Engram on
-# hybrid memory and the JIT kernels' GPU suites at EP N, and engram_fetch's GB/s beside the H2D copy rate. Multicast stays off
+# hybrid memory and the JIT kernels' GPU suites at EP N, engram_fetch's GB/s beside the H2D copy rate, and
+# agrs_bench (the native PP/AGRS transport vs NCCL, GB/s, SMs used). Multicast stays off
 # (importing ep_moe turns it off). `copyengine`: cached dispatch and combine by pushers and by the copy engine
 # at EP N (its `auto` is off above 2 ranks until this is measured; the GPU suite above forces it in half its
 # cases), the combine's reducers with and without bulk copies.
@@ -43,6 +44,11 @@ if has services; then
   echo "ElasticBuffer services / hybrid / JIT GPU tests at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/services_ep$N.log" | tail -8
   timeout 300 torchrun --nproc-per-node "$N" benchmarks/engram_fetch.py > "$OUT/engram_ep$N.txt" 2>&1
   echo "engram_fetch at EP $N: rc $?"; grep -E "GB/s" "$OUT/engram_ep$N.txt"
+  EP_MOE_TEST_WORLD=$N timeout 600 python3 -m pytest -m gpu tests/native/test_stream_transport_gpu.py -q -p no:cacheprovider \
+    > "$OUT/stream_transport_ep$N.log" 2>&1
+  echo "native PP/AGRS transport GPU tests at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/stream_transport_ep$N.log" | tail -4
+  timeout 300 torchrun --nproc-per-node "$N" benchmarks/agrs_bench.py > "$OUT/agrs_ep$N.txt" 2>&1
+  echo "agrs_bench at EP $N: rc $?"; grep -E "GB/s|SMs used|batched" "$OUT/agrs_ep$N.txt"
 fi
 if has copyengine; then
   # copy engine for dispatch and combine (0 / 1) and the combine's reducers (bulk copies: auto / 0 / 1)

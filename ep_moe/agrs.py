@@ -22,10 +22,15 @@ Before anything moves, every operation all-gathers a header of `HEADER_LEN` int6
 operation numbers, the tensors' count, bytes, first dtype and shape, a digest of all dtypes and shapes, and whether
 the session has room), so that a disagreement or a full session raises the same named error on every rank.
 
-Transport: torch.distributed collectives over the buffer's group (``all_gather_into_tensor`` into the chunk,
-``all_to_all_single`` into the chunk), on both backends; the native copy-engine path (docs/native.md, "PP and AGRS
-on the native backend") is not written. On a GPU the header check reads the header on the host (one sync per
-operation).
+Transports (`agrs_transport`): ``"torch"``, torch.distributed collectives over the buffer's group
+(``all_gather_into_tensor`` into the chunk, ``all_to_all_single`` into the chunk); ``"native"`` (the native
+backend's default), the session memory is a symmetric buffer, every rank's copy engine writes its rows into the
+peers' chunks and stream memory operations signal their arrival, no kernel on the SMs but the reduce-scatter's sum
+(`ep_moe.native.stream_transport`, docs/native.md); its headers travel the same way, and the chunk each tensor
+takes is part of the header (the sender places rows in the peers' memory, so the ranks must agree on it). On a GPU
+the header check reads the headers on the host (one host wait per operation; native: for the peers' headers
+only, not for the work queued before on the stream); ``handle()`` waits on the host for the peers' rows (native)
+or makes the stream wait for the collective (torch).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from .wire import (
     MAX_DIMS,
     byte_view,
     check_wire_tensor,
+    choose_transport,
     dtype_code,
     dtype_name,
     host_header,
@@ -50,12 +56,13 @@ from .wire import (
     wait_work,
 )
 
-HEADER_LEN = 10 + MAX_DIMS
+HEADER_LEN = 11 + MAX_DIMS
 _MAGIC = 0x4147_5253  # "AGRS"
 OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_DESTROY = 1, 2, 3
 _OP_NAMES = {OP_ALL_GATHER: "all_gather", OP_REDUCE_SCATTER: "reduce_scatter", OP_DESTROY: "destroy_agrs_session"}
-# Header slots (the dims of the first tensor follow).
-_H_MAGIC, _H_OP, _H_SESSION, _H_INDEX, _H_FULL, _H_COUNT, _H_BYTES, _H_DIGEST, _H_DTYPE, _H_NDIM, _H_DIMS = range(11)
+# Header slots (the dims of the first tensor follow). _H_PLACE: a digest of the chunks the tensors take.
+(_H_MAGIC, _H_OP, _H_SESSION, _H_INDEX, _H_FULL, _H_COUNT, _H_BYTES, _H_DIGEST, _H_DTYPE, _H_NDIM, _H_PLACE,
+ _H_DIMS) = range(12)
 REDUCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -89,10 +96,14 @@ class AGRSTimeoutError(AGRSError, TimeoutError):
     """A peer did not join an operation within the buffer's timeout (the message names rank and stage)."""
 
 
-def agrs_transport(backend_name: str) -> str:
-    """The transport AGRS uses on a buffer of ``backend_name``: ``"torch"`` on both backends. The native copy-engine
-    path (docs/native.md, "PP and AGRS on the native backend") is not written; it is chosen here once it is."""
-    return "torch"
+def agrs_transport(backend_name: str, requested: str | None = None) -> str:
+    """The transport AGRS uses on a buffer of ``backend_name`` (`ep_moe.wire.choose_transport`): ``"native"`` (copy
+    engine + stream memory operations) on the native backend, ``"torch"`` elsewhere or when ``requested`` (else
+    ``$EP_MOE_PPAGRS_TRANSPORT``) is ``"torch"``. Raises `AGRSConfigError` for a bad ``requested``."""
+    try:
+        return choose_transport(backend_name, requested, "agrs_set_config")
+    except ValueError as exc:
+        raise AGRSConfigError(str(exc)) from None
 
 
 class AGRSHandle:
@@ -139,11 +150,17 @@ class _AGRSState:
     ops: int = 0                  # operations run in the open session
     inplace: list = field(default_factory=list)   # unused _Inplace of the open session
     handles: list = field(default_factory=list)   # AGRSHandle of the open session
+    native: object = None         # ep_moe.native.stream_transport.AGRSStreamTransport on the native transport
 
 
 def _digest(tensors: list[tuple[tuple, torch.dtype]]) -> int:
     """A stable 31-bit digest of dtypes and shapes (the same on every process)."""
     return zlib.crc32(repr([(dtype_code(d), tuple(s)) for s, d in tensors]).encode()) & 0x7FFF_FFFF
+
+
+def _place_digest(chunks: list[tuple[int, int]]) -> int:
+    """A stable 31-bit digest of an operation's (chunk offset, slot stride) pairs."""
+    return zlib.crc32(repr(chunks).encode()) & 0x7FFF_FFFF
 
 
 class AGRSMixin:
@@ -154,14 +171,20 @@ class AGRSMixin:
     """
 
     _agrs: _AGRSState | None = None
+    _agrs_retired: list | None = None  # native transports of earlier configurations (freed by `_agrs_release`)
 
     # ---------------------------------------------------------------- public API
-    def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
+    def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int, *,
+                        transport: str | None = None) -> None:
         """Allocate the session memory: ``R x round_up(num_max_session_bytes, 32)`` bytes on the buffer's device;
         a session may then run ``num_max_all_gathers_per_session`` operations. Not while a session is open
         (`AGRSSessionError`). Raises `AGRSConfigError` for a value below 1 or when the memory exceeds the
         buffer's ``num_bytes``. Every rank should call it with the same values (a full session on one rank
-        raises on all)."""
+        raises on all).
+
+        ``transport`` (an ep_moe extension; None: ``$EP_MOE_PPAGRS_TRANSPORT``, else ``"auto"``): ``"auto"``,
+        ``"torch"`` or ``"native"`` (`agrs_transport`), the same on every rank. The native transport allocates a
+        symmetric buffer (of the largest of the ranks' values), so there the call is collective."""
         op = "agrs_set_config"
         self._check_live(op)
         try:
@@ -180,10 +203,25 @@ class AGRSMixin:
                 f"ep_moe.ElasticBuffer.{op}: {per_rank} bytes per rank (num_max_session_bytes="
                 f"{num_max_session_bytes} rounded up to 32) x {self.num_ranks} ranks = {total} bytes exceeds the "
                 f"buffer's num_bytes={self.num_bytes}")
+        chosen = agrs_transport(self.buffer.backend_name, transport)
         session = self._agrs.session if self._agrs is not None else 0
-        memory = torch.empty(total, dtype=torch.uint8, device=self.buffer.device)
-        self._agrs = _AGRSState(agrs_transport(self.buffer.backend_name), per_rank,
-                                num_max_all_gathers_per_session, memory, session)
+        native = None
+        if chosen == "native":
+            from .native.stream_transport import AGRSStreamTransport, shared_waiter
+
+            configs: list = [None] * self.num_ranks
+            dist.all_gather_object(configs, (per_rank, num_max_all_gathers_per_session), group=self.group)
+            waiter = shared_waiter(self, self.buffer.device, self.rank, self.num_ranks,
+                                   float(self.num_gpu_timeout_secs))
+            waiter.check(AGRSTimeoutError, op)
+            native = AGRSStreamTransport(self.group, self.buffer.device, self.rank, self.num_ranks,
+                                         max(c[0] for c in configs), max(c[1] for c in configs), HEADER_LEN, waiter)
+            memory = native.data
+        else:
+            memory = torch.empty(total, dtype=torch.uint8, device=self.buffer.device)
+        if self._agrs is not None and self._agrs.native is not None:
+            self._agrs_retired = [*(self._agrs_retired or []), self._agrs.native]
+        self._agrs = _AGRSState(chosen, per_rank, num_max_all_gathers_per_session, memory, session, native=native)
 
     def create_agrs_session(self) -> int:
         """Open a session (its number, 1, 2, ...). Raises `AGRSConfigError` before `agrs_set_config`,
@@ -255,39 +293,44 @@ class AGRSMixin:
         if not isinstance(tensors, list | tuple) or not tensors:
             raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'tensors' must be a non-empty list of "
                                   f"tensors, got {tensors!r}")
-        plan, new_bytes = [], 0
+        plan, new_bytes = [], 0  # (tensor, in-place record, chunk, stride)
         for j, t in enumerate(tensors):
             self._agrs_check_tensor(op, f"tensors[{j}]", t)
-            inplace = self._agrs_inplace_of(op, f"tensors[{j}]", t, state, taken=[p for _, p in plan])
-            plan.append((t, inplace))
+            inplace = self._agrs_inplace_of(op, f"tensors[{j}]", t, state, taken=[p[1] for p in plan])
             if inplace is None:
-                new_bytes += round_up(t.numel() * t.element_size())
+                stride = round_up(t.numel() * t.element_size())
+                plan.append((t, None, (state.used + new_bytes) * self.num_ranks, stride))
+                new_bytes += stride
+            else:
+                plan.append((t, inplace, inplace.chunk, inplace.stride))
         full = self._agrs_room(state, new_bytes)
         shapes = [(tuple(t.shape), t.dtype) for t in tensors]
         total = sum(t.numel() * t.element_size() for t in tensors)
-        self._agrs_agree(op, state, OP_ALL_GATHER, shapes, total, full, new_bytes)
+        self._agrs_agree(op, state, OP_ALL_GATHER, shapes, total, full, new_bytes,
+                         place=_place_digest([(chunk, stride) for _, _, chunk, stride in plan]))
         state.ops += 1
+        state.used += new_bytes
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
-        gathered, works = [], []
-        for t, inplace in plan:
+        gathered, works, copies = [], [], []
+        for t, inplace, chunk, stride in plan:
             size = t.numel() * t.element_size()
-            if inplace is None:
-                stride = round_up(size)
-                chunk = state.used * self.num_ranks
-                state.used += stride
-            else:
+            if inplace is not None:
                 state.inplace.remove(inplace)
-                chunk, stride = inplace.chunk, inplace.stride
             block = state.memory[chunk: chunk + self.num_ranks * stride]
             own = block[self.rank * stride: self.rank * stride + stride]
             if size and inplace is None:
                 own[:size].copy_(byte_view(t.contiguous()))
-            if size:
+            if size and state.native is None:
                 works.append(gather(block, own, group=self.group, async_op=True))
+            elif size:  # native: this rank's slot into the same chunk of every peer's session memory
+                copies += [(j, chunk + self.rank * stride, own[:size]) for j in state.native.peers]
             rows = block.view(self.num_ranks, stride)[:, :size] if size else None
             gathered.append(rows.view(t.dtype).view(self.num_ranks, *t.shape) if size
                             else torch.empty((self.num_ranks, *t.shape), dtype=t.dtype, device=t.device))
-        handle = AGRSHandle(self, op, works, f"all_gather #{state.ops} of session {state.session}: data")
+        stage = f"all_gather #{state.ops} of session {state.session}: data"
+        if state.native is not None:
+            works = [self._agrs_send_native(op, state, copies, stage)]
+        handle = AGRSHandle(self, op, works, stage)
         state.handles.append(handle)
         return gathered, handle
 
@@ -307,16 +350,23 @@ class AGRSMixin:
         size = nbytes(shard_shape, tensor.dtype)
         stride = round_up(size)
         full = self._agrs_room(state, stride)
-        self._agrs_agree(op, state, OP_REDUCE_SCATTER, [(tuple(tensor.shape), tensor.dtype)], size * self.num_ranks,
-                         full, stride)
-        state.ops += 1
         chunk = state.used * self.num_ranks
+        self._agrs_agree(op, state, OP_REDUCE_SCATTER, [(tuple(tensor.shape), tensor.dtype)], size * self.num_ranks,
+                         full, stride, place=_place_digest([(chunk, stride)]))
+        state.ops += 1
         state.used += stride
         block = state.memory[chunk: chunk + self.num_ranks * stride]
         shard = torch.empty(shard_shape, dtype=tensor.dtype, device=tensor.device)
         works, finish, send = [], None, None
-        if size:
-            rows = tensor.contiguous().view(self.num_ranks, -1)
+        stage = f"reduce_scatter #{state.ops} of session {state.session}: data"
+        rows = tensor.contiguous().view(self.num_ranks, -1) if size else None
+        if state.native is not None:  # row j into peer j's chunk, at this rank's slot; this rank's row locally
+            row_bytes = rows.view(torch.uint8) if size else None
+            if size:
+                block[self.rank * stride: self.rank * stride + size].copy_(row_bytes[self.rank])
+            works = [self._agrs_send_native(op, state, [(j, chunk + self.rank * stride, row_bytes[j])
+                                                        for j in state.native.peers] if size else [], stage)]
+        elif size:
             if stride == size:
                 send = byte_view(rows)
             else:
@@ -324,6 +374,7 @@ class AGRSMixin:
                 send[:, :size].copy_(rows.view(torch.uint8).view(self.num_ranks, size))
                 send = send.view(-1)
             works.append(dist.all_to_all_single(block, send, group=self.group, async_op=True))
+        if size:
             received = block.view(self.num_ranks, stride)[:, :size]
             acc_dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
@@ -334,8 +385,7 @@ class AGRSMixin:
                     acc.add_(parts[j].to(acc_dtype))
                 shard.copy_(acc)
 
-        handle = AGRSHandle(self, op, works, f"reduce_scatter #{state.ops} of session {state.session}: data",
-                            finish, keep=send)
+        handle = AGRSHandle(self, op, works, stage, finish, keep=send)
         state.handles.append(handle)
         return shard, handle
 
@@ -363,6 +413,8 @@ class AGRSMixin:
         if not want_open and state.open:
             raise AGRSSessionError(f"ep_moe.ElasticBuffer.{op}: session {state.session} is still open "
                                    "(destroy_agrs_session first)")
+        if state.native is not None:
+            state.native.waiter.check(AGRSTimeoutError, op)
         return state
 
     def _agrs_wait(self, op: str, work, stage: str) -> None:
@@ -403,18 +455,22 @@ class AGRSMixin:
         return 1 if state.used + new_bytes > state.session_bytes else 0
 
     def _agrs_agree(self, op: str, state: _AGRSState, code: int, shapes: list, total: int, full: int,
-                    new_bytes: int) -> None:
+                    new_bytes: int, place: int = 0) -> None:
         """All-gather every rank's header and raise the same error on every rank where they differ or a rank has
-        no room (before any data moves)."""
+        no room (before any data moves). ``place``: `_place_digest` of the chunks the operation's tensors take
+        (the native transport requires it equal on every rank)."""
         first_shape, first_dtype = shapes[0] if shapes else ((), None)
         values = [_MAGIC, code, state.session, state.ops + 1, full, len(shapes), total, _digest(shapes),
-                  dtype_code(first_dtype) if first_dtype is not None else 0, len(first_shape), *first_shape]
-        header = host_header(values, HEADER_LEN, self.buffer.device)
-        out = torch.empty(self.num_ranks * HEADER_LEN, dtype=torch.int64, device=self.buffer.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
-        self._agrs_wait(op, gather(out, header, group=self.group, async_op=True),
-                        f"{_OP_NAMES[code]} #{state.ops + 1} of session {state.session}: header exchange")
-        rows = out.view(self.num_ranks, HEADER_LEN).tolist()
+                  dtype_code(first_dtype) if first_dtype is not None else 0, len(first_shape), place, *first_shape]
+        stage = f"{_OP_NAMES[code]} #{state.ops + 1} of session {state.session}: header exchange"
+        if state.native is not None:  # a session's end goes on the current stream: after this rank's reads
+            rows = state.native.exchange(values, AGRSTimeoutError, op, stage, on_current_stream=code == OP_DESTROY)
+        else:
+            header = host_header(values, HEADER_LEN, self.buffer.device)
+            out = torch.empty(self.num_ranks * HEADER_LEN, dtype=torch.int64, device=self.buffer.device)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+            self._agrs_wait(op, gather(out, header, group=self.group, async_op=True), stage)
+            rows = out.view(self.num_ranks, HEADER_LEN).tolist()
         where = f"ep_moe.ElasticBuffer.{op} (session {state.session}, operation #{state.ops + 1})"
         # Different operations first (the most basic disagreement), then room, then the tensors.
         ops = [row[_H_OP] if row[_H_MAGIC] == _MAGIC else -1 for row in rows]
@@ -430,11 +486,35 @@ class AGRSMixin:
                          f"used, operation {state.ops + 1} of {state.max_ops}")
             raise AGRSCapacityError(f"{where}: the session is full on {described} ({mine_text}; "
                                     "agrs_set_config's num_max_session_bytes / num_max_all_gathers_per_session)")
-        if len({tuple(row[_H_COUNT:]) for row in rows}) > 1:
+        if len({(*row[_H_COUNT:_H_PLACE], *row[_H_DIMS:]) for row in rows}) > 1:
             described = "; ".join(
                 f"rank {i}: {row[_H_COUNT]} tensor(s), {row[_H_BYTES]} bytes, first "
                 f"{dtype_name(row[_H_DTYPE])}{tuple(row[_H_DIMS:_H_DIMS + row[_H_NDIM]])}" for i, row in enumerate(rows))
             raise AGRSMismatchError(f"{where}: the ranks pass different tensors ({described})")
+        if state.native is not None and len({row[_H_PLACE] for row in rows}) > 1:
+            raise AGRSMismatchError(f"{where}: the ranks place the tensors at different chunks of the session memory "
+                                    "(agrs_get_inplace_tensor called in a different order or with different shapes "
+                                    "on some rank); the native transport writes each rank's rows at the sender's "
+                                    "offsets, so they must agree")
+
+    def _agrs_send_native(self, op: str, state: _AGRSState, copies: list, stage: str):
+        """Queue the copies (peer, session-memory offset, bytes) and the data words of the operation just counted;
+        the handle's waitable for the peers' rows."""
+        state.native.put(copies)
+        state.native.signal(state.ops, state.session)
+        return state.native.arrival(state.ops, state.session, AGRSTimeoutError, op, stage)
+
+    def _agrs_release(self) -> None:
+        """Free the native transports' symmetric buffers (`ElasticBuffer.destroy`)."""
+        transports = [*(self._agrs_retired or []), *([self._agrs.native] if self._agrs is not None else [])]
+        for transport in transports:
+            if transport is not None:
+                transport.destroy()
+        self._agrs_retired, self._agrs = [], None
+        if transports:
+            from .native.stream_transport import release_waiter
+
+            release_waiter(self)
 
 
 __all__ = ["AGRSCapacityError", "AGRSConfigError", "AGRSError", "AGRSHandle", "AGRSMismatchError", "AGRSMixin",

@@ -50,11 +50,13 @@ def buffer_by_id(buffer_id: int) -> Buffer:
 def _device_of(group: dist.ProcessGroup, requested: str) -> torch.device:
     """NCCL: the current CUDA device. gloo: the CPU, except where ``EP_MOE_SYMMETRIC_MEMORY=vmm`` asks for the
     native backend's VMM memory (ranks that may share one GPU) and ``requested`` is not ``"torch"``: the current
-    CUDA device then (the native backend's host collectives run over gloo)."""
+    CUDA device then (the native backend's host collectives run over gloo). On a gloo group with CUDA available
+    and ``requested`` not ``"torch"`` this is a collective: every rank must name the same provider (a
+    `ValueError` naming the ranks otherwise), so all choose the same kind of device."""
     backend = str(dist.get_backend(group)).lower()
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if "nccl" in backend or (requested != "torch" and native.symmetric_memory_provider() == "vmm"):
+    if "nccl" in backend or (requested != "torch" and native.agreed_symmetric_memory_provider(group) == "vmm"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

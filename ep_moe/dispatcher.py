@@ -32,7 +32,8 @@ class TokenDispatcher:
         num_worst_tokens: if > 0, fixed-size outputs and no host sync (see `Buffer.dispatch`).
         num_sms: SMs for this layer's dispatch and combine; 0 = on the native backend, the tuning plan of
             this layer's shape (`ep_moe.tuning.plan_for_layer`, made on the first call, with its
-            overrides), elsewhere the buffer's default.
+            overrides); on the hybrid backend, the in-node SMs of the hybrid model's plan (which also sets the
+            chunk count, `ep_moe.tuning.hybrid.apply_hybrid_plan`); elsewhere the buffer's default.
         layer: this layer's name or index among the MoE layers (how plan overrides address it).
     """
 
@@ -48,7 +49,7 @@ class TokenDispatcher:
         self.num_worst_tokens = num_worst_tokens
         self.num_sms = num_sms
         self.layer = layer
-        self.plan = None  # the CommPlan, once made
+        self.plan = None  # the CommPlan (a HybridPlan on the hybrid backend), once made
 
     def dispatch(self, hidden: Tensor, topk_idx: Tensor, topk_weights: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, DispatchContext]:
@@ -71,8 +72,26 @@ class TokenDispatcher:
         return out.expert_x, out.expert_weights, out.tokens_per_expert, DispatchContext(out.handle, hidden.shape[0],
                                                                                        host)
 
+    def _hybrid_num_sms(self, hidden: Tensor, topk_idx: Tensor) -> int:
+        """Hybrid backend: this layer's plan from the hybrid model (`ep_moe.tuning.hybrid.apply_hybrid_plan`, made
+        on the first call for the largest token count of any rank) sets the call's chunk count; its in-node SMs
+        are the count unless one was given."""
+        from .tuning.hybrid import apply_hybrid_plan
+
+        backend = self.buffer.backend
+        if self.plan is None:
+            tokens = torch.tensor([hidden.shape[0]], device=self.buffer.device)
+            torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MAX, group=self.buffer.group)
+            self.plan = apply_hybrid_plan(backend, self.num_experts, topk_idx.shape[1], hidden.shape[1], int(tokens),
+                                          hidden.element_size())
+        elif not backend.chunks_fixed:
+            backend.set_num_chunks(self.plan.num_chunks)
+        return self.num_sms or self.plan.scaleup_sms
+
     def _num_sms(self, hidden: Tensor, topk_idx: Tensor) -> int:
         """The SM count of this layer: the explicit one, else (native backend) its tuning plan."""
+        if self.buffer.backend_name == "hybrid":  # the hybrid model's plan: chunk count, SMs of the in-node hop
+            return self._hybrid_num_sms(hidden, topk_idx)
         if self.num_sms or self.buffer.backend_name != "native":
             return self.num_sms
         if self.plan is None:

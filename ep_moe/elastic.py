@@ -144,6 +144,10 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         backend: ``"auto"``, ``"native"`` or ``"torch"`` (as `ep_moe.Buffer`). check_inputs: also check expert
             ids' range (a host read; `ep_moe.Buffer`). num_scaleout_ranks: view the group as that many nodes of
             consecutive ranks (else ``EP_MOE_SCALEOUT_RANKS``, else the ranks' hosts; `ep_moe.hybrid.topology`).
+            num_hybrid_chunks: hybrid mode: the scale-out hop's chunk count, fixed for every call (else
+            ``EP_MOE_HYBRID_CHUNKS``; else each shape's from the hybrid model, `ep_moe.tuning.hybrid.plan_hybrid`,
+            at most 4). hybrid_scaleup: the in-node transport, "auto", "native", "torch" or "all_to_all" (else
+            ``EP_MOE_HYBRID_SCALEUP``, else "auto"; docs/hybrid.md).
 
     Construction ends with a barrier of the group.
     """
@@ -154,7 +158,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                  allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
                  num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, backend: str = "auto", check_inputs: bool = True,
-                 num_scaleout_ranks: int | None = None) -> None:
+                 num_scaleout_ranks: int | None = None, num_hybrid_chunks: int | None = None,
+                 hybrid_scaleup: str | None = None) -> None:
         op = "ElasticBuffer"
         if not dist.is_initialized():
             raise RuntimeError("ep_moe.ElasticBuffer: torch.distributed is not initialized "
@@ -199,7 +204,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         self.topology = logical_topology(physical, self.num_ranks, allow_hybrid_mode, num_scaleout_ranks)
         if self.topology.is_hybrid:
             flat_backend, self.buffer.backend = self.buffer.backend, HybridBackend(
-                self.group, self.buffer.device, float(num_gpu_timeout_secs), self.topology)
+                self.group, self.buffer.device, float(num_gpu_timeout_secs), self.topology,
+                num_chunks=num_hybrid_chunks, scaleup=hybrid_scaleup, native_options=self.buffer.native_options)
             flat_backend.destroy()
             self.buffer.backend_reason = f"hybrid mode, {self.topology.num_scaleout_ranks} x " \
                                          f"{self.topology.num_scaleup_ranks} ({self.topology.source})"
@@ -208,7 +214,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         self.scaleout_rank_idx = self.topology.node_of[self.rank]
         self.scaleup_rank_idx = self.topology.local_of[self.rank]
         self.num_rdma_ranks, self.num_nvlink_ranks = physical.num_scaleout_ranks, physical.num_scaleup_ranks
-        self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend)
+        self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend); ("hybrid", ...) -> its shape
         self._destroyed = False
         self._finalizer = None if explicitly_destroy else weakref.finalize(self, _destroy_quietly, self.buffer)
         self._setup_memory(num_bytes, num_cpu_bytes, allow_hybrid_mode)  # .memory_type, .memory (ep_moe.engram)
@@ -284,9 +290,32 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                                               num_ranks=self.num_ranks).num_sms
         return self._plans[key]
 
+    def _hybrid_plan(self, num_sms: int, num_experts: int, num_topk: int, x: Tensor, bound: int) -> int:
+        """Hybrid backend: the hybrid model's plan of this shape (`ep_moe.tuning.hybrid.plan_hybrid`, made once per
+        shape, for the largest token count of any rank) sets the chunk count of the call (unless fixed by
+        ``num_hybrid_chunks`` / ``EP_MOE_HYBRID_CHUNKS``) and, without an explicit ``num_sms``, the SMs of the
+        in-node hop."""
+        from .tuning.hybrid import apply_hybrid_plan
+
+        key = ("hybrid", num_experts, num_topk, x.shape[1], x.dtype)
+        backend = self.buffer.backend
+        plan = self._plans.get(key)
+        if plan is None:
+            if not bound:  # ranks may hold different token counts: plan for the largest so that all agree
+                tokens = torch.tensor([x.shape[0]], device=self.buffer.device)
+                dist.all_reduce(tokens, op=dist.ReduceOp.MAX, group=self.group)
+                bound = int(tokens)
+            plan = self._plans[key] = apply_hybrid_plan(backend, num_experts, num_topk, x.shape[1], bound,
+                                                        x.element_size())
+        elif not backend.chunks_fixed:  # another shape's plan may have set another count since
+            backend.set_num_chunks(plan.num_chunks)
+        return num_sms or plan.scaleup_sms
+
     def _num_sms(self, num_sms: int, num_experts: int, num_topk: int, x: Tensor, bound: int) -> int:
         """The given count, else (native backend) the tuner's plan of this shape, else the buffer default."""
         check_positive_int("ElasticBuffer.dispatch", "num_sms", num_sms, 0)
+        if self.buffer.backend_name == "hybrid":
+            return self._hybrid_plan(num_sms, num_experts, num_topk, x, bound)
         if num_sms:
             return num_sms
         if self.buffer.backend_name != "native":
@@ -590,6 +619,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         if self._finalizer is not None:
             self._finalizer.detach()
         self._release_memory()
+        self._pp_release()  # the native PP / AGRS transports' symmetric buffers
+        self._agrs_release()
         self.buffer.destroy()
 
     def __repr__(self) -> str:

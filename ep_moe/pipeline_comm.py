@@ -8,12 +8,14 @@ Messages between two ranks arrive in the order they were sent; a send copies its
 returns (the caller may reuse the tensor at once); when every slot to that peer holds a message the peer has not
 received yet, the next send waits (up to the buffer's timeout) for the peer's matching recv to free the oldest.
 
-Transport: torch.distributed point-to-point over the buffer's group, on both backends (the native path, copy
-engine writes into the peer's slot and a stream-memory flag, is designed in docs/native.md and not written). A
-message is a header of `HEADER_LEN` int64 (sender, sequence number, dtype, shape, slot config) and then the
-payload; the receiver checks the header against its own tensor before it takes the payload, so a disagreement
-raises `PPMismatchError` naming both sides instead of a transfer of mismatched size. The header is read on the
-host: on a GPU a recv synchronizes with its stream once.
+Transports (`pp_transport`): ``"torch"``, torch.distributed point-to-point over the buffer's group; ``"native"``
+(the native backend's default), the copy engine writes header and payload into the peer's slot of a symmetric
+buffer and a stream memory operation raises the slot's flag, no kernel on the SMs
+(`ep_moe.native.stream_transport`, docs/native.md). A message is a header of `HEADER_LEN` int64 (sender, sequence
+number, dtype, shape, slot config) and then the payload; the receiver checks the header against its own tensor
+before it takes the payload, so a disagreement raises `PPMismatchError` naming both sides instead of a transfer of
+mismatched size. The header is read on the host: on a GPU a recv waits on the host once, for the message's
+arrival (native: not for the work queued before on its stream; torch: for its stream).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .validation import check_positive_int
 from .wire import (
     byte_view,
     check_wire_tensor,
+    choose_transport,
     dtype_code,
     dtype_name,
     host_header,
@@ -69,10 +72,14 @@ class PPTimeoutError(PPError, TimeoutError):
     """A peer did not post its side within the buffer's timeout (the message names rank and stage)."""
 
 
-def pp_transport(backend_name: str) -> str:
-    """The transport PP uses on a buffer of ``backend_name``: ``"torch"`` on both backends. The native copy-engine
-    path (docs/native.md, "PP and AGRS on the native backend") is not written; it is chosen here once it is."""
-    return "torch"
+def pp_transport(backend_name: str, requested: str | None = None) -> str:
+    """The transport PP uses on a buffer of ``backend_name`` (`ep_moe.wire.choose_transport`): ``"native"`` (copy
+    engine + stream memory operations) on the native backend, ``"torch"`` elsewhere or when ``requested`` (else
+    ``$EP_MOE_PPAGRS_TRANSPORT``) is ``"torch"``. Raises `PPConfigError` for a bad ``requested``."""
+    try:
+        return choose_transport(backend_name, requested, "pp_set_config")
+    except ValueError as exc:
+        raise PPConfigError(str(exc)) from None
 
 
 @dataclass
@@ -104,6 +111,7 @@ class _PPState:
     slot_bytes: int
     inflight: int
     channels: dict[int, _Channel]
+    native: object = None  # ep_moe.native.stream_transport.PPStreamTransport on the native transport
 
 
 class PipelineCommMixin:
@@ -114,15 +122,22 @@ class PipelineCommMixin:
     """
 
     _pp: _PPState | None = None
+    _pp_retired: list | None = None  # native transports of earlier configurations (freed by `_pp_release`)
 
     # ---------------------------------------------------------------- public API
-    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int, *,
+                      transport: str | None = None) -> None:
         """Reserve PP slots: per direction (send, recv) and per neighbour (prev, next), ``num_max_inflight_tensors``
         slots of ``num_max_tensor_bytes`` rounded up to 32 bytes (real memory on the buffer's device).
 
         Every rank of the group should call it with the same values (a message carries the sender's config and
         the receiver refuses a different one). Outstanding sends are waited for first. Raises `PPConfigError`
         for a value below 1 or when ``slot bytes x inflight x 2 x 2`` exceeds the buffer's ``num_bytes``.
+
+        ``transport`` (an ep_moe extension; None: ``$EP_MOE_PPAGRS_TRANSPORT``, else ``"auto"``): ``"auto"``,
+        ``"torch"`` or ``"native"`` (`pp_transport`), the same on every rank. The native transport allocates a
+        symmetric buffer, so there the call is collective (every rank of the group calls it) and the ranks'
+        values must be equal (`PPConfigError` on every rank otherwise, before any message moves).
         """
         op = "pp_set_config"
         self._check_live(op)
@@ -131,6 +146,7 @@ class PipelineCommMixin:
             check_positive_int(f"ElasticBuffer.{op}", "num_max_inflight_tensors", num_max_inflight_tensors, 1)
         except ValueError as exc:
             raise PPConfigError(str(exc)) from None
+        chosen = pp_transport(self.buffer.backend_name, transport)
         slot_bytes = round_up(num_max_tensor_bytes)
         total = slot_bytes * num_max_inflight_tensors * 2 * 2
         if total > self.num_bytes:
@@ -141,23 +157,36 @@ class PipelineCommMixin:
         previous = self._pp
         if previous is not None:
             for peer, channel in previous.channels.items():
+                pending = (len(channel.loopback) if previous.native is None
+                           else channel.next_send_seq - channel.next_recv_seq if peer == self.rank else 0)
+                if pending:
+                    raise PPConfigError(f"ep_moe.ElasticBuffer.{op}: {pending} message(s) this rank sent "
+                                        "to itself are not received yet (pp_recv them first)")
+                if previous.native is not None:
+                    if peer != self.rank:
+                        previous.native.drain(peer, channel.next_send_seq, PPTimeoutError, op,
+                                              f"pp_set_config: waiting for rank {peer} to pp_recv message "
+                                              f"#{channel.next_send_seq - 1}")
+                    continue
                 while channel.in_flight:
                     self._pp_retire_oldest(op, peer, channel)
         device = self.buffer.device
+        native = chosen == "native"
         channels = {}
         for peer in self._pp_neighbours():
             old = previous.channels.get(peer) if previous is not None else None
-            channel = _Channel(send_slots=torch.empty(num_max_inflight_tensors, slot_bytes, dtype=torch.uint8,
-                                                      device=device),
-                               recv_slots=torch.empty(num_max_inflight_tensors, slot_bytes, dtype=torch.uint8,
-                                                      device=device))
+            rows = 0 if native else num_max_inflight_tensors  # the native slots live in the symmetric buffer
+            channel = _Channel(send_slots=torch.empty(rows, slot_bytes, dtype=torch.uint8, device=device),
+                               recv_slots=torch.empty(rows, slot_bytes, dtype=torch.uint8, device=device))
             if old is not None:  # message numbers continue: the peers' counters do not restart
                 channel.next_send_seq, channel.next_recv_seq = old.next_send_seq, old.next_recv_seq
-                if old.loopback:
-                    raise PPConfigError(f"ep_moe.ElasticBuffer.{op}: {len(old.loopback)} message(s) this rank sent "
-                                        "to itself are not received yet (pp_recv them first)")
             channels[peer] = channel
-        self._pp = _PPState(pp_transport(self.buffer.backend_name), slot_bytes, num_max_inflight_tensors, channels)
+        state = _PPState(chosen, slot_bytes, num_max_inflight_tensors, channels)
+        if native:
+            state.native = self._pp_native_transport(op, slot_bytes, num_max_inflight_tensors, channels)
+        if previous is not None and previous.native is not None:
+            self._pp_retired = [*(self._pp_retired or []), previous.native]
+        self._pp = state
 
     def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
         """Send ``x`` to the neighbour ``dst_rank_idx`` (a rank index in the group: ``(r + 1) % R`` or
@@ -165,7 +194,8 @@ class PipelineCommMixin:
         most the slot's bytes) is copied into a send slot; the call returns once the message is posted, and
         ``x`` may be changed at once. When all ``num_max_inflight_tensors`` slots to that peer hold messages it
         has not received, waits for the oldest to be received: `PPTimeoutError` (naming rank and stage) after
-        the buffer's ``num_gpu_timeout_secs``. ``num_sms`` is accepted (the torch transport takes no SMs).
+        the buffer's ``num_gpu_timeout_secs``. ``num_sms`` is accepted (the native transport takes no SMs;
+        torch's uses its group's own).
 
         Raises `PPConfigError` (no ``pp_set_config``), `PPPeerError` (not a neighbour), `PPTensorError` (bad x),
         before anything is sent.
@@ -177,18 +207,21 @@ class PipelineCommMixin:
             raise PPTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'x' must fit a slot of {state.slot_bytes} "
                                 f"bytes (pp_set_config's num_max_tensor_bytes), got {nbytes} bytes "
                                 f"({x.dtype}{tuple(x.shape)})")
-        if len(channel.in_flight) + len(channel.loopback) >= state.inflight:
+        if state.native is None and len(channel.in_flight) + len(channel.loopback) >= state.inflight:
             if dst_rank_idx == self.rank:
                 raise PPSlotsFullError(f"ep_moe.ElasticBuffer.{op}: all {state.inflight} slots of rank {self.rank} to "
                                        "itself hold messages it has not received (pp_recv them first)")
             self._pp_retire_oldest(op, dst_rank_idx, channel)
+        values = [_MAGIC, self.rank, channel.next_send_seq, dtype_code(x.dtype), nbytes, state.slot_bytes,
+                  state.inflight, x.dim(), *x.shape]
+        if state.native is not None:
+            self._pp_send_native(op, state, channel, x, dst_rank_idx, values)
+            return
         seq = channel.next_send_seq
         slot = seq % state.inflight
         staged = channel.send_slots[slot, :nbytes]
         if nbytes:
             staged.copy_(byte_view(x.contiguous()))
-        values = [_MAGIC, self.rank, seq, dtype_code(x.dtype), nbytes, state.slot_bytes, state.inflight, x.dim(),
-                  *x.shape]
         channel.next_send_seq += 1
         if dst_rank_idx == self.rank:
             channel.loopback.append((values, slot))
@@ -203,7 +236,8 @@ class PipelineCommMixin:
         """Receive the next message from the neighbour ``src_rank_idx`` into ``x`` (in place). ``x`` must have the
         sender's dtype and shape: otherwise `PPMismatchError` naming both sides (the message is taken and
         dropped, so the order of later messages holds). Waits up to ``num_gpu_timeout_secs`` for the message
-        (`PPTimeoutError` naming rank and stage). ``num_sms`` is accepted (the torch transport takes no SMs).
+        (`PPTimeoutError` naming rank and stage). ``num_sms`` is accepted (the native transport takes no SMs;
+        torch's uses its group's own).
 
         Raises `PPConfigError`, `PPPeerError`, `PPTensorError` as `pp_send`.
         """
@@ -211,6 +245,9 @@ class PipelineCommMixin:
         state, channel = self._pp_prepare(op, x, src_rank_idx, "src_rank_idx", num_sms)
         seq = channel.next_recv_seq
         where = f"message #{seq} from rank {src_rank_idx}"
+        if state.native is not None:
+            self._pp_recv_native(op, state, channel, x, src_rank_idx)
+            return
         if src_rank_idx == self.rank:
             if not channel.loopback:
                 raise PPTimeoutError(f"ep_moe.ElasticBuffer.{op}: rank {self.rank} of 1 in stage 'pp_recv {where}': "
@@ -248,6 +285,74 @@ class PipelineCommMixin:
                       f"pp_recv payload of {where}")
         if not direct:
             self._pp_fill(x, landing)
+
+    # ---------------------------------------------------------------- native transport
+    def _pp_native_transport(self, op: str, slot_bytes: int, inflight: int, channels: dict[int, _Channel]):
+        """A `PPStreamTransport` for this configuration, after checking that every rank asks for the same one."""
+        from .native.stream_transport import PPStreamTransport, shared_waiter
+
+        configs: list = [None] * self.num_ranks
+        dist.all_gather_object(configs, (slot_bytes, inflight), group=self.group)
+        if len(set(configs)) > 1:
+            described = ", ".join(f"rank {i}: {s}-byte slots x {n}" for i, (s, n) in enumerate(configs))
+            raise PPConfigError(f"ep_moe.ElasticBuffer.{op}: the ranks configure different PP slots ({described}); "
+                                "the native transport needs the same pp_set_config on every rank")
+        waiter = shared_waiter(self, self.buffer.device, self.rank, self.num_ranks, float(self.num_gpu_timeout_secs))
+        waiter.check(PPTimeoutError, op)
+        bases = {peer: (c.next_send_seq, c.next_recv_seq) for peer, c in channels.items()}
+        return PPStreamTransport(self.group, self.buffer.device, self.rank, self.num_ranks, slot_bytes, inflight,
+                                 bases, waiter)
+
+    def _pp_send_native(self, op: str, state: _PPState, channel: _Channel, x: torch.Tensor, dst: int,
+                        values: list[int]) -> None:
+        native = state.native
+        native.waiter.check(PPTimeoutError, op)
+        seq = channel.next_send_seq
+        if dst == self.rank and seq - channel.next_recv_seq >= state.inflight:
+            raise PPSlotsFullError(f"ep_moe.ElasticBuffer.{op}: all {state.inflight} slots of rank {self.rank} to "
+                                   "itself hold messages it has not received (pp_recv them first)")
+        native.wait_free(dst, seq, PPTimeoutError, op,
+                         f"pp_send to rank {dst}: waiting for rank {dst} to pp_recv message #{seq - state.inflight} "
+                         f"(all {state.inflight} slots in flight)")
+        payload = byte_view(x.contiguous()) if x.numel() else torch.empty(0, dtype=torch.uint8, device=x.device)
+        native.post(dst, seq, values, payload)
+        channel.next_send_seq += 1
+
+    def _pp_recv_native(self, op: str, state: _PPState, channel: _Channel, x: torch.Tensor, src: int) -> None:
+        native = state.native
+        native.waiter.check(PPTimeoutError, op)
+        seq = channel.next_recv_seq
+        where = f"message #{seq} from rank {src}"
+        if src == self.rank and channel.next_send_seq <= seq:
+            raise PPTimeoutError(f"ep_moe.ElasticBuffer.{op}: rank {self.rank} of 1 in stage 'pp_recv {where}': "
+                                 "no message to itself is pending (it would wait forever)")
+        values = native.take_header(src, seq, PPTimeoutError, op, f"pp_recv header of {where}")
+        channel.next_recv_seq += 1
+        if values[_H_MAGIC] != _MAGIC:
+            native.release(src, seq)
+            raise PPMismatchError(f"ep_moe.ElasticBuffer.{op}: rank {self.rank} received from rank {src} a "
+                                  "message that is not a pp_send (another transfer between the two ranks?)")
+        problems = self._pp_header_problems(values, x, seq, src, state)
+        if problems:  # the slot is freed without a copy, so that later messages stay in order
+            native.release(src, seq)
+            raise PPMismatchError(f"ep_moe.ElasticBuffer.{op}: sender and receiver disagree on message #{seq} "
+                                  f"from rank {src} to rank {self.rank}: " + "; ".join(problems))
+        nbytes = values[_H_NBYTES]
+        if nbytes:
+            self._pp_fill(x, native.payload(src, seq, nbytes))
+        native.release(src, seq)
+
+    def _pp_release(self) -> None:
+        """Free the native transports' symmetric buffers (`ElasticBuffer.destroy`)."""
+        transports = [*(self._pp_retired or []), *([self._pp.native] if self._pp is not None else [])]
+        for transport in transports:
+            if transport is not None:
+                transport.destroy()
+        self._pp_retired, self._pp = [], None
+        if transports:
+            from .native.stream_transport import release_waiter
+
+            release_waiter(self)
 
     # ---------------------------------------------------------------- helpers
     def _pp_neighbours(self) -> list[int]:

@@ -10,6 +10,7 @@ one, NCCL hangs or reads past the end).
 from __future__ import annotations
 
 import math
+import os
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,31 @@ _DTYPES = tuple(d for d in (
     getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
     getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
 ) if d is not None)
+
+
+TRANSPORT_ENV = "EP_MOE_PPAGRS_TRANSPORT"
+"""Default of ``pp_set_config`` / ``agrs_set_config``'s ``transport``: ``auto`` (the default), ``torch``, ``native``."""
+TRANSPORTS = ("auto", "torch", "native")
+
+
+def choose_transport(backend_name: str, requested: str | None, where: str) -> str:
+    """The transport PP or AGRS uses on a buffer whose backend is ``backend_name``: ``"native"`` (copy engine and
+    stream memory operations, `ep_moe.native.stream_transport`) or ``"torch"`` (torch.distributed).
+    ``requested`` (None: ``$EP_MOE_PPAGRS_TRANSPORT``, else ``"auto"``): ``"auto"`` takes the native transport
+    exactly when the backend is ``"native"`` (one NVLink node, symmetric memory); ``"native"`` insists on it.
+    Raises ValueError naming ``transport`` (``where``: the calling method) for another value, or ``"native"`` on
+    another backend."""
+    source = "argument 'transport'"
+    if requested is None:
+        requested, source = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto", TRANSPORT_ENV
+    if requested not in TRANSPORTS:
+        raise ValueError(f"ep_moe.ElasticBuffer.{where}: {source} must be one of {TRANSPORTS}, got {requested!r}")
+    if requested == "native" and backend_name != "native":
+        raise ValueError(f"ep_moe.ElasticBuffer.{where}: {source} is 'native', which needs the buffer's native "
+                         f"backend (one NVLink node, the extension built), but the backend is {backend_name!r}")
+    if requested == "auto":
+        return "native" if backend_name == "native" else "torch"
+    return requested
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -98,5 +124,5 @@ def wait_work(work: dist.Work | None, device: torch.device, timeout_s: float, er
                     f"waiting up to {timeout_s:g} s for its peer(s) ({exc})") from exc
 
 
-__all__ = ["MAX_DIMS", "SLOT_ALIGNMENT", "byte_view", "dtype_code", "dtype_name", "host_header", "nbytes",
-           "round_up", "wait_work"]
+__all__ = ["MAX_DIMS", "SLOT_ALIGNMENT", "TRANSPORTS", "TRANSPORT_ENV", "byte_view", "choose_transport",
+           "dtype_code", "dtype_name", "host_header", "nbytes", "round_up", "wait_work"]

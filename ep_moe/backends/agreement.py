@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 
 OP_DISPATCH, OP_CACHED_DISPATCH, OP_COMBINE = 1, 2, 3
-OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch (handle=)", OP_COMBINE: "combine"}
+OP_BARRIER = 4  # the native backend's barrier announces a header too (the torch backend's does not)
+OP_NAMES = {OP_DISPATCH: "dispatch", OP_CACHED_DISPATCH: "cached dispatch (handle=)", OP_COMBINE: "combine",
+            OP_BARRIER: "barrier"}
 
 HEADER_LEN = 8
 _OP, _HIDDEN, _DTYPE, _SCALES, _TOPK, _EXPERTS, _WORST, _LAYOUT = range(HEADER_LEN)
@@ -69,24 +71,29 @@ def header(op: int, hidden: int, dtype: torch.dtype, scales: int = 0, topk: int 
     return (op, hidden, dtype_code(dtype), scales, topk, experts, worst)
 
 
-def _ranks_with(values: list[int], show) -> str:
-    """``rank 0 has 4096, rank 1 has 2048`` (ranks sharing a value grouped: ``ranks 0, 2 have ...``)."""
+def _ranks_with(values: list[int], show, labels: list[str] | None = None) -> str:
+    """``rank 0 has 4096, rank 1 has 2048`` (ranks sharing a value grouped: ``ranks 0, 2 have ...``).
+    ``labels``: who each value belongs to, instead of ``rank i`` (grouped as ``A, B have``)."""
     groups: dict[int, list[int]] = {}
     for rank, v in enumerate(values):
         groups.setdefault(v, []).append(rank)
     parts = []
     for v, ranks in groups.items():
-        who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
+        if labels is not None:
+            who = f"{labels[ranks[0]]} has" if len(ranks) == 1 else f"{', '.join(labels[i] for i in ranks)} have"
+        else:
+            who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
         parts.append(f"{who} {show(v)}")
     return ", ".join(parts)
 
 
-def disagreements(headers: list[list[int]]) -> list[str]:
+def disagreements(headers: list[list[int]], labels: list[str] | None = None) -> list[str]:
     """One phrase per header field the ranks disagree on (empty when they agree). ``headers[r]`` is rank
-    ``r``'s; when the operations differ only that is reported (the other fields then mean different things)."""
+    ``r``'s (or ``labels[r]``'s); when the operations differ only that is reported (the other fields then mean
+    different things)."""
     ops = [h[_OP] for h in headers]
     if len(set(ops)) > 1:
-        return [f"the operation: {_ranks_with(ops, lambda v: OP_NAMES.get(v, f'operation {v}'))}"]
+        return [f"the operation: {_ranks_with(ops, lambda v: OP_NAMES.get(v, f'operation {v}'), labels)}"]
     op = ops[0]
     found = []
     for slot, (name, show) in _FIELDS.items():
@@ -96,16 +103,23 @@ def disagreements(headers: list[list[int]]) -> list[str]:
             name, show = _HANDLE_WORST
         values = [h[slot] for h in headers]
         if len(set(values)) > 1:
-            found.append(f"{name}: {_ranks_with(values, show)}")
+            found.append(f"{name}: {_ranks_with(values, show, labels)}")
     return found
 
 
+def mismatch_message(op_name: str, headers: list[list[int]], labels: list[str] | None = None) -> str | None:
+    """``"ep_moe.OP: ranks disagree on FIELD: rank 0 has A, rank 1 has B[; on ...]"``, or None when every
+    header is the same (``labels``: see `disagreements`)."""
+    found = disagreements(headers, labels)
+    return f"ep_moe.{op_name}: ranks disagree on " + "; on ".join(found) if found else None
+
+
 def check_headers(op_name: str, headers: list[list[int]]) -> None:
-    """Raise ``ValueError("ep_moe.OP: ranks disagree on FIELD: rank 0 has A, rank 1 has B[; on ...]")`` unless
-    every rank's header is the same. Every rank calls it with the same gathered headers, so all raise."""
-    found = disagreements(headers)
-    if found:
-        raise ValueError(f"ep_moe.{op_name}: ranks disagree on " + "; on ".join(found))
+    """Raise the `ValueError` of `mismatch_message` unless every rank's header is the same. Every rank calls it
+    with the same gathered headers, so all raise."""
+    message = mismatch_message(op_name, headers)
+    if message is not None:
+        raise ValueError(message)
 
 
 def assert_headers_on_device(gathered: torch.Tensor) -> None:

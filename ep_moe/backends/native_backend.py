@@ -26,6 +26,15 @@ call's the first time the buffer sees that value (one collective each).
 Every wait in a kernel has a deadline (``timeout_s``). A kernel that misses it writes an error record
 into pinned host memory and returns; the backend raises `NativeTimeoutError` naming the rank, stage
 and channel (at once where the host waits, else at the next call) and refuses further work.
+
+Ranks that disagree on a call (the values of `ep_moe.backends.agreement`'s header) get the torch backend's
+`ValueError` instead of a timeout: every operation's kernels announce the header in every rank's control block
+and compare all of them before any row moves (a fresh dispatch in its notify, a cached dispatch and a combine
+in every warp), so every rank reaches the same verdict; on a disagreement nothing moves and the epoch closes.
+An exact-size dispatch raises at its host wait; the calls that do not wait on the host leave a mismatch
+record, raised after the next host wait (the end of the next exact-size dispatch, or ``barrier()``). A call
+about to take a host-side decision that must be the same on every rank (the torch fallback, the first or a
+larger data buffer, options not used yet) first exchanges the header on its own and waits for it.
 """
 
 from __future__ import annotations
@@ -36,10 +45,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import native
 from ..config import Config, NativeOptions
 from ..handle import DispatchHandle
 from ..native import policy, sizing
 from ..native.symmetric import SymmetricBuffer
+from . import agreement
+from .agreement import HEADER_LEN
 from .base import CommBackend, DispatchResult, ReceivedRows
 from .torch_backend import TorchBackend
 
@@ -54,7 +66,51 @@ STAGES = {
     6: "barrier",
     7: "dispatch (receive buffer capacity)",
     8: "combine (receive buffer capacity)",
+    9: "header exchange (before a host-side decision)",
 }
+
+# Mirrors of csrc/kernels.h (checked against the extension when a backend is built): the header's words
+# (`HeaderSlot`: agreement's HEADER_LEN, then the copy-engine sequence numbers), the mismatch record after the
+# error record (`MismatchWord`), and the most ranks.
+HEADER_WORDS = HEADER_LEN + 2
+_COPY_SEQ, _LAST_SEQ = HEADER_LEN, HEADER_LEN + 1
+MAX_RANKS = 8
+_FOUND, _RANK, _RANKS, _OWN = 0, 1, 2, 3
+_SEEN = _OWN + HEADER_LEN
+MISMATCH_WORDS = _SEEN + MAX_RANKS * HEADER_LEN
+
+
+def mismatch_error(rank: int, own: list[int], seen: list[list[int]]) -> ValueError:
+    """The `ValueError` of a disagreement the kernels of rank ``rank`` found: ``own`` is its header of the call,
+    ``seen[r]`` rank ``r``'s as its kernel saw it (the same on every rank), worded by
+    `agreement.mismatch_message`. Where every rank's header as seen is the same and only differs from ``own``
+    (which only the test-only `NativeBackend.test_header_perturbation` causes), both are named apart; where all
+    are the same, the ranks disagreed on taking the copy engine (csrc/intranode.cu, check_headers_warp)."""
+    op_name = {agreement.OP_COMBINE: "combine", agreement.OP_BARRIER: "barrier"}.get(own[0], "dispatch")
+    message = agreement.mismatch_message(op_name, seen)
+    if message is None:
+        labels = [f"rank {rank}'s own call"] + [f"rank {r} as seen by rank {rank}'s kernel" for r in range(len(seen))]
+        message = agreement.mismatch_message(op_name, [own, *seen], labels)
+    return ValueError(message or f"ep_moe.{op_name}: ranks disagree on taking the copy engine for this call with "
+                      "equal headers (only some ranks know the handle's layout on the host, e.g. a handle rebuilt "
+                      "from its tensors on some ranks)")
+
+
+def parse_mismatch_record(words: list[int]) -> ValueError | None:
+    """The `ValueError` of a mismatch record (``MISMATCH_WORDS`` int32), or None when it holds none."""
+    if words[_FOUND] == 0:
+        return None
+    num_ranks = words[_RANKS]
+    seen = [words[_SEEN + r * HEADER_LEN:_SEEN + (r + 1) * HEADER_LEN] for r in range(num_ranks)]
+    return mismatch_error(words[_RANK], words[_OWN:_OWN + HEADER_LEN], seen)
+
+
+def parse_header_check(words: list[int], num_ranks: int) -> tuple[bool, list[int], list[list[int]]]:
+    """What a notify or a header exchange wrote after the counts (``words`` from there): (the ranks disagree,
+    this rank's header, every rank's as seen with its ``HEADER_WORDS`` words)."""
+    seen = [words[r * HEADER_WORDS:(r + 1) * HEADER_WORDS] for r in range(num_ranks)]
+    own = words[num_ranks * HEADER_WORDS:num_ranks * HEADER_WORDS + HEADER_LEN]
+    return bool(words[num_ranks * HEADER_WORDS + HEADER_LEN]), own, seen
 
 
 class NativeTimeoutError(TimeoutError, RuntimeError):
@@ -62,11 +118,10 @@ class NativeTimeoutError(TimeoutError, RuntimeError):
 
 
 def _c():
-    from ..native import _C
+    """The intranode kernels: the extension or the JIT module (`ep_moe.native.intranode_kernels`)."""
+    from ..native import intranode_kernels
 
-    if _C is None:
-        raise RuntimeError("ep_moe: the native CUDA extension is not built")
-    return _C
+    return intranode_kernels()
 
 
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -93,6 +148,9 @@ class NativeBackend(CommBackend):
         if self.num_ranks > C.MAX_RANKS:
             raise ValueError(f"ep_moe.Buffer: argument 'group' must have at most {C.MAX_RANKS} ranks for the "
                              f"native backend, got {self.num_ranks}")
+        if (C.HEADER_LEN, C.HEADER_WORDS, C.MISMATCH_WORDS) != (HEADER_LEN, HEADER_WORDS, MISMATCH_WORDS):
+            raise RuntimeError("ep_moe[native]: the extension's header layout differs from the Python side's; "
+                               "rebuild the extension")
         policy.check_same_on_every_rank(options, group)
         self.options = options
         self._fallback = TorchBackend(group, device, timeout_s)
@@ -103,9 +161,14 @@ class NativeBackend(CommBackend):
             self._control.tensor.zero_()
             self._state = torch.zeros(8, dtype=torch.int64, device=device)  # LocalState (64 bytes)
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
-            self._error = torch.zeros(C.ERROR_WORDS, dtype=torch.int32, pin_memory=True)
-            # [R * R] rows s sends r, then [R] tokens of every rank (written by notify)
-            self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1), dtype=torch.int32, pin_memory=True)
+            # the error record, then the mismatch record (csrc/kernels.h)
+            self._error = torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, pin_memory=True)
+            self._error_record = self._error[:C.ERROR_WORDS]  # read at every call's start
+            self._mismatch_record = self._error[C.ERROR_WORDS:]
+            # [R * R] rows s sends r, then [R] tokens of every rank (written by notify), then the header check's
+            # words: [R][HEADER_WORDS] every rank's header as seen, this rank's, the verdict (notify, exchange)
+            self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1) + C.MAX_RANKS * HEADER_WORDS + HEADER_LEN + 1,
+                                            dtype=torch.int32, pin_memory=True)
             self._host_expert_counts = torch.zeros(C.MAX_NOTIFY_EXPERTS, dtype=torch.int64, pin_memory=True)
             # the kernels' Env of each options value in use (chunk counts are fixed per Env), checked equal
             # on every rank before its first use
@@ -134,6 +197,11 @@ class NativeBackend(CommBackend):
         self.last_push_blocks: dict[str, int] = {}  # pusher blocks of the traced kernel (leading the trace)
         # copy-engine calls: [0] go set, [1 + s * MAX_COPY_ENGINE_CHUNKS + k] source s's chunk k landed (ns)
         self.last_copy_engine_trace: dict[str, torch.Tensor] = {}
+        # Test only: None (off, at no cost), or an int32 [3] tensor on the device (source rank, header slot,
+        # value added): the kernels see that rank's header of every call with the value added to that slot, so
+        # that a one-rank group runs the whole mismatch path (compare, skip, record, ValueError). Read when the
+        # kernel runs (a CUDA-graph replay sees the values of the moment). Every rank must set the same.
+        self.test_header_perturbation: torch.Tensor | None = None
         # calls that took the expert-major paths (rows left in place; rows summed as they go out)
         self.in_place_dispatches = 0
         self.expert_row_combines = 0
@@ -145,7 +213,7 @@ class NativeBackend(CommBackend):
             raise RuntimeError(f"ep_moe[native]: the buffer is unusable after an earlier failure: {self._broken}")
         if self._destroyed:
             raise RuntimeError("ep_moe[native]: the buffer was destroyed")
-        record = self._error.tolist()
+        record = self._error_record.tolist()
         if record[0] == 0:
             return
         code, rank, stage, channel, peer, detail = record[:6]
@@ -165,10 +233,51 @@ class NativeBackend(CommBackend):
         raise RuntimeError(message)
 
     def _wait_on_host(self) -> None:
-        """Block until the work queued so far on the current stream ran, then surface kernel errors."""
+        """Block until the work queued so far on the current stream ran, then surface kernel errors (not a
+        disagreement an earlier call recorded: see `_raise_mismatch` for where that is raised)."""
         self._notify_done.record(torch.cuda.current_stream(self.device))
         self._notify_done.synchronize()
         self._raise_if_failed()
+
+    def _raise_mismatch(self) -> None:
+        """Raise (and clear) the mismatch record of a call that did not wait on the host. Only after a host wait
+        that covers that call: every rank's kernels found the same disagreements, so every rank has the same
+        record there and raises at the same point (a check at a call's start could see it on one rank and not
+        yet on another, and put the ranks out of step)."""
+        if int(self._mismatch_record[_FOUND]) == 0:  # the common case: one word
+            return
+        error = parse_mismatch_record(self._mismatch_record.tolist())
+        self._mismatch_record[_FOUND] = 0
+        raise error
+
+    def _header_check(self) -> tuple[bool, list[int], list[list[int]]]:
+        """The header check a notify or an exchange wrote into host_counts (after a host wait)."""
+        base = self.num_ranks * (self.num_ranks + 1)
+        words = self._host_counts[base:base + self.num_ranks * HEADER_WORDS + HEADER_LEN + 1].tolist()
+        return parse_header_check(words, self.num_ranks)
+
+    def _header(self, op: int, hidden: int, dtype: torch.dtype, scales: int = 0, topk: int = 0, experts: int = 0,
+                worst: int = 0, last_seq: int = 0) -> list[int]:
+        """This rank's header of a call (the kernels fill in a handle's layout digest and the copy-engine
+        number of the call)."""
+        return [*agreement.header(op, hidden, dtype, scales, topk, experts, worst), 0, 0, last_seq]
+
+    def _agree_first(self, header: list[int], prefix: torch.Tensor | None = None) -> None:
+        """Before a host-side decision that every rank must take alike (the torch fallback, a first or larger
+        data buffer, options not used yet): exchange the call's ``header`` (with the layout digest of
+        ``prefix``, a handle's rank_prefix_matrix) as an operation of its own and wait for it; raise the
+        call's ValueError on a disagreement. A rank whose shapes need no such decision meets this exchange in
+        its call's own kernels, which see the disagreement too (and record it). Not during CUDA-graph capture
+        (no host wait there; the decisions above then raise or cannot differ)."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if prefix is not None:
+            prefix = prefix.to(torch.int32).contiguous()
+        _c().exchange(self._buffer_env, header, prefix, self._host_counts, self.test_header_perturbation)
+        self._wait_on_host()
+        disagree, own, seen = self._header_check()
+        if disagree:
+            raise mismatch_error(self.rank, own, [h[:HEADER_LEN] for h in seen])
 
     # ---------------------------------------------------------------- options
     def _new_env(self, options: NativeOptions):
@@ -179,9 +288,10 @@ class NativeBackend(CommBackend):
         """A call's options: ``config.native``, else the buffer's."""
         return config.native if config.native is not None else self.options
 
-    def _env_for(self, options: NativeOptions):
+    def _env_for(self, options: NativeOptions, agree=None):
         """The kernels' Env of ``options``. A value this buffer has not used yet is first checked equal on
-        every rank (a collective, so every rank must pass it in the same call; not during graph capture)."""
+        every rank (a collective, so every rank must pass it in the same call; not during graph capture),
+        after ``agree()`` (`_agree_first` of the call's header), when given."""
         if options is self.options:  # the common case, without hashing fifteen fields per call
             return self._buffer_env
         env = self._envs.get(options)
@@ -190,6 +300,8 @@ class NativeBackend(CommBackend):
                 raise RuntimeError("ep_moe[native]: config.native holds options this buffer has not used "
                                    "yet; their first use checks them on every rank, which cannot happen during "
                                    "CUDA-graph capture: run one call with them before capturing")
+            if agree is not None:
+                agree()
             policy.check_same_on_every_rank(options, self.group)
             env = self._envs[options] = self._new_env(options)
         return env
@@ -205,25 +317,30 @@ class NativeBackend(CommBackend):
         push = round(num_sms * policy.push_fraction(self._options_of(config), op))
         return num_sms, min(num_sms - 1, max(1, push))
 
-    def _ensure_data(self, needed: int) -> None:
-        """First use: a data buffer of the largest size any rank needs (one collective, host sync)."""
+    def _ensure_data(self, needed: int, agree=None) -> None:
+        """First use: a data buffer of the largest size any rank needs (one collective, host sync), after
+        ``agree()`` (`_agree_first` of the call's header), when given."""
         if self._data is not None:
             return
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("ep_moe[native]: run one dispatch before CUDA-graph capture (it sizes the "
                                "symmetric buffer), or create the Buffer with num_nvl_bytes")
+        if agree is not None:
+            agree()
         # a gloo group (ranks sharing a GPU, EP_MOE_SYMMETRIC_MEMORY=vmm) reduces on the host
         gloo = "gloo" in str(dist.get_backend(self.group)).lower()
         size = torch.tensor([needed], dtype=torch.int64, device="cpu" if gloo else self.device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX, group=self.group)
         self._data = SymmetricBuffer(self.group, self.device, int(size.item()))
 
-    def _fit(self, rows: int | None, hidden: int, elem_size: int, num_scales: int, num_topk: int) -> None:
+    def _fit(self, rows: int | None, hidden: int, elem_size: int, num_scales: int, num_topk: int,
+             agree=None) -> None:
         """Grow the data buffer (collectively) to hold ``rows`` rows of this shape, both ways.
 
         Every rank calls it with the same ``rows``: derived from the count matrix every rank shares, or
         from ``num_worst_tokens`` (which bounds what any rank receives, and so what it sends back).
-        ``None``: unknown here; the kernels check capacity on the device instead."""
+        ``None``: unknown here; the kernels check capacity on the device instead. ``agree()`` runs before the
+        buffer grows (where the call's header has not been checked yet: `_agree_first`)."""
         if rows is None:
             return
         needed = sizing.data_bytes_for(rows, hidden, elem_size, num_scales, num_topk)
@@ -232,6 +349,8 @@ class NativeBackend(CommBackend):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"ep_moe[native]: the symmetric buffer must grow to {needed} bytes, which cannot "
                                "happen during CUDA-graph capture: run the same call once before capturing")
+        if agree is not None:
+            agree()
         torch.cuda.current_stream(self.device).synchronize()
         self._retired.append(self._data)
         self._data = SymmetricBuffer(self.group, self.device, needed + needed // 4)
@@ -272,12 +391,15 @@ class NativeBackend(CommBackend):
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
     def combines_expert_rows(self, row_bytes: int) -> bool:
-        """At two or more ranks, rows the kernels take (see `CommBackend.combines_expert_rows`)."""
-        return self.num_ranks > 1 and self._kernels_take(row_bytes)
+        """At two or more ranks, rows the kernels take, with the extension's expert-major ops (which form the own
+        rows; see `CommBackend.combines_expert_rows`)."""
+        return self.num_ranks > 1 and self._kernels_take(row_bytes) and native.extension_available()
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
-        """A fresh dispatch the kernels take, at two or more ranks (see `CommBackend.receives_in_place`)."""
-        return self.num_ranks > 1 and self._kernels_take(row_bytes, num_experts // self.num_ranks)
+        """A fresh dispatch the kernels take, at two or more ranks, with the extension's expert-major ops (which
+        permute the rows from where they landed; see `CommBackend.receives_in_place`)."""
+        return (self.num_ranks > 1 and self._kernels_take(row_bytes, num_experts // self.num_ranks)
+                and native.extension_available())
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -294,34 +416,49 @@ class NativeBackend(CommBackend):
         on this stream right after it; its value is ``result.consumed``."""
         self._raise_if_failed()
         row = x.shape[1] * x.element_size()
+        num_scales = x_scales.shape[1] if x_scales is not None else 0
+        cached = handle is not None
+        # This rank's header of the call (agreement's; a handle's layout digest is computed in the kernels).
+        if cached:
+            header = self._header(agreement.OP_CACHED_DISPATCH, x.shape[1], x.dtype, num_scales,
+                                  worst=handle.num_worst_tokens)
+        else:
+            header = self._header(agreement.OP_DISPATCH, x.shape[1], x.dtype, num_scales, topk_idx.shape[1],
+                                  num_experts, num_worst_tokens, last_seq=self._copy_seq)
+        prefix_of_handle = handle.rank_prefix_matrix if cached else None
+
+        def agree() -> None:
+            self._agree_first(header, prefix_of_handle)
+
         local_experts = num_experts // self.num_ranks if handle is None else 0
         if consume is not None and (handle is not None or not self.receives_in_place(row, num_experts)):
             raise ValueError("ep_moe[native]: argument 'consume' needs a fresh dispatch that receives_in_place")
         if not self._kernels_take(row, local_experts):
+            agree()  # a rank whose shapes the kernels take meets this in its kernels (another header)
             return self._fallback.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
                                            num_tokens_per_rank, handle, num_experts, expert_alignment,
                                            num_worst_tokens, config)
         C = _c()
         options = self._options_of(config)
-        env = self._env_for(options)
+        env = self._env_for(options, agree)
+        perturb = self.test_header_perturbation
         x, x_scales = _aligned(x), _aligned(x_scales)
         num_tokens, hidden = x.shape
-        num_scales = x_scales.shape[1] if x_scales is not None else 0
         num_ranks, me = self.num_ranks, self.rank
         blocks, pushers = self._split(config, "dispatch")
 
-        if handle is not None:  # cached: the handle's layout, no count exchange
+        if cached:  # the handle's layout, no count exchange
             route = handle.backend_state if handle.backend_state is not None else self._route_of(handle)
             prefix = handle.rank_prefix_matrix.to(torch.int32).contiguous()
             rows = handle.num_recv_rows
             self._ensure_data(sizing.data_bytes_for(num_ranks * max(num_tokens, 1), hidden, x.element_size(),
-                                                    num_scales, 0))
-            self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0)
+                                                    num_scales, 0), agree)
+            self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0, agree)
             layout = self._route_layout.get(id(route))
             tokens = None
             if layout is not None:
                 tokens = self._copy_engine_tokens(options, True, layout[1], layout[2], hidden,
-                                                  x.element_size(), num_scales, 0)
+                                                  x.element_size(), num_scales, 0, agree)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, 0)
             recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
             recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
@@ -329,33 +466,42 @@ class NativeBackend(CommBackend):
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
                 C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
-                           [], [], None, False)
+                           [], [], None, header, perturb, False)
             else:  # x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
-                    C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx, False)
+                    C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx, header,
+                               perturb, False)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         is_token_in_rank = is_token_in_rank.contiguous()
         self._ensure_data(sizing.data_bytes_for(max(num_ranks * num_tokens, num_worst_tokens, 1), hidden,
-                                                x.element_size(), num_scales, num_topk))
+                                                x.element_size(), num_scales, num_topk), agree)
         if num_worst_tokens:  # no rank receives more, so none sends back more (to all peers together)
-            self._fit(max(1, num_ranks - 1) * num_worst_tokens, hidden, x.element_size(), num_scales, num_topk)
+            self._fit(max(1, num_ranks - 1) * num_worst_tokens, hidden, x.element_size(), num_scales, num_topk, agree)
         regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=x.device)
         route = torch.empty(2, num_tokens, num_ranks, dtype=torch.int32, device=x.device)  # pos, send_list
         local_experts = num_experts // num_ranks
         experts_travel = not num_worst_tokens and local_experts <= C.MAX_NOTIFY_EXPERTS
+        # The notify also exchanges the headers (a fixed-size dispatch's verdict reaches its dispatch kernel on
+        # the device; an exact-size one's the host, below).
         C.notify(env, is_token_in_rank, num_tokens_per_rank.contiguous(), prefix, route[0], route[1],
                  self._host_counts, num_worst_tokens, regions.rows, topk_idx, local_experts, expert_alignment,
-                 self._host_expert_counts if experts_travel else None)
+                 self._host_expert_counts if experts_travel else None, header, perturb)
         counts_list = None
         tokens = None  # every rank's tokens when x goes by the copy engine
         if num_worst_tokens:
             rows = num_worst_tokens
         else:
-            self._wait_on_host()
+            self._wait_on_host()  # an earlier call's mismatch record is raised once this call's kernels are queued
+            disagree, own, seen = self._header_check()
+            if disagree:  # before the counts are used: no dispatch kernel follows, so close the notify's epoch
+                C.close_epoch(env)
+                raise mismatch_error(me, own, [h[:HEADER_LEN] for h in seen])
+            # Every rank's next copy-engine number the same, above every flag written so far (kernels.h).
+            self._copy_seq = max(self._copy_seq, *(h[_LAST_SEQ] for h in seen))
             host = self._host_counts[:num_ranks * (num_ranks + 1)].tolist()
             counts = [host[s * num_ranks:(s + 1) * num_ranks] for s in range(num_ranks)]
             tokens = host[num_ranks * num_ranks:]
@@ -385,14 +531,18 @@ class NativeBackend(CommBackend):
                 self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks)
         if tokens is None:
             C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None,
-                       in_place)
+                       header, perturb, in_place)
         else:  # x, the top-k and the send lists go by the copy engine
             with self._copy_engine_call(options, "dispatch", "dispatch", blocks, num_scales) as ce:
-                C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None, False)
+                C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None, header, perturb, False)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
-        if not num_worst_tokens and counts_list is None:  # too many local experts to travel in notify
-            counts_list = counts_out.tolist()
+        if not num_worst_tokens:
+            if counts_list is None:  # too many local experts to travel in notify
+                counts_list = counts_out.tolist()
+            # A disagreement an earlier call (without a host wait) recorded: raised here, after this call's
+            # kernels are queued, so that every rank's calls stay in step (see _raise_mismatch).
+            self._raise_mismatch()
         if not in_place:
             return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle, counts_list)
         # The peers' rows stay in this rank's buffer, where the pushers put them in output order; the own rows
@@ -433,6 +583,13 @@ class NativeBackend(CommBackend):
         copy engine), and the own rows, which the reducers read in place, are formed first
         (``ep_moe_native::unpermute_own_rows``)."""
         self._raise_if_failed()
+        header = self._header(agreement.OP_COMBINE, y.shape[1], y.dtype,
+                              topk=topk_weights.shape[1] if topk_weights is not None else -1,
+                              worst=handle.num_worst_tokens)
+
+        def agree() -> None:
+            self._agree_first(header, handle.rank_prefix_matrix)
+
         if expert_rows is not None:
             if not self.combines_expert_rows(y.shape[1] * y.element_size()) or any(b is not None for b in bias):
                 raise ValueError("ep_moe[native]: argument 'expert_rows' needs rows the kernels take and no bias")
@@ -448,17 +605,19 @@ class NativeBackend(CommBackend):
             expert_args = (None, None, None)
         if not self._kernels_take(y.shape[1] * y.element_size()) or any(
                 b is not None and b.dtype not in self.supported_dtypes for b in bias):
+            agree()  # a rank whose shapes the kernels take meets this in its kernels (another header)
             return self._fallback.combine(y, handle, topk_weights, bias, config)
         C = _c()
         options = self._options_of(config)
-        env = self._env_for(options)
+        env = self._env_for(options, agree)
+        perturb = self.test_header_perturbation
         y, topk_weights = _aligned(y), (topk_weights.contiguous() if topk_weights is not None else None)
         num_tokens, hidden = handle.num_tokens, y.shape[1]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         route = handle.backend_state if handle.backend_state is not None else self._route_of(handle)
         self._ensure_data(sizing.data_bytes_for(max(y.shape[0], self.num_ranks * num_tokens, 1), hidden,
-                                                y.element_size(), 0, num_topk))
-        self._fit(self._rows_bound(handle, route), hidden, y.element_size(), 0, num_topk)
+                                                y.element_size(), 0, num_topk), agree)
+        self._fit(self._rows_bound(handle, route), hidden, y.element_size(), 0, num_topk, agree)
         regions = sizing.combine_regions(self._data.nbytes, hidden * y.element_size(), num_topk)
         out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
         out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk else None
@@ -473,10 +632,10 @@ class NativeBackend(CommBackend):
         bulk = policy.bulk_reduce(options, copy_engine=counts is not None)
         if counts is None:
             C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk,
-                      *expert_args)
+                      header, perturb, *expert_args)
         else:  # the rows go back by the copy engine
             with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
-                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, *expert_args)
+                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, header, perturb, *expert_args)
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine
@@ -527,25 +686,29 @@ class NativeBackend(CommBackend):
         return counts if policy.wanted(options, counts, row_bytes) else None
 
     def _copy_engine_tokens(self, options: NativeOptions, cached: bool, counts: list[list[int]],
-                            tokens: list[int], hidden: int, elem_size: int, num_scales: int, num_topk: int
-                            ) -> list[int] | None:
+                            tokens: list[int], hidden: int, elem_size: int, num_scales: int, num_topk: int,
+                            agree=None) -> list[int] | None:
         """``tokens`` when this dispatch (``cached``: a re-dispatch with a handle) sends x by the copy engine,
         else None (the same answer on every rank; never during graph capture). The buffer grows
-        (collectively) until every rank's tokens fit its slot."""
+        (collectively, after ``agree()``: see `_fit`) until every rank's tokens fit its slot."""
         if torch.cuda.is_current_stream_capturing():
             return None
         row_bytes = hidden * elem_size + 4 * num_scales
         if not policy.wanted_for_dispatch(options, counts, tokens, row_bytes, cached):
             return None
-        self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk)
+        self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk, agree)
         regions = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, num_topk)
         return tokens if max(tokens) <= regions.rows // self.num_ranks else None
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:
+        """Every rank's arrival (raises after ``timeout_s``); then a disagreement an earlier call recorded (every
+        call of this rank before the barrier has run: the device is synchronized) raises its ValueError."""
         self._raise_if_failed()
         _c().barrier(self._buffer_env)
-        self._wait_on_host()
+        torch.cuda.synchronize(self.device)  # earlier calls may have run on another stream (the comm stream)
+        self._raise_if_failed()
+        self._raise_mismatch()
 
     def destroy(self) -> None:
         if self._destroyed:

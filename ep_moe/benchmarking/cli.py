@@ -594,12 +594,12 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
         parser.error(f"--timeout: must be positive, got {args.timeout}")
     names = args.backends
     if names is None:
-        names = ["torch"] + (["native"] if native.extension_available() and args.device == "cuda" else [])
+        names = ["torch"] + (["native"] if native.kernels_kind() is not None and args.device == "cuda" else [])
     elif "native" in names:
         if args.device != "cuda":
             parser.error("--backends native: the native backend needs CUDA GPUs (this run is on CPU)")
-        if not native.extension_available():
-            parser.error("--backends native: the CUDA extension ep_moe.native._C is not built here")
+        if native.kernels_kind() is None:
+            parser.error(f"--backends native: no native kernels here ({native.kernels_unavailable_reason()})")
     # torch first: the other backends are compared with it, bit for bit, and timed against it.
     names = sorted(dict.fromkeys(names), key=lambda n: (n != "torch", n))
     dtypes = tuple(sorted(dict.fromkeys(args.dtypes), key=lambda d: d == "fp8"))  # bf16 before fp8: fp8 is checked against it

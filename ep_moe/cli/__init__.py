@@ -14,7 +14,7 @@ COMMANDS = {
     "simulate": ("ep_moe.tuning.simulate", "predicted dispatch/combine bytes per hop and time across nodes, flat vs "
                                          "hybrid (ep-moe simulate --nodes 2,4,8,16 --gpus-per-node 8)"),
     "demo": ("ep_moe.cli.demo", "a small dispatch/combine round trip on spawned CPU ranks (checks an install)"),
-    "jit": ("ep_moe.cli.jit", "compile JIT kernels ahead of time (ep-moe jit warmup --shapes ...), list the cache"),
+    "jit": ("ep_moe.cli.jit", "compile JIT kernels ahead of time (ep-moe jit warmup [--shapes ...]), list the cache"),
     "env": ("ep_moe.cli.env", "report the installation: versions, GPUs, whether the native kernels are built "
                               "(and why not)"),
 }

@@ -1,7 +1,8 @@
 """Native intranode kernels (CUDA, over symmetric memory) and the check of whether they can run.
 
 The extension ``ep_moe.native._C`` exists only where ``setup.py`` found a CUDA toolkit and a CUDA
-build of torch; ``setup.py`` records what it decided, and why, in ``build_info.json`` beside this file
+build of torch; elsewhere the same kernels compile on first use (`ep_moe.native.jit.intranode`, chosen by
+`kernels_kind`); ``setup.py`` records what it decided, and why, in ``build_info.json`` beside this file
 (`read_build_record`), which is what `extension_unavailable_reason` quotes. Everything here imports
 without the extension. ``python -m ep_moe.native`` prints the environment report (``ep-moe env``).
 """
@@ -129,16 +130,89 @@ def extension_unavailable_reason() -> str | None:
     return _IMPORT_ERROR
 
 
+_choices: dict[str | None, tuple[str | None, str | None]] = {}  # by the value of EP_MOE_JIT (once per process)
+
+
+def _kernels_choice() -> tuple[str | None, str | None]:
+    """``(kind, None)`` with kind ``"aot"`` (the extension) or ``"jit"`` (`ep_moe.native.jit.intranode`), or
+    ``(None, why neither)``. ``EP_MOE_JIT=1``: the JIT module; ``0``: the extension; unset: the extension where it
+    is built, else the JIT module where JIT kernels can run (a CUDA GPU and a compiler, or a warm cache)."""
+    value = os.environ.get("EP_MOE_JIT")
+    found = _choices.get(value)
+    if found is None:
+        found = _choices[value] = _decide_kernels()
+    return found
+
+
+def _decide_kernels() -> tuple[str | None, str | None]:
+    from . import jit
+
+    try:
+        mode = jit.mode()
+    except ValueError as exc:
+        return None, str(exc)
+    if mode == "force":
+        why = jit.unavailable_reason()
+        return ("jit", None) if why is None else (None, f"EP_MOE_JIT=1 asks for the JIT kernels, which cannot run "
+                                                        f"here ({why})")
+    if _C is not None:
+        return "aot", None
+    missing = f"the CUDA extension ep_moe.native._C is unavailable ({_IMPORT_ERROR})"
+    if mode == "off":
+        return None, f"{missing}, and EP_MOE_JIT=0 turns the JIT kernels off"
+    why = jit.unavailable_reason()
+    return ("jit", None) if why is None else (None, f"{missing}, and the JIT kernels cannot run here ({why})")
+
+
+def kernels_kind() -> str | None:
+    """Which build of the intranode kernels the native backend uses in this process: ``"aot"`` (the
+    extension), ``"jit"`` (compiled on first use, `ep_moe.native.jit.intranode`), or None (neither can run:
+    `kernels_unavailable_reason`)."""
+    return _kernels_choice()[0]
+
+
+def kernels_unavailable_reason() -> str | None:
+    """Why neither build of the intranode kernels can run here (one line), None when one can."""
+    return _kernels_choice()[1]
+
+
+def intranode_kernels():
+    """The intranode kernels' module (`kernels_kind`): ``ep_moe.native._C`` or ``ep_moe.native.jit.intranode``,
+    which have the same functions (``Env``, ``layout``, ``notify``, ``dispatch``, ``combine``, ``barrier``) and
+    constants; the JIT one has ``KIND == "jit"``. Raises `RuntimeError` saying why
+    when neither can run."""
+    kind, why = _kernels_choice()
+    if kind is None:
+        raise RuntimeError(f"ep_moe.native: no intranode kernels: {why}")
+    if kind == "aot":
+        return _C
+    from .jit import intranode
+
+    return intranode
+
+
+def kinds_disagree(kinds: list[str]) -> str | None:
+    """Why a group whose ranks use these builds (`kernels_kind` of rank r at ``kinds[r]``) cannot run the native
+    backend, or None when they are all alike."""
+    if len(set(kinds)) == 1:
+        return None
+    return ("the ranks use different builds of the native kernels (" + ", ".join(
+        f"rank {r}: {'extension' if k == 'aot' else 'JIT'}" for r, k in enumerate(kinds)) +
+        "); set EP_MOE_JIT alike on every rank")
+
+
 def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
     """Why the native backend cannot serve ``group`` on ``device``, or None when it can.
 
     Collective: every rank of ``group`` must call it (it gathers each rank's ``EP_MOE_SYMMETRIC_MEMORY``, host,
-    device and what it can map). Raises `ValueError` on every rank when the ranks name different symmetric memory
-    providers (`symmetric.agreed_symmetric_memory_provider`). With the ``torch`` provider every rank needs a GPU
-    of its own; with ``vmm`` ranks may share one. Ranks on distinct GPUs need peer access to each other.
+    device, what it can map and which build of the kernels it uses: ranks must agree, so that every rank runs the
+    same code). Raises `ValueError` on every rank when the ranks name different symmetric memory providers
+    (`symmetric.agreed_symmetric_memory_provider`). With the ``torch`` provider every rank needs a GPU of its own;
+    with ``vmm`` ranks may share one. Ranks on distinct GPUs need peer access to each other.
     """
-    if _C is None:
-        return f"the CUDA extension ep_moe.native._C is unavailable ({_IMPORT_ERROR})"
+    kind, why = _kernels_choice()
+    if kind is None:
+        return why
     provider = agreed_symmetric_memory_provider(group)
     if device.type != "cuda":
         return f"the group runs on {device.type}, not CUDA"
@@ -155,15 +229,17 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
         reason = vmm_unavailable_reason(device, exportable=True, host=False)
         if reason is not None:
             memory_reason = f"{SYMMETRIC_MEMORY_ENV}=vmm, but the CUDA VMM calls cannot serve it: {reason}"
-    here = (socket.gethostname(), torch.cuda.current_device(), memory_reason)
+    here = (socket.gethostname(), torch.cuda.current_device(), memory_reason, kind)
     everyone: list = [None] * num_ranks
     dist.all_gather_object(everyone, here, group=group)  # every rank decides from the same facts
-    failed = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(everyone) if why is not None]
+    failed = [f"rank {r}: {why}" for r, (_, _, why, _) in enumerate(everyone) if why is not None]
     if failed:
         return "; ".join(failed)
-    if len({host for host, _, _ in everyone}) != 1:
+    if len({host for host, *_ in everyone}) != 1:
         return "the group spans several hosts (native kernels are intranode only)"
-    devices = [dev for _, dev, _ in everyone]
+    if (mixed := kinds_disagree([k for *_, k in everyone])) is not None:
+        return mixed
+    devices = [dev for _, dev, *_ in everyone]
     if provider == "torch" and len(set(devices)) != num_ranks:
         shared = next(dev for dev in devices if devices.count(dev) > 1)
         ranks = [r for r, dev in enumerate(devices) if dev == shared]
@@ -179,12 +255,11 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layout kernel: same outputs as `ep_moe.layout.dispatch_layout` (``[R]`` int32 tokens per
     rank, ``[E]`` int32 tokens per expert, ``[T, R]`` bool), on the current CUDA stream."""
-    if _C is None:
-        raise RuntimeError(f"ep_moe.native: the CUDA extension is unavailable ({_IMPORT_ERROR})")
-    per_rank, per_expert, in_rank = _C.layout(topk_idx.contiguous(), num_experts, num_ranks)
+    per_rank, per_expert, in_rank = intranode_kernels().layout(topk_idx.contiguous(), num_experts, num_ranks)
     return per_rank, per_expert, in_rank
 
 
-__all__ = ["BUILD_RECORD", "MAX_RANKS", "SYMMETRIC_MEMORY_ENV", "buffer_size_hint", "dispatch_layout",
-           "explain_missing_extension", "extension_available", "extension_unavailable_reason", "read_build_record",
-           "symmetric_memory_provider", "unavailable_reason"]
+__all__ = ["BUILD_RECORD", "MAX_RANKS", "SYMMETRIC_MEMORY_ENV", "agreed_symmetric_memory_provider",
+           "buffer_size_hint", "dispatch_layout", "explain_missing_extension", "extension_available",
+           "extension_unavailable_reason", "intranode_kernels", "kernels_kind", "kernels_unavailable_reason",
+           "read_build_record", "symmetric_memory_provider", "unavailable_reason"]

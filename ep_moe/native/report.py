@@ -1,14 +1,16 @@
 """``python -m ep_moe.native``: what the native kernels need and whether they can run here.
 
-One ``name: value`` line per item (`ITEMS`): the Python interpreter, torch, CUDA and the GPUs, NCCL, torch's
-symmetric memory, the native extension (built or not, and why not) with ``setup.py``'s build record
-(`ep_moe.native.read_build_record`), the JIT kernels (used or why not, the compiler found, the cache directory
+One ``name: value`` line per item (`ITEMS`): the Python interpreter, torch, CUDA and the GPUs, NCCL, the symmetric
+memory (the provider ``EP_MOE_SYMMETRIC_MEMORY`` names, and whether it can serve here), the native extension (built
+or not, and why not) with ``setup.py``'s build record (`ep_moe.native.read_build_record`), which build the intranode
+kernels come from (extension or JIT), the JIT kernels (used or why not, the compiler found, the cache directory
 and its kernels), and the multicast variables. ``ep-moe env`` (`ep_moe.cli.env`) prints
 these and the rest of the installation. An item that cannot be found out says why instead.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
@@ -20,6 +22,7 @@ import torch
 
 from .. import native
 from ..distributed import MULTICAST_OFF, nccl_version
+from ..memory.cuda_vmm import vmm_unavailable_reason
 from . import jit
 
 Item = tuple[str, Callable[[], str]]
@@ -46,11 +49,18 @@ def _nccl() -> str:
 
 
 def _symmetric_memory() -> str:
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+    provider = native.symmetric_memory_provider()
+    chosen = f"{provider} ({native.SYMMETRIC_MEMORY_ENV}={os.environ.get(native.SYMMETRIC_MEMORY_ENV) or '(unset)'})"
+    if provider == "vmm":
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        reason = vmm_unavailable_reason(device, exportable=True, host=False)
+        usable = f"usable on {device}" if reason is None else f"unavailable: {reason}"
+        return f"{chosen}: CUDA VMM device memory shared by file descriptor (ranks may share a GPU), {usable}"
+    try:  # (an import statement would make `torch` a local name of this function)
+        importlib.import_module("torch.distributed._symmetric_memory")
     except Exception as exc:  # any failure means the native backend cannot run
-        return f"torch.distributed._symmetric_memory does not import ({type(exc).__name__}: {exc})"
-    return "torch.distributed._symmetric_memory imports"
+        return f"{chosen}: torch.distributed._symmetric_memory does not import ({type(exc).__name__}: {exc})"
+    return f"{chosen}: torch.distributed._symmetric_memory imports"
 
 
 def _native_kernels() -> str:
@@ -85,7 +95,17 @@ def _jit_kernels() -> str:
         return f"unavailable ({reason})"
     if native.extension_available() and mode != "force":
         return "available; the ahead-of-time extension is used instead (EP_MOE_JIT=1 prefers JIT)"
-    return "used for the expert-major kernels" + (" (EP_MOE_JIT=1)" if mode == "force" else "")
+    return "used for the intranode and expert-major kernels" + (" (EP_MOE_JIT=1)" if mode == "force" else "")
+
+
+def _intranode_kernels() -> str:
+    kind = native.kernels_kind()
+    if kind == "aot":
+        return "the ahead-of-time extension ep_moe.native._C"
+    if kind == "jit":
+        return ("JIT: csrc's kernels compiled on first use, one build per architecture, launched from Python "
+                "(ep_moe.native.jit.intranode)")
+    return f"none, the native backend is unavailable ({native.kernels_unavailable_reason()})"
 
 
 def _jit_compiler() -> str:
@@ -112,6 +132,7 @@ ITEMS: tuple[Item, ...] = (
     ("symmetric memory", _symmetric_memory),
     ("native kernels", _native_kernels),
     ("build record", _build_record),
+    ("intranode kernels", _intranode_kernels),
     ("JIT kernels", _jit_kernels),
     ("JIT compiler", _jit_compiler),
     ("JIT cache", _jit_cache),

@@ -153,9 +153,10 @@ def preflight_backend(recipe: AnyRecipe, device_type: str) -> None:
         return
     from ep_moe import native
 
-    if not native.extension_available():
-        raise RecipeError("ep_moe.dispatcher_backend: 'native' needs the CUDA extension ep_moe.native._C, which "
-                          f"is unavailable here ({native.extension_unavailable_reason()}); use "
+    if native.kernels_kind() is None:
+        raise RecipeError("ep_moe.dispatcher_backend: 'native' needs the native kernels (the CUDA extension "
+                          "ep_moe.native._C or their JIT build), which cannot run here "
+                          f"({native.kernels_unavailable_reason()}); use "
                           "ep_moe.dispatcher_backend=auto (native where it can run, else torch) or torch")
     if device_type != "cuda":
         raise RecipeError(f"ep_moe.dispatcher_backend: 'native' runs on CUDA GPUs, this job runs on {device_type} "

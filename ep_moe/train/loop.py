@@ -82,6 +82,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)        # per step of this run segment, in order
     final_loss: float = math.nan
     eval_loss: float | None = None
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss) of this run segment
     entropy_floor: float | None = None
     tokens_per_s: float = 0.0
     train_time_s: float = 0.0
@@ -164,43 +165,57 @@ def evaluate(model, dataset, recipe: Recipe, ps: ParallelState, accum: int) -> f
     return row_order_mean(table[: t.eval_iters * accum * ps.world_size])
 
 
+@dataclass
+class StepOutcome:
+    """One optimizer step as the shared loop reports it (every rank holds the same values)."""
+
+    loss: float                 # mean cross-entropy over the global batch
+    aux_loss: float | None      # the auxiliary loss term as the metrics show it (None: the layer has none)
+    grad_norm: float | None     # before clipping (None where the engine does not say)
+    stats: dict[str, Any]       # routing statistics of the progress line and metrics (may be empty)
+    stop: bool                  # a rank asked to stop (SIGINT/SIGTERM): stop after this step
+
+
 class TrainSteps(Protocol):
-    """What the shared loop (`run_training`) needs from one way of training (data/expert parallel here, the
-    two-stage pipeline in `ep_moe.train.pipeline`): built collectively, one object per rank."""
+    """What the shared loop (`run_training`) needs from one way of training: the ep_moe engine's layouts
+    (`DataParallelSteps`; the two-stage pipeline in `ep_moe.train.pipeline`) and the Megatron and DeepSpeed
+    engines (`ep_moe.train.engines`). Built collectively, one object per rank; every method marked collective is
+    called by every rank in the same order."""
 
     rank: int
     world_size: int
     ep_size: int
     device: torch.device
-    optimizer: torch.optim.Optimizer
     dataset: Any
 
+    def find_checkpoint(self) -> str | None:
+        """The checkpoint this run starts from (``--resume`` / ``checkpoint.load``), or None."""
+
+    def load(self, path: str) -> int:
+        """Collective: load ``path``; its step."""
+
     def opening_lines(self) -> list[str]:
-        """What rank 0 prints before the first step (the layout of the ranks, the model, the backend)."""
+        """What rank 0 prints before the first step (the layout of the ranks, the model, where metrics go)."""
 
     def title(self) -> str:
         """The plot's and the summary's title."""
 
-    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, Any]]:
-        """Forward and backward of this rank's micro-batches of ``batch`` (the step's global batch, gradients
-        cleared), gradient reduction and clipping, the optimizer step: ``(per_micro [n, 2] float64 (cross-entropy,
-        aux loss) of this rank, grad_norm, routing statistics)``."""
+    def begin(self, step: int) -> tuple[float, torch.Tensor]:
+        """Start optimizer step ``step`` (0-based): its learning rate set, gradients cleared; ``(lr, the step's
+        global batch)``."""
 
-    def step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
-        """Collective: the step's row-order mean cross-entropy and aux loss over the global batch, and whether any
-        rank asked to stop."""
+    def step(self, batch: torch.Tensor, stop_requested: bool) -> StepOutcome:
+        """Collective: forward and backward of this rank's micro-batches of ``batch``, gradient reduction and
+        clipping, the optimizer step, and the agreed losses and stop request."""
 
     def evaluate(self) -> float:
         """Collective: the mean validation cross-entropy."""
 
     def save(self, step: int) -> str:
-        """Collective: a checkpoint of step ``step`` (the format of `ep_moe.train.checkpoint`); its folder."""
-
-    def load(self, path: str) -> int:
-        """Load a checkpoint (any EP size, any of the trainer's layouts); its step."""
+        """Collective: a checkpoint of step ``step`` in ``checkpoint.save``; its folder."""
 
     def close(self) -> None:
-        """Release the communication buffers."""
+        """Release what the steps hold (communication buffers, hooks)."""
 
 
 class DataParallelSteps:
@@ -237,7 +252,18 @@ class DataParallelSteps:
     def title(self) -> str:
         return f"{self.recipe.name}: EP {self.ps.ep_size} x DP {self.ps.expert_dp_size}"
 
-    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, Any]]:
+    def find_checkpoint(self) -> str | None:
+        return ckpt.find_checkpoint_to_load(self.recipe)
+
+    def begin(self, step: int) -> tuple[float, torch.Tensor]:
+        return begin_step(self.recipe, self.optimizer, self.dataset, step)
+
+    def step(self, batch: torch.Tensor, stop_requested: bool) -> StepOutcome:
+        per_micro, grad_norm, stats = self._train_step(batch)
+        loss, aux, stop = self._step_losses(per_micro, stop_requested)
+        return StepOutcome(loss, aux, grad_norm, stats, stop)
+
+    def _train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, Any]]:
         t, ps, model, zero = self.recipe.train, self.ps, self.model, self.zero
         per_micro = torch.zeros(self.accum, 2, dtype=torch.float64)
         for i in range(self.accum):
@@ -258,7 +284,7 @@ class DataParallelSteps:
         model.update_expert_bias()  # once per optimizer step, after all micro-batches
         return per_micro, grad_norm, model.moe_stats()
 
-    def step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
+    def _step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
         table = _global_mean(per_micro, self.ps, self.accum, torch.tensor([1.0 if stop else 0.0]))
         n = self.accum * self.ps.world_size * 2
         by_micro = table[:n].view(self.accum * self.ps.world_size, 2)
@@ -298,16 +324,15 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
         steps.close()
 
 
-def run_training(recipe: Recipe, steps: TrainSteps, t0: float) -> RunResult:
-    """The loop every trainer layout shares: resume, per step the schedule's learning rate and batch, the
-    layout's step, the agreed losses and stop request, progress and metrics, evaluation, checkpoints, and the
-    summary. Collective."""
+def run_training(recipe, steps: TrainSteps, t0: float) -> RunResult:
+    """The loop every engine and layout shares: resume, per step the layout's step with the agreed losses and
+    stop request, progress and metrics, evaluation, checkpoints, the summary and the exit status. Collective."""
     t = recipe.train
     is_main = steps.rank == 0
-    dataset, device = steps.dataset, steps.device
-    floor = dataset.entropy_floor
+    device = steps.device
+    floor = getattr(steps.dataset, "entropy_floor", None)
     start_step = 0
-    resumed_from = ckpt.find_checkpoint_to_load(recipe)
+    resumed_from = steps.find_checkpoint()
     if resumed_from is not None:
         start_step = steps.load(resumed_from)
     result = RunResult(rank=steps.rank, entropy_floor=floor, last_step=start_step)
@@ -343,26 +368,26 @@ def run_training(recipe: Recipe, steps: TrainSteps, t0: float) -> RunResult:
     try:
         while step < t.train_iters:
             step_start = time.monotonic()
-            lr, batch = begin_step(recipe, steps.optimizer, dataset, step)
-            per_micro, grad_norm, stats = steps.train_step(batch)
-            loss, aux, stop_now = steps.step_losses(per_micro, stop.requested)
+            lr, batch = steps.begin(step)
+            outcome = steps.step(batch, stop.requested)
             step += 1
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.monotonic() - step_start
             train_time += step_time
             tokens_per_s = throughput.add(step_time)
-            result.losses.append(loss)
-            report_step(recipe, progress, metrics, step, loss, aux, lr, grad_norm, tokens_per_s, time.monotonic() - t0,
-                        stats)
+            result.losses.append(outcome.loss)
+            report_step(recipe, progress, metrics, step, outcome.loss, outcome.aux_loss, lr, outcome.grad_norm,
+                        tokens_per_s, time.monotonic() - t0, outcome.stats)
             last = step == t.train_iters
-            if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or last) and not stop_now:
+            if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or last) and not outcome.stop:
                 eval_loss = steps.evaluate()
+                result.evals.append((step, eval_loss))
                 report_eval(progress, metrics, step, eval_loss, floor, time.monotonic() - t0)
-            if ckpt.save_due(recipe.checkpoint, step, last, stop_now):
+            if ckpt.save_due(recipe.checkpoint, step, last, outcome.stop):
                 result.checkpoint = steps.save(step)
                 last_saved = step
-            if stop_now:
+            if outcome.stop:
                 interrupted = True
                 break
     finally:

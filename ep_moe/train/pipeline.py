@@ -40,8 +40,9 @@ from ..layers.model import rotary_tables
 from . import checkpoint as ckpt
 from .config import Recipe
 from .data import build_dataset, rank_slice
-from .loop import build_model, build_optimizer, row_order_mean
+from .loop import StepOutcome, build_model, build_optimizer, row_order_mean
 from .parallel import ParallelState, all_reduce_sum, build_parallel_state, sync_gradients
+from .schedule import begin_step
 
 
 @dataclass
@@ -276,7 +277,18 @@ class PipelineSteps:
     def title(self) -> str:
         return f"{self.recipe.name}: PP 2 x DP {self.ps.dp_size}"
 
-    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict]:
+    def find_checkpoint(self) -> str | None:
+        return ckpt.find_checkpoint_to_load(self.recipe)
+
+    def begin(self, step: int) -> tuple[float, torch.Tensor]:
+        return begin_step(self.recipe, self.optimizer, self.dataset, step)
+
+    def step(self, batch: torch.Tensor, stop_requested: bool) -> StepOutcome:
+        per_micro, grad_norm = self._train_step(batch)
+        loss, aux, stop = self._step_losses(per_micro, stop_requested)
+        return StepOutcome(loss, aux, grad_norm, {}, stop)
+
+    def _train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float]:
         t, ps, shared = self.recipe.train, self.ps, self.shared
         for p in self.model.parameters():
             if id(p) not in self.own:
@@ -293,9 +305,9 @@ class PipelineSteps:
         for moe in self.own_moe:
             moe.router.update_expert_bias()
             moe.router.reset_stats()
-        return per_micro, grad_norm, {}
+        return per_micro, grad_norm
 
-    def step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
+    def _step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
         n = self.accum * self.ps.dp_size
         table = _step_table(per_micro, self.ps, [1.0 if stop else 0.0])
         by_micro = table[: n * 2].view(n, 2)

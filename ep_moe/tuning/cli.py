@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..distributed import init_from_torchrun, torchrun_env
 from . import DEEPEP_V2_POLICY, LayerShape, PlanCache, Rates, dtype_bytes, format_table
 from .cache import recipe_layers
+from .hybrid import DEFAULT_NIC_GBS, plan_hybrid
 from .plan import FALLBACK_GPU
 from .theoretical import estimate_theoretical_sms, get_theoretical_num_qps, v2_allocated_qps
 from .topology import DATASHEET, Topology, detect_topology
@@ -194,6 +195,8 @@ def _run(args: argparse.Namespace) -> int:
         "on this topology")
     for line in _theoretical_lines(shapes, topology, cache.policy):
         say(line)
+    for line in _hybrid_lines(shapes, topology):
+        say(line)
     if args.json and rank == 0:
         cache.save(args.json)
         say(f"wrote {args.json}")
@@ -226,6 +229,23 @@ def _theoretical_lines(shapes: list[LayerShape], topology: Topology, policy) -> 
                f"GB/s, 1.25 x {est.exact_sms:.1f} SMs")
         lines.append(f"theoretical (DeepEP V2's analytic model, not calibrated): {est.num_sms} SMs, {qps} for "
                      f"experts {experts}, top-k {topk} on EP{topology.world_size} ({why})")
+    return lines
+
+
+def _hybrid_lines(shapes: list[LayerShape], topology: Topology) -> list[str]:
+    """For a group over several nodes: per shape, the plan `ep_moe.ElasticBuffer` runs its hybrid view with
+    (`ep_moe.tuning.hybrid.plan_hybrid`: chunk count, SMs of each hop, predicted times; the table above is the
+    flat calibration's, which a hybrid group does not use)."""
+    per_node = topology.ranks_per_domain
+    if topology.world_size <= per_node or topology.world_size % per_node:
+        return []
+    nodes = topology.world_size // per_node
+    lines = [f"hybrid view {nodes} x {per_node} (ElasticBuffer with allow_hybrid_mode; the hybrid model, NIC "
+             f"{topology.nic_gbs or DEFAULT_NIC_GBS:g} GB/s per GPU):"]
+    for shape in shapes:
+        plan = plan_hybrid(shape, nodes, per_node, nic_gbs=topology.nic_gbs or DEFAULT_NIC_GBS)
+        lines.append(f"  hybrid plan E{shape.num_experts} K{shape.topk} H{shape.hidden} T{shape.tokens}: "
+                     + plan.describe())
     return lines
 
 

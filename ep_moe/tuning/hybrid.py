@@ -16,10 +16,13 @@ rank, H hidden. Counts are rows a rank sends to *other* ranks per call, per hop;
 the balanced-gate expectation with ``g(E, K, n) = n (1 - C(E - E/n, K) / C(E, K))`` distinct destination
 groups per token (`expected_groups`); `predict` turns bytes into time with the NIC and NVLink rates (the hops
 overlapped: the busier link bounds the call) and adds DeepEP V2's SM and QP counts (`ep_moe.tuning.theoretical`).
+`plan_hybrid` is the tuner's plan of a hybrid group (what `ep_moe.ElasticBuffer` runs with): the chunk count that
+minimizes the predicted two-hop pipeline (`pipeline_us`) and the SMs of each hop.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -164,5 +167,110 @@ def predict(shape: LayerShape, num_nodes: int, per_node: int, mode: str, nic_gbs
     return Prediction(mode, num_nodes, per_node, traffic, d_us, c_us, d_bound, c_bound, sms, qps)
 
 
-__all__ = ["DEFAULT_NIC_GBS", "HopRows", "Prediction", "Traffic", "default_nvlink_gbs", "exact_hop_rows",
-           "expected_traffic", "hybrid_row_bytes", "predict"]
+DEFAULT_CHUNK_OVERHEAD_US = 15.0
+"""Fixed cost of one more chunk, per hop: launching one more collective (or native dispatch) and its slot
+bookkeeping. An assumption (not calibrated), of the order of one small NCCL all-to-all's latency."""
+MAX_PLANNED_CHUNKS = 4
+
+
+def pipeline_us(nic_us: float, nvlink_us: float, num_chunks: int,
+                chunk_overhead_us: float = DEFAULT_CHUNK_OVERHEAD_US) -> float:
+    """Predicted time of two hops cut into ``num_chunks`` pieces, chunk k's second hop running while chunk k+1
+    crosses the first: the slower hop's time, plus one piece of the faster one (the pipeline's fill or drain),
+    plus ``num_chunks`` x ``chunk_overhead_us`` (each chunk's launch, on both hops)."""
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"pipeline_us: argument 'num_chunks' must be an int >= 1, got {num_chunks!r}")
+    return max(nic_us, nvlink_us) + min(nic_us, nvlink_us) / num_chunks + num_chunks * chunk_overhead_us
+
+
+@dataclass(frozen=True)
+class HybridPlan:
+    """The tuner's plan of a hybrid group (S nodes x G GPUs) for one layer shape.
+
+    Attributes:
+        num_chunks: the scale-out hop's chunk count (`ep_moe.hybrid.HybridBackend.set_num_chunks`).
+        scaleup_sms: SMs of the in-node hop's native kernels (``Config.num_sms`` of the calls): the fewest (even)
+            whose peer stores carry the busier operation's NVLink bytes within the call's predicted time.
+        scaleout_sms: DeepEP V2's analytic SM count of the hybrid mode (reported: ep_moe's network hop is NCCL,
+            which picks its own channels).
+        dispatch_us, combine_us: predicted with the chunk pipeline; ``*_nic_us`` / ``*_nvlink_us``: each hop alone.
+        traffic: the bytes per GPU (`expected_traffic`).
+    """
+
+    num_nodes: int
+    per_node: int
+    num_chunks: int
+    scaleup_sms: int
+    scaleout_sms: int
+    dispatch_us: float
+    combine_us: float
+    dispatch_nic_us: float
+    dispatch_nvlink_us: float
+    combine_nic_us: float
+    combine_nvlink_us: float
+    traffic: Traffic
+
+    def describe(self) -> str:
+        chunks = f"{self.num_chunks} chunk" + ("s" if self.num_chunks > 1 else "")
+        return (f"hybrid {self.num_nodes} x {self.per_node}: {chunks}, {self.scaleup_sms} SMs in "
+                f"the node (native), {self.scaleout_sms} SMs by DeepEP V2's rule for the network hop (NCCL here); "
+                f"dispatch {self.dispatch_us:.0f} us (NIC {self.dispatch_nic_us:.0f}, NVLink "
+                f"{self.dispatch_nvlink_us:.0f}), combine {self.combine_us:.0f} us (NIC {self.combine_nic_us:.0f}, "
+                f"NVLink {self.combine_nvlink_us:.0f})")
+
+
+def plan_hybrid(shape: LayerShape, num_nodes: int, per_node: int, nic_gbs: float = DEFAULT_NIC_GBS,
+                nvlink_gbs: float | None = None, sm_peer_write_gbs: float | None = None,
+                max_chunks: int = MAX_PLANNED_CHUNKS, chunk_overhead_us: float = DEFAULT_CHUNK_OVERHEAD_US,
+                min_sms: int = 2, max_sms: int = 132) -> HybridPlan:
+    """The plan of a hybrid group from the model (`expected_traffic` of the hybrid path as implemented, NIC at
+    ``nic_gbs``, NVLink at ``nvlink_gbs``, None: `default_nvlink_gbs`; one SM's peer stores at
+    ``sm_peer_write_gbs``, None: `Rates`' default). Chunks: the count in ``1..max_chunks`` with the least
+    predicted dispatch + combine (`pipeline_us`; ties: fewer). ValueError naming a bad argument."""
+    if num_nodes < 1 or per_node < 1:  # one node (the 1 x G view of the two-hop code): no network bytes
+        raise ValueError(f"plan_hybrid: arguments 'num_nodes' and 'per_node' must be >= 1, got {num_nodes}, "
+                         f"{per_node}")
+    if not isinstance(max_chunks, int) or max_chunks < 1:
+        raise ValueError(f"plan_hybrid: argument 'max_chunks' must be an int >= 1, got {max_chunks!r}")
+    if nic_gbs <= 0:
+        raise ValueError(f"plan_hybrid: argument 'nic_gbs' must be > 0, got {nic_gbs!r}")
+    nvlink = default_nvlink_gbs() if nvlink_gbs is None else nvlink_gbs
+    if nvlink <= 0:
+        raise ValueError(f"plan_hybrid: argument 'nvlink_gbs' must be > 0, got {nvlink_gbs!r}")
+    per_sm = Rates(nvlink_gbs=nvlink).sm_peer_write_gbs if sm_peer_write_gbs is None else sm_peer_write_gbs
+    traffic = expected_traffic(shape, num_nodes, per_node, hybrid=True)
+    d_nic, d_nvl = traffic.dispatch_nic / nic_gbs / 1e3, traffic.dispatch_nvlink / nvlink / 1e3
+    c_nic, c_nvl = traffic.combine_nic / nic_gbs / 1e3, traffic.combine_nvlink / nvlink / 1e3
+    chunks = min(range(1, max_chunks + 1), key=lambda n: (pipeline_us(d_nic, d_nvl, n, chunk_overhead_us)
+                                                          + pipeline_us(c_nic, c_nvl, n, chunk_overhead_us), n))
+    # the in-node hop need not beat the network: its bytes within the op's time, at the SMs' peer-store rate
+    need = 0.0
+    for nvl_bytes, nic_us, nvl_us in ((traffic.dispatch_nvlink, d_nic, d_nvl), (traffic.combine_nvlink, c_nic, c_nvl)):
+        budget_s = max(nic_us, nvl_us) * 1e-6
+        if nvl_bytes and budget_s:
+            need = max(need, nvl_bytes / (budget_s * per_sm * 1e9))
+    sms = max(min_sms, min(max_sms, 2 * math.ceil(need / 2)))
+    scaleout = estimate_theoretical_sms(shape.num_experts, shape.topk, rdma_gbs=nic_gbs, nvlink_gbs=nvlink,
+                                        num_ranks=num_nodes * per_node, num_nvlink_ranks=per_node, hybrid=True,
+                                        max_sms=max_sms).num_sms
+    return HybridPlan(num_nodes, per_node, chunks, sms, scaleout,
+                      pipeline_us(d_nic, d_nvl, chunks, chunk_overhead_us),
+                      pipeline_us(c_nic, c_nvl, chunks, chunk_overhead_us), d_nic, d_nvl, c_nic, c_nvl, traffic)
+
+
+def apply_hybrid_plan(backend, num_experts: int, topk: int, hidden: int, tokens: int, dtype_bytes: int
+                      ) -> HybridPlan:
+    """The plan of this shape for a `ep_moe.hybrid.HybridBackend` (its S x G view and most chunks), whose chunk
+    count it then sets unless the buffer fixed one (``backend.chunks_fixed``). ``tokens``: the most any rank
+    holds (every rank must pass the same arguments, so that all cut the same chunks). Returns the plan (its
+    ``scaleup_sms`` is the in-node hop's SM count)."""
+    plan = plan_hybrid(LayerShape(num_experts, topk, hidden, tokens, min(dtype_bytes, 4)), backend.num_nodes,
+                       backend.per_node, max_chunks=backend.max_chunks)
+    if not backend.chunks_fixed:
+        backend.set_num_chunks(plan.num_chunks)
+    return plan
+
+
+__all__ = ["DEFAULT_CHUNK_OVERHEAD_US", "DEFAULT_NIC_GBS", "MAX_PLANNED_CHUNKS", "HopRows", "HybridPlan",
+           "Prediction", "Traffic", "apply_hybrid_plan", "default_nvlink_gbs", "exact_hop_rows", "expected_traffic", "hybrid_row_bytes",
+           "pipeline_us", "plan_hybrid", "predict"]

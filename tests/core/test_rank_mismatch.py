@@ -17,14 +17,16 @@ from ep_moe.reference import reference_combine, reference_dispatch
 BUFFER_TIMEOUT_S = 10.0
 GROUP_TIMEOUT_S = 30.0
 H, K, E_PER_RANK = 128, 2, 2
-TOKENS = (6, 9, 4)  # T of ranks 0, 1, 2
+TOKENS = (6, 9, 4, 7, 5, 8, 3, 6)  # T of ranks 0, 1, 2, ... (the GPU version runs up to 8 ranks)
 
 
 def _scenarios(rank: int, num_ranks: int, buffer: Buffer, x, idx, w, E: int, W: int):
     """(name, call) pairs; the ``odd`` rank (the last) passes the other value. Every call is made on every
-    rank. ``W``: a ``num_worst_tokens`` that bounds the rows any rank receives."""
+    rank. ``W``: a ``num_worst_tokens`` that bounds the rows any rank receives. Tensors are made on ``x``'s
+    device (tests/native/test_native_mismatch_gpu.py runs the same scenarios on GPUs)."""
     odd = rank == num_ranks - 1
     T = x.shape[0]
+    dev = x.device
     fp8 = torch.float8_e4m3fn
 
     def disp(**kw):
@@ -38,13 +40,13 @@ def _scenarios(rank: int, num_ranks: int, buffer: Buffer, x, idx, w, E: int, W: 
 
     def other_routing():
         """Every token to expert 0 only: another count matrix (so another layout digest) than ``idx``'s."""
-        return torch.zeros(T, K, dtype=torch.int64).masked_fill_(torch.arange(K) > 0, -1)
+        return torch.zeros(T, K, dtype=torch.int64, device=dev).masked_fill_(torch.arange(K, device=dev) > 0, -1)
 
     def comb(y_odd=None, weights_odd=None, handle_odd=None):
         handle = fresh_handle()
         other = fresh_handle(routing=other_routing()) if handle_odd else None
         use = other if odd and handle_odd else handle
-        y = torch.ones(use.num_recv_rows, H, dtype=torch.bfloat16)
+        y = torch.ones(use.num_recv_rows, H, dtype=torch.bfloat16, device=dev)
         if odd and y_odd is not None:
             y = y_odd(use.num_recv_rows)
         weights = weights_odd(use.num_recv_rows) if odd and weights_odd is not None else None
@@ -63,21 +65,21 @@ def _scenarios(rank: int, num_ranks: int, buffer: Buffer, x, idx, w, E: int, W: 
         ("experts before any exact dispatch", lambda: disp(num_experts=2 * E)),
         ("hidden", lambda: disp(x=x[:, :H // 2].contiguous())),
         ("dtype", lambda: disp(x=x.float())),
-        ("fp8 vs bf16", lambda: disp(x=(x.to(fp8), torch.ones(T, H // 128)))),
-        ("topk", lambda: disp(topk_idx=torch.cat([idx, idx[:, :1]], 1), topk_weights=torch.rand(T, K + 1))),
+        ("fp8 vs bf16", lambda: disp(x=(x.to(fp8), torch.ones(T, H // 128, device=dev)))),
+        ("topk", lambda: disp(topk_idx=torch.cat([idx, idx[:, :1]], 1), topk_weights=torch.rand(T, K + 1, device=dev))),
         ("experts", lambda: disp(num_experts=2 * E)),  # now the slots hold E: the odd rank's 2E do not fit
         # one expert per rank: fits the slots (which hold E now); the odd rank's ids are in range of it
         ("experts smaller", lambda: disp(num_experts=num_ranks, topk_idx=torch.where(idx >= 0, idx % num_ranks, -1))),
         ("num_worst_tokens on one rank", lambda: disp(num_worst_tokens=W)),
         ("num_worst_tokens values", lambda: buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
                                                             num_worst_tokens=2 * W if odd else W)),
-        ("cached hidden", lambda: cached(x_odd=torch.ones(T, 2 * H, dtype=torch.bfloat16))),
+        ("cached hidden", lambda: cached(x_odd=torch.ones(T, 2 * H, dtype=torch.bfloat16, device=dev))),
         ("cached dtype", lambda: cached(x_odd=x.float())),
         ("cached fixed vs exact handle", lambda: cached(handle_odd="fixed")),
         ("cached other handle", lambda: cached(handle_odd="other")),
-        ("combine hidden", lambda: comb(y_odd=lambda n: torch.ones(n, H // 2, dtype=torch.bfloat16))),
-        ("combine dtype", lambda: comb(y_odd=lambda n: torch.ones(n, H, dtype=torch.float32))),
-        ("combine weights on one rank", lambda: comb(weights_odd=lambda n: torch.rand(n, K))),
+        ("combine hidden", lambda: comb(y_odd=lambda n: torch.ones(n, H // 2, dtype=torch.bfloat16, device=dev))),
+        ("combine dtype", lambda: comb(y_odd=lambda n: torch.ones(n, H, dtype=torch.float32, device=dev))),
+        ("combine weights on one rank", lambda: comb(weights_odd=lambda n: torch.rand(n, K, device=dev))),
         ("combine other handle", lambda: comb(handle_odd=True)),
         ("combine vs cached dispatch",
          lambda: cached() if odd else comb()),

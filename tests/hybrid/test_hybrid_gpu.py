@@ -1,7 +1,9 @@
 """Hybrid mode on GPUs over NCCL: the two-hop backend equals the flat torch backend bit for bit (compact and
-expanded, exact and fixed size, gradients), its fixed mode reads nothing on the host, and a fixed-size dispatch +
-combine captured in a CUDA graph replays to the eager result. One GPU: the 1 x 1 view (both hops local, every
-device op of the path run); two GPUs: the 2 x 1 and 1 x 2 views (the two-GPU run is the multi-GPU issue's)."""
+expanded, exact and fixed size, gradients, FP8 pairs), its fixed mode reads nothing on the host, and a fixed-size
+dispatch + combine captured in a CUDA graph replays to the eager result; with both scale-up transports (the native
+kernels on the node's subgroup, NCCL all-to-all) and the scale-out hop chunked on its side stream. One GPU: the
+1 x 1 view (the scale-out hop a one-rank NCCL exchange on the side stream, the scale-up hop the native one-rank
+path or a copy); two GPUs: the 2 x 1 and 1 x 2 views (the two-GPU run is the multi-GPU issue's)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,15 @@ from ep_moe.distributed import run_distributed
 pytestmark = pytest.mark.gpu
 
 
-def _hybrid(eb, num_scaleout_ranks: int):
+def _hybrid(eb, num_scaleout_ranks: int, scaleup: str, num_chunks: int):
     """Put the two-hop backend under ``eb`` with the S x (R/S) view, even for S = 1 (where ElasticBuffer keeps the
     flat backend), so that one GPU exercises the hybrid code."""
     from ep_moe.hybrid import HybridBackend, LogicalTopology
 
     topology = LogicalTopology.blocks(eb.num_ranks, num_scaleout_ranks)
-    eb.buffer.backend = HybridBackend(eb.group, eb.buffer.device, 60.0, topology)
+    eb.buffer.backend = HybridBackend(eb.group, eb.buffer.device, 60.0, topology, num_chunks=num_chunks,
+                                      scaleup=scaleup)
+    assert eb.buffer.backend.scaleup_transport == scaleup, eb.buffer.backend.scaleup_reason
     return eb
 
 
@@ -35,7 +39,22 @@ def _run(eb, x, idx, w, E: int, expand: bool, sync: bool, bound: int):
     return [t for t in (rx, ri, rw, out, cached, x.grad, w.grad) if t is not None]
 
 
-def _worker(rank: int, world: int, num_scaleout_ranks: int) -> bool:
+def _run_fp8(eb, x8, scales, idx, w, E: int, expand: bool, sync: bool, bound: int):
+    (rx, rs), ri, rw, h, _ = eb.dispatch((x8, scales), idx, w, num_experts=E, do_expand=expand, do_cpu_sync=sync,
+                                         num_max_tokens_per_rank=bound)
+    (cx, cs), _, _, _, _ = eb.dispatch((x8, scales), handle=h)
+    out = eb.combine(rx.to(torch.bfloat16), h, expert_weights=rw)[0] if expand else \
+        eb.combine(rx.to(torch.bfloat16), h)[0]
+    return [rx, rs, ri, rw, cx, cs, out]
+
+
+def _bits_equal(got, want) -> bool:
+    return len(got) == len(want) and all(
+        a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        for a, b in zip(got, want))
+
+
+def _worker(rank: int, world: int, num_scaleout_ranks: int, scaleup: str, num_chunks: int) -> bool:
     from ep_moe import ElasticBuffer
 
     torch.cuda.set_device(rank)
@@ -46,20 +65,22 @@ def _worker(rank: int, world: int, num_scaleout_ranks: int) -> bool:
     idx[::7] = -1
     w = torch.rand(T, K, generator=gen)
     x, idx, w = x.cuda(), idx.cuda(), w.cuda()
+    x8, scales = (x.float() / 64).to(torch.float8_e4m3fn), torch.rand(T, H // 128, generator=gen).cuda() + 0.5
     bound = 96 + 8 * (world - 1)
     flat = ElasticBuffer(allow_hybrid_mode=False, backend="torch")
-    hyb = _hybrid(ElasticBuffer(allow_hybrid_mode=False, backend="torch"), num_scaleout_ranks)
+    hyb = _hybrid(ElasticBuffer(allow_hybrid_mode=False, backend="torch"), num_scaleout_ranks, scaleup, num_chunks)
     ok = True
     for dtype in (torch.bfloat16, torch.float32):
         for expand in (False, True):
             for sync in (True, False):
-                want = _run(flat, x.to(dtype), idx, w, E, expand, sync, bound)
-                got = _run(hyb, x.to(dtype), idx, w, E, expand, sync, bound)
-                ok &= len(got) == len(want) and all(
-                    a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-                    for a, b in zip(got, want))
+                ok &= _bits_equal(_run(hyb, x.to(dtype), idx, w, E, expand, sync, bound),
+                                  _run(flat, x.to(dtype), idx, w, E, expand, sync, bound))
+    for expand in (False, True):
+        for sync in (True, False):
+            ok &= _bits_equal(_run_fp8(hyb, x8, scales, idx, w, E, expand, sync, bound),
+                              _run_fp8(flat, x8, scales, idx, w, E, expand, sync, bound))
     # fixed mode reads nothing on the host: the sync debugger raises on any synchronizing call
-    _run(hyb, x, idx, w, E, True, False, bound)  # warm-up (NCCL communicators, caches)
+    _run(hyb, x, idx, w, E, True, False, bound)  # warm-up (NCCL communicators, caches, native buffer sizes)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -88,11 +109,23 @@ def _worker(rank: int, world: int, num_scaleout_ranks: int) -> bool:
     return bool(ok and torch.equal(captured, eager))
 
 
-def test_hybrid_one_gpu_equals_flat():
-    assert run_distributed(_worker, 1, 1, backend="nccl", timeout_s=120) == [True]
+def _native_built() -> bool:
+    from ep_moe import native
+
+    return native.extension_available()
+
+
+@pytest.mark.parametrize("scaleup, num_chunks", [("all_to_all", 3), ("native", 2)])
+def test_hybrid_one_gpu_equals_flat(scaleup: str, num_chunks: int):
+    if scaleup == "native" and not _native_built():
+        pytest.skip("the native extension is not built (ep-moe env says why)")
+    assert run_distributed(_worker, 1, 1, scaleup, num_chunks, backend="nccl", timeout_s=120) == [True]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("num_scaleout_ranks", [2, 1])
-def test_hybrid_two_gpus_equals_flat(num_scaleout_ranks: int):
-    assert run_distributed(_worker, 2, num_scaleout_ranks, backend="nccl", timeout_s=120) == [True, True]
+@pytest.mark.parametrize("scaleup", ["all_to_all", "native"])
+def test_hybrid_two_gpus_equals_flat(num_scaleout_ranks: int, scaleup: str):
+    if scaleup == "native" and not _native_built():
+        pytest.skip("the native extension is not built (ep-moe env says why)")
+    assert run_distributed(_worker, 2, num_scaleout_ranks, scaleup, 2, backend="nccl", timeout_s=120) == [True, True]

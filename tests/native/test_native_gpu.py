@@ -10,6 +10,8 @@ next of ten input sets, its outputs fingerprinted on the device (`ep_moe.benchma
 compared at the end with the torch backend's on that set; with pushers, then with the copy engine.
 
 Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``.
+``EP_MOE_JIT=1`` runs every test on the JIT build of the same kernels (`ep_moe.native.jit.intranode`, its
+copy engine in Python over the driver API; the equality workers check that it is the one used).
 ``EP_MOE_TEST_WORLD`` sets the ranks (GPUs) of every test: 1 runs on one GPU (tests that need a peer skip,
 saying why), 4 or 8 on more, e.g. ``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/native/test_native_gpu.py``.
 """
@@ -36,8 +38,26 @@ WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of every t
 def _need_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
-    if not native.extension_available():
-        pytest.skip("the native CUDA extension is not built")
+    if native.kernels_kind() is None:
+        pytest.skip(f"no native kernels ({native.kernels_unavailable_reason()})")
+
+
+def _jit_wanted() -> bool:
+    return os.environ.get("EP_MOE_JIT") == "1"
+
+
+def _check_kernels_used(before: dict | None = None) -> dict:
+    """Under EP_MOE_JIT=1 the backend runs the JIT module: asserts it and returns its launch counters (compare two
+    readings to see that calls went through it); {} otherwise."""
+    if not _jit_wanted():
+        return {}
+    from ep_moe.native.jit import intranode
+
+    assert native.kernels_kind() == "jit", native.kernels_kind()
+    now = dict(intranode.LAUNCHES)
+    if before is not None:
+        assert now["notify"] > before["notify"] and now["dispatch"] > before["dispatch"], (before, now)
+    return now
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -177,6 +197,7 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     nat = Buffer(backend="native", timeout_s=20.0)  # a failing peer surfaces in 20 s, not 100
     ref = Buffer(backend="torch")
     assert nat.backend_name == "native", nat.backend_name
+    launches = _check_kernels_used()
     side_group = torch.distributed.new_group(backend="gloo")
     # The first use of each options value is a collective check: make them all now, so that a case failing
     # on one rank cannot leave the others waiting in one.
@@ -192,6 +213,7 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
         if not _all_ok(error is None, side_group):
             raise AssertionError(f"case {index} {make_case(index)} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
+    _check_kernels_used(launches or None)
     nat.barrier()
     nat.destroy()
     ref.destroy()

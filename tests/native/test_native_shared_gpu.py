@@ -11,6 +11,7 @@ same gloo group:
   them from there (``handle.rows_in_place``), and its combine sums the expert-major rows as they go out
   (``NativeBackend.expert_row_combines``), wherever the kernels take the rows, also on adversarial routings,
   alignments 1 and 128, fixed size with ``num_worst_tokens`` = R * T (T = N) and above (T < N);
+* `ElasticBuffer` (DeepEP V2's API): compact and expanded layouts, exact and fixed size, combine, cached;
 * a fixed-size dispatch + combine captured in a CUDA graph and replayed;
 * forced timeouts: a rank that does not enter makes rank 0 raise `NativeTimeoutError` naming rank and stage.
 
@@ -49,9 +50,10 @@ NUM_CASES = 10
 
 def small_case(index: int) -> dict:
     """Case ``index`` of `NUM_CASES` (a `test_native_gpu.make_case` dict, small): the three dtypes among the cached
-    dispatches (every third index), fixed size on indices 2 and 6 (even: exact-size ones run with the copy engine
-    off, odd ones with it forced on), every routing of `ROUTINGS`, biases 0/1/2 in turn; experts divisible by 2, 3
-    and 4 ranks. Index 9: rows of 520 bytes, which the kernels do not take (the torch fallback)."""
+    dispatches (every third index), fixed size on indices 2 and 6, every routing of `ROUTINGS`, biases 0/1/2 in
+    turn, experts divisible by 2, 3 and 4 ranks. `_case_options` runs odd indices (all exact size) with the copy
+    engine forced on, even ones with it off. Index 9: rows of 520 bytes, which the kernels do not take (the torch
+    fallback)."""
     case = dict(hidden=(256, 512, 1024)[index % 3], tokens=(64, 7, 200, 1, 64, 0, 128, 33, 96, 40)[index],
                 topk=(2, 4, 1, 8, 6, 2, 4, 8, 3, 2)[index], experts=(24, 48)[index % 2],
                 dtype=("bf16", "fp8", "fp32")[(index + index // 3) % 3], routing=ROUTINGS[index % len(ROUTINGS)],
@@ -140,7 +142,7 @@ def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
         case, error = small_case(index), None
         try:
             _check_case(rank, world, index, nat, ref, _case_options(index), case)
-            if index % 3 != 2:  # expert-major on most cases (both layouts of FP8 and fixed size included)
+            if index % 3 != 2:  # expert-major on two cases of three (FP8 and fixed size among them)
                 _check_expert_major(rank, world, index, nat, ref, case)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
@@ -185,6 +187,61 @@ def _expert_major_worker(rank: int, world: int) -> int:
     nat.destroy()
     ref.destroy()
     return NUM_EXPERT_MAJOR_CASES
+
+
+ELASTIC_CASE = dict(hidden=512, tokens=96, topk=4, experts=24, dtype="bf16", routing="random_gaps", alignment=16,
+                    uneven=True)  # (the fields `make_inputs` reads)
+
+
+def _check_elastic(nat, ref, rank: int, world: int) -> int:
+    """`ElasticBuffer` ``nat`` equals ``ref`` on copies of the same inputs, bit for bit: compact and expanded
+    layouts, exact (``do_cpu_sync=True``) and fixed size, combine with the carried weights (compact) or applied
+    expert weights (expanded), and a cached dispatch through each handle. Returns the layouts x modes checked."""
+    case = ELASTIC_CASE
+    x, idx, w = make_inputs(case, rank, world, nat.buffer.device, seed=40_000)
+    x2 = make_inputs(case, rank, world, nat.buffer.device, seed=40_001)[0]
+    g = torch.Generator(device=nat.buffer.device).manual_seed(41_000 + rank)
+    checked = 0
+    # the last: no SM count, so the native buffer asks the tuner for one (after an all-reduce of the token counts)
+    for do_expand, sync, num_sms in ((False, True, 8), (False, False, 8), (True, False, 8), (True, True, 0)):
+        where = f"ElasticBuffer do_expand={do_expand} do_cpu_sync={sync} num_sms={num_sms}"
+        outs = [buf.dispatch(on_device(buf.buffer.device, x), on_device(buf.buffer.device, idx),
+                             on_device(buf.buffer.device, w), num_experts=case["experts"],
+                             expert_alignment=case["alignment"], num_sms=num_sms, do_expand=do_expand,
+                             do_cpu_sync=sync) for buf in (nat, ref)]
+        (rx_n, ri_n, rw_n, h_n, _), (rx_r, ri_r, rw_r, h_r, _) = outs
+        assert_bits_equal(f"{where} recv_x", rx_n, rx_r)
+        assert_bits_equal(f"{where} recv_topk_idx", ri_n, ri_r)
+        assert_bits_equal(f"{where} recv_topk_weights", rw_n, rw_r)
+        assert_bits_equal(f"{where} psum per expert", h_n.psum_num_recv_tokens_per_expert,
+                          h_r.psum_num_recv_tokens_per_expert)
+        y = torch.randn(rx_n.shape[0], case["hidden"], generator=g, device=nat.buffer.device).to(torch.bfloat16)
+        weighted = dict(expert_weights=rw_n) if do_expand else dict(topk_weights=rw_n * 3)
+        weighted_ref = dict(expert_weights=rw_r) if do_expand else dict(topk_weights=rw_r * 3)
+        got, want = nat.combine(y, h_n, **weighted), ref.combine(on_device(ref.buffer.device, y), h_r, **weighted_ref)
+        assert_bits_equal(f"{where} combined", got[0], want[0])
+        assert_bits_equal(f"{where} combined weights", got[1], want[1])
+        cached_n = nat.dispatch(x2, topk_weights=w, handle=h_n, do_expand=do_expand)
+        cached_r = ref.dispatch(on_device(ref.buffer.device, x2), topk_weights=on_device(ref.buffer.device, w),
+                                handle=h_r, do_expand=do_expand)
+        assert_bits_equal(f"{where} cached recv_x", cached_n[0], cached_r[0])
+        assert_bits_equal(f"{where} cached recv_topk_weights", cached_n[2], cached_r[2])
+        checked += 1
+    return checked
+
+
+def _elastic_worker(rank: int, world: int) -> int:
+    from ep_moe import ElasticBuffer
+
+    sizes = dict(num_max_tokens_per_rank=ELASTIC_CASE["tokens"], hidden=ELASTIC_CASE["hidden"],
+                 num_topk=ELASTIC_CASE["topk"], num_gpu_timeout_secs=BUFFER_TIMEOUT_S)
+    nat = ElasticBuffer(dist.group.WORLD, **sizes)
+    ref = ElasticBuffer(dist.group.WORLD, backend="torch", **sizes)
+    assert nat.buffer.backend_name == "native" and ref.buffer.device == torch.device("cpu"), nat.buffer.backend_reason
+    checked = _check_elastic(nat, ref, rank, world)
+    nat.destroy()
+    ref.destroy()
+    return checked
 
 
 def _vmm_memory_worker(rank: int, world: int) -> int:
@@ -289,6 +346,11 @@ def test_fallback_rows_on_one_gpu():
     collectives through gloo."""
     skip_unless_shared_gpu_runs()
     assert run_on_one_gpu(_shared_equality_worker, 2, [NUM_CASES - 1], timeout_s=180) == [1, 1]
+
+
+def test_elastic_buffer_on_one_gpu():
+    skip_unless_shared_gpu_runs()
+    assert run_on_one_gpu(_elastic_worker, 2, timeout_s=180) == [4, 4]
 
 
 def test_graph_replay_on_one_gpu():

@@ -35,6 +35,18 @@ def test_provider_values(monkeypatch):
     assert symmetric_memory_provider("vmm") == "vmm"
 
 
+def test_env_report_names_the_provider(monkeypatch):
+    from ep_moe.native import report
+
+    monkeypatch.delenv(SYMMETRIC_MEMORY_ENV, raising=False)
+    assert report._symmetric_memory().startswith(f"torch ({SYMMETRIC_MEMORY_ENV}=(unset)): torch.distributed.")
+    monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, "vmm")
+    line = report._symmetric_memory()
+    assert line.startswith(f"vmm ({SYMMETRIC_MEMORY_ENV}=vmm): CUDA VMM device memory shared by file descriptor"), line
+    if not torch.cuda.is_available():
+        assert line.endswith("unavailable: cpu is not a CUDA device"), line
+
+
 def test_vmm_memory_needs_a_cuda_device():
     from ep_moe.memory.cuda_vmm import CudaDriverError, CudaRange, DeviceAllocation
 
@@ -107,13 +119,29 @@ def _provider_worker(rank: int, world: int) -> list[str]:
     buffer = Buffer(group, backend="auto")
     seen.append(f"{buffer.device} {buffer.backend_name}")
     buffer.destroy()
+    # 8) with a GPU (as the choice sees it), the device of a gloo Buffer follows the agreed provider: the GPU for
+    # vmm unless the torch backend is asked for; ranks that disagree all raise before choosing
+    from ep_moe.buffer import _device_of
+
+    available, torch.cuda.is_available = torch.cuda.is_available, lambda: True
+    current_device, torch.cuda.current_device = torch.cuda.current_device, lambda: 0
+    try:
+        _set_provider("vmm")
+        seen.append(" ".join(str(_device_of(group, requested)) for requested in ("auto", "native", "torch")))
+        _set_provider(None)
+        seen.append(str(_device_of(group, "auto")))
+        _set_provider("vmm" if rank == 1 else None)
+        seen.append(_raises(_device_of, group, "native"))
+    finally:
+        torch.cuda.is_available, torch.cuda.current_device = available, current_device
     return seen
 
 
 def test_every_rank_must_name_the_same_provider():
     results = run_distributed(_provider_worker, 2, timeout_s=60, join_timeout_s=120)
     assert results[0] == results[1], results  # every rank raised the same error, so none was left waiting
-    mixed, factory, bad, by_name, no_cuda, native_mixed, native_cpu, torch_shared, vmm_shared, buffer = results[0]
+    (mixed, factory, bad, by_name, no_cuda, native_mixed, native_cpu, torch_shared, vmm_shared, buffer,
+     vmm_devices, torch_device, device_mixed) = results[0]
     assert mixed.startswith("ValueError") and "'vmm' on rank 0" in mixed and "'torch' on rank 1" in mixed, mixed
     assert SYMMETRIC_MEMORY_ENV in mixed and factory == mixed, factory
     assert bad.startswith("ValueError") and "'Nvshmem'" in bad and "must be one of torch, vmm" in bad, bad
@@ -127,6 +155,8 @@ def test_every_rank_must_name_the_same_provider():
         assert all(f"rank {r}: {SYMMETRIC_MEMORY_ENV}=vmm, but the CUDA VMM calls cannot serve it" in vmm_shared
                    for r in range(2)), vmm_shared
     assert buffer == "cpu torch" or torch.cuda.is_available(), buffer
+    assert vmm_devices == "cuda:0 cuda:0 cpu" and torch_device == "cpu", (vmm_devices, torch_device)
+    assert device_mixed.startswith("ValueError") and "'vmm' on rank 1" in device_mixed, device_mixed
 
 
 class _SegmentAllocation:

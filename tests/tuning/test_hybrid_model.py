@@ -52,3 +52,59 @@ def test_predict_and_simulate(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "hybrid-node-reduced" in out and png.stat().st_size > 0
     assert main(["--nodes", "3"]) == 2  # 256 experts over 3 nodes: a clear error
+
+
+def test_pipeline_and_plan_hybrid() -> None:
+    from types import SimpleNamespace
+
+    from ep_moe.tuning.hybrid import apply_hybrid_plan, pipeline_us, plan_hybrid
+
+    assert pipeline_us(100.0, 40.0, 1, 5.0) == 145.0          # one chunk: the hops one after the other
+    assert pipeline_us(100.0, 40.0, 4, 5.0) == 100 + 10 + 20  # the slower hop + one piece of the faster + launches
+    with pytest.raises(ValueError, match="argument 'num_chunks'"):
+        pipeline_us(1.0, 1.0, 0)
+    big, small = LayerShape(256, 8, 7168, 4096), LayerShape(256, 8, 7168, 64)
+    for shape in (big, small):
+        for nodes in (2, 4, 8):
+            plan = plan_hybrid(shape, nodes, 8)
+            cost = {n: pipeline_us(plan.dispatch_nic_us, plan.dispatch_nvlink_us, n)
+                    + pipeline_us(plan.combine_nic_us, plan.combine_nvlink_us, n) for n in range(1, 5)}
+            assert plan.num_chunks == min(cost, key=lambda n: (cost[n], n))
+            assert plan.dispatch_us + plan.combine_us == pytest.approx(cost[plan.num_chunks])
+            assert plan.scaleup_sms % 2 == 0 and 2 <= plan.scaleup_sms <= 132 and plan.scaleout_sms >= 1
+            assert plan.traffic == expected_traffic(shape, nodes, 8, hybrid=True)
+    assert plan_hybrid(big, 2, 8).num_chunks > 1 and plan_hybrid(small, 2, 8).num_chunks == 1
+    assert plan_hybrid(big, 2, 8, max_chunks=2).num_chunks <= 2
+    assert plan_hybrid(big, 1, 8).num_chunks == 1  # one node (the two-hop code's 1 x G view): nothing to overlap
+    # a faster NIC leaves the in-node hop less time: it needs at least as many SMs
+    assert plan_hybrid(big, 2, 8, nic_gbs=400.0).scaleup_sms >= plan_hybrid(big, 2, 8).scaleup_sms
+    for kwargs, name in (({"num_nodes": 0, "per_node": 8}, "num_nodes"), ({"num_nodes": 2, "per_node": 8,
+                                                                            "max_chunks": 0}, "max_chunks"),
+                         ({"num_nodes": 2, "per_node": 8, "nic_gbs": 0.0}, "nic_gbs")):
+        with pytest.raises(ValueError, match=name):
+            plan_hybrid(big, **kwargs)
+    # the backend's chunk count follows the plan unless the buffer fixed one
+    calls = []
+    backend = SimpleNamespace(num_nodes=2, per_node=8, max_chunks=4, chunks_fixed=False,
+                              set_num_chunks=calls.append)
+    plan = apply_hybrid_plan(backend, 256, 8, 7168, 4096, 2)
+    assert calls == [plan.num_chunks] and plan == plan_hybrid(big, 2, 8, max_chunks=4)
+    backend.chunks_fixed = True
+    apply_hybrid_plan(backend, 256, 8, 7168, 64, 2)
+    assert calls == [plan.num_chunks]
+
+
+def test_tune_prints_the_hybrid_plan(capsys) -> None:
+    from ep_moe.cli import main
+    from ep_moe.tuning.hybrid import plan_hybrid
+
+    assert main(["tune", "--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "4096", "--ranks", "32",
+                 "--ranks-per-node", "8", "--gpu", "H200", "--nic-gbps", "400"]) == 0
+    out = capsys.readouterr().out
+    plan = plan_hybrid(LayerShape(256, 8, 7168, 4096), 4, 8, nic_gbs=50.0)
+    line = next(line for line in out.splitlines() if "hybrid plan E256 K8 H7168 T4096" in line)
+    assert f"hybrid 4 x 8: {plan.num_chunks} chunks, {plan.scaleup_sms} SMs in the node" in line, line
+    assert "hybrid view 4 x 8" in out
+    assert main(["tune", "--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "4096", "--ranks", "8",
+                 "--gpu", "H200"]) == 0
+    assert "hybrid plan" not in capsys.readouterr().out  # one node: no hybrid view

@@ -76,8 +76,9 @@ struct Env {
     check_cuda(state, "state");
     TORCH_CHECK(state.nbytes() >= 64, "ep_moe.native: state too small");
     TORCH_CHECK(!error.is_cuda() && error.is_pinned() && error.scalar_type() == at::kInt &&
-                    error.numel() >= ep_moe::kErrWords,
-                "ep_moe.native: error must be a pinned int32 CPU tensor of ", ep_moe::kErrWords, " words");
+                    error.numel() >= ep_moe::kErrWords + ep_moe::kMismatchWords,
+                "ep_moe.native: error must be a pinned int32 CPU tensor of ", ep_moe::kErrWords, " + ",
+                ep_moe::kMismatchWords, " words (error record, mismatch record)");
     env.rank = rank;
     env.num_ranks = num_ranks;
     for (int r = 0; r < num_ranks; ++r) env.ctrl[r] = reinterpret_cast<uint8_t*>(ctrl_ptrs[r]);
@@ -96,6 +97,28 @@ struct Env {
     combine_chunks_per_pair = static_cast<int>(combine_chunks);
   }
 };
+
+// This rank's header of a call (ep_moe/backends/agreement.py's slots, then the native words; kernels.h,
+// HeaderSlot) and the test-only perturbation (absent: off).
+ep_moe::HeaderCheck header_check(const std::vector<int64_t>& header, bool digest_from_prefix,
+                                 const OptTensor& test_perturb) {
+  TORCH_CHECK(static_cast<int>(header.size()) == ep_moe::kHeaderWords, "ep_moe.native: header must hold ",
+              ep_moe::kHeaderWords, " values, got ", header.size());
+  ep_moe::HeaderCheck check{};
+  for (int s = 0; s < ep_moe::kHeaderWords; ++s) {
+    TORCH_CHECK(header[s] >= INT32_MIN && header[s] <= INT32_MAX, "ep_moe.native: header value ", header[s],
+                " (slot ", s, ") does not fit int32");
+    check.header[s] = static_cast<int32_t>(header[s]);
+  }
+  check.digest_from_prefix = digest_from_prefix;
+  if (present(test_perturb)) {
+    check_cuda(*test_perturb, "test_header_perturbation");
+    TORCH_CHECK(test_perturb->scalar_type() == at::kInt && test_perturb->numel() == 3,
+                "ep_moe.native: test_header_perturbation must be an int32 CUDA tensor of 3 (source, slot, value added)");
+    check.test_perturb = test_perturb->data_ptr<int32_t>();
+  }
+  return check;
+}
 
 std::vector<at::Tensor> layout(const at::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks) {
   check_cuda(topk_idx, "topk_idx");
@@ -123,7 +146,8 @@ void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor
             const at::Tensor& rank_prefix_matrix, const at::Tensor& pos, const at::Tensor& send_list,
             const at::Tensor& host_counts,
             int64_t num_worst_tokens, int64_t rows_capacity, const OptTensor& topk_idx, int64_t experts_per_rank,
-            int64_t expert_alignment, const OptTensor& host_expert_counts) {
+            int64_t expert_alignment, const OptTensor& host_expert_counts, const std::vector<int64_t>& header,
+            const OptTensor& test_perturb) {
   const int num_ranks = env.env.num_ranks;
   check_cuda(is_token_in_rank, "is_token_in_rank");
   check_cuda(num_tokens_per_rank, "num_tokens_per_rank");
@@ -141,8 +165,10 @@ void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor
   TORCH_CHECK(pos.numel() == num_tokens * num_ranks && send_list.numel() == num_tokens * num_ranks &&
                   pos.scalar_type() == at::kInt && send_list.scalar_type() == at::kInt,
               "ep_moe.native: pos and send_list must hold T * R int32");
-  TORCH_CHECK(!host_counts.is_cuda() && host_counts.is_pinned() && host_counts.numel() >= num_ranks * (num_ranks + 1),
-              "ep_moe.native: host_counts must be pinned, R * R + R int32");
+  const int64_t host_words = num_ranks * (num_ranks + 1) + num_ranks * ep_moe::kHeaderWords + ep_moe::kHeaderLen + 1;
+  TORCH_CHECK(!host_counts.is_cuda() && host_counts.is_pinned() && host_counts.numel() >= host_words,
+              "ep_moe.native: host_counts must be pinned, R * R + R int32 then the header check's ",
+              num_ranks * ep_moe::kHeaderWords + ep_moe::kHeaderLen + 1);
   int32_t* host_dev = nullptr;
   TORCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host_counts.data_ptr(), 0) == cudaSuccess,
               "ep_moe.native: host_counts is not device-mapped");
@@ -158,6 +184,7 @@ void notify(const Env& env, const at::Tensor& is_token_in_rank, const at::Tensor
   p.host_counts = host_dev;
   p.num_worst_tokens = static_cast<int>(num_worst_tokens);
   p.rows_capacity = rows_capacity;
+  p.check = header_check(header, false, test_perturb);
   if (present(host_expert_counts)) {  // the per-expert counts travel with the row counts
     TORCH_CHECK(present(topk_idx) && topk_idx->scalar_type() == at::kLong && topk_idx->dim() == 2 &&
                     topk_idx->size(0) == num_tokens,
@@ -252,7 +279,8 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               int64_t copy_engine_flag_stream, int64_t copy_engine_seq,
               const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
               const std::vector<int64_t>& copy_engine_tokens, const std::vector<int64_t>& host_prefix,
-              const OptTensor& cached_src_idx, bool rows_in_place) {
+              const OptTensor& cached_src_idx, const std::vector<int64_t>& header, const OptTensor& test_perturb,
+              bool rows_in_place) {
   // rows_in_place (DispatchParams): recv_x is [0, H] (its dtype and width only) and recv_scales absent; the
   // received rows count is recv_topk_idx's.
   const int num_ranks = env.env.num_ranks;
@@ -317,6 +345,10 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.write_arrival = write_arrival;
   set_launch(p, num_blocks, num_push_blocks, trace, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq,
              copy_engine_go, copy_engine_shares);
+  // A cached dispatch checks the header in the kernel (with the handle's layout digest and the number its copy
+  // stream writes); a fresh one's notify did.
+  p.check = header_check(header, write_arrival, test_perturb);
+  p.check.header[ep_moe::kHeaderCopySeq] = static_cast<int32_t>(copy_engine_seq);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   if (copy_engine_seq == 0) {
     check_launch(ep_moe::launch_dispatch(p, stream), "dispatch");
@@ -361,8 +393,9 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              int64_t num_push_blocks, const OptTensor& trace, const std::vector<int64_t>& copy_engine_streams,
              int64_t copy_engine_flag_stream, int64_t copy_engine_seq, const OptTensor& copy_engine_go,
              const std::vector<int64_t>& copy_engine_shares,
-             const std::vector<int64_t>& host_prefix, bool bulk_reduce, const OptTensor& expert_y,
-             const OptTensor& expert_weights, const OptTensor& sorted_slots) {
+             const std::vector<int64_t>& host_prefix, bool bulk_reduce, const std::vector<int64_t>& header,
+             const OptTensor& test_perturb, const OptTensor& expert_y, const OptTensor& expert_weights,
+             const OptTensor& sorted_slots) {
   // expert_y (CombineParams): an expert-major combine; y then holds the own rows only ([N, H], N = the rows of
   // sorted_slots [N, K]).
   const int num_ranks = env.env.num_ranks;
@@ -410,6 +443,8 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   set_launch(p, num_blocks, num_push_blocks, trace, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq,
              copy_engine_go, copy_engine_shares);
   p.bulk_reduce = bulk_reduce;
+  p.check = header_check(header, true, test_perturb);  // with the handle's layout digest
+  p.check.header[ep_moe::kHeaderCopySeq] = static_cast<int32_t>(copy_engine_seq);
   if (present(expert_y)) {
     TORCH_CHECK(present(sorted_slots), "ep_moe.native: expert_y needs sorted_slots");
     check_cuda(*expert_y, "expert_y");
@@ -457,6 +492,34 @@ void barrier(const Env& env) {
   check_launch(ep_moe::launch_barrier(env.env, c10::cuda::getCurrentCUDAStream().stream()), "barrier");
 }
 
+// A header exchange before a host-side decision (kernels.h, launch_exchange); the result goes where the
+// notify's header check writes it in host_counts. `prefix`: the handle's [R, R] int32 rank_prefix_matrix,
+// whose layout digest fills the layout slot (absent: the header's own value).
+void exchange(const Env& env, const std::vector<int64_t>& header, const OptTensor& prefix, const at::Tensor& host_counts,
+              const OptTensor& test_perturb) {
+  const int num_ranks = env.env.num_ranks;
+  const int64_t host_words = num_ranks * (num_ranks + 1) + num_ranks * ep_moe::kHeaderWords + ep_moe::kHeaderLen + 1;
+  TORCH_CHECK(!host_counts.is_cuda() && host_counts.is_pinned() && host_counts.scalar_type() == at::kInt &&
+                  host_counts.numel() >= host_words,
+              "ep_moe.native: host_counts must be pinned int32 of at least ", host_words, " words");
+  int32_t* host_dev = nullptr;
+  TORCH_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host_counts.data_ptr(), 0) == cudaSuccess,
+              "ep_moe.native: host_counts is not device-mapped");
+  const bool with_prefix = present(prefix);
+  if (with_prefix)
+    TORCH_CHECK(prefix->is_cuda() && prefix->is_contiguous() && prefix->scalar_type() == at::kInt &&
+                    prefix->numel() == num_ranks * num_ranks,
+                "ep_moe.native: prefix must be a contiguous [R, R] int32 CUDA tensor");
+  const ep_moe::HeaderCheck check = header_check(header, with_prefix, test_perturb);
+  check_launch(ep_moe::launch_exchange(env.env, check, with_prefix ? prefix->data_ptr<int32_t>() : nullptr,
+                                       host_dev + num_ranks * (num_ranks + 1), c10::cuda::getCurrentCUDAStream().stream()),
+               "exchange");
+}
+
+void close_epoch(const Env& env) {
+  check_launch(ep_moe::launch_close_epoch(env.env, c10::cuda::getCurrentCUDAStream().stream()), "close_epoch");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -469,6 +532,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TRACE_SLOTS") = static_cast<int>(ep_moe::kTraceSlots);
   m.attr("COPY_ENGINE_TRACE_SLOTS") = ep_moe::kCopyEngineTraceSlots;
   m.attr("MAX_COPY_ENGINE_CHUNKS") = ep_moe::kMaxCopyEngineChunks;
+  m.attr("MISMATCH_WORDS") = static_cast<int>(ep_moe::kMismatchWords);
+  m.attr("HEADER_LEN") = ep_moe::kHeaderLen;
+  m.attr("HEADER_WORDS") = ep_moe::kHeaderWords;
   pybind11::class_<Env>(m, "Env")
       .def(pybind11::init<int, const std::vector<int64_t>&, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, int64_t>(),
            pybind11::arg("rank"), pybind11::arg("ctrl_ptrs"), pybind11::arg("state"), pybind11::arg("error"),
@@ -479,4 +545,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dispatch", &dispatch, "dispatch rows to their destinations");
   m.def("combine", &combine, "return rows to their sources and sum per token");
   m.def("barrier", &barrier, "device barrier over the group");
+  m.def("close_epoch", &close_epoch, "close the epoch of a notify that no dispatch kernel follows");
+  m.def("exchange", &exchange, "header exchange before a host-side decision (every rank's header to host_counts)");
 }

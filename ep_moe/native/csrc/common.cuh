@@ -3,9 +3,6 @@
 // and 16-byte copy loops. Pure CUDA; no torch.
 #pragma once
 
-#include <cstdint>
-#include <cuda_runtime.h>
-
 #include "kernels.h"
 
 namespace ep_moe {
@@ -27,6 +24,12 @@ struct Control {
   // [source][chunk] rows of a copy-engine dispatch or combine landed; holds the host's copy-engine sequence
   // number (written by the source's copy stream, which knows no epoch), compared with >= like the epochs.
   uint64_t copy_engine_flag[kMaxRanks][kMaxChunks];
+  // [epoch parity][source]: the source's header of the operation (HeaderSlot), written before the source releases
+  // its arrive (so an acquired arrive covers it); the parity keeps epoch e's readable while e + 1's arrive.
+  int32_t header[2][kMaxRanks][kHeaderWords];
+  // [source]: the last epoch the source closed after a disagreement, once its own copy-engine copies landed
+  // (see close_after_disagreement in intranode.cu).
+  uint64_t closed[kMaxRanks];
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 
@@ -141,6 +144,57 @@ static __device__ __noinline__ bool wait_flag(WaitCtx ctx, const uint64_t* flag,
       return false;
     }
   }
+}
+
+// ------------------------------------------------------------------------------------------ rank agreement
+// The layout digest of a [R, R] rank_prefix_matrix, as ep_moe.backends.agreement.layout_digest computes it:
+// 1 + (sum_i (prefix[i] mod P) * 48271^(i + 1) mod P) mod P with P = 2^31 - 1 (equal on every rank, whatever
+// the handle's way there). Host and device alike, so that the host code and tests can check it.
+constexpr uint64_t kDigestPrime = 2147483647ull;
+// a * b mod P for a, b < P (P is a Mersenne prime: two folds instead of a 64-bit division)
+__host__ __device__ __forceinline__ uint64_t digest_mulmod(uint64_t a, uint64_t b) {
+  uint64_t x = a * b;
+  x = (x & kDigestPrime) + (x >> 31);
+  x = (x & kDigestPrime) + (x >> 31);
+  return x >= kDigestPrime ? x - kDigestPrime : x;
+}
+__host__ __device__ __forceinline__ uint64_t digest_multiplier(int i) {  // 48271^(i + 1) mod P
+  uint64_t result = 1, base = 48271, e = static_cast<uint64_t>(i) + 1;
+  while (e) {
+    if (e & 1) result = digest_mulmod(result, base);
+    base = digest_mulmod(base, base);
+    e >>= 1;
+  }
+  return result;
+}
+__host__ __device__ __forceinline__ uint64_t digest_term(const int32_t* prefix, int i) {
+  return digest_mulmod(static_cast<uint64_t>(prefix[i]) % kDigestPrime, digest_multiplier(i));
+}
+__host__ __device__ __forceinline__ int32_t layout_digest_of(uint64_t sum_of_terms) {
+  return static_cast<int32_t>(sum_of_terms % kDigestPrime + 1);
+}
+// Warp: the digest of `prefix` ([num_ranks^2] int32, global or shared memory), on every lane.
+__device__ __forceinline__ int32_t warp_layout_digest(const int32_t* prefix, int num_ranks) {
+  uint64_t sum = 0;
+  for (int i = threadIdx.x & 31; i < num_ranks * num_ranks; i += 32) sum += digest_term(prefix, i);
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  return layout_digest_of(sum);
+}
+
+// Thread: the mismatch record (kernels.h, MismatchWord) from this rank's header and every rank's as seen
+// (`seen(r, s)`), unless an earlier one is still unread by the host.
+template <typename Seen>
+__device__ __forceinline__ void record_mismatch(const WaitCtx& ctx, int num_ranks, const int32_t* own, Seen seen) {
+  volatile int32_t* rec = ctx.error + kErrWords;
+  if (rec[kMismatchFound] != 0) return;
+  rec[kMismatchRank] = ctx.rank;
+  rec[kMismatchRanks] = num_ranks;
+  for (int s = 0; s < kHeaderLen; ++s) rec[kMismatchOwn + s] = own[s];
+  for (int r = 0; r < num_ranks; ++r)
+    for (int s = 0; s < kHeaderLen; ++s) rec[kMismatchSeen + r * kHeaderLen + s] = seen(r, s);
+  __threadfence_system();
+  rec[kMismatchFound] = own[kHeaderOp];
+  __threadfence_system();
 }
 
 // ------------------------------------------------------------------------------------------ copies

@@ -20,7 +20,9 @@
 // the copy stream when every peer entered the combine. Reducers launched with p.bulk_reduce (by default
 // those of a copy-engine combine) read the rows through shared memory by bulk copies (bulk_reduce), which
 // keeps far more bytes in flight per SM than loads into registers.
+#ifndef __CUDACC_RTC__  // NVRTC: rtc_prelude.h has the bf16 conversions used here
 #include <cuda_bf16.h>
+#endif
 
 #include "common.cuh"
 
@@ -75,6 +77,99 @@ struct BlockTrace {
   }
 };
 
+// ========================================================================================== rank agreement
+// Every collective operation starts with every rank announcing its header (kernels.h, HeaderSlot) in every
+// rank's control block before its arrival; every rank compares all R headers with its own before any row
+// moves. Every rank sees the same R headers, so every rank reaches the same verdict; on a disagreement no row
+// moves, the epoch still closes, and a mismatch record (not an error: the buffer stays usable) tells the host,
+// which raises the ValueError of ep_moe.backends.agreement.
+
+// This thread (r < R, of block 0): this rank's header (`digest` in the layout slot) into rank r's control block,
+// then this rank's arrival there; the release store orders the header before it.
+__device__ __forceinline__ void announce_header(const KernelEnv& env, const HeaderCheck& hc, int32_t digest,
+                                                uint64_t epoch) {
+  Control* peer = control_of(env, static_cast<int>(threadIdx.x));
+  int32_t* dst = peer->header[epoch & 1][env.rank];
+#pragma unroll
+  for (int s = 0; s < kHeaderWords; ++s) dst[s] = s == kHeaderLayout ? digest : hc.header[s];
+  st_release_sys(&peer->arrive[env.rank], epoch);
+}
+
+// Rank `src`'s header of this epoch from this rank's control block (after its arrival was acquired; L2 loads,
+// never a stale L1 line), as the test perturbation (HeaderCheck::test_perturb) makes the kernel see it.
+__device__ __forceinline__ void load_header(const KernelEnv& env, const HeaderCheck& hc, uint64_t epoch, int src,
+                                            int32_t (&seen)[kHeaderWords]) {
+  const int32_t* from = control_of(env, env.rank)->header[epoch & 1][src];
+#pragma unroll
+  for (int s = 0; s < kHeaderWords; ++s) seen[s] = __ldcg(from + s);
+  if (hc.test_perturb != nullptr && __ldcg(hc.test_perturb) == src) {
+    const int slot = __ldcg(hc.test_perturb + 1);
+    const int32_t add = __ldcg(hc.test_perturb + 2);
+#pragma unroll
+    for (int s = 0; s < kHeaderLen; ++s)
+      if (s == slot) seen[s] += add;
+  }
+}
+
+enum HeaderVerdict { kHeadersAgree = 0, kHeadersDisagree = 1, kHeadersWaitFailed = 2 };
+
+// Warp: lanes < R wait for rank `lane`'s arrival in this epoch and load its header; then every lane compares
+// the R headers with this rank's own (`hc`, `digest` in the layout slot). With `record`, a disagreement writes
+// the mismatch record. Lane r's `copy_seq`: rank r's kHeaderCopySeq. Ranks of which some take the copy engine
+// (`copy_engine_here`) and some do not also disagree, whatever their headers (a receiver would otherwise wait
+// for copies that never come, or for no number at all): that happens where only some ranks know the handle's
+// layout on the host. Every warp that calls it gets the same verdict (the headers of an epoch stay put until
+// every rank arrived in the next one).
+__device__ HeaderVerdict check_headers_warp(const KernelEnv& env, const HeaderCheck& hc, int32_t digest, uint64_t epoch,
+                                            int stage, bool record, uint64_t* copy_seq, bool copy_engine_here) {
+  const int lane = threadIdx.x & 31, num_ranks = env.num_ranks;
+  int32_t own[kHeaderLen], seen[kHeaderWords];
+#pragma unroll
+  for (int s = 0; s < kHeaderLen; ++s) own[s] = s == kHeaderLayout ? digest : hc.header[s];
+#pragma unroll
+  for (int s = 0; s < kHeaderWords; ++s) seen[s] = s < kHeaderLen ? own[s] : 0;
+  bool ok = true;
+  if (lane < num_ranks) {
+    ok = wait_flag(wait_ctx(env), &control_of(env, env.rank)->arrive[lane], epoch, stage, lane, 0);
+    if (ok) load_header(env, hc, epoch, lane, seen);
+  }
+  if (!__all_sync(0xffffffffu, ok)) return kHeadersWaitFailed;
+  *copy_seq = static_cast<uint32_t>(seen[kHeaderCopySeq]);
+  bool differs = lane < num_ranks && (seen[kHeaderCopySeq] != 0) != copy_engine_here;
+#pragma unroll
+  for (int s = 0; s < kHeaderLen; ++s) differs |= seen[s] != own[s];
+  if (!__any_sync(0xffffffffu, differs)) return kHeadersAgree;
+  if (record) {  // the headers are in the lanes' registers: gather them in lane 0 (a rare path)
+    int32_t all[kMaxRanks * kHeaderLen];
+    for (int r = 0; r < num_ranks; ++r)
+#pragma unroll
+      for (int s = 0; s < kHeaderLen; ++s) all[r * kHeaderLen + s] = __shfl_sync(0xffffffffu, seen[s], r);
+    if (lane == 0) record_mismatch(wait_ctx(env), num_ranks, own, [&](int r, int s) { return all[r * kHeaderLen + s]; });
+  }
+  return kHeadersDisagree;
+}
+
+// Warp 0 of block 0 after a disagreement, on every rank (all reach the same verdict). A copy-engine call's copy
+// stream was released by the go word before the verdict was known (a queued copy cannot be withdrawn, and the
+// stream must never wait forever), so its rows still land in the peers' buffers, where no kernel of this epoch
+// reads them. So that none lands in a later operation's rows, lane p waits until this rank's own copies into
+// rank p landed (`own_copies_landed(p)`, only when this rank's call used the copy engine: `any_copy_engine`
+// says whether any rank's did), then every rank releases closed[me] in every rank and waits for every rank's.
+template <typename OwnCopiesLanded>
+__device__ __forceinline__ void close_after_disagreement(const KernelEnv& env, uint64_t epoch, int stage,
+                                                         bool any_copy_engine, OwnCopiesLanded own_copies_landed) {
+  if (!any_copy_engine) return;  // nothing can land late: no rank wrote into a peer's buffer
+  const int lane = threadIdx.x & 31, num_ranks = env.num_ranks, me = env.rank;
+  bool ok = true;
+  if (lane < num_ranks && lane != me) ok = own_copies_landed(lane);
+  if (!__all_sync(0xffffffffu, ok)) return;  // a wait failed: the error record is written, the buffer is unusable
+  if (lane < num_ranks) {
+    st_release_sys(&control_of(env, lane)->closed[me], epoch);
+    wait_flag(wait_ctx(env), &control_of(env, me)->closed[lane], epoch, stage, lane, 0);
+  }
+  __syncwarp();
+}
+
 // ========================================================================================== notify
 constexpr int kNotifyThreads = 1024;
 
@@ -86,6 +181,8 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
   __shared__ int32_t counts[kMaxRanks][kMaxRanks];
   __shared__ int32_t expert_hist[kMaxRanks * kMaxNotifyExperts];  // this rank's tokens per global expert
   __shared__ int ok;
+  __shared__ int32_t heads[kMaxRanks][kHeaderWords];  // every rank's header as seen (the check)
+  __shared__ int disagree;
   const bool with_experts = p.host_expert_counts != nullptr;
   const int num_experts = num_ranks * p.experts_per_rank;
   if (threadIdx.x == 0) ok = 1;
@@ -115,6 +212,8 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
       peer->counts[parity][me][r] = c;
     }
     peer->tokens[parity][me] = p.num_tokens;
+#pragma unroll
+    for (int w = 0; w < kHeaderWords; ++w) peer->header[parity][me][w] = p.check.header[w];
     fence_sys();
     st_release_sys(&peer->count_flag[parity][me], epoch);
     st_release_sys(&peer->arrive[me], epoch);
@@ -122,7 +221,14 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
   if (threadIdx.x < num_ranks) {
     const int src = threadIdx.x;
     Control* mine = control_of(env, me);
-    if (wait_flag(wait_ctx(env), &mine->count_flag[parity][src], epoch, kStageNotify, src, 0)) {
+    // The arrival (released after the count flag) rather than the count flag: a rank in another operation
+    // (a cached dispatch, a combine, a barrier) announces its header and arrival but no counts, and the check
+    // below turns that into a disagreement instead of a timeout.
+    if (wait_flag(wait_ctx(env), &mine->arrive[src], epoch, kStageNotify, src, 0)) {
+      int32_t seen[kHeaderWords];
+      load_header(env, p.check, epoch, src, seen);
+#pragma unroll
+      for (int w = 0; w < kHeaderWords; ++w) heads[src][w] = seen[w];
       for (int r = 0; r < num_ranks; ++r) counts[src][r] = ld_acquire_sys_s32(&mine->counts[parity][src][r]);
       reinterpret_cast<volatile int32_t*>(p.host_counts)[num_ranks * num_ranks + src] =
           ld_acquire_sys_s32(&mine->tokens[parity][src]);
@@ -140,8 +246,34 @@ __device__ __forceinline__ void notify_exchange(const NotifyParams& p) {
       reinterpret_cast<volatile int64_t*>(p.host_expert_counts)[e] = (sum + align - 1) / align * align;
     }
   }
+  // The header check: the host reads every header, this rank's and the verdict after the tokens (its one wait);
+  // a fixed-size dispatch, which has no host wait, also writes the mismatch record.
+  if (threadIdx.x == 0) {
+    volatile int32_t* out = p.host_counts + num_ranks * num_ranks + num_ranks;
+    int32_t own[kHeaderLen];
+#pragma unroll
+    for (int w = 0; w < kHeaderLen; ++w) own[w] = p.check.header[w];
+    int found = 0;
+    for (int r = 0; r < num_ranks; ++r)
+      for (int w = 0; w < kHeaderWords; ++w) {
+        const int32_t v = ok ? heads[r][w] : 0;
+        out[r * kHeaderWords + w] = v;
+        if (w < kHeaderLen && ok && v != own[w]) found = 1;
+      }
+    for (int w = 0; w < kHeaderLen; ++w) out[num_ranks * kHeaderWords + w] = own[w];
+    out[num_ranks * kHeaderWords + kHeaderLen] = found;
+    if (found && p.num_worst_tokens > 0)
+      record_mismatch(wait_ctx(env), num_ranks, own, [&](int r, int w) { return heads[r][w]; });
+    disagree = found;
+  }
+  __syncthreads();
+  if (disagree && threadIdx.x < 32) {  // nothing is copied in a fresh dispatch before this verdict; see there
+    bool any_copy_engine = false;
+    for (int r = 0; r < num_ranks; ++r) any_copy_engine |= heads[r][kHeaderCopySeq] != 0;
+    close_after_disagreement(env, epoch, kStageNotify, any_copy_engine, [](int) { return true; });
+  }
   if (threadIdx.x != 0) return;
-  int skip = ok ? 0 : 1;
+  int skip = ok ? (disagree ? 1 : 0) : 1;
   volatile int32_t* host = p.host_counts;
   for (int r = 0; r < num_ranks; ++r) {
     int acc = 0;
@@ -315,6 +447,7 @@ struct DispatchShared {
   int32_t copy_engine_bounds[kMaxCopyEngineChunks + 1];
   int32_t copy_engine_tokens[kMaxRanks];
   int flag;
+  int32_t digest;  // cached dispatch: the layout digest of the handle's rank_prefix_matrix
 };
 
 // A row's metadata in the lanes' registers: the pushers load it before the row's data and store it after,
@@ -468,7 +601,8 @@ __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, 
 // global ids) sit at row t of s's slot once the chunk of t landed; a warp's tokens of one source increase,
 // so it searches a chunk from the last one it waited for.
 __device__ __forceinline__ bool drain_copy_engine_rows(const DispatchParams& p, const DispatchShared& sh, int g,
-                                                       int all_warps, int32_t* hist, BlockTrace& trace) {
+                                                       int all_warps, int32_t* hist, BlockTrace& trace,
+                                                       uint64_t lane_copy_seq) {
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   Control* mine = control_of(env, me);
@@ -480,9 +614,12 @@ __device__ __forceinline__ bool drain_copy_engine_rows(const DispatchParams& p, 
     const int tokens = sh.copy_engine_tokens[src];
     const int64_t first = rows_from_lower(sh.prefix, num_ranks, src, me);
     const int64_t slot = static_cast<int64_t>(src) * p.copy_engine_slot_rows;
+    // The value src's copy stream writes: a cached dispatch's sender announced it in its header (lane src has
+    // it); a fresh one's is the same on every rank (the host made it so after the count exchange).
+    const uint64_t landed = p.write_arrival ? __shfl_sync(0xffffffffu, lane_copy_seq, src) : p.copy_engine.seq;
     int ready = -1;  // the last chunk this warp waited for
     const auto wait_chunk = [&](int k) {
-      if (!warp_wait_flag(env, &mine->copy_engine_flag[src][k], p.copy_engine.seq, kStageDispatchRecv, src, k, trace))
+      if (!warp_wait_flag(env, &mine->copy_engine_flag[src][k], landed, kStageDispatchRecv, src, k, trace))
         return false;
       if ((threadIdx.x & 31) == 0) stamp_landed(p.copy_engine, src, k);
       trace.first_wait();
@@ -523,7 +660,7 @@ constexpr int kPadRows = 64;
 // last chunk alone (faster than blocks taking whole chunks in turn, own and peers' interleaved; see
 // docs/native.md).
 __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const DispatchShared& sh, int32_t* hist,
-                                               uint64_t epoch, BlockTrace& trace) {
+                                               uint64_t epoch, BlockTrace& trace, uint64_t lane_copy_seq) {
   const int32_t* prefix = sh.prefix;
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
@@ -536,7 +673,7 @@ __device__ __forceinline__ bool dispatch_local(const DispatchParams& p, const Di
   Control* mine = control_of(env, me);
   const int self_count = pair_count(prefix, num_ranks, me, me);
   for (int j = g; j < self_count; j += all_warps) copy_self_row(p, my_list[j], my_first_row + j, hist);
-  if (p.copy_engine.seq != 0) return drain_copy_engine_rows(p, sh, g, all_warps, hist, trace);
+  if (p.copy_engine.seq != 0) return drain_copy_engine_rows(p, sh, g, all_warps, hist, trace, lane_copy_seq);
   int seen = 0;  // rows of the peers' sequence before chunk k of src
   for (int k = 0; k < kMaxChunks; ++k) {
     bool any = false;
@@ -570,8 +707,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   const uint64_t epoch = current_epoch(env);
-  if (p.write_arrival && blockIdx.x == 0 && threadIdx.x < num_ranks)
-    st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
+  // A cached dispatch is its operation's first kernel: block 0 announces this rank's header (with the layout
+  // digest of the handle) and arrival; every block's warp 0 computes the digest for the check below.
+  if (p.write_arrival && threadIdx.x < 32) {
+    const int32_t digest = p.check.digest_from_prefix ? warp_layout_digest(p.rank_prefix_matrix, num_ranks)
+                                                      : p.check.header[kHeaderLayout];
+    if (threadIdx.x == 0) sh.digest = digest;
+    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < num_ranks) announce_header(env, p.check, digest, epoch);
+  }
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
   for (int i = threadIdx.x; i < kMaxChunks * kMaxRanks; i += blockDim.x) sh.chunk_done[i] = 0;
   load_copy_engine_bounds(p.copy_engine, sh.copy_engine_bounds);
@@ -583,6 +726,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
     for (int i = threadIdx.x; i < p.experts_per_rank; i += blockDim.x) hist[i] = 0;
   __syncthreads();
   bool skip = !p.write_arrival && *reinterpret_cast<volatile int32_t*>(&env.state->skip) != 0;
+  // A cached dispatch checks the ranks' headers in every warp before its first cross-rank action (a fresh
+  // one's notify did, and `skip` holds its verdict). Lane r's lane_copy_seq: rank r's copy-engine number.
+  HeaderVerdict verdict = kHeadersAgree;
+  uint64_t lane_copy_seq = 0;
+  if (p.write_arrival) {
+    verdict = check_headers_warp(env, p.check, sh.digest, epoch, kStageDispatchSend,
+                                 blockIdx.x == 0 && threadIdx.x < 32, &lane_copy_seq, p.copy_engine.seq != 0);
+    skip = verdict != kHeadersAgree;
+  }
   const int32_t* prefix = sh.prefix;
   // Every rank checks every rank's received rows against the (identical) capacity and against the
   // output size (rows are written in place, so an overflow must never start): the same verdict everywhere.
@@ -597,9 +749,29 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   }
 
   // A copy-engine dispatch starts its copy stream whatever the verdict (the host checked that every
-  // source's tokens fit its slot, so the copies stay in bounds): the stream must never wait forever.
+  // source's tokens fit its slot, so the copies stay in bounds): the stream must never wait forever. After a
+  // disagreement its copies are waited for before the epoch closes (close_after_disagreement).
   if (p.copy_engine.seq != 0 && blockIdx.x == 0 && threadIdx.x < 32)
     start_copy_engine(env, p.copy_engine, epoch, kStageDispatchSend);
+  if (verdict == kHeadersDisagree && blockIdx.x == 0 && threadIdx.x < 32) {
+    const bool any_copy_engine = __any_sync(0xffffffffu, lane_copy_seq != 0);
+    const int32_t* bounds = sh.copy_engine_bounds;
+    // The flags this rank's copy stream writes into `peer` (enqueue_copy_engine_dispatch): every non-empty
+    // chunk, and chunk 0 of a fresh dispatch.
+    close_after_disagreement(env, epoch, kStageDispatchSend, any_copy_engine, [&](int peer) {
+      if (p.copy_engine.seq == 0) return true;
+      const int chunks = p.copy_engine.chunks;
+      for (int k = 0; k < chunks; ++k) {
+        const int t0 = k == 0 ? 0 : copy_engine_chunk_end(bounds, chunks, p.num_tokens, k - 1);
+        const int t1 = copy_engine_chunk_end(bounds, chunks, p.num_tokens, k);
+        if (t1 == t0 && !(k == 0 && p.has_topk)) continue;
+        if (!wait_flag(wait_ctx(env), &control_of(env, peer)->copy_engine_flag[me][k], p.copy_engine.seq,
+                       kStageDispatchSend, peer, k))
+          return false;
+      }
+      return true;
+    });
+  }
 
   if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
@@ -625,7 +797,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
                 [&](int dst) { return pair_count(prefix, num_ranks, me, dst); }, push_rows,
                 [&](int dst, int k) { return &control_of(env, dst)->dispatch_flag[me][k]; });
   } else if (!skip) {
-    dispatch_local(p, sh, hist, epoch, trace);
+    dispatch_local(p, sh, hist, epoch, trace, lane_copy_seq);
   }
 
   __syncthreads();
@@ -656,6 +828,7 @@ struct CombineShared {
   int32_t chunk_done[kMaxChunks * kMaxRanks];  // pushers: warps done with (chunk, peer)
   int32_t copy_engine_bounds[kMaxCopyEngineChunks + 1];
   int flag;
+  int32_t digest;  // the layout digest of the handle's rank_prefix_matrix
 };
 
 template <int kType> struct Vec;
@@ -953,7 +1126,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   const KernelEnv& env = p.env;
   const int num_ranks = env.num_ranks, me = env.rank;
   const uint64_t epoch = current_epoch(env);
-  if (blockIdx.x == 0 && threadIdx.x < num_ranks) st_release_sys(&control_of(env, threadIdx.x)->arrive[me], epoch);
+  // Block 0 announces this rank's header (with the layout digest of the handle) and arrival; every block's
+  // warp 0 computes the digest for the check below.
+  if (threadIdx.x < 32) {
+    const int32_t digest = p.check.digest_from_prefix ? warp_layout_digest(p.rank_prefix_matrix, num_ranks)
+                                                      : p.check.header[kHeaderLayout];
+    if (threadIdx.x == 0) sh.digest = digest;
+    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < num_ranks) announce_header(env, p.check, digest, epoch);
+  }
   for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) sh.prefix[i] = p.rank_prefix_matrix[i];
   for (int i = threadIdx.x; i < kMaxChunks * kMaxRanks; i += blockDim.x) sh.chunk_done[i] = 0;
   load_copy_engine_bounds(p.copy_engine, sh.copy_engine_bounds);
@@ -962,9 +1142,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   const int32_t* prefix = sh.prefix;
   Control* mine = control_of(env, me);
 
+  // Every warp checks the ranks' headers before its first cross-rank action. Lane r's lane_copy_seq: rank r's
+  // copy-engine number (the value its copy stream writes into copy_engine_flag).
+  uint64_t lane_copy_seq = 0;
+  const HeaderVerdict verdict = check_headers_warp(env, p.check, sh.digest, epoch, kStageCombineSend,
+                                                   blockIdx.x == 0 && threadIdx.x < 32, &lane_copy_seq,
+                                                   p.copy_engine.seq != 0);
   // Every rank checks every rank's rows against the (identical) capacity: the same verdict everywhere.
-  bool skip = false;
-  for (int s = 0; s < num_ranks; ++s) {
+  bool skip = verdict != kHeadersAgree;
+  for (int s = 0; s < num_ranks && !skip; ++s) {
     const int64_t rows = rows_back_from_lower(prefix, num_ranks, s, num_ranks);
     if (rows > p.rows_capacity) {
       skip = true;
@@ -973,6 +1159,27 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     }
   }
   bool failed = false;
+  const bool copy_engine = p.copy_engine.seq != 0;
+  // A copy-engine combine's block 0 releases its copy stream once every peer entered (whatever the verdict:
+  // the stream must never wait forever); after a disagreement its copies are waited for before the epoch
+  // closes (close_after_disagreement).
+  if (copy_engine && blockIdx.x == 0 && threadIdx.x < 32) start_copy_engine(env, p.copy_engine, epoch, kStageCombineSend);
+  if (verdict == kHeadersDisagree && blockIdx.x == 0 && threadIdx.x < 32) {
+    const bool any_copy_engine = __any_sync(0xffffffffu, lane_copy_seq != 0);
+    // The flags this rank's copy stream writes into `peer` (enqueue_copy_engine_combine): its non-empty chunks.
+    close_after_disagreement(env, epoch, kStageCombineSend, any_copy_engine, [&](int peer) {
+      if (!copy_engine) return true;
+      const int count = pair_count(prefix, num_ranks, peer, me), chunks = p.copy_engine.chunks;
+      for (int k = 0; k < chunks; ++k) {
+        const int j0 = k == 0 ? 0 : copy_engine_chunk_end(sh.copy_engine_bounds, chunks, count, k - 1);
+        if (copy_engine_chunk_end(sh.copy_engine_bounds, chunks, count, k) == j0) continue;
+        if (!wait_flag(wait_ctx(env), &control_of(env, peer)->copy_engine_flag[me][k], p.copy_engine.seq,
+                       kStageCombineSend, peer, k))
+          return false;
+      }
+      return true;
+    });
+  }
 
   if (!skip && static_cast<int>(blockIdx.x) < p.num_push_blocks) {
     // ------------------------------------------------------------------ pushers
@@ -1007,12 +1214,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   } else if (!skip) {
     // ------------------------------------------------------------------ reducers
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    const bool copy_engine = p.copy_engine.seq != 0;
-    if (copy_engine && blockIdx.x == 0 && warp == 0) start_copy_engine(env, p.copy_engine, epoch, kStageCombineSend);
     // Where the peers' rows land: pusher blocks publish epochs in combine_flag, the copy engine its
-    // sequence numbers in copy_engine_flag.
+    // sequence numbers in copy_engine_flag (lane r waits for rank r's, which r announced in its header).
     const uint64_t(*landed)[kMaxChunks] = copy_engine ? mine->copy_engine_flag : mine->combine_flag;
-    const uint64_t landed_target = copy_engine ? p.copy_engine.seq : epoch;
+    const uint64_t landed_target = copy_engine ? lane_copy_seq : epoch;
     const int q = blockIdx.x - p.num_push_blocks, num_reducers = p.num_blocks - p.num_push_blocks;
     // Lane r (< R) caches what it knows about rank r: where its rows start in this buffer, its
     // chunk size, and the last chunk seen complete.
@@ -1121,17 +1326,68 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
 // ========================================================================================== barrier
 __global__ void barrier_kernel(KernelEnv env) {
   const uint64_t epoch = current_epoch(env);
-  if (threadIdx.x < env.num_ranks) {
-    st_release_sys(&control_of(env, threadIdx.x)->arrive[env.rank], epoch);
-    wait_flag(wait_ctx(env), &control_of(env, env.rank)->arrive[threadIdx.x], epoch, kStageBarrier, threadIdx.x, 0);
-  }
+  // A barrier announces a header too (operation "barrier", nothing else), so that a rank in a dispatch or a
+  // combine against it sees a disagreement instead of a stale header; the check waits for every arrival.
+  HeaderCheck barrier{};
+  barrier.header[kHeaderOp] = kOpBarrier;
+  if (static_cast<int>(threadIdx.x) < env.num_ranks) announce_header(env, barrier, 0, epoch);
+  uint64_t copy_seq = 0;
+  if (check_headers_warp(env, barrier, 0, epoch, kStageBarrier, true, &copy_seq, false) == kHeadersDisagree)
+    close_after_disagreement(env, epoch, kStageBarrier, __any_sync(0xffffffffu, copy_seq != 0), [](int) { return true; });
   __syncthreads();
   if (threadIdx.x == 0) env.state->seq = epoch;
+}
+
+// One warp, an operation of its own: this rank's header of a call the host is about to take a decision on
+// (the torch fallback, growing the buffer, new options), with the layout digest of `prefix` when
+// hc.digest_from_prefix, announced and compared with every rank's; every header as seen, this rank's own and
+// the verdict go to `host_out` in the layout of the notify's (NotifyParams::check), for the host's wait.
+__global__ void exchange_kernel(KernelEnv env, HeaderCheck hc, const int32_t* prefix, int32_t* host_out) {
+  const uint64_t epoch = current_epoch(env);
+  const int lane = threadIdx.x, num_ranks = env.num_ranks;
+  const int32_t digest = hc.digest_from_prefix ? warp_layout_digest(prefix, num_ranks) : hc.header[kHeaderLayout];
+  if (lane < num_ranks) announce_header(env, hc, digest, epoch);
+  int32_t seen[kHeaderWords];
+  bool ok = true;
+  if (lane < num_ranks) {
+    ok = wait_flag(wait_ctx(env), &control_of(env, env.rank)->arrive[lane], epoch, kStageHeaderExchange, lane, 0);
+    if (ok) load_header(env, hc, epoch, lane, seen);
+  }
+  bool differs = false;
+  volatile int32_t* out = host_out;
+  if (lane < num_ranks && ok) {
+#pragma unroll
+    for (int w = 0; w < kHeaderWords; ++w) {
+      out[lane * kHeaderWords + w] = seen[w];
+      if (w < kHeaderLen) differs |= seen[w] != (w == kHeaderLayout ? digest : hc.header[w]);
+    }
+    differs |= seen[kHeaderCopySeq] != 0;  // a rank in a copy-engine call disagrees with one exchanging (see there)
+  }
+  const bool all_ok = __all_sync(0xffffffffu, ok);
+  const bool disagree = all_ok && __any_sync(0xffffffffu, differs);
+  const bool any_copy_engine = __any_sync(0xffffffffu, lane < num_ranks && ok && seen[kHeaderCopySeq] != 0);
+  if (lane == 0) {
+#pragma unroll
+    for (int w = 0; w < kHeaderLen; ++w) out[num_ranks * kHeaderWords + w] = w == kHeaderLayout ? digest : hc.header[w];
+    out[num_ranks * kHeaderWords + kHeaderLen] = disagree ? 1 : 0;
+  }
+  if (disagree) close_after_disagreement(env, epoch, kStageHeaderExchange, any_copy_engine, [](int) { return true; });
+  __syncwarp();
+  if (lane == 0) env.state->seq = epoch;
+}
+
+// One thread: closes the epoch a notify opened (see launch_close_epoch).
+__global__ void close_epoch_kernel(KernelEnv env) {
+  const uint64_t epoch = current_epoch(env);
+  env.state->done = 0;
+  env.state->skip = 0;
+  env.state->seq = epoch;
 }
 
 }  // namespace
 
 // ========================================================================================== launchers
+#ifndef __CUDACC_RTC__  // host code: the JIT build (ep_moe/native/jit/intranode.py) launches from Python
 cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream) {
   notify_kernel<<<1 + p.env.num_ranks, kNotifyThreads, 0, stream>>>(p);
   return cudaGetLastError();
@@ -1169,6 +1425,18 @@ cudaError_t launch_combine(const CombineParams& params, cudaStream_t stream) {
 
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream) {
   barrier_kernel<<<1, 32, 0, stream>>>(env);
+  return cudaGetLastError();
+}
+#endif  // __CUDACC_RTC__
+
+cudaError_t launch_exchange(const KernelEnv& env, const HeaderCheck& check, const int32_t* prefix, int32_t* host_out,
+                            cudaStream_t stream) {
+  exchange_kernel<<<1, 32, 0, stream>>>(env, check, prefix, host_out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_close_epoch(const KernelEnv& env, cudaStream_t stream) {
+  close_epoch_kernel<<<1, 1, 0, stream>>>(env);
   return cudaGetLastError();
 }
 

@@ -3,8 +3,12 @@
 // the CUDA error of the launch.
 #pragma once
 
+#ifdef __CUDACC_RTC__
+#include "rtc_prelude.h"  // NVRTC (the JIT build) has no toolkit headers
+#else
 #include <cstdint>
 #include <cuda_runtime.h>
+#endif
 
 namespace ep_moe {
 
@@ -16,10 +20,31 @@ constexpr int kThreads = 512;       // threads of the dispatch / combine blocks
 constexpr int kMaxCopyEngineChunks = 16;  // chunks per pair of a copy-engine call
 constexpr int kMaxCopyStreams = 4;  // side streams one copy-engine call spreads its chunks over
 
+// ------------------------------------------------------------------------------------------ rank agreement
+// The header every rank announces for each collective operation, before any row moves: the first kHeaderLen
+// words are the torch backend's (ep_moe/backends/agreement.py, same slots and codes) and are compared; the two
+// native-only words are not. kHeaderCopySeq: a cached dispatch's or a combine's copy-engine sequence number of
+// this call (0: no copy engine), which its receivers wait for in copy_engine_flag (each sender's own, so that
+// ranks whose sequence numbers drifted apart in a disagreement still wait for the right value). kHeaderLastSeq:
+// in a fresh dispatch's notify, the rank's last sequence number (the host takes the largest over the ranks, so
+// that a fresh copy-engine dispatch uses one number on every rank, above every flag written so far).
+constexpr int kHeaderLen = 8;
+constexpr int kHeaderWords = 10;
+enum HeaderSlot { kHeaderOp = 0, kHeaderHidden, kHeaderDtype, kHeaderScales, kHeaderTopk, kHeaderExperts,
+                  kHeaderWorst, kHeaderLayout, kHeaderCopySeq, kHeaderLastSeq };
+enum HeaderOp { kOpDispatch = 1, kOpCachedDispatch = 2, kOpCombine = 3, kOpBarrier = 4 };
+
 // Error record in pinned host memory (int32 words), written by the first failing wait of a rank.
 enum ErrorWord { kErrCode = 0, kErrRank, kErrStage, kErrChannel, kErrPeer, kErrDetail, kErrValueLo, kErrValueHi,
                  kErrWords = 16 };
 enum ErrorCode { kErrorNone = 0, kErrorTimeout = 1, kErrorCapacity = 2 };
+// Mismatch record: the int32 words after the error record (error + kErrWords), written by the first kernel of
+// a rank that finds the ranks' headers unequal (and only while kMismatchFound is 0: the host clears it when it
+// raises). Not an error record: the epoch still closes and the buffer stays usable. kMismatchOwn: this rank's
+// own header; kMismatchSeen: every rank's header as this rank's kernel saw it ([kMaxRanks][kHeaderLen]).
+enum MismatchWord { kMismatchFound = 0, kMismatchRank, kMismatchRanks, kMismatchOwn,
+                    kMismatchSeen = kMismatchOwn + kHeaderLen,
+                    kMismatchWords = kMismatchSeen + kMaxRanks * kHeaderLen };
 enum Stage {
   kStageNotify = 1,          // dispatch count exchange: waiting for a peer's counts
   kStageDispatchSend = 2,    // dispatch: waiting for a peer to enter the operation before writing to it
@@ -29,6 +54,7 @@ enum Stage {
   kStageBarrier = 6,         // barrier
   kStageDispatchCapacity = 7,
   kStageCombineCapacity = 8,
+  kStageHeaderExchange = 9,  // a header exchange before a host-side decision (launch_exchange)
 };
 
 struct LocalState;
@@ -61,6 +87,18 @@ struct LayoutParams {
 };
 cudaError_t launch_layout(const LayoutParams& p, cudaStream_t stream);
 
+// ------------------------------------------------------------------------------------------ header check
+// This rank's header of a call (kHeaderWords words; see HeaderSlot), compared with every rank's before any row
+// moves (notify for a fresh dispatch; the kernel itself for a cached dispatch and a combine).
+struct HeaderCheck {
+  int32_t header[kHeaderWords];
+  bool digest_from_prefix;  // slot kHeaderLayout: the layout digest of rank_prefix_matrix (cached dispatch, combine)
+  // Test only (null: off, at no cost): a device int32 [3] (source rank, slot, value added): the kernel sees that
+  // source's header with the value added to that slot, so that a one-rank group can run the mismatch path.
+  // Read when the kernel runs, so a CUDA-graph replay sees the values of the moment.
+  const int32_t* test_perturb;
+};
+
 // ------------------------------------------------------------------------------------------ notify
 struct NotifyParams {
   KernelEnv env;
@@ -80,6 +118,10 @@ struct NotifyParams {
   const int64_t* topk_idx;        // [T, K] expert ids, -1 for none
   int num_topk, experts_per_rank, expert_alignment;
   int64_t* host_expert_counts;    // [L] out (pinned, device-mapped): aligned counts of rows per local expert
+  // The header check: host_counts continues after the tokens with every rank's header as seen ([R][kHeaderWords]),
+  // this rank's own (kHeaderLen) and the verdict (1: the ranks disagree; the dispatch kernel then moves nothing).
+  // A fixed-size dispatch (no host wait follows) also writes the mismatch record.
+  HeaderCheck check;
 };
 cudaError_t launch_notify(const NotifyParams& p, cudaStream_t stream);
 
@@ -150,6 +192,7 @@ struct DispatchParams {
   int32_t copy_engine_tokens[kMaxRanks];
   int64_t copy_engine_slot_rows;
   const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx (cached dispatch), or null (fresh)
+  HeaderCheck check;              // cached dispatch (write_arrival): compared in the kernel; fresh: by notify
   // Rows left in place (a fresh dispatch of the expert-major path; never with the copy engine): the local
   // blocks wait for every chunk and write the metadata (top-k, weights, source, counts, padding) but copy no
   // row data (recv_x, recv_scales null). A later kernel on the same stream reads the peers' rows from this
@@ -197,6 +240,7 @@ struct CombineParams {
   // stage; 0: register reducers) where the block's shared memory holds at least a warp pass per source.
   bool bulk_reduce;
   int bulk_piece16;
+  HeaderCheck check;
   // Expert-major combine (expert_y non-null; never with the copy engine): the pushers send, for received row
   // i, the fp32 sum over its slots sorted_slots[i] (increasing, -1 = none) of expert_weights[s] * expert_y[s]
   // (each product rounded first: no fused multiply-add; plain sums without weights), from 0, rounded once
@@ -222,5 +266,14 @@ int64_t most_rows_back(const int32_t* host_prefix, int num_ranks);
 
 // ------------------------------------------------------------------------------------------ barrier
 cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream);
+// Closes the epoch a notify opened when no dispatch kernel follows it (an exact-size dispatch whose header check
+// failed: the host raises instead of launching the dispatch; without this, the next notify would reuse the epoch).
+cudaError_t launch_close_epoch(const KernelEnv& env, cudaStream_t stream);
+// A header exchange as an operation of its own (one warp; an epoch): announces `check` (with the layout digest
+// of `prefix`, [R, R] int32 on the device, when check.digest_from_prefix), compares it with every rank's and
+// writes what the notify's header check writes (NotifyParams::check) to `host_out` (pinned, device-mapped).
+// Run before a host-side decision that must be the same on every rank (the torch fallback, a larger buffer).
+cudaError_t launch_exchange(const KernelEnv& env, const HeaderCheck& check, const int32_t* prefix, int32_t* host_out,
+                            cudaStream_t stream);
 
 }  // namespace ep_moe

@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) 
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__  // host code: the JIT build launches from Python
 cudaError_t launch_layout(const LayoutParams& p, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(p.num_tokens_per_rank, 0, sizeof(int32_t) * p.num_ranks, stream);
   if (err == cudaSuccess)
@@ -57,5 +58,6 @@ cudaError_t launch_layout(const LayoutParams& p, cudaStream_t stream) {
   layout_kernel<<<blocks, kLayoutThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace ep_moe

@@ -7,6 +7,10 @@ source, every header it includes (recursively), the compiler's identity and vers
 and the defines. `build` gives the CUBIN (memory, else disk, else the compiler: `compilers.find_compiler`);
 `module` loads it on a device (`driver.Module`) and `Module.function(...).launch(...)` runs a kernel on a stream.
 
+Two groups of kernels use it: the single-rank expert-major kernels (`expert_major`, specialized per shape) and the
+native backend's intranode kernels with their copy engine (`intranode`, the extension's csrc sources in one generic
+build per architecture, launched from Python over ctypes mirrors of their parameter structs: `params`).
+
 `available` / `unavailable_reason` say whether JIT kernels can run here (CUDA torch, a GPU, a compiler, the
 driver; without a compiler, ``EP_MOE_JIT=1`` still runs the kernels a warm cache holds: `build` then takes any
 entry that matches in everything but the compiler); `mode` reads ``EP_MOE_JIT`` (``1``: prefer JIT kernels over the ahead-of-time
@@ -184,7 +188,7 @@ def unavailable_reason() -> str | None:
                 reason = str(exc)
     if reason is not None and torch.version.cuda is not None:  # said once; CPU builds need no word
         log.info("ep_moe.jit: JIT kernels cannot run here (%s); the expert-major kernels use the extension, "
-                 "Triton or torch", reason)
+                 "Triton or torch, the native backend the extension (or the torch backend)", reason)
     _available = reason
     return reason
 

@@ -23,7 +23,10 @@ from typing import Protocol
 from .source import Define
 
 # The compile flags every compiler applies (part of the cache key); each compiler spells them its own way.
-FLAGS: tuple[str, ...] = ("-std=c++17", "-O3", "-lineinfo")
+# -default-device (NVRTC only): functions without an execution space are device functions, so that the host
+# declarations of csrc/kernels.h (the launchers, never defined in a JIT build) are legal in JIT mode.
+FLAGS: tuple[str, ...] = ("-std=c++17", "-O3", "-lineinfo", "-default-device")
+NVRTC_ONLY_FLAGS = ("-default-device",)
 
 
 class CompileError(RuntimeError):
@@ -81,7 +84,7 @@ class NvccCompiler:
         with tempfile.TemporaryDirectory(prefix="ep_moe_nvcc_") as tmp:
             out = Path(tmp) / "kernel.cubin"
             dirs = dict.fromkeys([str(source.parent), *map(str, include_dirs)])  # in order, once each
-            cmd = [self.path, *flags, "-cubin", f"-arch={arch}", *(f"-I{d}" for d in dirs),
+            cmd = [self.path, *(f for f in flags if f not in NVRTC_ONLY_FLAGS), "-cubin", f"-arch={arch}", *(f"-I{d}" for d in dirs),
                    *(f"-D{k}={v}" for k, v in defines), "-o", str(out), str(source)]
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if result.returncode != 0 or not out.is_file():

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 
 CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_FOUND = 500
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the function attribute
 
@@ -130,6 +131,32 @@ class Function:
                                    f"shared={shared_bytes})")
 
 
+    def launch_params(self, grid: int, block: int, stream: int, *params: ctypes.Structure | ctypes._SimpleCData,
+                      shared_bytes: int = 0) -> None:
+        """Enqueue a kernel whose arguments are passed by value as ctypes objects (``params``: parameter struct
+        mirrors, or ``ctypes.c_uint64`` pointers; the driver copies them during the call, so no lock is needed).
+        Raises `DriverError` when refused."""
+        if self.device is not None and getattr(_thread, "device", None) != self.device:
+            driver().use_primary_context(self.device)
+            _thread.device = self.device
+        args = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+        status = self._launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), args, None)
+        if status != CUDA_SUCCESS:
+            driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
+                                   f"shared={shared_bytes})")
+
+
+def host_device_pointer(host_ptr: int, device: int) -> int:
+    """The device address of pinned, mapped host memory at ``host_ptr`` (``cuMemHostGetDevicePointer``; what the
+    kernels write their error record and counts through). Raises `DriverError` when the memory is not mapped."""
+    drv = driver()
+    drv.use_primary_context(device)
+    out = ctypes.c_uint64()
+    drv.check(drv.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0),
+              "cuMemHostGetDevicePointer")
+    return out.value
+
+
 class Module:
     """A CUBIN loaded on one device; `function` looks a kernel up (once per name and signature)."""
 
@@ -152,8 +179,12 @@ class Module:
             drv = driver()
             drv.use_primary_context(self.device)
             handle = ctypes.c_void_p()
-            drv.check(drv.lib.cuModuleGetFunction(ctypes.byref(handle), self.handle, name.encode()),
-                      f"cuModuleGetFunction({self.label}, {name})")
+            status = drv.lib.cuModuleGetFunction(ctypes.byref(handle), self.handle, name.encode())
+            if status == CUDA_ERROR_NOT_FOUND:  # a kernel with internal linkage: look it up among all of them
+                found_handle = self._enumerated(name)
+                if found_handle is not None:
+                    handle, status = found_handle, CUDA_SUCCESS
+            drv.check(status, f"cuModuleGetFunction({self.label}, {name})")
             if max_dynamic_shared > STATIC_SHARED_LIMIT:
                 drv.check(drv.lib.cuFuncSetAttribute(handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                      max_dynamic_shared), f"cuFuncSetAttribute({name})")
@@ -161,5 +192,25 @@ class Module:
                                                           device=self.device)
         return found
 
+    def _enumerated(self, name: str) -> ctypes.c_void_p | None:
+        """The function called ``name`` among all of the module's (``cuModuleEnumerateFunctions`` and
+        ``cuFuncGetName``, CUDA 12.4 drivers and later), or None (also where the driver lacks those calls)."""
+        lib = driver().lib
+        if not all(hasattr(lib, f) for f in ("cuModuleGetFunctionCount", "cuModuleEnumerateFunctions",
+                                             "cuFuncGetName")):
+            return None
+        count = ctypes.c_uint()
+        if lib.cuModuleGetFunctionCount(ctypes.byref(count), self.handle) != CUDA_SUCCESS:
+            return None
+        handles = (ctypes.c_void_p * count.value)()
+        if lib.cuModuleEnumerateFunctions(handles, count, self.handle) != CUDA_SUCCESS:
+            return None
+        for handle in handles:
+            text = ctypes.c_char_p()
+            if lib.cuFuncGetName(ctypes.byref(text), ctypes.c_void_p(handle)) == CUDA_SUCCESS and \
+                    text.value == name.encode():
+                return ctypes.c_void_p(handle)
+        return None
 
-__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver"]
+
+__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver", "host_device_pointer"]

@@ -86,6 +86,20 @@ def pack_elements(element_size: int, hidden: int, *tensors: Tensor | None) -> in
 
 
 # ------------------------------------------------------------------------------------------ layout
+_layout: dict[tuple, tuple[Function, Function, Function, Function]] = {}
+
+
+def _layout_functions(defines: tuple[tuple[str, int], ...], device: int
+                      ) -> tuple[Function, Function, Function, Function]:
+    """The layout's four kernels (count, scan, assign, sort rows) of one specialization: one lookup per call."""
+    found = _layout.get((defines, device))
+    if found is None:
+        found = _layout[(defines, device)] = tuple(
+            _function("expert_layout.cu", defines, name, _LAYOUT_SIG, device)
+            for name in ("ep_expert_count", "ep_expert_scan", "ep_expert_assign", "ep_expert_sort_rows"))
+    return found
+
+
 def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int = 0
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``ep_moe_native::expert_layout``: ``(pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K],
@@ -99,25 +113,30 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
     pairs = rows * topk
     device = _device_of(topk_idx)
     longs = dict(dtype=torch.int64, device=topk_idx.device)
-    tokens = torch.full((num_experts,), capacity, **longs) if capacity else torch.zeros(num_experts, **longs)
-    counts = torch.zeros(num_experts, **longs)
+    # One allocation for the per-expert vectors (tokens, pairs, first slot) and one for the per-pair ones (host
+    # time per call is this launcher's cost: every torch call from Python is a few µs). The scan writes every
+    # count when there are pairs; with none, the counts are set here.
+    per_expert = torch.empty(3, num_experts, **longs)
+    tokens, counts, first_slot = per_expert[0], per_expert[1], per_expert[2]
     defines = (("EP_EXPERTS", num_experts), ("EP_TOPK", topk)) + ((("EP_CAPACITY", capacity),) if capacity else ())
     with _on(device):
         stream = _stream(device)
         args: list[int] = []
         if pairs > 0:
+            count, scan, assign, sort_rows = _layout_functions(defines, device)
             tiles = _blocks(pairs, LAYOUT_TILE)
             blocks = min(tiles, LAYOUT_MAX_BLOCKS)
             pairs_per_block = _blocks(tiles, blocks) * LAYOUT_TILE
             num_blocks = _blocks(pairs, pairs_per_block)
             block_counts = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=topk_idx.device)
-            first_slot = torch.empty(num_experts, **longs)
             args = [topk_idx.data_ptr(), pairs, alignment, 0, num_blocks, pairs_per_block, block_counts.data_ptr(),
                     first_slot.data_ptr(), tokens.data_ptr(), counts.data_ptr()]
-            _function("expert_layout.cu", defines, "ep_expert_count", _LAYOUT_SIG, device).launch(
-                num_blocks, LAYOUT_TILE, stream, *args, 0, 0, 0)
-            _function("expert_layout.cu", defines, "ep_expert_scan", _LAYOUT_SIG, device).launch(
-                1, 1024, stream, *args, 0, 0, 0)
+            count.launch(num_blocks, LAYOUT_TILE, stream, *args, 0, 0, 0)
+            scan.launch(1, 1024, stream, *args, 0, 0, 0)
+        else:
+            per_expert[:2].zero_()
+            if capacity:
+                tokens.fill_(capacity)
         host = torch.empty(0, dtype=torch.int64)
         if capacity:  # every count is known on the host
             host = torch.full((num_experts,), capacity, dtype=torch.int64)
@@ -126,14 +145,13 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
             host = tokens.cpu()
             num_slots = int(host.sum())
         pair_of_slot = torch.full((num_slots,), pairs, **longs)
-        slot_of_pair, sorted_slots = torch.empty(rows, topk, **longs), torch.empty(rows, topk, **longs)
+        per_pair = torch.empty(2, rows, topk, **longs)
+        slot_of_pair, sorted_slots = per_pair[0], per_pair[1]
         if pairs > 0:
             args[3] = num_slots
             tail = [pair_of_slot.data_ptr(), slot_of_pair.data_ptr(), sorted_slots.data_ptr()]
-            _function("expert_layout.cu", defines, "ep_expert_assign", _LAYOUT_SIG, device).launch(
-                args[4], LAYOUT_TILE, stream, *args, *tail)
-            _function("expert_layout.cu", defines, "ep_expert_sort_rows", _LAYOUT_SIG, device).launch(
-                _blocks(rows, 256), 256, stream, *args, *tail)
+            assign.launch(args[4], LAYOUT_TILE, stream, *args, *tail)
+            sort_rows.launch(_blocks(rows, 256), 256, stream, *args, *tail)
     return pair_of_slot, slot_of_pair, sorted_slots, tokens, counts, host
 
 

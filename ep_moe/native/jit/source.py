@@ -7,6 +7,7 @@ No CUDA, no torch: pure file reading and hashing (tested on CPU).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -61,9 +62,22 @@ class KernelSource:
         return f"{self.file.name}[{','.join(f'{k}={v}' for k, v in self.defines)}]"
 
 
+PACKAGE_NATIVE_DIR = KERNELS_DIR.resolve().parent.parent  # ep_moe/native: the JIT sources' and csrc's root
+
+
+def _key_path(header: Path, source: Path) -> str:
+    """How ``header`` appears in a cache key: ``ep_moe/native/<path>`` for the package's own files (the same key
+    wherever the package is installed, whichever folder the including source is in, e.g. the layout probe
+    generated into the cache folder), else its path relative to ``source``'s folder."""
+    try:
+        return "ep_moe/native/" + header.relative_to(PACKAGE_NATIVE_DIR).as_posix()
+    except ValueError:
+        return Path(os.path.relpath(header, source.parent.resolve())).as_posix()
+
+
 def included_headers(source: Path, include_dirs: Iterable[Path] = ()) -> dict[str, str]:
-    """Every header ``source`` reaches through ``#include "..."`` (recursively), as ``{path: sha256}``, a path
-    relative to the including file's folder when found there, else to the first include dir that has it.
+    """Every header ``source`` reaches through ``#include "..."`` (recursively), as ``{path: sha256}`` with the path
+    as `_key_path` writes it (found next to the including file, else in the first include dir that has it).
 
     An include found nowhere (a toolkit header written with quotes) is left out: the compiler's identity stands
     for the toolkit's headers. Conditional includes count as included (a superset keys safely).
@@ -84,10 +98,7 @@ def included_headers(source: Path, include_dirs: Iterable[Path] = ()) -> dict[st
             if candidate in seen:
                 continue
             seen.add(candidate)
-            try:
-                rel = candidate.relative_to(source.parent.resolve()).as_posix()
-            except ValueError:
-                rel = candidate.as_posix()
+            rel = _key_path(candidate, source)
             found[rel] = sha256_file(candidate)
             pending.append(candidate)
     return dict(sorted(found.items()))

@@ -1,0 +1,640 @@
+"""The intranode kernels (layout, notify, dispatch, combine, barrier) through the JIT layer: the functions of the
+ahead-of-time extension ``ep_moe.native._C`` that `ep_moe.backends.native_backend` calls, with the same arguments,
+the same checks and the same launches, for an install that compiled nothing.
+
+The kernels are the extension's own sources (``csrc/layout.cu``, ``csrc/intranode.cu``, included by
+``kernels/intranode.cu``), compiled once per architecture (nothing is specialized: they take ranks, rows and types
+at run time); the host half of ``csrc/binding.cpp`` (checks, filling the parameter structs) is done here over the
+ctypes mirrors of `ep_moe.native.jit.params`, and every kernel is launched with the driver API on the current
+stream of the tensors' device. Before the first launch on a device the module checks that the mirrors and the
+constants it uses equal what the compiler sees (`JitLayoutError` otherwise).
+
+A call with the copy engine (``copy_engine_seq > 0``) launches its kernel, then queues the copy-engine half
+(``csrc/copy_engine.cu``'s host code, here in `ep_moe.native.jit.copy_engine` over the driver API) on the side
+streams the backend passes, after the same checks as the extension's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import KernelSource, module, process_cache
+from . import params as P
+from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
+from .cubin import find_kernel, function_symbols
+from .driver import PTR, Function, host_device_pointer
+
+KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
+
+_K = dict(P.CONSTANTS)
+MAX_RANKS = _K["kMaxRanks"]
+MAX_CHUNKS = _K["kMaxChunks"]
+CONTROL_BYTES = _K["kControlBytes"]
+MAX_NOTIFY_EXPERTS = _K["kMaxNotifyExperts"]
+ERROR_WORDS = _K["kErrWords"]
+MISMATCH_WORDS = _K["kMismatchWords"]  # the mismatch record after the error record (rank agreement)
+HEADER_LEN, HEADER_WORDS, HEADER_COPY_SEQ = _K["kHeaderLen"], _K["kHeaderWords"], _K["kHeaderCopySeq"]
+TRACE_SLOTS = _K["kTraceSlots"]
+COPY_ENGINE_TRACE_SLOTS = _K["kCopyEngineTraceSlots"]
+MAX_COPY_ENGINE_CHUNKS = _K["kMaxCopyEngineChunks"]
+MAX_COPY_STREAMS = _K["kMaxCopyStreams"]
+THREADS, NOTIFY_THREADS, LAYOUT_THREADS = _K["kThreads"], _K["kNotifyThreads"], _K["kLayoutThreads"]
+ELEM_TYPES = {torch.bfloat16: 1, torch.float32: 2}  # ElemType of kernels.h (kNone = 0)
+
+SOURCE = KernelSource.of("intranode.cu")
+# The kernels' mangled-name fragments (cubin.find_kernel): C++ names in ep_moe's unnamed namespace.
+KERNELS = {"layout": "13layout_kernelE", "notify": "13notify_kernelE", "dispatch": "15dispatch_kernelE",
+           "combine_bf16": "14combine_kernelILi1EE", "combine_fp32": "14combine_kernelILi2EE",
+           "barrier": "14barrier_kernelE", "exchange": "15exchange_kernelE",
+           "close_epoch": "18close_epoch_kernelE"}
+
+
+class JitLayoutError(RuntimeError):
+    """The ctypes mirrors or constants of `ep_moe.native.jit.params` differ from what the compiler sees in the
+    CUDA sources (a field was added to ``kernels.h`` but not to the mirror): nothing is launched."""
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+# ------------------------------------------------------------------------------------------ loading and checks
+def probe_file(directory: Path | None = None) -> Path:
+    """`params.probe_source` written (once, content-addressed) under ``<cache>/src`` (a temporary folder where that
+    cannot be written): what `ep-moe jit warmup` and the first use compile."""
+    text = P.probe_source()
+    name = f"params_layout-{hashlib.sha256(text.encode()).hexdigest()[:16]}.cu"
+    if directory is not None:
+        return _write_once(Path(directory) / name, text)
+    try:
+        return _write_once(process_cache().directory / "src" / name, text)
+    except OSError:
+        return _write_once(Path(tempfile.gettempdir()) / "ep_moe_jit_src" / name, text)
+
+
+def _write_once(path: Path, text: str) -> Path:
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".cu")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic: a concurrent process reads the old or the new whole file
+    return path
+
+
+def specializations() -> list[KernelSource]:
+    """What the intranode kernels compile (one generic build per architecture, and the layout probe)."""
+    return [SOURCE, KernelSource.of(probe_file())]
+
+
+def _read_back(fn: Function, count: int, device: int) -> list[int]:
+    out = torch.zeros(count, dtype=torch.int64, device=f"cuda:{device}")
+    fn.launch(1, 32, _raw_stream(device), out.data_ptr())
+    return out.tolist()  # synchronizes
+
+
+class _Kernels:
+    """The intranode kernels loaded on one device, after the layout and constants checks."""
+
+    def __init__(self, device: int) -> None:
+        with torch.cuda.device(device):
+            loaded = module(SOURCE, device)
+            constants = _read_back(loaded.function("ep_intranode_constants", (PTR,)), len(P.CONSTANTS), device)
+            probe = module(KernelSource.of(probe_file()), device)
+            layout = _read_back(probe.function("ep_params_layout", (PTR,)), len(P.layout_of()), device)
+        wrong = P.constant_mismatches(constants) + P.layout_mismatches(layout)
+        if wrong:
+            raise JitLayoutError("ep_moe.native.jit: the parameter mirrors (ep_moe/native/jit/params.py) do not match "
+                                 "the CUDA sources; add the new fields to the mirror in kernels.h's order:\n  "
+                                 + "\n  ".join(wrong))
+        # where Control::copy_engine_flag starts in a control block (read, not mirrored: Control may grow)
+        self.control_flags_offset = constants[-1]
+        symbols = function_symbols(loaded._cubin)
+        combine_smem = _K["kBulkSmemBudget"]  # the most a bulk-copy combine asks for (bulk_piece16 stays below)
+        self.fn = {name: loaded.function(find_kernel(symbols, fragment), (),
+                                         combine_smem if name.startswith("combine") else 0)
+                   for name, fragment in KERNELS.items()}
+
+
+_kernels: dict[int, _Kernels] = {}
+_lock = threading.Lock()
+LAUNCHES: dict[str, int] = dict.fromkeys(KERNELS, 0)  # kernels this process launched through this module, by name
+
+
+def kernels(device: int) -> _Kernels:
+    """The kernels on ``device`` (compiled or read from the cache, loaded and checked at first use)."""
+    found = _kernels.get(device)
+    if found is None:
+        with _lock:
+            found = _kernels.get(device)
+            if found is None:
+                found = _kernels[device] = _Kernels(device)
+    return found
+
+
+def _launch(device: int, name: str, grid: int, block: int, *params, shared_bytes: int = 0) -> None:
+    """Kernel ``name`` (a key of `KERNELS`) on ``device``'s current stream, its arguments ``params`` (ctypes
+    objects, by value)."""
+    kernels(device).fn[name].launch_params(grid, block, _raw_stream(device), *params, shared_bytes=shared_bytes)
+    LAUNCHES[name] += 1
+
+
+# ------------------------------------------------------------------------------------------ argument checks
+def _is_pinned(t: Tensor) -> bool:
+    return not t.is_cuda and t.is_pinned()
+
+
+def _fail(message: str) -> ValueError:
+    return ValueError(f"ep_moe.native (JIT): {message}")
+
+
+def _check_cuda(t: Tensor, name: str) -> None:
+    if not t.is_cuda or not t.is_contiguous():
+        raise _fail(f"argument '{name}' must be a contiguous CUDA tensor")
+
+
+def _ptr(t: Tensor | None, name: str) -> int:
+    """The address of an optional tensor (0 when absent; never dereferenced then)."""
+    if t is None:
+        return 0
+    _check_cuda(t, name)
+    return t.data_ptr()
+
+
+def _device(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _elem_type(t: Tensor, name: str) -> int:
+    found = ELEM_TYPES.get(t.dtype)
+    if found is None:
+        raise _fail(f"argument '{name}' must be bfloat16 or float32, got {t.dtype}")
+    return found
+
+
+def _trace_ptr(trace: Tensor | None, num_blocks: int) -> int:
+    if trace is None:
+        return 0
+    _check_cuda(trace, "trace")
+    if trace.dtype != torch.int64 or trace.numel() < num_blocks * TRACE_SLOTS:
+        raise _fail(f"argument 'trace' must be int64 with {TRACE_SLOTS} slots per block")
+    return trace.data_ptr()
+
+
+def _copy_engine_params(p, streams: list[int], flag_stream: int, seq: int, go: Tensor | None, shares: list[int],
+                        num_push_blocks: int, trace: Tensor | None, num_blocks: int) -> None:
+    """Fill ``p.copy_engine`` (seq 0: none), checked before any kernel starts, since the kernel releases the copy
+    streams and the copies write into the peers' buffers unchecked (``copy_engine_params`` of binding.cpp)."""
+    if seq == 0:
+        return
+    if seq < 0 or num_push_blocks != 0 or go is None:
+        raise _fail("a copy-engine call needs no pusher blocks and the go word ('copy_engine_go')")
+    if not 1 <= len(streams) <= MAX_COPY_STREAMS or 0 in streams:
+        raise _fail(f"argument 'copy_engine_streams' must hold 1 to {MAX_COPY_STREAMS} side streams (not the legacy "
+                    f"default stream), got {len(streams)}")
+    if flag_stream in streams:
+        raise _fail("argument 'copy_engine_flag_stream' must not be one of the copy streams")
+    _check_cuda(go, "copy_engine_go")
+    if go.dtype != torch.int64 or go.numel() < 1:
+        raise _fail("argument 'copy_engine_go' must be an int64 CUDA tensor")
+    if not 1 <= len(shares) <= MAX_COPY_ENGINE_CHUNKS:
+        raise _fail(f"argument 'copy_engine_shares' must hold 1 to {MAX_COPY_ENGINE_CHUNKS} shares, got {len(shares)}")
+    ce = p.copy_engine
+    total = 0
+    for k, share in enumerate(shares):
+        if not 1 <= share <= 1024:
+            raise _fail(f"argument 'copy_engine_shares' must be in [1, 1024], got {share}")
+        total += share
+        ce.bounds[k + 1] = total
+    ce.chunks, ce.seq, ce.go = len(shares), seq, go.data_ptr()
+    if trace is not None:  # the copy-engine timeline after the blocks' slots
+        if trace.numel() < num_blocks * TRACE_SLOTS + COPY_ENGINE_TRACE_SLOTS:
+            raise _fail(f"a copy-engine call's trace needs {COPY_ENGINE_TRACE_SLOTS} slots after the blocks'")
+        ce.trace = trace.data_ptr() + num_blocks * TRACE_SLOTS * 8
+
+
+# ------------------------------------------------------------------------------------------ Env
+class Env:
+    """What every collective kernel of one rank needs (``KernelEnv``): the peers' control blocks, this rank's
+    private ``state`` (a CUDA tensor of >= 64 bytes) and pinned ``error`` record (int32, >= ERROR_WORDS), the
+    timeout, and the chunking (dispatch's in the struct, combine's beside it). Same arguments as the extension's
+    ``Env``; raises `ValueError` naming a bad one."""
+
+    def __init__(self, rank: int, ctrl_ptrs: list[int], state: Tensor, error: Tensor, timeout_ns: int,
+                 dispatch_chunks: int, combine_chunks: int, min_chunk_rows: int) -> None:
+        num_ranks = len(ctrl_ptrs)
+        if not 1 <= num_ranks <= MAX_RANKS:
+            raise _fail(f"argument 'ctrl_ptrs' must hold 1 to {MAX_RANKS} pointers (the group size), got {num_ranks}")
+        if not 0 <= rank < num_ranks:
+            raise _fail(f"argument 'rank' must be in [0, {num_ranks}), got {rank}")
+        _check_cuda(state, "state")
+        if state.nbytes < 64:
+            raise _fail(f"argument 'state' must hold at least 64 bytes, got {state.nbytes}")
+        if not _is_pinned(error) or error.dtype != torch.int32 or error.numel() < ERROR_WORDS + MISMATCH_WORDS:
+            raise _fail(f"argument 'error' must be a pinned int32 CPU tensor of {ERROR_WORDS} + {MISMATCH_WORDS} words "
+                        "(error record, mismatch record)")
+        for name, chunks in (("dispatch_chunks", dispatch_chunks), ("combine_chunks", combine_chunks)):
+            if not 1 <= chunks <= MAX_CHUNKS:
+                raise _fail(f"argument '{name}' must be in [1, {MAX_CHUNKS}], got {chunks}")
+        if min_chunk_rows < 1:
+            raise _fail(f"argument 'min_chunk_rows' must be >= 1, got {min_chunk_rows}")
+        self.device = _device(state)
+        self.state, self.error = state, error  # kept alive with the Env
+        env = self.env = P.KernelEnv()
+        env.rank, env.num_ranks = rank, num_ranks
+        for r, p in enumerate(ctrl_ptrs):
+            env.ctrl[r] = p
+        env.state = state.data_ptr()
+        env.error = host_device_pointer(error.data_ptr(), self.device)
+        env.timeout_ns = int(timeout_ns)
+        env.chunks_per_pair = dispatch_chunks
+        env.min_chunk_rows = min_chunk_rows
+        self.combine_chunks_per_pair = combine_chunks
+        self._mapped: dict[int, tuple[Tensor, int]] = {}
+        # Compile (or read) and check the kernels now, while the backend is being built (its ranks then meet in
+        # a barrier), not in a first call, where peers would wait in a kernel for this rank's compile.
+        kernels(self.device)
+
+    def device_pointer(self, pinned: Tensor) -> int:
+        """The device address of a pinned host tensor (the notify's count buffers), looked up once per tensor:
+        the tensor is kept, so its address cannot be reused by another allocation while this Env lives."""
+        found = self._mapped.get(pinned.data_ptr())
+        if found is None or found[0] is not pinned:
+            found = self._mapped[pinned.data_ptr()] = (pinned, host_device_pointer(pinned.data_ptr(), self.device))
+        return found[1]
+
+
+# ------------------------------------------------------------------------------------------ layout
+def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
+    """``[num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool]`` of
+    ``topk_idx [T, K]`` int64 (ids outside [0, E) count nowhere), on its device's current stream."""
+    _check_cuda(topk_idx, "topk_idx")
+    if topk_idx.dim() != 2 or topk_idx.dtype != torch.int64:
+        raise _fail("argument 'topk_idx' must be [T, K] int64")
+    if not (1 <= num_ranks <= 32 and num_experts % num_ranks == 0):
+        raise _fail(f"arguments 'num_ranks' ({num_ranks}) and 'num_experts' ({num_experts}): need 1 <= num_ranks "
+                    "<= 32 dividing num_experts")
+    device = _device(topk_idx)
+    num_tokens = topk_idx.shape[0]
+    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=topk_idx.device)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+    in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+    if num_tokens == 0:
+        return [per_rank, per_expert, in_rank]
+    p = P.LayoutParams(topk_idx=topk_idx.data_ptr(), num_tokens=num_tokens, num_topk=topk_idx.shape[1],
+                       num_experts=num_experts, num_ranks=num_ranks, num_tokens_per_rank=per_rank.data_ptr(),
+                       num_tokens_per_expert=per_expert.data_ptr(), is_token_in_rank=in_rank.data_ptr())
+    blocks = (num_tokens + LAYOUT_THREADS - 1) // LAYOUT_THREADS
+    _launch(device, "layout", blocks, LAYOUT_THREADS, p)
+    return [per_rank, per_expert, in_rank]
+
+
+# ------------------------------------------------------------------------------------------ rank agreement
+def header_check(header: list[int], digest_from_prefix: bool, test_perturb: Tensor | None) -> P.HeaderCheck:
+    """This rank's header of a call (`HEADER_WORDS` int32 values: ep_moe/backends/agreement.py's slots, then the
+    native words) and the test-only perturbation (None: off), as ``header_check`` of binding.cpp fills it."""
+    if len(header) != HEADER_WORDS:
+        raise _fail(f"argument 'header' must hold {HEADER_WORDS} values, got {len(header)}")
+    check = P.HeaderCheck()
+    for slot, value in enumerate(header):
+        if not -(1 << 31) <= value < (1 << 31):
+            raise _fail(f"header value {value} (slot {slot}) does not fit int32")
+        check.header[slot] = value
+    check.digest_from_prefix = digest_from_prefix
+    if test_perturb is not None:
+        _check_cuda(test_perturb, "test_header_perturbation")
+        if test_perturb.dtype != torch.int32 or test_perturb.numel() != 3:
+            raise _fail("argument 'test_header_perturbation' must be an int32 CUDA tensor of 3 (source, slot, value "
+                        "added)")
+        check.test_perturb = test_perturb.data_ptr()
+    return check
+
+
+def _host_words(num_ranks: int) -> int:
+    """int32 words of the notify's pinned ``host_counts``: the counts, then every rank's header as seen, this
+    rank's own and the verdict."""
+    return num_ranks * (num_ranks + 1) + num_ranks * HEADER_WORDS + HEADER_LEN + 1
+
+
+def exchange(env: Env, header: list[int], prefix: Tensor | None, host_counts: Tensor,
+             test_perturb: Tensor | None) -> None:
+    """A header exchange as an operation of its own, before a host-side decision (the extension's ``exchange``):
+    every rank's header lands in ``host_counts`` where the notify's header check writes it. ``prefix``: the
+    handle's ``[R, R]`` int32 rank prefix matrix, whose layout digest fills the layout slot (None: the header's
+    own value)."""
+    num_ranks = env.env.num_ranks
+    words = _host_words(num_ranks)
+    if not _is_pinned(host_counts) or host_counts.dtype != torch.int32 or host_counts.numel() < words:
+        raise _fail(f"argument 'host_counts' must be pinned int32 of at least {words} words")
+    if prefix is not None:
+        _check_cuda(prefix, "prefix")
+        if prefix.dtype != torch.int32 or prefix.numel() != num_ranks * num_ranks:
+            raise _fail("argument 'prefix' must be a contiguous [R, R] int32 CUDA tensor")
+    check = header_check(header, prefix is not None, test_perturb)
+    host_out = env.device_pointer(host_counts) + num_ranks * (num_ranks + 1) * 4
+    _launch(env.device, "exchange", 1, 32, env.env, check, P.PTR(_ptr(prefix, "prefix")), P.PTR(host_out))
+
+
+def close_epoch(env: Env) -> None:
+    """Close the epoch of a notify that no dispatch kernel follows (the extension's ``close_epoch``)."""
+    _launch(env.device, "close_epoch", 1, 1, env.env)
+
+
+# ------------------------------------------------------------------------------------------ notify
+def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank_prefix_matrix: Tensor, pos: Tensor,
+           send_list: Tensor, host_counts: Tensor, num_worst_tokens: int, rows_capacity: int,
+           topk_idx: Tensor | None, experts_per_rank: int, expert_alignment: int,
+           host_expert_counts: Tensor | None, header: list[int], test_perturb: Tensor | None) -> None:
+    """The count exchange and the per-destination token lists (the extension's ``notify``)."""
+    num_ranks = env.env.num_ranks
+    for t, name in ((is_token_in_rank, "is_token_in_rank"), (num_tokens_per_rank, "num_tokens_per_rank"),
+                    (rank_prefix_matrix, "rank_prefix_matrix"), (pos, "pos"), (send_list, "send_list")):
+        _check_cuda(t, name)
+    num_tokens = is_token_in_rank.shape[0]
+    if is_token_in_rank.dtype != torch.bool or is_token_in_rank.dim() != 2 or is_token_in_rank.shape[1] != num_ranks:
+        raise _fail("argument 'is_token_in_rank' must be [T, R] bool")
+    if num_tokens_per_rank.numel() != num_ranks or num_tokens_per_rank.dtype not in (torch.int32, torch.int64):
+        raise _fail("argument 'num_tokens_per_rank' must be [R] int32/int64")
+    if rank_prefix_matrix.numel() != num_ranks * num_ranks or rank_prefix_matrix.dtype != torch.int32:
+        raise _fail("argument 'rank_prefix_matrix' must be [R, R] int32")
+    if (pos.numel() != num_tokens * num_ranks or send_list.numel() != num_tokens * num_ranks
+            or pos.dtype != torch.int32 or send_list.dtype != torch.int32):
+        raise _fail("arguments 'pos' and 'send_list' must hold T * R int32")
+    if not _is_pinned(host_counts) or host_counts.numel() < _host_words(num_ranks):
+        raise _fail(f"argument 'host_counts' must be pinned, R * R + R int32 then the header check's "
+                    f"{_host_words(num_ranks) - num_ranks * (num_ranks + 1)}")
+    p = P.NotifyParams()
+    p.env = env.env
+    p.is_token_in_rank = is_token_in_rank.data_ptr()
+    p.num_tokens_per_rank = num_tokens_per_rank.data_ptr()
+    p.counts_int64 = num_tokens_per_rank.dtype == torch.int64
+    p.num_tokens = num_tokens
+    p.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
+    p.pos = pos.data_ptr()
+    p.send_list = send_list.data_ptr()
+    p.host_counts = env.device_pointer(host_counts)
+    p.num_worst_tokens = num_worst_tokens
+    p.rows_capacity = rows_capacity
+    p.check = header_check(header, False, test_perturb)
+    if host_expert_counts is not None:  # the per-expert counts travel with the row counts
+        if topk_idx is None or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+            raise _fail("argument 'topk_idx' must be [T, K] int64 when per-expert counts are exchanged")
+        if not 1 <= experts_per_rank <= MAX_NOTIFY_EXPERTS:
+            raise _fail(f"argument 'experts_per_rank' must be in [1, {MAX_NOTIFY_EXPERTS}] to travel in notify, "
+                        f"got {experts_per_rank}")
+        if expert_alignment < 1:
+            raise _fail(f"argument 'expert_alignment' must be >= 1, got {expert_alignment}")
+        if (not _is_pinned(host_expert_counts) or host_expert_counts.dtype != torch.int64 or host_expert_counts.numel() < experts_per_rank):
+            raise _fail("argument 'host_expert_counts' must be pinned int64 with room for every local expert")
+        p.topk_idx = _ptr(topk_idx, "topk_idx")
+        p.num_topk = topk_idx.shape[1]
+        p.experts_per_rank = experts_per_rank
+        p.expert_alignment = expert_alignment
+        p.host_expert_counts = env.device_pointer(host_expert_counts)
+    _launch(env.device, "notify", 1 + num_ranks, NOTIFY_THREADS, p)
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_matrix: Tensor, send_list: Tensor,
+             x: Tensor, scales: Tensor | None, topk_idx: Tensor | None, topk_weights: Tensor | None,
+             experts_per_rank: int, recv_x: Tensor, recv_scales: Tensor | None, recv_topk_idx: Tensor | None,
+             recv_topk_weights: Tensor | None, recv_src_idx: Tensor | None, recv_src_rank: Tensor | None,
+             expert_scratch: Tensor | None, num_recv_per_expert: Tensor | None, expert_alignment: int,
+             rows_capacity: int, write_arrival: bool, num_blocks: int, num_push_blocks: int, trace: Tensor | None,
+             copy_engine_streams: list[int], copy_engine_flag_stream: int, copy_engine_seq: int,
+             copy_engine_go: Tensor | None, copy_engine_shares: list[int], copy_engine_tokens: list[int],
+             host_prefix: list[int], cached_src_idx: Tensor | None, header: list[int],
+             test_perturb: Tensor | None, rows_in_place: bool) -> None:
+    """Rows to their destinations (the extension's ``dispatch``); with ``copy_engine_seq > 0`` every rank's whole x
+    (and, fresh, its top-k and send lists) goes to the peers by the copy engine (`copy_engine.enqueue_dispatch`).
+    ``rows_in_place`` (DispatchParams): recv_x is ``[0, H]`` (its dtype and width only), recv_scales None, and the
+    received rows count is recv_topk_idx's."""
+    num_ranks = env.env.num_ranks
+    if len(data_ptrs) != num_ranks or len(offsets) != 5:
+        raise _fail("arguments 'data_ptrs' and 'offsets' must hold R pointers and 5 offsets")
+    for t, name in ((rank_prefix_matrix, "rank_prefix_matrix"), (send_list, "send_list"), (x, "x"),
+                    (recv_x, "recv_x")):
+        _check_cuda(t, name)
+    if x.dim() != 2 or recv_x.dim() != 2 or x.shape[1] != recv_x.shape[1] or x.dtype != recv_x.dtype:
+        raise _fail("arguments 'x' and 'recv_x' must be [*, H] of one dtype")
+    x_bytes = x.shape[1] * x.element_size()
+    if x_bytes % 16 or x.data_ptr() % 16 or recv_x.data_ptr() % 16:
+        raise _fail("rows of 'x' and 'recv_x' must be 16-byte multiples at 16-byte-aligned addresses")
+    if send_list.numel() != x.shape[0] * num_ranks:
+        raise _fail("argument 'send_list' does not match x ([R, T] int32)")
+    if not (num_blocks >= 1 and 0 <= num_push_blocks < num_blocks + (1 if num_ranks == 1 else 0)):
+        raise _fail(f"bad block split: num_blocks {num_blocks}, num_push_blocks {num_push_blocks}")
+    has_topk = topk_idx is not None
+    if has_topk != (topk_weights is not None):
+        raise _fail("arguments 'topk_idx' and 'topk_weights' go together")
+    if (scales is not None) != (recv_scales is not None) and not (rows_in_place and recv_scales is None):
+        raise _fail("arguments 'scales' and 'recv_scales' go together")
+    if rows_in_place and not (has_topk and recv_x.shape[0] == 0 and copy_engine_seq == 0):
+        raise _fail("a dispatch with rows in place is fresh, has an empty recv_x and no copy engine")
+    if has_topk and not (recv_topk_idx is not None and recv_topk_weights is not None and recv_src_idx is not None
+                         and recv_src_rank is not None and expert_scratch is not None
+                         and num_recv_per_expert is not None and expert_scratch.numel() >= experts_per_rank
+                         and num_recv_per_expert.numel() == experts_per_rank):
+        raise _fail("a dispatch with top-k needs every top-k output (recv_topk_idx, recv_topk_weights, "
+                    "recv_src_idx, recv_src_rank, expert_scratch, num_recv_per_expert)")
+    p = P.DispatchParams()
+    p.env = env.env
+    for r, ptr in enumerate(data_ptrs):
+        p.data[r] = ptr
+    p.off_x, p.off_scales, p.off_idx, p.off_weights, p.off_src = offsets
+    p.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
+    p.send_list = send_list.data_ptr()
+    p.num_tokens = x.shape[0]
+    p.x = x.data_ptr()
+    p.x_bytes = x_bytes
+    p.has_scales = scales is not None
+    p.scales = _ptr(scales, "scales")
+    p.num_scales = scales.shape[1] if scales is not None else 0
+    p.has_topk = has_topk
+    p.topk_idx = _ptr(topk_idx, "topk_idx")
+    p.topk_weights = _ptr(topk_weights, "topk_weights")
+    p.num_topk = topk_idx.shape[1] if has_topk else 0
+    p.experts_per_rank = experts_per_rank
+    p.recv_x = 0 if rows_in_place else recv_x.data_ptr()
+    p.recv_scales = _ptr(recv_scales, "recv_scales")
+    p.recv_topk_idx = _ptr(recv_topk_idx, "recv_topk_idx")
+    p.recv_topk_weights = _ptr(recv_topk_weights, "recv_topk_weights")
+    p.recv_src_idx = _ptr(recv_src_idx, "recv_src_idx")
+    p.recv_src_rank = _ptr(recv_src_rank, "recv_src_rank")
+    p.expert_scratch = _ptr(expert_scratch, "expert_scratch")
+    p.num_recv_per_expert = _ptr(num_recv_per_expert, "num_recv_per_expert")
+    p.num_recv_rows = recv_topk_idx.shape[0] if rows_in_place else recv_x.shape[0]
+    p.rows_in_place = rows_in_place
+    p.expert_alignment = expert_alignment
+    p.rows_capacity = rows_capacity
+    p.write_arrival = write_arrival
+    p.num_blocks, p.num_push_blocks = num_blocks, num_push_blocks
+    p.trace = _trace_ptr(trace, num_blocks)
+    _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                        copy_engine_shares, num_push_blocks, trace, num_blocks)
+    # a cached dispatch checks the header in the kernel (with the handle's layout digest and the number its copy
+    # stream writes); a fresh one's notify did
+    p.check = header_check(header, write_arrival, test_perturb)
+    p.check.header[HEADER_COPY_SEQ] = copy_engine_seq
+    shared = 4 * experts_per_rank if has_topk else 0  # hist[]: received pairs per local expert
+    if copy_engine_seq == 0:
+        _launch(env.device, "dispatch", num_blocks, THREADS, p, shared_bytes=shared)
+        return
+    # Every source's tokens must fit its slot (the copies are not bounds-checked). A cached dispatch reads the
+    # handle's recv_src_idx; a fresh one the send lists its peers' copy streams stage.
+    if (len(copy_engine_tokens) != num_ranks or len(host_prefix) != num_ranks * num_ranks
+            or has_topk == (cached_src_idx is not None)):
+        raise _fail("a copy-engine dispatch needs every rank's tokens ('copy_engine_tokens'), the R x R prefix matrix "
+                    "('host_prefix'), and 'cached_src_idx' exactly when cached")
+    p.copy_engine_slot_rows = slot_rows = rows_capacity // num_ranks
+    for r, tokens in enumerate(copy_engine_tokens):
+        if not 0 <= tokens <= slot_rows:
+            raise _fail(f"rank {r}'s {tokens} tokens do not fit its slot of {slot_rows} rows")
+        p.copy_engine_tokens[r] = tokens
+    me = env.env.rank
+    if copy_engine_tokens[me] != p.num_tokens:
+        raise _fail(f"x has {p.num_tokens} tokens but the layout {copy_engine_tokens[me]}")
+    if p.num_recv_rows != host_prefix[(num_ranks - 1) * num_ranks + me]:
+        raise _fail("a copy-engine dispatch receives exactly its rows (no padding)")
+    if cached_src_idx is not None:
+        _check_cuda(cached_src_idx, "cached_src_idx")
+        if cached_src_idx.dtype != torch.int32 or cached_src_idx.numel() < recv_x.shape[0]:
+            raise _fail("argument 'cached_src_idx' must be int32 with a row per received row")
+        p.cached_src_idx = cached_src_idx.data_ptr()
+    # The kernel goes first: the copy streams' first operation waits for its go word (see combine).
+    loaded = kernels(env.device)
+    _launch(env.device, "dispatch", num_blocks, THREADS, p, shared_bytes=shared)
+    enqueue_dispatch(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
+                     loaded.control_flags_offset)
+
+
+# ------------------------------------------------------------------------------------------ combine
+def bulk_piece16(num_ranks: int, n16: int) -> int:
+    """16-byte words per source and stage of a bulk-copy combine (``bulk_piece16`` of csrc/intranode.cu)."""
+    most = ((_K["kBulkSmemBudget"] - _K["kBulkHeaderBytes"])
+            // (_K["kReduceWarps"] * _K["kBulkStages"] * num_ranks * 16) // 32 * 32)
+    if most < 32 or n16 <= 0:
+        return 0
+    pieces = (n16 + most - 1) // most
+    return ((n16 + pieces - 1) // pieces + 31) // 32 * 32
+
+
+def bulk_smem_bytes(num_ranks: int, piece16: int) -> int:
+    """Dynamic shared memory of a bulk-copy combine (``bulk_smem_bytes`` of csrc/intranode.cu)."""
+    return _K["kBulkHeaderBytes"] + _K["kReduceWarps"] * _K["kBulkStages"] * num_ranks * piece16 * 16
+
+
+def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_capacity: int,
+            rank_prefix_matrix: Tensor, is_token_in_rank: Tensor, pos: Tensor, y: Tensor, weights: Tensor | None,
+            bias0: Tensor | None, bias1: Tensor | None, out: Tensor, out_weights: Tensor | None, num_blocks: int,
+            num_push_blocks: int, trace: Tensor | None, copy_engine_streams: list[int], copy_engine_flag_stream: int,
+            copy_engine_seq: int, copy_engine_go: Tensor | None, copy_engine_shares: list[int],
+            host_prefix: list[int], bulk_reduce: bool, header: list[int], test_perturb: Tensor | None,
+            expert_y: Tensor | None, expert_weights: Tensor | None, sorted_slots: Tensor | None) -> None:
+    """Rows back to their sources, summed per token (the extension's ``combine``); with ``copy_engine_seq > 0`` the
+    rows go back by the copy engine (`copy_engine.enqueue_combine`) while every block reduces. ``expert_y``
+    (CombineParams): an expert-major combine; ``y`` then holds the own rows only (``[N, H]``, N = the rows of
+    ``sorted_slots [N, K]``)."""
+    num_ranks = env.env.num_ranks
+    if len(data_ptrs) != num_ranks:
+        raise _fail("argument 'data_ptrs' must hold R pointers")
+    for t, name in ((rank_prefix_matrix, "rank_prefix_matrix"), (is_token_in_rank, "is_token_in_rank"), (pos, "pos"),
+                    (y, "y"), (out, "out")):
+        _check_cuda(t, name)
+    num_tokens = is_token_in_rank.shape[0]
+    if pos.numel() < num_tokens * num_ranks:
+        raise _fail("argument 'pos' does not match is_token_in_rank")
+    if out.dim() != 2 or out.shape[0] != num_tokens or out.shape[1] != y.shape[1] or out.dtype != y.dtype:
+        raise _fail("argument 'out' must be [T, H] of y's dtype")
+    y_bytes = y.shape[1] * y.element_size()
+    if y_bytes % 16 or y.data_ptr() % 16 or out.data_ptr() % 16:
+        raise _fail("rows of 'y' and 'out' must be 16-byte multiples at 16-byte-aligned addresses")
+    y_type = _elem_type(y, "y")
+    has_weights = weights is not None
+    if has_weights != (out_weights is not None):
+        raise _fail("arguments 'topk_weights' and 'out_weights' go together")
+    num_topk = weights.shape[1] if has_weights else 0
+    if has_weights and (out_weights.dim() != 2 or tuple(out_weights.shape) != (num_tokens, num_topk)):
+        raise _fail("argument 'out_weights' must be [T, K]")
+    p = P.CombineParams()
+    p.env = env.env
+    p.env.chunks_per_pair = env.combine_chunks_per_pair
+    for r, ptr in enumerate(data_ptrs):
+        p.data[r] = ptr
+    p.off_y, p.off_weights, p.rows_capacity = off_y, off_weights, rows_capacity
+    p.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
+    p.is_token_in_rank = is_token_in_rank.data_ptr()
+    p.pos = pos.data_ptr()
+    p.num_tokens = num_tokens
+    p.y = y.data_ptr()
+    p.y_type = y_type
+    p.hidden = y.shape[1]
+    p.has_weights = has_weights
+    p.weights = _ptr(weights, "topk_weights")
+    p.num_topk = num_topk
+    p.out_weights = _ptr(out_weights, "out_weights")
+    p.bias0 = _ptr(bias0, "bias0")
+    p.bias1 = _ptr(bias1, "bias1")
+    p.bias0_type = _elem_type(bias0, "bias0") if bias0 is not None else 0
+    p.bias1_type = _elem_type(bias1, "bias1") if bias1 is not None else 0
+    p.out = out.data_ptr()
+    p.num_blocks, p.num_push_blocks = num_blocks, num_push_blocks
+    p.trace = _trace_ptr(trace, num_blocks)
+    _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                        copy_engine_shares, num_push_blocks, trace, num_blocks)
+    p.bulk_reduce = bulk_reduce
+    if expert_y is not None:
+        if sorted_slots is None:
+            raise _fail("argument 'expert_y' needs 'sorted_slots'")
+        _check_cuda(expert_y, "expert_y")
+        _check_cuda(sorted_slots, "sorted_slots")
+        if (expert_y.dim() != 2 or expert_y.shape[1] != y.shape[1] or expert_y.dtype != y.dtype
+                or expert_y.data_ptr() % 16):
+            raise _fail("argument 'expert_y' must be [M, H] of y's dtype at a 16-byte-aligned address")
+        if (sorted_slots.dim() != 2 or sorted_slots.shape[0] != y.shape[0] or sorted_slots.dtype != torch.int64
+                or copy_engine_seq != 0):
+            raise _fail("an expert-major combine needs 'sorted_slots' [N, K] int64 (N = y's rows) and no copy engine")
+        if expert_weights is not None and expert_weights.numel() != expert_y.shape[0]:
+            raise _fail("argument 'expert_weights' must be [M]")
+        p.expert_y = expert_y.data_ptr()
+        p.expert_weights = _ptr(expert_weights, "expert_weights")
+        p.sorted_slots = sorted_slots.data_ptr()
+        p.expert_topk = sorted_slots.shape[1]
+        p.expert_slots = expert_y.shape[0]
+    p.check = header_check(header, True, test_perturb)  # with the handle's layout digest
+    p.check.header[HEADER_COPY_SEQ] = copy_engine_seq
+    p.bulk_piece16 = bulk_piece16(num_ranks, y_bytes // 16) if bulk_reduce else 0
+    shared = bulk_smem_bytes(num_ranks, p.bulk_piece16) if p.bulk_piece16 > 0 else 0
+    name = "combine_bf16" if y_type == 1 else "combine_fp32"
+    if copy_engine_seq == 0:
+        _launch(env.device, name, num_blocks, THREADS, p, shared_bytes=shared)
+        return
+    if len(host_prefix) != num_ranks * num_ranks:  # the copies are not bounds-checked: every rank's rows must fit
+        raise _fail("argument 'host_prefix' must hold the R x R rank prefix matrix")
+    most = most_rows_back(list(host_prefix), num_ranks)
+    if most > rows_capacity:
+        raise _fail(f"a rank gets {most} rows back but the symmetric buffer holds {rows_capacity}")
+    # The kernel goes first: the copy streams' first operation waits for the kernel's go word, and streams can share
+    # a hardware queue, where that wait would hold back a kernel queued after it.
+    loaded = kernels(env.device)
+    _launch(env.device, name, num_blocks, THREADS, p, shared_bytes=shared)
+    enqueue_combine(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
+                    loaded.control_flags_offset)
+
+
+# ------------------------------------------------------------------------------------------ barrier
+def barrier(env: Env) -> None:
+    """A device barrier over the group (the extension's ``barrier``)."""
+    _launch(env.device, "barrier", 1, 32, env.env)
+
+
+__all__ = ["KERNELS", "KIND", "LAUNCHES", "SOURCE", "Env", "JitLayoutError", "barrier", "bulk_piece16",
+           "bulk_smem_bytes", "close_epoch", "combine", "dispatch", "exchange", "header_check", "kernels", "layout",
+           "notify", "probe_file", "specializations"]

@@ -1,0 +1,732 @@
+"""The JIT intranode module's host side on CPU (`ep_moe.native.jit.intranode`, `params`, `cubin`):
+
+* the ctypes mirrors of ``csrc/kernels.h``: field names and order parsed from the header, and (where nvcc is
+  installed) every size and offset as the compiler lays them out, from the generated probe compiled as a host
+  program; the launchers' constants likewise, from the CUDA sources themselves;
+* the JIT source compiles with nvcc (and NVRTC where a libnvrtc is found), the layout probe too, and every kernel the
+  launchers look up is found exactly once in the CUBIN's symbol table;
+* the launchers: arguments checked (errors name the argument) before anything is launched, and the parameter structs
+  filled as ``csrc/binding.cpp`` fills them (a recorder stands in for the GPU);
+* the copy engine's schedule (`ep_moe.native.jit.copy_engine`) run on host memory by a fake driver: every peer's
+  buffer holds what the kernels read, flags written after their chunk's copies, checks before any launch;
+* the choice between the extension and the JIT module (``EP_MOE_JIT``), and the ``ep-moe env`` line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from ep_moe import native
+from ep_moe.native import jit
+from ep_moe.native.jit import cubin
+from ep_moe.native.jit import intranode as I
+from ep_moe.native.jit import params as P
+from ep_moe.native.jit.compilers import NvccCompiler, find_nvcc, find_nvrtc
+
+NVCC = find_nvcc()[0] if shutil.which("nvcc") else None
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed here")
+
+
+# ------------------------------------------------------------------------------------------ the mirrors
+def _header_fields(struct: str) -> list[str]:
+    """Field names of ``struct`` in kernels.h, in order (declarations ``type a, b;`` and ``type a[N];``)."""
+    text = P.KERNELS_H.read_text()
+    body = re.search(r"struct " + struct + r" \{(.*?)\n\};", text, re.S)
+    assert body, f"struct {struct} not found in kernels.h"
+    names = []
+    for line in body.group(1).splitlines():
+        code = line.split("//")[0].strip()
+        if not code:
+            continue
+        assert code.endswith(";"), f"{struct}: cannot read the declaration {code!r}"
+        declarators = re.sub(r"\[[^\]]*\]", "", code[:-1])  # array extents
+        first, *rest = declarators.split(",")
+        names.append(first.split()[-1].lstrip("*"))
+        names += [d.strip().lstrip("*") for d in rest]
+    return names
+
+
+@pytest.mark.parametrize("struct", P.MIRRORED, ids=lambda s: s.__name__)
+def test_mirror_fields_are_the_headers_in_order(struct):
+    assert struct.field_names() == _header_fields(struct.__name__)
+
+
+def _host_program(tmp_path, source: str, name: str) -> list[int]:
+    path = tmp_path / f"{name}.cu"
+    path.write_text(source)
+    exe = tmp_path / name
+    subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-o", str(exe), str(path)], check=True, capture_output=True,
+                   timeout=600)
+    return [int(line) for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True,
+                                                 timeout=60).stdout.split()]
+
+
+@needs_nvcc
+def test_mirror_layout_equals_the_compilers(tmp_path):
+    compiled = _host_program(tmp_path, P.probe_source(host_program=True), "probe")
+    assert P.layout_mismatches(compiled) == []
+    assert len(compiled) == len(P.layout_of()) == sum(1 + len(s._fields_) for s in P.MIRRORED)
+
+
+@needs_nvcc
+def test_constants_equal_the_sources(tmp_path):
+    """The constants the launchers use, printed by a host program that includes the sources the JIT compiles, and
+    the order in which ``ep_intranode_constants`` writes them (the kernel's list is `CONSTANTS`' names)."""
+    wrapper = (jit.KERNELS_DIR / "intranode.cu").read_text()
+    listed = re.search(r"const long long values\[\] = \{(.*?)\};", wrapper, re.S).group(1)
+    assert [v.strip() for v in re.split(r",(?![^()]*\))", listed)] == [name for name, _ in P.CONSTANTS]
+    offset_of = re.search(r"^#define EP_OFFSET_OF.*$", wrapper, re.M).group(0)
+    source = (f'#include "{(P.CSRC_DIR / "layout.cu").as_posix()}"\n#include "{(P.CSRC_DIR / "intranode.cu").as_posix()}"\n'
+              f"#include <cstdio>\n{offset_of}\nint main() {{\n  using namespace ep_moe;\n  const long long values[] = {{"
+              + listed + "};\n  for (long long v : values) std::printf(\"%lld\\n\", v);\n}\n")
+    compiled = _host_program(tmp_path, source, "constants")
+    assert P.constant_mismatches(compiled) == []
+    # the copy-engine flags' offset, read from the device at first use: as the sum of Control's members before it
+    ranks, chunks, experts = P.MAX_RANKS, dict(P.CONSTANTS)["kMaxChunks"], dict(P.CONSTANTS)["kMaxNotifyExperts"]
+    before = 8 * ranks + 8 * 2 * ranks + 4 * 2 * ranks * ranks + 4 * 2 * ranks + 4 * 2 * ranks * experts
+    assert compiled[-1] == before + 2 * 8 * ranks * chunks, "Control's members before copy_engine_flag changed"
+
+
+def _binding_functions() -> dict[str, list[str]]:
+    """The extension's Python functions (binding.cpp's ``m.def``) and ``Env``'s constructor, with their argument
+    names in order, read from the C++ source."""
+    text = (P.CSRC_DIR / "binding.cpp").read_text()
+    out = {}
+    for name in re.findall(r'm\.def\("(\w+)"', text):
+        params = re.search(r"^\S.*?\b" + name + r"\((.*?)\)\s*\{", text, re.M | re.S).group(1)
+        out[name] = [re.sub(r"[^\w].*$", "", p.split()[-1].lstrip("&*")) for p in params.split(",") if p.strip()]
+    out["Env"] = re.findall(r'pybind11::arg\("(\w+)"\)', text)
+    return out
+
+
+def test_the_module_has_the_extensions_functions_and_constants():
+    """What the native backend calls on ``_C`` exists here with the same arguments in the same order: a binding
+    that gains an argument (or a constant) fails here until intranode.py follows."""
+    import inspect
+
+    functions = _binding_functions()
+    assert set(functions) >= {"Env", "layout", "notify", "dispatch", "combine", "barrier"}
+    for name, args in functions.items():
+        assert list(inspect.signature(getattr(I, name)).parameters) == args, name
+    text = (P.CSRC_DIR / "binding.cpp").read_text()
+    for attr in re.findall(r'm\.attr\("(\w+)"\)', text):
+        assert isinstance(getattr(I, attr), int), attr
+
+
+def test_mismatches_name_the_field():
+    layout = [value for _, value in P.layout_of()]
+    index = [name for name, _ in P.layout_of()].index("DispatchParams.copy_engine")
+    layout[index] += 8
+    assert P.layout_mismatches(layout) == [
+        f"DispatchParams.copy_engine: offset {layout[index]} in kernels.h, {layout[index] - 8} in the mirror"]
+    assert "the probe wrote 3 numbers" in P.layout_mismatches([1, 2, 3])[0]
+    constants = [value for _, value in P.CONSTANTS]
+    constants[0] = 16
+    assert P.constant_mismatches(constants) == ["kMaxRanks: 16 in the CUDA sources, 8 in "
+                                                "ep_moe.native.jit.params.CONSTANTS"]
+
+
+# ------------------------------------------------------------------------------------------ compiling
+def _compilers():
+    found = []
+    if NVCC is not None:
+        found.append(pytest.param(NvccCompiler(NVCC), id="nvcc"))
+    nvrtc = find_nvrtc()[0]
+    found.append(pytest.param(nvrtc, id="nvrtc", marks=pytest.mark.skipif(nvrtc is None,
+                                                                           reason="nvrtc is not installed here")))
+    return found or [pytest.param(None, marks=pytest.mark.skip(reason="no CUDA compiler here"))]
+
+
+@pytest.mark.parametrize("compiler", _compilers())
+def test_the_intranode_source_and_probe_compile_and_hold_every_kernel(tmp_path, compiler):
+    store = jit.KernelCache(tmp_path / "cache")
+    image = jit.build(I.SOURCE, "sm_90", compiler, store)
+    symbols = cubin.function_symbols(image)
+    found = {name: cubin.find_kernel(symbols, fragment) for name, fragment in I.KERNELS.items()}
+    assert len(set(found.values())) == len(I.KERNELS)
+    assert "ep_intranode_constants" in symbols
+    probe = jit.build(jit.KernelSource.of(I.probe_file(tmp_path / "src")), "sm_90", compiler, store)
+    assert "ep_params_layout" in cubin.function_symbols(probe)
+    inputs = jit.key_inputs(I.SOURCE, compiler.identity, "sm_90")
+    assert {f"ep_moe/native/csrc/{name}" for name in ("layout.cu", "intranode.cu", "common.cuh", "kernels.h",
+                                                       "rtc_prelude.h")} == set(inputs["headers"]), \
+        "the cache key covers the csrc sources the JIT build includes"
+
+
+def test_the_probe_keys_alike_wherever_it_is_written(tmp_path):
+    """The probe is generated into the cache folder: its key must not depend on that folder (or on where the
+    package is installed), so that a cache warmed on one machine serves another."""
+    keys = [jit.cache_key(jit.key_inputs(jit.KernelSource.of(I.probe_file(tmp_path / d)), "c 1", "sm_90"))
+            for d in ("a", "b/c")]
+    assert keys[0] == keys[1]
+    assert set(jit.key_inputs(jit.KernelSource.of(I.probe_file(tmp_path / "a")), "c 1", "sm_90")["headers"]) == {
+        "ep_moe/native/csrc/kernels.h", "ep_moe/native/csrc/rtc_prelude.h"}
+
+
+def test_cubin_errors():
+    with pytest.raises(cubin.CubinError, match="not a 64-bit"):
+        cubin.function_symbols(b"FAKECUBIN")
+    names = ["_ZN6ep_moe3_A_13notify_kernelENS_12NotifyParamsE", "_ZN6ep_moe3_B_13notify_kernelENS_12NotifyParamsE",
+             "_ZN6ep_moe3_A_13notify_kernelENS_12NotifyParamsE$clone", "ep_intranode_constants"]
+    with pytest.raises(cubin.CubinError, match="2 kernels matching '13notify_kernelE'"):
+        cubin.find_kernel(names, "13notify_kernelE")
+    with pytest.raises(cubin.CubinError, match="0 kernels matching '14barrier_kernelE'"):
+        cubin.find_kernel(names, "14barrier_kernelE")
+    assert cubin.find_kernel(names[:1] + names[2:], "13notify_kernelE") == names[0]
+
+
+# ------------------------------------------------------------------------------------------ launchers
+class _Recorder:
+    """Stands in for a loaded kernel: records every launch (grid, block, a copy of the params, shared bytes)."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def launch_params(self, grid, block, stream, *params, shared_bytes=0):
+        copies = [type(p).from_buffer_copy(p) if isinstance(p, ctypes.Structure) else p.value for p in params]
+        self.calls.append((self.name, grid, block, copies[0], shared_bytes, copies[1:]))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The launchers on CPU tensors: contiguity checked but not the device, pinned memory assumed, launches
+    recorded."""
+    calls: list = []
+
+    class _Fake:
+        fn = {name: _Recorder(name, calls) for name in I.KERNELS}
+
+    def check(t, name):
+        if not t.is_contiguous():
+            raise I._fail(f"argument '{name}' must be a contiguous CUDA tensor")
+
+    monkeypatch.setattr(I, "kernels", lambda device: _Fake)
+    monkeypatch.setattr(I, "_check_cuda", check)
+    monkeypatch.setattr(I, "_is_pinned", lambda t: not t.is_cuda)
+    monkeypatch.setattr(I, "_device", lambda t: 0)
+    monkeypatch.setattr(I, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(I, "host_device_pointer", lambda ptr, device: ptr)
+    return calls
+
+
+def _env(ranks=2, rank=1):
+    return I.Env(rank, [0x1000 * (r + 1) for r in range(ranks)], torch.zeros(8, dtype=torch.int64),
+                 torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 5_000_000_000, 16, 32, 4)
+
+
+def test_env_fills_the_kernel_env_and_checks_its_arguments(recorded):
+    env = _env(3, 2)
+    assert (env.env.rank, env.env.num_ranks, list(env.env.ctrl)[:4]) == (2, 3, [0x1000, 0x2000, 0x3000, 0])
+    assert (env.env.timeout_ns, env.env.chunks_per_pair, env.env.min_chunk_rows, env.combine_chunks_per_pair) == \
+        (5_000_000_000, 16, 4, 32)
+    assert env.env.state == env.state.data_ptr() and env.env.error == env.error.data_ptr()
+    state, error = torch.zeros(8, dtype=torch.int64), torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32)
+    for args, match in (((0, [1] * 9, state, error, 1, 1, 1, 1), "'ctrl_ptrs' must hold 1 to 8"),
+                        ((2, [1, 2], state, error, 1, 1, 1, 1), "'rank' must be in \\[0, 2\\)"),
+                        ((0, [1], torch.zeros(2), error, 1, 1, 1, 1), "'state' must hold at least 64 bytes"),
+                        ((0, [1], state, torch.zeros(4, dtype=torch.int32), 1, 1, 1, 1), "'error' must be a pinned"),
+                        ((0, [1], state, error, 1, 0, 1, 1), "'dispatch_chunks' must be in \\[1, 256\\]"),
+                        ((0, [1], state, error, 1, 1, 257, 1), "'combine_chunks'"),
+                        ((0, [1], state, error, 1, 1, 1, 0), "'min_chunk_rows' must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            I.Env(*args)
+
+
+def test_env_maps_each_pinned_buffer_once(recorded, monkeypatch):
+    """The notify's pinned count buffers are mapped once per tensor (no driver call per call), and a new tensor at
+    the same address is mapped again (the Env holds the old one, so that cannot happen while it lives)."""
+    env = _env()
+    looked_up = []
+    monkeypatch.setattr(I, "host_device_pointer", lambda ptr, device: looked_up.append(ptr) or ptr + 1)
+    args = _notify_args()
+    for _ in range(3):
+        I.notify(env, **args)
+    counts, experts = args["host_counts"], args["host_expert_counts"]
+    assert sorted(looked_up) == sorted([counts.data_ptr(), experts.data_ptr()])
+    assert recorded[-1][3].host_counts == counts.data_ptr() + 1
+    I.notify(env, **{**args, "host_counts": counts.clone()})
+    assert len(looked_up) == 3
+
+
+def test_layout_launch(recorded):
+    idx = torch.randint(-1, 16, (600, 4))
+    per_rank, per_expert, in_rank = I.layout(idx, 16, 4)
+    (name, grid, block, p, shared, _), = recorded
+    assert (name, grid, block, shared) == ("layout", 3, 256, 0)
+    assert (p.num_tokens, p.num_topk, p.num_experts, p.num_ranks) == (600, 4, 16, 4)
+    assert (p.topk_idx, p.num_tokens_per_rank, p.num_tokens_per_expert, p.is_token_in_rank) == (
+        idx.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr())
+    assert per_rank.tolist() == [0] * 4 and per_expert.dtype == torch.int32 and in_rank.shape == (600, 4)
+    I.layout(idx[:0], 16, 4)
+    assert len(recorded) == 1, "no tokens: zeroed outputs, no launch"
+    with pytest.raises(ValueError, match="'topk_idx' must be \\[T, K\\] int64"):
+        I.layout(idx.int(), 16, 4)
+    with pytest.raises(ValueError, match="'num_ranks' \\(3\\) and 'num_experts' \\(16\\)"):
+        I.layout(idx, 16, 3)
+
+
+HEADER = [1, 64, 2, 0, 2, 8, 0, 12345, 0, 0]  # a call's header (agreement's slots, then the native words)
+
+
+def _notify_args(T=10, R=2):
+    return dict(is_token_in_rank=torch.zeros(T, R, dtype=torch.bool), num_tokens_per_rank=torch.zeros(R, dtype=torch.int64),
+                rank_prefix_matrix=torch.zeros(R, R, dtype=torch.int32), pos=torch.zeros(T, R, dtype=torch.int32),
+                send_list=torch.zeros(R, T, dtype=torch.int32), host_counts=torch.zeros(I._host_words(R), dtype=torch.int32),
+                num_worst_tokens=0, rows_capacity=999, topk_idx=torch.zeros(T, 3, dtype=torch.int64),
+                experts_per_rank=4, expert_alignment=16, host_expert_counts=torch.zeros(4, dtype=torch.int64),
+                header=HEADER, test_perturb=None)
+
+
+def test_notify_launch_and_checks(recorded):
+    env = _env()
+    args = _notify_args()
+    I.notify(env, **args)
+    (name, grid, block, p, shared, _), = recorded
+    assert (name, grid, block, shared) == ("notify", 3, 1024, 0)
+    assert p.env.rank == 1 and p.counts_int64 and p.num_tokens == 10 and p.rows_capacity == 999
+    assert (p.num_topk, p.experts_per_rank, p.expert_alignment) == (3, 4, 16)
+    assert p.host_counts == args["host_counts"].data_ptr() and p.host_expert_counts == args["host_expert_counts"].data_ptr()
+    I.notify(env, **{**args, "host_expert_counts": None, "topk_idx": None})
+    assert recorded[-1][3].host_expert_counts == 0 and recorded[-1][3].topk_idx == 0, "counts not exchanged"
+    for change, match in (({"is_token_in_rank": torch.zeros(10, 3, dtype=torch.bool)}, "'is_token_in_rank'"),
+                          ({"num_tokens_per_rank": torch.zeros(2)}, "'num_tokens_per_rank'"),
+                          ({"rank_prefix_matrix": torch.zeros(2, 2, dtype=torch.int64)}, "'rank_prefix_matrix'"),
+                          ({"pos": torch.zeros(9, 2, dtype=torch.int32)}, "'pos' and 'send_list'"),
+                          ({"host_counts": torch.zeros(5, dtype=torch.int32)}, "'host_counts'"),
+                          ({"experts_per_rank": 1025}, "'experts_per_rank' must be in \\[1, 1024\\]"),
+                          ({"expert_alignment": 0}, "'expert_alignment'"),
+                          ({"topk_idx": None}, "'topk_idx' must be \\[T, K\\] int64"),
+                          ({"host_expert_counts": torch.zeros(3, dtype=torch.int64)}, "'host_expert_counts'")):
+        with pytest.raises(ValueError, match=match):
+            I.notify(env, **{**args, **change})
+    assert len(recorded) == 2, "no launch after a failed check"
+
+
+def _dispatch_args(T=6, R=2, H=64, K=2, L=4, N=9, topk=True):
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    ints = dict(dtype=torch.int32)
+    return dict(data_ptrs=[0x10000, 0x20000], offsets=[0, 100, 200, 300, 400],
+                rank_prefix_matrix=torch.zeros(R, R, **ints), send_list=torch.zeros(R, T, **ints), x=x,
+                scales=None, topk_idx=torch.zeros(T, K, dtype=torch.int64) if topk else None,
+                topk_weights=torch.zeros(T, K) if topk else None, experts_per_rank=L,
+                recv_x=torch.zeros(N, H, dtype=torch.bfloat16), recv_scales=None,
+                recv_topk_idx=torch.zeros(N, K, dtype=torch.int64) if topk else None,
+                recv_topk_weights=torch.zeros(N, K) if topk else None,
+                recv_src_idx=torch.zeros(N, **ints) if topk else None, recv_src_rank=torch.zeros(N, **ints) if topk else None,
+                expert_scratch=torch.zeros(64, **ints) if topk else None,
+                num_recv_per_expert=torch.zeros(L, dtype=torch.int64) if topk else None, expert_alignment=1,
+                rows_capacity=500, write_arrival=False, num_blocks=8, num_push_blocks=3, trace=None,
+                copy_engine_streams=[], copy_engine_flag_stream=0, copy_engine_seq=0, copy_engine_go=None,
+                copy_engine_shares=[], copy_engine_tokens=[], host_prefix=[], cached_src_idx=None, header=HEADER,
+                test_perturb=None, rows_in_place=False)
+
+
+def test_dispatch_launch_and_checks(recorded):
+    env = _env()
+    args = _dispatch_args()
+    I.dispatch(env, **args)
+    (name, grid, block, p, shared, _), = recorded
+    assert (name, grid, block, shared) == ("dispatch", 8, 512, 16), "hist[]: 4 bytes per local expert"
+    assert list(p.data)[:3] == [0x10000, 0x20000, 0] and (p.off_x, p.off_src) == (0, 400)
+    assert (p.num_tokens, p.x_bytes, p.num_recv_rows, p.num_topk, p.has_topk, p.has_scales) == (6, 128, 9, 2, True, False)
+    assert (p.num_blocks, p.num_push_blocks, p.rows_capacity, p.write_arrival) == (8, 3, 500, False)
+    assert p.copy_engine.seq == 0 and p.cached_src_idx == 0 and p.env.chunks_per_pair == 16
+    assert p.recv_src_rank == args["recv_src_rank"].data_ptr() and p.topk_weights == args["topk_weights"].data_ptr()
+    cached = _dispatch_args(topk=False)
+    I.dispatch(env, **{**cached, "write_arrival": True})
+    assert recorded[-1][4] == 0 and not recorded[-1][3].has_topk and recorded[-1][3].write_arrival
+    bad = (({"x": torch.zeros(6, 4, dtype=torch.bfloat16), "recv_x": torch.zeros(9, 4, dtype=torch.bfloat16)},
+            "16-byte multiples"),
+           ({"recv_x": torch.zeros(9, 64)}, "'x' and 'recv_x' must be \\[\\*, H\\] of one dtype"),
+           ({"send_list": torch.zeros(3, 6, dtype=torch.int32)}, "'send_list' does not match x"),
+           ({"num_push_blocks": 8}, "bad block split"),
+           ({"topk_weights": None}, "'topk_idx' and 'topk_weights' go together"),
+           ({"scales": torch.zeros(6, 2)}, "'scales' and 'recv_scales' go together"),
+           ({"recv_src_rank": None}, "every top-k output"),
+           ({"data_ptrs": [1]}, "'data_ptrs' and 'offsets'"),
+           ({"copy_engine_seq": 3}, "no pusher blocks and the go word"),
+           ({"trace": torch.zeros(5, dtype=torch.int64)}, "'trace' must be int64 with 6 slots per block"))
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            I.dispatch(env, **{**args, **change})
+    assert len(recorded) == 2, "no launch after a failed check"
+    # rows left in place: no recv_x rows (N from recv_topk_idx), no recv_scales, never the copy engine
+    in_place = {**args, "rows_in_place": True, "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16)}
+    I.dispatch(env, **in_place)
+    p = recorded[-1][3]
+    assert p.rows_in_place and p.recv_x == 0 and p.num_recv_rows == 9 and p.recv_scales == 0
+    for change in ({"recv_x": torch.zeros(9, 64, dtype=torch.bfloat16)}, {"copy_engine_seq": 3},
+                   {**cached, "rows_in_place": True}):
+        with pytest.raises(ValueError, match="rows in place"):
+            I.dispatch(env, **{**in_place, **change})
+    assert len(recorded) == 3
+
+
+def _combine_args(T=5, R=2, H=2048, K=3, N=7, dtype=torch.bfloat16):
+    return dict(data_ptrs=[0x10000, 0x20000], off_y=0, off_weights=4096, rows_capacity=100,
+                rank_prefix_matrix=torch.zeros(R, R, dtype=torch.int32), is_token_in_rank=torch.zeros(T, R, dtype=torch.bool),
+                pos=torch.zeros(T, R, dtype=torch.int32), y=torch.zeros(N, H, dtype=dtype), weights=torch.zeros(N, K),
+                bias0=torch.zeros(T, H, dtype=torch.float32), bias1=None, out=torch.zeros(T, H, dtype=dtype),
+                out_weights=torch.zeros(T, K), num_blocks=6, num_push_blocks=2, trace=None, copy_engine_streams=[],
+                copy_engine_flag_stream=0, copy_engine_seq=0, copy_engine_go=None, copy_engine_shares=[],
+                host_prefix=[], bulk_reduce=False, header=HEADER, test_perturb=None, expert_y=None,
+                expert_weights=None, sorted_slots=None)
+
+
+def test_combine_launch_and_checks(recorded):
+    env = _env()
+    args = _combine_args()
+    I.combine(env, **args)
+    (name, grid, block, p, shared, _), = recorded
+    assert (name, grid, block, shared) == ("combine_bf16", 6, 512, 0)
+    assert p.env.chunks_per_pair == 32, "a combine's chunks are the Env's combine chunks"
+    assert (p.y_type, p.hidden, p.num_topk, p.has_weights, p.bias0_type, p.bias1_type) == (1, 2048, 3, True, 2, 0)
+    assert (p.num_tokens, p.off_weights, p.rows_capacity, p.bulk_reduce, p.bulk_piece16) == (5, 4096, 100, False, 0)
+    I.combine(env, **{**_combine_args(dtype=torch.float32, H=7168), "bulk_reduce": True})
+    name, _, _, p, shared, _ = recorded[-1]
+    assert name == "combine_fp32" and p.bulk_piece16 == I.bulk_piece16(2, 7168 * 4 // 16) > 0
+    assert shared == I.bulk_smem_bytes(2, p.bulk_piece16) <= P.CONSTANTS[15][1]
+    bad = (({"out": torch.zeros(4, 2048, dtype=torch.bfloat16)}, "'out' must be \\[T, H\\] of y's dtype"),
+           ({"y": torch.zeros(7, 2048, dtype=torch.float16), "out": torch.zeros(5, 2048, dtype=torch.float16)},
+            "'y' must be bfloat16 or float32"),
+           ({"bias1": torch.zeros(5, 2048, dtype=torch.float64)}, "'bias1' must be bfloat16 or float32"),
+           ({"out_weights": None}, "'topk_weights' and 'out_weights' go together"),
+           ({"out_weights": torch.zeros(5, 2)}, "'out_weights' must be \\[T, K\\]"),
+           ({"pos": torch.zeros(2, 2, dtype=torch.int32)}, "'pos' does not match"),
+           ({"copy_engine_seq": 1}, "no pusher blocks and the go word"))
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            I.combine(env, **{**args, **change})
+    assert len(recorded) == 2
+    # an expert-major combine: the expert rows, their weights and slots in the params; y holds the own rows
+    expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
+                  sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
+    I.combine(env, **{**args, **expert})
+    p = recorded[-1][3]
+    assert (p.expert_y, p.expert_weights, p.sorted_slots) == tuple(t.data_ptr() for t in expert.values())
+    assert (p.expert_topk, p.expert_slots) == (3, 11)
+    for change, match in (({"sorted_slots": None}, "needs 'sorted_slots'"),
+                          ({"expert_y": torch.zeros(11, 2048)}, "'expert_y' must be"),
+                          ({"sorted_slots": torch.zeros(6, 3, dtype=torch.int64)}, "'sorted_slots' \\[N, K\\]"),
+                          ({"expert_weights": torch.zeros(10)}, "'expert_weights' must be \\[M\\]")):
+        with pytest.raises(ValueError, match=match):
+            I.combine(env, **{**args, **expert, **change})
+    assert len(recorded) == 3
+
+
+def test_bulk_piece16_follows_the_kernels_rule():
+    """As csrc/intranode.cu's bulk_piece16: the most words per warp pass that fit the budget, rows cut evenly."""
+    header, budget = dict(P.CONSTANTS)["kBulkHeaderBytes"], dict(P.CONSTANTS)["kBulkSmemBudget"]
+    for ranks in range(1, 9):
+        for n16 in (0, 1, 31, 32, 448, 896, 1792, 4096):
+            piece = I.bulk_piece16(ranks, n16)
+            if n16 == 0:
+                assert piece == 0
+                continue
+            assert piece % 32 == 0 and piece > 0
+            assert I.bulk_smem_bytes(ranks, piece) <= budget, (ranks, n16)
+            assert I.bulk_smem_bytes(ranks, piece) == header + 16 * 2 * ranks * piece * 16
+            pieces = -(-n16 // piece)
+            assert piece * (pieces - 1) < n16 <= piece * pieces
+
+
+def test_header_check_exchange_and_close_epoch(recorded):
+    """The rank-agreement header as binding.cpp fills it: the values in order, the copy-engine number in its slot of a
+    cached dispatch and a combine, the digest flag; the header exchange and the epoch closing launch their kernels."""
+    env = _env()
+    I.dispatch(env, **{**_dispatch_args(), "write_arrival": True})
+    check = recorded[-1][3].check
+    assert list(check.header) == HEADER and check.digest_from_prefix and check.test_perturb == 0
+    I.combine(env, **_combine_args())
+    assert recorded[-1][3].check.digest_from_prefix
+    I.notify(env, **_notify_args())
+    assert not recorded[-1][3].check.digest_from_prefix and list(recorded[-1][3].check.header) == HEADER
+    counts = torch.zeros(I._host_words(2), dtype=torch.int32)
+    prefix = torch.zeros(2, 2, dtype=torch.int32)
+    I.exchange(env, HEADER, prefix, counts, None)
+    name, grid, block, env_copy, _, (check, prefix_ptr, host_out) = recorded[-1]
+    assert (name, grid, block, env_copy.rank) == ("exchange", 1, 32, 1)
+    assert list(check.header) == HEADER and check.digest_from_prefix
+    assert prefix_ptr == prefix.data_ptr() and host_out == counts.data_ptr() + 2 * 3 * 4, "after the R x R + R counts"
+    I.exchange(env, HEADER, None, counts, None)
+    assert not recorded[-1][5][0].digest_from_prefix and recorded[-1][5][1] == 0
+    I.close_epoch(env)
+    assert recorded[-1][:3] == ("close_epoch", 1, 1)
+    for args, match in (((HEADER[:-1], None, counts, None), "'header' must hold 10"),
+                        (([1 << 31] + HEADER[1:], None, counts, None), "does not fit int32"),
+                        ((HEADER, None, counts[:5], None), "'host_counts'"),
+                        ((HEADER, torch.zeros(3, dtype=torch.int32), counts, None), "'prefix'"),
+                        ((HEADER, None, counts, torch.zeros(2, dtype=torch.int32)), "'test_header_perturbation'")):
+        with pytest.raises(ValueError, match=match):
+            I.exchange(env, *args)
+
+
+def test_barrier_launch(recorded):
+    env = _env(4, 3)
+    I.barrier(env)
+    (name, grid, block, p, shared, _), = recorded
+    assert (name, grid, block, shared, p.rank, p.num_ranks) == ("barrier", 1, 32, 0, 3, 4)
+    assert I.LAUNCHES["barrier"] >= 1
+
+
+# ------------------------------------------------------------------------------------------ choice and policy
+@pytest.mark.parametrize("env_value, aot, jit_reason, expected", [
+    ("1", True, None, "jit"), ("1", False, "no compiler", None), ("0", True, None, "aot"), ("0", False, None, None),
+    (None, True, None, "aot"), (None, False, None, "jit"), (None, False, "torch 2.13 is a CPU build", None),
+    ("yes", True, None, None)])
+def test_kernels_choice(monkeypatch, env_value, aot, jit_reason, expected):
+    if env_value is None:
+        monkeypatch.delenv("EP_MOE_JIT", raising=False)
+    else:
+        monkeypatch.setenv("EP_MOE_JIT", env_value)
+    monkeypatch.setattr(native, "_C", object() if aot else None)
+    monkeypatch.setattr(native, "_choices", {})
+    monkeypatch.setattr(jit, "unavailable_reason", lambda: jit_reason)
+    assert native.kernels_kind() == expected
+    why = native.kernels_unavailable_reason()
+    assert (why is None) == (expected is not None)
+    if expected is None:
+        with pytest.raises(RuntimeError, match="no intranode kernels"):
+            native.intranode_kernels()
+        if env_value == "1":
+            assert "EP_MOE_JIT=1 asks for the JIT kernels" in why and jit_reason in why
+        elif env_value == "0":
+            assert "EP_MOE_JIT=0 turns the JIT kernels off" in why
+        elif env_value == "yes":
+            assert "EP_MOE_JIT='yes'" in why
+        else:
+            assert jit_reason in why and "ep_moe.native._C is unavailable" in why
+    elif expected == "jit":
+        assert native.intranode_kernels() is I and I.KIND == "jit"
+
+
+def test_ranks_must_use_one_build():
+    assert native.kinds_disagree(["jit", "jit"]) is None
+    assert native.kinds_disagree(["aot", "jit", "aot"]) == (
+        "the ranks use different builds of the native kernels (rank 0: extension, rank 1: JIT, rank 2: extension); "
+        "set EP_MOE_JIT alike on every rank")
+
+
+def test_env_reports_which_build(monkeypatch):
+    from ep_moe.native.report import ITEMS, format_report
+
+    monkeypatch.setattr(native, "_choices", {None: ("jit", None), "1": ("jit", None), "0": (None, "why not")})
+    text = format_report([item for item in ITEMS if item[0] == "intranode kernels"])
+    assert text.startswith("intranode kernels: ")
+    if native._kernels_choice()[0] == "jit":
+        assert "JIT: csrc's kernels compiled on first use" in text
+
+
+# ------------------------------------------------------------------------------------------ the copy engine
+class _HostOps:
+    """The copy engine's driver calls on host memory: copies and flag writes happen at once, and every
+    operation is logged per stream, to check the order the GPU would run them in."""
+
+    def __init__(self):
+        self.log: dict[int, list] = {}
+
+    def _on(self, stream, op):
+        self.log.setdefault(stream, []).append(op)
+
+    def wait_value(self, stream, address, value):
+        self._on(stream, ("wait", address, value))
+
+    def write_value(self, stream, address, value):
+        ctypes.c_uint64.from_address(address).value = value
+        self._on(stream, ("write", address, value))
+
+    def copy(self, dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+        self._on(stream, ("copy", dst, nbytes))
+
+    def after_chunk(self, k, before, after):
+        self._on(before, ("record", k))
+        self._on(after, ("wait_event", k))
+
+
+FLAGS_OFFSET = 99072  # where Control::copy_engine_flag starts (test_constants_equal_the_sources checks it)
+
+
+class _Rank:
+    """One simulated rank's memory: control block and symmetric data buffer as CPU tensors."""
+
+    def __init__(self, data_bytes):
+        self.ctrl = torch.zeros(I.CONTROL_BYTES, dtype=torch.uint8)
+        self.data = torch.zeros(data_bytes, dtype=torch.uint8)
+
+    def flag(self, src, k):
+        return int(self.ctrl[FLAGS_OFFSET + (src * I.MAX_CHUNKS + k) * 8:][:8].view(torch.int64)[0])
+
+
+def _layout(num_ranks, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 40, (num_ranks, num_ranks), generator=g)
+    counts[0, 1 % num_ranks] = 0  # an empty pair
+    return counts.tolist(), [int(v) for v in torch.cumsum(counts, 0).flatten()]
+
+
+def _check_order(ops, streams, flag_stream, ctrl_ptrs, me, seq):
+    """Every copy stream starts by waiting for the go word; each flag write comes after its chunk's copies into
+    that peer on its stream (inline), or on the flag stream after the chunk's event, recorded behind the copies."""
+    for s in streams:
+        assert ops.log[s][0][0] == "wait" and ops.log[s][0][2] == seq
+    for stream, entries in ops.log.items():
+        for i, op in enumerate(entries):
+            if op[0] != "write":
+                continue
+            peer = next(p for p, base in enumerate(ctrl_ptrs) if base <= op[1] < base + I.CONTROL_BYTES)
+            k = (op[1] - ctrl_ptrs[peer] - FLAGS_OFFSET) // 8 - me * I.MAX_CHUNKS
+            if flag_stream == 0:
+                assert stream == streams[k % len(streams)]
+            else:
+                assert stream == flag_stream and ("wait_event", k) in entries[:i]
+                copy_entries = ops.log[streams[k % len(streams)]]
+                assert ("record", k) in copy_entries
+
+
+@pytest.mark.parametrize("num_ranks, num_streams, flag_stream", [(2, 1, 0), (3, 2, 0), (3, 1, 99), (4, 2, 99)])
+def test_copy_engine_combine_lands_every_row_and_flag(recorded, monkeypatch, num_ranks, num_streams, flag_stream):
+    ops = _HostOps()
+    monkeypatch.setattr(I, "cuda_ops", lambda device: ops)
+    monkeypatch.setattr(I.kernels(0), "control_flags_offset", FLAGS_OFFSET, raising=False)
+    counts, prefix = _layout(num_ranks, num_ranks * 10 + num_streams)
+    hidden, topk, shares, streams = 24, 3, [1, 2, 1], [1000 + i for i in range(num_streams)]
+    rows_cap = 200
+    y_bytes, w_bytes = hidden * 2, topk * 4
+    ranks = [_Rank(rows_cap * (y_bytes + w_bytes)) for _ in range(num_ranks)]
+    ctrl = [r.ctrl.data_ptr() for r in ranks]
+    data = [r.data.data_ptr() for r in ranks]
+    g = torch.Generator().manual_seed(5)
+    ys, ws = [], []
+    for me in range(num_ranks):
+        received = sum(counts[s][me] for s in range(num_ranks))
+        y = torch.randn(received, hidden, generator=g).to(torch.bfloat16)
+        w = torch.rand(received, topk, generator=g)
+        ys.append(y)
+        ws.append(w)
+        env = I.Env(me, ctrl, torch.zeros(8, dtype=torch.int64), torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32),
+                    10**9, 16, 32, 4)
+        args = _combine_args(T=5, R=num_ranks, H=hidden, K=topk, N=received)
+        args.update(data_ptrs=data, off_y=0, off_weights=rows_cap * y_bytes, rows_capacity=rows_cap, y=y,
+                    weights=w, num_push_blocks=0, copy_engine_streams=streams, copy_engine_flag_stream=flag_stream,
+                    copy_engine_seq=7 + me, copy_engine_go=torch.zeros(1, dtype=torch.int64),
+                    copy_engine_shares=shares, host_prefix=prefix)
+        ops.log.clear()
+        I.combine(env, **args)
+        assert recorded[-1][0] == "combine_bf16", "the kernel goes first"
+        assert recorded[-1][3].copy_engine.seq == 7 + me and list(recorded[-1][3].copy_engine.bounds)[:4] == [0, 1, 3, 4]
+        _check_order(ops, streams, flag_stream, ctrl, me, 7 + me)
+    for q in range(num_ranks):  # q's buffer: the rows q sent each peer s, back, after those of peers below s
+        for s in range(num_ranks):
+            if s == q or counts[q][s] == 0:
+                continue
+            first = sum(counts[p][s] for p in range(q))  # where q's rows start among those s received
+            base = sum(counts[q][p] for p in range(s) if p != q)
+            n = counts[q][s]
+            got = ranks[q].data[base * y_bytes:(base + n) * y_bytes]
+            assert torch.equal(got, ys[s][first:first + n].contiguous().view(torch.uint8).flatten())
+            got_w = ranks[q].data[rows_cap * y_bytes + base * w_bytes:][:n * w_bytes]
+            assert torch.equal(got_w, ws[s][first:first + n].contiguous().view(torch.uint8).flatten())
+            bounds = [0, 1, 3, 4]  # the cumulative shares [1, 2, 1]
+            chunks = [k for k in range(3) if n * bounds[k + 1] // 4 > n * bounds[k] // 4]
+            assert [ranks[q].flag(s, k) for k in chunks] == [7 + s] * len(chunks)
+            assert all(ranks[q].flag(s, k) == 0 for k in range(3) if k not in chunks), "no flag for an empty chunk"
+
+
+@pytest.mark.parametrize("cached, fp8_scales", [(False, False), (True, False), (False, True)])
+def test_copy_engine_dispatch_lands_every_token_and_flag(recorded, monkeypatch, cached, fp8_scales):
+    ops = _HostOps()
+    monkeypatch.setattr(I, "cuda_ops", lambda device: ops)
+    monkeypatch.setattr(I.kernels(0), "control_flags_offset", FLAGS_OFFSET, raising=False)
+    num_ranks, hidden, topk, num_scales = 3, 32, 2, 4 if fp8_scales else 0
+    counts, prefix = _layout(num_ranks, 3)
+    tokens = [max(counts[s]) + 3 for s in range(num_ranks)]
+    slot_rows = 64
+    rows_cap = slot_rows * num_ranks
+    x_bytes = hidden * 2
+    offsets = [0, rows_cap * x_bytes, rows_cap * (x_bytes + 4 * num_scales)]
+    offsets += [offsets[2] + rows_cap * topk * 8, offsets[2] + rows_cap * topk * 12]
+    ranks = [_Rank(offsets[4] + rows_cap * 4) for _ in range(num_ranks)]
+    ctrl, data = [r.ctrl.data_ptr() for r in ranks], [r.data.data_ptr() for r in ranks]
+    g = torch.Generator().manual_seed(9)
+    inputs = []
+    for me in range(num_ranks):
+        T = tokens[me]
+        x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
+        scales = torch.rand(T, num_scales, generator=g) if fp8_scales else None
+        idx = torch.randint(0, 12, (T, topk), generator=g)
+        w = torch.rand(T, topk, generator=g)
+        send = torch.stack([torch.randperm(T, generator=g).to(torch.int32) for _ in range(num_ranks)])
+        inputs.append((x, scales, idx, w, send))
+        received = prefix[(num_ranks - 1) * num_ranks + me]
+        env = I.Env(me, ctrl, torch.zeros(8, dtype=torch.int64), torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32),
+                    10**9, 16, 32, 4)
+        args = _dispatch_args(T=T, R=num_ranks, H=hidden, K=topk, L=4, N=received, topk=not cached)
+        args.update(data_ptrs=data, offsets=offsets, x=x, scales=scales, send_list=send,
+                    recv_scales=torch.zeros(received, num_scales) if fp8_scales else None,
+                    rows_capacity=rows_cap, num_push_blocks=0, copy_engine_streams=[5, 6], copy_engine_flag_stream=0,
+                    copy_engine_seq=3, copy_engine_go=torch.zeros(1, dtype=torch.int64), copy_engine_shares=[1, 1],
+                    copy_engine_tokens=tokens, host_prefix=prefix,
+                    cached_src_idx=torch.zeros(received, dtype=torch.int32) if cached else None)
+        if not cached:
+            args.update(topk_idx=idx, topk_weights=w)
+        ops.log.clear()
+        I.dispatch(env, **args)
+        p = recorded[-1][3]
+        assert p.copy_engine_slot_rows == slot_rows and list(p.copy_engine_tokens)[:3] == tokens
+        _check_order(ops, [5, 6], 0, ctrl, me, 3)
+    for d in range(num_ranks):
+        for s in range(num_ranks):
+            if s == d:
+                continue
+            x, scales, idx, w, send = inputs[s]
+            T, slot = tokens[s], s * slot_rows
+            region = ranks[d].data[offsets[0] + slot * x_bytes:][:T * x_bytes]
+            assert torch.equal(region, x.contiguous().view(torch.uint8).flatten())
+            if fp8_scales:
+                assert torch.equal(ranks[d].data[offsets[1] + slot * 4 * num_scales:][:T * 4 * num_scales],
+                                   scales.contiguous().view(torch.uint8).flatten())
+            if not cached:
+                n = counts[s][d]
+                assert torch.equal(ranks[d].data[offsets[4] + slot * 4:][:n * 4], send[d, :n].view(torch.uint8))
+                assert torch.equal(ranks[d].data[offsets[2] + slot * topk * 8:][:T * topk * 8],
+                                   idx.view(torch.uint8).flatten())
+                assert torch.equal(ranks[d].data[offsets[3] + slot * topk * 4:][:T * topk * 4],
+                                   w.view(torch.uint8).flatten())
+            assert [ranks[d].flag(s, k) for k in range(2)] == [3, 3]
+
+
+def test_copy_engine_checks_before_any_launch(recorded):
+    env = _env()
+    go = torch.zeros(1, dtype=torch.int64)
+    base = {**_combine_args(), "num_push_blocks": 0, "copy_engine_streams": [5], "copy_engine_seq": 1,
+            "copy_engine_go": go, "copy_engine_shares": [1], "host_prefix": [0, 0, 0, 0]}
+    for change, match in (({"num_push_blocks": 1}, "no pusher blocks"), ({"copy_engine_go": None}, "go word"),
+                          ({"copy_engine_streams": []}, "1 to 4 side streams"),
+                          ({"copy_engine_streams": [5, 0]}, "legacy default stream"),
+                          ({"copy_engine_flag_stream": 5}, "must not be one of the copy streams"),
+                          ({"copy_engine_go": go.int()}, "'copy_engine_go' must be an int64"),
+                          ({"copy_engine_shares": [1] * 17}, "1 to 16 shares"),
+                          ({"copy_engine_shares": [0]}, "must be in \\[1, 1024\\]"),
+                          ({"host_prefix": [0]}, "'host_prefix' must hold the R x R"),
+                          ({"host_prefix": [0, 200, 0, 200], "rows_capacity": 100}, "gets 200 rows back"),
+                          ({"trace": torch.zeros(6 * 6, dtype=torch.int64)}, "trace needs 129 slots")):
+        with pytest.raises(ValueError, match=match):
+            I.combine(env, **{**base, **change})
+    dispatch = {**_dispatch_args(topk=False), "num_push_blocks": 0, "copy_engine_streams": [5],
+                "copy_engine_seq": 1, "copy_engine_go": go, "copy_engine_shares": [1], "copy_engine_tokens": [6, 6],
+                "host_prefix": [6, 3, 9, 9], "cached_src_idx": torch.zeros(9, dtype=torch.int32)}
+    for change, match in (({"cached_src_idx": None}, "exactly when cached"),
+                          ({"copy_engine_tokens": [6, 251]}, "rank 1's 251 tokens do not fit its slot of 250 rows"),
+                          ({"copy_engine_tokens": [6, 5]}, "x has 6 tokens but the layout 5"),
+                          ({"host_prefix": [6, 3, 9, 8]}, "receives exactly its rows"),
+                          ({"cached_src_idx": torch.zeros(9, dtype=torch.int64)}, "'cached_src_idx' must be int32")):
+        with pytest.raises(ValueError, match=match):
+            I.dispatch(env, **{**dispatch, **change})
+    assert recorded == [], "nothing launched"
