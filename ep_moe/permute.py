@@ -178,12 +178,15 @@ def _received_rows_torch(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens:
     prefix = rank_prefix_matrix.to(torch.int64)
     first = prefix[rank - 1, rank] if rank > 0 else prefix.new_zeros(())
     index = torch.arange(num_rows, device=rows.device)
-    own = (index >= first) & (index < prefix[rank, rank])
+    num_own = own_x.shape[0]
+    # bounded by T as the kernel is (a prefix matrix or send list of a dispatch that moved nothing is garbage)
+    own = (index >= first) & (index < prefix[rank, rank]) & (index - first < num_own)
     peers = _bits(rows[:num_rows])
-    if own_x.shape[0] == 0:
+    if num_own == 0:
         return peers.view(rows.dtype)
-    tokens = own_tokens.to(torch.int64).index_select(0, (index - first).clamp(0, own_tokens.shape[0] - 1))
-    mine = _bits(own_x).index_select(0, tokens)
+    tokens = own_tokens.to(torch.int64).index_select(0, (index - first).clamp(0, num_own - 1))
+    own &= (tokens >= 0) & (tokens < num_own)
+    mine = _bits(own_x).index_select(0, tokens.clamp(0, num_own - 1))
     return torch.where(own.unsqueeze(1), mine, peers).view(rows.dtype)
 
 

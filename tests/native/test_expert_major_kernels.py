@@ -184,6 +184,23 @@ def test_permute_received_rows_equals_the_torch_definition(case, rank):
     assert none is None
 
 
+def test_permute_received_rows_stays_in_range_on_garbage_routes():
+    """After a dispatch that moved nothing (an error raised at the next host wait) the prefix matrix and the send
+    list may hold anything: the kernel then reads only inside the buffer, own_x and own_tokens, as its torch
+    definition says (an own range longer than T, tokens below 0 and past T)."""
+    N, K, L, H, T = 30, 2, 4, 64, 5
+    idx = routing("random", N, K, L, seed=31)
+    layout = P._expert_layout_torch(idx, L, 1, None)
+    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
+    buffer, own_x = rows((N, H), BF16, seed=32), rows((T, H), BF16, seed=33)
+    own_tokens = torch.tensor([3, -7, 4, 1_000_000, 0], dtype=torch.int32)
+    prefix = torch.tensor([[2, 9], [2, 29]], dtype=torch.int32)  # rank 1's own range [9, 29): longer than T
+    want, _ = P.permute_received_rows(buffer, N, own_x, own_tokens, prefix, 1, layout)
+    got, _ = P.permute_received_rows(buffer.cuda(), N, own_x.cuda(), own_tokens.cuda(), prefix.cuda(), 1, gpu_layout)
+    torch.cuda.synchronize()
+    assert_bits(got, want, "rows")
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_unpermute_own_rows_equals_unpermute_sum_on_the_own_rows(dtype, rank):

@@ -200,8 +200,12 @@ __global__ void __launch_bounds__(kRowThreads) permute_rows_kernel(PermuteRowsPa
       const int r = p.rank, R = p.num_ranks;
       const int64_t first = r > 0 ? __ldg(p.rank_prefix_matrix + (r - 1) * R + r) : 0;
       const int64_t end = __ldg(p.rank_prefix_matrix + r * R + r);
-      if (row >= first && row < end)
-        src = reinterpret_cast<const Word*>(p.own_x) + static_cast<int64_t>(__ldg(p.own_tokens + (row - first))) * words;
+      // Bounded by T as well: after a dispatch that moved nothing (a capacity or agreement error, raised at the
+      // next host wait) the prefix matrix and top-k may be garbage, and a read must still stay in range.
+      if (row >= first && row < end && row - first < p.num_own_rows) {
+        const int64_t t = __ldg(p.own_tokens + (row - first));
+        if (t >= 0 && t < p.num_own_rows) src = reinterpret_cast<const Word*>(p.own_x) + t * words;
+      }
     }
     for (int64_t j = lane; j < words; j += kWarp) dst[j] = src[j];
   } else {

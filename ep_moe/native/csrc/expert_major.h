@@ -60,6 +60,7 @@ struct PermuteRowsParams {
   const int32_t* own_tokens;   // [T]: the token of each own row, in order
   const int32_t* rank_prefix_matrix;
   int num_ranks, rank;
+  int64_t num_own_rows;        // T: reads stay inside own_x and own_tokens whatever the prefix matrix holds
 };
 cudaError_t launch_permute_rows(const PermuteRowsParams& p, cudaStream_t stream);
 

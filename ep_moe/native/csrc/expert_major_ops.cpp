@@ -197,6 +197,7 @@ std::tuple<at::Tensor, at::Tensor> permute_received_rows(const at::Tensor& rows,
   p.rank_prefix_matrix = rank_prefix_matrix.data_ptr<int32_t>();
   p.num_ranks = static_cast<int>(num_ranks);
   p.rank = static_cast<int>(rank);
+  p.num_own_rows = own_x.size(0);
   if (p.row_bytes > 0 || p.slot_values != nullptr)
     check_launch(ep_moe::launch_permute_rows(p, c10::cuda::getCurrentCUDAStream().stream()), op);
   return {out, slot_values};
