@@ -911,27 +911,42 @@ __device__ __forceinline__ void unpack_word(const int4& v, float* out) {
 template <int kType>
 __device__ __forceinline__ void store_expert_row(const CombineParams& p, int4* dst, int64_t row, int n16, int lane) {
   constexpr int kElems = Vec<kType>::kElems;
-  const int64_t* slots = p.sorted_slots + row * p.expert_topk;
+  constexpr int kU = kReduceUnroll;  // 16-byte words per lane in flight per slot
+  const int K = p.expert_topk;
+  const int64_t* slots = p.sorted_slots + row * K;
   const int4* y = reinterpret_cast<const int4*>(p.expert_y);
-  for (int c = lane; c < n16; c += 32) {
-    float acc[kElems];
+  const int64_t lane_slot = lane < K ? __ldg(slots + lane) : -1;  // slot j < 32 is lane j's (then shuffled)
+  for (int c0 = lane; c0 < n16; c0 += 32 * kU) {
+    float acc[kU][kElems];
 #pragma unroll
-    for (int e = 0; e < kElems; ++e) acc[e] = 0.0f;
-    for (int j = 0; j < p.expert_topk; ++j) {
-      const int64_t s = __ldg(slots + j);
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[u][e] = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      const int64_t s = j < 32 ? __shfl_sync(0xffffffffu, lane_slot, j) : __ldg(slots + j);  // the same on all lanes
       if (s < 0 || s >= p.expert_slots) continue;
-      float term[kElems];
-      unpack_word<kType>(__ldg(y + s * n16 + c), term);
-      if (p.expert_weights != nullptr) {
-        const float w = __ldg(p.expert_weights + s);
+      const float w = p.expert_weights != nullptr ? __ldg(p.expert_weights + s) : 1.0f;
+      int4 v[kU];
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, term[e]));
-      } else {
+      for (int u = 0; u < kU; ++u)
+        if (c0 + 32 * u < n16) v[u] = __ldg(y + s * n16 + c0 + 32 * u);
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[e] = __fadd_rn(acc[e], term[e]);
+      for (int u = 0; u < kU; ++u) {
+        if (c0 + 32 * u >= n16) continue;
+        float term[kElems];
+        unpack_word<kType>(v[u], term);
+        if (p.expert_weights != nullptr) {
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, term[e]));
+        } else {
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) acc[u][e] = __fadd_rn(acc[u][e], term[e]);
+        }
       }
     }
-    dst[c] = Vec<kType>::pack(acc);
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (c0 + 32 * u < n16) dst[c0 + 32 * u] = Vec<kType>::pack(acc[u]);
   }
 }
 
