@@ -189,13 +189,12 @@ def _dispatch_in_place(buffer: Buffer, x, topk_idx: Tensor, topk_weights: Tensor
     top-k and the permute of rows (and FP8 scales) straight from the receive buffer and ``x``: ``(result,
     layout, expert_x, expert_weights, expert_scales or None)``. No autograd."""
     local = num_experts // buffer.group_size
-    num_topk = topk_idx.shape[1]
 
     def consume(result, received):
-        # Runs right after the dispatch kernel on its stream, before any later call of this buffer (whose
-        # kernels come behind it on that stream) lets the peers write the receive buffer again.
+        # Runs right after the dispatch kernel on its stream (the arguments checked), before any later call of this
+        # buffer (whose kernels come behind it on that stream) lets the peers write the receive buffer again.
         if num_worst_tokens:
-            num_slots = max_slots(num_worst_tokens, num_topk, local, alignment)
+            num_slots = max_slots(num_worst_tokens, result.recv_topk_idx.shape[1], local, alignment)
         else:
             listed = result.num_recv_tokens_per_expert_list
             num_slots = sum(listed) if listed is not None else None  # else one host read, in expert_layout

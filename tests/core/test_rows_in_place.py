@@ -252,6 +252,14 @@ def _worker(rank: int, num_ranks: int) -> int:
         for fixed in (0, most + 5 * (seed % 2)):
             _compare(in_place, plain, rank, num_ranks, case, seed, fixed)
             checked += 1
+    # bad input on the in-place path: the named errors, raised on every rank before anything is sent
+    x, idx, w = torch.zeros(3, 32), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    for args, name in (((x, idx[:, 0], w), "topk_idx"), ((x, idx, w[:, :1]), "topk_weights"),
+                       ((x.half(), idx, w), "x")):
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            expert_dispatch(in_place, *args, 4 * num_ranks, 1)
+    with pytest.raises(ValueError, match="'num_worst_tokens'"):
+        expert_dispatch(in_place, x, idx, w, 4 * num_ranks, 1, num_worst_tokens=2)
     in_place.destroy()
     plain.destroy()
     return checked
