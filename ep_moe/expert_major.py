@@ -143,8 +143,9 @@ def _expert_dispatch_fp8(buffer: Buffer, x, topk_idx: Tensor, topk_weights: Tens
     if num_ranks > 1 and _takes_rows_in_place(buffer, data, num_experts):
         result, layout, expert_x, expert_weights, expert_scales = _dispatch_in_place(
             buffer, (data, scales), topk_idx, topk_weights, num_experts, alignment, num_worst_tokens, num_sms)
+        handle = ExpertHandle(layout, result.handle, topk_idx, num_sms, True)
         return ExpertDispatchOutput((expert_x, expert_scales), expert_weights, layout.tokens_per_expert,
-                                    layout.pairs_per_expert, ExpertHandle(layout, result.handle, topk_idx, num_sms, True),
+                                    layout.pairs_per_expert, handle,
                                     None if num_worst_tokens else result.num_recv_tokens_per_expert_list)
     if num_ranks == 1:
         check_topk(op, topk_idx, topk_weights, data.shape[0], num_experts, data.device,

@@ -468,8 +468,9 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
     if rows.is_cuda and native.extension_available() and not torch.compiler.is_compiling():
         out, slot_values = torch.ops.ep_moe_native.permute_received_rows(
-            rows, num_rows, own_x.contiguous(), own_tokens.contiguous(), rank_prefix_matrix.to(torch.int32).contiguous(),
-            rank, layout.pair_of_slot, layout.num_topk, None if values is None else values.contiguous())
+            rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
+            rank_prefix_matrix.to(torch.int32).contiguous(), rank, layout.pair_of_slot, layout.num_topk,
+            None if values is None else values.contiguous())
         return out, None if values is None else slot_values
     received = _received_rows_torch(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank)
     return _permute(received, layout.pair_of_slot, layout.num_topk, values)

@@ -393,13 +393,14 @@ class NativeBackend(CommBackend):
     def combines_expert_rows(self, row_bytes: int) -> bool:
         """At two or more ranks, rows the kernels take, with the extension's expert-major ops (which form the own
         rows; see `CommBackend.combines_expert_rows`)."""
-        return self.num_ranks > 1 and self._kernels_take(row_bytes) and native.extension_available()
+        return (self.num_ranks > 1 and self.options.expert_major_fused and self._kernels_take(row_bytes)
+                and native.extension_available())
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
         """A fresh dispatch the kernels take, at two or more ranks, with the extension's expert-major ops (which
         permute the rows from where they landed; see `CommBackend.receives_in_place`)."""
-        return (self.num_ranks > 1 and self._kernels_take(row_bytes, num_experts // self.num_ranks)
-                and native.extension_available())
+        return (self.num_ranks > 1 and self.options.expert_major_fused
+                and self._kernels_take(row_bytes, num_experts // self.num_ranks) and native.extension_available())
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):

@@ -88,7 +88,9 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
                                              [on_device(buf.device, g_rows), on_device(buf.device, g_w)]))
     got, want = outs
     row_bytes = case["hidden"] * {"bf16": 2, "fp32": 4, "fp8": 1}[case["dtype"]]
-    assert got.handle.rows_in_place == (row_bytes % 16 == 0), f"{label}: rows_in_place {got.handle.rows_in_place}"
+    fused_on = getattr(getattr(nat.backend, "options", None), "expert_major_fused", True)
+    assert got.handle.rows_in_place == (fused_on and row_bytes % 16 == 0), \
+        f"{label}: rows_in_place {got.handle.rows_in_place}"
     assert not want.handle.rows_in_place, label
     for name, a, b in zip(("grad x", "grad weights"), *grads) if grads else ():
         assert_bits_equal(f"{label} {name}", a, b)
@@ -107,7 +109,7 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
     y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(30_000 + 31 * index + rank)
     y = torch.randn(got.expert_weights.shape[0], case["hidden"], generator=g, device=device).to(y_dtype)
-    fused = case["hidden"] * y.element_size() % 16 == 0  # the kernels take the rows: summed as they go out
+    fused = fused_on and case["hidden"] * y.element_size() % 16 == 0  # the kernels take the rows: summed as they go out
     for multiple in (True, False):
         before = nat.backend.expert_row_combines
         combined = expert_combine(nat, y, got.handle, got.expert_weights, allow_multiple_reduction=multiple)
@@ -170,21 +172,28 @@ NUM_EXPERT_MAJOR_CASES = 12
 
 
 def _expert_major_worker(rank: int, world: int) -> int:
-    from ep_moe import Buffer
+    from ep_moe import Buffer, NativeOptions
 
     nat = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S)
+    # the composed path on the same kernels (expert_major_fused=False): every third case
+    composed = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S,
+                      native_options=NativeOptions(expert_major_fused=False))
     ref = Buffer(backend="torch")
     for index in range(NUM_EXPERT_MAJOR_CASES):
         case, error = expert_major_case(index), None
         try:
             _check_expert_major(rank, world, 100 + index, nat, ref, case)
+            if index % 3 == 0:
+                _check_expert_major(rank, world, 100 + index, composed, ref, case)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
         if not _all_ok(error is None, dist.group.WORLD):
             raise AssertionError(f"expert-major case {index} {case} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
+    assert composed.backend.in_place_dispatches == composed.backend.expert_row_combines == 0
     nat.barrier()
     nat.destroy()
+    composed.destroy()
     ref.destroy()
     return NUM_EXPERT_MAJOR_CASES
 
