@@ -193,11 +193,17 @@ class Buffer:
         else:
             comm.wait_stream(compute)
         with torch.cuda.stream(comm):
-            out = fn()
+            try:
+                out = fn()
+            except BaseException:
+                # fn may have queued kernels before it raised (the native backend raises a rank disagreement
+                # after its launches): they still read the inputs, and what the current stream runs next (a
+                # barrier) must follow them, as after a call that returned
+                _record_use(tensors_in, comm)
+                compute.wait_stream(comm)
+                raise
         outputs = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.is_cuda]
-        for t in tensors_in:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(comm)
+        _record_use(tensors_in, comm)
         for t in outputs:
             t.record_stream(compute)
         if async_finish:
@@ -450,6 +456,14 @@ class Buffer:
     def __repr__(self) -> str:
         return (f"Buffer(rank={self.rank}, group_size={self.group_size}, backend={self.backend_name!r}, "
                 f"device={self.device})")
+
+
+def _record_use(tensors: list, stream) -> None:
+    """Mark the CUDA tensors among ``tensors`` as in use by ``stream`` (their memory is not reused before
+    the work queued there so far has run)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
 
 
 def _flatten(obj):

@@ -5,6 +5,8 @@
   and, where the driver has it (CUDA 13's ``cuMemcpyBatchAsync_v2``), one batched copy call, through ``ctypes``
   on ``libcuda`` (`ep_moe.memory.cuda_vmm.driver`). Every return code is checked (`StreamOpError` names the call
   and the driver's error name).
+* `StreamPool`: the private streams of the waiters, created on demand and kept for the process's lifetime (torch
+  may use a stream it has seen long after its user is done with it; see the class).
 * `SignalWaiter`: a wait for 64-bit signal words (``word >= value``) that cannot hang. The words are awaited on a
   stream of the waiter's own (``cuStreamWaitValue64``, then optionally a small device-to-host copy), an event is
   recorded behind them, and the calling thread polls the event until a deadline. Past the deadline the waiter
@@ -20,6 +22,7 @@ the work queued before on the caller's stream.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -69,7 +72,6 @@ class StreamOps:
         self._wait = self._entry(("cuStreamWaitValue64_v2", "cuStreamWaitValue64"), [vp, u64, u64, uint])
         pint = ctypes.POINTER(ctypes.c_int)
         self._create = self._entry(("cuStreamCreateWithPriority",), [ctypes.POINTER(vp), uint, ctypes.c_int])
-        self._destroy = self._entry(("cuStreamDestroy_v2", "cuStreamDestroy"), [vp])
         self._priorities = self._entry(("cuCtxGetStreamPriorityRange",), [pint, pint])
         version = ctypes.c_int()
         get_version = self._entry(("cuDriverGetVersion",), [ctypes.POINTER(ctypes.c_int)])
@@ -111,7 +113,8 @@ class StreamOps:
 
     def create_stream(self, device: torch.device, highest_priority: bool) -> torch.cuda.ExternalStream:
         """A new non-blocking stream of ``device`` that no other code uses (torch's own streams come from a shared
-        pool), of the default or the highest priority. Free it with `destroy_stream`."""
+        pool), of the default or the highest priority. There is deliberately no way to destroy it: take streams
+        from `StreamPool` (`stream_pool`), which keeps them for the process's lifetime."""
         with torch.cuda.device(device):
             torch.cuda.synchronize(device)  # the device's primary context is current in this thread
             priority = 0
@@ -124,10 +127,6 @@ class StreamOps:
             self._check(self._create(ctypes.byref(handle), CU_STREAM_NON_BLOCKING, priority),
                         "cuStreamCreateWithPriority")
         return torch.cuda.ExternalStream(handle.value, device=device)
-
-    def destroy_stream(self, stream: torch.cuda.ExternalStream) -> None:
-        """Release a stream of `create_stream` (its queued work still completes)."""
-        self._check(self._destroy(ctypes.c_void_p(stream.cuda_stream)), "cuStreamDestroy")
 
     @property
     def has_batch_copy(self) -> bool:
@@ -164,6 +163,78 @@ def stream_ops() -> StreamOps:
     if _ops is None:
         _ops = StreamOps()
     return _ops
+
+
+class StreamPool:
+    """The private streams of `SignalWaiter`: per (device, priority), created by `StreamOps.create_stream` when none
+    is free, handed back by `release` and reused, never destroyed.
+
+    Why never destroyed: torch keeps using a stream it has seen after its user is done with it. A pinned host tensor
+    that took part in a ``non_blocking`` copy on the stream (a waiter's header read, the rescue's word read) has the
+    stream noted in torch's CachingHostAllocator, which records an event on it when the tensor is freed, however
+    late that is; after ``cuStreamDestroy`` that record fails inside a C++ destructor and the process aborts. A
+    stream whose work stays blocked (a timed-out wait that the rescue could not release) is not reused either.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple, list] = {}
+        self._key: dict[int, tuple] = {}    # cuda_stream handle -> its pool key, for every stream made here
+        self.abandoned: list = []           # streams left blocked: out of the pool, still alive
+
+    @staticmethod
+    def _pool_key(device: torch.device, highest_priority: bool) -> tuple:
+        index = device.index
+        if index is None and device.type == "cuda":
+            index = torch.cuda.current_device()
+        return (device.type, index, bool(highest_priority))
+
+    def acquire(self, device: torch.device, highest_priority: bool) -> torch.cuda.ExternalStream:
+        """A stream of ``device`` (of the highest priority or the default one) that no one else holds."""
+        key = self._pool_key(device, highest_priority)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                return free.pop()
+        stream = stream_ops().create_stream(device, highest_priority)
+        with self._lock:
+            self._key[stream.cuda_stream] = key
+        return stream
+
+    def release(self, stream: torch.cuda.ExternalStream) -> None:
+        """Hand back ``stream`` (of `acquire`) once its work is done; the caller must not use it afterwards. Raises
+        ValueError for a stream this pool did not make or one handed back twice."""
+        with self._lock:
+            key = self._key.get(stream.cuda_stream)
+            if key is None:
+                raise ValueError(f"ep_moe.native.stream_ops: stream 0x{stream.cuda_stream:x} is not from this pool")
+            free = self._free.setdefault(key, [])
+            if any(s.cuda_stream == stream.cuda_stream for s in free):
+                raise ValueError(f"ep_moe.native.stream_ops: stream 0x{stream.cuda_stream:x} was released twice")
+            free.append(stream)
+
+    def abandon(self, stream: torch.cuda.ExternalStream) -> None:
+        """Keep ``stream`` (blocked for good) out of the pool; it is still not destroyed."""
+        with self._lock:
+            self.abandoned.append(stream)
+
+    def free_count(self, device: torch.device, highest_priority: bool) -> int:
+        """How many streams of that kind wait in the pool."""
+        with self._lock:
+            return len(self._free.get(self._pool_key(device, highest_priority), []))
+
+
+_pool: StreamPool | None = None
+_pool_lock = threading.Lock()
+
+
+def stream_pool() -> StreamPool:
+    """The process's `StreamPool`."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = StreamPool()
+        return _pool
 
 
 class Word:
@@ -208,8 +279,9 @@ class SignalWaiter:
     def __init__(self, device: torch.device, rank: int, num_ranks: int, timeout_s: float) -> None:
         self.device, self.rank, self.num_ranks, self.timeout_s = device, rank, num_ranks, float(timeout_s)
         self.ops = stream_ops()
-        self.stream = self.ops.create_stream(device, highest_priority=False)
-        self._rescue = self.ops.create_stream(device, highest_priority=True)
+        self._pool = stream_pool()
+        self.stream = self._pool.acquire(device, highest_priority=False)
+        self._rescue = self._pool.acquire(device, highest_priority=True)
         self._word_host = torch.empty(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
         self.failure: tuple[type[Exception], str] | None = None
         self._stuck = False  # a timed-out wait whose stream could not be released
@@ -228,6 +300,8 @@ class SignalWaiter:
         that waits on it sees the words' writers' data). Raises ``error`` naming the rank and ``stage`` after
         ``timeout_s``, with the words still missing."""
         self.check(error, op)
+        if self.stream is None:
+            raise RuntimeError(f"ep_moe.ElasticBuffer.{op}: rank {self.rank}: the PP/AGRS stream waiter was destroyed")
         event = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             handle = self.stream.cuda_stream
@@ -249,11 +323,16 @@ class SignalWaiter:
         raise error(f"ep_moe.ElasticBuffer.{op}: {message}")
 
     def destroy(self) -> None:
-        """Release the waiter's streams after their work (a stream that stayed blocked is left alone)."""
+        """Hand the waiter's streams back to the pool after their work (a stream that stayed blocked after a timeout
+        is kept out of it). The waiter cannot wait afterwards; calling this again does nothing."""
         for stream in (self.stream, self._rescue):
-            if stream is not None and not self._stuck:
-                stream.synchronize()
-                self.ops.destroy_stream(stream)
+            if stream is None:
+                continue
+            if self._stuck and not stream.query():
+                self._pool.abandon(stream)  # synchronizing it would hang
+                continue
+            stream.synchronize()
+            self._pool.release(stream)
         self.stream = self._rescue = None
 
     def _rescue_words(self, words: Sequence[Word]) -> list[tuple[Word, int]]:
@@ -278,4 +357,5 @@ class SignalWaiter:
 
 
 
-__all__ = ["MemcpyAttributes", "SignalWaiter", "StreamOpError", "StreamOps", "Word", "poll_until", "stream_ops"]
+__all__ = ["MemcpyAttributes", "SignalWaiter", "StreamOpError", "StreamOps", "StreamPool", "Word", "poll_until",
+           "stream_ops", "stream_pool"]

@@ -226,9 +226,11 @@ def test_one_rank_with_the_test_knob(copy_engine: bool) -> None:
 # ------------------------------------------------------------------------------------------ two or more ranks
 def _correct_calls_on(rank: int, buffer: Buffer, inp, E: int, device: torch.device) -> str:
     """A fresh dispatch, a cached one and a combine on ``device``, checked against the reference, then a
-    barrier (which would raise a disagreement these calls recorded): '' or what failed."""
+    barrier (which would raise a disagreement these calls recorded), then every rank's epoch counter compared
+    (a collective on the buffer's group): '' or what failed."""
     ref = reference_dispatch(inp.xs, inp.idxs, inp.weights, E)
     where = f"rank {rank}"
+    failure = ""
     try:
         x = inp.x(rank).to(device)
         out = buffer.dispatch(x, topk_idx=inp.idxs[rank].to(device), topk_weights=inp.weights[rank].to(device),
@@ -240,8 +242,18 @@ def _correct_calls_on(rank: int, buffer: Buffer, inp, E: int, device: torch.devi
         check_bits(combined.cpu(), want, where, "combined")
         buffer.barrier()
     except Exception as exc:  # the outcome is what the test reports
-        return f"{type(exc).__name__}: {exc}"
-    return ""
+        failure = f"{type(exc).__name__}: {exc}"
+    return failure or _epochs_out_of_step(buffer)
+
+
+def _epochs_out_of_step(buffer: Buffer) -> str:
+    """'' when every rank of the buffer's group has closed as many epochs (`LocalState.seq`, the first int64 of
+    the native backend's device state), else every rank's count: a rank behind or ahead meets its peers' other
+    operations from then on."""
+    torch.cuda.synchronize()
+    epochs: list[int | None] = [None] * buffer.group_size
+    dist.all_gather_object(epochs, int(buffer.backend._state[0]), group=buffer.group)
+    return "" if len(set(epochs)) == 1 else f"the ranks' epoch counts differ: {epochs}"
 
 
 def mismatch_session(rank: int, num_ranks: int, group: dist.ProcessGroup, device: torch.device,
@@ -336,11 +348,13 @@ def session(request) -> tuple[int, list[dict], float]:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_rank_raises_naming_field_and_values(session, scenario) -> None:
     num_ranks, results, timeout_s = session
+    # every rank's outcome in every message: a rank out of step shows in its peers' outcomes too
+    every = "; ".join(f"rank {r}: {result[scenario][0]!r}" for r, result in enumerate(results))
     for rank, result in enumerate(results):
         outcome, elapsed, _ = result[scenario]
-        assert outcome.startswith("ValueError: "), f"rank {rank}: {outcome}"
+        assert outcome.startswith("ValueError: "), f"rank {rank}: {outcome} ({every})"
         for needle in _expected(num_ranks)[scenario]:
-            assert needle in outcome, f"rank {rank}: {needle!r} not in {outcome!r}"
+            assert needle in outcome, f"rank {rank}: {needle!r} not in {outcome!r} ({every})"
         assert elapsed < timeout_s, f"rank {rank} took {elapsed:.1f} s (waited for a peer)"
 
 

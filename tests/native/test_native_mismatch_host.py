@@ -30,6 +30,12 @@ class FakeExtension:
         self.backend = backend
         self.seen: tuple[int, int] | None = None
         self.calls: list[str] = []
+        self.device: DeviceModel | None = None  # None: kernels have no timing (the tests above)
+
+    def _launch(self, kernel: str) -> None:
+        self.calls.append(kernel)
+        if self.device is not None:
+            self.device.launch(kernel)
 
     def _check(self, header: list[int], digest: int = 0) -> tuple[bool, list[int], list[int]]:
         assert len(header) == nb.HEADER_WORDS and all(isinstance(v, int) for v in header)
@@ -60,29 +66,81 @@ class FakeExtension:
         disagree = self._host_check(host_counts, header)
         if disagree and worst:
             self._record(header)
-        self.calls.append("notify")
+        self._launch("notify")
 
     def dispatch(self, *args) -> None:
         assert len(args) == 35, len(args)  # binding.cpp: ..., header, test_perturb, rows_in_place
         write_arrival, header = args[20], args[32]
         if write_arrival:  # cached: the kernel checks, with the handle's digest
             self._record(header, digest=12345)
-        self.calls.append("dispatch")
+        self._launch("dispatch")
 
     def combine(self, *args) -> None:
         assert len(args) == 29, len(args)  # ..., header, test_perturb, expert_y, expert_weights, sorted_slots
         self._record(args[24], digest=12345)
-        self.calls.append("combine")
+        self._launch("combine")
 
     def exchange(self, env, header, prefix, host_counts, perturb) -> None:
         self._host_check(host_counts, header, 12345 if prefix is not None else 0)
-        self.calls.append("exchange")
+        self._launch("exchange")
 
     def close_epoch(self, env) -> None:
-        self.calls.append("close_epoch")
+        self._launch("close_epoch")
 
     def barrier(self, env) -> None:
-        self.calls.append("barrier")
+        self._launch("barrier")
+
+
+class DeviceModel:
+    """The epoch bookkeeping of one rank's device, with streams (csrc/intranode.cu): every collective kernel
+    takes its epoch as the rank's ``seq + 1`` when it starts; a notify leaves the epoch open, every other kernel
+    (dispatch, combine, barrier, exchange, close_epoch) closes it (``seq = epoch``). Kernels queued on one
+    stream run in order; kernels on different streams that nothing orders may run side by side, and this model
+    runs them so (the adversarial schedule, as on a GPU time-sliced between the ranks' processes): each takes
+    its epoch before any of them closes one. ``ran``: (kernel, epoch) in the order they ran."""
+
+    OPENS_ONLY = ("notify",)
+
+    def __init__(self) -> None:
+        self.stream = "compute"  # torch.cuda.current_stream()
+        self.pending: dict[str, list[str]] = {}
+        self.seq = 0
+        self.ran: list[tuple[str, int]] = []
+
+    def launch(self, kernel: str) -> None:
+        self.pending.setdefault(self.stream, []).append(kernel)
+
+    def _run_wave(self, streams: list[str]) -> None:
+        heads = [self.pending[s].pop(0) for s in streams if self.pending.get(s)]
+        epoch = self.seq + 1  # every head starts before any closes its epoch
+        for kernel in heads:
+            self.ran.append((kernel, epoch))
+            if kernel not in self.OPENS_ONLY:
+                self.seq = max(self.seq, epoch)
+
+    def run_stream(self, stream: str) -> None:
+        """A host wait on ``stream`` (an event recorded there): its kernels ran, the others' may not have."""
+        while self.pending.get(stream):
+            self._run_wave([stream])
+
+    def synchronize(self) -> None:
+        """``torch.cuda.synchronize()``: every stream's kernels ran, unordered ones side by side."""
+        while any(self.pending.values()):
+            self._run_wave(list(self.pending))
+
+    def closed_epochs(self) -> list[int]:
+        return [epoch for kernel, epoch in self.ran if kernel not in self.OPENS_ONLY]
+
+
+class _ModelEvent:
+    def __init__(self, device: DeviceModel) -> None:
+        self.device, self.stream = device, None
+
+    def record(self, stream) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        self.device.run_stream(self.stream)
 
 
 class _Event:
@@ -224,3 +282,54 @@ def test_headers_hold_agreements_values(backend) -> None:
     b, _ = backend
     assert b._header(agreement.OP_DISPATCH, 7168, torch.bfloat16, 0, 8, 256, 0, last_seq=3) == \
         [agreement.OP_DISPATCH, 7168, agreement.dtype_code(torch.bfloat16), 0, 8, 256, 0, 0, 0, 3]
+
+
+@pytest.fixture
+def device(backend, monkeypatch):
+    """``backend`` with a `DeviceModel` behind its fake kernels and torch.cuda's stream calls."""
+    b, fake = backend
+    model = fake.device = DeviceModel()
+    b._notify_done = _ModelEvent(model)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: model.stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: model.synchronize())
+    return b, fake, model
+
+
+def test_a_barrier_after_an_exact_dispatch_raised_takes_the_next_epoch(device) -> None:
+    """The failing GPU sequence (tests/native/test_native_mismatch_gpu.py, ranks sharing a GPU): an exact-size
+    dispatch that disagrees raises at its host wait after queuing close_epoch on its stream (the Buffer's
+    communication stream, which the current stream then does not wait for: the call raised); the barrier every
+    rank makes next runs on the current stream. Were it to run beside close_epoch, both would take the same
+    epoch and this rank would be one operation behind its peers from then on (its next dispatch meeting their
+    barrier: "ranks disagree on the operation: rank 0 has barrier, rank 1 has dispatch")."""
+    b, fake, model = device
+    model.stream = "comm"
+    fake.seen = (1, 3)
+    with pytest.raises(ValueError, match="the hidden size"):
+        _dispatch(b)
+    fake.seen = None
+    model.stream = "compute"
+    b.barrier()
+    model.stream = "comm"
+    _dispatch(b)
+    model.stream = "compute"
+    b.barrier()
+    assert model.ran == [("notify", 1), ("close_epoch", 1), ("barrier", 2), ("notify", 3), ("dispatch", 3),
+                         ("barrier", 4)]
+
+
+def test_a_barrier_after_a_dispatch_raised_an_earlier_record_takes_the_next_epoch(device) -> None:
+    """The other raise after queued kernels: an exact-size dispatch raises an earlier call's record once its own
+    kernels are queued (they run, on its stream, after the call raised)."""
+    b, fake, model = device
+    model.stream = "comm"
+    handle = _dispatch(b).handle
+    fake.seen = (4, 1)
+    b.combine(torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16), handle, torch.ones(TOKENS, TOPK), (None, None),
+              Config())
+    fake.seen = None
+    with pytest.raises(ValueError, match="topk_weights"):
+        _dispatch(b)
+    model.stream = "compute"
+    b.barrier()
+    assert model.closed_epochs() == [1, 2, 3, 4]

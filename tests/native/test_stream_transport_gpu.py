@@ -5,7 +5,8 @@ named, the stream is released and usable, the waiter refuses further work; a wor
 releases the wait with the payload visible), the batched driver copy, and `ElasticBuffer`'s PP ring to itself and
 one-rank AGRS sessions on the native transport, bit for bit equal to the torch transport on the same buffer (many
 dtypes and shapes, non-contiguous tensors, several in flight, a side stream, so that the batched copy runs too),
-session reuse and every misuse error.
+session reuse and every misuse error. The guarded-wait and batched-copy checks run each in a child Python process
+(`_isolated`), the others in ranks spawned by `run_distributed`: a process that aborts fails its test only.
 
 Several ranks: the workers `pp_ring_worker`, `agrs_worker` and `timeout_worker` are functions of (rank, world)
 that build an `ElasticBuffer` on the default group, so they run on real GPUs with NCCL (``EP_MOE_TEST_WORLD``
@@ -16,8 +17,14 @@ rank generates every rank's inputs from seeds); over NCCL they are also compared
 
 from __future__ import annotations
 
+import gc
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,66 +87,101 @@ def _strided(t: torch.Tensor, contiguous: bool) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ guarded waits (1 GPU)
-def test_guarded_wait_times_out_names_rank_and_stage_and_releases_the_stream():
-    _need_cuda()
+# Each runs in a child process of its own (`_isolated`): a wrong driver call or a CUDA error inside a destructor
+# aborts the process, which then fails one test instead of ending the session. The children report a dict.
+def _timeout_child() -> dict:
     from ep_moe.native.stream_ops import SignalWaiter, Word
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     waiter = SignalWaiter(device, rank=0, num_ranks=1, timeout_s=2.0)
+    handles = (waiter.stream.cuda_stream, waiter._rescue.cuda_stream)
     word = torch.zeros(1, dtype=torch.int64, device=device)
     start = time.monotonic()
-    with pytest.raises(TimeoutError) as info:
+    try:
         waiter.wait([Word(word, 5, "rank 0's test word")], TimeoutError, "pp_recv", "pp_recv header of message #0")
+        message = None
+    except TimeoutError as exc:
+        message = str(exc)
     elapsed = time.monotonic() - start
-    message = str(info.value)
-    assert 2.0 <= elapsed < 2.0 + 12.0, elapsed  # the deadline, plus the rescue's grace at most
-    assert message.startswith("ep_moe.ElasticBuffer.pp_recv: rank 0 of 1 timed out in stage 'pp_recv header of "
-                              "message #0'"), message
-    assert "rank 0's test word: word 0 < 5" in message and "the stream was released" in message, message
-    assert int(word.item()) == 5  # the rescue wrote the awaited value
     x = torch.arange(4096, device=device)
     with torch.cuda.stream(waiter.stream):  # the waiter's stream runs work again
         y = x * 3
     waiter.stream.synchronize()
     torch.cuda.synchronize()
-    assert torch.equal(y, x * 3)
-    with pytest.raises(TimeoutError, match="stopped after an earlier timeout"):
+    try:
         waiter.check(TimeoutError, "pp_send")
+        refused = None
+    except TimeoutError as exc:
+        refused = str(exc)
     waiter.destroy()
+    del waiter, y  # the rescue's pinned word (it read the word on the rescue stream) is freed now: no abort
+    gc.collect()
+    torch.cuda.synchronize()
+    again = SignalWaiter(device, rank=0, num_ranks=1, timeout_s=2.0)
+    reused = (again.stream.cuda_stream, again._rescue.cuda_stream) == handles
+    again.destroy()
+    return {"message": message, "elapsed": elapsed, "word": int(word.item()), "refused": refused, "reused": reused,
+            "stream_ok": True}
+
+
+def test_guarded_wait_times_out_names_rank_and_stage_and_releases_the_stream():
+    _need_cuda()
+    r = _isolated("_timeout_child")
+    message, elapsed = r["message"], r["elapsed"]
+    assert message is not None, "the wait did not time out"
+    assert 2.0 <= elapsed < 2.0 + 12.0, elapsed  # the deadline, plus the rescue's grace at most
+    assert message.startswith("ep_moe.ElasticBuffer.pp_recv: rank 0 of 1 timed out in stage 'pp_recv header of "
+                              "message #0'"), message
+    assert "rank 0's test word: word 0 < 5" in message and "the stream was released" in message, message
+    assert r["word"] == 5  # the rescue wrote the awaited value
+    assert r["refused"] is not None and "stopped after an earlier timeout" in r["refused"], r
+    assert r["reused"], "the next waiter did not get the pooled streams back"
     print(f"guarded wait: timed out after {elapsed:.2f} s (deadline 2 s): {message}")
 
 
-def test_guarded_wait_sees_a_late_write_and_the_data_before_it():
-    _need_cuda()
+def _late_write_child() -> dict:
     from ep_moe.native.stream_ops import SignalWaiter, Word, stream_ops
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    waiter = SignalWaiter(device, rank=0, num_ranks=1, timeout_s=30.0)
-    word = torch.zeros(1, dtype=torch.int64, device=device)
-    data = torch.zeros(1 << 20, dtype=torch.int32, device=device)
-    source = torch.arange(1 << 20, dtype=torch.int32, device=device)
-    host = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
-    writer = torch.cuda.Stream(device)
-    writer.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(writer):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s: the wait is queued well before the write
-        data.copy_(source)              # the payload (a copy), then its flag with a fence
-        stream_ops().write(writer.cuda_stream, word.data_ptr(), 3)
-    waiter.wait([Word(word, 3, "late word")], TimeoutError, "all_gather", "test",
-                then=lambda _: host.copy_(data, non_blocking=True))
-    assert torch.equal(host, source.cpu())
-    waiter.destroy()
+    rounds = []
+    for value in (3, 4):  # the second waiter reuses the first one's (pooled) stream
+        waiter = SignalWaiter(device, rank=0, num_ranks=1, timeout_s=30.0)
+        word = torch.zeros(1, dtype=torch.int64, device=device)
+        data = torch.zeros(1 << 20, dtype=torch.int32, device=device)
+        source = torch.arange(1 << 20, dtype=torch.int32, device=device) * value
+        host = torch.empty(1 << 20, dtype=torch.int32, pin_memory=True)
+        writer = torch.cuda.Stream(device)
+        writer.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(writer):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s: the wait is queued well before the write
+            data.copy_(source)              # the payload (a copy), then its flag with a fence
+            stream_ops().write(writer.cuda_stream, word.data_ptr(), value)
+        waiter.wait([Word(word, value, "late word")], TimeoutError, "all_gather", "test",
+                    then=lambda _, host=host, data=data: host.copy_(data, non_blocking=True))
+        rounds.append((bool(torch.equal(host, source.cpu())), waiter.stream.cuda_stream))
+        waiter.destroy()
+        # The abort the lead saw: ``host`` took part in a non_blocking copy on the waiter's stream, so torch records
+        # an event on that stream when ``host`` is freed, here after destroy(). The stream must still exist.
+        del host
+        gc.collect()
+        torch.cuda.synchronize()
+    return {"equal": [eq for eq, _ in rounds], "same_stream": rounds[0][1] == rounds[1][1]}
 
 
-def test_batched_copy_moves_every_piece():
+def test_guarded_wait_sees_a_late_write_and_the_data_before_it():
     _need_cuda()
+    r = _isolated("_late_write_child")
+    assert r["equal"] == [True, True] and r["same_stream"], r
+
+
+def _batched_copy_child() -> dict:
     from ep_moe.native.stream_ops import stream_ops
 
     ops = stream_ops()
     if not ops.has_batch_copy:
-        pytest.skip(f"the driver ({ops.driver_version}) has no cuMemcpyBatchAsync_v2 (CUDA 13)")
+        return {"skip": f"the driver ({ops.driver_version}) has no cuMemcpyBatchAsync_v2 (CUDA 13)"}
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     sources = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for n in (32, 4097, 3 << 20)]
@@ -148,7 +190,41 @@ def test_batched_copy_moves_every_piece():
     side.wait_stream(torch.cuda.current_stream(device))
     ops.batch_copy(side.cuda_stream, [(t.data_ptr(), s.data_ptr(), s.numel()) for t, s in zip(targets, sources)])
     side.synchronize()
-    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
+    return {"equal": [bool(torch.equal(t, s)) for t, s in zip(targets, sources)]}
+
+
+def test_batched_copy_moves_every_piece():
+    _need_cuda()
+    r = _isolated("_batched_copy_child")
+    if "skip" in r:
+        pytest.skip(r["skip"])
+    assert r["equal"] == [True, True, True], r
+
+
+_RESULT_PREFIX = "EP_MOE_CHILD_RESULT "
+
+
+def _isolated(child: str, timeout_s: float = 120.0) -> dict:
+    """Run ``child()`` (a function of this module returning a JSON-able dict) in a fresh Python process; its
+    dict. Fails the test, with the child's output, when the child dies (a signal, e.g. SIGABRT), exits non-zero
+    (also at its exit, after reporting), reports nothing, or runs past ``timeout_s``."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), child], env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{child} ran past {timeout_s:g} s; its output:\n{exc.stdout or ''}{exc.stderr or ''}")
+    output = f"{done.stdout}{done.stderr}"
+    if done.returncode != 0:
+        how = (f"was killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+               else f"exited with {done.returncode}")
+        pytest.fail(f"{child} {how}; its output:\n{output[-8000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+    if not lines:
+        pytest.fail(f"{child} reported nothing; its output:\n{output[-8000:]}")
+    print(done.stdout, end="")
+    return json.loads(lines[-1][len(_RESULT_PREFIX):])
 
 
 # ------------------------------------------------------------------------------------------ ElasticBuffer, R = 1
@@ -472,3 +548,7 @@ def test_a_missing_peer_times_out_on_one_shared_gpu():
     message, elapsed = result["pp"]
     assert "rank 0 of 2 timed out in stage 'pp_recv header of message #0 from rank 1'" in message, message
     assert 3.0 <= elapsed < 3.0 + 12.0 and result["stream_ok"], result
+
+
+if __name__ == "__main__":  # a child of `_isolated`: run the named function, report its dict on one line
+    print(_RESULT_PREFIX + json.dumps(globals()[sys.argv[1]]()), flush=True)

@@ -476,7 +476,11 @@ class _QueueStream:
         self.cuda_stream, self.waits, self.synchronized = handle, [], 0
 
     def synchronize(self) -> None:
+        assert self.query(), "synchronizing a blocked stream would hang"
         self.synchronized += 1
+
+    def query(self) -> bool:
+        return all(_load(addr) >= value for addr, value in self.waits)
 
 
 class _QueueEvent:
@@ -492,15 +496,12 @@ class _QueueEvent:
 
 class _QueueOps(_Ops):
     def __init__(self) -> None:
-        self.streams, self.destroyed = [], []
+        self.streams = []
 
     def create_stream(self, device, highest_priority: bool) -> _QueueStream:
         self.streams.append(_QueueStream(100 + len(self.streams)))
         self.streams[-1].highest_priority = highest_priority
         return self.streams[-1]
-
-    def destroy_stream(self, stream) -> None:
-        self.destroyed.append(stream)
 
     def wait(self, stream: int, addr: int, value: int) -> None:
         next(s for s in self.streams if s.cuda_stream == stream).waits.append((addr, value))
@@ -512,6 +513,7 @@ def queued(monkeypatch):
 
     ops = _QueueOps()
     monkeypatch.setattr(stream_ops, "stream_ops", lambda: ops)
+    monkeypatch.setattr(stream_ops, "_pool", stream_ops.StreamPool())  # a pool over these streams only
     monkeypatch.setattr(torch.cuda, "Event", _QueueEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     return ops
@@ -537,7 +539,14 @@ def test_guarded_wait_returns_when_the_words_arrive(queued):
     assert 0.15 < time.monotonic() - start < 5 and seen == [waiter.stream]
     waiter.check(TimeoutError, "all_gather")  # no failure recorded
     waiter.destroy()
-    assert queued.destroyed == queued.streams and all(s.synchronized == 1 for s in queued.streams)
+    assert all(s.synchronized == 1 for s in queued.streams)  # drained, then back in the pool (never destroyed)
+    waiter.destroy()  # again: nothing happens
+    second = SignalWaiter(torch.device("cpu"), 1, 2, timeout_s=10.0)  # reuses both streams
+    assert len(queued.streams) == 2 and {second.stream, second._rescue} == set(queued.streams)
+    assert second.stream.highest_priority is False and second._rescue.highest_priority is True
+    second.destroy()
+    with pytest.raises(RuntimeError, match="all_gather: rank 1: the PP/AGRS stream waiter was destroyed"):
+        second.wait([], TimeoutError, "all_gather", "stage")
 
 
 def test_guarded_wait_times_out_rescues_and_refuses_further_work(queued):
@@ -557,3 +566,37 @@ def test_guarded_wait_times_out_rescues_and_refuses_further_work(queued):
         waiter.check(AGRSTimeoutError, "all_gather")
     with pytest.raises(PPTimeoutError, match="stopped after an earlier timeout"):
         waiter.wait([], PPTimeoutError, "pp_send", "another stage")
+
+
+def test_a_stream_left_blocked_is_kept_out_of_the_pool(queued, monkeypatch):
+    import ep_moe.native.stream_ops as stream_ops
+
+    monkeypatch.setattr(stream_ops, "RESCUE_GRACE_S", 0.2)
+    monkeypatch.setattr(queued, "write", lambda stream, addr, value: None)  # the rescue's write never lands
+    waiter = SignalWaiter(torch.device("cpu"), 0, 2, timeout_s=0.2)
+    blocked, rescue = waiter.stream, waiter._rescue
+    words = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(PPTimeoutError, match="the stream could not be released"):
+        waiter.wait([_Word(words, 1, "rank 1's message #0")], PPTimeoutError, "pp_recv", "stage")
+    waiter.destroy()  # does not synchronize the blocked stream (that would hang: `_QueueStream` asserts)
+    pool = stream_ops.stream_pool()
+    assert pool.abandoned == [blocked] and blocked.synchronized == 0 and rescue.synchronized == 1
+    assert pool.free_count(torch.device("cpu"), False) == 0 and pool.free_count(torch.device("cpu"), True) == 1
+    second = SignalWaiter(torch.device("cpu"), 0, 2, timeout_s=0.2)
+    assert second.stream not in (blocked, rescue) and second._rescue is rescue  # a fresh stream for the waits
+    words[0] = 1  # the late peer: the blocked stream drains; it stays out of the pool all the same
+    second.destroy()
+    assert pool.free_count(torch.device("cpu"), False) == 1 and pool.abandoned == [blocked]
+
+
+def test_the_pool_refuses_foreign_and_double_releases(queued):
+    import ep_moe.native.stream_ops as stream_ops
+
+    pool = stream_ops.stream_pool()
+    stream = pool.acquire(torch.device("cpu"), False)
+    pool.release(stream)
+    with pytest.raises(ValueError, match="was released twice"):
+        pool.release(stream)
+    with pytest.raises(ValueError, match="is not from this pool"):
+        pool.release(_QueueStream(7))
+    assert pool.acquire(torch.device("cpu"), False) is stream and pool.acquire(torch.device("cpu"), True) is not stream

@@ -1442,7 +1442,6 @@ cudaError_t launch_barrier(const KernelEnv& env, cudaStream_t stream) {
   barrier_kernel<<<1, 32, 0, stream>>>(env);
   return cudaGetLastError();
 }
-#endif  // __CUDACC_RTC__
 
 cudaError_t launch_exchange(const KernelEnv& env, const HeaderCheck& check, const int32_t* prefix, int32_t* host_out,
                             cudaStream_t stream) {
@@ -1454,5 +1453,6 @@ cudaError_t launch_close_epoch(const KernelEnv& env, cudaStream_t stream) {
   close_epoch_kernel<<<1, 1, 0, stream>>>(env);
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace ep_moe
