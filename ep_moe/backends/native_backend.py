@@ -124,6 +124,13 @@ def _c():
     return intranode_kernels()
 
 
+def _own_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor, prefix: torch.Tensor,
+              rank: int) -> torch.Tensor:
+    """``ep_moe_native::unpermute_own_rows``: ``[N, H]``, this rank's own rows of ``unpermute_sum(y, weights)``
+    (the others unspecified)."""
+    return torch.ops.ep_moe_native.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
+
+
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` contiguous at a 16-byte-aligned address (copied only when it is not)."""
     if t is None:
@@ -598,8 +605,7 @@ class NativeBackend(CommBackend):
             expert_y = _aligned(y)
             expert_weights = None if expert_weights is None else expert_weights.contiguous()
             prefix = handle.rank_prefix_matrix.to(torch.int32).contiguous()
-            y = torch.ops.ep_moe_native.unpermute_own_rows(expert_y, expert_weights, sorted_slots.contiguous(),
-                                                           prefix, self.rank)
+            y = _own_rows(expert_y, expert_weights, sorted_slots.contiguous(), prefix, self.rank)
             expert_args = (expert_y, expert_weights, sorted_slots.contiguous())
             self.expert_row_combines += 1
         else:
