@@ -51,7 +51,8 @@ class NativeOptions:
             whether the combine's reducers load rows by bulk copies into shared memory.
         expert_major_fused: whether the expert-major dispatch and combine at EP >= 2 fold their permute and
             reduce into the kernels (rows left in the receive buffer, rows summed as they go out; the same
-            results); False: the rank-major kernels with a separate permute and reduce (bool).
+            results); False: the rank-major kernels with a separate permute and reduce (bool). Read from the
+            buffer's options (the expert-major calls pass no ``config.native``).
 
     Bad values raise `ValueError` naming the field. `from_env` fills the fields from environment variables.
     """
