@@ -294,8 +294,13 @@ class Buffer:
                         is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                         expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                         previous_event: EventOverlap | None = None, async_finish: bool = False, *,
-                        num_experts: int | None = None) -> tuple[DispatchResult, EventOverlap]:
-        """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host)."""
+                        num_experts: int | None = None, consume_in_place=None) -> tuple[DispatchResult, EventOverlap]:
+        """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host).
+
+        ``consume_in_place`` (a fresh dispatch for which `receives_in_place` is True): the received rows stay
+        where they landed (``recv_x`` and ``recv_scales`` are None) and ``consume_in_place(result,
+        ReceivedRows)`` runs on the communication stream right after the dispatch (the rows are valid only
+        there); its return value is ``result.consumed``."""
         op = "dispatch"
         data, scales = split_hidden(op, x, self.device, self.backend.supported_dtypes)
         config = config or self.get_dispatch_config(self.group_size)
@@ -344,11 +349,26 @@ class Buffer:
                      shape=(num_tokens, self.group_size))
         if data.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not num_worst_tokens:
             raise _fail(op, "num_worst_tokens", "> 0 during CUDA-graph capture (no host sync allowed)", 0)
+        if consume_in_place is not None:
+            if not self.receives_in_place(x, num_experts):
+                raise _fail(op, "consume_in_place", "None: this buffer's backend cannot leave these rows in place",
+                            "a function")
+            return self._run(
+                lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
+                                              num_tokens_per_rank, None, num_experts, expert_alignment,
+                                              num_worst_tokens, config, consume=consume_in_place),
+                [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
         return self._run(
             lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
                                           num_tokens_per_rank, None, num_experts, expert_alignment,
                                           num_worst_tokens, config),
             [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
+
+    def receives_in_place(self, x, num_experts: int) -> bool:
+        """Whether a fresh dispatch of ``x`` (``[T, H]`` or the FP8 pair) to ``num_experts`` experts can leave
+        its received rows in place (``dispatch_result(..., consume_in_place=fn)``); the same on every rank."""
+        data = x[0] if isinstance(x, tuple | list) else x
+        return self.backend.receives_in_place(data.shape[1] * data.element_size(), num_experts)
 
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
@@ -387,6 +407,41 @@ class Buffer:
             lambda: self.backend.combine(x, handle, topk_weights, tuple(biases), config),
             [x, topk_weights, *biases], previous_event, async_finish)
         return combined, combined_w, event
+
+    def combines_expert_rows(self, y: torch.Tensor) -> bool:
+        """Whether `combine_expert_rows` takes ``y`` (``[M, H]``) on this buffer's backend; the same on every rank."""
+        return self.backend.combines_expert_rows(y.shape[1] * y.element_size())
+
+    def combine_expert_rows(self, y: torch.Tensor, handle: DispatchHandle, sorted_slots: torch.Tensor,
+                            weights: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+        """`combine` of the rank-major rows ``ep_moe.permute.unpermute_sum(y, layout, weights)`` without forming
+        them first: the backend sums each row's expert-major rows as it sends the row back (`combines_expert_rows`).
+
+        Args:
+            y: ``[M, H]`` bf16/fp32 expert-major rows. handle: the rank-major dispatch's.
+            sorted_slots: ``[N, K]`` int64, each received row's slots in increasing order, then -1 (the layout's).
+            weights: ``[M]`` fp32 or None (plain sums).
+
+        Returns:
+            ``combined [T, H]`` in y's dtype, equal bit for bit to ``combine(unpermute_sum(y, layout, weights),
+            handle)``."""
+        op = "combine"
+        check_handle(op, handle, self.group_size, self.device)
+        rows = handle.num_recv_rows
+        check_tensor(op, "y", y, dtypes=self.backend.supported_dtypes, ndim=2, device=self.device)
+        check_tensor(op, "sorted_slots", sorted_slots, dtypes=(torch.int64,), ndim=2, device=self.device,
+                     shape=(rows if rows >= 0 else None, None))
+        if weights is not None:
+            check_tensor(op, "weights", weights, dtypes=(torch.float32,), ndim=1, device=self.device,
+                         shape=(y.shape[0],))
+        if not self.combines_expert_rows(y):
+            raise _fail(op, "y", "rows this buffer's backend combines from the expert-major layout "
+                        "(see combines_expert_rows)", tuple(y.shape))
+        config = config or self.get_combine_config(self.group_size)
+        (combined, _), _ = self._run(
+            lambda: self.backend.combine(y, handle, None, (None, None), config, expert_rows=(sorted_slots, weights)),
+            [y, sorted_slots, weights], None, False)
+        return combined
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:

@@ -49,6 +49,10 @@ class NativeOptions:
             its chunks' flags on a stream of their own (bool).
         combine_bulk_reduce: ``"auto"`` (when the copy engine carries the combine), ``"on"`` or ``"off"``:
             whether the combine's reducers load rows by bulk copies into shared memory.
+        expert_major_fused: whether the expert-major dispatch and combine at EP >= 2 fold their permute and
+            reduce into the kernels (rows left in the receive buffer, rows summed as they go out; the same
+            results); False: the rank-major kernels with a separate permute and reduce (bool). Read from the
+            buffer's options (the expert-major calls pass no ``config.native``).
 
     Bad values raise `ValueError` naming the field. `from_env` fills the fields from environment variables.
     """
@@ -68,6 +72,7 @@ class NativeOptions:
     dispatch_copy_engine_flag_stream: bool = True
     combine_copy_engine_flag_stream: bool = False
     combine_bulk_reduce: str = "auto"
+    expert_major_fused: bool = True
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -155,7 +160,7 @@ def _shares() -> tuple[str, Callable[[object], bool]]:
 def _rules() -> dict[str, tuple[str, Callable[[object], bool]]]:
     """What each field must be (for messages) and the test of a value."""
     rules = {"min_chunk_rows": _int_in(1), "dispatch_copy_engine_fp8_shares": _shares(),
-             "combine_bulk_reduce": _mode()}
+             "combine_bulk_reduce": _mode(), "expert_major_fused": _flag()}
     for op in ("dispatch", "combine"):
         rules.update({f"{op}_chunks": _int_in(1, MAX_CHUNKS_PER_PAIR), f"{op}_push_fraction": _fraction(),
                       f"{op}_copy_engine": _mode(), f"{op}_copy_engine_shares": _shares(),

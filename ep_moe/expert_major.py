@@ -11,6 +11,13 @@ rows are permuted from the input directly (same results).
 
 Fixed size (``num_worst_tokens`` > 0, a bound on the rows any rank receives): the outputs have
 `ep_moe.permute.max_slots` rows and nothing waits on the host, so the layer can be captured in a CUDA graph.
+
+Where the buffer's backend `receives_in_place` (the native kernels at two or more ranks), the dispatch does not
+copy the received rows into rank-major ``recv_x``: its kernel leaves the peers' rows in the receive buffer, and
+one permute reads each row there (or, for this rank's own tokens, from ``x``) and writes it into its expert-major
+slots (`ep_moe.permute.permute_received_rows`); ``handle.rows_in_place`` says so. Likewise its combine
+(``allow_multiple_reduction=True``) does not form the rank-major rows first: the backend sums each row's expert-major
+rows, weighted, as it sends the row back (`Buffer.combine_expert_rows`). Same bits, same gradients.
 """
 
 from __future__ import annotations
@@ -23,14 +30,18 @@ from torch import Tensor
 from .buffer import Buffer
 from .config import Config
 from .handle import DispatchHandle
-from .ops import combine, dispatch
+from .ops import cached_dispatch, combine, dispatch
 from .permute import (
     ExpertLayout,
+    check_unpermute_args,
     expert_layout,
     max_slots,
+    permute_received_rows,
     permute_rows,
     permute_rows_and_values,
+    permute_rows_backward,
     unpermute_sum,
+    unpermute_sum_backward,
 )
 from .validation import (
     HIDDEN_DTYPES,
@@ -50,6 +61,8 @@ class ExpertHandle(NamedTuple):
     dispatch: DispatchHandle | None    # the rank-major dispatch's handle (None on a one-rank group)
     topk_idx: Tensor                   # [T, K] int64: the source's routing (global expert ids)
     num_sms: int                       # the dispatch's SMs; its combine uses the same
+    # the backend left the received rows in place and one permute read them there (no rank-major copy)
+    rows_in_place: bool = False
 
 
 class ExpertDispatchOutput(NamedTuple):
@@ -92,6 +105,15 @@ def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: T
         check_tensor(op, "x", x, dtypes=buffer.backend.supported_dtypes, ndim=2, device=buffer.device)
         return local_expert_dispatch(x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens,
                                      check_values=buffer.check_inputs, num_sms=num_sms)
+    if _takes_rows_in_place(buffer, x, num_experts):
+        box: dict = {}
+        expert_x, expert_weights = _ExpertDispatchInPlace.apply(x, topk_weights, buffer, topk_idx, num_experts,
+                                                                expert_alignment, num_worst_tokens, num_sms, box)
+        result, layout = box["result"], box["layout"]
+        handle = ExpertHandle(layout, result.handle, topk_idx, num_sms, True)
+        counts = None if num_worst_tokens else result.num_recv_tokens_per_expert_list
+        return ExpertDispatchOutput(expert_x, expert_weights, layout.tokens_per_expert, layout.pairs_per_expert,
+                                    handle, counts)
     out = dispatch(buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens, num_sms)
     host = out.num_recv_tokens_per_expert_host
     if num_worst_tokens:
@@ -118,6 +140,13 @@ def _expert_dispatch_fp8(buffer: Buffer, x, topk_idx: Tensor, topk_weights: Tens
     local = num_experts // num_ranks
     data, scales = split_hidden(op, x, buffer.device)
     topk_weights = topk_weights.detach() if isinstance(topk_weights, Tensor) else topk_weights
+    if num_ranks > 1 and _takes_rows_in_place(buffer, data, num_experts):
+        result, layout, expert_x, expert_weights, expert_scales = _dispatch_in_place(
+            buffer, (data, scales), topk_idx, topk_weights, num_experts, alignment, num_worst_tokens, num_sms)
+        handle = ExpertHandle(layout, result.handle, topk_idx, num_sms, True)
+        return ExpertDispatchOutput((expert_x, expert_scales), expert_weights, layout.tokens_per_expert,
+                                    layout.pairs_per_expert, handle,
+                                    None if num_worst_tokens else result.num_recv_tokens_per_expert_list)
     if num_ranks == 1:
         check_topk(op, topk_idx, topk_weights, data.shape[0], num_experts, data.device,
                    buffer.check_inputs and not num_worst_tokens and not torch.compiler.is_compiling()
@@ -146,6 +175,78 @@ def _expert_dispatch_fp8(buffer: Buffer, x, topk_idx: Tensor, topk_weights: Tens
     return ExpertDispatchOutput((expert_x, expert_scales), expert_weights, layout.tokens_per_expert,
                                 layout.pairs_per_expert, ExpertHandle(layout, inner, topk_idx, num_sms),
                                 None if num_worst_tokens else host)
+
+
+def _takes_rows_in_place(buffer: Buffer, x, num_experts: int) -> bool:
+    """Whether this dispatch leaves the received rows in place (decided from shapes and the backend alone, the
+    same on every rank; not while torch.compile traces: the rank-major ops are the traceable path)."""
+    return (isinstance(x, Tensor) and x.dim() == 2 and not torch.compiler.is_compiling()
+            and buffer.receives_in_place(x, num_experts))
+
+
+def _dispatch_in_place(buffer: Buffer, x, topk_idx: Tensor, topk_weights: Tensor, num_experts: int, alignment: int,
+                       num_worst_tokens: int, num_sms: int):
+    """The dispatch that leaves its received rows in place, then, on its stream, the layout of the received
+    top-k and the permute of rows (and FP8 scales) straight from the receive buffer and ``x``: ``(result,
+    layout, expert_x, expert_weights, expert_scales or None)``. No autograd."""
+    local = num_experts // buffer.group_size
+
+    def consume(result, received):
+        # Runs right after the dispatch kernel on its stream (the arguments checked), before any later call of this
+        # buffer (whose kernels come behind it on that stream) lets the peers write the receive buffer again.
+        if num_worst_tokens:
+            num_slots = max_slots(num_worst_tokens, result.recv_topk_idx.shape[1], local, alignment)
+        else:
+            listed = result.num_recv_tokens_per_expert_list
+            num_slots = sum(listed) if listed is not None else None  # else one host read, in expert_layout
+        layout = expert_layout(result.recv_topk_idx, local, alignment, num_slots)
+        own = (received.own_tokens, received.rank_prefix_matrix, received.rank)
+        rows, slot_weights = permute_received_rows(received.rows, received.num_rows, received.own_x, *own, layout,
+                                                   result.recv_topk_weights)
+        scales = None
+        if received.scales is not None:
+            scales, _ = permute_received_rows(received.scales, received.num_rows, received.own_scales, *own, layout)
+        return layout, rows, slot_weights, scales
+
+    result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment,
+                                       num_worst_tokens=num_worst_tokens, config=Config(num_sms) if num_sms else None,
+                                       num_experts=num_experts, consume_in_place=consume)
+    return (result, *result.consumed)
+
+
+class _ExpertDispatchInPlace(torch.autograd.Function):
+    """(x [T, H], topk_weights [T, K]) -> (expert_x [M, H], expert_weights [M]) by `_dispatch_in_place` (the
+    result and layout go into ``box``). The backward is the composed path's: the permute's gradient to
+    rank-major rows (`permute_rows_backward`), then the rank-major dispatch's (a combine of those rows and of
+    the weights' gradients masked to the local entries), bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, topk_idx, num_experts, alignment, num_worst_tokens, num_sms, box):
+        result, layout, expert_x, expert_weights, _ = _dispatch_in_place(
+            buffer, x, topk_idx, topk_weights, num_experts, alignment, num_worst_tokens, num_sms)
+        box.update(result=result, layout=layout)
+        ctx.buffer, ctx.num_sms, ctx.handle, ctx.layout = buffer, num_sms, result.handle, layout
+        ctx.recv_idx = result.recv_topk_idx
+        ctx.rows_shape, ctx.rows_dtype = expert_x.shape, expert_x.dtype
+        return expert_x, expert_weights
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights):
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_x or need_w):
+            return (None,) * 9
+        layout, recv_idx = ctx.layout, ctx.recv_idx
+        if grad_rows is None:  # only the weights were used
+            grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=recv_idx.device)
+        if need_w and grad_weights is None:  # only the rows were used
+            grad_weights = torch.zeros(ctx.rows_shape[0], dtype=torch.float32, device=recv_idx.device)
+        grad_recv_x, grad_recv_w = permute_rows_backward(grad_rows, grad_weights if need_w else None, layout)
+        if grad_recv_w is None:
+            grad_recv_w = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device)
+        # only the entries local to this rank carry a weight; the others are constant 0
+        grad_recv_w = torch.where(recv_idx >= 0, grad_recv_w, torch.zeros_like(grad_recv_w))
+        grad_x, grad_w = combine(ctx.buffer, grad_recv_x, ctx.handle, grad_recv_w, num_sms=ctx.num_sms)
+        return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None, None, None
 
 
 def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
@@ -203,12 +304,44 @@ def expert_combine(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Ten
     if not isinstance(y, Tensor) or y.dim() != 2 or y.shape[0] != layout.num_slots:
         raise _fail(op, "y", f"a [M={layout.num_slots}, H] tensor (M from the handle's dispatch)",
                     tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__)
+    if handle.dispatch is not None and allow_multiple_reduction and _combines_expert_rows(buffer, y):
+        check_unpermute_args(y, layout, weights)
+        return _ExpertCombineRows.apply(y, weights, buffer, handle)
     if handle.dispatch is None or allow_multiple_reduction:
         rows = unpermute_sum(y, layout, weights)  # all experts in one process: both modes are this sum
         if handle.dispatch is None:
             return rows
         return combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0]
     return _combine_each_pair(buffer, y, handle, weights)
+
+
+def _combines_expert_rows(buffer: Buffer, y: Tensor) -> bool:
+    """Whether this combine sums the expert-major rows as they go out (shapes and backend alone: the same on every
+    rank; not while torch.compile traces)."""
+    return (y.dtype in (torch.bfloat16, torch.float32) and not torch.compiler.is_compiling()
+            and buffer.combines_expert_rows(y))
+
+
+class _ExpertCombineRows(torch.autograd.Function):
+    """(y [M, H], weights [M] or None) -> [T, H] by `Buffer.combine_expert_rows`. The backward is the composed
+    path's (a cached dispatch of the output's gradient, then `unpermute_sum`'s gradient), bit for bit."""
+
+    @staticmethod
+    def forward(ctx, y, weights, buffer, handle):
+        config = Config(num_sms=handle.num_sms) if handle.num_sms > 0 else None
+        out = buffer.combine_expert_rows(y, handle.dispatch, handle.layout.sorted_slots, weights, config)
+        ctx.save_for_backward(y, weights)
+        ctx.buffer, ctx.handle = buffer, handle
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights = ctx.saved_tensors
+        handle = ctx.handle
+        grad_rows = cached_dispatch(ctx.buffer, grad.contiguous(), handle.dispatch, handle.num_sms)
+        need_w = weights is not None and ctx.needs_input_grad[1]
+        grad_y, grad_w = unpermute_sum_backward(grad_rows, y, handle.layout, weights, ctx.needs_input_grad[0], need_w)
+        return grad_y, grad_w, None, None
 
 
 def local_expert_combine(y: Tensor, handle: ExpertHandle, weights: Tensor | None = None) -> Tensor:

@@ -170,6 +170,26 @@ def _permute_torch(x: Tensor, pair_of_slot: Tensor, num_topk: int) -> Tensor:
     return torch.where(valid.unsqueeze(1), gathered, torch.zeros_like(gathered)).view(x.dtype)
 
 
+def _received_rows_torch(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor, rank_prefix_matrix: Tensor,
+                         rank: int) -> Tensor:
+    """The ``num_rows`` received rows, rank-major, of a dispatch that left them in place: row i is
+    ``own_x[own_tokens[i - first]]`` for ``first <= i < end`` (this rank's own rows: ``rank_prefix_matrix[rank - 1,
+    rank]`` and ``[rank, rank]``), else ``rows[i]``."""
+    prefix = rank_prefix_matrix.to(torch.int64)
+    first = prefix[rank - 1, rank] if rank > 0 else prefix.new_zeros(())
+    index = torch.arange(num_rows, device=rows.device)
+    num_own = own_x.shape[0]
+    # bounded by T as the kernel is (a prefix matrix or send list of a dispatch that moved nothing is garbage)
+    own = (index >= first) & (index < prefix[rank, rank]) & (index - first < num_own)
+    peers = _bits(rows[:num_rows])
+    if num_own == 0:
+        return peers.view(rows.dtype)
+    tokens = own_tokens.to(torch.int64).index_select(0, (index - first).clamp(0, num_own - 1))
+    own &= (tokens >= 0) & (tokens < num_own)
+    mine = _bits(own_x).index_select(0, tokens.clamp(0, num_own - 1))
+    return torch.where(own.unsqueeze(1), mine, peers).view(rows.dtype)
+
+
 def _acc_dtype(t: Tensor) -> torch.dtype:
     """fp32, or fp64 for fp64 inputs (gradcheck)."""
     return torch.promote_types(t.dtype, torch.float32)
@@ -393,6 +413,12 @@ def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None
     """``y [M, H]`` (bf16/fp32) back to ``[N, H]``: each row the fp32 sum over its pairs, in increasing slot
     order, of ``weights[slot] * y[slot]`` (``weights [M]`` fp32; None = 1), rounded once to y's dtype.
     Differentiable in ``y`` and ``weights``."""
+    check_unpermute_args(y, layout, weights)
+    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.sorted_slots)
+
+
+def check_unpermute_args(y: Tensor, layout: ExpertLayout, weights: Tensor | None) -> None:
+    """`unpermute_sum`'s argument checks (a ValueError naming the argument)."""
     if y.dim() != 2 or y.shape[0] != layout.num_slots:
         raise ValueError(f"unpermute_sum: argument 'y' must be [M={layout.num_slots}, H], got {tuple(y.shape)}")
     if y.dtype not in (torch.bfloat16, torch.float32, torch.float64):
@@ -401,7 +427,63 @@ def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None
     if weights is not None and (weights.shape != (layout.num_slots,) or weights.dtype != weight_dtype):
         raise ValueError(f"unpermute_sum: argument 'weights' must be [M={layout.num_slots}] {weight_dtype}, got "
                          f"{tuple(weights.shape)} {weights.dtype}")
-    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.sorted_slots)
+
+
+def unpermute_sum_backward(grad: Tensor, y: Tensor, layout: ExpertLayout, weights: Tensor | None,
+                           need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
+    """What `unpermute_sum`'s autograd backward computes for ``grad [N, H]``: ``(grad_y [M, H] or None,
+    grad_weights [M] fp32 or None)``."""
+    return _unpermute_backward(grad.contiguous(), y, weights, layout.pair_of_slot, layout.num_topk, need_grad_y,
+                               need_grad_weights)
+
+
+def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor,
+                          rank_prefix_matrix: Tensor, rank: int, layout: ExpertLayout,
+                          values: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """`permute_rows_and_values` of the ``num_rows`` (N) received rows of a dispatch that left them where they
+    landed: the peers' rows in ``rows [>= N, H]`` (the receive buffer, rank-major: row i there is received row i)
+    and this rank's own rows in ``own_x [T, H]`` (its input): received row i is ``own_x[own_tokens[i - first]]``
+    for ``first <= i < end``, from ``rank_prefix_matrix [R, R]`` int32 (``first = [rank - 1, rank]``, 0 for rank
+    0, ``end = [rank, rank]``), read on the device; ``own_tokens [T]`` int32 (the rank's send list to itself).
+    Each row is read once and written into each of its slots; no host sync. ``values [N, K]`` fp32 or None.
+
+    Forward only (no autograd; `permute_rows_backward` is its gradient). Returns ``(rows [M, H] of rows' dtype,
+    zero on padding; slot_values [M] fp32 or None)``, bit for bit `permute_rows_and_values` of the rank-major
+    rows."""
+    if rows.dim() != 2 or own_x.dim() != 2 or rows.shape[1] != own_x.shape[1] or rows.dtype != own_x.dtype:
+        raise ValueError(f"permute_received_rows: arguments 'rows' and 'own_x' must be [*, H] of one dtype, got "
+                         f"{tuple(rows.shape)} {rows.dtype} and {tuple(own_x.shape)} {own_x.dtype}")
+    if num_rows != layout.num_rows or num_rows > rows.shape[0]:
+        raise ValueError(f"permute_received_rows: argument 'num_rows' must be the layout's N={layout.num_rows} "
+                         f"and at most rows.shape[0]={rows.shape[0]}, got {num_rows}")
+    if own_tokens.dtype != torch.int32 or own_tokens.shape != (own_x.shape[0],):
+        raise ValueError(f"permute_received_rows: argument 'own_tokens' must be [T={own_x.shape[0]}] int32, got "
+                         f"{tuple(own_tokens.shape)} {own_tokens.dtype}")
+    num_ranks = rank_prefix_matrix.shape[0]
+    if rank_prefix_matrix.shape != (num_ranks, num_ranks) or not 0 <= rank < num_ranks:
+        raise ValueError(f"permute_received_rows: argument 'rank' must be in [0, R) of the [R, R] "
+                         f"rank_prefix_matrix, got {rank} and {tuple(rank_prefix_matrix.shape)}")
+    if values is not None and (values.shape != layout.slot_of_pair.shape or values.dtype != torch.float32):
+        raise ValueError(f"permute_received_rows: argument 'values' must be [N={layout.num_rows}, "
+                         f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
+    if rows.is_cuda and native.extension_available() and not torch.compiler.is_compiling():
+        out, slot_values = torch.ops.ep_moe_native.permute_received_rows(
+            rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
+            rank_prefix_matrix.to(torch.int32).contiguous(), rank, layout.pair_of_slot, layout.num_topk,
+            None if values is None else values.contiguous())
+        return out, None if values is None else slot_values
+    received = _received_rows_torch(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank)
+    return _permute(received, layout.pair_of_slot, layout.num_topk, values)
+
+
+def permute_rows_backward(grad_rows: Tensor, grad_slot_values: Tensor | None, layout: ExpertLayout
+                          ) -> tuple[Tensor, Tensor | None]:
+    """The gradient of `permute_rows_and_values` (what its autograd backward computes): ``(grad_x [N, H], the fp32
+    sum of each row's slots' gradients rounded once; grad_values [N, K] or None: each pair's slot's gradient, 0
+    where it has none)``. ``grad_slot_values [M]`` or None."""
+    out, pair_values = _unpermute(grad_rows.contiguous(), None, layout.sorted_slots, grad_slot_values,
+                                  layout.slot_of_pair)
+    return out, None if pair_values is None else pair_values.view(layout.slot_of_pair.shape)
 
 
 def pair_values(values: Tensor, layout: ExpertLayout) -> Tensor:
@@ -409,5 +491,5 @@ def pair_values(values: Tensor, layout: ExpertLayout) -> Tensor:
     return _slot_values_torch(values, layout.pair_of_slot)
 
 
-__all__ = ["ExpertLayout", "expert_layout", "max_slots", "pair_values", "permute_rows", "permute_rows_and_values",
-           "unpermute_sum"]
+__all__ = ["ExpertLayout", "expert_layout", "max_slots", "pair_values", "permute_received_rows", "permute_rows",
+           "permute_rows_and_values", "permute_rows_backward", "unpermute_sum", "unpermute_sum_backward"]

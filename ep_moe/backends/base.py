@@ -27,6 +27,25 @@ class DispatchResult(NamedTuple):
     # The same aligned counts on the host, when the backend knows them without waiting for the GPU (both
     # backends exchange them with the row counts); None: read `num_recv_tokens_per_expert`.
     num_recv_tokens_per_expert_list: list[int] | None = None
+    # A dispatch with ``consume`` (rows left in place; recv_x and recv_scales are None): what it returned
+    consumed: object = None
+
+
+class ReceivedRows(NamedTuple):
+    """Where the received rows of a dispatch that left them in place are (rank-major row i, N rows): this
+    rank's own rows (``rank_prefix_matrix[rank - 1, rank] <= i < [rank, rank]``, read on the device) are
+    ``own_x[own_tokens[i - first]]``, every other row is ``rows[i]`` (a view of the receive buffer). Valid only
+    until the next collective call of the same buffer on the dispatch's stream (peers write the buffer again
+    then): read them in ``consume``."""
+
+    rows: torch.Tensor                 # [>= N, H] x's dtype: the receive buffer's rows
+    scales: torch.Tensor | None        # [>= N, S] fp32 (FP8 rows), else None
+    num_rows: int                      # N (``num_worst_tokens`` in fixed size: rows past the total are padding)
+    own_x: torch.Tensor                # [T, H] this rank's input
+    own_scales: torch.Tensor | None    # [T, S]
+    own_tokens: torch.Tensor           # [T] int32: the token of each own row, in order
+    rank_prefix_matrix: torch.Tensor   # [R, R] int32
+    rank: int
 
 
 class CommBackend(ABC):
@@ -57,6 +76,18 @@ class CommBackend(ABC):
                  num_experts: int, expert_alignment: int, num_worst_tokens: int, config: Config) -> DispatchResult:
         """Send each row of ``x`` (and its scales and top-k rows) to every rank marked in
         ``is_token_in_rank``; with ``handle``, repeat that handle's layout (cached dispatch, no top-k)."""
+
+    def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
+        """Whether a fresh dispatch of rows of ``row_bytes`` bytes to ``num_experts`` experts can leave its
+        received rows in place (``dispatch(..., consume=fn)``: ``fn(result, ReceivedRows)`` runs on the dispatch's
+        stream before it returns). Decided from shapes alone, the same on every rank. None do by default."""
+        return False
+
+    def combines_expert_rows(self, row_bytes: int) -> bool:
+        """Whether a combine can take expert-major rows of ``row_bytes`` bytes and form each rank-major row as it
+        goes out (``combine(y [M, H], ..., expert_rows=(sorted_slots [N, K], weights [M] or None))``: row i is
+        the fp32 sum over its slots, in order, of ``weights[s] * y[s]``, rounded once). None do by default."""
+        return False
 
     @abstractmethod
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,

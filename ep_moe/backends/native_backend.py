@@ -45,13 +45,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import native
 from ..config import Config, NativeOptions
 from ..handle import DispatchHandle
 from ..native import policy, sizing
 from ..native.symmetric import SymmetricBuffer
 from . import agreement
 from .agreement import HEADER_LEN
-from .base import CommBackend, DispatchResult
+from .base import CommBackend, DispatchResult, ReceivedRows
 from .torch_backend import TorchBackend
 
 MAX_LOCAL_EXPERTS = 8192  # experts per rank the dispatch kernel counts in shared memory
@@ -121,6 +122,13 @@ def _c():
     from ..native import intranode_kernels
 
     return intranode_kernels()
+
+
+def _own_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor, prefix: torch.Tensor,
+              rank: int) -> torch.Tensor:
+    """``ep_moe_native::unpermute_own_rows``: ``[N, H]``, this rank's own rows of ``unpermute_sum(y, weights)``
+    (the others unspecified)."""
+    return torch.ops.ep_moe_native.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
 
 
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -201,6 +209,9 @@ class NativeBackend(CommBackend):
         # that a one-rank group runs the whole mismatch path (compare, skip, record, ValueError). Read when the
         # kernel runs (a CUDA-graph replay sees the values of the moment). Every rank must set the same.
         self.test_header_perturbation: torch.Tensor | None = None
+        # calls that took the expert-major paths (rows left in place; rows summed as they go out)
+        self.in_place_dispatches = 0
+        self.expert_row_combines = 0
         dist.barrier(group=group)  # every control block is zero before any peer writes into it
 
     # ---------------------------------------------------------------- health and errors
@@ -386,6 +397,18 @@ class NativeBackend(CommBackend):
     def _kernels_take(self, row_bytes: int, num_local_experts: int = 0) -> bool:
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
+    def combines_expert_rows(self, row_bytes: int) -> bool:
+        """At two or more ranks, rows the kernels take, with the extension's expert-major ops (which form the own
+        rows; see `CommBackend.combines_expert_rows`)."""
+        return (self.num_ranks > 1 and self.options.expert_major_fused and self._kernels_take(row_bytes)
+                and native.extension_available())
+
+    def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
+        """A fresh dispatch the kernels take, at two or more ranks, with the extension's expert-major ops (which
+        permute the rows from where they landed; see `CommBackend.receives_in_place`)."""
+        return (self.num_ranks > 1 and self.options.expert_major_fused
+                and self._kernels_take(row_bytes, num_experts // self.num_ranks) and native.extension_available())
+
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``
@@ -395,7 +418,10 @@ class NativeBackend(CommBackend):
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
-                 num_experts, expert_alignment, num_worst_tokens, config: Config) -> DispatchResult:
+                 num_experts, expert_alignment, num_worst_tokens, config: Config, *, consume=None) -> DispatchResult:
+        """``consume`` (a fresh dispatch that `receives_in_place`): the kernel leaves the received rows where
+        they landed (no copy into recv_x; never by the copy engine) and ``consume(result, ReceivedRows)`` runs
+        on this stream right after it; its value is ``result.consumed``."""
         self._raise_if_failed()
         row = x.shape[1] * x.element_size()
         num_scales = x_scales.shape[1] if x_scales is not None else 0
@@ -413,6 +439,8 @@ class NativeBackend(CommBackend):
             self._agree_first(header, prefix_of_handle)
 
         local_experts = num_experts // self.num_ranks if handle is None else 0
+        if consume is not None and (handle is not None or not self.receives_in_place(row, num_experts)):
+            raise ValueError("ep_moe[native]: argument 'consume' needs a fresh dispatch that receives_in_place")
         if not self._kernels_take(row, local_experts):
             agree()  # a rank whose shapes the kernels take meets this in its kernels (another header)
             return self._fallback.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
@@ -446,11 +474,11 @@ class NativeBackend(CommBackend):
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
                 C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
-                           [], [], None, header, perturb)
+                           [], [], None, header, perturb, False)
             else:  # x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
                     C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx, header,
-                               perturb)
+                               perturb, False)
             return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
         num_topk = topk_idx.shape[1]
@@ -493,12 +521,15 @@ class NativeBackend(CommBackend):
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
             self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
             self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
-            tokens = self._copy_engine_tokens(options, False, counts, tokens, hidden, x.element_size(),
-                                              num_scales, num_topk)
+            # rows left in place are read from the pushers' layout: never by the copy engine
+            tokens = None if consume is not None else self._copy_engine_tokens(
+                options, False, counts, tokens, hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         dev = x.device
-        recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
-        recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=dev) if num_scales else None
+        in_place = consume is not None
+        recv_x = torch.empty(0 if in_place else rows, hidden, dtype=x.dtype, device=dev)
+        recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=dev) \
+            if num_scales and not in_place else None
         recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
         recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
         recv_src = torch.empty(2, rows, dtype=torch.int32, device=dev)  # source index, source rank
@@ -508,10 +539,10 @@ class NativeBackend(CommBackend):
                 self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks)
         if tokens is None:
             C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None,
-                       header, perturb)
+                       header, perturb, in_place)
         else:  # x, the top-k and the send lists go by the copy engine
             with self._copy_engine_call(options, "dispatch", "dispatch", blocks, num_scales) as ce:
-                C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None, header, perturb)
+                C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None, header, perturb, False)
         new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens:
@@ -520,7 +551,25 @@ class NativeBackend(CommBackend):
             # A disagreement an earlier call (without a host wait) recorded: raised here, after this call's
             # kernels are queued, so that every rank's calls stay in step (see _raise_mismatch).
             self._raise_mismatch()
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle, counts_list)
+        if not in_place:
+            return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, counts_out, new_handle, counts_list)
+        # The peers' rows stay in this rank's buffer, where the pushers put them in output order; the own rows
+        # are x's (send list to itself). `consume` reads them on this stream before any later call of this
+        # buffer is queued behind it: peers write into this buffer again only after this rank's next kernel
+        # (on this same stream, so after `consume`'s work) released its arrival (`arrive`) for that call, and a
+        # buffer that grows is only retired (kept until destroy), never freed or reused.
+        received = ReceivedRows(
+            self._data_view(regions.x, regions.rows, hidden, x.dtype),
+            self._data_view(regions.scales, regions.rows, num_scales, torch.float32) if num_scales else None,
+            rows, x, x_scales, route[1].view(num_ranks, num_tokens)[me], prefix, me)
+        result = DispatchResult(None, None, recv_idx, recv_w, counts_out, new_handle, counts_list)
+        self.in_place_dispatches += 1
+        return result._replace(consumed=consume(result, received))
+
+    def _data_view(self, offset: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, width]`` of ``dtype`` at byte ``offset`` of this rank's data buffer (a view)."""
+        nbytes = rows * width * torch.empty(0, dtype=dtype).element_size()
+        return self._data.tensor[offset:offset + nbytes].view(dtype).view(rows, width)
 
     def _route_of(self, handle: DispatchHandle) -> torch.Tensor:
         """``[2, T, R]`` int32 (pos, send_list) of a handle made by another backend."""
@@ -536,7 +585,11 @@ class NativeBackend(CommBackend):
         return torch.stack([pos.to(torch.int32), send_list.view(num_tokens, num_ranks)])
 
     # ---------------------------------------------------------------- combine
-    def combine(self, y, handle, topk_weights, bias, config: Config):
+    def combine(self, y, handle, topk_weights, bias, config: Config, *, expert_rows=None):
+        """``expert_rows`` = ``(sorted_slots [N, K] int64, weights [M] fp32 or None)`` (`combines_expert_rows`):
+        ``y`` is ``[M, H]`` expert-major; the pushers form each rank-major row as they send it (never by the
+        copy engine), and the own rows, which the reducers read in place, are formed first
+        (``ep_moe_native::unpermute_own_rows``)."""
         self._raise_if_failed()
         header = self._header(agreement.OP_COMBINE, y.shape[1], y.dtype,
                               topk=topk_weights.shape[1] if topk_weights is not None else -1,
@@ -545,6 +598,18 @@ class NativeBackend(CommBackend):
         def agree() -> None:
             self._agree_first(header, handle.rank_prefix_matrix)
 
+        if expert_rows is not None:
+            if not self.combines_expert_rows(y.shape[1] * y.element_size()) or any(b is not None for b in bias):
+                raise ValueError("ep_moe[native]: argument 'expert_rows' needs rows the kernels take and no bias")
+            sorted_slots, expert_weights = expert_rows
+            expert_y = _aligned(y)
+            expert_weights = None if expert_weights is None else expert_weights.contiguous()
+            prefix = handle.rank_prefix_matrix.to(torch.int32).contiguous()
+            y = _own_rows(expert_y, expert_weights, sorted_slots.contiguous(), prefix, self.rank)
+            expert_args = (expert_y, expert_weights, sorted_slots.contiguous())
+            self.expert_row_combines += 1
+        else:
+            expert_args = (None, None, None)
         if not self._kernels_take(y.shape[1] * y.element_size()) or any(
                 b is not None and b.dtype not in self.supported_dtypes for b in bias):
             agree()  # a rank whose shapes the kernels take meets this in its kernels (another header)
@@ -568,14 +633,16 @@ class NativeBackend(CommBackend):
         args = (env, self._data.ptrs, regions.y, regions.weights, regions.rows,
                 handle.rank_prefix_matrix.to(torch.int32).contiguous(), handle.is_token_in_rank.contiguous(),
                 route[0], y, topk_weights, bias0, bias1, out, out_w, blocks)
-        counts = self._copy_engine_counts(options, route, hidden * y.element_size())
+        # expert-major rows are summed as they go out: never by the copy engine
+        counts = None if expert_rows is not None else self._copy_engine_counts(options, route,
+                                                                                hidden * y.element_size())
         bulk = policy.bulk_reduce(options, copy_engine=counts is not None)
         if counts is None:
             C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk,
-                      header, perturb)
+                      header, perturb, *expert_args)
         else:  # the rows go back by the copy engine
             with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
-                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, header, perturb)
+                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, header, perturb, *expert_args)
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine

@@ -27,10 +27,21 @@ def _(x, pair_of_slot, num_topk, values):
     return x.new_empty(slots, x.shape[1]), x.new_empty(slots if values is not None else 0, dtype=torch.float32)
 
 
+@torch.library.register_fake("ep_moe_native::permute_received_rows")
+def _(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank, pair_of_slot, num_topk, values):
+    slots = pair_of_slot.shape[0]
+    return rows.new_empty(slots, rows.shape[1]), rows.new_empty(slots if values is not None else 0, dtype=torch.float32)
+
+
 @torch.library.register_fake("ep_moe_native::unpermute_sum")
 def _(y, weights, sorted_slots, slot_values, slot_of_pair):
     pairs = sorted_slots.shape if slot_values is not None else (0,)
     return y.new_empty(sorted_slots.shape[0], y.shape[1]), y.new_empty(pairs, dtype=torch.float32)
+
+
+@torch.library.register_fake("ep_moe_native::unpermute_own_rows")
+def _(y, weights, sorted_slots, rank_prefix_matrix, rank):
+    return y.new_empty(sorted_slots.shape[0], y.shape[1])
 
 
 @torch.library.register_fake("ep_moe_native::unpermute_sum_backward")

@@ -20,7 +20,7 @@ TODAY = dict(dispatch_chunks=64, combine_chunks=128, min_chunk_rows=16, dispatch
              dispatch_copy_engine_shares=(6, 5, 4, 3, 2, 1), dispatch_copy_engine_fp8_shares=(3, 2, 1),
              combine_copy_engine_shares=(2, 5, 6, 5, 3, 2, 1), dispatch_copy_engine_streams=1,
              combine_copy_engine_streams=1, dispatch_copy_engine_flag_stream=True,
-             combine_copy_engine_flag_stream=False, combine_bulk_reduce="auto")
+             combine_copy_engine_flag_stream=False, combine_bulk_reduce="auto", expert_major_fused=True)
 
 
 # ------------------------------------------------------------------------------------------ defaults
@@ -58,6 +58,7 @@ BAD_VALUES = {
     "dispatch_copy_engine_flag_stream": (1, 0, "on", None),
     "combine_copy_engine_flag_stream": ("False",),
     "combine_bulk_reduce": ("1", "bulk", False),
+    "expert_major_fused": (1, "off", None),
 }
 
 

@@ -148,6 +148,81 @@ def test_permute_and_reduce_equal_the_torch_definitions(case):
         assert_bits(got, P.unpermute_sum(y, layout, weights), f"unpermute_sum (weighted={weights is not None})")
 
 
+@pytest.mark.parametrize("case", ROWS, ids=ROW_IDS)
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_permute_received_rows_equals_the_torch_definition(case, rank):
+    """``ep_moe_native::permute_received_rows`` (the expert-major dispatch's permute from the receive buffer and
+    the own input) against `permute_received_rows`' torch definition on the CPU: 3 ranks, this rank first, in the
+    middle or last; a buffer larger than the N rows, garbage in the own range and past the total; the own input
+    misaligned where the case says (narrower words)."""
+    N, K, L, A, H, dtype, misaligned = case
+    gen = torch.Generator().manual_seed(11 + N + rank)
+    T = N // 2 + 1
+    own = min(T, N // 3)  # this rank's own rows, then the other two sources' between and around them
+    others = [r for r in range(3) if r != rank]
+    counts = torch.randint(0, 4, (3, 3), generator=gen)  # only column `rank` matters here
+    counts[rank, rank], counts[others[0], rank] = own, (N - own) // 2
+    counts[others[1], rank] = N - own - (N - own) // 2
+    prefix = torch.cumsum(counts, 0).to(torch.int32)
+    idx = routing("random", N, K, L, seed=5 + N)
+    layout = P._expert_layout_torch(idx, L, A, P.max_slots(N, K, L, A))
+    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
+    buffer = rows((N + 3, H), dtype, seed=6)
+    own_x = rows((T, H), dtype, seed=8)
+    own_tokens = torch.randperm(T, generator=gen).to(torch.int32)
+    values = torch.rand(N, K, generator=gen)
+    args = (N, own_x, own_tokens, prefix, rank, layout, values)
+    want_rows, want_values = P.permute_received_rows(buffer, *args)
+    got_rows, got_values = P.permute_received_rows(
+        buffer.cuda(), N, _on_gpu(own_x, misaligned), own_tokens.cuda(), prefix.cuda(), rank, gpu_layout,
+        values.cuda())
+    assert_bits(got_rows, want_rows, "rows")
+    assert_bits(got_values, want_values, "slot values")
+    alone, none = P.permute_received_rows(buffer.cuda(), N, own_x.cuda(), own_tokens.cuda(), prefix.cuda(), rank,
+                                          gpu_layout)
+    assert_bits(alone, want_rows, "rows without values")
+    assert none is None
+
+
+def test_permute_received_rows_stays_in_range_on_garbage_routes():
+    """After a dispatch that moved nothing (an error raised at the next host wait) the prefix matrix and the send
+    list may hold anything: the kernel then reads only inside the buffer, own_x and own_tokens, as its torch
+    definition says (an own range longer than T, tokens below 0 and past T)."""
+    N, K, L, H, T = 30, 2, 4, 64, 5
+    idx = routing("random", N, K, L, seed=31)
+    layout = P._expert_layout_torch(idx, L, 1, None)
+    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
+    buffer, own_x = rows((N, H), BF16, seed=32), rows((T, H), BF16, seed=33)
+    own_tokens = torch.tensor([3, -7, 4, 1_000_000, 0], dtype=torch.int32)
+    prefix = torch.tensor([[2, 9], [2, 29]], dtype=torch.int32)  # rank 1's own range [9, 29): longer than T
+    want, _ = P.permute_received_rows(buffer, N, own_x, own_tokens, prefix, 1, layout)
+    got, _ = P.permute_received_rows(buffer.cuda(), N, own_x.cuda(), own_tokens.cuda(), prefix.cuda(), 1, gpu_layout)
+    torch.cuda.synchronize()
+    assert_bits(got, want, "rows")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_unpermute_own_rows_equals_unpermute_sum_on_the_own_rows(dtype, rank):
+    """``ep_moe_native::unpermute_own_rows`` (the own rows of an expert-major combine) equals `unpermute_sum`'s torch
+    definition on this rank's rows of a 3-rank prefix matrix, weighted and plain (the other rows are unspecified)."""
+    N, K, L, A, H = 40, 4, 6, 16, 264
+    idx = routing("random", N, K, L, seed=21 + rank)
+    layout = P._expert_layout_torch(idx, L, A, P.max_slots(N, K, L, A))
+    gpu_layout = P.ExpertLayout(*(t.cuda() for t in layout[:5]))
+    y = rows((layout.num_slots, H), dtype, seed=22)
+    w = torch.rand(layout.num_slots, generator=torch.Generator().manual_seed(23))
+    counts = torch.tensor([[5, 7, 9], [11, 13, 6], [9, 20, 25]])  # column r: rows each source sends rank r
+    prefix = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    first, end = (int(prefix[rank - 1, rank]) if rank else 0), int(prefix[rank, rank])
+    for weights in (w, None):
+        want = P.unpermute_sum(y, layout, weights)
+        got = torch.ops.ep_moe_native.unpermute_own_rows(y.cuda(), None if weights is None else weights.cuda(),
+                                                         gpu_layout.sorted_slots, prefix, rank)
+        assert got.shape == want.shape and end > first
+        assert_bits(got[first:end], want[first:end], f"own rows (weighted={weights is not None})")
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 @pytest.mark.parametrize("H", [4096, 37])
 def test_gradients_equal_the_torch_definitions(dtype, H):

@@ -324,7 +324,7 @@ def _dispatch_args(T=6, R=2, H=64, K=2, L=4, N=9, topk=True):
                 rows_capacity=500, write_arrival=False, num_blocks=8, num_push_blocks=3, trace=None,
                 copy_engine_streams=[], copy_engine_flag_stream=0, copy_engine_seq=0, copy_engine_go=None,
                 copy_engine_shares=[], copy_engine_tokens=[], host_prefix=[], cached_src_idx=None, header=HEADER,
-                test_perturb=None)
+                test_perturb=None, rows_in_place=False)
 
 
 def test_dispatch_launch_and_checks(recorded):
@@ -356,6 +356,16 @@ def test_dispatch_launch_and_checks(recorded):
         with pytest.raises(ValueError, match=match):
             I.dispatch(env, **{**args, **change})
     assert len(recorded) == 2, "no launch after a failed check"
+    # rows left in place: no recv_x rows (N from recv_topk_idx), no recv_scales, never the copy engine
+    in_place = {**args, "rows_in_place": True, "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16)}
+    I.dispatch(env, **in_place)
+    p = recorded[-1][3]
+    assert p.rows_in_place and p.recv_x == 0 and p.num_recv_rows == 9 and p.recv_scales == 0
+    for change in ({"recv_x": torch.zeros(9, 64, dtype=torch.bfloat16)}, {"copy_engine_seq": 3},
+                   {**cached, "rows_in_place": True}):
+        with pytest.raises(ValueError, match="rows in place"):
+            I.dispatch(env, **{**in_place, **change})
+    assert len(recorded) == 3
 
 
 def _combine_args(T=5, R=2, H=2048, K=3, N=7, dtype=torch.bfloat16):
@@ -365,7 +375,8 @@ def _combine_args(T=5, R=2, H=2048, K=3, N=7, dtype=torch.bfloat16):
                 bias0=torch.zeros(T, H, dtype=torch.float32), bias1=None, out=torch.zeros(T, H, dtype=dtype),
                 out_weights=torch.zeros(T, K), num_blocks=6, num_push_blocks=2, trace=None, copy_engine_streams=[],
                 copy_engine_flag_stream=0, copy_engine_seq=0, copy_engine_go=None, copy_engine_shares=[],
-                host_prefix=[], bulk_reduce=False, header=HEADER, test_perturb=None)
+                host_prefix=[], bulk_reduce=False, header=HEADER, test_perturb=None, expert_y=None,
+                expert_weights=None, sorted_slots=None)
 
 
 def test_combine_launch_and_checks(recorded):
@@ -393,6 +404,20 @@ def test_combine_launch_and_checks(recorded):
         with pytest.raises(ValueError, match=match):
             I.combine(env, **{**args, **change})
     assert len(recorded) == 2
+    # an expert-major combine: the expert rows, their weights and slots in the params; y holds the own rows
+    expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
+                  sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
+    I.combine(env, **{**args, **expert})
+    p = recorded[-1][3]
+    assert (p.expert_y, p.expert_weights, p.sorted_slots) == tuple(t.data_ptr() for t in expert.values())
+    assert (p.expert_topk, p.expert_slots) == (3, 11)
+    for change, match in (({"sorted_slots": None}, "needs 'sorted_slots'"),
+                          ({"expert_y": torch.zeros(11, 2048)}, "'expert_y' must be"),
+                          ({"sorted_slots": torch.zeros(6, 3, dtype=torch.int64)}, "'sorted_slots' \\[N, K\\]"),
+                          ({"expert_weights": torch.zeros(10)}, "'expert_weights' must be \\[M\\]")):
+        with pytest.raises(ValueError, match=match):
+            I.combine(env, **{**args, **expert, **change})
+    assert len(recorded) == 3
 
 
 def test_bulk_piece16_follows_the_kernels_rule():

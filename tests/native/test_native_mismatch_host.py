@@ -69,14 +69,14 @@ class FakeExtension:
         self._launch("notify")
 
     def dispatch(self, *args) -> None:
-        assert len(args) == 34, len(args)
+        assert len(args) == 35, len(args)  # binding.cpp: ..., header, test_perturb, rows_in_place
         write_arrival, header = args[20], args[32]
         if write_arrival:  # cached: the kernel checks, with the handle's digest
             self._record(header, digest=12345)
         self._launch("dispatch")
 
     def combine(self, *args) -> None:
-        assert len(args) == 26, len(args)
+        assert len(args) == 29, len(args)  # ..., header, test_perturb, expert_y, expert_weights, sorted_slots
         self._record(args[24], digest=12345)
         self._launch("combine")
 

@@ -6,7 +6,11 @@ same gloo group:
 * `Buffer(backend="auto")` picks the native backend there; fresh exact-size and fixed-size (``num_worst_tokens``)
   dispatch, combine with weights and biases, cached dispatch, BF16/FP32/FP8, the copy engine forced on and off
   (`test_native_gpu._case_options`), a row width the kernels do not take (the torch fallback on the GPU over
-  gloo), and the expert-major `expert_dispatch` / `expert_combine` (both reduction modes), bit for bit;
+  gloo), and the expert-major `expert_dispatch` / `expert_combine` (both reduction modes) and the dispatch's
+  gradients, bit for bit; the expert-major dispatch leaves the received rows in the receive buffer and permutes
+  them from there (``handle.rows_in_place``), and its combine sums the expert-major rows as they go out
+  (``NativeBackend.expert_row_combines``), wherever the kernels take the rows, also on adversarial routings,
+  alignments 1 and 128, fixed size with ``num_worst_tokens`` = R * T (T = N) and above (T < N);
 * `ElasticBuffer` (DeepEP V2's API): compact and expanded layouts, exact and fixed size, combine, cached;
 * a fixed-size dispatch + combine captured in a CUDA graph and replayed;
 * forced timeouts: a rank that does not enter makes rank 0 raise `NativeTimeoutError` naming rank and stage.
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 from support_shared_gpu import DEVICE, check_symmetric_buffer, run_on_one_gpu, skip_unless_shared_gpu_runs
 from test_native_gpu import (
+    GRAPH_EXPERTS,
     ROUTINGS,
     _all_ok,
     _case_options,
@@ -29,6 +34,7 @@ from test_native_gpu import (
     _copy_engine_options,
     _rank0_notify_times_out,
     _rank0_times_out_alone,
+    _routed_inputs,
     assert_bits_equal,
     check_graph_replays,
     make_inputs,
@@ -65,12 +71,31 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
 
     device = nat.device
     data, idx, weights = make_inputs(case, rank, world, device, seed=20_000 + index)
-    worst = world * max(case["tokens"], 1) + 5 if case["worst"] else 0
+    worst = world * max(case["tokens"], 1) + case.get("worst_slack", 5) if case["worst"] else 0
     label = f"expert-major case {index} {case}"
-    outs = [expert_dispatch(buf, on_device(buf.device, data), on_device(buf.device, idx),
-                            on_device(buf.device, weights), case["experts"], case["alignment"], worst)
-            for buf in (nat, ref)]
+    outs, grads = [], []
+    for buf in (nat, ref):
+        x, w = on_device(buf.device, data), on_device(buf.device, weights)
+        if not isinstance(x, tuple):  # the dispatch's gradients too (FP8: forward only)
+            x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = expert_dispatch(buf, x, on_device(buf.device, idx), w, case["experts"], case["alignment"], worst)
+        outs.append(out)
+        if not isinstance(x, tuple):
+            g = torch.Generator().manual_seed(40_000 + 31 * index + rank)
+            g_rows = torch.randn(out.expert_x.shape, generator=g).to(out.expert_x.dtype)
+            g_w = torch.randn(out.expert_weights.shape, generator=g)
+            grads.append(torch.autograd.grad([out.expert_x, out.expert_weights], [x, w],
+                                             [on_device(buf.device, g_rows), on_device(buf.device, g_w)]))
     got, want = outs
+    row_bytes = case["hidden"] * {"bf16": 2, "fp32": 4, "fp8": 1}[case["dtype"]]
+    fused_on = getattr(getattr(nat.backend, "options", None), "expert_major_fused", True)
+    assert got.handle.rows_in_place == (fused_on and row_bytes % 16 == 0), \
+        f"{label}: rows_in_place {got.handle.rows_in_place}"
+    assert not want.handle.rows_in_place, label
+    for name, a, b in zip(("grad x", "grad weights"), *grads) if grads else ():
+        assert_bits_equal(f"{label} {name}", a, b)
+    got = got._replace(expert_weights=got.expert_weights.detach())
+    want = want._replace(expert_weights=want.expert_weights.detach())
     if isinstance(got.expert_x, tuple):
         assert_bits_equal(f"{label} expert_x", got.expert_x[0], want.expert_x[0])
         assert_bits_equal(f"{label} expert_scales", got.expert_x[1], want.expert_x[1])
@@ -84,11 +109,24 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
     y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(30_000 + 31 * index + rank)
     y = torch.randn(got.expert_weights.shape[0], case["hidden"], generator=g, device=device).to(y_dtype)
+    fused = fused_on and case["hidden"] * y.element_size() % 16 == 0  # the kernels take the rows: summed as they go out
     for multiple in (True, False):
+        before = nat.backend.expert_row_combines
         combined = expert_combine(nat, y, got.handle, got.expert_weights, allow_multiple_reduction=multiple)
         expected = expert_combine(ref, on_device(ref.device, y), want.handle, want.expert_weights,
                                   allow_multiple_reduction=multiple)
         assert_bits_equal(f"{label} expert_combine (multiple reduction {multiple})", combined, expected)
+        assert nat.backend.expert_row_combines - before == int(fused and multiple), label
+    # the combine's gradients (multiple reduction): y's and the expert weights'
+    g_out = torch.randn(combined.shape, generator=g, device=device).to(y_dtype)
+    grads = []
+    for buf, out in ((nat, got), (ref, want)):
+        y_in = on_device(buf.device, y).clone().requires_grad_(True)
+        w_in = out.expert_weights.clone().requires_grad_(True)
+        combined = expert_combine(buf, y_in, out.handle, w_in)
+        grads.append(torch.autograd.grad(combined, [y_in, w_in], on_device(buf.device, g_out)))
+    for name, a, b in zip(("grad y", "grad expert weights"), *grads):
+        assert_bits_equal(f"{label} expert_combine {name}", a, b)
 
 
 def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
@@ -117,6 +155,47 @@ def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
     nat.destroy()
     ref.destroy()
     return len(indices)
+
+
+def expert_major_case(index: int) -> dict:
+    """Case ``index`` of `NUM_EXPERT_MAJOR_CASES` for the expert-major path (rows left in place): every routing of
+    `ROUTINGS` (every pair to one expert, all -1 rows, a rank without tokens, skewed, gaps), alignments 1 and 128,
+    the three dtypes, fixed size with ``num_worst_tokens`` = R * T (T = N) and R * T + 3 (T < N), exact size."""
+    return dict(hidden=(256, 512, 1024)[index % 3], tokens=(48, 16, 33, 1, 64, 20, 40)[index % 7],
+                topk=(4, 2, 8, 1, 6, 3, 2)[index % 7], experts=(24, 48)[index % 2],
+                dtype=("bf16", "fp32", "fp8", "bf16")[index % 4], routing=ROUTINGS[index % len(ROUTINGS)],
+                alignment=(1, 128)[index // 2 % 2], worst=index % 3 != 0, worst_slack=(0, 3)[index % 2], bias=0,
+                uneven=False, num_sms=(8, 24)[index % 2])
+
+
+NUM_EXPERT_MAJOR_CASES = 12
+
+
+def _expert_major_worker(rank: int, world: int) -> int:
+    from ep_moe import Buffer, NativeOptions
+
+    nat = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S)
+    # the composed path on the same kernels (expert_major_fused=False): every third case
+    composed = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S,
+                      native_options=NativeOptions(expert_major_fused=False))
+    ref = Buffer(backend="torch")
+    for index in range(NUM_EXPERT_MAJOR_CASES):
+        case, error = expert_major_case(index), None
+        try:
+            _check_expert_major(rank, world, 100 + index, nat, ref, case)
+            if index % 3 == 0:
+                _check_expert_major(rank, world, 100 + index, composed, ref, case)
+        except Exception as exc:  # every rank stops at the same case, with this rank's reason
+            error = exc
+        if not _all_ok(error is None, dist.group.WORLD):
+            raise AssertionError(f"expert-major case {index} {case} failed on "
+                                 f"{'this rank' if error is not None else 'another rank'}") from error
+    assert composed.backend.in_place_dispatches == composed.backend.expert_row_combines == 0
+    nat.barrier()
+    nat.destroy()
+    composed.destroy()
+    ref.destroy()
+    return NUM_EXPERT_MAJOR_CASES
 
 
 ELASTIC_CASE = dict(hidden=512, tokens=96, topk=4, experts=24, dtype="bf16", routing="random_gaps", alignment=16,
@@ -196,6 +275,44 @@ def _graph_worker(rank: int, world: int) -> int:
     return 2
 
 
+def _expert_major_graph_worker(rank: int, world: int) -> int:
+    """A fixed-size `expert_dispatch` (rows left in place) -> trivial expert (``2 * x``) -> weighted
+    `expert_combine` (rows summed as they go out) on the native backend, captured in one CUDA graph and replayed on new routings, each equal bit
+    for bit to the torch backend on CPU copies."""
+    from ep_moe import Buffer, expert_combine, expert_dispatch
+
+    nat = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S)
+    ref = Buffer(backend="torch")
+    tokens, hidden, alignment, worst = 48, 512, 16, world * 48
+
+    def layer(buf, x, idx, w):
+        out = expert_dispatch(buf, x, idx, w, GRAPH_EXPERTS, alignment, worst)
+        return out, expert_combine(buf, out.expert_x * 2, out.handle, out.expert_weights)
+
+    static = [t.clone() for t in _routed_inputs(0, rank, DEVICE, tokens, hidden)]
+    layer(nat, *static)  # warm-up outside the graph (sizes the buffer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_combined = layer(nat, *static)
+    assert g_out.handle.rows_in_place and nat.backend.expert_row_combines == 2  # warm-up and capture
+    for seed in (1, 2):
+        for target, new in zip(static, _routed_inputs(seed, rank, DEVICE, tokens, hidden)):
+            target.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        r_out, r_combined = layer(ref, *(on_device(ref.device, t) for t in static))
+        assert_bits_equal(f"graph replay {seed} expert_x", g_out.expert_x, r_out.expert_x)
+        assert_bits_equal(f"graph replay {seed} expert_weights", g_out.expert_weights, r_out.expert_weights)
+        assert_bits_equal(f"graph replay {seed} tokens_per_expert", g_out.tokens_per_expert, r_out.tokens_per_expert)
+        assert_bits_equal(f"graph replay {seed} combined", g_combined, r_combined)
+    del graph
+    nat.barrier()
+    nat.destroy()
+    ref.destroy()
+    return 2
+
+
 def _shared_timeout_worker(rank: int, world: int) -> str:
     """The count exchange, then a combine with pushers and one with the copy engine, each skipped by the other
     ranks: rank 0 times out in each (the copy engine's stream is released, no hang)."""
@@ -224,6 +341,15 @@ def test_native_on_one_gpu_equals_torch_backend(world):
     assert counts == [len(KERNEL_CASES)] * world
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_expert_major_rows_in_place_on_one_gpu(world):
+    """`expert_dispatch` / `expert_combine` and the dispatch's gradients through the native backend, the received
+    rows permuted straight from the receive buffer and the own input, bit for bit the torch backend's."""
+    skip_unless_shared_gpu_runs()
+    counts = run_on_one_gpu(_expert_major_worker, world, timeout_s=180, join_timeout_s=900)
+    assert counts == [NUM_EXPERT_MAJOR_CASES] * world
+
+
 def test_fallback_rows_on_one_gpu():
     """Rows the kernels do not take (520 bytes) go to the torch backend inside the native one: on the GPU, its
     collectives through gloo."""
@@ -239,6 +365,11 @@ def test_elastic_buffer_on_one_gpu():
 def test_graph_replay_on_one_gpu():
     skip_unless_shared_gpu_runs()
     assert run_on_one_gpu(_graph_worker, 2, timeout_s=180) == [2, 2]
+
+
+def test_expert_major_graph_replay_on_one_gpu():
+    skip_unless_shared_gpu_runs()
+    assert run_on_one_gpu(_expert_major_graph_worker, 2, timeout_s=180) == [2, 2]
 
 
 def test_forced_timeout_on_one_gpu():

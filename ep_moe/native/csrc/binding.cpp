@@ -279,7 +279,10 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               int64_t copy_engine_flag_stream, int64_t copy_engine_seq,
               const OptTensor& copy_engine_go, const std::vector<int64_t>& copy_engine_shares,
               const std::vector<int64_t>& copy_engine_tokens, const std::vector<int64_t>& host_prefix,
-              const OptTensor& cached_src_idx, const std::vector<int64_t>& header, const OptTensor& test_perturb) {
+              const OptTensor& cached_src_idx, const std::vector<int64_t>& header, const OptTensor& test_perturb,
+              bool rows_in_place) {
+  // rows_in_place (DispatchParams): recv_x is [0, H] (its dtype and width only) and recv_scales absent; the
+  // received rows count is recv_topk_idx's.
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks && offsets.size() == 5,
               "ep_moe.native: data_ptrs must hold R pointers and offsets 5");
@@ -318,9 +321,10 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
   p.num_topk = p.has_topk ? static_cast<int>(topk_idx->size(1)) : 0;
   TORCH_CHECK(p.has_topk == present(topk_weights), "ep_moe.native: topk_idx and topk_weights go together");
   p.experts_per_rank = static_cast<int>(experts_per_rank);
-  p.recv_x = reinterpret_cast<uint8_t*>(recv_x.data_ptr());
+  p.recv_x = rows_in_place ? nullptr : reinterpret_cast<uint8_t*>(recv_x.data_ptr());
   p.recv_scales = ptr_or_null<float>(recv_scales, "recv_scales");
-  TORCH_CHECK(p.has_scales == present(recv_scales), "ep_moe.native: scales and recv_scales go together");
+  TORCH_CHECK(p.has_scales == present(recv_scales) || (rows_in_place && !present(recv_scales)),
+              "ep_moe.native: scales and recv_scales go together");
   p.recv_topk_idx = ptr_or_null<int64_t>(recv_topk_idx, "recv_topk_idx");
   p.recv_topk_weights = ptr_or_null<float>(recv_topk_weights, "recv_topk_weights");
   p.recv_src_idx = ptr_or_null<int32_t>(recv_src_idx, "recv_src_idx");
@@ -332,7 +336,10 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
                     present(recv_src_rank) && present(expert_scratch) && present(num_recv_per_expert) &&
                     expert_scratch->numel() >= experts_per_rank && num_recv_per_expert->numel() == experts_per_rank,
                 "ep_moe.native: a dispatch with top-k needs every top-k output");
-  p.num_recv_rows = static_cast<int>(recv_x.size(0));
+  TORCH_CHECK(!rows_in_place || (p.has_topk && recv_x.size(0) == 0 && copy_engine_seq == 0),
+              "ep_moe.native: a dispatch with rows in place is fresh, has an empty recv_x and no copy engine");
+  p.num_recv_rows = static_cast<int>(rows_in_place ? recv_topk_idx->size(0) : recv_x.size(0));
+  p.rows_in_place = rows_in_place;
   p.expert_alignment = static_cast<int>(expert_alignment);
   p.rows_capacity = rows_capacity;
   p.write_arrival = write_arrival;
@@ -387,7 +394,10 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
              int64_t copy_engine_flag_stream, int64_t copy_engine_seq, const OptTensor& copy_engine_go,
              const std::vector<int64_t>& copy_engine_shares,
              const std::vector<int64_t>& host_prefix, bool bulk_reduce, const std::vector<int64_t>& header,
-             const OptTensor& test_perturb) {
+             const OptTensor& test_perturb, const OptTensor& expert_y, const OptTensor& expert_weights,
+             const OptTensor& sorted_slots) {
+  // expert_y (CombineParams): an expert-major combine; y then holds the own rows only ([N, H], N = the rows of
+  // sorted_slots [N, K]).
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks, "ep_moe.native: data_ptrs must hold R pointers");
   check_cuda(rank_prefix_matrix, "rank_prefix_matrix");
@@ -435,6 +445,25 @@ void combine(const Env& env, const std::vector<int64_t>& data_ptrs, int64_t off_
   p.bulk_reduce = bulk_reduce;
   p.check = header_check(header, true, test_perturb);  // with the handle's layout digest
   p.check.header[ep_moe::kHeaderCopySeq] = static_cast<int32_t>(copy_engine_seq);
+  if (present(expert_y)) {
+    TORCH_CHECK(present(sorted_slots), "ep_moe.native: expert_y needs sorted_slots");
+    check_cuda(*expert_y, "expert_y");
+    check_cuda(*sorted_slots, "sorted_slots");
+    TORCH_CHECK(expert_y->dim() == 2 && expert_y->size(1) == y.size(1) && expert_y->scalar_type() == y.scalar_type() &&
+                    reinterpret_cast<uintptr_t>(expert_y->data_ptr()) % 16 == 0,
+                "ep_moe.native: expert_y must be [M, H] of y's dtype at a 16-byte-aligned address");
+    TORCH_CHECK(sorted_slots->dim() == 2 && sorted_slots->size(0) == y.size(0) &&
+                    sorted_slots->scalar_type() == at::kLong && copy_engine_seq == 0,
+                "ep_moe.native: an expert-major combine needs sorted_slots [N, K] int64 (N = y's rows) and no copy "
+                "engine");
+    p.expert_y = reinterpret_cast<const uint8_t*>(expert_y->data_ptr());
+    p.expert_weights = ptr_or_null<const float>(expert_weights, "expert_weights");
+    if (p.expert_weights != nullptr)
+      TORCH_CHECK(expert_weights->numel() == expert_y->size(0), "ep_moe.native: expert_weights must be [M]");
+    p.sorted_slots = sorted_slots->data_ptr<int64_t>();
+    p.expert_topk = static_cast<int>(sorted_slots->size(1));
+    p.expert_slots = expert_y->size(0);
+  }
   std::vector<int32_t> prefix32;
   if (copy_engine_seq > 0) {  // the copies are not bounds-checked: every rank's rows back must fit
     TORCH_CHECK(static_cast<int>(host_prefix.size()) == num_ranks * num_ranks,

@@ -194,7 +194,19 @@ __global__ void __launch_bounds__(kRowThreads) permute_rows_kernel(PermuteRowsPa
   const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(Word));
   Word* dst = reinterpret_cast<Word*>(p.out) + s * words;
   if (valid) {
-    const Word* src = reinterpret_cast<const Word*>(p.x) + (pair / p.num_topk) * words;
+    const int64_t row = pair / p.num_topk;
+    const Word* src = reinterpret_cast<const Word*>(p.x) + row * words;
+    if (p.own_x != nullptr) {  // two sources: this rank's own rows come from its input
+      const int r = p.rank, R = p.num_ranks;
+      const int64_t first = r > 0 ? __ldg(p.rank_prefix_matrix + (r - 1) * R + r) : 0;
+      const int64_t end = __ldg(p.rank_prefix_matrix + r * R + r);
+      // Bounded by T as well: after a dispatch that moved nothing (a capacity or agreement error, raised at the
+      // next host wait) the prefix matrix and top-k may be garbage, and a read must still stay in range.
+      if (row >= first && row < end && row - first < p.num_own_rows) {
+        const int64_t t = __ldg(p.own_tokens + (row - first));
+        if (t >= 0 && t < p.num_own_rows) src = reinterpret_cast<const Word*>(p.own_x) + t * words;
+      }
+    }
     for (int64_t j = lane; j < words; j += kWarp) dst[j] = src[j];
   } else {
     const Word zero{};
@@ -208,6 +220,11 @@ __global__ void __launch_bounds__(kRowThreads) unpermute_sum_kernel(UnpermuteSum
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= p.num_rows) return;
+  if (p.rank_prefix_matrix != nullptr) {  // own rows only
+    const int r = p.rank, R = p.num_ranks;
+    const int64_t first = r > 0 ? __ldg(p.rank_prefix_matrix + (r - 1) * R + r) : 0;
+    if (row < first || row >= __ldg(p.rank_prefix_matrix + r * R + r)) return;
+  }
   const int K = p.num_topk;
   const int64_t* slots = p.sorted_slots + row * K;
   const int64_t packs = p.hidden / VEC;
@@ -284,9 +301,10 @@ __global__ void __launch_bounds__(kRowThreads) unpermute_sum_backward_kernel(Unp
 
 // The widest of 16/4/2/1-byte words that divides the row bytes and every pointer.
 template <typename Launch>
-cudaError_t by_word(int64_t row_bytes, const void* a, const void* b, Launch launch) {
+cudaError_t by_word(int64_t row_bytes, const void* a, const void* b, Launch launch, const void* c = nullptr) {
   const auto fits = [&](int64_t w) {
-    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(a) % w == 0 && reinterpret_cast<uintptr_t>(b) % w == 0;
+    return row_bytes % w == 0 && reinterpret_cast<uintptr_t>(a) % w == 0 && reinterpret_cast<uintptr_t>(b) % w == 0 &&
+           reinterpret_cast<uintptr_t>(c) % w == 0;
   };
   if (fits(16)) return launch(uint4{});
   if (fits(4)) return launch(uint32_t{});
@@ -385,7 +403,7 @@ cudaError_t launch_permute_rows(const PermuteRowsParams& p, cudaStream_t stream)
   return by_word(p.row_bytes, p.x, p.out, [&](auto word) {
     permute_rows_kernel<decltype(word)><<<row_blocks(p.num_slots), kRowThreads, 0, stream>>>(p);
     return cudaGetLastError();
-  });
+  }, p.own_x);
 }
 
 cudaError_t launch_unpermute_sum(const UnpermuteSumParams& p, cudaStream_t stream) {

@@ -52,6 +52,15 @@ struct PermuteRowsParams {
   int num_topk;
   const float* values;         // [P] or null
   float* slot_values;          // [M] or null
+  // Received rows left where a dispatch put them (rows_in_place): row i < N is own_x[own_tokens[i - first]]
+  // for first <= i < end, else x[i] (x: the peers' rows in this rank's receive buffer, [>= N, row_bytes]);
+  // first and end are read on the device from rank_prefix_matrix [R, R] (rows that ranks below `rank`, and up
+  // to `rank`, send `rank`). own_x null: one source, x.
+  const void* own_x;           // [T, row_bytes] or null
+  const int32_t* own_tokens;   // [T]: the token of each own row, in order
+  const int32_t* rank_prefix_matrix;
+  int num_ranks, rank;
+  int64_t num_own_rows;        // T: reads stay inside own_x and own_tokens whatever the prefix matrix holds
 };
 cudaError_t launch_permute_rows(const PermuteRowsParams& p, cudaStream_t stream);
 
@@ -71,6 +80,11 @@ struct UnpermuteSumParams {
   const float* slot_values;    // [M] or null
   const int64_t* slot_of_pair; // [P] (with slot_values)
   float* pair_values;          // [P] (with slot_values)
+  // Only this rank's own rows of a rank-major layout (an expert-major combine, whose kernel sums the other rows
+  // as they go out): rows i outside [rank_prefix_matrix[rank - 1, rank] (0 for rank 0), [rank, rank]) are not
+  // written. Null: every row.
+  const int32_t* rank_prefix_matrix;  // [R, R] on the device, or null
+  int num_ranks, rank;
 };
 cudaError_t launch_unpermute_sum(const UnpermuteSumParams& p, cudaStream_t stream);
 

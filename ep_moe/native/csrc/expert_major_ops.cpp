@@ -142,6 +142,67 @@ std::tuple<at::Tensor, at::Tensor> permute_rows(const at::Tensor& x, const at::T
   return {out, slot_values};
 }
 
+// permute_rows of the N received rows of a dispatch that left them in place: row i is own_x[own_tokens[i -
+// first]] inside this rank's own range of rank_prefix_matrix [R, R] (int32, device), else rows[i] (the peers'
+// rows in the receive buffer, at least N of them). Every row read once, written into each of its slots.
+std::tuple<at::Tensor, at::Tensor> permute_received_rows(const at::Tensor& rows, int64_t num_rows,
+                                                         const at::Tensor& own_x, const at::Tensor& own_tokens,
+                                                         const at::Tensor& rank_prefix_matrix, int64_t rank,
+                                                         const at::Tensor& pair_of_slot, int64_t num_topk,
+                                                         const OptTensor& values) {
+  const char* op = "permute_received_rows";
+  TORCH_CHECK(rows.dim() == 2 && own_x.dim() == 2 && rows.size(1) == own_x.size(1) &&
+                  rows.scalar_type() == own_x.scalar_type(),
+              "ep_moe_native.permute_received_rows: arguments 'rows' and 'own_x' must be [*, H] of one dtype, got ",
+              rows.sizes(), " ", rows.scalar_type(), " and ", own_x.sizes(), " ", own_x.scalar_type());
+  TORCH_CHECK(num_rows >= 0 && num_rows <= rows.size(0), "ep_moe_native.permute_received_rows: argument 'num_rows' "
+              "must be in [0, ", rows.size(0), "] (the buffer's rows), got ", num_rows);
+  TORCH_CHECK(num_topk >= 1, "ep_moe_native.permute_received_rows: argument 'num_topk' must be >= 1, got ", num_topk);
+  check_cuda(rows, op, "rows", rows);
+  check_cuda(own_x, op, "own_x", rows);
+  check_cuda(own_tokens, op, "own_tokens", rows);
+  check_cuda(rank_prefix_matrix, op, "rank_prefix_matrix", rows);
+  check_cuda(pair_of_slot, op, "pair_of_slot", rows);
+  check_dtype(own_tokens, at::kInt, op, "own_tokens");
+  check_dtype(rank_prefix_matrix, at::kInt, op, "rank_prefix_matrix");
+  check_dtype(pair_of_slot, at::kLong, op, "pair_of_slot");
+  const int64_t num_ranks = rank_prefix_matrix.size(0);
+  TORCH_CHECK(rank_prefix_matrix.dim() == 2 && rank_prefix_matrix.size(1) == num_ranks && rank >= 0 && rank < num_ranks,
+              "ep_moe_native.permute_received_rows: argument 'rank_prefix_matrix' must be [R, R] with 0 <= rank < R");
+  TORCH_CHECK(own_tokens.numel() == own_x.size(0), "ep_moe_native.permute_received_rows: argument 'own_tokens' must "
+              "have a token per row of own_x (", own_x.size(0), "), got ", own_tokens.numel());
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t slots = pair_of_slot.numel();
+  at::Tensor out = at::empty({slots, rows.size(1)}, rows.options());
+  at::Tensor slot_values = none_like(rows, at::kFloat);
+  ep_moe::PermuteRowsParams p{};
+  if (present(values)) {
+    check_cuda(*values, op, "values", rows);
+    check_dtype(*values, at::kFloat, op, "values");
+    TORCH_CHECK(values->numel() == num_rows * num_topk, "ep_moe_native.permute_received_rows: argument 'values' "
+                "must have N * K = ", num_rows * num_topk, " elements, got ", values->numel());
+    slot_values = at::empty({slots}, rows.options().dtype(at::kFloat));
+    p.values = values->data_ptr<float>();
+    p.slot_values = slot_values.data_ptr<float>();
+  }
+  p.x = rows.data_ptr();
+  p.out = out.data_ptr();
+  p.row_bytes = rows.size(1) * rows.element_size();
+  p.pair_of_slot = pair_of_slot.data_ptr<int64_t>();
+  p.num_slots = slots;
+  p.num_pairs = num_rows * num_topk;
+  p.num_topk = static_cast<int>(num_topk);
+  p.own_x = own_x.data_ptr();
+  p.own_tokens = own_tokens.data_ptr<int32_t>();
+  p.rank_prefix_matrix = rank_prefix_matrix.data_ptr<int32_t>();
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.rank = static_cast<int>(rank);
+  p.num_own_rows = own_x.size(0);
+  if (p.row_bytes > 0 || p.slot_values != nullptr)
+    check_launch(ep_moe::launch_permute_rows(p, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return {out, slot_values};
+}
+
 // (out [N, H] of y's dtype, pair_values [N, K] fp32 (empty without slot_values)).
 std::tuple<at::Tensor, at::Tensor> unpermute_sum(const at::Tensor& y, const OptTensor& weights,
                                                  const at::Tensor& sorted_slots, const OptTensor& slot_values,
@@ -186,6 +247,48 @@ std::tuple<at::Tensor, at::Tensor> unpermute_sum(const at::Tensor& y, const OptT
   p.sorted_slots = sorted_slots.data_ptr<int64_t>();
   check_launch(ep_moe::launch_unpermute_sum(p, c10::cuda::getCurrentCUDAStream().stream()), op);
   return {out, pair_values};
+}
+
+// out [N, H] of y's dtype: unpermute_sum's rows for this rank's own rows of a rank-major layout only (rows i in
+// [rank_prefix_matrix[rank - 1, rank], [rank, rank]), read on the device); the other rows are left unwritten
+// (an expert-major combine computes them as they go out, and reads only the own ones from here).
+at::Tensor unpermute_own_rows(const at::Tensor& y, const OptTensor& weights, const at::Tensor& sorted_slots,
+                              const at::Tensor& rank_prefix_matrix, int64_t rank) {
+  const char* op = "unpermute_own_rows";
+  TORCH_CHECK(y.dim() == 2 && sorted_slots.dim() == 2,
+              "ep_moe_native.unpermute_own_rows: arguments 'y' and 'sorted_slots' must be [M, H] and [N, K]");
+  check_cuda(y, op, "y", y);
+  check_cuda(sorted_slots, op, "sorted_slots", y);
+  check_dtype(sorted_slots, at::kLong, op, "sorted_slots");
+  check_cuda(rank_prefix_matrix, op, "rank_prefix_matrix", y);
+  check_dtype(rank_prefix_matrix, at::kInt, op, "rank_prefix_matrix");
+  const int64_t num_ranks = rank_prefix_matrix.size(0);
+  TORCH_CHECK(rank_prefix_matrix.dim() == 2 && rank_prefix_matrix.size(1) == num_ranks && rank >= 0 && rank < num_ranks,
+              "ep_moe_native.unpermute_own_rows: argument 'rank_prefix_matrix' must be [R, R] with 0 <= rank < R");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const int64_t rows = sorted_slots.size(0), slots = y.size(0);
+  ep_moe::UnpermuteSumParams p{};
+  p.dtype = row_dtype(y, op, "y");
+  if (present(weights)) {
+    check_cuda(*weights, op, "weights", y);
+    check_dtype(*weights, at::kFloat, op, "weights");
+    TORCH_CHECK(weights->numel() == slots, "ep_moe_native.unpermute_own_rows: argument 'weights' must be [M=", slots,
+                "]");
+    p.weights = weights->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({rows, y.size(1)}, y.options());
+  p.y = y.data_ptr();
+  p.out = out.data_ptr();
+  p.hidden = y.size(1);
+  p.num_rows = rows;
+  p.num_slots = slots;
+  p.num_topk = static_cast<int>(sorted_slots.size(1));
+  p.sorted_slots = sorted_slots.data_ptr<int64_t>();
+  p.rank_prefix_matrix = rank_prefix_matrix.data_ptr<int32_t>();
+  p.num_ranks = static_cast<int>(num_ranks);
+  p.rank = static_cast<int>(rank);
+  check_launch(ep_moe::launch_unpermute_sum(p, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return out;
 }
 
 // (grad_y [M, H] (empty unless asked), grad_weights [M] fp32 (empty unless asked)).
@@ -286,8 +389,12 @@ TORCH_LIBRARY(ep_moe_native, m) {
   m.def("expert_layout(Tensor topk_idx, int num_experts, int alignment, int num_slots, int capacity=0) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("permute_rows(Tensor x, Tensor pair_of_slot, int num_topk, Tensor? values) -> (Tensor, Tensor)");
+  m.def("permute_received_rows(Tensor rows, int num_rows, Tensor own_x, Tensor own_tokens, Tensor rank_prefix_matrix, "
+        "int rank, Tensor pair_of_slot, int num_topk, Tensor? values) -> (Tensor, Tensor)");
   m.def("unpermute_sum(Tensor y, Tensor? weights, Tensor sorted_slots, Tensor? slot_values, Tensor? slot_of_pair) "
         "-> (Tensor, Tensor)");
+  m.def("unpermute_own_rows(Tensor y, Tensor? weights, Tensor sorted_slots, Tensor rank_prefix_matrix, int rank) "
+        "-> Tensor");
   m.def("unpermute_sum_backward(Tensor grad_out, Tensor y, Tensor? weights, Tensor pair_of_slot, int num_topk, "
         "bool need_grad_y, bool need_grad_weights) -> (Tensor, Tensor)");
   m.def("routing_map_to_topk(Tensor routing_map, Tensor probs, int num_topk) -> (Tensor, Tensor)");
@@ -297,7 +404,9 @@ TORCH_LIBRARY(ep_moe_native, m) {
 TORCH_LIBRARY_IMPL(ep_moe_native, CUDA, m) {
   m.impl("expert_layout", &expert_layout);
   m.impl("permute_rows", &permute_rows);
+  m.impl("permute_received_rows", &permute_received_rows);
   m.impl("unpermute_sum", &unpermute_sum);
+  m.impl("unpermute_own_rows", &unpermute_own_rows);
   m.impl("unpermute_sum_backward", &unpermute_sum_backward);
   m.impl("routing_map_to_topk", &routing_map_to_topk);
   m.impl("routing_map_to_topk_backward", &routing_map_to_topk_backward);

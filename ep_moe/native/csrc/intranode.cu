@@ -527,9 +527,10 @@ __device__ __forceinline__ void store_local_topk(const DispatchParams& p, int64_
 // Warp: this rank's own token t, received as output row `row` (data and metadata).
 __device__ __forceinline__ void copy_self_row(const DispatchParams& p, int t, int64_t row, int32_t* hist) {
   const int lane = threadIdx.x & 31;
-  warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
-              reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
-  if (p.has_scales)
+  if (!p.rows_in_place)
+    warp_copy16(reinterpret_cast<int4*>(p.recv_x + row * p.x_bytes),
+                reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * p.x_bytes), p.x_bytes / 16, lane);
+  if (p.has_scales && !p.rows_in_place)
     for (int c = lane; c < p.num_scales; c += 32)
       p.recv_scales[row * p.num_scales + c] = __ldg(p.scales + static_cast<int64_t>(t) * p.num_scales + c);
   if (p.has_topk)
@@ -556,7 +557,7 @@ __device__ __forceinline__ void copy_staged_data(const DispatchParams& p, int64_
 __device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int64_t row, int32_t* hist) {
   const int lane = threadIdx.x & 31;
   const uint8_t* data = p.data[p.env.rank];
-  copy_staged_data(p, row, row);
+  if (!p.rows_in_place) copy_staged_data(p, row, row);
   if (p.has_topk) {
     const long long* src_idx = reinterpret_cast<const long long*>(data + p.off_idx) + row * p.num_topk;
     const int32_t* src_w = reinterpret_cast<const int32_t*>(data + p.off_weights) + row * p.num_topk;
@@ -575,10 +576,10 @@ __device__ __forceinline__ void drain_row(const DispatchParams& p, int src, int6
 
 // Local block: padding rows of a fixed-size (num_worst_tokens) receive, as the torch backend fills them.
 __device__ __forceinline__ void pad_rows(const DispatchParams& p, int64_t row0, int rows) {
-  const int64_t n16 = static_cast<int64_t>(rows) * p.x_bytes / 16;
+  const int64_t n16 = p.rows_in_place ? 0 : static_cast<int64_t>(rows) * p.x_bytes / 16;
   int4* x = reinterpret_cast<int4*>(p.recv_x + row0 * p.x_bytes);
   for (int64_t i = threadIdx.x; i < n16; i += blockDim.x) x[i] = make_int4(0, 0, 0, 0);
-  if (p.has_scales)
+  if (p.has_scales && !p.rows_in_place)
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(rows) * p.num_scales; i += blockDim.x)
       p.recv_scales[row0 * p.num_scales + i] = 0.f;
   if (p.has_topk) {
@@ -888,6 +889,67 @@ __device__ __forceinline__ const int4* shfl_ptr(uint64_t ptr, int lane) {
   return reinterpret_cast<const int4*>((static_cast<uint64_t>(hi) << 32) | lo);
 }
 
+// Warp: what an expert-major combine sends back for received row `row` (CombineParams::expert_y): the fp32
+// sum over the row's slots in increasing order, from 0, of weight * y (each product rounded first: no fused
+// multiply-add) or of y, rounded once to the row type; bit for bit ep_moe_native::unpermute_sum's row.
+// The elements of a 16-byte word of rows of kType as floats (exact, -0 included).
+template <int kType>
+__device__ __forceinline__ void unpack_word(const int4& v, float* out) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                         static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kType == kBF16) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      out[i] = __uint_as_float(w[i]);
+    }
+  }
+}
+
+template <int kType>
+__device__ __forceinline__ void store_expert_row(const CombineParams& p, int4* dst, int64_t row, int n16, int lane) {
+  constexpr int kElems = Vec<kType>::kElems;
+  constexpr int kU = kReduceUnroll;  // 16-byte words per lane in flight per slot
+  const int K = p.expert_topk;
+  const int64_t* slots = p.sorted_slots + row * K;
+  const int4* y = reinterpret_cast<const int4*>(p.expert_y);
+  const int64_t lane_slot = lane < K ? __ldg(slots + lane) : -1;  // slot j < 32 is lane j's (then shuffled)
+  for (int c0 = lane; c0 < n16; c0 += 32 * kU) {
+    float acc[kU][kElems];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[u][e] = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      const int64_t s = j < 32 ? __shfl_sync(0xffffffffu, lane_slot, j) : __ldg(slots + j);  // the same on all lanes
+      if (s < 0 || s >= p.expert_slots) continue;
+      const float w = p.expert_weights != nullptr ? __ldg(p.expert_weights + s) : 1.0f;
+      int4 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (c0 + 32 * u < n16) v[u] = __ldg(y + s * n16 + c0 + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (c0 + 32 * u >= n16) continue;
+        float term[kElems];
+        unpack_word<kType>(v[u], term);
+        if (p.expert_weights != nullptr) {
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, term[e]));
+        } else {
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) acc[u][e] = __fadd_rn(acc[u][e], term[e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (c0 + 32 * u < n16) dst[c0 + 32 * u] = Vec<kType>::pack(acc[u]);
+  }
+}
+
 // One warp sums token t's top-k weights over the ranks in `mask` (when the combine has weights); lane r
 // holds in `w_ptr` the address of rank r's.
 __device__ __forceinline__ void reduce_weights(const CombineParams& p, int t, uint32_t mask, uint64_t w_ptr, int lane) {
@@ -1149,9 +1211,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
         const int32_t* src_w = reinterpret_cast<const int32_t*>(p.weights) + (my_rows + j) * p.num_topk;
         const bool lane_weight = p.has_weights && lane < p.num_topk;
         const int32_t w = lane_weight ? __ldg(src_w + lane) : 0;
-        warp_copy16(reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes),
-                    reinterpret_cast<const int4*>(p.y + (my_rows + j) * y_bytes), static_cast<int>(y_bytes / 16),
-                    lane);
+        if (p.expert_y != nullptr)
+          store_expert_row<kType>(p, reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes), my_rows + j,
+                                  static_cast<int>(y_bytes / 16), lane);
+        else
+          warp_copy16(reinterpret_cast<int4*>(data + p.off_y + (base + j) * y_bytes),
+                      reinterpret_cast<const int4*>(p.y + (my_rows + j) * y_bytes), static_cast<int>(y_bytes / 16),
+                      lane);
         if (lane_weight) dst_w[lane] = w;
         if (p.has_weights)
           for (int k = lane + 32; k < p.num_topk; k += 32) dst_w[k] = __ldg(src_w + k);

@@ -193,6 +193,11 @@ struct DispatchParams {
   int64_t copy_engine_slot_rows;
   const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx (cached dispatch), or null (fresh)
   HeaderCheck check;              // cached dispatch (write_arrival): compared in the kernel; fresh: by notify
+  // Rows left in place (a fresh dispatch of the expert-major path; never with the copy engine): the local
+  // blocks wait for every chunk and write the metadata (top-k, weights, source, counts, padding) but copy no
+  // row data (recv_x, recv_scales null). A later kernel on the same stream reads the peers' rows from this
+  // rank's buffer, where they landed in output order, and the own rows from x (permute_received_rows).
+  bool rows_in_place;
 };
 cudaError_t launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 // The copy-engine half of a dispatch launched with the same `p`, queued after the kernel on `streams`
@@ -236,6 +241,16 @@ struct CombineParams {
   bool bulk_reduce;
   int bulk_piece16;
   HeaderCheck check;
+  // Expert-major combine (expert_y non-null; never with the copy engine): the pushers send, for received row
+  // i, the fp32 sum over its slots sorted_slots[i] (increasing, -1 = none) of expert_weights[s] * expert_y[s]
+  // (each product rounded first: no fused multiply-add; plain sums without weights), from 0, rounded once
+  // to y_type: the arithmetic of ep_moe_native::unpermute_sum, computed as the row goes out. y then holds only
+  // this rank's own rows (read in place by the reducers; ep_moe_native::unpermute_own_rows).
+  const uint8_t* expert_y;         // [expert_slots, hidden] of y_type
+  const float* expert_weights;     // [expert_slots] or null
+  const int64_t* sorted_slots;     // [N, expert_topk]
+  int expert_topk;
+  int64_t expert_slots;
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 

@@ -411,9 +411,11 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
              copy_engine_streams: list[int], copy_engine_flag_stream: int, copy_engine_seq: int,
              copy_engine_go: Tensor | None, copy_engine_shares: list[int], copy_engine_tokens: list[int],
              host_prefix: list[int], cached_src_idx: Tensor | None, header: list[int],
-             test_perturb: Tensor | None) -> None:
+             test_perturb: Tensor | None, rows_in_place: bool) -> None:
     """Rows to their destinations (the extension's ``dispatch``); with ``copy_engine_seq > 0`` every rank's whole x
-    (and, fresh, its top-k and send lists) goes to the peers by the copy engine (`copy_engine.enqueue_dispatch`)."""
+    (and, fresh, its top-k and send lists) goes to the peers by the copy engine (`copy_engine.enqueue_dispatch`).
+    ``rows_in_place`` (DispatchParams): recv_x is ``[0, H]`` (its dtype and width only), recv_scales None, and the
+    received rows count is recv_topk_idx's."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks or len(offsets) != 5:
         raise _fail("arguments 'data_ptrs' and 'offsets' must hold R pointers and 5 offsets")
@@ -432,8 +434,10 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     has_topk = topk_idx is not None
     if has_topk != (topk_weights is not None):
         raise _fail("arguments 'topk_idx' and 'topk_weights' go together")
-    if (scales is not None) != (recv_scales is not None):
+    if (scales is not None) != (recv_scales is not None) and not (rows_in_place and recv_scales is None):
         raise _fail("arguments 'scales' and 'recv_scales' go together")
+    if rows_in_place and not (has_topk and recv_x.shape[0] == 0 and copy_engine_seq == 0):
+        raise _fail("a dispatch with rows in place is fresh, has an empty recv_x and no copy engine")
     if has_topk and not (recv_topk_idx is not None and recv_topk_weights is not None and recv_src_idx is not None
                          and recv_src_rank is not None and expert_scratch is not None
                          and num_recv_per_expert is not None and expert_scratch.numel() >= experts_per_rank
@@ -458,7 +462,7 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     p.topk_weights = _ptr(topk_weights, "topk_weights")
     p.num_topk = topk_idx.shape[1] if has_topk else 0
     p.experts_per_rank = experts_per_rank
-    p.recv_x = recv_x.data_ptr()
+    p.recv_x = 0 if rows_in_place else recv_x.data_ptr()
     p.recv_scales = _ptr(recv_scales, "recv_scales")
     p.recv_topk_idx = _ptr(recv_topk_idx, "recv_topk_idx")
     p.recv_topk_weights = _ptr(recv_topk_weights, "recv_topk_weights")
@@ -466,7 +470,8 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     p.recv_src_rank = _ptr(recv_src_rank, "recv_src_rank")
     p.expert_scratch = _ptr(expert_scratch, "expert_scratch")
     p.num_recv_per_expert = _ptr(num_recv_per_expert, "num_recv_per_expert")
-    p.num_recv_rows = recv_x.shape[0]
+    p.num_recv_rows = recv_topk_idx.shape[0] if rows_in_place else recv_x.shape[0]
+    p.rows_in_place = rows_in_place
     p.expert_alignment = expert_alignment
     p.rows_capacity = rows_capacity
     p.write_arrival = write_arrival
@@ -531,9 +536,12 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             bias0: Tensor | None, bias1: Tensor | None, out: Tensor, out_weights: Tensor | None, num_blocks: int,
             num_push_blocks: int, trace: Tensor | None, copy_engine_streams: list[int], copy_engine_flag_stream: int,
             copy_engine_seq: int, copy_engine_go: Tensor | None, copy_engine_shares: list[int],
-            host_prefix: list[int], bulk_reduce: bool, header: list[int], test_perturb: Tensor | None) -> None:
+            host_prefix: list[int], bulk_reduce: bool, header: list[int], test_perturb: Tensor | None,
+            expert_y: Tensor | None, expert_weights: Tensor | None, sorted_slots: Tensor | None) -> None:
     """Rows back to their sources, summed per token (the extension's ``combine``); with ``copy_engine_seq > 0`` the
-    rows go back by the copy engine (`copy_engine.enqueue_combine`) while every block reduces."""
+    rows go back by the copy engine (`copy_engine.enqueue_combine`) while every block reduces. ``expert_y``
+    (CombineParams): an expert-major combine; ``y`` then holds the own rows only (``[N, H]``, N = the rows of
+    ``sorted_slots [N, K]``)."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks:
         raise _fail("argument 'data_ptrs' must hold R pointers")
@@ -582,6 +590,24 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
     _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                         copy_engine_shares, num_push_blocks, trace, num_blocks)
     p.bulk_reduce = bulk_reduce
+    if expert_y is not None:
+        if sorted_slots is None:
+            raise _fail("argument 'expert_y' needs 'sorted_slots'")
+        _check_cuda(expert_y, "expert_y")
+        _check_cuda(sorted_slots, "sorted_slots")
+        if (expert_y.dim() != 2 or expert_y.shape[1] != y.shape[1] or expert_y.dtype != y.dtype
+                or expert_y.data_ptr() % 16):
+            raise _fail("argument 'expert_y' must be [M, H] of y's dtype at a 16-byte-aligned address")
+        if (sorted_slots.dim() != 2 or sorted_slots.shape[0] != y.shape[0] or sorted_slots.dtype != torch.int64
+                or copy_engine_seq != 0):
+            raise _fail("an expert-major combine needs 'sorted_slots' [N, K] int64 (N = y's rows) and no copy engine")
+        if expert_weights is not None and expert_weights.numel() != expert_y.shape[0]:
+            raise _fail("argument 'expert_weights' must be [M]")
+        p.expert_y = expert_y.data_ptr()
+        p.expert_weights = _ptr(expert_weights, "expert_weights")
+        p.sorted_slots = sorted_slots.data_ptr()
+        p.expert_topk = sorted_slots.shape[1]
+        p.expert_slots = expert_y.shape[0]
     p.check = header_check(header, True, test_perturb)  # with the handle's layout digest
     p.check.header[HEADER_COPY_SEQ] = copy_engine_seq
     p.bulk_piece16 = bulk_piece16(num_ranks, y_bytes // 16) if bulk_reduce else 0

@@ -159,6 +159,7 @@ class DispatchParams(Params):
         ("copy_engine_slot_rows", I64),
         ("cached_src_idx", PTR),
         ("check", HeaderCheck),
+        ("rows_in_place", BOOL),
     ]
 
 
@@ -192,6 +193,11 @@ class CombineParams(Params):
         ("bulk_reduce", BOOL),
         ("bulk_piece16", I32),
         ("check", HeaderCheck),
+        ("expert_y", PTR),
+        ("expert_weights", PTR),
+        ("sorted_slots", PTR),
+        ("expert_topk", I32),
+        ("expert_slots", I64),
     ]
 
 
