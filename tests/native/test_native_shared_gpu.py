@@ -125,8 +125,12 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
         w_in = out.expert_weights.clone().requires_grad_(True)
         combined = expert_combine(buf, y_in, out.handle, w_in)
         grads.append(torch.autograd.grad(combined, [y_in, w_in], on_device(buf.device, g_out)))
-    for name, a, b in zip(("grad y", "grad expert weights"), *grads):
-        assert_bits_equal(f"{label} expert_combine {name}", a, b)
+    assert_bits_equal(f"{label} expert_combine grad y", grads[0][0], grads[1][0])
+    # grad_w[slot] = <grad_out[t], y[slot]> in fp32: a dot product over H whose summation order the semantics leave
+    # to the device (the GPU kernel's warp reduction vs the CPU reference's vectorized sum), so equal to rounding
+    # (measured on the H200: 74 of 128 weights differ in the last bits at H = 256)
+    torch.testing.assert_close(grads[0][1].cpu(), grads[1][1].cpu(), rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"{label} expert_combine grad expert weights: {m}")
 
 
 def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
