@@ -176,6 +176,13 @@ class StepOutcome:
     stop: bool                  # a rank asked to stop (SIGINT/SIGTERM): stop after this step
 
 
+def batch_line(recipe, accum: int, dataset) -> str:
+    """The part of a run's opening line every engine shares: the global batch, its split, the steps, the data."""
+    t = recipe.train
+    return (f"global batch {t.global_batch_size} x {recipe.model.seq_length} tokens (micro {t.micro_batch_size}, "
+            f"accumulation {accum}), {t.train_iters} steps; {dataset.describe()}")
+
+
 class TrainSteps(Protocol):
     """What the shared loop (`run_training`) needs from one way of training: the ep_moe engine's layouts
     (`DataParallelSteps`; the two-stage pipeline in `ep_moe.train.pipeline`) and the Megatron and DeepSpeed
@@ -240,13 +247,12 @@ class DataParallelSteps:
         model.train()
 
     def opening_lines(self) -> list[str]:
-        t, ps, model = self.recipe.train, self.ps, self.model
+        ps, model = self.ps, self.model
         backend = (f"{model.buffer.backend_name} ({model.buffer.backend_reason})" if model.buffer is not None
                    else "none (EP 1: all experts local)")
         return [f"ep-moe train: {ps.world_size} rank(s) on {self.device.type}, EP {ps.ep_size} x DP "
-                f"{ps.expert_dp_size}, {model.num_parameters(global_experts=True):,} parameters, global batch "
-                f"{t.global_batch_size} x {self.recipe.model.seq_length} tokens (micro {t.micro_batch_size}, "
-                f"accumulation {self.accum}), {t.train_iters} steps; {self.dataset.describe()}",
+                f"{ps.expert_dp_size}, {model.num_parameters(global_experts=True):,} parameters, "
+                f"{batch_line(self.recipe, self.accum, self.dataset)}",
                 f"dispatcher backend: {backend}; metrics: {self.recipe.metrics_path()}"]
 
     def title(self) -> str:

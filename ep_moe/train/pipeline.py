@@ -40,7 +40,7 @@ from ..layers.model import rotary_tables
 from . import checkpoint as ckpt
 from .config import Recipe
 from .data import build_dataset, rank_slice
-from .loop import StepOutcome, build_model, build_optimizer, row_order_mean
+from .loop import StepOutcome, batch_line, build_model, build_optimizer, row_order_mean
 from .parallel import ParallelState, all_reduce_sum, build_parallel_state, sync_gradients
 from .schedule import begin_step
 
@@ -268,11 +268,10 @@ class PipelineSteps:
         model.train()
 
     def opening_lines(self) -> list[str]:
-        t, ps, k = self.recipe.train, self.ps, split_layer(self.model.config.num_layers)
+        ps, k = self.ps, split_layer(self.model.config.num_layers)
         return [f"ep-moe train: {ps.world_size} rank(s) on {self.device.type}, pipeline 2 stages x DP {ps.dp_size} "
-                f"(layers [0, {k}) | [{k}, {self.model.config.num_layers})), global batch {t.global_batch_size} x "
-                f"{self.recipe.model.seq_length} tokens (micro {t.micro_batch_size}, accumulation {self.accum}), "
-                f"{t.train_iters} steps; {self.dataset.describe()}"]
+                f"(layers [0, {k}) | [{k}, {self.model.config.num_layers})), EP {ps.ep_size} in each stage, "
+                f"{batch_line(self.recipe, self.accum, self.dataset)}"]
 
     def title(self) -> str:
         return f"{self.recipe.name}: PP 2 x DP {self.ps.dp_size}"

@@ -257,12 +257,13 @@ class DeepSpeedSteps:
         return int((client or {}).get("step", 0))
 
     def opening_lines(self) -> list[str]:
-        m, t = self.recipe.model, self.recipe.train
+        from ep_moe.train.loop import batch_line
+
+        m = self.recipe.model
         return [f"ep-moe train (engine deepspeed): {m.moe_layer} MoE layer, {m.num_layers} layers x "
                 f"{m.num_moe_experts} experts (top-{m.moe_router_topk}), ZeRO-{self.recipe.deepspeed.zero_stage}, "
-                f"{self.world_size} rank(s) on {self.device.type}, EP {m.expert_model_parallel_size}, global batch "
-                f"{t.global_batch_size} x {m.seq_length} tokens (micro {t.micro_batch_size}, accumulation "
-                f"{self.accum}), {t.train_iters} steps; {self.dataset.describe()}",
+                f"{self.world_size} rank(s) on {self.device.type}, EP {m.expert_model_parallel_size}, "
+                f"{batch_line(self.recipe, self.accum, self.dataset)}",
                 f"metrics: {self.recipe.metrics_path()}"]
 
     def title(self) -> str:
