@@ -360,8 +360,10 @@ def _combine_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights:
     columns = []
     for k in range(layout.num_topk):
         slots = layout.slot_of_pair[:, k]
+        # A rank that received no pair (y is [0, H]) still sends its zero rows through the autograd graph
+        # (``+ products.sum()`` adds an exact 0): the combine's backward is a collective every rank must enter.
         picked = products.index_select(0, slots.clamp(min=0)) if y.shape[0] else products.new_zeros(
-            slots.shape[0], y.shape[1])
+            slots.shape[0], y.shape[1]) + products.sum()
         rows = torch.where((slots >= 0).unsqueeze(1), picked, torch.zeros_like(picked))
         columns.append(combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0])
     order = torch.where(handle.topk_idx >= 0, handle.topk_idx, torch.iinfo(torch.int64).max).argsort(dim=1)

@@ -109,6 +109,26 @@ def test_expert_major_equals_the_reference(num_ranks: int) -> None:
     assert checked == [3 * len(_cases(num_ranks))] * num_ranks
 
 
+def _empty_rank_backward_worker(rank: int, num_ranks: int) -> list[float]:
+    """Every token routes to rank 0's experts, so rank 1 receives no pair (its ``y`` is ``[0, H]``); the backward of
+    the exact combine (``allow_multiple_reduction=False``) is a collective that rank 1 must enter all the same."""
+    buffer = Buffer(backend="torch", timeout_s=20)
+    gen = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(6, 8, generator=gen, requires_grad=True)
+    idx = torch.tensor([[0, 1]] * 6)
+    w = torch.rand(6, 2, generator=gen)
+    out = expert_dispatch(buffer, x, idx, w, 4)
+    y = (out.expert_x * 2).detach().requires_grad_(True)
+    expert_combine(buffer, y, out.handle, out.expert_weights.detach(), allow_multiple_reduction=False).sum().backward()
+    buffer.destroy()
+    return [y.shape[0], float(y.grad.abs().sum()) if y.grad is not None else -1.0]
+
+
+def test_a_rank_without_pairs_enters_the_exact_combines_backward() -> None:
+    got = run_distributed(_empty_rank_backward_worker, 2, join_timeout_s=120)
+    assert got[1] == [0, 0.0] and got[0][0] == 24 and got[0][1] > 0, got  # 2 sources x 6 tokens x 2 pairs
+
+
 def _gradcheck_worker(rank: int, num_ranks: int) -> bool:
     """float64 gradcheck (see tests/core/test_autograd.py on gradcheck across ranks: every rank makes the same
     number of evaluations, and a rank's output may depend on its own inputs only). On every rank: the tokens
