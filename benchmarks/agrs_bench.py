@@ -29,32 +29,28 @@ channels' SMs. At 1 rank there is nothing to move: the script says it needs 2 GP
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from ep_moe import ElasticBuffer
+from ep_moe.benchmarking.timing import median_event_seconds
 from ep_moe.distributed import launch
 
 MiB = 1 << 20
 
 
 def _median_seconds(fn, iters: int, before=None) -> float:
-    times = []
-    for _ in range(iters):
+    """GPU seconds of ``fn`` (median), every rank released together: ``before()``, then a barrier and a device
+    synchronize ahead of each run."""
+    def gate() -> None:
         if before is not None:
             before()
         dist.barrier()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+
+    return median_event_seconds(fn, iters, before=gate)
 
 
 def _kernels_during(fn) -> tuple[int, int, list[str]]:

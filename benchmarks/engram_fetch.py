@@ -15,25 +15,13 @@ the device.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.distributed as dist
 
 from ep_moe import ElasticBuffer
+from ep_moe.benchmarking.timing import median_event_seconds
 from ep_moe.distributed import launch
-
-
-def _median_seconds(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def _run(rank: int, num_ranks: int, args: argparse.Namespace) -> dict:
@@ -53,10 +41,10 @@ def _run(rank: int, num_ranks: int, args: argparse.Namespace) -> dict:
     del table
     num_bytes = fetched.numel() * fetched.element_size()
     del fetched
-    fetch_s = _median_seconds(lambda: eb.engram_fetch(indices)(), args.iters)
+    fetch_s = median_event_seconds(lambda: eb.engram_fetch(indices)(), args.iters)
     pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    copy_s = _median_seconds(lambda: target.copy_(pinned, non_blocking=True), args.iters)
+    copy_s = median_event_seconds(lambda: target.copy_(pinned, non_blocking=True), args.iters)
     result = {"rank": rank, "memory_type": eb.memory_type, "bytes": num_bytes, "fetch_gbs": num_bytes / fetch_s / 1e9,
               "h2d_gbs": num_bytes / copy_s / 1e9}
     eb.destroy()

@@ -8,6 +8,7 @@ next of several input sets in turn (so that a cache does not serve the inputs).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,23 @@ class CudaEventTimer:
 
     def elapsed_us(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         return start.elapsed_time(end) * 1e3  # elapsed_time is in milliseconds
+
+
+def median_event_seconds(fn: Callable[[], object], iters: int, before: Callable[[], object] | None = None) -> float:
+    """Median GPU seconds of ``fn()`` over ``iters`` runs, each between two CUDA events on the current stream
+    (a quick timer for the scripts in ``benchmarks/``); ``before()``, if given, runs untimed ahead of each run (e.g.
+    a barrier and a device synchronize)."""
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in milliseconds
+    return statistics.median(times)
 
 
 class RunGate:
