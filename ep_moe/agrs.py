@@ -506,15 +506,11 @@ class AGRSMixin:
 
     def _agrs_release(self) -> None:
         """Free the native transports' symmetric buffers (`ElasticBuffer.destroy`)."""
-        transports = [*(self._agrs_retired or []), *([self._agrs.native] if self._agrs is not None else [])]
-        for transport in transports:
-            if transport is not None:
-                transport.destroy()
-        self._agrs_retired, self._agrs = [], None
-        if transports:
-            from .native.stream_transport import release_waiter
+        from .native.stream_transport import destroy_transports
 
-            release_waiter(self)
+        transports = [*(self._agrs_retired or []), *([self._agrs.native] if self._agrs is not None else [])]
+        self._agrs_retired, self._agrs = [], None
+        destroy_transports(self, transports)
 
 
 __all__ = ["AGRSCapacityError", "AGRSConfigError", "AGRSError", "AGRSHandle", "AGRSMismatchError", "AGRSMixin",

@@ -344,15 +344,11 @@ class PipelineCommMixin:
 
     def _pp_release(self) -> None:
         """Free the native transports' symmetric buffers (`ElasticBuffer.destroy`)."""
-        transports = [*(self._pp_retired or []), *([self._pp.native] if self._pp is not None else [])]
-        for transport in transports:
-            if transport is not None:
-                transport.destroy()
-        self._pp_retired, self._pp = [], None
-        if transports:
-            from .native.stream_transport import release_waiter
+        from .native.stream_transport import destroy_transports
 
-            release_waiter(self)
+        transports = [*(self._pp_retired or []), *([self._pp.native] if self._pp is not None else [])]
+        self._pp_retired, self._pp = [], None
+        destroy_transports(self, transports)
 
     # ---------------------------------------------------------------- helpers
     def _pp_neighbours(self) -> list[int]:

@@ -193,6 +193,16 @@ def release_waiter(owner: object) -> None:
         setattr(owner, WAITER_ATTRIBUTE, None)
 
 
+def destroy_transports(owner: object, transports: list) -> None:
+    """Free the symmetric buffers of ``transports`` (None entries: the torch transport, nothing to free), then
+    ``owner``'s waiter when there was any transport (`ElasticBuffer.destroy` through the PP and AGRS mixins)."""
+    for transport in transports:
+        if transport is not None:
+            transport.destroy()
+    if transports:
+        release_waiter(owner)
+
+
 class _SymmetricWords:
     """A `SymmetricBuffer` with its signal words zeroed on every rank before any rank writes one."""
 
@@ -422,5 +432,5 @@ class _Arrival:
         self._words = []
 
 
-__all__ = ["AGRSLayout", "AGRSStreamTransport", "BATCH_COPY_ENV", "PPLayout", "PPStreamTransport", "PP_HEADER_BYTES",
-           "batch_copy_enabled", "release_waiter", "ring_neighbours", "shared_waiter"]
+__all__ = ["AGRSLayout", "AGRSStreamTransport", "batch_copy_enabled", "BATCH_COPY_ENV", "destroy_transports",
+           "PP_HEADER_BYTES", "PPLayout", "PPStreamTransport", "release_waiter", "ring_neighbours", "shared_waiter"]
