@@ -226,14 +226,15 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
         """Bytes (2 MiB aligned) in which one rank can receive every token of every rank: the larger of what the
-        dispatch (bf16 rows, or FP8 rows and scales) and the combine (bf16 rows; fp32 rows when
-        ``allow_multiple_reduction=False``, whose expanded combine sends fp32) need (`Buffer.get_buffer_size_hint`)."""
+        dispatch (bf16 rows, or FP8 rows and scales) and the combine (bf16 rows; with
+        ``allow_multiple_reduction=False`` the expanded combine's rows, ``num_topk`` fp32 blocks of ``hidden``
+        each) need (`Buffer.get_buffer_size_hint`)."""
         num_ranks = dist.get_world_size(group if group is not None else dist.group.WORLD)
         size = Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, torch.bfloat16,
                                            use_fp8_dispatch)
         if not allow_multiple_reduction:
-            size = max(size, Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk,
-                                                         torch.float32))
+            size = max(size, Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden * max(num_topk, 1),
+                                                         num_ranks, num_topk, torch.float32))
         return size
 
     @staticmethod

@@ -352,25 +352,34 @@ def local_expert_combine(y: Tensor, handle: ExpertHandle, weights: Tensor | None
 
 
 def _combine_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Tensor | None) -> Tensor:
-    """``allow_multiple_reduction=False``: column k of every received row carries ``w * y`` of its pair as fp32
-    (0 where it has none) back to the source, where a token gets it from exactly one rank (an exact fp32 sum);
-    the source then sums the K columns in increasing global expert id and rounds once."""
+    """``allow_multiple_reduction=False`` in one rank-major combine: received row i carries, as its column block k
+    (fp32, ``[N, K * H]``), ``w * y`` of its pair (i, k), 0 where it has none; a token gets each column block from
+    exactly one rank (the others send 0), so the combine's fp32 sum over ranks is exact, and the K blocks reach the
+    source bit for bit (the bytes of K combines of ``[N, H]`` fp32 in one collective). The source then sums the
+    K blocks in increasing global expert id in fp32 and rounds once."""
     layout = handle.layout
+    num_rows, num_topk = layout.slot_of_pair.shape
+    hidden = y.shape[1]
     products = y.float() if weights is None else weights.unsqueeze(1) * y.float()
-    columns = []
-    for k in range(layout.num_topk):
-        slots = layout.slot_of_pair[:, k]
+    slots = layout.slot_of_pair.reshape(-1)  # pair (i, k) at i * K + k: row i's K blocks side by side
+    if y.shape[0]:
+        picked = products.index_select(0, slots.clamp(min=0))
+        rows = torch.where((slots >= 0).unsqueeze(1), picked, 0.0)
+    else:
         # A rank that received no pair (y is [0, H]) still sends its zero rows through the autograd graph
         # (``+ products.sum()`` adds an exact 0): the combine's backward is a collective every rank must enter.
-        picked = products.index_select(0, slots.clamp(min=0)) if y.shape[0] else products.new_zeros(
-            slots.shape[0], y.shape[1]) + products.sum()
-        rows = torch.where((slots >= 0).unsqueeze(1), picked, torch.zeros_like(picked))
-        columns.append(combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0])
-    order = torch.where(handle.topk_idx >= 0, handle.topk_idx, torch.iinfo(torch.int64).max).argsort(dim=1)
-    stacked = torch.stack(columns, dim=1)  # [T, K, H] fp32
-    ranked = stacked.gather(1, order.unsqueeze(2).expand_as(stacked))
+        rows = products.new_zeros(slots.shape[0], hidden) + products.sum()
+    blocks = combine(buffer, rows.view(num_rows, num_topk * hidden), handle.dispatch, num_sms=handle.num_sms)[0]
+    num_tokens = handle.topk_idx.shape[0]
+    # the blocks in increasing global expert id (entries without an expert last: their blocks are 0)
+    order = torch.where(handle.topk_idx >= 0, handle.topk_idx, torch.iinfo(torch.int64).max).argsort(
+        dim=1, stable=True)
+    ranked = blocks.view(num_tokens, num_topk, hidden).gather(
+        1, order.unsqueeze(2).expand(num_tokens, num_topk, hidden))
+    # The order of the fp32 sum is the contract: one add per k, from 0 (no reduction op keeps that order on
+    # every device).
     acc = torch.zeros_like(ranked[:, 0])
-    for k in range(layout.num_topk):
+    for k in range(num_topk):
         acc = acc + ranked[:, k]
     return acc.to(y.dtype)
 

@@ -129,6 +129,93 @@ def test_a_rank_without_pairs_enters_the_exact_combines_backward() -> None:
     assert got[1] == [0, 0.0] and got[0][0] == 24 and got[0][1] > 0, got  # 2 sources x 6 tokens x 2 pairs
 
 
+def _k_combines(buffer: Buffer, y: torch.Tensor, handle, weights: torch.Tensor | None) -> torch.Tensor:
+    """The exact combine (``allow_multiple_reduction=False``) as it was composed before one collective carried it:
+    per k, a rank-major combine of ``[N, H]`` fp32 rows (pair (i, k)'s ``w * y``, 0 where it has none), then the
+    source's sum over k in increasing global expert id, from 0, in fp32, rounded once."""
+    from ep_moe.ops import combine
+
+    layout = handle.layout
+    products = y.float() if weights is None else weights.unsqueeze(1) * y.float()
+    columns = []
+    for k in range(layout.num_topk):
+        slots = layout.slot_of_pair[:, k]
+        picked = products.index_select(0, slots.clamp(min=0)) if y.shape[0] else products.new_zeros(
+            slots.shape[0], y.shape[1]) + products.sum()
+        rows = torch.where((slots >= 0).unsqueeze(1), picked, torch.zeros_like(picked))
+        columns.append(combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0])
+    acc = torch.zeros(handle.topk_idx.shape[0], y.shape[1])
+    for k in torch.where(handle.topk_idx >= 0, handle.topk_idx, 1 << 62).argsort(dim=1, stable=True).T:
+        acc = acc + torch.stack(columns, dim=1)[torch.arange(acc.shape[0]), k]
+    return acc.to(y.dtype)
+
+
+def _exact_combine_worker(rank: int, num_ranks: int) -> int:
+    """``allow_multiple_reduction=False`` is one rank-major combine of ``[N, K * H]`` fp32 rows (one collective
+    forward, one backward), and gives the K-combine formula's output, ``grad_y`` and ``grad_w`` bit for bit (and
+    the reference's output), on random and adversarial routings, exact and fixed size, weighted and plain."""
+    buffer = Buffer(backend="torch", timeout_s=60)
+    calls = {"combine": 0, "dispatch": 0}
+
+    def counting(name: str):
+        inner = getattr(buffer.backend, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return inner(*args, **kwargs)
+        return counted
+
+    for name in calls:
+        setattr(buffer.backend, name, counting(name))
+    E = 3 * num_ranks
+    tokens = tuple(6 + 3 * s for s in range(num_ranks))
+    cases = [Case("random", tokens, 16, 3, E, "random", "bf16", 1),
+             Case("random fp32 A4", tokens, 8, 4, E, "random", "fp32", 4),
+             Case("one expert (ranks receive nothing)", tokens, 8, 2, E, "one_expert", "bf16", 1),
+             Case("all -1", tokens, 8, 2, E, "all_minus_one", "fp32", 2),
+             Case("one rank", tokens, 8, 3, E, "one_rank", "bf16", 1),
+             Case("empty source", (0,) + tokens[1:], 8, 2, E, "random", "bf16", 1)]
+    checked = 0
+    for seed, case in enumerate(cases, start=50):
+        inp = make_inputs(case, num_ranks, seed)
+        fixed = max(case.tokens) * num_ranks if seed % 2 else 0
+        out = expert_dispatch(buffer, inp.x(rank), inp.idxs[rank], inp.weights[rank], case.experts, case.alignment,
+                              num_worst_tokens=fixed)
+        refs = reference_expert_dispatch(inp.xs, inp.idxs, inp.weights, case.experts, case.alignment,
+                                         max_slots(fixed, case.topk, case.experts // num_ranks, case.alignment)
+                                         if fixed else None)
+        ys, yws = _ys(refs, case.hidden, inp.xs[0].dtype, seed)
+        gen = torch.Generator().manual_seed(seed + 100 * rank)
+        grad_out = torch.randn(case.tokens[rank], case.hidden, generator=gen).to(ys[rank].dtype)
+        for weighted in (True, False):
+            where = f"{case.name} R={rank}/{num_ranks} fixed={fixed} weighted={weighted}"
+            results = []
+            for fn in ("one", "k"):
+                y = ys[rank].clone().requires_grad_(True)
+                w = yws[rank].clone().requires_grad_(True) if weighted else None
+                before = dict(calls)
+                got = (expert_combine(buffer, y, out.handle, w, allow_multiple_reduction=False) if fn == "one"
+                       else _k_combines(buffer, y, out.handle, w))
+                forward = calls["combine"] - before["combine"]
+                grads = torch.autograd.grad(got, [t for t in (y, w) if t is not None], grad_out)
+                backward = calls["dispatch"] - before["dispatch"]
+                results.append((got.detach(), *grads))
+                if fn == "one":
+                    check((forward, backward) == (1, 1), where, f"one collective each way, got {forward}, {backward}")
+            for name, a, b in zip(("output", "grad y", "grad w"), *results):
+                check_bits(a, b, where, name)
+            want = reference_expert_combine(ys, refs, inp.idxs, list(case.tokens), yws if weighted else None,
+                                            False)[rank]
+            check_equal(results[0][0], want, where, "output vs the reference")
+            checked += 1
+    buffer.destroy()
+    return checked
+
+
+def test_exact_combine_is_one_collective_equal_to_k_combines() -> None:
+    assert run_distributed(_exact_combine_worker, 3, join_timeout_s=180) == [12] * 3
+
+
 def _gradcheck_worker(rank: int, num_ranks: int) -> bool:
     """float64 gradcheck (see tests/core/test_autograd.py on gradcheck across ranks: every rank makes the same
     number of evaluations, and a rank's output may depend on its own inputs only). On every rank: the tokens
