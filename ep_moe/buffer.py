@@ -297,10 +297,11 @@ class Buffer:
                         num_experts: int | None = None, consume_in_place=None) -> tuple[DispatchResult, EventOverlap]:
         """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host).
 
-        ``consume_in_place`` (a fresh dispatch for which `receives_in_place` is True): the received rows stay
-        where they landed (``recv_x`` and ``recv_scales`` are None) and ``consume_in_place(result,
-        ReceivedRows)`` runs on the communication stream right after the dispatch (the rows are valid only
-        there); its return value is ``result.consumed``."""
+        ``consume_in_place`` (a fresh dispatch for which ``receives_in_place(x, num_experts)`` is True, or a
+        cached one for which ``receives_in_place(x, 0)`` is): the received rows stay where they landed
+        (``recv_x`` and ``recv_scales`` are None) and ``consume_in_place(result, ReceivedRows)`` runs on the
+        communication stream right after the dispatch (the rows are valid only there); its return value is
+        ``result.consumed``."""
         op = "dispatch"
         data, scales = split_hidden(op, x, self.device, self.backend.supported_dtypes)
         config = config or self.get_dispatch_config(self.group_size)
@@ -317,6 +318,15 @@ class Buffer:
             if num_worst_tokens not in (0, handle.num_worst_tokens):
                 raise _fail(op, "num_worst_tokens", f"0 or the handle's {handle.num_worst_tokens}",
                             num_worst_tokens)
+            if consume_in_place is not None:
+                if not self.receives_in_place(x, 0):
+                    raise _fail(op, "consume_in_place", "None: this buffer's backend cannot leave these rows in "
+                                "place", "a function")
+                return self._run(
+                    lambda: self.backend.dispatch(data, scales, None, None, handle.is_token_in_rank, None, handle,
+                                                  0, expert_alignment, handle.num_worst_tokens, config,
+                                                  consume=consume_in_place),
+                    [data, scales], previous_event, async_finish)
             return self._run(
                 lambda: self.backend.dispatch(data, scales, None, None, handle.is_token_in_rank, None, handle,
                                               0, expert_alignment, handle.num_worst_tokens, config),
@@ -365,8 +375,9 @@ class Buffer:
             [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
 
     def receives_in_place(self, x, num_experts: int) -> bool:
-        """Whether a fresh dispatch of ``x`` (``[T, H]`` or the FP8 pair) to ``num_experts`` experts can leave
-        its received rows in place (``dispatch_result(..., consume_in_place=fn)``); the same on every rank."""
+        """Whether a fresh dispatch of ``x`` (``[T, H]`` or the FP8 pair) to ``num_experts`` experts (0: a cached
+        dispatch, with a handle) can leave its received rows in place (``dispatch_result(...,
+        consume_in_place=fn)``); the same on every rank."""
         data = x[0] if isinstance(x, tuple | list) else x
         return self.backend.receives_in_place(data.shape[1] * data.element_size(), num_experts)
 

@@ -35,10 +35,10 @@ from .buffer import BACKENDS, Buffer
 from .config import Config
 from .engram import EngramMixin
 from .event import EventOverlap
-from .expert_major import ExpertHandle, expert_combine, expert_dispatch
+from .expert_major import ExpertHandle, expert_cached_dispatch, expert_combine, expert_dispatch
 from .handle import DispatchHandle
 from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
-from .permute import pair_values, permute_rows, permute_rows_and_values, unpermute_sum
+from .permute import unpermute_sum
 from .pipeline_comm import PipelineCommMixin
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor, split_hidden
 
@@ -97,14 +97,6 @@ def _wait_for(*events) -> None:
         event = _event_of(event)
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
-
-
-def _cached_weights(buffer: Buffer, weights: Tensor, handle: DispatchHandle, num_sms: int) -> Tensor:
-    """A cached dispatch of ``[T, K]`` fp32 weights, sent as 16-byte rows (K padded to a multiple of 4) as the
-    ops' own backward does, so every backend takes them."""
-    num_topk = weights.shape[1]
-    padded = torch.nn.functional.pad(weights, (0, -num_topk % 4)).contiguous()
-    return ops.cached_dispatch(buffer, padded, handle, num_sms)[:, :num_topk]
 
 
 def _destroy_quietly(buffer: Buffer) -> None:
@@ -505,24 +497,11 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             recv_x = self._cached_rows(data, scales, handle.inner, num_sms)
             recv_w = None
             if topk_weights is not None:
-                recv_w = _cached_weights(self.buffer, topk_weights, handle.inner, num_sms)
+                recv_w = ops.cached_dispatch_weights(self.buffer, topk_weights, handle.inner, num_sms)
                 recv_w = torch.where(handle.recv_topk_idx >= 0, recv_w, torch.zeros_like(recv_w))
             return recv_x, handle.recv_topk_idx, recv_w, handle, EventOverlap(None)
-        inner: ExpertHandle = handle.inner
-        rows = (data if scales is None else (data, scales)) if inner.dispatch is None \
-            else self._cached_rows(data, scales, inner.dispatch, num_sms)
-        recv_w = None
-        if topk_weights is not None:
-            recv_w = (topk_weights if inner.dispatch is None
-                      else _cached_weights(self.buffer, topk_weights, inner.dispatch, num_sms))
-        if scales is not None:  # the FP8 pair: rows and scales by the one layout, no autograd
-            with torch.no_grad():
-                expert_x = tuple(permute_rows(t, inner.layout) for t in rows)
-                expert_w = None if recv_w is None else pair_values(recv_w, inner.layout)
-            return expert_x, None, expert_w, handle, EventOverlap(None)
-        if recv_w is None:
-            return permute_rows(rows, inner.layout), None, None, handle, EventOverlap(None)
-        expert_x, expert_w = permute_rows_and_values(rows, recv_w, inner.layout)
+        expert_x, expert_w = expert_cached_dispatch(self.buffer, data if scales is None else (data, scales),
+                                                    handle.inner, topk_weights, num_sms)
         return expert_x, None, expert_w, handle, EventOverlap(None)
 
     # ---------------------------------------------------------------- combine

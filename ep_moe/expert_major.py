@@ -30,7 +30,7 @@ from torch import Tensor
 from .buffer import Buffer
 from .config import Config
 from .handle import DispatchHandle
-from .ops import cached_dispatch, combine, dispatch
+from .ops import cached_dispatch, cached_dispatch_weights, combine, dispatch
 from .permute import (
     ExpertLayout,
     check_unpermute_args,
@@ -249,6 +249,125 @@ class _ExpertDispatchInPlace(torch.autograd.Function):
         return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None, None, None
 
 
+def expert_cached_dispatch(buffer: Buffer, x, handle: ExpertHandle, topk_weights: Tensor | None = None,
+                           num_sms: int = 0) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | None]:
+    """The expert-major dispatch of ``x [T, H]`` (bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128]
+    fp32)``) with the layout of the `expert_dispatch` that made ``handle`` (a cached dispatch: no routing is sent
+    again). ``topk_weights [T, K]`` fp32 or None. ``num_sms``: 0 = the handle's.
+
+    Returns ``(expert_x [M, H] (the FP8 pair of rows and scales), expert_weights [M] fp32 or None)``: bit for bit
+    what `expert_dispatch` returns for these ``x`` and ``topk_weights`` with the handle's routing. Differentiable
+    in ``x`` and ``topk_weights`` (the backward is the unweighted expert-major combine, as the fresh dispatch's);
+    the FP8 pair is forward only. Where the backend leaves received rows in place (`Buffer.receives_in_place`
+    of a cached dispatch: the native kernels at two or more ranks), no rank-major copy is made: one permute reads
+    the rows from the receive buffer and from ``x``; else the rank-major cached dispatch, then the permute."""
+    op = "expert_cached_dispatch"
+    if not isinstance(handle, ExpertHandle):
+        raise _fail(op, "handle", "the ExpertHandle of expert_dispatch", type(handle).__name__)
+    check_positive_int(op, "num_sms", num_sms, 0)
+    num_sms = num_sms or handle.num_sms
+    fp8 = isinstance(x, tuple | list)
+    if fp8:
+        data, scales = split_hidden(op, x, buffer.device)
+    else:
+        check_tensor(op, "x", x, dtypes=buffer.backend.supported_dtypes, ndim=2, device=buffer.device)
+        data, scales = x, None
+    if data.shape[0] != handle.topk_idx.shape[0]:
+        raise _fail(op, "x", f"[T={handle.topk_idx.shape[0]}, H] (the handle's dispatch)", tuple(data.shape))
+    if topk_weights is not None:
+        check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=data.device,
+                     shape=tuple(handle.topk_idx.shape))
+    layout = handle.layout
+    if handle.dispatch is not None and _takes_cached_rows_in_place(buffer, data):
+        if fp8:
+            weights = None if topk_weights is None else topk_weights.detach()
+            expert_x, expert_w, expert_scales = _cached_dispatch_in_place(buffer, (data, scales), handle, weights,
+                                                                          num_sms)
+            return (expert_x, expert_scales), expert_w
+        expert_x, expert_w = _ExpertCachedDispatchInPlace.apply(x, topk_weights, buffer, handle, num_sms)
+        return expert_x, (expert_w if topk_weights is not None else None)
+    if fp8:  # the rank-major cached dispatch of `Buffer` carries the scales; no autograd
+        with torch.no_grad():
+            rows = (data, scales) if handle.dispatch is None else \
+                buffer.dispatch((data, scales), handle=handle.dispatch, config=Config(num_sms) if num_sms else None)[0]
+            recv_w = topk_weights if topk_weights is None or handle.dispatch is None else \
+                cached_dispatch_weights(buffer, topk_weights, handle.dispatch, num_sms)
+            expert_w = None
+            if recv_w is None:
+                expert_x = permute_rows(rows[0], layout)
+            else:
+                expert_x, expert_w = permute_rows_and_values(rows[0], recv_w, layout)
+            return (expert_x, permute_rows(rows[1], layout)), expert_w
+    rows = x if handle.dispatch is None else cached_dispatch(buffer, x, handle.dispatch, num_sms)
+    if topk_weights is None:
+        return permute_rows(rows, layout), None
+    recv_w = topk_weights if handle.dispatch is None else \
+        cached_dispatch_weights(buffer, topk_weights, handle.dispatch, num_sms)
+    return permute_rows_and_values(rows, recv_w, layout)
+
+
+def _takes_cached_rows_in_place(buffer: Buffer, data: Tensor) -> bool:
+    """Whether a cached dispatch of ``data`` leaves the received rows in place (shapes and backend alone: the same
+    on every rank; not while torch.compile traces)."""
+    return not torch.compiler.is_compiling() and buffer.receives_in_place(data, 0)
+
+
+def _cached_dispatch_in_place(buffer: Buffer, x, handle: ExpertHandle, topk_weights: Tensor | None, num_sms: int):
+    """The cached dispatch of ``x`` (a tensor or the FP8 pair) that leaves its received rows in place, then, on its
+    stream, the permute of rows (and scales) by the handle's layout straight from the receive buffer and ``x``:
+    ``(expert_x, expert_weights or None, expert_scales or None)``. The weights go first, by their own (rank-major)
+    cached dispatch. No autograd."""
+    layout = handle.layout
+    recv_w = None if topk_weights is None else cached_dispatch_weights(buffer, topk_weights, handle.dispatch,
+                                                                        num_sms)
+
+    def consume(result, received):
+        # Runs right after the dispatch kernel on its stream, before any later call of this buffer lets the peers
+        # write the receive buffer again (see `_dispatch_in_place`).
+        own = (received.own_tokens, received.rank_prefix_matrix, received.rank)
+        rows, slot_weights = permute_received_rows(received.rows, received.num_rows, received.own_x, *own, layout,
+                                                   recv_w)
+        scales = None
+        if received.scales is not None:
+            scales, _ = permute_received_rows(received.scales, received.num_rows, received.own_scales, *own, layout)
+        return rows, slot_weights, scales
+
+    result, _ = buffer.dispatch_result(x, handle=handle.dispatch, config=Config(num_sms) if num_sms else None,
+                                       consume_in_place=consume)
+    return result.consumed
+
+
+class _ExpertCachedDispatchInPlace(torch.autograd.Function):
+    """(x [T, H], topk_weights [T, K] or None) -> (expert_x [M, H], expert_weights [M] (empty without weights)) by
+    `_cached_dispatch_in_place`. The backward is the fresh dispatch's (`_ExpertDispatchInPlace`): the permute's
+    gradient to rank-major rows, then one rank-major combine of those rows and of the weights' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, handle, num_sms):
+        expert_x, expert_weights, _ = _cached_dispatch_in_place(buffer, x, handle, topk_weights, num_sms)
+        ctx.buffer, ctx.handle, ctx.num_sms = buffer, handle, num_sms
+        ctx.rows_shape, ctx.rows_dtype = expert_x.shape, expert_x.dtype
+        ctx.has_weights = topk_weights is not None
+        if expert_weights is None:
+            expert_weights = expert_x.new_empty(0, dtype=torch.float32)
+        return expert_x, expert_weights
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights):
+        need_x, need_w = ctx.needs_input_grad[0], ctx.has_weights and ctx.needs_input_grad[1]
+        if not (need_x or need_w):
+            return None, None, None, None, None
+        layout = ctx.handle.layout
+        device = layout.slot_of_pair.device
+        if grad_rows is None:  # only the weights were used
+            grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=device)
+        if need_w and grad_weights is None:  # only the rows were used
+            grad_weights = torch.zeros(ctx.rows_shape[0], dtype=torch.float32, device=device)
+        grad_recv_x, grad_recv_w = permute_rows_backward(grad_rows, grad_weights if need_w else None, layout)
+        grad_x, grad_w = combine(ctx.buffer, grad_recv_x, ctx.handle.dispatch, grad_recv_w, num_sms=ctx.num_sms)
+        return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None
+
+
 def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
                           expert_alignment: int = 1, num_worst_tokens: int = 0, *, check_values: bool = True,
                           num_sms: int = 0, expert_capacity: int = 0) -> ExpertDispatchOutput:
@@ -384,5 +503,5 @@ def _combine_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights:
     return acc.to(y.dtype)
 
 
-__all__ = ["ExpertDispatchOutput", "ExpertHandle", "expert_combine", "expert_dispatch", "local_expert_combine",
-           "local_expert_dispatch"]
+__all__ = ["ExpertDispatchOutput", "ExpertHandle", "expert_cached_dispatch", "expert_combine", "expert_dispatch",
+           "local_expert_combine", "local_expert_dispatch"]

@@ -235,3 +235,12 @@ def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Ten
 def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:
     """Differentiable re-dispatch of ``x [T, H]`` with an earlier dispatch's layout: ``[N, H]``."""
     return torch.ops.ep_moe.cached_dispatch(x, *_handle_args(handle), buffer.buffer_id, num_sms)
+
+
+def cached_dispatch_weights(buffer: Buffer, weights: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:
+    """Differentiable re-dispatch of ``weights [T, K]`` fp32 with an earlier dispatch's layout: ``[N, K]``, each
+    received row the source token's K weights (also those of experts on other ranks). They travel as 16-byte rows
+    (K padded to a multiple of 4), as the ops' own backward sends them, so that every backend takes them."""
+    num_topk = weights.shape[1]
+    padded = torch.nn.functional.pad(weights, (0, -num_topk % 4)).contiguous()
+    return cached_dispatch(buffer, padded, handle, num_sms)[:, :num_topk]

@@ -78,9 +78,10 @@ class CommBackend(ABC):
         ``is_token_in_rank``; with ``handle``, repeat that handle's layout (cached dispatch, no top-k)."""
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
-        """Whether a fresh dispatch of rows of ``row_bytes`` bytes to ``num_experts`` experts can leave its
-        received rows in place (``dispatch(..., consume=fn)``: ``fn(result, ReceivedRows)`` runs on the dispatch's
-        stream before it returns). Decided from shapes alone, the same on every rank. None do by default."""
+        """Whether a fresh dispatch of rows of ``row_bytes`` bytes to ``num_experts`` experts (0: a cached
+        dispatch, with a handle) can leave its received rows in place (``dispatch(..., consume=fn)``:
+        ``fn(result, ReceivedRows)`` runs on the dispatch's stream before it returns; a cached dispatch's
+        ``result`` has no top-k). Decided from shapes alone, the same on every rank. None do by default."""
         return False
 
     def combines_expert_rows(self, row_bytes: int) -> bool:

@@ -404,8 +404,9 @@ class NativeBackend(CommBackend):
                 and native.extension_available())
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
-        """A fresh dispatch the kernels take, at two or more ranks, with the extension's expert-major ops (which
-        permute the rows from where they landed; see `CommBackend.receives_in_place`)."""
+        """A fresh or cached (``num_experts`` 0) dispatch the kernels take, at two or more ranks, with the
+        extension's expert-major ops (which permute the rows from where they landed; see
+        `CommBackend.receives_in_place`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused
                 and self._kernels_take(row_bytes, num_experts // self.num_ranks) and native.extension_available())
 
@@ -419,9 +420,9 @@ class NativeBackend(CommBackend):
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, handle,
                  num_experts, expert_alignment, num_worst_tokens, config: Config, *, consume=None) -> DispatchResult:
-        """``consume`` (a fresh dispatch that `receives_in_place`): the kernel leaves the received rows where
-        they landed (no copy into recv_x; never by the copy engine) and ``consume(result, ReceivedRows)`` runs
-        on this stream right after it; its value is ``result.consumed``."""
+        """``consume`` (a fresh or cached dispatch that `receives_in_place`): the kernel leaves the received rows
+        where they landed (no copy into recv_x; never by the copy engine) and ``consume(result, ReceivedRows)``
+        runs on this stream right after it; its value is ``result.consumed``."""
         self._raise_if_failed()
         row = x.shape[1] * x.element_size()
         num_scales = x_scales.shape[1] if x_scales is not None else 0
@@ -439,8 +440,8 @@ class NativeBackend(CommBackend):
             self._agree_first(header, prefix_of_handle)
 
         local_experts = num_experts // self.num_ranks if handle is None else 0
-        if consume is not None and (handle is not None or not self.receives_in_place(row, num_experts)):
-            raise ValueError("ep_moe[native]: argument 'consume' needs a fresh dispatch that receives_in_place")
+        if consume is not None and not self.receives_in_place(row, num_experts if handle is None else 0):
+            raise ValueError("ep_moe[native]: argument 'consume' needs a dispatch that receives_in_place")
         if not self._kernels_take(row, local_experts):
             agree()  # a rank whose shapes the kernels take meets this in its kernels (another header)
             return self._fallback.dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
@@ -463,23 +464,36 @@ class NativeBackend(CommBackend):
                                                     num_scales, 0), agree)
             self._fit(self._rows_bound(handle, route), hidden, x.element_size(), num_scales, 0, agree)
             layout = self._route_layout.get(id(route))
+            in_place = consume is not None
             tokens = None
-            if layout is not None:
+            if layout is not None and not in_place:  # rows left in place come by the pushers, in output order
                 tokens = self._copy_engine_tokens(options, True, layout[1], layout[2], hidden,
                                                   x.element_size(), num_scales, 0, agree)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, 0)
-            recv_x = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-            recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) if num_scales else None
+            recv_x = torch.empty(0 if in_place else rows, hidden, dtype=x.dtype, device=x.device)
+            recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=x.device) \
+                if num_scales and not in_place else None
             args = (env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, None, None, 0,
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
+                # with rows in place, the handle's recv_src_idx only gives the kernel the received row count
                 C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
-                           [], [], None, header, perturb, False)
+                           [], [], handle.recv_src_idx if in_place else None, header, perturb, in_place)
             else:  # x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
                     C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx, header,
                                perturb, False)
-            return DispatchResult(recv_x, recv_scales, None, None, None, handle)
+            if not in_place:
+                return DispatchResult(recv_x, recv_scales, None, None, None, handle)
+            # as in a fresh dispatch (below): the peers' rows stay in this rank's buffer in output order, the own
+            # rows are x's; `consume` reads them on this stream before any later call of this buffer
+            received = ReceivedRows(
+                self._data_view(regions.x, regions.rows, hidden, x.dtype),
+                self._data_view(regions.scales, regions.rows, num_scales, torch.float32) if num_scales else None,
+                rows, x, x_scales, route[1].view(num_ranks, num_tokens)[me], prefix, me)
+            result = DispatchResult(None, None, None, None, None, handle)
+            self.in_place_dispatches += 1
+            return result._replace(consumed=consume(result, received))
 
         num_topk = topk_idx.shape[1]
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()

@@ -23,11 +23,11 @@ import pytest
 import torch
 from support_core import Case, check, check_bits, make_inputs
 
-from ep_moe import Buffer
+from ep_moe import Buffer, ElasticBuffer
 from ep_moe.backends.base import ReceivedRows
 from ep_moe.backends.torch_backend import TorchBackend
 from ep_moe.distributed import run_distributed
-from ep_moe.expert_major import expert_combine, expert_dispatch
+from ep_moe.expert_major import expert_cached_dispatch, expert_combine, expert_dispatch
 from ep_moe.permute import (
     _unpermute_sum_torch,
     expert_layout,
@@ -132,11 +132,12 @@ def test_permute_received_rows_errors_name_the_argument() -> None:
 class InPlaceTorchBackend(TorchBackend):
     """Test double: the torch backend's dispatch, then the received rows as the native kernels leave them (the
     peers' rows in a receive buffer whose own-rank rows and rows past the total are garbage; the own rows in x,
-    through the send list to this rank), handed to ``consume``; a combine of expert-major rows forms the
+    through the send list to this rank), handed to ``consume`` (fresh and cached dispatches); a combine of expert-major rows forms the
     rank-major rows (the torch definition of unpermute_sum) and combines them."""
 
     name = "torch-in-place"
     expert_row_combines = 0
+    cached_in_place = 0  # cached dispatches that left their rows in place
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
         return self.num_ranks > 1
@@ -157,6 +158,7 @@ class InPlaceTorchBackend(TorchBackend):
                                   handle, num_experts, expert_alignment, num_worst_tokens, config)
         if consume is None:
             return result
+        self.cached_in_place += handle is not None
         me, prefix = self.rank, result.handle.rank_prefix_matrix.to(torch.int32)
         first, end = (int(prefix[me - 1, me]) if me else 0), int(prefix[me, me])
         total, rows = int(prefix[-1, me]), result.recv_x.shape[0]
@@ -287,3 +289,86 @@ def _refusal_worker(rank: int, num_ranks: int) -> str:
 def test_a_backend_without_rows_in_place_refuses_consume() -> None:
     messages = run_distributed(_refusal_worker, 2, join_timeout_s=60)
     assert all("consume_in_place" in m for m in messages), messages
+
+
+# ------------------------------------------------------------------------------------------ cached dispatches
+def _leaves(x, w, grads: bool):
+    if isinstance(x, tuple) or not grads:
+        return x, w
+    return x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+
+def _forward_and_grads(rows, weights, x, w, seed: int) -> list:
+    """``[rows (and scales), weights, grad x, grad w]`` for fixed random output gradients (FP8: no gradients)."""
+    parts = list(rows) if isinstance(rows, tuple) else [rows]
+    out = [t.detach() for t in parts] + [weights.detach()]
+    if isinstance(x, tuple):
+        return out
+    gen = torch.Generator().manual_seed(seed)
+    g_rows = torch.randn(rows.shape, generator=gen).to(rows.dtype)
+    g_w = torch.randn(weights.shape, generator=gen)
+    return out + list(torch.autograd.grad([rows, weights], [x, w], [g_rows, g_w]))
+
+
+def _cached_equals_fresh(ebs: list[ElasticBuffer], rank: int, num_ranks: int, case: Case, seed: int,
+                         fixed: bool) -> None:
+    """On both `ElasticBuffer`s (rows in place, composed) and both layouts: the cached dispatch of new rows and
+    weights with the handle of a fresh dispatch equals a fresh dispatch of them with the same routing, bit for bit,
+    forward and backward; the two buffers agree too, and `expert_cached_dispatch` itself with the expanded handle."""
+    inp, inp2 = make_inputs(case, num_ranks, seed), make_inputs(case, num_ranks, seed + 1000)
+    idx = inp.idxs[rank]
+    bound = max(max(case.tokens), 1)
+    sizing = dict(num_max_tokens_per_rank=bound, do_cpu_sync=False) if fixed else {}
+    for expand in (False, True):
+        where = f"{case.name} R={rank}/{num_ranks} fixed={fixed} expand={expand}"
+        per_buffer = []
+        for eb in ebs:
+            h = eb.dispatch(inp.x(rank), idx, inp.weights[rank], num_experts=case.experts,
+                            expert_alignment=case.alignment, do_expand=expand, **sizing)[3]
+            before = getattr(eb.buffer.backend, "cached_in_place", 0)
+            x, w = _leaves(inp2.x(rank), inp2.weights[rank], True)
+            rows, _, weights, same, _ = eb.dispatch(x, topk_weights=w, handle=h)
+            check(same is h, where, "the cached dispatch returns its handle")
+            cached = _forward_and_grads(rows, weights, x, w, seed + rank)
+            if eb is ebs[0]:
+                taken = eb.buffer.backend.cached_in_place - before
+                check(taken == int(expand), where, f"rows left in place by the expanded cached dispatch: {taken}")
+            x, w = _leaves(inp2.x(rank), inp2.weights[rank], True)
+            rows, _, weights, _, _ = eb.dispatch(x, idx, w, num_experts=case.experts, expert_alignment=case.alignment,
+                                                 do_expand=expand, **sizing)
+            fresh = _forward_and_grads(rows, weights, x, w, seed + rank)
+            for i, (a, b) in enumerate(zip(cached, fresh, strict=True)):
+                check_bits(a, b, where, f"cached vs fresh, output {i}")
+            if expand:  # the op itself, without weights
+                plain, none = expert_cached_dispatch(eb.buffer, inp2.x(rank), h.inner)
+                check(none is None, where, "no weights without topk_weights")
+                check_bits(plain[0] if isinstance(plain, tuple) else plain, cached[0], where, "without weights")
+            per_buffer.append(cached)
+        for i, (a, b) in enumerate(zip(*per_buffer, strict=True)):
+            check_bits(a, b, where, f"rows in place vs composed, output {i}")
+
+
+def _cached_worker(rank: int, num_ranks: int) -> int:
+    ebs = [ElasticBuffer(backend="torch", num_gpu_timeout_secs=60, explicitly_destroy=True) for _ in range(2)]
+    ebs[0].buffer.backend = InPlaceTorchBackend(ebs[0].buffer.group, ebs[0].buffer.device, 60.0)
+    E = 4 * num_ranks
+    tokens = tuple(5 + 2 * s for s in range(num_ranks))
+    cases = [Case("random", tokens, 32, 3, E, "random", "bf16", 1),
+             Case("random fp32 A16", tokens, 16, 4, E, "random", "fp32", 16),
+             Case("one expert (ranks receive nothing)", tokens, 16, 2, E, "one_expert", "bf16", 1),
+             Case("all -1", tokens, 16, 2, E, "all_minus_one", "fp32", 4),
+             Case("empty rank", (0,) + tokens[1:], 16, 2, E, "random", "bf16", 1),
+             Case("fp8 pair", tokens, 128, 2, E, "random", "fp8", 16)]
+    checked = 0
+    for seed, case in enumerate(cases, start=300):
+        for fixed in (False, True):
+            _cached_equals_fresh(ebs, rank, num_ranks, case, seed, fixed)
+            checked += 1
+    for eb in ebs:
+        eb.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_cached_expert_dispatch_equals_the_fresh_one(num_ranks: int) -> None:
+    assert run_distributed(_cached_worker, num_ranks, join_timeout_s=300) == [12] * num_ranks

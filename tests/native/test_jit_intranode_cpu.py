@@ -366,6 +366,15 @@ def test_dispatch_launch_and_checks(recorded):
         with pytest.raises(ValueError, match="rows in place"):
             I.dispatch(env, **{**in_place, **change})
     assert len(recorded) == 3
+    # a cached dispatch with rows in place: N from cached_src_idx (the handle's recv_src_idx), which is not read
+    cached_in_place = {**cached, "rows_in_place": True, "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16),
+                       "write_arrival": True}
+    with pytest.raises(ValueError, match="rows in place"):
+        I.dispatch(env, **cached_in_place)
+    I.dispatch(env, **{**cached_in_place, "cached_src_idx": torch.zeros(9, dtype=torch.int32)})
+    p = recorded[-1][3]
+    assert p.rows_in_place and not p.has_topk and p.num_recv_rows == 9 and p.recv_x == 0 and p.cached_src_idx == 0
+    assert len(recorded) == 4
 
 
 def _combine_args(T=5, R=2, H=2048, K=3, N=7, dtype=torch.bfloat16):

@@ -282,7 +282,8 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
               const OptTensor& cached_src_idx, const std::vector<int64_t>& header, const OptTensor& test_perturb,
               bool rows_in_place) {
   // rows_in_place (DispatchParams): recv_x is [0, H] (its dtype and width only) and recv_scales absent; the
-  // received rows count is recv_topk_idx's.
+  // received rows count is recv_topk_idx's (fresh) or cached_src_idx's (cached: the handle's recv_src_idx, of
+  // which only the size is used; no copy engine).
   const int num_ranks = env.env.num_ranks;
   TORCH_CHECK(static_cast<int>(data_ptrs.size()) == num_ranks && offsets.size() == 5,
               "ep_moe.native: data_ptrs must hold R pointers and offsets 5");
@@ -336,9 +337,13 @@ void dispatch(const Env& env, const std::vector<int64_t>& data_ptrs, const std::
                     present(recv_src_rank) && present(expert_scratch) && present(num_recv_per_expert) &&
                     expert_scratch->numel() >= experts_per_rank && num_recv_per_expert->numel() == experts_per_rank,
                 "ep_moe.native: a dispatch with top-k needs every top-k output");
-  TORCH_CHECK(!rows_in_place || (p.has_topk && recv_x.size(0) == 0 && copy_engine_seq == 0),
-              "ep_moe.native: a dispatch with rows in place is fresh, has an empty recv_x and no copy engine");
-  p.num_recv_rows = static_cast<int>(rows_in_place ? recv_topk_idx->size(0) : recv_x.size(0));
+  TORCH_CHECK(!rows_in_place || ((p.has_topk || (present(cached_src_idx) && cached_src_idx->dim() == 1)) &&
+                                  recv_x.size(0) == 0 && copy_engine_seq == 0),
+              "ep_moe.native: a dispatch with rows in place has top-k (fresh) or cached_src_idx (cached), an empty "
+              "recv_x and no copy engine");
+  p.num_recv_rows = static_cast<int>(!rows_in_place ? recv_x.size(0)
+                                     : p.has_topk   ? recv_topk_idx->size(0)
+                                                    : cached_src_idx->size(0));
   p.rows_in_place = rows_in_place;
   p.expert_alignment = static_cast<int>(expert_alignment);
   p.rows_capacity = rows_capacity;

@@ -193,9 +193,9 @@ struct DispatchParams {
   int64_t copy_engine_slot_rows;
   const int32_t* cached_src_idx;  // [N] the handle's recv_src_idx (cached dispatch), or null (fresh)
   HeaderCheck check;              // cached dispatch (write_arrival): compared in the kernel; fresh: by notify
-  // Rows left in place (a fresh dispatch of the expert-major path; never with the copy engine): the local
-  // blocks wait for every chunk and write the metadata (top-k, weights, source, counts, padding) but copy no
-  // row data (recv_x, recv_scales null). A later kernel on the same stream reads the peers' rows from this
+  // Rows left in place (a fresh or cached dispatch of the expert-major path; never with the copy engine): the
+  // local blocks wait for every chunk and write the metadata (fresh: top-k, weights, source, counts, padding;
+  // cached: none) but copy no row data (recv_x, recv_scales null). A later kernel on the same stream reads the peers' rows from this
   // rank's buffer, where they landed in output order, and the own rows from x (permute_received_rows).
   bool rows_in_place;
 };

@@ -415,7 +415,8 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     """Rows to their destinations (the extension's ``dispatch``); with ``copy_engine_seq > 0`` every rank's whole x
     (and, fresh, its top-k and send lists) goes to the peers by the copy engine (`copy_engine.enqueue_dispatch`).
     ``rows_in_place`` (DispatchParams): recv_x is ``[0, H]`` (its dtype and width only), recv_scales None, and the
-    received rows count is recv_topk_idx's."""
+    received rows count is recv_topk_idx's (fresh) or cached_src_idx's (cached: the handle's recv_src_idx, of which
+    only the size is used; no copy engine)."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks or len(offsets) != 5:
         raise _fail("arguments 'data_ptrs' and 'offsets' must hold R pointers and 5 offsets")
@@ -436,8 +437,10 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
         raise _fail("arguments 'topk_idx' and 'topk_weights' go together")
     if (scales is not None) != (recv_scales is not None) and not (rows_in_place and recv_scales is None):
         raise _fail("arguments 'scales' and 'recv_scales' go together")
-    if rows_in_place and not (has_topk and recv_x.shape[0] == 0 and copy_engine_seq == 0):
-        raise _fail("a dispatch with rows in place is fresh, has an empty recv_x and no copy engine")
+    if rows_in_place and not ((has_topk or (cached_src_idx is not None and cached_src_idx.dim() == 1))
+                              and recv_x.shape[0] == 0 and copy_engine_seq == 0):
+        raise _fail("a dispatch with rows in place has top-k (fresh) or 'cached_src_idx' (cached), an empty recv_x "
+                    "and no copy engine")
     if has_topk and not (recv_topk_idx is not None and recv_topk_weights is not None and recv_src_idx is not None
                          and recv_src_rank is not None and expert_scratch is not None
                          and num_recv_per_expert is not None and expert_scratch.numel() >= experts_per_rank
@@ -470,7 +473,8 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     p.recv_src_rank = _ptr(recv_src_rank, "recv_src_rank")
     p.expert_scratch = _ptr(expert_scratch, "expert_scratch")
     p.num_recv_per_expert = _ptr(num_recv_per_expert, "num_recv_per_expert")
-    p.num_recv_rows = recv_topk_idx.shape[0] if rows_in_place else recv_x.shape[0]
+    p.num_recv_rows = (recv_x.shape[0] if not rows_in_place else recv_topk_idx.shape[0] if has_topk
+                       else cached_src_idx.shape[0])
     p.rows_in_place = rows_in_place
     p.expert_alignment = expert_alignment
     p.rows_capacity = rows_capacity
