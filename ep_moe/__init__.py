@@ -5,8 +5,8 @@ Main entry points:
 * `Buffer`: DeepEP-style ``get_dispatch_layout`` / ``dispatch`` / ``combine`` for one EP group,
   on the ``native`` (NVLink kernels) or ``torch`` (torch.distributed) backend.
 * `dispatch` / `combine` / `cached_dispatch`: the same, differentiable (torch.library custom ops).
-* `expert_dispatch` / `expert_combine`: the expert-major layout (rows grouped by local expert for a grouped
-  GEMM) and the weighted combine, differentiable.
+* `expert_dispatch` / `expert_combine` / `expert_cached_dispatch`: the expert-major layout (rows grouped by local
+  expert for a grouped GEMM), the weighted combine and the cached dispatch, differentiable.
 * `ElasticBuffer`: DeepEP V2's buffer API (compact and expanded layouts, cached and fixed-size dispatch) on a
   `Buffer`.
 * `TokenDispatcher`: what an MoE layer calls (the expert-major dispatch and combine, SM counts planned).
@@ -22,7 +22,13 @@ from .config import Config, NativeOptions  # noqa: E402
 from .dispatcher import DispatchContext, TokenDispatcher  # noqa: E402
 from .elastic import ElasticBuffer, ElasticHandle  # noqa: E402
 from .event import EventOverlap  # noqa: E402
-from .expert_major import ExpertDispatchOutput, ExpertHandle, expert_combine, expert_dispatch  # noqa: E402
+from .expert_major import (  # noqa: E402
+    ExpertDispatchOutput,
+    ExpertHandle,
+    expert_cached_dispatch,
+    expert_combine,
+    expert_dispatch,
+)
 from .handle import DispatchHandle  # noqa: E402
 from .ops import DispatchOutput, cached_dispatch, combine, dispatch  # noqa: E402
 
@@ -44,6 +50,7 @@ __all__ = [
     "cached_dispatch",
     "combine",
     "dispatch",
+    "expert_cached_dispatch",
     "expert_combine",
     "expert_dispatch",
 ]

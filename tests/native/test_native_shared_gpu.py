@@ -10,6 +10,7 @@ same gloo group:
   gradients, bit for bit; the expert-major dispatch leaves the received rows in the receive buffer and permutes
   them from there (``handle.rows_in_place``), and its combine sums the expert-major rows as they go out
   (``NativeBackend.expert_row_combines``), wherever the kernels take the rows, also on adversarial routings,
+  and the cached `expert_cached_dispatch` with each handle leaves its rows in place too (forward and gradients),
   alignments 1 and 128, fixed size with ``num_worst_tokens`` = R * T (T = N) and above (T < N);
 * `ElasticBuffer` (DeepEP V2's API): compact and expanded layouts, exact and fixed size, combine, cached;
 * a fixed-size dispatch + combine captured in a CUDA graph and replayed;
@@ -106,6 +107,7 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
     assert_bits_equal(f"{label} pairs_per_expert", got.pairs_per_expert, want.pairs_per_expert)
     if got.tokens_per_expert_list is not None and want.tokens_per_expert_list is not None:
         assert got.tokens_per_expert_list == want.tokens_per_expert_list, label
+    _check_expert_cached_dispatch(rank, world, index, nat, ref, case, got.handle, want.handle, weights, label)
     y_dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
     g = torch.Generator(device=device).manual_seed(30_000 + 31 * index + rank)
     y = torch.randn(got.expert_weights.shape[0], case["hidden"], generator=g, device=device).to(y_dtype)
@@ -131,6 +133,35 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
     # (measured on the H200: 74 of 128 weights differ in the last bits at H = 256)
     torch.testing.assert_close(grads[0][1].cpu(), grads[1][1].cpu(), rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{label} expert_combine grad expert weights: {m}")
+
+
+def _check_expert_cached_dispatch(rank: int, world: int, index: int, nat, ref, case: dict, handle_nat, handle_ref,
+                                  weights, label: str) -> None:
+    """`expert_cached_dispatch` of new rows and the routing weights with each buffer's handle: bit for bit the torch
+    backend's, forward and (bf16/fp32) the gradients of x and of the weights; on the native backend the received
+    rows are left in place (``in_place_dispatches``) exactly where the fresh dispatch left them."""
+    from ep_moe import expert_cached_dispatch
+
+    data2 = make_inputs(case, rank, world, nat.device, seed=21_000 + index)[0]
+    results = []
+    for buf, handle in ((nat, handle_nat), (ref, handle_ref)):
+        x, w = on_device(buf.device, data2), on_device(buf.device, weights)
+        if not isinstance(x, tuple):
+            x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        before = getattr(buf.backend, "in_place_dispatches", 0)
+        rows, rows_w = expert_cached_dispatch(buf, x, handle, w)
+        taken = getattr(buf.backend, "in_place_dispatches", 0) - before
+        assert taken == int(handle.rows_in_place), f"{label} cached: {taken} in-place dispatches"
+        out = [t.detach().cpu() for t in (rows if isinstance(rows, tuple) else (rows,))] + [rows_w.detach().cpu()]
+        if not isinstance(x, tuple):
+            g = torch.Generator().manual_seed(50_000 + 31 * index + rank)
+            g_rows = torch.randn(rows.shape, generator=g).to(rows.dtype)
+            g_w = torch.randn(rows_w.shape, generator=g)
+            out += [t.cpu() for t in torch.autograd.grad([rows, rows_w], [x, w], [on_device(buf.device, g_rows),
+                                                                                 on_device(buf.device, g_w)])]
+        results.append(out)
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert_bits_equal(f"{label} expert_cached_dispatch output {i}", a, b)
 
 
 def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:

@@ -1,11 +1,12 @@
 """The native backend's host side of the expert-major paths (docs/native.md, "Expert-major rows in the dispatch and
 combine kernels"), on CPU: rank 1 of a two-rank `NativeBackend` built without a GPU, whose extension is a fake that
 plays the kernels' part (as in test_native_mismatch_host.py): its notify writes a count matrix and the send lists, its
-dispatch with ``rows_in_place`` writes the received rows' metadata and puts the peer's rows where the pushers would
+dispatch with ``rows_in_place`` (fresh or cached) writes the received rows' metadata and puts the peer's rows where the pushers would
 (rank-major, in this rank's data buffer; garbage where the own rows and the padding would be), and its combine
 records what it was given. Checked: the binding's argument counts and the in-place flag; `expert_major`'s consume
 (layout, then `permute_received_rows` on the buffer view and the own input through the send list) gives the
-composed path's expert-major rows and weights bit for bit, exact and fixed size, bf16 and the FP8 pair; the
+composed path's expert-major rows and weights bit for bit, exact and fixed size, bf16 and the FP8 pair, also for a
+cached dispatch with the handle of an in-place one (`_cached_dispatch_in_place`); the
 combine of expert-major rows passes the rows, weights and slots last, forms the own rows first, never takes the copy
 engine, and counts its calls; `expert_major_fused=False` and the JIT-only case refuse both modes."""
 
@@ -64,20 +65,14 @@ class FakeKernels:
 
     def dispatch(self, *args) -> None:
         assert len(args) == 35, len(args)
+        if args[7] is None:  # cached: only the peer's rows, where the pushers put them
+            return self._cached_dispatch(*args)
         regions, recv_x, recv_scales = args[2], args[10], args[11]
         recv_idx, recv_w, src_idx, src_rank, counts_out = args[12], args[13], args[14], args[15], args[17]
         rows_capacity, in_place = args[19], args[34]
         assert in_place and recv_x.shape[0] == 0 and recv_scales is None and args[26] == 0  # no copy engine
         n = recv_idx.shape[0]
-        data = self.backend._data.tensor
-        data.fill_(GARBAGE)  # never written where the own rows and the padding would be
-        row_bytes = H * self.s["x"].element_size()
-        peer = self.s["peer_x"].contiguous().view(torch.uint8).view(PEER_ROWS, row_bytes)
-        data[regions[0]:regions[0] + PEER_ROWS * row_bytes].view(PEER_ROWS, row_bytes).copy_(peer)
-        if self.s["peer_scales"] is not None:
-            start = regions[1]  # offsets of the x, scales, top-k, weights and source regions
-            scales = self.s["peer_scales"].contiguous().view(torch.uint8).view(-1)
-            data[start:start + scales.numel()].copy_(scales)
+        self._land_peer_rows(regions)
         used = self.s["recv_idx"].shape[0]
         recv_idx.fill_(-1)
         recv_w.zero_()
@@ -87,6 +82,26 @@ class FakeKernels:
         counts_out.copy_(self.s["aligned_counts"])
         assert n >= used and rows_capacity >= n
         self.calls.append(("dispatch", args))
+
+    def _land_peer_rows(self, regions) -> None:
+        data = self.backend._data.tensor
+        data.fill_(GARBAGE)  # never written where the own rows and the padding would be
+        row_bytes = H * self.s["x"].element_size()
+        peer = self.s["peer_x"].contiguous().view(torch.uint8).view(PEER_ROWS, row_bytes)
+        data[regions[0]:regions[0] + PEER_ROWS * row_bytes].view(PEER_ROWS, row_bytes).copy_(peer)
+        if self.s["peer_scales"] is not None:
+            start = regions[1]  # offsets of the x, scales, top-k, weights and source regions
+            scales = self.s["peer_scales"].contiguous().view(torch.uint8).view(-1)
+            data[start:start + scales.numel()].copy_(scales)
+
+    def _cached_dispatch(self, *args) -> None:
+        recv_x, recv_scales, rows_capacity, write_arrival = args[10], args[11], args[19], args[20]
+        cached_src_idx, in_place = args[31], args[34]
+        assert in_place and recv_x.shape[0] == 0 and recv_scales is None and args[26] == 0  # no copy engine
+        assert write_arrival and all(a is None for a in args[12:18]), "a cached dispatch writes no metadata"
+        assert cached_src_idx is not None and rows_capacity >= cached_src_idx.shape[0]  # N, for the kernel
+        self._land_peer_rows(args[2])
+        self.calls.append(("cached dispatch", args))
 
     def combine(self, *args) -> None:
         assert len(args) == 29, len(args)
@@ -160,16 +175,21 @@ def backend(monkeypatch):
 
 
 class _Buffer:
-    """What `expert_major._dispatch_in_place` uses of a `Buffer`: the group size and `dispatch_result`."""
+    """What `expert_major._dispatch_in_place` and `_cached_dispatch_in_place` use of a `Buffer`: the group size and
+    `dispatch_result` (fresh and cached)."""
 
     group_size = R
 
     def __init__(self, backend) -> None:
         self.backend = backend
 
-    def dispatch_result(self, x, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, num_experts,
-                        consume_in_place):
+    def dispatch_result(self, x, handle=None, topk_idx=None, topk_weights=None, expert_alignment=1,
+                        num_worst_tokens=0, config=None, num_experts=0, consume_in_place=None):
         data, scales = x if isinstance(x, tuple) else (x, None)
+        if handle is not None:  # cached
+            result = self.backend.dispatch(data, scales, None, None, handle.is_token_in_rank, None, handle, 0, 1,
+                                           handle.num_worst_tokens, config or Config(), consume=consume_in_place)
+            return result, None
         per_rank, _, in_rank = dispatch_layout(topk_idx, num_experts, R)
         result = self.backend.dispatch(data, scales, topk_idx, topk_weights, in_rank, per_rank, None, num_experts,
                                        expert_alignment, num_worst_tokens, config or Config(),
@@ -206,6 +226,44 @@ def test_in_place_dispatch_gives_the_composed_rows(backend, monkeypatch, fp8, al
         assert expert_scales is None
     if not fixed:
         assert result.num_recv_tokens_per_expert_list == s["aligned_counts"].tolist()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fixed", [0, 2 * T + 3])
+def test_cached_in_place_dispatch_gives_the_composed_rows(backend, monkeypatch, fp8, fixed):
+    """The cached dispatch with the handle of an in-place one leaves its rows in place too: the binding gets the
+    flag, no top-k and the handle's recv_src_idx (for N), the consume reads the peer's new rows from the buffer and
+    the own ones from the new x through the handle's send list, and gives the composed rows and weights."""
+    s = _scenario(fp8, 4)
+    fake = FakeKernels(backend, s)
+    monkeypatch.setattr(nb, "_c", lambda: fake)
+    x = (s["x"], s["scales"]) if fp8 else s["x"]
+    result, layout, _, _, _ = expert_major._dispatch_in_place(_Buffer(backend), x, s["idx"], s["w"], E, 4, fixed, 0)
+    handle = expert_major.ExpertHandle(layout, result.handle, s["idx"], 0, True)
+    # new rows with the same routing: this rank's x and the peer's rows negated, the scales doubled (exact)
+    x2 = (-s["x"].float()).to(s["x"].dtype)
+    s["peer_x"] = (-s["peer_x"].float()).to(s["x"].dtype)
+    scales2 = None if not fp8 else s["scales"] * 2
+    if fp8:
+        s["peer_scales"] = s["peer_scales"] * 2
+    n = fixed or s["recv_idx"].shape[0]
+    recv_w = torch.cat([s["recv_w"], torch.zeros(n - s["recv_w"].shape[0], K)])  # the weights' cached dispatch
+    monkeypatch.setattr(expert_major, "cached_dispatch_weights", lambda buffer, w, h, num_sms: recv_w)
+    expert_x, expert_w, expert_scales = expert_major._cached_dispatch_in_place(
+        _Buffer(backend), (x2, scales2) if fp8 else x2, handle, s["w"], 0)
+    assert [name for name, _ in fake.calls] == ["notify", "dispatch", "cached dispatch"]
+    assert backend.in_place_dispatches == 2 and fake.calls[-1][1][31] is result.handle.recv_src_idx
+    own = s["in_rank"][:, ME].nonzero().flatten()
+    pad = n - s["recv_x"].shape[0]
+    recv_x = torch.cat([s["peer_x"].view(torch.uint8), x2[own].view(torch.uint8),
+                        torch.zeros(pad, H * x2.element_size(), dtype=torch.uint8)]).view(x2.dtype)
+    want_x, want_w = permute_rows_and_values(recv_x, recv_w, layout)
+    assert torch.equal(expert_x.view(torch.uint8), want_x.view(torch.uint8)) and torch.equal(expert_w, want_w)
+    if fp8:
+        scales = torch.cat([s["peer_scales"], scales2[own], torch.zeros(pad, H // 128)])
+        assert torch.equal(expert_scales, permute_rows(scales, layout))
+    else:
+        assert expert_scales is None
 
 
 def test_combine_of_expert_rows_passes_them_to_the_kernel(backend, monkeypatch):
