@@ -415,7 +415,8 @@ def expert_combine(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Ten
     expert (fp32, products rounded first: no fused multiply-add), rounds to y's dtype and sends one row back; the
     source sums over ranks in increasing order in fp32 and rounds once (the bytes of a rank-major combine).
     False: the source sums ``w * y`` over all of the token's rows in increasing global expert id, in fp32, and
-    rounds once (each row crosses as fp32: ``2 K``-fold the bytes for bf16)."""
+    rounds once (each row crosses as fp32: ``2 K``-fold the bytes for bf16, in one rank-major combine of
+    ``[N, K * H]`` fp32 rows, so the native buffer must hold those wider rows)."""
     op = "expert_combine"
     if not isinstance(handle, ExpertHandle):
         raise _fail(op, "handle", "the ExpertHandle of expert_dispatch", type(handle).__name__)

@@ -96,13 +96,31 @@ __global__ void __launch_bounds__(1024) expert_scan_kernel(ExpertLayoutParams p)
   }
 }
 
+// Whether slot s holds no pair: it lies at or past its expert's pairs (pairs_per_expert, the capacity applied)
+// in the expert's group, or past the last group. Its expert is the last e with first_slot[e] <= s (first_slot
+// is nondecreasing from 0; an empty expert's group is empty, so a later one holds s).
+__device__ __forceinline__ bool is_padding_slot(const ExpertLayoutParams& p, int64_t s) {
+  int lo = 0, hi = p.num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(p.first_slot + mid) <= s) lo = mid;
+    else hi = mid - 1;
+  }
+  return s - __ldg(p.first_slot + lo) >= __ldg(p.pairs_per_expert + lo);
+}
+
 // Per block, its run in order, a sub-tile of kLayoutTileThreads pairs at a time: a pair's slot is its
 // expert's first slot + the expert's pairs in earlier blocks + in earlier sub-tiles of this run + in earlier
 // warps of this sub-tile + in earlier lanes of this warp, so pairs of one expert keep their flat order.
+// First, all blocks together (grid-stride), every padding slot gets P: the pairs fill exactly the other slots
+// below num_slots (each expert's first pairs_per_expert of its group), so pair_of_slot needs no fill launch.
 __global__ void __launch_bounds__(kLayoutTileThreads) expert_assign_kernel(ExpertLayoutParams p) {
   __shared__ int32_t running[kMaxLayoutExperts];
   __shared__ int32_t warp_count[kTileWarps][kMaxLayoutExperts];
   const int L = p.num_experts;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < p.num_slots; s += stride)
+    if (is_padding_slot(p, s)) p.pair_of_slot[s] = p.num_pairs;
   for (int e = threadIdx.x; e < L; e += blockDim.x) {
     running[e] = p.block_counts[static_cast<int64_t>(blockIdx.x) * L + e];
     for (int w = 0; w < kTileWarps; ++w) warp_count[w][e] = 0;

@@ -30,7 +30,7 @@ struct ExpertLayoutParams {
   int64_t* first_slot;         // [L] scratch: each expert's first slot
   int64_t* tokens_per_expert;  // [L] out: pairs rounded up to A
   int64_t* pairs_per_expert;   // [L] out
-  int64_t* pair_of_slot;       // [M] out: filled with P by the caller before launch_expert_slots
+  int64_t* pair_of_slot;       // [M] out: each slot's pair, P for padding (launch_expert_slots writes every slot)
   int64_t* slot_of_pair;       // [P] out: the slot of each pair, -1 for a non-pair or a pair past M
   int64_t* sorted_slots;       // [P] out: per row its slots in increasing order, then -1
 };
@@ -38,7 +38,8 @@ struct ExpertLayoutParams {
 // Counts pairs per expert (per block, then exclusive offsets across blocks) and each expert's first slot;
 // writes tokens_per_expert and pairs_per_expert. P > 0.
 cudaError_t launch_expert_counts(const ExpertLayoutParams& p, cudaStream_t stream);
-// Places every pair in its slot (stable: by expert, then flat pair index) and sorts each row's slots.
+// Places every pair in its slot (stable: by expert, then flat pair index), writes P into every padding slot
+// (reading first_slot and pairs_per_expert from launch_expert_counts), and sorts each row's slots.
 cudaError_t launch_expert_slots(const ExpertLayoutParams& p, cudaStream_t stream);
 
 // out[s] = x[pair_of_slot[s] / K] (bytes), zero for a padding slot (pair outside [0, P));

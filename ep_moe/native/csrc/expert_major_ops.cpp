@@ -62,7 +62,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto longs = topk_idx.options();
   const int64_t rows = topk_idx.size(0), topk = topk_idx.size(1), pairs = rows * topk;
-  at::Tensor tokens = at::full({num_experts}, capacity, longs), counts = at::zeros({num_experts}, longs);
+  // With pairs, the scan kernel writes every count and the assign kernel every slot: no fill launches.
+  at::Tensor tokens = pairs > 0 ? at::empty({num_experts}, longs) : at::full({num_experts}, capacity, longs);
+  at::Tensor counts = pairs > 0 ? at::empty({num_experts}, longs) : at::zeros({num_experts}, longs);
   ep_moe::ExpertLayoutParams p{};
   at::Tensor block_counts, first_slot;
   if (pairs > 0) {
@@ -95,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     check_launch(cudaStreamSynchronize(stream), op);
     num_slots = host.sum().item<int64_t>();
   }
-  at::Tensor pair_of_slot = at::full({num_slots}, pairs, longs);
+  at::Tensor pair_of_slot = pairs > 0 ? at::empty({num_slots}, longs) : at::full({num_slots}, pairs, longs);
   at::Tensor slot_of_pair = at::empty({rows, topk}, longs), sorted_slots = at::empty({rows, topk}, longs);
   if (pairs > 0) {
     p.num_slots = num_slots;

@@ -144,7 +144,8 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
         elif num_slots < 0:  # exact size: the aligned total, read once on the host (with the counts)
             host = tokens.cpu()
             num_slots = int(host.sum())
-        pair_of_slot = torch.full((num_slots,), pairs, **longs)
+        # with pairs, the assign kernel writes every slot (P on padding): no fill launch
+        pair_of_slot = torch.empty(num_slots, **longs) if pairs > 0 else torch.full((num_slots,), pairs, **longs)
         per_pair = torch.empty(2, rows, topk, **longs)
         slot_of_pair, sorted_slots = per_pair[0], per_pair[1]
         if pairs > 0:

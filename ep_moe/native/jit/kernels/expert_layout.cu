@@ -2,7 +2,8 @@
 // expert (per block, then exclusive offsets across blocks), each expert's aligned size and first slot, place every
 // pair in its slot (stable: by expert, then flat pair index), and sort each row's slots. Four kernels, launched in
 // this order by ep_moe/native/jit/expert_major.py: ep_expert_count (num_blocks x 256), ep_expert_scan (1 x 1024),
-// then (after the caller knows M) ep_expert_assign (num_blocks x 256) and ep_expert_sort_rows (one thread per row).
+// then (after the caller knows M) ep_expert_assign (num_blocks x 256; it also writes the padding slots, so
+// pair_of_slot needs no fill) and ep_expert_sort_rows (one thread per row).
 // Block b of the count and assign kernels takes pairs [b * pairs_per_block, ...), a multiple of 256.
 // Specialization: EP_EXPERTS (L <= 1024: the shared-memory counters are sized to it), EP_TOPK (K), and optionally
 // EP_CAPACITY (C > 0: every expert owns exactly C slots, from e * C, and its pairs past C have none; alignment 1).
@@ -90,12 +91,30 @@ extern "C" __global__ void __launch_bounds__(1024) ep_expert_scan(EP_LAYOUT_PARA
   }
 }
 
+// Whether slot s holds no pair: it lies at or past its expert's pairs (pairs_per_expert, the capacity applied)
+// in the expert's group, or past the last group. Its expert is the last e with first_slot[e] <= s (first_slot
+// is nondecreasing from 0; an empty expert's group is empty, so a later one holds s).
+__device__ __forceinline__ bool is_padding_slot(const i64* first_slot, const i64* pairs_per_expert, i64 s) {
+  int lo = 0, hi = kExperts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(first_slot + mid) <= s) lo = mid;
+    else hi = mid - 1;
+  }
+  return s - __ldg(first_slot + lo) >= __ldg(pairs_per_expert + lo);
+}
+
 // Per block, its run in order, 256 pairs at a time: a pair's slot is its expert's first slot + the expert's pairs
 // in earlier blocks + in earlier sub-tiles of this run + in earlier warps of this sub-tile + in earlier lanes of
 // this warp, so the pairs of one expert keep their flat order. A slot at or past num_slots is no slot (-1).
+// First, all blocks together (grid-stride), every padding slot gets P: the pairs fill exactly the other slots
+// below num_slots (each expert's first pairs_per_expert of its group), so pair_of_slot needs no fill launch.
 extern "C" __global__ void __launch_bounds__(kTileThreads) ep_expert_assign(EP_LAYOUT_PARAMS) {
   __shared__ int running[kExperts];
   __shared__ int warp_count[kTileWarps][kExperts];
+  const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
+  for (i64 s = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; s < num_slots; s += stride)
+    if (is_padding_slot(first_slot, pairs_per_expert, s)) pair_of_slot[s] = num_pairs;
   for (int e = threadIdx.x; e < kExperts; e += blockDim.x) {
     running[e] = block_counts[static_cast<i64>(blockIdx.x) * kExperts + e];
 #pragma unroll
