@@ -133,6 +133,17 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
     # (measured on the H200: 74 of 128 weights differ in the last bits at H = 256)
     torch.testing.assert_close(grads[0][1].cpu(), grads[1][1].cpu(), rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{label} expert_combine grad expert weights: {m}")
+    # the exact combine's (allow_multiple_reduction=False: one combine of [N, K * H] fp32 rows, one cached dispatch
+    # back): y's bit for bit, the weights' to rounding (a sum over H, as above)
+    grads = []
+    for buf, out in ((nat, got), (ref, want)):
+        y_in = on_device(buf.device, y).clone().requires_grad_(True)
+        w_in = out.expert_weights.clone().requires_grad_(True)
+        combined = expert_combine(buf, y_in, out.handle, w_in, allow_multiple_reduction=False)
+        grads.append(torch.autograd.grad(combined, [y_in, w_in], on_device(buf.device, g_out)))
+    assert_bits_equal(f"{label} exact expert_combine grad y", grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1].cpu(), grads[1][1].cpu(), rtol=1e-5, atol=1e-4,
+                               msg=lambda m: f"{label} exact expert_combine grad expert weights: {m}")
 
 
 def _check_expert_cached_dispatch(rank: int, world: int, index: int, nat, ref, case: dict, handle_nat, handle_ref,
