@@ -361,9 +361,11 @@ class _ExpertCachedDispatchInPlace(torch.autograd.Function):
         device = layout.slot_of_pair.device
         if grad_rows is None:  # only the weights were used
             grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=device)
-        if need_w and grad_weights is None:  # only the rows were used
+        # with weights, their gradients always travel (zeros where unused), so the combine is the same collective on
+        # every rank
+        if ctx.has_weights and grad_weights is None:  # only the rows were used
             grad_weights = torch.zeros(ctx.rows_shape[0], dtype=torch.float32, device=device)
-        grad_recv_x, grad_recv_w = permute_rows_backward(grad_rows, grad_weights if need_w else None, layout)
+        grad_recv_x, grad_recv_w = permute_rows_backward(grad_rows, grad_weights if ctx.has_weights else None, layout)
         grad_x, grad_w = combine(ctx.buffer, grad_recv_x, ctx.handle.dispatch, grad_recv_w, num_sms=ctx.num_sms)
         return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None
 
