@@ -474,6 +474,14 @@ def local_expert_combine(y: Tensor, handle: ExpertHandle, weights: Tensor | None
 
 
 def _combine_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Tensor | None) -> Tensor:
+    """``allow_multiple_reduction=False`` (`_sum_each_pair`), differentiable by `_ExactCombine` (while torch.compile
+    traces: by autograd through the ops, the same gradients with a K times wider backward)."""
+    if torch.compiler.is_compiling():
+        return _sum_each_pair(buffer, y, handle, weights)
+    return _ExactCombine.apply(y, weights, buffer, handle)
+
+
+def _sum_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Tensor | None) -> Tensor:
     """``allow_multiple_reduction=False`` in one rank-major combine: received row i carries, as its column block k
     (fp32, ``[N, K * H]``), ``w * y`` of its pair (i, k), 0 where it has none; a token gets each column block from
     exactly one rank (the others send 0), so the combine's fp32 sum over ranks is exact, and the K blocks reach the
@@ -482,7 +490,7 @@ def _combine_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights:
     layout = handle.layout
     num_rows, num_topk = layout.slot_of_pair.shape
     hidden = y.shape[1]
-    products = y.float() if weights is None else weights.unsqueeze(1) * y.float()
+    products = _pair_products(y, weights)
     slots = layout.slot_of_pair.reshape(-1)  # pair (i, k) at i * K + k: row i's K blocks side by side
     if y.shape[0]:
         picked = products.index_select(0, slots.clamp(min=0))
@@ -504,6 +512,42 @@ def _combine_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights:
     for k in range(num_topk):
         acc = acc + ranked[:, k]
     return acc.to(y.dtype)
+
+
+def _pair_products(y: Tensor, weights: Tensor | None) -> Tensor:
+    """Each slot's ``w * y`` in fp32 (fp64 with fp64 weights, as in gradcheck), or ``y`` in fp32 without weights."""
+    return y.float() if weights is None else weights.unsqueeze(1) * y.float()
+
+
+class _ExactCombine(torch.autograd.Function):
+    """(y [M, H], weights [M] or None) -> [T, H] by `_sum_each_pair`. The backward sends the output's gradient
+    ``g [T, H]`` once (a cached dispatch of ``[T, H]``, not of the K blocks, each of which gets the same ``g``):
+    every pair's slot gets its token's ``g``, so ``grad_y = w * g`` (rounded to y's dtype) and ``grad_w = <g, y>``
+    (fp32) -- the gradients autograd derives through `_sum_each_pair`, bit for bit (``g`` is taken as ``g + 0``,
+    as the sums into zeros there take it, so a -0 arrives as +0)."""
+
+    @staticmethod
+    def forward(ctx, y, weights, buffer, handle):
+        out = _sum_each_pair(buffer, y, handle, weights)
+        ctx.save_for_backward(y, weights)
+        ctx.buffer, ctx.handle = buffer, handle
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights = ctx.saved_tensors
+        handle = ctx.handle
+        need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
+        acc_dtype = torch.promote_types(torch.float32, weights.dtype) if weights is not None else torch.float32
+        g = grad.to(acc_dtype) + 0.0
+        received = cached_dispatch(ctx.buffer, g.contiguous(), handle.dispatch, handle.num_sms)
+        at_slots = permute_rows(received, handle.layout)  # [M, H]: each pair's token's g, 0 on padding
+        grad_y = grad_w = None
+        if need_y:
+            grad_y = (at_slots if weights is None else at_slots * weights.unsqueeze(1)).to(y.dtype)
+        if need_w:
+            grad_w = (at_slots * y.float()).sum(1)
+        return grad_y, grad_w, None, None
 
 
 __all__ = ["ExpertDispatchOutput", "ExpertHandle", "expert_cached_dispatch", "expert_combine", "expert_dispatch",

@@ -151,17 +151,20 @@ def _k_combines(buffer: Buffer, y: torch.Tensor, handle, weights: torch.Tensor |
 
 
 def _exact_combine_worker(rank: int, num_ranks: int) -> int:
-    """``allow_multiple_reduction=False`` is one rank-major combine of ``[N, K * H]`` fp32 rows (one collective
-    forward, one backward), and gives the K-combine formula's output, ``grad_y`` and ``grad_w`` bit for bit (and
-    the reference's output), on random and adversarial routings, exact and fixed size, weighted and plain."""
+    """``allow_multiple_reduction=False`` is one rank-major combine of ``[N, K * H]`` fp32 rows forward and one
+    cached dispatch of ``[T, H]`` back, and gives the K-combine formula's output, ``grad_y`` and ``grad_w`` bit for
+    bit (and the reference's output), on random and adversarial routings, exact and fixed size, weighted and
+    plain."""
     buffer = Buffer(backend="torch", timeout_s=60)
     calls = {"combine": 0, "dispatch": 0}
+    widths = {}
 
     def counting(name: str):
         inner = getattr(buffer.backend, name)
 
         def counted(*args, **kwargs):
             calls[name] += 1
+            widths[name] = args[0].shape[1]  # the rows' width: x (dispatch) or y (combine)
             return inner(*args, **kwargs)
         return counted
 
@@ -187,6 +190,7 @@ def _exact_combine_worker(rank: int, num_ranks: int) -> int:
         ys, yws = _ys(refs, case.hidden, inp.xs[0].dtype, seed)
         gen = torch.Generator().manual_seed(seed + 100 * rank)
         grad_out = torch.randn(case.tokens[rank], case.hidden, generator=gen).to(ys[rank].dtype)
+        grad_out[:1, :3] = -0.0  # autograd's sums into zeros take a -0 gradient as +0: so must the custom backward
         for weighted in (True, False):
             where = f"{case.name} R={rank}/{num_ranks} fixed={fixed} weighted={weighted}"
             results = []
@@ -202,6 +206,8 @@ def _exact_combine_worker(rank: int, num_ranks: int) -> int:
                 results.append((got.detach(), *grads))
                 if fn == "one":
                     check((forward, backward) == (1, 1), where, f"one collective each way, got {forward}, {backward}")
+                    check((widths["combine"], widths["dispatch"]) == (case.topk * case.hidden, case.hidden), where,
+                          f"[N, K * H] rows forward, [T, H] back, got widths {widths}")
             for name, a, b in zip(("output", "grad y", "grad w"), *results):
                 check_bits(a, b, where, name)
             want = reference_expert_combine(ys, refs, inp.idxs, list(case.tokens), yws if weighted else None,
