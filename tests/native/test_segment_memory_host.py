@@ -11,10 +11,15 @@ whose fake extension plays the kernels).
   times that otherwise;
 * an exact-size dispatch that does not fit raises after its count exchange, having closed the notify's epoch and
   sent no row;
-* `VmmSymmetricBuffer` refuses a ``local`` that is not CUDA bytes.
+* `VmmSymmetricBuffer` with ``local`` maps only the peers (in rank order), allocates nothing and leaves the
+  caller's descriptor open; it refuses a ``local`` that is not CUDA bytes; `SymmetricMemory` with ``share_gpu``
+  makes its GPU segment one exportable allocation and keeps the descriptor until `close_gpu_fd`.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import pytest
 import torch
@@ -116,3 +121,99 @@ def test_local_checks():
     on_cpu = torch.empty(2 << 20, dtype=torch.uint8)
     assert "'local' must be a contiguous 1-D uint8 CUDA tensor" in _local_failure(on_cpu, 3, 2 << 20, 2 << 20, device)
     assert "'local' must be a contiguous" in _local_failure(torch.empty(4, 4), 3, 2 << 20, 2 << 20, device)
+
+
+class _FakeDist:
+    """Rank 1 of 3; every rank gathers the same object."""
+
+    @staticmethod
+    def get_rank(group) -> int:
+        return 1
+
+    @staticmethod
+    def get_world_size(group) -> int:
+        return 3
+
+    @staticmethod
+    def all_gather_object(out: list, obj, group=None) -> None:
+        out[:] = [obj] * len(out)
+
+
+class _FakeRange:
+    """Stands in for `CudaRange`: records what is mapped where."""
+
+    address = 1 << 40
+
+    def __init__(self, size, device, host=True) -> None:
+        self.size, self.maps = size, []
+
+    def map_imported(self, offset, size, fd) -> None:
+        self.maps.append(("imported", offset, size, fd))
+
+    def map_allocation(self, offset, size, allocation) -> None:
+        self.maps.append(("allocation", offset, size, allocation))
+
+    def view(self, offset, size):
+        raise AssertionError("the own copy is the given one: no view of the range")
+
+
+def _new_fd() -> int:
+    """A descriptor of this process (the read end of a pipe whose write end is closed)."""
+    read, write = os.pipe()
+    os.close(write)
+    return read
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_vmm_buffer_maps_the_peers_around_the_given_copy(monkeypatch):
+    """`VmmSymmetricBuffer(local=...)`: the peers' descriptors are mapped in rank order at ``r * nbytes``, this
+    rank's slot is left unmapped and nothing is allocated; ``ptrs[rank]`` is the given copy's address; the peers'
+    descriptors are closed, the caller's is not."""
+    from ep_moe.native import symmetric
+
+    n = 2 << 20
+    local = torch.zeros(n, dtype=torch.uint8)
+    peer0, peer2, own = _new_fd(), _new_fd(), _new_fd()
+    ranges: list[_FakeRange] = []
+    monkeypatch.setattr(symmetric, "dist", _FakeDist)
+    monkeypatch.setattr(symmetric, "_local_failure", lambda *args: None)  # (the tensor is on the CPU here)
+    monkeypatch.setattr(symmetric, "exchange_fds", lambda group, fd, failure, what: ([0, 1, 2], [peer0, fd, peer2]))
+    monkeypatch.setattr(symmetric, "CudaRange", lambda *a, **k: ranges.append(_FakeRange(*a, **k)) or ranges[-1])
+    monkeypatch.setattr(symmetric, "DeviceAllocation", _no_allocation)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    buf = symmetric.VmmSymmetricBuffer("group", torch.device("cuda", 0), n, local=local, local_fd=own)
+    assert ranges[0].size == 3 * n and ranges[0].maps == [("imported", 0, n, peer0), ("imported", 2 * n, n, peer2)]
+    assert buf.tensor is local and buf.peer_tensor(1) is local and buf.nbytes == n
+    assert buf.ptrs == [_FakeRange.address, local.data_ptr(), _FakeRange.address + 2 * n]
+    assert not _is_open(peer0) and not _is_open(peer2) and _is_open(own)
+    os.close(own)
+
+
+def test_segment_is_one_exportable_allocation(monkeypatch):
+    """`SymmetricMemory` with ``share_gpu``: the GPU segment is one exportable allocation the range takes over;
+    its descriptor stays with the memory until `close_gpu_fd`."""
+    from ep_moe.memory import symmetric as memory_symmetric
+
+    class _Allocation:
+        def __init__(self, device, size) -> None:
+            self.size, self.fd = size, _new_fd()
+
+    monkeypatch.setattr(memory_symmetric, "CudaRange", _FakeRange)
+    monkeypatch.setattr(memory_symmetric, "DeviceAllocation", _Allocation)
+    memory = memory_symmetric.SymmetricMemory.__new__(memory_symmetric.SymmetricMemory)
+    memory.device, memory._share_gpu, memory.gpu_fd = torch.device("cuda", 0), True, -1
+    memory._range = _FakeRange(4 << 20, memory.device)
+    memory._map_private(0, 2 << 20)
+    [(kind, offset, size, allocation)] = memory._range.maps
+    assert (kind, offset, size) == ("allocation", 0, 2 << 20) and allocation.fd == -1
+    fd = memory.gpu_fd
+    assert _is_open(fd)
+    memory.close_gpu_fd()
+    assert memory.gpu_fd == -1 and not _is_open(fd)
