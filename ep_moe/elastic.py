@@ -14,8 +14,8 @@ Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outpu
 
 Memory types (``.memory_type``) and Engram (`engram_write` / `engram_fetch`) come from `ep_moe.engram.EngramMixin`
 over `ep_moe.memory`; with the elastic and hybrid types the range's GPU segment is the native backend's
-dispatch/combine memory (``comm_memory_in_segment``; docs/semantics.md); pipeline-parallel send/recv (``pp_*``, `ep_moe.pipeline_comm`) and all-gather /
-reduce-scatter sessions (AGRS, `ep_moe.agrs`) from their mixins, over torch.distributed on both backends. Not
+dispatch/combine memory (``comm_memory_in_segment``; docs/semantics.md); pipeline-parallel send/recv (``pp_*``,
+`ep_moe.pipeline_comm`) and all-gather / reduce-scatter sessions (AGRS, `ep_moe.agrs`) from their mixins, over torch.distributed on both backends. Not
 provided yet: the native (copy-engine) PP and AGRS, RDMA queue pairs (``sl_idx``,
 ``num_allocated_qps``, ``num_qps`` are recorded only).
 """
