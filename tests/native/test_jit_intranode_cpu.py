@@ -24,7 +24,7 @@ import torch
 
 from ep_moe import native
 from ep_moe.native import jit
-from ep_moe.native.jit import cubin
+from ep_moe.native.jit import cubin, expert_major_csrc
 from ep_moe.native.jit import intranode as I
 from ep_moe.native.jit import params as P
 from ep_moe.native.jit.compilers import NvccCompiler, find_nvcc, find_nvrtc
@@ -198,6 +198,7 @@ def recorded(monkeypatch):
     """The launchers on CPU tensors: contiguity checked but not the device, pinned memory assumed, launches
     recorded."""
     calls: list = []
+    loaded: list = []
 
     class _Fake:
         fn = {name: _Recorder(name, calls) for name in I.KERNELS}
@@ -207,6 +208,7 @@ def recorded(monkeypatch):
             raise I._fail(f"argument '{name}' must be a contiguous CUDA tensor")
 
     monkeypatch.setattr(I, "kernels", lambda device: _Fake)
+    monkeypatch.setattr(expert_major_csrc, "kernels", lambda device: loaded.append(device))  # Env loads them early
     monkeypatch.setattr(I, "_check_cuda", check)
     monkeypatch.setattr(I, "_is_pinned", lambda t: not t.is_cuda)
     monkeypatch.setattr(I, "_device", lambda t: 0)
@@ -220,8 +222,13 @@ def _env(ranks=2, rank=1):
                  torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 5_000_000_000, 16, 32, 4)
 
 
-def test_env_fills_the_kernel_env_and_checks_its_arguments(recorded):
+def test_env_fills_the_kernel_env_and_checks_its_arguments(recorded, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(expert_major_csrc, "kernels", lambda device: loaded.append(device))
+    _env(1, 0)
+    assert loaded == [], "one rank: no fused expert-major path, nothing more to load"
     env = _env(3, 2)
+    assert loaded == [0], "the fused paths' expert-major ops are loaded with the Env, not in a first call"
     assert (env.env.rank, env.env.num_ranks, list(env.env.ctrl)[:4]) == (2, 3, [0x1000, 0x2000, 0x3000, 0])
     assert (env.env.timeout_ns, env.env.chunks_per_pair, env.env.min_chunk_rows, env.combine_chunks_per_pair) == \
         (5_000_000_000, 16, 4, 32)

@@ -66,10 +66,10 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 
 # ------------------------------------------------------------------------------------------ loading and checks
-def probe_file(directory: Path | None = None) -> Path:
-    """`params.probe_source` written (once, content-addressed) under ``<cache>/src`` (a temporary folder where that
-    cannot be written): what `ep-moe jit warmup` and the first use compile."""
-    text = P.probe_source()
+def probe_file(directory: Path | None = None, text: str | None = None) -> Path:
+    """`params.probe_source` (or ``text``, another probe) written (once, content-addressed) under ``<cache>/src`` (a
+    temporary folder where that cannot be written): what `ep-moe jit warmup` and the first use compile."""
+    text = P.probe_source() if text is None else text
     name = f"params_layout-{hashlib.sha256(text.encode()).hexdigest()[:16]}.cu"
     if directory is not None:
         return _write_once(Path(directory) / name, text)
@@ -259,8 +259,13 @@ class Env:
         self.combine_chunks_per_pair = combine_chunks
         self._mapped: dict[int, tuple[Tensor, int]] = {}
         # Compile (or read) and check the kernels now, while the backend is being built (its ranks then meet in
-        # a barrier), not in a first call, where peers would wait in a kernel for this rank's compile.
+        # a barrier), not in a first call, where peers would wait in a kernel for this rank's compile; likewise the
+        # expert-major ops of the fused paths (permute of rows in place, own rows of a combine).
         kernels(self.device)
+        if num_ranks > 1:
+            from . import expert_major_csrc
+
+            expert_major_csrc.kernels(self.device)
 
     def device_pointer(self, pinned: Tensor) -> int:
         """The device address of a pinned host tensor (the notify's count buffers), looked up once per tensor:
