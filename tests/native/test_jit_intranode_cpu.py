@@ -192,6 +192,16 @@ class _Recorder:
         copies = [type(p).from_buffer_copy(p) if isinstance(p, ctypes.Structure) else p.value for p in params]
         self.calls.append((self.name, grid, block, copies[0], shared_bytes, copies[1:]))
 
+    def launch_prepared(self, grid, block, stream, args, shared_bytes=0):
+        """A prepared struct (reused across calls): copied as it is at the launch, as the driver copies it."""
+        struct = _PREPARED_TYPES[self.name.split("_")[0]]
+        self.calls.append((self.name, grid, block, struct.from_buffer_copy(struct.from_address(args[0])),
+                           shared_bytes, []))
+
+
+_PREPARED_TYPES = {"layout": P.LayoutParams, "notify": P.NotifyParams, "dispatch": P.DispatchParams,
+                   "combine": P.CombineParams}
+
 
 @pytest.fixture
 def recorded(monkeypatch):
@@ -214,6 +224,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(I, "_device", lambda t: 0)
     monkeypatch.setattr(I, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(I, "host_device_pointer", lambda ptr, device: ptr)
+    monkeypatch.setattr(I, "_zero", lambda device, t, stream: t.zero_())  # cuMemsetD32Async
     return calls
 
 
@@ -737,3 +748,46 @@ def test_copy_engine_checks_before_any_launch(recorded):
         with pytest.raises(ValueError, match=match):
             I.dispatch(env, **{**dispatch, **change})
     assert recorded == [], "nothing launched"
+
+
+# ------------------------------------------------------------------------------------------ prepared structs
+def test_reused_structs_equal_fresh_ones_call_after_call(recorded):
+    """The launchers reuse one parameter struct per Env and kind (setting only what a call can change): after any
+    sequence of calls with and without the optional inputs (top-k, scales, rows in place, expert rows, biases,
+    weights, traces, other headers, a perturbation), each launched struct equals, byte for byte, the one a fresh Env
+    fills for the same call alone."""
+    env = _env()
+    perturb = torch.zeros(3, dtype=torch.int32)
+    expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
+                  sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
+    d, c, n = _dispatch_args(), _combine_args(), _notify_args()
+    calls = [
+        (I.dispatch, d), (I.dispatch, {**_dispatch_args(topk=False), "write_arrival": True}),
+        (I.dispatch, {**d, "rows_in_place": True, "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16)}),
+        (I.dispatch, {**d, "scales": torch.zeros(6, 2), "recv_scales": torch.zeros(9, 2),
+                      "trace": torch.zeros(8 * I.TRACE_SLOTS, dtype=torch.int64)}),
+        (I.dispatch, {**d, "header": [2] + HEADER[1:], "test_perturb": perturb}), (I.dispatch, d),
+        (I.dispatch, {**d, "data_ptrs": [0x30000, 0x40000]}), (I.dispatch, d),
+        (I.combine, {**c, **expert}), (I.combine, c), (I.combine, {**c, "weights": None, "out_weights": None}),
+        (I.combine, {**c, "bias0": None, "bias1": torch.zeros(5, 2048), "bulk_reduce": True}),
+        (I.combine, {**_combine_args(dtype=torch.float32), "off_y": 64}), (I.combine, c),
+        (I.notify, n), (I.notify, {**n, "host_expert_counts": None, "topk_idx": None}), (I.notify, n),
+        (I.notify, {**n, "num_worst_tokens": 5, "header": [3] + HEADER[1:]}),
+    ]
+    for fn, args in calls:
+        fn(env, **args)
+        reused = recorded[-1]
+        fn(I.Env(1, [0x1000, 0x2000], env.state, env.error, 5_000_000_000, 16, 32, 4), **args)  # same memory
+        alone = recorded[-1]
+        assert reused[:3] == alone[:3] and reused[4] == alone[4]
+        assert bytes(reused[3]) == bytes(alone[3]), f"{reused[0]}: the reused struct differs from a fresh one"
+    assert len(env._prepared) == 5, "one struct per kind and fixed inputs (2 dispatch, 2 combine, notify)"
+    with pytest.raises(ValueError, match="header value"):  # a header is validated before it is cached
+        I.dispatch(env, **{**d, "header": [1 << 40] + HEADER[1:]})
+
+
+def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):
+    zeroed = []
+    monkeypatch.setattr(I, "_zero", lambda device, t, stream: zeroed.append(t.numel()) or t.zero_())
+    I.layout(torch.randint(-1, 16, (300, 4)), 16, 4)
+    assert zeroed == [4, 16], "the extension's two memsets, no fill kernels"
