@@ -37,7 +37,6 @@ from . import native, permute_triton
 from .layout import count_values, round_up
 from .native import jit
 from .native.jit import expert_major as jit_kernels
-from .native.jit import expert_major_csrc as jit_csrc
 
 
 class ExpertLayout(NamedTuple):
@@ -477,7 +476,12 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
     how = _implementation(rows)
     if how in ("native", "jit") and not torch.compiler.is_compiling():
-        kernel = torch.ops.ep_moe_native.permute_received_rows if how == "native" else jit_csrc.permute_received_rows
+        if how == "native":
+            kernel = torch.ops.ep_moe_native.permute_received_rows
+        else:  # imported here: the intranode JIT module it comes with is not needed before
+            from .native.jit import expert_major_csrc
+
+            kernel = expert_major_csrc.permute_received_rows
         out, slot_values = kernel(
             rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
             rank_prefix_matrix.to(torch.int32).contiguous(), rank, layout.pair_of_slot, layout.num_topk,
