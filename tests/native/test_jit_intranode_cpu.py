@@ -791,3 +791,121 @@ def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):
     monkeypatch.setattr(I, "_zero", lambda device, t, stream: zeroed.append(t.numel()) or t.zero_())
     I.layout(torch.randint(-1, 16, (300, 4)), 16, 4)
     assert zeroed == [4, 16], "the extension's two memsets, no fill kernels"
+
+
+def _reference_struct(kind: str, env, a: dict):
+    """The parameter struct of a call without a copy engine, filled field by field as ``csrc/binding.cpp`` fills it
+    (the launchers' first, attribute-by-attribute version): the oracle of the launchers' batched field writes."""
+    def ptr(t):
+        return 0 if t is None else t.data_ptr()
+
+    if kind == "notify":
+        p = P.NotifyParams()
+        p.env = env.env
+        p.is_token_in_rank, p.num_tokens_per_rank = ptr(a["is_token_in_rank"]), ptr(a["num_tokens_per_rank"])
+        p.counts_int64 = a["num_tokens_per_rank"].dtype == torch.int64
+        p.num_tokens = a["is_token_in_rank"].shape[0]
+        p.rank_prefix_matrix, p.pos, p.send_list = ptr(a["rank_prefix_matrix"]), ptr(a["pos"]), ptr(a["send_list"])
+        p.host_counts = ptr(a["host_counts"])
+        p.num_worst_tokens, p.rows_capacity = a["num_worst_tokens"], a["rows_capacity"]
+        p.check = I.header_check(a["header"], False, a["test_perturb"])
+        if a["host_expert_counts"] is not None:
+            p.topk_idx, p.num_topk = ptr(a["topk_idx"]), a["topk_idx"].shape[1]
+            p.experts_per_rank, p.expert_alignment = a["experts_per_rank"], a["expert_alignment"]
+            p.host_expert_counts = ptr(a["host_expert_counts"])
+        return p
+    if kind == "dispatch":
+        p = P.DispatchParams()
+        p.env = env.env
+        for r, value in enumerate(a["data_ptrs"]):
+            p.data[r] = value
+        p.off_x, p.off_scales, p.off_idx, p.off_weights, p.off_src = a["offsets"]
+        x, topk, in_place = a["x"], a["topk_idx"], a["rows_in_place"]
+        p.rank_prefix_matrix, p.send_list = ptr(a["rank_prefix_matrix"]), ptr(a["send_list"])
+        p.num_tokens, p.x, p.x_bytes = x.shape[0], ptr(x), x.shape[1] * x.element_size()
+        p.has_scales, p.scales = a["scales"] is not None, ptr(a["scales"])
+        p.num_scales = a["scales"].shape[1] if a["scales"] is not None else 0
+        p.has_topk, p.topk_idx, p.topk_weights = topk is not None, ptr(topk), ptr(a["topk_weights"])
+        p.num_topk = topk.shape[1] if topk is not None else 0
+        p.experts_per_rank = a["experts_per_rank"]
+        p.recv_x = 0 if in_place else ptr(a["recv_x"])
+        for name in ("recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_src_rank",
+                     "expert_scratch", "num_recv_per_expert"):
+            setattr(p, name, ptr(a[name]))
+        p.num_recv_rows = a["recv_topk_idx"].shape[0] if in_place else a["recv_x"].shape[0]
+        p.rows_in_place, p.expert_alignment, p.rows_capacity = in_place, a["expert_alignment"], a["rows_capacity"]
+        p.write_arrival, p.num_blocks, p.num_push_blocks = a["write_arrival"], a["num_blocks"], a["num_push_blocks"]
+        p.trace = ptr(a["trace"])
+        p.check = I.header_check(a["header"], a["write_arrival"], a["test_perturb"])
+        return p
+    p = P.CombineParams()
+    p.env = env.env
+    p.env.chunks_per_pair = env.combine_chunks_per_pair
+    for r, value in enumerate(a["data_ptrs"]):
+        p.data[r] = value
+    y, w = a["y"], a["weights"]
+    p.off_y, p.off_weights, p.rows_capacity = a["off_y"], a["off_weights"], a["rows_capacity"]
+    p.rank_prefix_matrix, p.is_token_in_rank, p.pos = (ptr(a["rank_prefix_matrix"]), ptr(a["is_token_in_rank"]),
+                                                        ptr(a["pos"]))
+    p.num_tokens, p.y, p.y_type, p.hidden = a["is_token_in_rank"].shape[0], ptr(y), I.ELEM_TYPES[y.dtype], y.shape[1]
+    p.has_weights, p.weights, p.num_topk = w is not None, ptr(w), w.shape[1] if w is not None else 0
+    p.out_weights, p.bias0, p.bias1 = ptr(a["out_weights"]), ptr(a["bias0"]), ptr(a["bias1"])
+    p.bias0_type = I.ELEM_TYPES[a["bias0"].dtype] if a["bias0"] is not None else 0
+    p.bias1_type = I.ELEM_TYPES[a["bias1"].dtype] if a["bias1"] is not None else 0
+    p.out, p.num_blocks, p.num_push_blocks, p.trace = ptr(a["out"]), a["num_blocks"], a["num_push_blocks"], ptr(a["trace"])
+    p.bulk_reduce = a["bulk_reduce"]
+    if a["expert_y"] is not None:
+        p.expert_y, p.expert_weights, p.sorted_slots = ptr(a["expert_y"]), ptr(a["expert_weights"]), ptr(a["sorted_slots"])
+        p.expert_topk, p.expert_slots = a["sorted_slots"].shape[1], a["expert_y"].shape[0]
+    p.check = I.header_check(a["header"], True, a["test_perturb"])
+    p.bulk_piece16 = I.bulk_piece16(env.env.num_ranks, y.shape[1] * y.element_size() // 16) if a["bulk_reduce"] else 0
+    return p
+
+
+def test_launched_structs_equal_the_field_by_field_reference(recorded):
+    """Every launched struct (prepared, batched field writes) equals byte for byte the one filled attribute by
+    attribute from the same arguments, over calls that set and unset every optional input in turn."""
+    env = _env()
+    expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
+                  sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
+    d, c, n = _dispatch_args(), _combine_args(), _notify_args()
+    calls = [
+        ("dispatch", d), ("dispatch", {**_dispatch_args(topk=False), "write_arrival": True}),
+        ("dispatch", {**d, "rows_in_place": True, "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16)}),
+        ("dispatch", {**d, "scales": torch.zeros(6, 2), "recv_scales": torch.zeros(9, 2),
+                      "trace": torch.zeros(8 * I.TRACE_SLOTS, dtype=torch.int64), "test_perturb":
+                      torch.zeros(3, dtype=torch.int32)}),
+        ("dispatch", {**d, "expert_alignment": 16, "rows_capacity": 1 << 33}), ("dispatch", d),
+        ("combine", {**c, **expert}), ("combine", c), ("combine", {**c, "weights": None, "out_weights": None}),
+        ("combine", {**c, "bias0": None, "bias1": torch.zeros(5, 2048), "bulk_reduce": True}),
+        ("combine", {**_combine_args(dtype=torch.float32, H=7168), "bulk_reduce": True}), ("combine", c),
+        ("notify", n), ("notify", {**n, "host_expert_counts": None, "topk_idx": None}),
+        ("notify", {**n, "num_tokens_per_rank": torch.zeros(2, dtype=torch.int32), "num_worst_tokens": 7}),
+    ]
+    for kind, args in calls:
+        getattr(I, kind)(env, **args)
+        got = recorded[-1][3]
+        want = _reference_struct(kind, env, args)
+        for name in type(want).field_names():  # a named difference first, then every byte (padding too)
+            a, b = getattr(got, name), getattr(want, name)
+            if isinstance(a, ctypes.Structure):
+                a, b = bytes(a), bytes(b)
+            elif isinstance(a, ctypes.Array):
+                a, b = list(a), list(b)
+            assert a == b, f"{kind}: field {name}"
+        assert bytes(got) == bytes(want), kind
+
+
+def test_field_writer_checks_its_run_and_values():
+    w = P.FieldWriter(P.LayoutParams, ("num_tokens", "num_topk", "num_experts", "num_ranks"))
+    p = P.LayoutParams(topk_idx=7, num_tokens_per_rank=8)
+    w.write(memoryview(p).cast("B"), 1, 2, 3, 4)
+    assert (p.topk_idx, p.num_tokens, p.num_topk, p.num_experts, p.num_ranks, p.num_tokens_per_rank) == (7, 1, 2, 3, 4, 8)
+    with pytest.raises(ValueError, match="LayoutParams: a value does not fit its field"):
+        w.write(memoryview(p).cast("B"), 1 << 40, 2, 3, 4)
+    with pytest.raises(ValueError, match="must be a run in the struct's order"):
+        P.FieldWriter(P.LayoutParams, ("num_tokens", "num_experts"))
+    with pytest.raises(ValueError, match="must be a run in the struct's order"):
+        P.FieldWriter(P.LayoutParams, ("num_topk", "num_tokens"))
+    with pytest.raises(ValueError, match="is not a scalar"):
+        P.FieldWriter(P.KernelEnv, ("num_ranks", "ctrl"))

@@ -239,10 +239,11 @@ class _Prepared:
     arguments during cuLaunchKernel, so the struct may be refilled for the next call at once; the lock keeps two
     threads from filling it at the same time."""
 
-    __slots__ = ("params", "args", "check_key", "lock")
+    __slots__ = ("params", "view", "args", "check_key", "lock")
 
     def __init__(self, make) -> None:
         self.params = make()
+        self.view = memoryview(self.params).cast("B")  # what the FieldWriters write into
         self.args = prepared_args(self.params)
         self.check_key: tuple | None = None
         self.lock = threading.Lock()
@@ -482,21 +483,24 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
         _check_cuda(topk_idx, "topk_idx")
     prepared = env.prepared(("notify",), lambda: _with_env(P.NotifyParams(), env))
     with prepared.lock:  # every field a call may change is set below
-        p = prepared.params
-        p.is_token_in_rank, p.num_tokens_per_rank = is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr()
-        p.counts_int64 = num_tokens_per_rank.dtype == torch.int64
-        p.num_tokens, p.rank_prefix_matrix = num_tokens, rank_prefix_matrix.data_ptr()
-        p.pos, p.send_list = pos.data_ptr(), send_list.data_ptr()
-        p.host_counts = env.device_pointer(host_counts)
-        p.num_worst_tokens, p.rows_capacity = num_worst_tokens, rows_capacity
-        prepared.set_check(header, False, test_perturb, None)
         if host_expert_counts is None:
-            p.topk_idx = p.num_topk = p.experts_per_rank = p.expert_alignment = p.host_expert_counts = 0
+            experts = (0, 0, 0, 0, 0)
         else:
-            p.topk_idx, p.num_topk = topk_idx.data_ptr(), topk_idx.shape[1]
-            p.experts_per_rank, p.expert_alignment = experts_per_rank, expert_alignment
-            p.host_expert_counts = env.device_pointer(host_expert_counts)
+            experts = (topk_idx.data_ptr(), topk_idx.shape[1], experts_per_rank, expert_alignment,
+                       env.device_pointer(host_expert_counts))
+        _NOTIFY_FIELDS.write(prepared.view, is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr(),
+                             num_tokens_per_rank.dtype == torch.int64, num_tokens, rank_prefix_matrix.data_ptr(),
+                             pos.data_ptr(), send_list.data_ptr(), env.device_pointer(host_counts), num_worst_tokens,
+                             rows_capacity, *experts)
+        prepared.set_check(header, False, test_perturb, None)
         _launch_prepared(env.device, "notify", 1 + num_ranks, NOTIFY_THREADS, prepared)
+
+
+# What a notify call writes (every field but the Env and the header check), in the struct's order.
+_NOTIFY_FIELDS = P.FieldWriter(P.NotifyParams, (
+    "is_token_in_rank", "num_tokens_per_rank", "counts_int64", "num_tokens", "rank_prefix_matrix", "pos", "send_list",
+    "host_counts", "num_worst_tokens", "rows_capacity", "topk_idx", "num_topk", "experts_per_rank", "expert_alignment",
+    "host_expert_counts"))
 
 
 # ------------------------------------------------------------------------------------------ dispatch
@@ -554,24 +558,17 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
                                 lambda: _dispatch_template(env, data_ptrs, offsets))
         p = prepared.params
     with _NO_LOCK if fresh else prepared.lock:  # every field a call may change is set below
-        p.rank_prefix_matrix, p.send_list = rank_prefix_matrix.data_ptr(), send_list.data_ptr()
-        p.num_tokens, p.x, p.x_bytes = x.shape[0], x.data_ptr(), x_bytes
-        p.has_scales, p.scales, p.num_scales = scales is not None, scales_ptr, scales.shape[1] if scales is not None else 0
-        p.has_topk, p.topk_idx, p.topk_weights = has_topk, topk_ptr, weights_ptr
-        p.num_topk = topk_idx.shape[1] if has_topk else 0
-        p.experts_per_rank = experts_per_rank
-        p.recv_x = 0 if rows_in_place else recv_x.data_ptr()
-        p.recv_scales = _ptr(recv_scales, "recv_scales")
-        p.recv_topk_idx = _ptr(recv_topk_idx, "recv_topk_idx")
-        p.recv_topk_weights = _ptr(recv_topk_weights, "recv_topk_weights")
-        p.recv_src_idx = _ptr(recv_src_idx, "recv_src_idx")
-        p.recv_src_rank = _ptr(recv_src_rank, "recv_src_rank")
-        p.expert_scratch = _ptr(expert_scratch, "expert_scratch")
-        p.num_recv_per_expert = _ptr(num_recv_per_expert, "num_recv_per_expert")
-        p.num_recv_rows = recv_topk_idx.shape[0] if rows_in_place else recv_x.shape[0]
-        p.rows_in_place, p.expert_alignment, p.rows_capacity = rows_in_place, expert_alignment, rows_capacity
-        p.write_arrival, p.num_blocks, p.num_push_blocks = write_arrival, num_blocks, num_push_blocks
-        p.trace = _trace_ptr(trace, num_blocks)
+        _DISPATCH_FIELDS.write(
+            memoryview(p).cast("B") if fresh else prepared.view, rank_prefix_matrix.data_ptr(), send_list.data_ptr(),
+            x.shape[0], x.data_ptr(), x_bytes, scales_ptr, scales.shape[1] if scales is not None else 0,
+            scales is not None, has_topk, topk_ptr, weights_ptr, topk_idx.shape[1] if has_topk else 0, experts_per_rank,
+            0 if rows_in_place else recv_x.data_ptr(), _ptr(recv_scales, "recv_scales"),
+            _ptr(recv_topk_idx, "recv_topk_idx"), _ptr(recv_topk_weights, "recv_topk_weights"),
+            _ptr(recv_src_idx, "recv_src_idx"), _ptr(recv_src_rank, "recv_src_rank"),
+            recv_topk_idx.shape[0] if rows_in_place else recv_x.shape[0], rows_capacity,
+            _ptr(expert_scratch, "expert_scratch"), _ptr(num_recv_per_expert, "num_recv_per_expert"),
+            expert_alignment, write_arrival, num_blocks, num_push_blocks, _trace_ptr(trace, num_blocks))
+        p.rows_in_place = rows_in_place
         shared = 4 * experts_per_rank if has_topk else 0  # hist[]: received pairs per local expert
         # a cached dispatch checks the header in the kernel (with the handle's layout digest and the number its
         # copy stream writes); a fresh one's notify did
@@ -612,6 +609,12 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
 
 
 _NO_LOCK = contextlib.nullcontext()
+# What a dispatch call writes (before its copy-engine fields, header check and rows_in_place), in the struct's order.
+_DISPATCH_FIELDS = P.FieldWriter(P.DispatchParams, (
+    "rank_prefix_matrix", "send_list", "num_tokens", "x", "x_bytes", "scales", "num_scales", "has_scales", "has_topk",
+    "topk_idx", "topk_weights", "num_topk", "experts_per_rank", "recv_x", "recv_scales", "recv_topk_idx",
+    "recv_topk_weights", "recv_src_idx", "recv_src_rank", "num_recv_rows", "rows_capacity", "expert_scratch",
+    "num_recv_per_expert", "expert_alignment", "write_arrival", "num_blocks", "num_push_blocks", "trace"))
 
 
 def _dispatch_template(env: Env, data_ptrs: list[int], offsets: list[int]) -> P.DispatchParams:
@@ -696,20 +699,18 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
         p = prepared.params
     name = "combine_bf16" if y_type == 1 else "combine_fp32"
     with _NO_LOCK if fresh else prepared.lock:  # every field a call may change is set below
-        p.rows_capacity, p.rank_prefix_matrix = rows_capacity, rank_prefix_matrix.data_ptr()
-        p.is_token_in_rank, p.pos, p.num_tokens = is_token_in_rank.data_ptr(), pos.data_ptr(), num_tokens
-        p.y, p.y_type, p.hidden = y.data_ptr(), y_type, y.shape[1]
-        p.has_weights, p.weights, p.num_topk, p.out_weights = has_weights, weights_ptr, num_topk, out_weights_ptr
-        p.bias0, p.bias1, p.bias0_type, p.bias1_type = bias0_ptr, bias1_ptr, bias0_type, bias1_type
-        p.out, p.num_blocks, p.num_push_blocks = out.data_ptr(), num_blocks, num_push_blocks
-        p.trace = _trace_ptr(trace, num_blocks)
+        view = memoryview(p).cast("B") if fresh else prepared.view
+        _COMBINE_FIELDS.write(
+            view, rows_capacity, rank_prefix_matrix.data_ptr(), is_token_in_rank.data_ptr(), pos.data_ptr(),
+            num_tokens, y.data_ptr(), y_type, y.shape[1], has_weights, weights_ptr, num_topk, bias0_ptr, bias1_ptr,
+            bias0_type, bias1_type, out.data_ptr(), out_weights_ptr, num_blocks, num_push_blocks,
+            _trace_ptr(trace, num_blocks))
         p.bulk_reduce = bulk_reduce
         if expert_y is None:
-            p.expert_y = p.expert_weights = p.sorted_slots = p.expert_topk = p.expert_slots = 0
+            _COMBINE_EXPERT_FIELDS.write(view, 0, 0, 0, 0, 0)
         else:
-            p.expert_y, p.expert_weights = expert_y.data_ptr(), _ptr(expert_weights, "expert_weights")
-            p.sorted_slots, p.expert_topk, p.expert_slots = (sorted_slots.data_ptr(), sorted_slots.shape[1],
-                                                             expert_y.shape[0])
+            _COMBINE_EXPERT_FIELDS.write(view, expert_y.data_ptr(), _ptr(expert_weights, "expert_weights"),
+                                         sorted_slots.data_ptr(), sorted_slots.shape[1], expert_y.shape[0])
         p.bulk_piece16 = piece16 = bulk_piece16(num_ranks, y_bytes // 16) if bulk_reduce else 0
         shared = bulk_smem_bytes(num_ranks, piece16) if piece16 > 0 else 0
         if not fresh:
@@ -731,6 +732,15 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
     _launch(env.device, name, num_blocks, THREADS, p, shared_bytes=shared)
     enqueue_combine(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
                     loaded.control_flags_offset)
+
+
+# What a combine call writes before its copy-engine fields, and its expert-major rows after the header check.
+_COMBINE_FIELDS = P.FieldWriter(P.CombineParams, (
+    "rows_capacity", "rank_prefix_matrix", "is_token_in_rank", "pos", "num_tokens", "y", "y_type", "hidden",
+    "has_weights", "weights", "num_topk", "bias0", "bias1", "bias0_type", "bias1_type", "out", "out_weights",
+    "num_blocks", "num_push_blocks", "trace"))
+_COMBINE_EXPERT_FIELDS = P.FieldWriter(P.CombineParams, ("expert_y", "expert_weights", "sorted_slots", "expert_topk",
+                                                         "expert_slots"))
 
 
 def _combine_template(env: Env, data_ptrs: list[int], off_y: int, off_weights: int) -> P.CombineParams:

@@ -16,6 +16,7 @@ No CUDA and no torch here.
 from __future__ import annotations
 
 import ctypes
+import struct as _struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -272,6 +273,43 @@ class RoutingMapParams(Params):
 EXPERT_MAJOR_MIRRORED: tuple[type[Params], ...] = (PermuteRowsParams, UnpermuteSumParams, RoutingMapParams)
 
 
+_PACK_CODES = {PTR: "Q", I64: "q", I32: "i", BOOL: "?"}  # (U64 is PTR's type: both c_uint64)
+
+
+class FieldWriter:
+    """Writes a run of consecutive fields of a mirrored struct in one ``struct.pack_into`` (the launchers' per-call
+    fields: one C call instead of a ctypes attribute write each). ``names`` must be in the struct's order and cover
+    every field between the first and the last (the gaps between them are padding, written as zeros, as a fresh
+    struct has them); `write` takes the values in that order. Raises ``ValueError`` naming the struct when the names
+    do not form such a run."""
+
+    def __init__(self, struct_type: type[Params], names: Sequence[str]) -> None:
+        kinds = dict(struct_type._fields_)
+        descriptors = [getattr(struct_type, name) for name in names]
+        first, last = descriptors[0].offset, descriptors[-1].offset + descriptors[-1].size
+        inside = [name for name in struct_type.field_names() if first <= getattr(struct_type, name).offset < last]
+        if inside != list(names):
+            raise ValueError(f"FieldWriter({struct_type.__name__}): the fields must be a run in the struct's order, "
+                             f"got {list(names)}, the struct has {inside} there")
+        fmt, pos = "=", first
+        for name, descriptor in zip(names, descriptors):
+            if kinds[name] not in _PACK_CODES:
+                raise ValueError(f"FieldWriter({struct_type.__name__}): field {name!r} is not a scalar")
+            fmt += f"{descriptor.offset - pos}x" * (descriptor.offset > pos) + _PACK_CODES[kinds[name]]
+            pos = descriptor.offset + descriptor.size
+        self.struct_name, self.names, self.offset = struct_type.__name__, tuple(names), first
+        self._packer = _struct.Struct(fmt)
+
+    def write(self, view: memoryview, *values: int | bool) -> None:
+        """The values into the struct that ``view`` (``memoryview(params).cast("B")``) shows; raises ``ValueError``
+        naming the struct when a value does not fit its field."""
+        try:
+            self._packer.pack_into(view, self.offset, *values)
+        except _struct.error as exc:
+            raise ValueError(f"{self.struct_name}: a value does not fit its field ({', '.join(self.names)}): "
+                             f"{exc}") from None
+
+
 def layout_of(structs: Sequence[type[Params]] = MIRRORED) -> list[tuple[str, int]]:
     """ctypes' layout, in the probe's order: per struct ``(Struct, sizeof)``, then ``(Struct.field, offsetof)`` of
     each field."""
@@ -338,6 +376,6 @@ def constant_mismatches(compiled: Sequence[int], constants: Sequence[tuple[str, 
 
 
 __all__ = ["CONSTANTS", "CSRC_DIR", "EXPERT_MAJOR_CONSTANTS", "EXPERT_MAJOR_H", "EXPERT_MAJOR_MIRRORED", "KERNELS_H",
-           "MIRRORED", "CombineParams", "CopyEngineParams", "DispatchParams", "HeaderCheck", "KernelEnv",
+           "MIRRORED", "CombineParams", "CopyEngineParams", "DispatchParams", "FieldWriter", "HeaderCheck", "KernelEnv",
            "LayoutParams", "NotifyParams", "Params", "PermuteRowsParams", "RoutingMapParams", "UnpermuteSumParams",
            "constant_mismatches", "layout_mismatches", "layout_of", "probe_source"]
