@@ -222,7 +222,7 @@ def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, ite
     layout = P.expert_layout(idx, L, A, P.max_slots(N, idx.shape[1], L, A))
     rows = torch.randn(N, H, device="cuda", generator=gen).to(dtype)
     own_x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
-    own_tokens = torch.randperm(T, device="cuda", generator=gen).to(torch.int32)
+    own_tokens = torch.randperm(T, generator=torch.Generator().manual_seed(3)).to(torch.int32).cuda()
     values = torch.rand(N * idx.shape[1], device="cuda", generator=gen)
     y = torch.randn(layout.num_slots, H, device="cuda", generator=gen).to(dtype)
     w = torch.rand(layout.num_slots, device="cuda", generator=gen)
