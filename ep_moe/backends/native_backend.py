@@ -128,8 +128,19 @@ def _c():
 def _own_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor, prefix: torch.Tensor,
               rank: int) -> torch.Tensor:
     """``ep_moe_native::unpermute_own_rows``: ``[N, H]``, this rank's own rows of ``unpermute_sum(y, weights)``
-    (the others unspecified)."""
+    (the others unspecified); from the build the intranode kernels come from (`ep_moe.native.kernels_kind`)."""
+    if native.kernels_kind() == "jit":
+        from ..native.jit import expert_major_csrc
+
+        return expert_major_csrc.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
     return torch.ops.ep_moe_native.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
+
+
+def _expert_major_ops() -> bool:
+    """Whether the expert-major ops of the fused paths (permute of rows in place, own rows of a combine) exist
+    here: the extension's, or the JIT's (`ep_moe.native.jit.expert_major_csrc`) where the intranode kernels are
+    JIT-built (every rank agrees on that build)."""
+    return native.extension_available() or native.kernels_kind() == "jit"
 
 
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -448,16 +459,16 @@ class NativeBackend(CommBackend):
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
     def combines_expert_rows(self, row_bytes: int) -> bool:
-        """At two or more ranks, rows the kernels take, with the extension's expert-major ops (which form the own
-        rows; see `CommBackend.combines_expert_rows`)."""
+        """At two or more ranks, rows the kernels take, with the expert-major ops (the extension's or the JIT's,
+        which form the own rows; see `CommBackend.combines_expert_rows`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused and self._kernels_take(row_bytes)
-                and native.extension_available())
+                and _expert_major_ops())
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
-        """A fresh dispatch the kernels take, at two or more ranks, with the extension's expert-major ops (which
-        permute the rows from where they landed; see `CommBackend.receives_in_place`)."""
+        """A fresh dispatch the kernels take, at two or more ranks, with the expert-major ops (the extension's or
+        the JIT's, which permute the rows from where they landed; see `CommBackend.receives_in_place`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused
-                and self._kernels_take(row_bytes, num_experts // self.num_ranks) and native.extension_available())
+                and self._kernels_take(row_bytes, num_experts // self.num_ranks) and _expert_major_ops())
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
