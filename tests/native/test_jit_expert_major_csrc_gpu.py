@@ -82,6 +82,7 @@ def _routing_case(dtype, shape):
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("shape", [(300, 16, 4), (64, 3, 4), (0, 8, 2), (1000, 256, 8)])
 def test_routing_map_to_topk_equals_the_torch_ops_and_the_extension(dtype, shape):
+    pytest.importorskip("megatron.core", reason="Megatron's routing map conversion needs megatron-core")
     integ = pytest.importorskip("ep_moe.integrations.megatron")
     routing_map, probs, grad, K = _routing_case(dtype, shape)
     results = []
