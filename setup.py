@@ -1,12 +1,15 @@
 """Build script for ep_moe.
 
-The pure-Python package installs everywhere. The CUDA extension ``ep_moe.native._C`` (the native
-intranode kernels) is compiled only when both a CUDA toolkit and a CUDA build of torch are present
-at build time; install with ``--no-build-isolation`` so that the build sees the installed torch.
-Elsewhere the package installs without it: the same kernels are then compiled on first use where a CUDA
-compiler is found (``ep_moe.native.jit``), else the ``torch`` backend runs. The extension stays the default
-build while the JIT layer does not cover all of it yet (``routing_map_to_topk``; the JIT copy engine is not
-yet measured on two GPUs); ``EP_MOE_SKIP_NATIVE=1`` installs without compiling anything.
+By default nothing is compiled: the package installs in seconds, needs neither torch nor a CUDA toolkit at build
+time, and its CUDA kernels compile on first use where a CUDA compiler is found (``ep_moe.native.jit``: NVRTC from
+the ``nvidia-cuda-nvrtc`` wheel that CUDA torch depends on, or nvcc), cached on disk; ``ep-moe jit warmup`` fills
+that cache ahead of time (e.g. on a login node for compute nodes without a compiler). Without CUDA the ``torch``
+backend runs.
+
+``EP_MOE_BUILD_EXTENSION=1`` also builds the ahead-of-time CUDA extension ``ep_moe.native._C`` (the same kernels),
+when both a CUDA toolkit and a CUDA build of torch are present at build time; install with
+``--no-build-isolation`` so that the build sees the installed torch. Where it is built it is used (``EP_MOE_JIT=1``
+prefers the JIT kernels anyway). ``EP_MOE_SKIP_NATIVE=1`` never builds it.
 
 The decision is printed to stderr (pip shows it only with ``-v``) and recorded in
 ``ep_moe/native/build_info.json`` (shipped with the package), which ``ep-moe env`` and
@@ -45,6 +48,9 @@ def _cuda_extension() -> tuple[list, dict, dict]:
 
     if os.environ.get("EP_MOE_SKIP_NATIVE", "0") == "1":
         return without("EP_MOE_SKIP_NATIVE=1")
+    if os.environ.get("EP_MOE_BUILD_EXTENSION", "0") != "1":
+        return without("not asked for (the default: the kernels compile on first use, ep_moe.native.jit; "
+                       "EP_MOE_BUILD_EXTENSION=1 builds the extension ahead of time)")
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
@@ -111,8 +117,8 @@ def _write_build_record(record: dict, root: str) -> None:
 ext_modules, cmdclass, build_record = _cuda_extension()
 _write_build_record(build_record, HERE)
 if not ext_modules:
-    print(f"ep_moe: building without the native CUDA kernels ({build_record['reason']}); "
-          "the 'torch' backend will be used.", file=sys.stderr)
+    print(f"ep_moe: building without the native CUDA extension ({build_record['reason']}); the kernels compile on "
+          "first use where a CUDA compiler is found, else the 'torch' backend is used.", file=sys.stderr)
 
 setup(
     name="ep_moe",

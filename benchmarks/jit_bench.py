@@ -25,6 +25,14 @@ outputs checked equal bit for bit, then per call: ``layout`` (get_dispatch_layou
 GPU and host time as above:
 
     python3 benchmarks/jit_bench.py --intranode --tokens 128 4096 --hidden 7168 --topk 8 --experts 256
+
+``--csrc-ops`` adds the extension's generic expert-major ops that the JIT builds from ``csrc/expert_major.cu``
+(`ep_moe.native.jit.expert_major_csrc`) against the extension's, called directly, outputs checked equal bit for bit:
+``received`` (permute_received_rows: N = 2 T received rows, half of them this rank's own rows from its input, with
+values), ``own_rows`` (unpermute_own_rows, weighted), ``routing`` (routing_map_to_topk over ``--experts`` experts) and
+``routing_bwd`` (its backward), GPU and host time as above:
+
+    python3 benchmarks/jit_bench.py --csrc-ops --tokens 128 4096 --hidden 7168 --topk 8 --experts 32
 """
 
 from __future__ import annotations
@@ -203,6 +211,51 @@ def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int
     return result
 
 
+def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int) -> dict:
+    """The generic expert-major ops, JIT build against the extension (see the module docstring)."""
+    from ep_moe.native.jit import expert_major_csrc as E
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    N, rank = 2 * T, 1  # two ranks; this is rank 1
+    prefix = torch.tensor([[T, T], [2 * T, 2 * T]], dtype=torch.int32, device="cuda")  # rows [T, 2T) are own
+    idx = torch.rand(N, L, device="cuda", generator=gen).topk(min(K, L), dim=1).indices.to(torch.int64)
+    layout = P.expert_layout(idx, L, A, P.max_slots(N, idx.shape[1], L, A))
+    rows = torch.randn(N, H, device="cuda", generator=gen).to(dtype)
+    own_x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    own_tokens = torch.randperm(T, generator=torch.Generator().manual_seed(3)).to(torch.int32).cuda()
+    values = torch.rand(N * idx.shape[1], device="cuda", generator=gen)
+    y = torch.randn(layout.num_slots, H, device="cuda", generator=gen).to(dtype)
+    w = torch.rand(layout.num_slots, device="cuda", generator=gen)
+    scores = torch.rand(T, L, device="cuda", generator=gen)
+    routing_map = torch.zeros(T, L, dtype=torch.bool, device="cuda").scatter_(1, scores.topk(min(K, L), 1).indices, True)
+    probs = (scores * routing_map).to(dtype)
+    grad_w = torch.randn(T, K, device="cuda", generator=gen)
+    impls = {"jit": E}
+    if native.extension_available():
+        impls["aot"] = torch.ops.ep_moe_native
+    else:
+        print(f"csrc ops aot: the extension is not built ({native.extension_unavailable_reason()})")
+    result, outputs = {}, {}
+    for name, ops in impls.items():
+        topk_idx = ops.routing_map_to_topk(routing_map, probs, K)[0]
+        calls = {
+            "received": lambda ops=ops: ops.permute_received_rows(rows, N, own_x, own_tokens, prefix, rank,
+                                                                   layout.pair_of_slot, layout.num_topk, values),
+            "own_rows": lambda ops=ops: ops.unpermute_own_rows(y, w, layout.sorted_slots, prefix, rank),
+            "routing": lambda ops=ops: ops.routing_map_to_topk(routing_map, probs, K),
+            "routing_bwd": lambda ops=ops, t=topk_idx: ops.routing_map_to_topk_backward(grad_w, t, L, dtype),
+        }
+        outputs[name] = [calls["received"]()[0], calls["received"]()[1], calls["own_rows"]()[T:2 * T],
+                         *calls["routing"](), calls["routing_bwd"]()]
+        result[name] = {op: {"gpu_us": time_gpu(fn, iters), "host_us": time_host(fn, iters)}
+                        for op, fn in calls.items()}
+    if len(outputs) == 2:
+        for i, (a, b) in enumerate(zip(outputs["jit"], outputs["aot"])):
+            if not same(a, b):
+                raise SystemExit(f"csrc op output {i} of the JIT differs from the extension's (T={T} H={H})")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
@@ -216,6 +269,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--intranode", action="store_true",
                         help="also the intranode dispatch/combine at EP 1, JIT module vs extension (--experts: all)")
+    parser.add_argument("--csrc-ops", action="store_true",
+                        help="also the generic expert-major ops (received rows, own rows, routing map), JIT vs extension")
     args = parser.parse_args()
     if args.cold:
         os.environ["EP_MOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ep_moe_jit_bench_")
@@ -258,6 +313,22 @@ def main() -> None:
                               f"{timing['jit'][op]['host_us'] / timing['aot'][op]['host_us']:13.2f}x" if both else "")
                     print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells) + ratios)
         dist.destroy_process_group()
+    if args.csrc_ops:
+        for T in args.tokens:
+            for H in args.hidden:
+                timing = run_csrc_ops(T, H, args.topk, args.experts, args.alignment, dtype, args.iters)
+                results.append({"csrc_ops": dict(T=T, H=H, K=args.topk, L=args.experts, dtype=args.dtype),
+                                "timing": timing})
+                names = [n for n in ("jit", "aot") if n in timing]
+                both = len(names) == 2
+                print(f"\ncsrc ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}: "
+                      "gpu us per call (host us per call)")
+                print(f"{'op':<12}" + "".join(f"{n:>22}" for n in names) + ("   jit/aot gpu  jit/aot host" if both else ""))
+                for op in ("received", "own_rows", "routing", "routing_bwd"):
+                    cells = [f"{timing[n][op]['gpu_us']:9.1f} ({timing[n][op]['host_us']:6.1f})" for n in names]
+                    ratios = (f"{timing['jit'][op]['gpu_us'] / timing['aot'][op]['gpu_us']:13.2f}x"
+                              f"{timing['jit'][op]['host_us'] / timing['aot'][op]['host_us']:13.2f}x" if both else "")
+                    print(f"{op:<12}" + "".join(f"{c:>22}" for c in cells) + ratios)
     print("\nJIT kernels this process built or loaded:")
     for event in jit.history():
         if event.how != "memory":

@@ -31,11 +31,21 @@ if has test; then
   EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/native/test_native_gpu.py -q -p no:cacheprovider \
     > "$OUT/tests_ep$N.log" 2>&1
   echo "native GPU tests at EP $N: rc $?"; grep -E "passed|failed|Error |assert" "$OUT/tests_ep$N.log" | head -12
+  EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/native/test_native_mismatch_gpu.py -q -p no:cacheprovider \
+    > "$OUT/mismatch_ep$N.log" 2>&1
+  echo "rank-agreement GPU tests at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/mismatch_ep$N.log" | tail -6
+  EP_MOE_JIT=1 EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/native/test_native_gpu.py -q \
+    -p no:cacheprovider > "$OUT/tests_jit_ep$N.log" 2>&1
+  echo "native GPU tests through the JIT kernels at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/tests_jit_ep$N.log" | tail -6
 fi
 if has bench; then
   timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 8192 --num-sms 16 24 32 48 --plan-sms --runs 30 --expert-major \
     --measure-link --json "$OUT/bench_ep$N.json" --plot "$OUT/bench_ep$N.png" > "$OUT/bench_ep$N.txt" 2>&1
   echo "bench at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_ep$N.txt"
+  # the expert-major ops with the receive/combine fused into the kernels (default) and without (permute apart)
+  EP_MOE_NATIVE_EXPERT_MAJOR_FUSED=0 timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 128 4096 \
+    --num-sms 24 32 --runs 30 --expert-major --dtype bf16 fp8 > "$OUT/bench_unfused_ep$N.txt" 2>&1
+  echo "bench, expert-major unfused, at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_unfused_ep$N.txt"
 fi
 if has services; then
   timeout 900 python3 -m pytest -m gpu tests/core/test_pp_agrs_gpu.py tests/train/test_pipeline_gpu.py \

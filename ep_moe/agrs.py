@@ -506,11 +506,12 @@ class AGRSMixin:
 
     def _agrs_release(self) -> None:
         """Free the native transports' symmetric buffers (`ElasticBuffer.destroy`)."""
-        from .native.stream_transport import destroy_transports
-
         transports = [*(self._agrs_retired or []), *([self._agrs.native] if self._agrs is not None else [])]
         self._agrs_retired, self._agrs = [], None
-        destroy_transports(self, transports)
+        if transports:  # the native module is imported only by a buffer that used a transport
+            from .native.stream_transport import destroy_transports
+
+            destroy_transports(self, transports)
 
 
 __all__ = ["AGRSCapacityError", "AGRSConfigError", "AGRSError", "AGRSHandle", "AGRSMismatchError", "AGRSMixin",

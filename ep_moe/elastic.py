@@ -13,8 +13,9 @@ Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outpu
 ``num_max_tokens_per_rank`` and no host read; a ``handle`` repeats a dispatch's layout (cached dispatch).
 
 Memory types (``.memory_type``) and Engram (`engram_write` / `engram_fetch`) come from `ep_moe.engram.EngramMixin`
-over `ep_moe.memory`; pipeline-parallel send/recv (``pp_*``, `ep_moe.pipeline_comm`) and all-gather /
-reduce-scatter sessions (AGRS, `ep_moe.agrs`) from their mixins, over torch.distributed on both backends. Not
+over `ep_moe.memory`; with the elastic and hybrid types the range's GPU segment is the native backend's
+dispatch/combine memory (``comm_memory_in_segment``; docs/semantics.md); pipeline-parallel send/recv (``pp_*``,
+`ep_moe.pipeline_comm`) and all-gather / reduce-scatter sessions (AGRS, `ep_moe.agrs`) from their mixins, over torch.distributed on both backends. Not
 provided yet: the native (copy-engine) PP and AGRS, RDMA queue pairs (``sl_idx``,
 ``num_allocated_qps``, ``num_qps`` are recorded only).
 """
@@ -38,6 +39,8 @@ from .event import EventOverlap
 from .expert_major import ExpertHandle, expert_cached_dispatch, expert_combine, expert_dispatch
 from .handle import DispatchHandle
 from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
+from .memory import memory_type_of_group
+from .memory.cuda_vmm import vmm_unavailable_reason
 from .permute import unpermute_sum
 from .pipeline_comm import PipelineCommMixin
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor, split_hidden
@@ -113,8 +116,12 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
     Args:
         group: the EP process group (None: the world group).
         num_bytes: bytes of communication memory (a multiple of 2 MiB); None: `get_buffer_size_hint` of the MoE
-            settings below. The native backend starts with this much and grows when a call needs more; the torch
-            backend records it.
+            settings below. GPU memory type: the native backend starts with this much and grows when a call needs
+            more; the torch backend records it. Elastic and hybrid types: the size of the range's GPU segment,
+            which is the native backend's dispatch/combine memory (it does not grow; docs/semantics.md); at
+            least `get_buffer_size_hint` of the MoE settings where they are given (ValueError naming
+            ``num_bytes`` otherwise), and a call that needs more raises ValueError naming it before any row
+            moves.
         num_cpu_bytes: host bytes per rank (rounded up to 2 MiB). 0: the GPU memory type; > 0: the elastic or
             hybrid type (``.memory_type``, `ep_moe.memory.choose_memory_type`), whose host segments hold Engram
             tables (`engram_write`, `engram_fetch`).
@@ -175,8 +182,18 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         check_positive_int(op, "num_bytes", num_bytes, 0)
         if num_bytes % ALIGNMENT_BYTES:
             raise _fail(op, "num_bytes", "a multiple of 2 MiB (get_buffer_size_hint gives one)", num_bytes)
-        self.buffer = Buffer(group, num_bytes, explicitly_destroy=explicitly_destroy, backend=backend,
-                             timeout_s=float(num_gpu_timeout_secs), check_inputs=check_inputs)
+        memory_type = memory_type_of_group(group, num_cpu_bytes, allow_hybrid_mode)  # collective with CPU bytes
+        if memory_type != "gpu" and num_max_tokens_per_rank and hidden:
+            # the GPU segment is the dispatch/combine memory and does not grow: it must hold the stated sizes
+            need = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                             allow_hybrid_mode, allow_multiple_reduction)
+            if num_bytes < need:
+                raise _fail(op, "num_bytes", f">= get_buffer_size_hint(...) = {need} for the {memory_type} memory "
+                            f"type (its GPU segment is the dispatch/combine memory: num_max_tokens_per_rank="
+                            f"{num_max_tokens_per_rank}, hidden={hidden}, num_topk={num_topk})", num_bytes)
+        # elastic / hybrid: the backend allocates no memory of its own here (the native one is given the segment)
+        self.buffer = Buffer(group, num_bytes if memory_type == "gpu" else 0, explicitly_destroy=explicitly_destroy,
+                             backend=backend, timeout_s=float(num_gpu_timeout_secs), check_inputs=check_inputs)
         self.group = self.buffer.group
         self.rank = self.rank_idx = self.buffer.rank
         self.num_ranks = self.group_size = self.buffer.group_size
@@ -209,7 +226,18 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         self._plans: dict = {}  # (E, K, H, dtype) -> the tuner's plan (native backend); ("hybrid", ...) -> its shape
         self._destroyed = False
         self._finalizer = None if explicitly_destroy else weakref.finalize(self, _destroy_quietly, self.buffer)
-        self._setup_memory(num_bytes, num_cpu_bytes, allow_hybrid_mode)  # .memory_type, .memory (ep_moe.engram)
+        share = self._segment_is_comm_memory(memory_type, num_bytes)
+        # .memory_type, .memory (ep_moe.engram)
+        self._setup_memory(num_bytes, num_cpu_bytes, allow_hybrid_mode, memory_type, share_gpu=share)
+        # True: the native backend's dispatch/combine memory is the GPU segment of .memory (elastic / hybrid type,
+        # flat native backend, num_bytes > 0); False: the backend has its own (GPU type, torch, hybrid mode)
+        self.comm_memory_in_segment = share
+        if share:
+            try:
+                self.buffer.backend.use_data_memory(self.memory.gpu, self.memory.gpu_fd, "ElasticBuffer",
+                                                    "num_bytes")
+            finally:
+                self.memory.close_gpu_fd()  # every peer has mapped it (or every rank raised)
         self.buffer.barrier()
 
     # ---------------------------------------------------------------- static API
@@ -270,6 +298,41 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         return get_theoretical_num_qps(num_sms, self.num_scaleout_ranks > 1, self.num_allocated_qps)
 
     # ---------------------------------------------------------------- helpers
+    def _segment_is_comm_memory(self, memory_type: str, num_bytes: int) -> bool:
+        """Collective (elastic / hybrid types): whether the GPU segment becomes the native backend's
+        dispatch/combine memory, the same answer on every rank: the flat native backend, a non-empty segment,
+        and every rank's device able to export it as a file descriptor (else, logged, the backend allocates its
+        own memory on first use)."""
+        if memory_type == "gpu" or num_bytes == 0 or self.buffer.backend_name != "native":
+            return False
+        reason = vmm_unavailable_reason(self.buffer.device, exportable=True, host=False)
+        reasons: list = [None] * self.num_ranks
+        dist.all_gather_object(reasons, reason, group=self.group)
+        refused = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
+        if refused:
+            if self.rank == 0:
+                log.warning("ep_moe.ElasticBuffer: the GPU segment cannot be shared (%s); the native backend "
+                            "allocates its own dispatch/combine memory", "; ".join(refused))
+            return False
+        return True
+
+    def _check_fixed_size_fits(self, op: str, data: Tensor, scales: Tensor | None, num_topk: int, bound: int,
+                               do_expand: bool) -> None:
+        """Elastic / hybrid types: a fixed-size call (``do_cpu_sync=False``) of ``bound`` tokens per rank must fit
+        the GPU segment; checked on every backend (the torch backend keeps its own memory, but a program that runs
+        there runs on the native one too), before anything is sent."""
+        if self.memory is None or not self.num_bytes:
+            return
+        num_ranks, hidden = self.num_ranks, data.shape[1]
+        need = Buffer.get_buffer_size_hint(bound, hidden, num_ranks, num_topk, data.dtype, scales is not None)
+        if do_expand and not self.allow_multiple_reduction:  # that combine sends fp32 rows
+            need = max(need, Buffer.get_buffer_size_hint(bound, hidden, num_ranks, num_topk, torch.float32))
+        if need > self.num_bytes:
+            raise _fail(op, "num_bytes", f">= {need} bytes for this fixed-size call ({bound} tokens per rank "
+                        f"(num_max_tokens_per_rank), hidden {hidden}, {data.dtype}, top-{num_topk}; the "
+                        f"{self.memory_type} memory's GPU segment is the dispatch/combine memory): create the "
+                        f"buffer with a larger num_bytes or pass a smaller num_max_tokens_per_rank", self.num_bytes)
+
     def _check_live(self, op: str) -> None:
         if self._destroyed:
             raise RuntimeError(f"ep_moe.ElasticBuffer.{op}: the buffer was destroyed")
@@ -398,6 +461,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             check_tensor(op, "cumulative_local_expert_recv_stats", stats, dtypes=(torch.int32, torch.int64), ndim=1,
                          device=data.device, shape=(num_experts // self.num_ranks,))
         num_worst_tokens = 0 if sync else bound * self.num_ranks
+        if not sync:
+            self._check_fixed_size_fits(op, data, scales, topk_idx.shape[1], bound, do_expand)
         num_sms = self._num_sms(num_sms, num_experts, topk_idx.shape[1], data, bound)
         routing = topk_idx.clone() if do_handle_copy else topk_idx
         common = dict(num_experts=num_experts, expert_alignment=alignment, num_max_tokens_per_rank=bound,
@@ -598,10 +663,10 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         self._destroyed = True
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._release_memory()
         self._pp_release()  # the native PP / AGRS transports' symmetric buffers
         self._agrs_release()
-        self.buffer.destroy()
+        self.buffer.destroy()  # before the memory: the native backend's dispatch/combine memory may be its segment
+        self._release_memory()
 
     def __repr__(self) -> str:
         return (f"ElasticBuffer(rank={self.rank}, num_ranks={self.num_ranks}, backend={self.buffer.backend_name!r}, "

@@ -105,14 +105,19 @@ class EngramMixin:
     memory: SymmetricMemory | None
     """The elastic or hybrid range (None for the GPU type, whose memory is the `ep_moe.Buffer`'s)."""
 
-    def _setup_memory(self, num_bytes: int, num_cpu_bytes: int, allow_hybrid_mode: bool) -> None:
-        """Collective: choose the memory type and allocate its range (elastic, hybrid)."""
-        self.memory_type = memory_type_of_group(self.group, num_cpu_bytes, allow_hybrid_mode)
+    def _setup_memory(self, num_bytes: int, num_cpu_bytes: int, allow_hybrid_mode: bool,
+                      memory_type: str | None = None, share_gpu: bool = False) -> None:
+        """Collective: choose the memory type (unless given: `ep_moe.memory.memory_type_of_group`'s) and allocate
+        its range (elastic, hybrid); ``share_gpu``: with an exportable GPU segment (`SymmetricMemory`)."""
+        if memory_type is None:
+            memory_type = memory_type_of_group(self.group, num_cpu_bytes, allow_hybrid_mode)
+        self.memory_type = memory_type
         self.memory = None
         self._engram: EngramTable | None = None
         self._engram_stream = None
         if self.memory_type != "gpu":
-            self.memory = SymmetricMemory(self.memory_type, self.group, num_bytes, num_cpu_bytes, self.buffer.device)
+            self.memory = SymmetricMemory(self.memory_type, self.group, num_bytes, num_cpu_bytes, self.buffer.device,
+                                          share_gpu=share_gpu)
 
     def _release_memory(self) -> None:
         if getattr(self, "memory", None) is not None:

@@ -19,7 +19,8 @@ A, then expert 1's, and so on; slots past the used total (a bound given for a fi
 Where the work runs (the same bits everywhere; the weights' gradient is a dot product whose summation order is
 each implementation's own, fixed): on CUDA, the kernels of the native extension (``ep_moe_native::*`` torch
 ops: a handful of launches per call, the layout included, and little host time), else the JIT kernels of
-`ep_moe.native.jit.expert_major` (compiled on first use per shape, where a CUDA compiler is found;
+`ep_moe.native.jit.expert_major` (compiled on first use per shape, where a CUDA compiler is found; the permute of
+received rows in place from `ep_moe.native.jit.expert_major_csrc`, the extension's own source built generically;
 ``EP_MOE_JIT=1`` prefers them over the extension, ``EP_MOE_JIT=0`` never uses them), else the Triton kernels of
 `ep_moe.permute_triton`; on CPU (and for float64, e.g. gradcheck) the torch definitions here. The public
 functions check their arguments once; the kernels' entry points do not check again.
@@ -254,6 +255,13 @@ def _implementation(t: Tensor) -> str:
     return "torch"
 
 
+def kernel_implementation(t: Tensor) -> str:
+    """Which implementation the CUDA kernels of tensors like ``t`` come from: ``"native"`` (the extension's torch
+    ops), ``"jit"`` (`ep_moe.native.jit`), ``"triton"`` or ``"torch"`` (also for other callers of the extension's
+    expert-major ops, e.g. the Megatron integration's routing map)."""
+    return _implementation(t)
+
+
 def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
     flat = values.reshape(-1)
     if flat.shape[0] == 0:
@@ -466,8 +474,15 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     if values is not None and (values.shape != layout.slot_of_pair.shape or values.dtype != torch.float32):
         raise ValueError(f"permute_received_rows: argument 'values' must be [N={layout.num_rows}, "
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
-    if rows.is_cuda and native.extension_available() and not torch.compiler.is_compiling():
-        out, slot_values = torch.ops.ep_moe_native.permute_received_rows(
+    how = _implementation(rows)
+    if how in ("native", "jit") and not torch.compiler.is_compiling():
+        if how == "native":
+            kernel = torch.ops.ep_moe_native.permute_received_rows
+        else:  # imported here: the intranode JIT module it comes with is not needed before
+            from .native.jit import expert_major_csrc
+
+            kernel = expert_major_csrc.permute_received_rows
+        out, slot_values = kernel(
             rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
             rank_prefix_matrix.to(torch.int32).contiguous(), rank, layout.pair_of_slot, layout.num_topk,
             None if values is None else values.contiguous())
@@ -491,5 +506,5 @@ def pair_values(values: Tensor, layout: ExpertLayout) -> Tensor:
     return _slot_values_torch(values, layout.pair_of_slot)
 
 
-__all__ = ["ExpertLayout", "expert_layout", "max_slots", "pair_values", "permute_received_rows", "permute_rows",
+__all__ = ["ExpertLayout", "expert_layout", "kernel_implementation", "max_slots", "pair_values", "permute_received_rows", "permute_rows",
            "permute_rows_and_values", "permute_rows_backward", "unpermute_sum", "unpermute_sum_backward"]

@@ -344,11 +344,12 @@ class PipelineCommMixin:
 
     def _pp_release(self) -> None:
         """Free the native transports' symmetric buffers (`ElasticBuffer.destroy`)."""
-        from .native.stream_transport import destroy_transports
-
         transports = [*(self._pp_retired or []), *([self._pp.native] if self._pp is not None else [])]
         self._pp_retired, self._pp = [], None
-        destroy_transports(self, transports)
+        if transports:  # the native module is imported only by a buffer that used a transport
+            from .native.stream_transport import destroy_transports
+
+            destroy_transports(self, transports)
 
     # ---------------------------------------------------------------- helpers
     def _pp_neighbours(self) -> list[int]:

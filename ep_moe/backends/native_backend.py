@@ -1,7 +1,8 @@
 """The ``native`` backend: intranode dispatch and combine kernels over symmetric memory (NVLink).
 
 Each rank owns two symmetric buffers: a small control block (count exchange, arrival and chunk
-flags) and a data buffer that receives rows. A dispatch runs
+flags) and a data buffer that receives rows (allocated and grown here, or given: `use_data_memory`, an
+`ElasticBuffer`'s GPU segment, which never grows). A dispatch runs
 
 1. ``notify``: every rank writes its per-destination row counts into every peer's control block and
    lists, per destination, the tokens it sends there (``pos``/``send_list``, kept in the handle);
@@ -49,7 +50,7 @@ from .. import native
 from ..config import Config, NativeOptions
 from ..handle import DispatchHandle
 from ..native import policy, sizing
-from ..native.symmetric import SymmetricBuffer
+from ..native.symmetric import SymmetricBuffer, VmmSymmetricBuffer
 from . import agreement
 from .agreement import HEADER_LEN
 from .base import CommBackend, DispatchResult, ReceivedRows
@@ -127,8 +128,19 @@ def _c():
 def _own_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor, prefix: torch.Tensor,
               rank: int) -> torch.Tensor:
     """``ep_moe_native::unpermute_own_rows``: ``[N, H]``, this rank's own rows of ``unpermute_sum(y, weights)``
-    (the others unspecified)."""
+    (the others unspecified); from the build the intranode kernels come from (`ep_moe.native.kernels_kind`)."""
+    if native.kernels_kind() == "jit":
+        from ..native.jit import expert_major_csrc
+
+        return expert_major_csrc.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
     return torch.ops.ep_moe_native.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
+
+
+def _expert_major_ops() -> bool:
+    """Whether the expert-major ops of the fused paths (permute of rows in place, own rows of a combine) exist
+    here: the extension's, or the JIT's (`ep_moe.native.jit.expert_major_csrc`) where the intranode kernels are
+    JIT-built (every rank agrees on that build)."""
+    return native.extension_available() or native.kernels_kind() == "jit"
 
 
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -147,6 +159,11 @@ class NativeBackend(CommBackend):
     # The count exchange also carries per-expert counts (up to MAX_NOTIFY_EXPERTS local experts; above
     # that the list is read after the dispatch kernel), so the host has them at the one count sync.
     host_expert_counts = True
+    # Given data memory (`use_data_memory`): the (operation, argument) that sized it, named when a call needs more
+    # (it cannot grow); None: the backend allocates its data buffer itself (first use, growth).
+    _fixed_data: tuple[str, str] | None = None
+    data_allocations = 0
+    """Data buffers this backend allocated itself (the first, and each growth); 0 with given memory."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
                  num_nvl_bytes: int = 0, *, options: NativeOptions) -> None:
@@ -194,6 +211,7 @@ class NativeBackend(CommBackend):
             self._copy_go = torch.zeros(1, dtype=torch.int64, device=device)
             if num_nvl_bytes > 0:
                 self._data = SymmetricBuffer(group, device, num_nvl_bytes)
+                self.data_allocations += 1
             self._notify_done = torch.cuda.Event()
             torch.cuda.synchronize(device)
         # Diagnostics: when True, every dispatch/combine kernel stamps each block's timeline (the slots of
@@ -339,20 +357,62 @@ class NativeBackend(CommBackend):
         size = torch.tensor([needed], dtype=torch.int64, device="cpu" if gloo else self.device)
         dist.all_reduce(size, op=dist.ReduceOp.MAX, group=self.group)
         self._data = SymmetricBuffer(self.group, self.device, int(size.item()))
+        self.data_allocations += 1
+
+    def use_data_memory(self, local: torch.Tensor, local_fd: int, op: str, argument: str) -> None:
+        """Collective over the group: make ``local`` this rank's data buffer instead of allocating one, e.g. the
+        GPU segment of an `ep_moe.ElasticBuffer`'s elastic or hybrid range (`ep_moe.memory.SymmetricMemory` with
+        ``share_gpu``). ``local``: uint8 ``[nbytes]`` on this backend's device, ``nbytes`` a multiple of 2 MiB and
+        equal on every rank, one VMM allocation exported as ``local_fd``; the peers map it through the fd
+        (`VmmSymmetricBuffer` with ``local``, whatever ``EP_MOE_SYMMETRIC_MEMORY`` says). The caller keeps the
+        memory alive until `destroy` and may close ``local_fd`` once this returns.
+
+        The data buffer then never grows: a call that needs more raises ValueError naming ``op``'s ``argument``
+        before any row moves (on every rank alike; an exact-size dispatch after its count exchange). Fixed-size
+        calls are sized for ``num_worst_tokens`` rows both ways, which holds when no rank passes more than
+        ``num_worst_tokens / num_ranks`` tokens (ElasticBuffer: ``num_worst_tokens = R * num_max_tokens_per_rank``
+        and each rank's ``T <= num_max_tokens_per_rank``); the kernels' capacity check guards the rest.
+        Raises RuntimeError where a data buffer exists already."""
+        if self._data is not None:
+            raise RuntimeError("ep_moe[native]: use_data_memory must come before the first call (the backend "
+                               "has a data buffer already: create the Buffer with num_nvl_bytes=0)")
+        self._data = VmmSymmetricBuffer(self.group, self.device, local.numel(), local=local, local_fd=local_fd)
+        self._fixed_data = (op, argument)
+
+    def _worst_rows(self, num_worst_tokens: int) -> int:
+        """Rows a fixed-size dispatch of ``num_worst_tokens`` and its combine need in any rank's buffer: what a
+        rank receives is at most ``num_worst_tokens``, what comes back to a source at most ``R - 1`` times its
+        tokens, so ``R - 1`` times ``num_worst_tokens`` in general, ``num_worst_tokens`` itself with given memory
+        (whose user keeps every rank's tokens within ``num_worst_tokens / R``: `use_data_memory`)."""
+        if self._fixed_data is not None:
+            return num_worst_tokens
+        return max(1, self.num_ranks - 1) * num_worst_tokens
 
     def _fit(self, rows: int | None, hidden: int, elem_size: int, num_scales: int, num_topk: int,
-             agree=None) -> None:
+             agree=None, optional: bool = False) -> None:
         """Grow the data buffer (collectively) to hold ``rows`` rows of this shape, both ways.
 
         Every rank calls it with the same ``rows``: derived from the count matrix every rank shares, or
-        from ``num_worst_tokens`` (which bounds what any rank receives, and so what it sends back).
-        ``None``: unknown here; the kernels check capacity on the device instead. ``agree()`` runs before the
-        buffer grows (where the call's header has not been checked yet: `_agree_first`)."""
+        from ``num_worst_tokens`` (`_worst_rows`). ``None``: unknown here; the kernels check capacity on the
+        device instead. ``agree()`` runs before the buffer grows (where the call's header has not been checked
+        yet: `_agree_first`). Given memory (`use_data_memory`) does not grow: too small, it raises ValueError
+        naming the argument that sized it (after ``agree()``), or, ``optional`` (the caller checks the capacity
+        itself and does without), returns."""
         if rows is None:
             return
         needed = sizing.data_bytes_for(rows, hidden, elem_size, num_scales, num_topk)
         if needed <= self._data.nbytes:
             return
+        if self._fixed_data is not None:
+            if optional:
+                return
+            if agree is not None:
+                agree()
+            op, argument = self._fixed_data
+            raise ValueError(f"ep_moe.{op}: argument '{argument}' must be at least {needed} bytes for this call "
+                             f"({rows} rows of hidden {hidden}, {elem_size}-byte elements, {num_scales} scales, "
+                             f"top-{num_topk}; the native backend's dispatch/combine memory is the buffer's GPU "
+                             f"segment, which does not grow), got {self._data.nbytes}")
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"ep_moe[native]: the symmetric buffer must grow to {needed} bytes, which cannot "
                                "happen during CUDA-graph capture: run the same call once before capturing")
@@ -361,6 +421,7 @@ class NativeBackend(CommBackend):
         torch.cuda.current_stream(self.device).synchronize()
         self._retired.append(self._data)
         self._data = SymmetricBuffer(self.group, self.device, needed + needed // 4)
+        self.data_allocations += 1
 
     def _remember_layout(self, route: torch.Tensor, rows: int, counts: list[list[int]], tokens: list[int]) -> None:
         key = id(route)
@@ -373,7 +434,7 @@ class NativeBackend(CommBackend):
         if known is not None:
             return known[0]
         if handle.num_worst_tokens:
-            return max(1, self.num_ranks - 1) * handle.num_worst_tokens
+            return self._worst_rows(handle.num_worst_tokens)
         return None
 
     def _scratch_for(self, num_local_experts: int) -> torch.Tensor:
@@ -398,17 +459,17 @@ class NativeBackend(CommBackend):
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
     def combines_expert_rows(self, row_bytes: int) -> bool:
-        """At two or more ranks, rows the kernels take, with the extension's expert-major ops (which form the own
-        rows; see `CommBackend.combines_expert_rows`)."""
+        """At two or more ranks, rows the kernels take, with the expert-major ops (the extension's or the JIT's,
+        which form the own rows; see `CommBackend.combines_expert_rows`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused and self._kernels_take(row_bytes)
-                and native.extension_available())
+                and _expert_major_ops())
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
         """A fresh or cached (``num_experts`` 0) dispatch the kernels take, at two or more ranks, with the
-        extension's expert-major ops (which permute the rows from where they landed; see
+        expert-major ops (the extension's or the JIT's, which permute the rows from where they landed; see
         `CommBackend.receives_in_place`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused
-                and self._kernels_take(row_bytes, num_experts // self.num_ranks) and native.extension_available())
+                and self._kernels_take(row_bytes, num_experts // self.num_ranks) and _expert_major_ops())
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -500,8 +561,8 @@ class NativeBackend(CommBackend):
         is_token_in_rank = is_token_in_rank.contiguous()
         self._ensure_data(sizing.data_bytes_for(max(num_ranks * num_tokens, num_worst_tokens, 1), hidden,
                                                 x.element_size(), num_scales, num_topk), agree)
-        if num_worst_tokens:  # no rank receives more, so none sends back more (to all peers together)
-            self._fit(max(1, num_ranks - 1) * num_worst_tokens, hidden, x.element_size(), num_scales, num_topk, agree)
+        if num_worst_tokens:  # no rank receives more; what comes back: `_worst_rows`
+            self._fit(self._worst_rows(num_worst_tokens), hidden, x.element_size(), num_scales, num_topk, agree)
         regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=x.device)
         route = torch.empty(2, num_tokens, num_ranks, dtype=torch.int32, device=x.device)  # pos, send_list
@@ -534,7 +595,11 @@ class NativeBackend(CommBackend):
             most_received = max(sum(counts[s][r] for s in range(num_ranks)) for r in range(num_ranks))
             most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
             self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
-            self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
+            try:
+                self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
+            except ValueError:  # given memory too small (every rank alike): no dispatch kernel follows
+                C.close_epoch(env)
+                raise
             # rows left in place are read from the pushers' layout: never by the copy engine
             tokens = None if consume is not None else self._copy_engine_tokens(
                 options, False, counts, tokens, hidden, x.element_size(), num_scales, num_topk)
@@ -717,7 +782,7 @@ class NativeBackend(CommBackend):
         row_bytes = hidden * elem_size + 4 * num_scales
         if not policy.wanted_for_dispatch(options, counts, tokens, row_bytes, cached):
             return None
-        self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk, agree)
+        self._fit(self.num_ranks * max(tokens), hidden, elem_size, num_scales, num_topk, agree, optional=True)
         regions = sizing.dispatch_regions(self._data.nbytes, hidden * elem_size, 4 * num_scales, num_topk)
         return tokens if max(tokens) <= regions.rows // self.num_ranks else None
 

@@ -1,7 +1,8 @@
 """``ep-moe jit``: the JIT kernels' cache, ahead of time.
 
 ``ep-moe jit warmup [--shapes hidden=7168,topk=8,experts=32[,dtype=bf16] ...] [--arch sm_90]`` compiles the
-intranode kernels (one generic build and its layout probe, `ep_moe.native.jit.intranode.specializations`) and every
+intranode kernels and the extension's generic expert-major ops (one build each with its layout probe,
+`ep_moe.native.jit.intranode.specializations`, `ep_moe.native.jit.expert_major_csrc.specializations`) and every
 expert-major specialization those shapes take (`ep_moe.native.jit.expert_major.specializations`) into the cache
 (``--cache-dir``, else ``$EP_MOE_CACHE_DIR/jit``, else ``~/.cache/ep_moe/jit``), one line per kernel with how long it took: run it where a CUDA
 compiler is (a login node) for compute nodes that lack one (they load the entries with ``EP_MOE_JIT=1``).
@@ -18,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..native import jit
-from ..native.jit import expert_major, intranode
+from ..native.jit import expert_major, expert_major_csrc, intranode
 
 SHAPE_KEYS = {"hidden": int, "topk": int, "experts": int, "dtype": str}
 
@@ -58,7 +59,7 @@ def _warmup(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     try:
-        sources = list(dict.fromkeys(intranode.specializations() + [
+        sources = list(dict.fromkeys(intranode.specializations() + expert_major_csrc.specializations() + [
             s for shape in args.shapes for s in expert_major.specializations(**shape)]))
     except ValueError as exc:
         print(f"ep-moe jit warmup: {exc}", file=sys.stderr)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = sub.add_parser("warmup", help="compile the kernels of the given shapes into the cache")
     warm.add_argument("--shapes", nargs="+", type=parse_shape, default=[], metavar="hidden=H,topk=K,experts=L",
                       help="shapes of the expert-major kernels (dtype=bf16|fp32|fp8 optional, bf16 by default); "
-                           "the intranode kernels are warmed in any case")
+                           "the intranode and generic expert-major kernels are warmed in any case")
     warm.add_argument("--arch", help="target architecture, e.g. sm_90 (default: GPU 0's)")
     warm.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="compiles at once")
     warm.add_argument("--cache-dir", help="the JIT cache directory (default: $EP_MOE_CACHE_DIR/jit, else ~/.cache/ep_moe/jit)")

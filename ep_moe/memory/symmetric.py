@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .cuda_vmm import CudaRange, HostAllocation
+from .cuda_vmm import CudaRange, DeviceAllocation, HostAllocation, close_fd
 from .fdshare import exchange_fds
 from .host import HostRange, create_shared_segment
 from .layout import memory_layout
@@ -31,32 +31,42 @@ class SymmetricMemory:
         host: uint8 ``[num_cpu_bytes rounded to 2 MiB]`` over this rank's own host segment.
         host_segments: per group rank, its host segment as mapped here (uint8), or None where it is not mapped
             (elastic: every peer; hybrid: ranks of other nodes).
+        gpu_fd: with ``share_gpu`` on a CUDA device, a POSIX file descriptor exporting the GPU segment's
+            allocation (owned here until `close_gpu_fd` or `close`), through which the peers map it (the native
+            backend's dispatch/combine memory, `ep_moe.native.symmetric.VmmSymmetricBuffer` with ``local``);
+            else -1.
     """
 
     def __init__(self, memory_type: str, group: dist.ProcessGroup, num_bytes: int, num_cpu_bytes: int,
-                 device: torch.device) -> None:
-        """Collective over ``group``: allocate and map. Every rank raises (RuntimeError naming the failed ranks)
-        when any rank failed, so none is left waiting; a bad ``memory_type`` raises ValueError first."""
+                 device: torch.device, share_gpu: bool = False) -> None:
+        """Collective over ``group``: allocate and map. ``share_gpu`` (CUDA only, ignored on the CPU): the GPU
+        segment is one exportable device allocation (``gpu_fd``) instead of a private one. Every rank raises
+        (RuntimeError naming the failed ranks) when any rank failed, so none is left waiting; a bad
+        ``memory_type`` raises ValueError first."""
+        self.gpu_fd = -1
         if memory_type not in ("elastic", "hybrid"):
             raise ValueError(f"ep_moe.memory: SymmetricMemory is for the elastic and hybrid types, got "
                              f"{memory_type!r}")
         failure = None
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                self._build(memory_type, group, num_bytes, num_cpu_bytes, device)
+                self._build(memory_type, group, num_bytes, num_cpu_bytes, device,
+                            share_gpu and device.type == "cuda")
         except (OSError, RuntimeError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
         failures: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(failures, failure, group=group)
         failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None]
         if failed:
+            self.close_gpu_fd()
             raise RuntimeError(f"ep_moe.memory: allocating the {memory_type} memory failed: " + "; ".join(failed))
 
     def _build(self, memory_type: str, group: dist.ProcessGroup, num_bytes: int, num_cpu_bytes: int,
-               device: torch.device) -> None:
+               device: torch.device, share_gpu: bool) -> None:
         rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.memory_type = memory_type
         self.device = device
+        self._share_gpu = share_gpu
         cuda = device.type == "cuda"
         if memory_type == "hybrid":
             # This rank's host segment first (its size does not depend on the node), then the exchange.
@@ -110,10 +120,20 @@ class SymmetricMemory:
         self.rank, self.num_ranks = rank, num_ranks
 
     def _map_private(self, offset: int, size: int) -> None:
-        if isinstance(self._range, CudaRange):
-            self._range.map_device(offset, size)
-        else:
+        """The GPU segment: this GPU's memory (exportable with ``share_gpu``), or private host memory on CPU."""
+        if not isinstance(self._range, CudaRange):
             self._range.map_private(offset, size)
+        elif self._share_gpu:
+            allocation = DeviceAllocation(self.device, size)
+            self._range.map_allocation(offset, size, allocation)  # the range owns the memory from here
+            self.gpu_fd, allocation.fd = allocation.fd, -1
+        else:
+            self._range.map_device(offset, size)
+
+    def close_gpu_fd(self) -> None:
+        """Close ``gpu_fd`` (once the peers have imported it; the mappings keep the memory)."""
+        close_fd(self.gpu_fd)
+        self.gpu_fd = -1
 
     def host_span(self) -> torch.Tensor:
         """uint8 over every host segment of the range, contiguous (they are adjacent, in rank order)."""
@@ -127,7 +147,9 @@ class SymmetricMemory:
         return all(s is not None for s in self.host_segments)
 
     def close(self) -> None:
-        """Drop this object's tensors; the range is unmapped once no tensor over it is left."""
+        """Drop this object's tensors (and ``gpu_fd``); the range is unmapped once no tensor over it is left (a
+        native backend whose dispatch/combine memory is the GPU segment holds one until it is destroyed)."""
+        self.close_gpu_fd()
         self.gpu = self.host = self._host_span = None
         self.host_segments = [None] * self.num_ranks
         self._range = None

@@ -1,8 +1,8 @@
 """Native intranode kernels (CUDA, over symmetric memory) and the check of whether they can run.
 
-The extension ``ep_moe.native._C`` exists only where ``setup.py`` found a CUDA toolkit and a CUDA
-build of torch; elsewhere the same kernels compile on first use (`ep_moe.native.jit.intranode`, chosen by
-`kernels_kind`); ``setup.py`` records what it decided, and why, in ``build_info.json`` beside this file
+The extension ``ep_moe.native._C`` exists only where ``setup.py`` was asked to build it (``EP_MOE_BUILD_EXTENSION=1``)
+and found a CUDA toolkit and a CUDA build of torch; elsewhere (the default install) the same kernels compile on first
+use (`ep_moe.native.jit.intranode`, chosen by `kernels_kind`); ``setup.py`` records what it decided, and why, in ``build_info.json`` beside this file
 (`read_build_record`), which is what `extension_unavailable_reason` quotes. Everything here imports
 without the extension. ``python -m ep_moe.native`` prints the environment report (``ep-moe env``).
 """
@@ -93,7 +93,7 @@ def explain_missing_extension(import_error: str | None, record_path: str | os.Pa
         if record is None:
             parts = ["no build record: ep_moe was installed without running setup.py here"]
         elif not record["built"]:
-            parts = [f"setup.py built without the kernels: {record['reason']}"]
+            parts = [f"setup.py built no extension: {record['reason']}"]
         else:
             cuda = f"CUDA {record['torch_cuda']}, sm_{record['cuda_arch']}"
             parts = [f"setup.py built the kernels ({record['time']}, torch {record['torch']}, {cuda}) but "

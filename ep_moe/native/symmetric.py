@@ -7,7 +7,9 @@ this process (peer pointers), from one of two providers chosen by ``EP_MOE_SYMME
 * ``vmm``: the CUDA driver's virtual-memory calls (`VmmSymmetricBuffer`): every rank exports a device allocation
   as a POSIX file descriptor, the ranks of the node exchange them (`ep_moe.memory.fdshare.exchange_fds`), and each
   maps every rank's allocation, in rank order, into one reserved range. Works over any process group (gloo
-  included) and for ranks that share one GPU, which is how the multi-rank kernels are tested on one GPU.
+  included) and for ranks that share one GPU, which is how the multi-rank kernels are tested on one GPU. With
+  ``local`` it maps the peers around a copy that exists already (an `ep_moe.ElasticBuffer`'s GPU segment, which
+  the native backend then uses as its dispatch/combine memory) instead of allocating one.
 
 The kernels only use unicast peer stores and loads: NVLink multicast stays off (`ep_moe.distributed.disable_multicast`,
 when ``ep_moe`` is imported).
@@ -108,7 +110,7 @@ class SymmetricBuffer(ABC):
     tensor: torch.Tensor | None
     ptrs: list[int]
 
-    def __new__(cls, group: dist.ProcessGroup, device: torch.device, nbytes: int):
+    def __new__(cls, group: dist.ProcessGroup, device: torch.device, nbytes: int, **kwargs):
         agreed = False
         if cls is SymmetricBuffer:  # the provider every rank's EP_MOE_SYMMETRIC_MEMORY names (collective)
             cls = TorchSymmetricBuffer if agreed_symmetric_memory_provider(group) == "torch" else VmmSymmetricBuffer
@@ -140,6 +142,21 @@ class SymmetricBuffer(ABC):
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < len(self.ptrs):
             raise ValueError(f"ep_moe: argument 'rank' must be in [0, {len(self.ptrs)}), got {rank}")
+
+
+def _local_failure(local: torch.Tensor, local_fd: int, nbytes: int, asked: int, device: torch.device) -> str | None:
+    """Why ``local`` / ``local_fd`` cannot be this rank's copy of a `VmmSymmetricBuffer` of ``nbytes``, or None."""
+    if not isinstance(local, torch.Tensor) or local.dtype != torch.uint8 or local.dim() != 1 \
+            or not local.is_contiguous() or local.device.type != "cuda":
+        return "ValueError: argument 'local' must be a contiguous 1-D uint8 CUDA tensor"
+    if local.numel() != nbytes or asked != nbytes:
+        return (f"ValueError: argument 'local' must hold nbytes={asked} bytes, a multiple of 2 MiB, got "
+                f"{local.numel()}")
+    if local.device != device:
+        return f"ValueError: argument 'local' must be on {device}, got {local.device}"
+    if isinstance(local_fd, bool) or not isinstance(local_fd, int) or local_fd < 0:
+        return f"ValueError: argument 'local_fd' must be the descriptor exporting local's allocation, got {local_fd!r}"
+    return None
 
 
 class TorchSymmetricBuffer(SymmetricBuffer):
@@ -185,50 +202,63 @@ class VmmSymmetricBuffer(SymmetricBuffer):
     a rank on another GPU of the node needs peer access to it (``cuMemSetAccess`` fails otherwise, and the
     error says so). All ranks must be on one host. A failure on any rank (allocation, export, exchange,
     mapping) raises a `RuntimeError` on every rank naming the ranks and their errors, so none is left waiting.
+
+    ``local``: this rank's copy already exists (e.g. the GPU segment of an `ep_moe.ElasticBuffer`'s range,
+    `ep_moe.memory.SymmetricMemory` with ``share_gpu``): uint8 ``[nbytes]`` on ``device`` (``nbytes`` a multiple
+    of 2 MiB) over one VMM allocation exported as ``local_fd``. Nothing is allocated then: the peers import
+    ``local_fd`` and map it like any rank's allocation, ``tensor`` is ``local`` and ``ptrs[rank]`` its address
+    (this rank's slot of the range stays unmapped); the caller keeps ``local``'s memory and ``local_fd`` (open
+    until this constructor returns) and frees them after `destroy`. Every rank passes ``local`` or none does.
     """
 
     provider = "vmm"
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, nbytes: int, *,
+                 local: torch.Tensor | None = None, local_fd: int = -1) -> None:
         self._agree_on_provider(group)
         self.nbytes = align_up(max(int(nbytes), 1))
         self.group = group
         self.rank = dist.get_rank(group)
         num_ranks = dist.get_world_size(group)
         self.tensor, self.ptrs, self._range = None, [], None
-        own, failure = None, None
+        own, failure, fd = None, None, -1
         if device.type != "cuda":
             failure = f"ValueError: argument 'device' must be a CUDA device, got {device}"
+        elif local is not None:
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+            failure = _local_failure(local, local_fd, self.nbytes, nbytes, device)
+            fd = local_fd
         else:
             device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
             try:
                 with torch.cuda.device(device):
                     own = DeviceAllocation(device, self.nbytes)
+                fd = own.fd
             except (OSError, RuntimeError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
         # every rank's descriptor (raises on every rank, naming the ranks, when any rank failed above)
-        local_ranks, fds = exchange_fds(group, own.fd if own is not None else -1, failure,
-                                        what="symmetric device memory")
+        local_ranks, fds = exchange_fds(group, fd, failure, what="symmetric device memory")
         try:
             if len(local_ranks) != num_ranks:
                 raise RuntimeError(f"the group spans several hosts (ranks {local_ranks} are on this one): VMM "
                                    "symmetric memory is intranode only")
             with torch.cuda.device(device):
                 memory = CudaRange(num_ranks * self.nbytes, device, host=False)
-                for r in range(num_ranks):  # in rank order, this rank's own allocation included
-                    if r == self.rank:
-                        memory.map_allocation(r * self.nbytes, self.nbytes, own)
-                    else:
+                for r in range(num_ranks):  # in rank order, this rank's own allocation included (unless local)
+                    if r != self.rank:
                         memory.map_imported(r * self.nbytes, self.nbytes, fds[r])
-                self.tensor = memory.view(self.rank * self.nbytes, self.nbytes)
+                    elif local is None:
+                        memory.map_allocation(r * self.nbytes, self.nbytes, own)
+                self.tensor = memory.view(self.rank * self.nbytes, self.nbytes) if local is None else local
             self._range = memory
         except (OSError, RuntimeError) as exc:
             failure = f"{type(exc).__name__}: {exc}"
         finally:
-            for other in fds:  # the mappings hold the memory; the descriptors are not needed any more
-                if other is not None:
+            for r, other in enumerate(fds):  # the mappings hold the memory; the descriptors are not needed any more
+                if other is not None and (r != self.rank or local is None):  # (local_fd is the caller's)
                     os.close(other)
-            own.fd = -1  # closed above (it was this rank's entry of fds)
+            if own is not None:
+                own.fd = -1  # closed above (it was this rank's entry of fds)
         failures: list = [None] * num_ranks
         dist.all_gather_object(failures, failure, group=group)
         failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None]
@@ -236,7 +266,8 @@ class VmmSymmetricBuffer(SymmetricBuffer):
             self.tensor, self._range = None, None
             raise RuntimeError(f"ep_moe: mapping {self.nbytes} bytes of VMM symmetric memory failed: "
                                + "; ".join(failed))
-        self.ptrs = [self._range.address + r * self.nbytes for r in range(num_ranks)]
+        self.ptrs = [self.tensor.data_ptr() if r == self.rank else self._range.address + r * self.nbytes
+                     for r in range(num_ranks)]
 
     def peer_tensor(self, rank: int) -> torch.Tensor:
         self._check_rank(rank)

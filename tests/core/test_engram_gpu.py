@@ -6,8 +6,10 @@ from GPU-mapped host memory, on one GPU (docs/semantics.md, "ElasticBuffer: memo
 * hybrid, 2 to 4 processes sharing the one GPU (gloo for the ``(pid, fd)`` exchange): every rank reads on the device
   what every other rank wrote into its host segment, and writes into a peer's segment reach their owner; also
   with the descriptors passed over Unix sockets (the route where ``pidfd_getfd`` is denied);
-* Engram over that hybrid memory (the direct path: a gather kernel reading the mapped host segments), and through
-  `ElasticBuffer` on a one-rank NCCL group, equal bit for bit to indexing the concatenated tables.
+* Engram over that hybrid memory (the direct path: a gather kernel reading the mapped host segments), over elastic
+  memory at 2 and 3 processes (the collectives path: ids and rows through the group's all-to-alls, here gloo's
+  CUDA all-to-all), and through `ElasticBuffer` on a one-rank NCCL group, equal bit for bit to indexing the
+  concatenated tables.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ def test_elastic_memory_on_one_gpu(solo_group) -> None:
 class _GpuEngram(EngramMixin):
     """The mixin over a gloo group with every rank on one GPU (what a test on one GPU can run)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_bytes: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_cpu_bytes: int,
+                 allow_hybrid_mode: bool = True) -> None:
         self.group, self.rank, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
         self.buffer = SimpleNamespace(device=device, barrier=lambda: dist.barrier(group))
         self.num_cpu_timeout_secs = 60
-        self._setup_memory(2 << 20, num_cpu_bytes, True)
+        self._setup_memory(2 << 20, num_cpu_bytes, allow_hybrid_mode)
 
     def _check_live(self, op: str) -> None:
         pass
@@ -141,3 +144,34 @@ def _elastic_buffer_worker(rank: int, num_ranks: int) -> bool:
 
 def test_elastic_buffer_engram_one_rank_nccl() -> None:
     assert run_distributed(_elastic_buffer_worker, 1, backend="nccl", join_timeout_s=300) == [True]
+
+
+def _elastic_collectives_worker(rank: int, num_ranks: int) -> int:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    engram = _GpuEngram(dist.group.WORLD, device, N * H * 2 + (1 << 20), allow_hybrid_mode=False)
+    assert engram.memory_type == "elastic" and engram.memory.host_segments[(rank + 1) % num_ranks] is None
+    gen = torch.Generator().manual_seed(11)
+    tables = [torch.randn(N, H, generator=gen).to(torch.bfloat16) for _ in range(num_ranks)]
+    scales = [torch.rand(N, S, generator=gen) for _ in range(num_ranks)]
+    engram.engram_write(tables[rank].to(device), scales[rank])
+    everything, every_sf = torch.cat(tables), torch.cat(scales)
+    checked = 0
+    per_rank = torch.Generator().manual_seed(100 + rank)  # every rank asks for different ids
+    for indices in (torch.randint(0, num_ranks * N, (513, 8), generator=per_rank, dtype=torch.int32),
+                    torch.full((5, 3), rank * N + 7, dtype=torch.int32),  # repeated ids, all on this rank
+                    torch.full((4, 2), ((rank + 1) % num_ranks) * N, dtype=torch.int32),  # all on one peer
+                    torch.empty(0, 8, dtype=torch.int32)):
+        fetched, fetched_sf = engram.engram_fetch(indices.to(device))()
+        assert fetched.device == device
+        assert torch.equal(fetched.cpu().view(torch.int16), everything[indices.long()].view(torch.int16))
+        assert torch.equal(fetched_sf.cpu(), every_sf[indices.long()])
+        checked += 1
+    dist.barrier()
+    engram._release_memory()
+    return checked
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_elastic_memory_engram_collectives_on_one_gpu(num_ranks: int) -> None:
+    assert run_distributed(_elastic_collectives_worker, num_ranks, backend="gloo", join_timeout_s=300) == [4] * num_ranks

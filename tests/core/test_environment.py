@@ -68,12 +68,12 @@ def test_record_not_built_is_quoted(tmp_path):
     path = _record(tmp_path)
     assert native.read_build_record(path)["reason"] == "torch 2.13.0+cpu is a CPU build"
     assert native.explain_missing_extension(None, path) == \
-        "setup.py built without the kernels: torch 2.13.0+cpu is a CPU build"
+        "setup.py built no extension: torch 2.13.0+cpu is a CPU build"
     # setup.py run by another interpreter (a pip of another Python): both are named.
     other = _record(tmp_path, python="/usr/bin/python3", prefix="/usr",
                     reason="torch is not importable at build time (ModuleNotFoundError)")
     text = native.explain_missing_extension(None, other)
-    assert text.startswith("setup.py built without the kernels: torch is not importable at build time")
+    assert text.startswith("setup.py built no extension: torch is not importable at build time")
     assert f"setup.py ran under /usr/bin/python3 (prefix /usr), this is {sys.executable}" in text
 
 
@@ -136,10 +136,32 @@ def test_setup_py_writes_a_record_that_ep_moe_reads(tmp_path):
     env = dict(os.environ, EP_MOE_SKIP_NATIVE="1")
     run = _python("setup.py", "--version", env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert "building without the native CUDA kernels (EP_MOE_SKIP_NATIVE=1)" in run.stderr
+    assert "building without the native CUDA extension (EP_MOE_SKIP_NATIVE=1)" in run.stderr
     record = native.read_build_record(tmp_path / "ep_moe" / "native" / "build_info.json")
     assert record["built"] is False and record["reason"] == "EP_MOE_SKIP_NATIVE=1"
     assert record["python"] == sys.executable and record["prefix"] == sys.prefix
+
+
+def test_setup_py_builds_nothing_by_default(tmp_path):
+    """By default ``setup.py`` compiles nothing and imports no torch (an install needs no compiler and no torch at
+    build time); the record says why, and that the kernels compile on first use."""
+    pytest.importorskip("setuptools", reason="setup.py needs setuptools in this interpreter")
+    shutil.copy(locations.REPO / "setup.py", tmp_path / "setup.py")
+    (tmp_path / "ep_moe" / "native").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("EP_MOE_SKIP_NATIVE", "EP_MOE_BUILD_EXTENSION")}
+    # a torch that cannot be imported: the default build must not need one
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('no torch at build time')\n")
+    run = _python("setup.py", "--version", env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    record = native.read_build_record(tmp_path / "ep_moe" / "native" / "build_info.json")
+    assert record["built"] is False and record["torch"] is None
+    assert record["reason"].startswith("not asked for (the default: the kernels compile on first use")
+    assert "EP_MOE_BUILD_EXTENSION=1" in record["reason"] and "compile on first use" in run.stderr
+    run = _python("setup.py", "--version", env=dict(env, EP_MOE_BUILD_EXTENSION="1"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    record = native.read_build_record(tmp_path / "ep_moe" / "native" / "build_info.json")
+    assert record["reason"].startswith("torch is not importable at build time"), "asked for: it tries"
 
 
 # ------------------------------------------------------------------------------------------ ep-moe env

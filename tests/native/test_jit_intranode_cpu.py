@@ -24,7 +24,7 @@ import torch
 
 from ep_moe import native
 from ep_moe.native import jit
-from ep_moe.native.jit import cubin
+from ep_moe.native.jit import cubin, expert_major_csrc
 from ep_moe.native.jit import intranode as I
 from ep_moe.native.jit import params as P
 from ep_moe.native.jit.compilers import NvccCompiler, find_nvcc, find_nvrtc
@@ -192,12 +192,23 @@ class _Recorder:
         copies = [type(p).from_buffer_copy(p) if isinstance(p, ctypes.Structure) else p.value for p in params]
         self.calls.append((self.name, grid, block, copies[0], shared_bytes, copies[1:]))
 
+    def launch_prepared(self, grid, block, stream, args, shared_bytes=0):
+        """A prepared struct (reused across calls): copied as it is at the launch, as the driver copies it."""
+        struct = _PREPARED_TYPES[self.name.split("_")[0]]
+        self.calls.append((self.name, grid, block, struct.from_buffer_copy(struct.from_address(args[0])),
+                           shared_bytes, []))
+
+
+_PREPARED_TYPES = {"layout": P.LayoutParams, "notify": P.NotifyParams, "dispatch": P.DispatchParams,
+                   "combine": P.CombineParams}
+
 
 @pytest.fixture
 def recorded(monkeypatch):
     """The launchers on CPU tensors: contiguity checked but not the device, pinned memory assumed, launches
     recorded."""
     calls: list = []
+    loaded: list = []
 
     class _Fake:
         fn = {name: _Recorder(name, calls) for name in I.KERNELS}
@@ -207,11 +218,13 @@ def recorded(monkeypatch):
             raise I._fail(f"argument '{name}' must be a contiguous CUDA tensor")
 
     monkeypatch.setattr(I, "kernels", lambda device: _Fake)
+    monkeypatch.setattr(expert_major_csrc, "kernels", lambda device: loaded.append(device))  # Env loads them early
     monkeypatch.setattr(I, "_check_cuda", check)
     monkeypatch.setattr(I, "_is_pinned", lambda t: not t.is_cuda)
     monkeypatch.setattr(I, "_device", lambda t: 0)
     monkeypatch.setattr(I, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(I, "host_device_pointer", lambda ptr, device: ptr)
+    monkeypatch.setattr(I, "_zero", lambda device, t, stream: t.zero_())  # cuMemsetD32Async
     return calls
 
 
@@ -220,8 +233,13 @@ def _env(ranks=2, rank=1):
                  torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 5_000_000_000, 16, 32, 4)
 
 
-def test_env_fills_the_kernel_env_and_checks_its_arguments(recorded):
+def test_env_fills_the_kernel_env_and_checks_its_arguments(recorded, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(expert_major_csrc, "kernels", lambda device: loaded.append(device))
+    _env(1, 0)
+    assert loaded == [], "one rank: no fused expert-major path, nothing more to load"
     env = _env(3, 2)
+    assert loaded == [0], "the fused paths' expert-major ops are loaded with the Env, not in a first call"
     assert (env.env.rank, env.env.num_ranks, list(env.env.ctrl)[:4]) == (2, 3, [0x1000, 0x2000, 0x3000, 0])
     assert (env.env.timeout_ns, env.env.chunks_per_pair, env.env.min_chunk_rows, env.combine_chunks_per_pair) == \
         (5_000_000_000, 16, 4, 32)
@@ -739,3 +757,164 @@ def test_copy_engine_checks_before_any_launch(recorded):
         with pytest.raises(ValueError, match=match):
             I.dispatch(env, **{**dispatch, **change})
     assert recorded == [], "nothing launched"
+
+
+# ------------------------------------------------------------------------------------------ prepared structs
+def test_reused_structs_equal_fresh_ones_call_after_call(recorded):
+    """The launchers reuse one parameter struct per Env and kind (setting only what a call can change): after any
+    sequence of calls with and without the optional inputs (top-k, scales, rows in place, expert rows, biases,
+    weights, traces, other headers, a perturbation), each launched struct equals, byte for byte, the one a fresh Env
+    fills for the same call alone."""
+    env = _env()
+    perturb = torch.zeros(3, dtype=torch.int32)
+    expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
+                  sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
+    d, c, n = _dispatch_args(), _combine_args(), _notify_args()
+    calls = [
+        (I.dispatch, d), (I.dispatch, {**_dispatch_args(topk=False), "write_arrival": True}),
+        (I.dispatch, {**d, "rows_in_place": True, "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16)}),
+        (I.dispatch, {**d, "scales": torch.zeros(6, 2), "recv_scales": torch.zeros(9, 2),
+                      "trace": torch.zeros(8 * I.TRACE_SLOTS, dtype=torch.int64)}),
+        (I.dispatch, {**d, "header": [2] + HEADER[1:], "test_perturb": perturb}), (I.dispatch, d),
+        (I.dispatch, {**d, "data_ptrs": [0x30000, 0x40000]}), (I.dispatch, d),
+        (I.combine, {**c, **expert}), (I.combine, c), (I.combine, {**c, "weights": None, "out_weights": None}),
+        (I.combine, {**c, "bias0": None, "bias1": torch.zeros(5, 2048), "bulk_reduce": True}),
+        (I.combine, {**_combine_args(dtype=torch.float32), "off_y": 64}), (I.combine, c),
+        (I.notify, n), (I.notify, {**n, "host_expert_counts": None, "topk_idx": None}), (I.notify, n),
+        (I.notify, {**n, "num_worst_tokens": 5, "header": [3] + HEADER[1:]}),
+    ]
+    for fn, args in calls:
+        fn(env, **args)
+        reused = recorded[-1]
+        fn(I.Env(1, [0x1000, 0x2000], env.state, env.error, 5_000_000_000, 16, 32, 4), **args)  # same memory
+        alone = recorded[-1]
+        assert reused[:3] == alone[:3] and reused[4] == alone[4]
+        assert bytes(reused[3]) == bytes(alone[3]), f"{reused[0]}: the reused struct differs from a fresh one"
+    assert len(env._prepared) == 5, "one struct per kind and fixed inputs (2 dispatch, 2 combine, notify)"
+    with pytest.raises(ValueError, match="header value"):  # a header is validated before it is cached
+        I.dispatch(env, **{**d, "header": [1 << 40] + HEADER[1:]})
+
+
+def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):
+    zeroed = []
+    monkeypatch.setattr(I, "_zero", lambda device, t, stream: zeroed.append(t.numel()) or t.zero_())
+    I.layout(torch.randint(-1, 16, (300, 4)), 16, 4)
+    assert zeroed == [4, 16], "the extension's two memsets, no fill kernels"
+
+
+def _reference_struct(kind: str, env, a: dict):
+    """The parameter struct of a call without a copy engine, filled field by field as ``csrc/binding.cpp`` fills it
+    (the launchers' first, attribute-by-attribute version): the oracle of the launchers' batched field writes."""
+    def ptr(t):
+        return 0 if t is None else t.data_ptr()
+
+    if kind == "notify":
+        p = P.NotifyParams()
+        p.env = env.env
+        p.is_token_in_rank, p.num_tokens_per_rank = ptr(a["is_token_in_rank"]), ptr(a["num_tokens_per_rank"])
+        p.counts_int64 = a["num_tokens_per_rank"].dtype == torch.int64
+        p.num_tokens = a["is_token_in_rank"].shape[0]
+        p.rank_prefix_matrix, p.pos, p.send_list = ptr(a["rank_prefix_matrix"]), ptr(a["pos"]), ptr(a["send_list"])
+        p.host_counts = ptr(a["host_counts"])
+        p.num_worst_tokens, p.rows_capacity = a["num_worst_tokens"], a["rows_capacity"]
+        p.check = I.header_check(a["header"], False, a["test_perturb"])
+        if a["host_expert_counts"] is not None:
+            p.topk_idx, p.num_topk = ptr(a["topk_idx"]), a["topk_idx"].shape[1]
+            p.experts_per_rank, p.expert_alignment = a["experts_per_rank"], a["expert_alignment"]
+            p.host_expert_counts = ptr(a["host_expert_counts"])
+        return p
+    if kind == "dispatch":
+        p = P.DispatchParams()
+        p.env = env.env
+        for r, value in enumerate(a["data_ptrs"]):
+            p.data[r] = value
+        p.off_x, p.off_scales, p.off_idx, p.off_weights, p.off_src = a["offsets"]
+        x, topk, in_place = a["x"], a["topk_idx"], a["rows_in_place"]
+        p.rank_prefix_matrix, p.send_list = ptr(a["rank_prefix_matrix"]), ptr(a["send_list"])
+        p.num_tokens, p.x, p.x_bytes = x.shape[0], ptr(x), x.shape[1] * x.element_size()
+        p.has_scales, p.scales = a["scales"] is not None, ptr(a["scales"])
+        p.num_scales = a["scales"].shape[1] if a["scales"] is not None else 0
+        p.has_topk, p.topk_idx, p.topk_weights = topk is not None, ptr(topk), ptr(a["topk_weights"])
+        p.num_topk = topk.shape[1] if topk is not None else 0
+        p.experts_per_rank = a["experts_per_rank"]
+        p.recv_x = 0 if in_place else ptr(a["recv_x"])
+        for name in ("recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_src_rank",
+                     "expert_scratch", "num_recv_per_expert"):
+            setattr(p, name, ptr(a[name]))
+        p.num_recv_rows = a["recv_topk_idx"].shape[0] if in_place else a["recv_x"].shape[0]
+        p.rows_in_place, p.expert_alignment, p.rows_capacity = in_place, a["expert_alignment"], a["rows_capacity"]
+        p.write_arrival, p.num_blocks, p.num_push_blocks = a["write_arrival"], a["num_blocks"], a["num_push_blocks"]
+        p.trace = ptr(a["trace"])
+        p.check = I.header_check(a["header"], a["write_arrival"], a["test_perturb"])
+        return p
+    p = P.CombineParams()
+    p.env = env.env
+    p.env.chunks_per_pair = env.combine_chunks_per_pair
+    for r, value in enumerate(a["data_ptrs"]):
+        p.data[r] = value
+    y, w = a["y"], a["weights"]
+    p.off_y, p.off_weights, p.rows_capacity = a["off_y"], a["off_weights"], a["rows_capacity"]
+    p.rank_prefix_matrix, p.is_token_in_rank, p.pos = (ptr(a["rank_prefix_matrix"]), ptr(a["is_token_in_rank"]),
+                                                        ptr(a["pos"]))
+    p.num_tokens, p.y, p.y_type, p.hidden = a["is_token_in_rank"].shape[0], ptr(y), I.ELEM_TYPES[y.dtype], y.shape[1]
+    p.has_weights, p.weights, p.num_topk = w is not None, ptr(w), w.shape[1] if w is not None else 0
+    p.out_weights, p.bias0, p.bias1 = ptr(a["out_weights"]), ptr(a["bias0"]), ptr(a["bias1"])
+    p.bias0_type = I.ELEM_TYPES[a["bias0"].dtype] if a["bias0"] is not None else 0
+    p.bias1_type = I.ELEM_TYPES[a["bias1"].dtype] if a["bias1"] is not None else 0
+    p.out, p.num_blocks, p.num_push_blocks, p.trace = ptr(a["out"]), a["num_blocks"], a["num_push_blocks"], ptr(a["trace"])
+    p.bulk_reduce = a["bulk_reduce"]
+    if a["expert_y"] is not None:
+        p.expert_y, p.expert_weights, p.sorted_slots = ptr(a["expert_y"]), ptr(a["expert_weights"]), ptr(a["sorted_slots"])
+        p.expert_topk, p.expert_slots = a["sorted_slots"].shape[1], a["expert_y"].shape[0]
+    p.check = I.header_check(a["header"], True, a["test_perturb"])
+    p.bulk_piece16 = I.bulk_piece16(env.env.num_ranks, y.shape[1] * y.element_size() // 16) if a["bulk_reduce"] else 0
+    return p
+
+
+def test_launched_structs_equal_the_field_by_field_reference(recorded):
+    """Every launched struct (prepared, batched field writes) equals byte for byte the one filled attribute by
+    attribute from the same arguments, over calls that set and unset every optional input in turn."""
+    env = _env()
+    expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
+                  sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
+    d, c, n = _dispatch_args(), _combine_args(), _notify_args()
+    calls = [
+        ("dispatch", d), ("dispatch", {**_dispatch_args(topk=False), "write_arrival": True}),
+        ("dispatch", {**d, "rows_in_place": True, "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16)}),
+        ("dispatch", {**d, "scales": torch.zeros(6, 2), "recv_scales": torch.zeros(9, 2),
+                      "trace": torch.zeros(8 * I.TRACE_SLOTS, dtype=torch.int64), "test_perturb":
+                      torch.zeros(3, dtype=torch.int32)}),
+        ("dispatch", {**d, "expert_alignment": 16, "rows_capacity": 1 << 33}), ("dispatch", d),
+        ("combine", {**c, **expert}), ("combine", c), ("combine", {**c, "weights": None, "out_weights": None}),
+        ("combine", {**c, "bias0": None, "bias1": torch.zeros(5, 2048), "bulk_reduce": True}),
+        ("combine", {**_combine_args(dtype=torch.float32, H=7168), "bulk_reduce": True}), ("combine", c),
+        ("notify", n), ("notify", {**n, "host_expert_counts": None, "topk_idx": None}),
+        ("notify", {**n, "num_tokens_per_rank": torch.zeros(2, dtype=torch.int32), "num_worst_tokens": 7}),
+    ]
+    for kind, args in calls:
+        getattr(I, kind)(env, **args)
+        got = recorded[-1][3]
+        want = _reference_struct(kind, env, args)
+        for name in type(want).field_names():  # a named difference first, then every byte (padding too)
+            a, b = getattr(got, name), getattr(want, name)
+            if isinstance(a, ctypes.Structure):
+                a, b = bytes(a), bytes(b)
+            elif isinstance(a, ctypes.Array):
+                a, b = list(a), list(b)
+            assert a == b, f"{kind}: field {name}"
+        assert bytes(got) == bytes(want), kind
+
+
+def test_field_writer_checks_its_run_and_values():
+    w = P.FieldWriter(P.LayoutParams, ("num_tokens", "num_topk", "num_experts", "num_ranks"))
+    p = P.LayoutParams(topk_idx=7, num_tokens_per_rank=8)
+    w.write(memoryview(p).cast("B"), 1, 2, 3, 4)
+    assert (p.topk_idx, p.num_tokens, p.num_topk, p.num_experts, p.num_ranks, p.num_tokens_per_rank) == (7, 1, 2, 3, 4, 8)
+    with pytest.raises(ValueError, match="LayoutParams: a value does not fit its field"):
+        w.write(memoryview(p).cast("B"), 1 << 40, 2, 3, 4)
+    with pytest.raises(ValueError, match="must be a run in the struct's order"):
+        P.FieldWriter(P.LayoutParams, ("num_tokens", "num_experts"))
+    with pytest.raises(ValueError, match="must be a run in the struct's order"):
+        P.FieldWriter(P.LayoutParams, ("num_topk", "num_tokens"))
+    with pytest.raises(ValueError, match="is not a scalar"):
+        P.FieldWriter(P.KernelEnv, ("num_ranks", "ctrl"))

@@ -43,13 +43,15 @@ def test_warmup_compiles_then_reads_from_disk(fake_jit, capsys, monkeypatch, tmp
             "--arch", "sm_90", "--jobs", "2"]
     assert jit_cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "15 of 15 kernels ready" in out and out.count("\ncompiled ") == 15 and fake_jit.compiles() == 15
+    # 13 expert-major specializations, the intranode build, the generic expert-major build, a probe for each
+    assert "17 of 17 kernels ready" in out and out.count("\ncompiled ") == 17 and fake_jit.compiles() == 17
     monkeypatch.setattr(jit, "_cache", None)  # a new process: nothing in memory
     assert jit_cli.main(argv) == 0
-    assert capsys.readouterr().out.count("\ndisk ") == 15 and fake_jit.compiles() == 15
+    assert capsys.readouterr().out.count("\ndisk ") == 17 and fake_jit.compiles() == 17
     assert jit_cli.main(["list"]) == 0
     listing = capsys.readouterr().out
-    assert "15 cached kernels" in listing and "intranode.cu[]-sm_90" in listing and "expert_layout.cu[EP_EXPERTS=32,EP_TOPK=8]-sm_90" in listing
+    assert "17 cached kernels" in listing and "intranode.cu[]-sm_90" in listing and \
+        "expert_major_csrc.cu[]-sm_90" in listing and "expert_layout.cu[EP_EXPERTS=32,EP_TOPK=8]-sm_90" in listing
     assert listing.startswith(str(tmp_path / "cache" / "jit")), "the JIT cache is $EP_MOE_CACHE_DIR/jit"
     assert jit_cli.main(["list", "--cache-dir", str(tmp_path / "elsewhere")]) == 0
     assert "0 cached kernels" in capsys.readouterr().out
@@ -59,7 +61,7 @@ def test_warmup_reports_a_failed_compile_and_bad_shapes(fake_jit, capsys):
     fake_jit.fail = True
     assert jit_cli.main(["warmup", "--shapes", "hidden=8,topk=1,experts=1,dtype=fp8", "--arch", "sm_90"]) == 1
     out = capsys.readouterr().out
-    assert "FAILED" in out and "fake failure" in out and "0 of 5 kernels ready" in out
+    assert "FAILED" in out and "fake failure" in out and "0 of 7 kernels ready" in out
     assert jit_cli.main(["warmup", "--shapes", "hidden=8,topk=1,experts=2000", "--arch", "sm_90"]) == 2
     assert "'experts' must be <= 1024" in capsys.readouterr().err
 

@@ -51,8 +51,8 @@ OFF = (-1, 0, 0)  # the knob's values that change nothing (no rank is source -1)
 def _need_gpus(count: int) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < count:
         pytest.skip(f"needs {count} CUDA GPU{'s' if count > 1 else ''}")
-    if not native.extension_available():
-        pytest.skip("the native CUDA extension is not built")
+    if native.kernels_kind() is None:  # the extension or the JIT kernels
+        pytest.skip(f"no native kernels: {native.kernels_unavailable_reason()}")
 
 
 def _options(copy_engine: bool) -> NativeOptions:

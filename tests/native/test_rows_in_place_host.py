@@ -306,7 +306,8 @@ def test_both_modes_off_without_the_option_or_the_extension(backend, monkeypatch
     backend.options = NativeOptions(expert_major_fused=False)
     assert not backend.receives_in_place(H * 2, E) and not backend.combines_expert_rows(H * 2)
     backend.options = NativeOptions()
-    monkeypatch.setattr(nb.native, "extension_available", lambda: False)  # JIT-only intranode kernels
+    monkeypatch.setattr(nb.native, "extension_available", lambda: False)  # neither the extension's ops ...
+    monkeypatch.setattr(nb.native, "_choices", {k: (None, "no kernels") for k in (None, "", "0", "1")})  # nor JIT's
     assert not backend.receives_in_place(H * 2, E) and not backend.combines_expert_rows(H * 2)
     with pytest.raises(ValueError, match="'consume'"):
         backend.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), None, torch.zeros(T, K, dtype=torch.int64),

@@ -2,10 +2,12 @@
 // slots, and the (weighted) reduce of slots back to rows with its gradients. Bit for bit the torch
 // definitions of ep_moe/permute.py (integers, copies, and fp32 sums in a stated order without fused
 // multiply-adds); the weights' gradient is a dot product in a fixed order of its own.
+#ifndef __CUDACC_RTC__  // NVRTC: rtc_prelude.h (through expert_major.h) has the bf16 conversions used here
 #include <cuda_bf16.h>
 
 #include <initializer_list>
 #include <type_traits>
+#endif
 
 #include "expert_major.h"
 
@@ -317,6 +319,7 @@ __global__ void __launch_bounds__(kRowThreads) unpermute_sum_backward_kernel(Unp
   if (lane == 0) p.grad_weights[s] = valid ? dot : 0.0f;
 }
 
+#ifndef __CUDACC_RTC__  // host code: the JIT build (ep_moe/native/jit/expert_major_csrc.py) launches from Python
 // The widest of 16/4/2/1-byte words that divides the row bytes and every pointer.
 template <typename Launch>
 cudaError_t by_word(int64_t row_bytes, const void* a, const void* b, Launch launch, const void* c = nullptr) {
@@ -339,6 +342,8 @@ cudaError_t by_pack(int64_t hidden, std::initializer_list<const void*> ptrs, Lau
   if (wide) return launch(Pack<T, kVec>{});
   return launch(Pack<T, 1>{});
 }
+
+#endif  // __CUDACC_RTC__
 
 template <typename T>
 __global__ void routing_map_to_topk_kernel(RoutingMapParams p) {
@@ -374,6 +379,7 @@ __global__ void routing_map_to_topk_backward_kernel(RoutingMapParams p) {
   }
 }
 
+#ifndef __CUDACC_RTC__
 // One thread per token, with the kernel of the probs' dtype.
 cudaError_t launch_per_token(const RoutingMapParams& p, cudaStream_t stream, void (*bf16_kernel)(RoutingMapParams),
                              void (*fp32_kernel)(RoutingMapParams)) {
@@ -391,9 +397,11 @@ cudaError_t by_row_type(int dtype, int64_t hidden, std::initializer_list<const v
 }
 
 unsigned row_blocks(int64_t rows) { return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock); }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__  // the extension's launch functions (expert_major.h)
 cudaError_t launch_routing_map_to_topk(const RoutingMapParams& p, cudaStream_t stream) {
   return launch_per_token(p, stream, routing_map_to_topk_kernel<__nv_bfloat16>, routing_map_to_topk_kernel<float>);
 }
@@ -441,5 +449,7 @@ cudaError_t launch_unpermute_sum_backward(const UnpermuteSumBackwardParams& p, c
     return cudaGetLastError();
   });
 }
+
+#endif  // __CUDACC_RTC__
 
 }  // namespace ep_moe

@@ -6,8 +6,12 @@
 // alignment, M slots (expert-major rows), H the row width.
 #pragma once
 
+#ifdef __CUDACC_RTC__
+#include "rtc_prelude.h"  // NVRTC (the JIT build, jit/kernels/expert_major_csrc.cu) has no toolkit headers
+#else
 #include <cstdint>
 #include <cuda_runtime.h>
+#endif
 
 namespace ep_moe {
 

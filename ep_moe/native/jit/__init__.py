@@ -7,9 +7,11 @@ source, every header it includes (recursively), the compiler's identity and vers
 and the defines. `build` gives the CUBIN (memory, else disk, else the compiler: `compilers.find_compiler`);
 `module` loads it on a device (`driver.Module`) and `Module.function(...).launch(...)` runs a kernel on a stream.
 
-Two groups of kernels use it: the single-rank expert-major kernels (`expert_major`, specialized per shape) and the
-native backend's intranode kernels with their copy engine (`intranode`, the extension's csrc sources in one generic
-build per architecture, launched from Python over ctypes mirrors of their parameter structs: `params`).
+Three groups of kernels use it: the single-rank expert-major kernels (`expert_major`, specialized per shape), the
+native backend's intranode kernels with their copy engine (`intranode`), and the extension's other expert-major ops
+(`expert_major_csrc`: the permute of received rows, the own rows of a combine, the routing map); the last two are
+the extension's csrc sources in one generic build per architecture, launched from Python over ctypes mirrors of
+their parameter structs (`params`).
 
 `available` / `unavailable_reason` say whether JIT kernels can run here (CUDA torch, a GPU, a compiler, the
 driver; without a compiler, ``EP_MOE_JIT=1`` still runs the kernels a warm cache holds: `build` then takes any

@@ -131,6 +131,18 @@ class Function:
                                    f"shared={shared_bytes})")
 
 
+    def launch_prepared(self, grid: int, block: int, stream: int, args: ctypes.Array, shared_bytes: int = 0) -> None:
+        """Enqueue with ``args``, an array of pointers to the arguments built once by the caller (`prepared_args`)
+        for structs it reuses across launches (the driver copies the arguments during the call). Raises
+        `DriverError` when refused."""
+        if self.device is not None and getattr(_thread, "device", None) != self.device:
+            driver().use_primary_context(self.device)
+            _thread.device = self.device
+        status = self._launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), args, None)
+        if status != CUDA_SUCCESS:
+            driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
+                                   f"shared={shared_bytes})")
+
     def launch_params(self, grid: int, block: int, stream: int, *params: ctypes.Structure | ctypes._SimpleCData,
                       shared_bytes: int = 0) -> None:
         """Enqueue a kernel whose arguments are passed by value as ctypes objects (``params``: parameter struct
@@ -144,6 +156,24 @@ class Function:
         if status != CUDA_SUCCESS:
             driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
                                    f"shared={shared_bytes})")
+
+
+def prepared_args(*params: ctypes.Structure | ctypes._SimpleCData) -> ctypes.Array:
+    """The array of pointers to ``params`` that `Function.launch_prepared` passes (valid while they live)."""
+    return (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+
+
+def memset_zero_async(address: int, words: int, stream: int, device: int) -> None:
+    """Zero ``words`` 32-bit words at device ``address`` on ``stream`` (``cuMemsetD32Async``: what the extension's
+    ``cudaMemsetAsync`` does, with no torch call; captured by a CUDA graph like a kernel)."""
+    drv = driver()
+    if getattr(_thread, "device", None) != device:
+        drv.use_primary_context(device)
+        _thread.device = device
+    status = drv.lib.cuMemsetD32Async(ctypes.c_uint64(address), ctypes.c_uint(0), ctypes.c_size_t(words),
+                                      ctypes.c_void_p(stream))
+    if status != CUDA_SUCCESS:
+        drv.check(status, f"cuMemsetD32Async({words} words)")
 
 
 def host_device_pointer(host_ptr: int, device: int) -> int:
@@ -213,4 +243,5 @@ class Module:
         return None
 
 
-__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver", "host_device_pointer"]
+__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver", "host_device_pointer",
+           "memset_zero_async", "prepared_args"]

@@ -16,6 +16,7 @@ streams the backend passes, after the same checks as the extension's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -29,7 +30,7 @@ from . import KernelSource, module, process_cache
 from . import params as P
 from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
 from .cubin import find_kernel, function_symbols
-from .driver import PTR, Function, host_device_pointer
+from .driver import PTR, Function, host_device_pointer, memset_zero_async, prepared_args
 
 KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
 
@@ -66,10 +67,10 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 
 # ------------------------------------------------------------------------------------------ loading and checks
-def probe_file(directory: Path | None = None) -> Path:
-    """`params.probe_source` written (once, content-addressed) under ``<cache>/src`` (a temporary folder where that
-    cannot be written): what `ep-moe jit warmup` and the first use compile."""
-    text = P.probe_source()
+def probe_file(directory: Path | None = None, text: str | None = None) -> Path:
+    """`params.probe_source` (or ``text``, another probe) written (once, content-addressed) under ``<cache>/src`` (a
+    temporary folder where that cannot be written): what `ep-moe jit warmup` and the first use compile."""
+    text = P.probe_source() if text is None else text
     name = f"params_layout-{hashlib.sha256(text.encode()).hexdigest()[:16]}.cu"
     if directory is not None:
         return _write_once(Path(directory) / name, text)
@@ -143,6 +144,13 @@ def _launch(device: int, name: str, grid: int, block: int, *params, shared_bytes
     """Kernel ``name`` (a key of `KERNELS`) on ``device``'s current stream, its arguments ``params`` (ctypes
     objects, by value)."""
     kernels(device).fn[name].launch_params(grid, block, _raw_stream(device), *params, shared_bytes=shared_bytes)
+    LAUNCHES[name] += 1
+
+
+def _launch_prepared(device: int, name: str, grid: int, block: int, prepared: _Prepared, shared_bytes: int = 0
+                     ) -> None:
+    """`_launch` of a `_Prepared` struct (through its pointer array)."""
+    kernels(device).fn[name].launch_prepared(grid, block, _raw_stream(device), prepared.args, shared_bytes)
     LAUNCHES[name] += 1
 
 
@@ -220,6 +228,63 @@ def _copy_engine_params(p, streams: list[int], flag_stream: int, seq: int, go: T
         ce.trace = trace.data_ptr() + num_blocks * TRACE_SLOTS * 8
 
 
+# ------------------------------------------------------------------------------------------ prepared structs
+_MAX_PREPARED = 64  # prepared structs per Env (kinds x data buffers x offsets); beyond, start again
+
+
+class _Prepared:
+    """One parameter struct reused by every call of a kind with the same fixed inputs (the Env, the peers' data
+    buffers, region offsets): a call sets only the fields that can change, the header check is copied in only when
+    the header changes, and the driver reads the struct through a pointer array built once. The driver copies the
+    arguments during cuLaunchKernel, so the struct may be refilled for the next call at once; the lock keeps two
+    threads from filling it at the same time."""
+
+    __slots__ = ("params", "view", "args", "check_key", "lock")
+
+    def __init__(self, make) -> None:
+        self.params = make()
+        self.view = memoryview(self.params).cast("B")  # what the FieldWriters write into
+        self.args = prepared_args(self.params)
+        self.check_key: tuple | None = None
+        self.lock = threading.Lock()
+
+    def set_check(self, header: list[int], digest_from_prefix: bool, test_perturb: Tensor | None,
+                  copy_seq: int | None) -> None:
+        """``params.check`` = `header_check` of these arguments, its copy-engine slot set to ``copy_seq`` (None:
+        left as the header has it); cached, so built and validated once per header."""
+        key = (tuple(header), digest_from_prefix, None if test_perturb is None else test_perturb.data_ptr(), copy_seq)
+        if key != self.check_key:
+            self.params.check = _cached_header_check(key, header, digest_from_prefix, test_perturb, copy_seq)
+            self.check_key = key
+
+
+_header_checks: dict[tuple, P.HeaderCheck] = {}
+
+
+def _cached_header_check(key: tuple, header: list[int], digest_from_prefix: bool, test_perturb: Tensor | None,
+                         copy_seq: int | None) -> P.HeaderCheck:
+    found = _header_checks.get(key)
+    if found is None:
+        found = header_check(header, digest_from_prefix, test_perturb)  # validates (raises before any launch)
+        if copy_seq is not None:
+            found.header[HEADER_COPY_SEQ] = copy_seq
+        if len(_header_checks) >= 256:
+            _header_checks.clear()
+        _header_checks[key] = found
+    return found
+
+
+def _with_env(params, env: Env, data_ptrs: list[int] | None = None, combine: bool = False):
+    """``params`` with the fields a prepared struct keeps: the Env (the combine's with its chunking) and the peers'
+    data buffers."""
+    params.env = env.env
+    if combine:
+        params.env.chunks_per_pair = env.combine_chunks_per_pair
+    for r, ptr in enumerate(data_ptrs or ()):
+        params.data[r] = ptr
+    return params
+
+
 # ------------------------------------------------------------------------------------------ Env
 class Env:
     """What every collective kernel of one rank needs (``KernelEnv``): the peers' control blocks, this rank's
@@ -258,9 +323,25 @@ class Env:
         env.min_chunk_rows = min_chunk_rows
         self.combine_chunks_per_pair = combine_chunks
         self._mapped: dict[int, tuple[Tensor, int]] = {}
+        self._prepared: dict[tuple, _Prepared] = {}
         # Compile (or read) and check the kernels now, while the backend is being built (its ranks then meet in
-        # a barrier), not in a first call, where peers would wait in a kernel for this rank's compile.
+        # a barrier), not in a first call, where peers would wait in a kernel for this rank's compile; likewise the
+        # expert-major ops of the fused paths (permute of rows in place, own rows of a combine).
         kernels(self.device)
+        if num_ranks > 1:
+            from . import expert_major_csrc
+
+            expert_major_csrc.kernels(self.device)
+
+    def prepared(self, key: tuple, make) -> _Prepared:
+        """The parameter struct this Env reuses for calls of ``key`` (a kind and its fixed inputs), made by
+        ``make(params)`` (which fills the fixed fields) at first use."""
+        found = self._prepared.get(key)
+        if found is None:
+            if len(self._prepared) >= _MAX_PREPARED:  # e.g. a data buffer that grew many times
+                self._prepared.clear()
+            found = self._prepared[key] = _Prepared(make)
+        return found
 
     def device_pointer(self, pinned: Tensor) -> int:
         """The device address of a pinned host tensor (the notify's count buffers), looked up once per tensor:
@@ -282,18 +363,36 @@ def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
         raise _fail(f"arguments 'num_ranks' ({num_ranks}) and 'num_experts' ({num_experts}): need 1 <= num_ranks "
                     "<= 32 dividing num_experts")
     device = _device(topk_idx)
-    num_tokens = topk_idx.shape[0]
-    per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=topk_idx.device)
-    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
-    in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+    num_tokens, num_topk = topk_idx.shape
+    # As the extension: empty outputs, the two counts zeroed by memsets (no torch fill kernels), then the kernel.
+    per_rank = topk_idx.new_empty(num_ranks, dtype=torch.int32)
+    per_expert = topk_idx.new_empty(num_experts, dtype=torch.int32)
+    in_rank = topk_idx.new_empty((num_tokens, num_ranks), dtype=torch.bool)
+    stream = _raw_stream(device)
+    _zero(device, per_rank, stream)
+    _zero(device, per_expert, stream)
     if num_tokens == 0:
         return [per_rank, per_expert, in_rank]
-    p = P.LayoutParams(topk_idx=topk_idx.data_ptr(), num_tokens=num_tokens, num_topk=topk_idx.shape[1],
-                       num_experts=num_experts, num_ranks=num_ranks, num_tokens_per_rank=per_rank.data_ptr(),
-                       num_tokens_per_expert=per_expert.data_ptr(), is_token_in_rank=in_rank.data_ptr())
-    blocks = (num_tokens + LAYOUT_THREADS - 1) // LAYOUT_THREADS
-    _launch(device, "layout", blocks, LAYOUT_THREADS, p)
+    with _layout_lock:
+        p = _layout_params
+        p.topk_idx, p.num_tokens, p.num_topk, p.num_experts, p.num_ranks = (topk_idx.data_ptr(), num_tokens, num_topk,
+                                                                           num_experts, num_ranks)
+        p.num_tokens_per_rank, p.num_tokens_per_expert = per_rank.data_ptr(), per_expert.data_ptr()
+        p.is_token_in_rank = in_rank.data_ptr()
+        kernels(device).fn["layout"].launch_prepared((num_tokens + LAYOUT_THREADS - 1) // LAYOUT_THREADS,
+                                                     LAYOUT_THREADS, stream, _layout_args)
+    LAUNCHES["layout"] += 1
     return [per_rank, per_expert, in_rank]
+
+
+_layout_params = P.LayoutParams()  # every field set by each call: one struct for the process
+_layout_args = prepared_args(_layout_params)
+_layout_lock = threading.Lock()
+
+
+def _zero(device: int, t: Tensor, stream: int) -> None:
+    """Zero int32 ``t`` on ``stream`` (`driver.memset_zero_async`)."""
+    memset_zero_async(t.data_ptr(), t.numel(), stream, device)
 
 
 # ------------------------------------------------------------------------------------------ rank agreement
@@ -370,19 +469,6 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
     if not _is_pinned(host_counts) or host_counts.numel() < _host_words(num_ranks):
         raise _fail(f"argument 'host_counts' must be pinned, R * R + R int32 then the header check's "
                     f"{_host_words(num_ranks) - num_ranks * (num_ranks + 1)}")
-    p = P.NotifyParams()
-    p.env = env.env
-    p.is_token_in_rank = is_token_in_rank.data_ptr()
-    p.num_tokens_per_rank = num_tokens_per_rank.data_ptr()
-    p.counts_int64 = num_tokens_per_rank.dtype == torch.int64
-    p.num_tokens = num_tokens
-    p.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
-    p.pos = pos.data_ptr()
-    p.send_list = send_list.data_ptr()
-    p.host_counts = env.device_pointer(host_counts)
-    p.num_worst_tokens = num_worst_tokens
-    p.rows_capacity = rows_capacity
-    p.check = header_check(header, False, test_perturb)
     if host_expert_counts is not None:  # the per-expert counts travel with the row counts
         if topk_idx is None or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
             raise _fail("argument 'topk_idx' must be [T, K] int64 when per-expert counts are exchanged")
@@ -391,14 +477,30 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
                         f"got {experts_per_rank}")
         if expert_alignment < 1:
             raise _fail(f"argument 'expert_alignment' must be >= 1, got {expert_alignment}")
-        if (not _is_pinned(host_expert_counts) or host_expert_counts.dtype != torch.int64 or host_expert_counts.numel() < experts_per_rank):
+        if (not _is_pinned(host_expert_counts) or host_expert_counts.dtype != torch.int64
+                or host_expert_counts.numel() < experts_per_rank):
             raise _fail("argument 'host_expert_counts' must be pinned int64 with room for every local expert")
-        p.topk_idx = _ptr(topk_idx, "topk_idx")
-        p.num_topk = topk_idx.shape[1]
-        p.experts_per_rank = experts_per_rank
-        p.expert_alignment = expert_alignment
-        p.host_expert_counts = env.device_pointer(host_expert_counts)
-    _launch(env.device, "notify", 1 + num_ranks, NOTIFY_THREADS, p)
+        _check_cuda(topk_idx, "topk_idx")
+    prepared = env.prepared(("notify",), lambda: _with_env(P.NotifyParams(), env))
+    with prepared.lock:  # every field a call may change is set below
+        if host_expert_counts is None:
+            experts = (0, 0, 0, 0, 0)
+        else:
+            experts = (topk_idx.data_ptr(), topk_idx.shape[1], experts_per_rank, expert_alignment,
+                       env.device_pointer(host_expert_counts))
+        _NOTIFY_FIELDS.write(prepared.view, is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr(),
+                             num_tokens_per_rank.dtype == torch.int64, num_tokens, rank_prefix_matrix.data_ptr(),
+                             pos.data_ptr(), send_list.data_ptr(), env.device_pointer(host_counts), num_worst_tokens,
+                             rows_capacity, *experts)
+        prepared.set_check(header, False, test_perturb, None)
+        _launch_prepared(env.device, "notify", 1 + num_ranks, NOTIFY_THREADS, prepared)
+
+
+# What a notify call writes (every field but the Env and the header check), in the struct's order.
+_NOTIFY_FIELDS = P.FieldWriter(P.NotifyParams, (
+    "is_token_in_rank", "num_tokens_per_rank", "counts_int64", "num_tokens", "rank_prefix_matrix", "pos", "send_list",
+    "host_counts", "num_worst_tokens", "rows_capacity", "topk_idx", "num_topk", "experts_per_rank", "expert_alignment",
+    "host_expert_counts"))
 
 
 # ------------------------------------------------------------------------------------------ dispatch
@@ -447,50 +549,43 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
                          and num_recv_per_expert.numel() == experts_per_rank):
         raise _fail("a dispatch with top-k needs every top-k output (recv_topk_idx, recv_topk_weights, "
                     "recv_src_idx, recv_src_rank, expert_scratch, num_recv_per_expert)")
-    p = P.DispatchParams()
-    p.env = env.env
-    for r, ptr in enumerate(data_ptrs):
-        p.data[r] = ptr
-    p.off_x, p.off_scales, p.off_idx, p.off_weights, p.off_src = offsets
-    p.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
-    p.send_list = send_list.data_ptr()
-    p.num_tokens = x.shape[0]
-    p.x = x.data_ptr()
-    p.x_bytes = x_bytes
-    p.has_scales = scales is not None
-    p.scales = _ptr(scales, "scales")
-    p.num_scales = scales.shape[1] if scales is not None else 0
-    p.has_topk = has_topk
-    p.topk_idx = _ptr(topk_idx, "topk_idx")
-    p.topk_weights = _ptr(topk_weights, "topk_weights")
-    p.num_topk = topk_idx.shape[1] if has_topk else 0
-    p.experts_per_rank = experts_per_rank
-    p.recv_x = 0 if rows_in_place else recv_x.data_ptr()
-    p.recv_scales = _ptr(recv_scales, "recv_scales")
-    p.recv_topk_idx = _ptr(recv_topk_idx, "recv_topk_idx")
-    p.recv_topk_weights = _ptr(recv_topk_weights, "recv_topk_weights")
-    p.recv_src_idx = _ptr(recv_src_idx, "recv_src_idx")
-    p.recv_src_rank = _ptr(recv_src_rank, "recv_src_rank")
-    p.expert_scratch = _ptr(expert_scratch, "expert_scratch")
-    p.num_recv_per_expert = _ptr(num_recv_per_expert, "num_recv_per_expert")
-    p.num_recv_rows = (recv_x.shape[0] if not rows_in_place else recv_topk_idx.shape[0] if has_topk
-                       else cached_src_idx.shape[0])
-    p.rows_in_place = rows_in_place
-    p.expert_alignment = expert_alignment
-    p.rows_capacity = rows_capacity
-    p.write_arrival = write_arrival
-    p.num_blocks, p.num_push_blocks = num_blocks, num_push_blocks
-    p.trace = _trace_ptr(trace, num_blocks)
+    scales_ptr, topk_ptr, weights_ptr = _ptr(scales, "scales"), _ptr(topk_idx, "topk_idx"), _ptr(topk_weights,
+                                                                                                 "topk_weights")
+    # rows in place: N is recv_topk_idx's (fresh) or cached_src_idx's (cached; only its size is used)
+    num_recv_rows = (recv_x.shape[0] if not rows_in_place else recv_topk_idx.shape[0] if has_topk
+                     else cached_src_idx.shape[0])
+    fresh = copy_engine_seq != 0  # a copy-engine call fills a struct of its own (rare, and it has more fields)
+    if fresh:
+        prepared = None
+        p = _with_env(P.DispatchParams(), env, data_ptrs)
+        p.off_x, p.off_scales, p.off_idx, p.off_weights, p.off_src = offsets
+    else:
+        prepared = env.prepared(("dispatch", tuple(data_ptrs), tuple(offsets)),
+                                lambda: _dispatch_template(env, data_ptrs, offsets))
+        p = prepared.params
+    with _NO_LOCK if fresh else prepared.lock:  # every field a call may change is set below
+        _DISPATCH_FIELDS.write(
+            memoryview(p).cast("B") if fresh else prepared.view, rank_prefix_matrix.data_ptr(), send_list.data_ptr(),
+            x.shape[0], x.data_ptr(), x_bytes, scales_ptr, scales.shape[1] if scales is not None else 0,
+            scales is not None, has_topk, topk_ptr, weights_ptr, topk_idx.shape[1] if has_topk else 0, experts_per_rank,
+            0 if rows_in_place else recv_x.data_ptr(), _ptr(recv_scales, "recv_scales"),
+            _ptr(recv_topk_idx, "recv_topk_idx"), _ptr(recv_topk_weights, "recv_topk_weights"),
+            _ptr(recv_src_idx, "recv_src_idx"), _ptr(recv_src_rank, "recv_src_rank"),
+            num_recv_rows, rows_capacity,
+            _ptr(expert_scratch, "expert_scratch"), _ptr(num_recv_per_expert, "num_recv_per_expert"),
+            expert_alignment, write_arrival, num_blocks, num_push_blocks, _trace_ptr(trace, num_blocks))
+        p.rows_in_place = rows_in_place
+        shared = 4 * experts_per_rank if has_topk else 0  # hist[]: received pairs per local expert
+        # a cached dispatch checks the header in the kernel (with the handle's layout digest and the number its
+        # copy stream writes); a fresh one's notify did
+        if not fresh:
+            prepared.set_check(header, write_arrival, test_perturb, 0)
+            _launch_prepared(env.device, "dispatch", num_blocks, THREADS, prepared, shared)
+            return
     _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                         copy_engine_shares, num_push_blocks, trace, num_blocks)
-    # a cached dispatch checks the header in the kernel (with the handle's layout digest and the number its copy
-    # stream writes); a fresh one's notify did
     p.check = header_check(header, write_arrival, test_perturb)
     p.check.header[HEADER_COPY_SEQ] = copy_engine_seq
-    shared = 4 * experts_per_rank if has_topk else 0  # hist[]: received pairs per local expert
-    if copy_engine_seq == 0:
-        _launch(env.device, "dispatch", num_blocks, THREADS, p, shared_bytes=shared)
-        return
     # Every source's tokens must fit its slot (the copies are not bounds-checked). A cached dispatch reads the
     # handle's recv_src_idx; a fresh one the send lists its peers' copy streams stage.
     if (len(copy_engine_tokens) != num_ranks or len(host_prefix) != num_ranks * num_ranks
@@ -517,6 +612,21 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     _launch(env.device, "dispatch", num_blocks, THREADS, p, shared_bytes=shared)
     enqueue_dispatch(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
                      loaded.control_flags_offset)
+
+
+_NO_LOCK = contextlib.nullcontext()
+# What a dispatch call writes (before its copy-engine fields, header check and rows_in_place), in the struct's order.
+_DISPATCH_FIELDS = P.FieldWriter(P.DispatchParams, (
+    "rank_prefix_matrix", "send_list", "num_tokens", "x", "x_bytes", "scales", "num_scales", "has_scales", "has_topk",
+    "topk_idx", "topk_weights", "num_topk", "experts_per_rank", "recv_x", "recv_scales", "recv_topk_idx",
+    "recv_topk_weights", "recv_src_idx", "recv_src_rank", "num_recv_rows", "rows_capacity", "expert_scratch",
+    "num_recv_per_expert", "expert_alignment", "write_arrival", "num_blocks", "num_push_blocks", "trace"))
+
+
+def _dispatch_template(env: Env, data_ptrs: list[int], offsets: list[int]) -> P.DispatchParams:
+    p = _with_env(P.DispatchParams(), env, data_ptrs)
+    p.off_x, p.off_scales, p.off_idx, p.off_weights, p.off_src = offsets
+    return p
 
 
 # ------------------------------------------------------------------------------------------ combine
@@ -567,34 +677,7 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
     num_topk = weights.shape[1] if has_weights else 0
     if has_weights and (out_weights.dim() != 2 or tuple(out_weights.shape) != (num_tokens, num_topk)):
         raise _fail("argument 'out_weights' must be [T, K]")
-    p = P.CombineParams()
-    p.env = env.env
-    p.env.chunks_per_pair = env.combine_chunks_per_pair
-    for r, ptr in enumerate(data_ptrs):
-        p.data[r] = ptr
-    p.off_y, p.off_weights, p.rows_capacity = off_y, off_weights, rows_capacity
-    p.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
-    p.is_token_in_rank = is_token_in_rank.data_ptr()
-    p.pos = pos.data_ptr()
-    p.num_tokens = num_tokens
-    p.y = y.data_ptr()
-    p.y_type = y_type
-    p.hidden = y.shape[1]
-    p.has_weights = has_weights
-    p.weights = _ptr(weights, "topk_weights")
-    p.num_topk = num_topk
-    p.out_weights = _ptr(out_weights, "out_weights")
-    p.bias0 = _ptr(bias0, "bias0")
-    p.bias1 = _ptr(bias1, "bias1")
-    p.bias0_type = _elem_type(bias0, "bias0") if bias0 is not None else 0
-    p.bias1_type = _elem_type(bias1, "bias1") if bias1 is not None else 0
-    p.out = out.data_ptr()
-    p.num_blocks, p.num_push_blocks = num_blocks, num_push_blocks
-    p.trace = _trace_ptr(trace, num_blocks)
-    _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
-                        copy_engine_shares, num_push_blocks, trace, num_blocks)
-    p.bulk_reduce = bulk_reduce
-    if expert_y is not None:
+    if expert_y is not None:  # checked before anything is filled
         if sorted_slots is None:
             raise _fail("argument 'expert_y' needs 'sorted_slots'")
         _check_cuda(expert_y, "expert_y")
@@ -607,19 +690,43 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             raise _fail("an expert-major combine needs 'sorted_slots' [N, K] int64 (N = y's rows) and no copy engine")
         if expert_weights is not None and expert_weights.numel() != expert_y.shape[0]:
             raise _fail("argument 'expert_weights' must be [M]")
-        p.expert_y = expert_y.data_ptr()
-        p.expert_weights = _ptr(expert_weights, "expert_weights")
-        p.sorted_slots = sorted_slots.data_ptr()
-        p.expert_topk = sorted_slots.shape[1]
-        p.expert_slots = expert_y.shape[0]
+    weights_ptr, out_weights_ptr = _ptr(weights, "topk_weights"), _ptr(out_weights, "out_weights")
+    bias0_ptr, bias1_ptr = _ptr(bias0, "bias0"), _ptr(bias1, "bias1")
+    bias0_type = _elem_type(bias0, "bias0") if bias0 is not None else 0
+    bias1_type = _elem_type(bias1, "bias1") if bias1 is not None else 0
+    fresh = copy_engine_seq != 0  # a copy-engine call fills a struct of its own (as dispatch)
+    if fresh:
+        prepared = None
+        p = _with_env(P.CombineParams(), env, data_ptrs, combine=True)
+        p.off_y, p.off_weights = off_y, off_weights
+    else:
+        prepared = env.prepared(("combine", tuple(data_ptrs), off_y, off_weights),
+                                lambda: _combine_template(env, data_ptrs, off_y, off_weights))
+        p = prepared.params
+    name = "combine_bf16" if y_type == 1 else "combine_fp32"
+    with _NO_LOCK if fresh else prepared.lock:  # every field a call may change is set below
+        view = memoryview(p).cast("B") if fresh else prepared.view
+        _COMBINE_FIELDS.write(
+            view, rows_capacity, rank_prefix_matrix.data_ptr(), is_token_in_rank.data_ptr(), pos.data_ptr(),
+            num_tokens, y.data_ptr(), y_type, y.shape[1], has_weights, weights_ptr, num_topk, bias0_ptr, bias1_ptr,
+            bias0_type, bias1_type, out.data_ptr(), out_weights_ptr, num_blocks, num_push_blocks,
+            _trace_ptr(trace, num_blocks))
+        p.bulk_reduce = bulk_reduce
+        if expert_y is None:
+            _COMBINE_EXPERT_FIELDS.write(view, 0, 0, 0, 0, 0)
+        else:
+            _COMBINE_EXPERT_FIELDS.write(view, expert_y.data_ptr(), _ptr(expert_weights, "expert_weights"),
+                                         sorted_slots.data_ptr(), sorted_slots.shape[1], expert_y.shape[0])
+        p.bulk_piece16 = piece16 = bulk_piece16(num_ranks, y_bytes // 16) if bulk_reduce else 0
+        shared = bulk_smem_bytes(num_ranks, piece16) if piece16 > 0 else 0
+        if not fresh:
+            prepared.set_check(header, True, test_perturb, 0)  # with the handle's layout digest
+            _launch_prepared(env.device, name, num_blocks, THREADS, prepared, shared)
+            return
+    _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
+                        copy_engine_shares, num_push_blocks, trace, num_blocks)
     p.check = header_check(header, True, test_perturb)  # with the handle's layout digest
     p.check.header[HEADER_COPY_SEQ] = copy_engine_seq
-    p.bulk_piece16 = bulk_piece16(num_ranks, y_bytes // 16) if bulk_reduce else 0
-    shared = bulk_smem_bytes(num_ranks, p.bulk_piece16) if p.bulk_piece16 > 0 else 0
-    name = "combine_bf16" if y_type == 1 else "combine_fp32"
-    if copy_engine_seq == 0:
-        _launch(env.device, name, num_blocks, THREADS, p, shared_bytes=shared)
-        return
     if len(host_prefix) != num_ranks * num_ranks:  # the copies are not bounds-checked: every rank's rows must fit
         raise _fail("argument 'host_prefix' must hold the R x R rank prefix matrix")
     most = most_rows_back(list(host_prefix), num_ranks)
@@ -631,6 +738,21 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
     _launch(env.device, name, num_blocks, THREADS, p, shared_bytes=shared)
     enqueue_combine(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
                     loaded.control_flags_offset)
+
+
+# What a combine call writes before its copy-engine fields, and its expert-major rows after the header check.
+_COMBINE_FIELDS = P.FieldWriter(P.CombineParams, (
+    "rows_capacity", "rank_prefix_matrix", "is_token_in_rank", "pos", "num_tokens", "y", "y_type", "hidden",
+    "has_weights", "weights", "num_topk", "bias0", "bias1", "bias0_type", "bias1_type", "out", "out_weights",
+    "num_blocks", "num_push_blocks", "trace"))
+_COMBINE_EXPERT_FIELDS = P.FieldWriter(P.CombineParams, ("expert_y", "expert_weights", "sorted_slots", "expert_topk",
+                                                         "expert_slots"))
+
+
+def _combine_template(env: Env, data_ptrs: list[int], off_y: int, off_weights: int) -> P.CombineParams:
+    p = _with_env(P.CombineParams(), env, data_ptrs, combine=True)
+    p.off_y, p.off_weights = off_y, off_weights
+    return p
 
 
 # ------------------------------------------------------------------------------------------ barrier

@@ -1,5 +1,6 @@
-"""The parameter structs of ``csrc/kernels.h`` as ctypes structures, for launching the intranode kernels from Python
-(`ep_moe.native.jit.intranode`), and the probe that checks them against the compiler's layout.
+"""The parameter structs of ``csrc/kernels.h`` (and of ``csrc/expert_major.h``) as ctypes structures, for launching
+the intranode kernels (`ep_moe.native.jit.intranode`) and the extension's generic expert-major kernels
+(`ep_moe.native.jit.expert_major_csrc`) from Python, and the probe that checks them against the compiler's layout.
 
 Each mirror lists the header's fields in the header's order, one ``(name, type)`` line per field; ctypes lays them
 out as C does (natural alignment, ``bool`` one byte), so a field added to a struct in ``kernels.h`` is one line added
@@ -15,11 +16,13 @@ No CUDA and no torch here.
 from __future__ import annotations
 
 import ctypes
+import struct as _struct
 from collections.abc import Sequence
 from pathlib import Path
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 KERNELS_H = CSRC_DIR / "kernels.h"
+EXPERT_MAJOR_H = CSRC_DIR / "expert_major.h"
 
 # The constants of kernels.h and intranode.cu that the Python side uses, in the order ``ep_intranode_constants``
 # writes them (name in the C++ source, value).
@@ -205,6 +208,108 @@ MIRRORED: tuple[type[Params], ...] = (KernelEnv, LayoutParams, HeaderCheck, Noti
                                       DispatchParams, CombineParams)
 
 
+# ------------------------------------------------------------------------------------------ csrc/expert_major.h
+# The constants of expert_major.cu / expert_major.h that its launchers use, in the order
+# ``ep_expert_major_constants`` (kernels/expert_major_csrc.cu) writes them.
+EXPERT_MAJOR_CONSTANTS: tuple[tuple[str, int], ...] = (
+    ("kRowThreads", 256), ("kRowsPerBlock", 8), ("kRowBF16", 0), ("kRowFP32", 1),
+)
+
+
+class PermuteRowsParams(Params):
+    _fields_ = [
+        ("x", PTR),
+        ("out", PTR),
+        ("row_bytes", I64),
+        ("pair_of_slot", PTR),
+        ("num_slots", I64),
+        ("num_pairs", I64),
+        ("num_topk", I32),
+        ("values", PTR),
+        ("slot_values", PTR),
+        ("own_x", PTR),
+        ("own_tokens", PTR),
+        ("rank_prefix_matrix", PTR),
+        ("num_ranks", I32),
+        ("rank", I32),
+        ("num_own_rows", I64),
+    ]
+
+
+class UnpermuteSumParams(Params):
+    _fields_ = [
+        ("y", PTR),
+        ("out", PTR),
+        ("dtype", I32),
+        ("hidden", I64),
+        ("num_rows", I64),
+        ("num_slots", I64),
+        ("num_topk", I32),
+        ("weights", PTR),
+        ("sorted_slots", PTR),
+        ("slot_values", PTR),
+        ("slot_of_pair", PTR),
+        ("pair_values", PTR),
+        ("rank_prefix_matrix", PTR),
+        ("num_ranks", I32),
+        ("rank", I32),
+    ]
+
+
+class RoutingMapParams(Params):
+    _fields_ = [
+        ("routing_map", PTR),
+        ("probs", PTR),
+        ("probs_dtype", I32),
+        ("num_tokens", I64),
+        ("num_experts", I32),
+        ("num_topk", I32),
+        ("topk_idx", PTR),
+        ("topk_weights", PTR),
+        ("grad_probs", PTR),
+    ]
+
+
+EXPERT_MAJOR_MIRRORED: tuple[type[Params], ...] = (PermuteRowsParams, UnpermuteSumParams, RoutingMapParams)
+
+
+_PACK_CODES = {PTR: "Q", I64: "q", I32: "i", BOOL: "?"}  # (U64 is PTR's type: both c_uint64)
+
+
+class FieldWriter:
+    """Writes a run of consecutive fields of a mirrored struct in one ``struct.pack_into`` (the launchers' per-call
+    fields: one C call instead of a ctypes attribute write each). ``names`` must be in the struct's order and cover
+    every field between the first and the last (the gaps between them are padding, written as zeros, as a fresh
+    struct has them); `write` takes the values in that order. Raises ``ValueError`` naming the struct when the names
+    do not form such a run."""
+
+    def __init__(self, struct_type: type[Params], names: Sequence[str]) -> None:
+        kinds = dict(struct_type._fields_)
+        descriptors = [getattr(struct_type, name) for name in names]
+        first, last = descriptors[0].offset, descriptors[-1].offset + descriptors[-1].size
+        inside = [name for name in struct_type.field_names() if first <= getattr(struct_type, name).offset < last]
+        if inside != list(names):
+            raise ValueError(f"FieldWriter({struct_type.__name__}): the fields must be a run in the struct's order, "
+                             f"got {list(names)}, the struct has {inside} there")
+        fmt, pos = "=", first
+        for name, descriptor in zip(names, descriptors):
+            if kinds[name] not in _PACK_CODES:
+                raise ValueError(f"FieldWriter({struct_type.__name__}): field {name!r} is not a scalar")
+            fmt += f"{descriptor.offset - pos}x" * (descriptor.offset > pos) + _PACK_CODES[kinds[name]]
+            pos = descriptor.offset + descriptor.size
+        self.struct_name, self.names, self.offset = struct_type.__name__, tuple(names), first
+        self._packer = _struct.Struct(fmt)
+
+    def write(self, view: memoryview, *values: int | bool) -> None:
+        """The values into the struct that ``view`` (``memoryview(params).cast("B")``) shows; raises ``ValueError``
+        naming the struct when a value does not fit its field."""
+        try:
+            self._packer.pack_into(view, self.offset, *values)
+        except _struct.error as exc:
+            raise ValueError(f"{self.struct_name}: a value does not fit its field ({', '.join(self.names)}): "
+                             f"{exc}") from None
+
+
 def layout_of(structs: Sequence[type[Params]] = MIRRORED) -> list[tuple[str, int]]:
     """ctypes' layout, in the probe's order: per struct ``(Struct, sizeof)``, then ``(Struct.field, offsetof)`` of
     each field."""
@@ -215,11 +320,13 @@ def layout_of(structs: Sequence[type[Params]] = MIRRORED) -> list[tuple[str, int
     return out
 
 
-def probe_source(structs: Sequence[type[Params]] = MIRRORED, host_program: bool = False) -> str:
+def probe_source(structs: Sequence[type[Params]] = MIRRORED, host_program: bool = False,
+                 header: Path = KERNELS_H) -> str:
     """CUDA source that writes, in `layout_of`'s order, the compiler's ``sizeof`` / ``offsetof`` of the mirrored
     structs and fields into ``out`` (``extern "C" __global__ void ep_params_layout(long long* out)``), or, with
     ``host_program``, a C++ program that prints them one per line (the same numbers on the host: CUDA lays structs
-    out alike on both sides)."""
+    out alike on both sides). ``header``: the csrc header that declares ``structs`` (`KERNELS_H`,
+    `EXPERT_MAJOR_H`)."""
     # Offsets as address differences within a local of each struct (NVRTC has neither <cstddef> nor
     # __builtin_offsetof; the structs are plain aggregates).
     locals_, values = [], []
@@ -231,8 +338,8 @@ def probe_source(structs: Sequence[type[Params]] = MIRRORED, host_program: bool 
     body = "".join(locals_) + "  const long long values[] = {\n    " + ",\n    ".join(values) + "};\n"
     # kernels.h through the JIT kernels' folder, which every JIT compile has on its include path: the text (and so
     # the cache key) does not depend on where the package is installed; a host program includes it by its path.
-    include = KERNELS_H.as_posix() if host_program else "../../csrc/kernels.h"
-    head = (f"// Generated by ep_moe.native.jit.params.probe_source: the layout of kernels.h's parameter structs.\n"
+    include = header.as_posix() if host_program else f"../../csrc/{header.name}"
+    head = (f"// Generated by ep_moe.native.jit.params.probe_source: the layout of {header.name}'s parameter structs.\n"
             f'#include "{include}"\n')
     if host_program:
         return (head + "#include <cstdio>\nint main() {\n" + body +
@@ -257,15 +364,18 @@ def layout_mismatches(compiled: Sequence[int], structs: Sequence[type[Params]] =
     return out
 
 
-def constant_mismatches(compiled: Sequence[int]) -> list[str]:
-    """Where ``ep_intranode_constants``' output differs from `CONSTANTS` (entries whose mirror value is 0 are not
-    checked)."""
-    if len(compiled) != len(CONSTANTS):
-        return [f"the constants kernel wrote {len(compiled)} numbers, the mirror expects {len(CONSTANTS)}"]
-    return [f"{name}: {theirs} in the CUDA sources, {mine} in ep_moe.native.jit.params.CONSTANTS"
-            for (name, mine), theirs in zip(CONSTANTS, compiled) if mine and mine != theirs]
+def constant_mismatches(compiled: Sequence[int], constants: Sequence[tuple[str, int]] = CONSTANTS) -> list[str]:
+    """Where ``ep_intranode_constants``' output differs from `CONSTANTS` (or ``ep_expert_major_constants``' from
+    `EXPERT_MAJOR_CONSTANTS`; entries of `CONSTANTS` whose mirror value is 0 are not checked)."""
+    if len(compiled) != len(constants):
+        return [f"the constants kernel wrote {len(compiled)} numbers, the mirror expects {len(constants)}"]
+    intranode = constants is CONSTANTS
+    table = "CONSTANTS" if intranode else "EXPERT_MAJOR_CONSTANTS"
+    return [f"{name}: {theirs} in the CUDA sources, {mine} in ep_moe.native.jit.params.{table}"
+            for (name, mine), theirs in zip(constants, compiled) if (mine or not intranode) and mine != theirs]
 
 
-__all__ = ["CONSTANTS", "CSRC_DIR", "KERNELS_H", "MIRRORED", "CombineParams", "CopyEngineParams", "DispatchParams", "HeaderCheck",
-           "KernelEnv", "LayoutParams", "NotifyParams", "Params", "constant_mismatches", "layout_mismatches",
-           "layout_of", "probe_source"]
+__all__ = ["CONSTANTS", "CSRC_DIR", "EXPERT_MAJOR_CONSTANTS", "EXPERT_MAJOR_H", "EXPERT_MAJOR_MIRRORED", "KERNELS_H",
+           "MIRRORED", "CombineParams", "CopyEngineParams", "DispatchParams", "FieldWriter", "HeaderCheck", "KernelEnv",
+           "LayoutParams", "NotifyParams", "Params", "PermuteRowsParams", "RoutingMapParams", "UnpermuteSumParams",
+           "constant_mismatches", "layout_mismatches", "layout_of", "probe_source"]
