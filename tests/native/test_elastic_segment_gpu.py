@@ -33,7 +33,10 @@ from ep_moe.memory.cuda_vmm import vmm_unavailable_reason
 pytestmark = pytest.mark.gpu
 
 SEGMENT_BYTES = 256 << 20  # large beside everything else, so that a second data buffer could not hide
-SLACK = 64 << 20  # per rank: control block (2 MiB), kernel modules, stream and event bookkeeping
+# Per rank, beside the segment: the control block (2 MiB), the kernel modules and what the context reserves when
+# the first kernels load. One H200 (2026-12-02): 72 MiB with the extension, 74 MiB with the JIT kernels, the same
+# for the elastic and hybrid types; a second data buffer shows in ``data_allocations`` whatever its size.
+SLACK = 96 << 20
 
 
 def _skip_unless_segments_run() -> None:
