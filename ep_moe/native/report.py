@@ -60,6 +60,9 @@ def _symmetric_memory() -> str:
         importlib.import_module("torch.distributed._symmetric_memory")
     except Exception as exc:  # any failure means the native backend cannot run
         return f"{chosen}: torch.distributed._symmetric_memory does not import ({type(exc).__name__}: {exc})"
+    if provider == "nccl":
+        return (f"{chosen}: torch.distributed._symmetric_memory on its NCCL backend (NCCL window registration, "
+                "NCCL >= 2.27; checked at the first native Buffer)")
     return f"{chosen}: torch.distributed._symmetric_memory imports"
 
 

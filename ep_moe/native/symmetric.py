@@ -1,9 +1,13 @@
 """One block of symmetric memory per EP group: the same size on every rank, every rank's copy addressable from
-this process (peer pointers), from one of two providers chosen by ``EP_MOE_SYMMETRIC_MEMORY`` (read here only,
+this process (peer pointers), from one of three providers chosen by ``EP_MOE_SYMMETRIC_MEMORY`` (read here only,
 `symmetric_memory_provider`):
 
 * ``torch`` (default): `torch.distributed._symmetric_memory` (`TorchSymmetricBuffer`). One GPU per rank: its
   rendezvous refuses ranks that share a device.
+* ``nccl``: the same torch API over its NCCL backend (``symm_mem.set_backend("NCCL")``: NCCL's window
+  registration, NCCL >= 2.27; `NcclSymmetricBuffer`). The group must be an NCCL group, one GPU per rank; torch's
+  backend is process-wide and fixed by the first symmetric allocation, so a process uses one of ``torch`` and
+  ``nccl``. Which of the two is faster is measured on two GPUs (the two-GPU issue).
 * ``vmm``: the CUDA driver's virtual-memory calls (`VmmSymmetricBuffer`): every rank exports a device allocation
   as a POSIX file descriptor, the ranks of the node exchange them (`ep_moe.memory.fdshare.exchange_fds`), and each
   maps every rank's allocation, in rank order, into one reserved range. Works over any process group (gloo
@@ -28,7 +32,7 @@ from ..memory.fdshare import exchange_fds
 from .sizing import align_up
 
 SYMMETRIC_MEMORY_ENV = "EP_MOE_SYMMETRIC_MEMORY"
-PROVIDERS = ("torch", "vmm")
+PROVIDERS = ("torch", "nccl", "vmm")
 
 
 def symmetric_memory_provider(value: str | None = None) -> str:
@@ -95,7 +99,8 @@ class SymmetricBuffer(ABC):
     """``nbytes`` (rounded up to 2 MiB) of device memory on every rank of ``group``.
 
     ``SymmetricBuffer(group, device, nbytes)`` makes one of the provider ``EP_MOE_SYMMETRIC_MEMORY`` names
-    (`TorchSymmetricBuffer` or `VmmSymmetricBuffer`, both subclasses; constructing a subclass picks it). Collective:
+    (`TorchSymmetricBuffer`, `NcclSymmetricBuffer` or `VmmSymmetricBuffer`, all subclasses; constructing a subclass
+    picks it). Collective:
     every rank constructs it with the same size, and every rank must use the same provider (checked first, one
     ``all_gather_object``: every rank raises the same `ValueError` naming the ranks).
 
@@ -113,7 +118,7 @@ class SymmetricBuffer(ABC):
     def __new__(cls, group: dist.ProcessGroup, device: torch.device, nbytes: int, **kwargs):
         agreed = False
         if cls is SymmetricBuffer:  # the provider every rank's EP_MOE_SYMMETRIC_MEMORY names (collective)
-            cls = TorchSymmetricBuffer if agreed_symmetric_memory_provider(group) == "torch" else VmmSymmetricBuffer
+            cls = _PROVIDER_CLASSES[agreed_symmetric_memory_provider(group)]
             agreed = True
         buffer = super().__new__(cls)
         buffer._provider_agreed = agreed
@@ -192,6 +197,36 @@ class TorchSymmetricBuffer(SymmetricBuffer):
         self._handle = None
         self.tensor = None
         self.ptrs = []
+
+
+class NcclSymmetricBuffer(TorchSymmetricBuffer):
+    """`TorchSymmetricBuffer` with torch's symmetric memory on its NCCL backend (NCCL window registration): the
+    allocation and the peers' addresses come from NCCL. Raises `RuntimeError` naming ``EP_MOE_SYMMETRIC_MEMORY``
+    where this torch or NCCL does not offer the backend, or where this process allocated symmetric memory with
+    another backend already."""
+
+    provider = "nccl"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, nbytes: int) -> None:
+        _use_nccl_backend(device)
+        super().__init__(group, device, nbytes)
+
+
+def _use_nccl_backend(device: torch.device) -> None:
+    """Set torch's symmetric memory backend to NCCL for ``device`` (process-wide; a no-op when it is already)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        if symm_mem.get_backend(device) != "NCCL":
+            symm_mem.set_backend("NCCL")
+        current = symm_mem.get_backend(device)
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        raise RuntimeError(f"ep_moe: {SYMMETRIC_MEMORY_ENV}=nccl needs torch's NCCL symmetric memory backend "
+                           f"(torch.distributed._symmetric_memory.set_backend('NCCL'), NCCL >= 2.27), which this "
+                           f"process cannot use: {type(exc).__name__}: {exc}") from exc
+    if current != "NCCL":
+        raise RuntimeError(f"ep_moe: {SYMMETRIC_MEMORY_ENV}=nccl, but torch's symmetric memory backend on {device} "
+                           f"is {current!r} (fixed by an earlier allocation in this process)")
 
 
 class VmmSymmetricBuffer(SymmetricBuffer):
@@ -283,5 +318,8 @@ class VmmSymmetricBuffer(SymmetricBuffer):
         self.ptrs = []
 
 
-__all__ = ["PROVIDERS", "SYMMETRIC_MEMORY_ENV", "SymmetricBuffer", "TorchSymmetricBuffer", "VmmSymmetricBuffer",
-           "agreed_symmetric_memory_provider", "symmetric_memory_provider"]
+_PROVIDER_CLASSES: dict[str, type[SymmetricBuffer]] = {"torch": TorchSymmetricBuffer, "nccl": NcclSymmetricBuffer,
+                                                       "vmm": VmmSymmetricBuffer}
+
+__all__ = ["PROVIDERS", "SYMMETRIC_MEMORY_ENV", "NcclSymmetricBuffer", "SymmetricBuffer", "TorchSymmetricBuffer",
+           "VmmSymmetricBuffer", "agreed_symmetric_memory_provider", "symmetric_memory_provider"]

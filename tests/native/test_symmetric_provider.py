@@ -30,7 +30,7 @@ def test_provider_values(monkeypatch):
         monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, value)
         assert symmetric_memory_provider() == provider
     monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, "nvshmem")
-    with pytest.raises(ValueError, match=f"{SYMMETRIC_MEMORY_ENV} must be one of torch, vmm.*'nvshmem'"):
+    with pytest.raises(ValueError, match=f"{SYMMETRIC_MEMORY_ENV} must be one of torch, nccl, vmm.*'nvshmem'"):
         symmetric_memory_provider()
     assert symmetric_memory_provider("vmm") == "vmm"
 
@@ -144,7 +144,7 @@ def test_every_rank_must_name_the_same_provider():
      vmm_devices, torch_device, device_mixed) = results[0]
     assert mixed.startswith("ValueError") and "'vmm' on rank 0" in mixed and "'torch' on rank 1" in mixed, mixed
     assert SYMMETRIC_MEMORY_ENV in mixed and factory == mixed, factory
-    assert bad.startswith("ValueError") and "'Nvshmem'" in bad and "must be one of torch, vmm" in bad, bad
+    assert bad.startswith("ValueError") and "'Nvshmem'" in bad and "must be one of torch, nccl, vmm" in bad, bad
     assert by_name.startswith("ValueError") and "'vmm' on rank 0;" in by_name and "'torch' on rank 1" in by_name
     assert no_cuda.startswith("PeerFdError") and "symmetric device memory" in no_cuda, no_cuda
     assert all(f"rank {r}: ValueError: argument 'device' must be a CUDA device" in no_cuda for r in range(2))
@@ -208,3 +208,71 @@ def test_vmm_provider_on_its_cpu_model():
     assert all(e == errors[0] for e in errors), errors  # every rank raised the same error
     assert errors[0] == (f"RuntimeError: ep_moe: mapping {2 << 20} bytes of VMM symmetric memory failed: rank "
                          f"{world - 1}: RuntimeError: cuMemSetAccess failed: CUDA_ERROR_INVALID_DEVICE (simulated)")
+
+
+def test_nccl_provider_is_a_value_and_names_itself(monkeypatch):
+    from ep_moe.native import report
+    from ep_moe.native.symmetric import _PROVIDER_CLASSES, NcclSymmetricBuffer
+
+    for value in ("nccl", " NCCL "):
+        monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, value)
+        assert symmetric_memory_provider() == "nccl"
+    assert _PROVIDER_CLASSES["nccl"] is NcclSymmetricBuffer and NcclSymmetricBuffer.provider == "nccl"
+    monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, "nccl")
+    line = report._symmetric_memory()
+    assert line.startswith(f"nccl ({SYMMETRIC_MEMORY_ENV}=nccl): torch.distributed._symmetric_memory on its NCCL"), line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_provider_one_rank_buffer_equals_torch_backend(monkeypatch):
+    """EP 1 on one GPU with the native backend's memory from torch's NCCL symmetric memory backend: the buffer's
+    own copy is addressable, and dispatch / combine equal the torch backend bit for bit (the speed against the
+    `torch` provider is measured on two GPUs: `benchmarks/scaling_check.sh`)."""
+    from ep_moe import native
+
+    if native.kernels_kind() is None:
+        pytest.skip(f"no native kernels: {native.kernels_unavailable_reason()}")
+    monkeypatch.setenv(SYMMETRIC_MEMORY_ENV, "nccl")  # the spawned rank inherits it
+    result, = run_distributed(_nccl_one_rank, 1, backend="nccl", timeout_s=120, join_timeout_s=300)
+    if isinstance(result, str):
+        pytest.skip(result)
+    assert result is True
+
+
+def _nccl_one_rank(rank: int, world: int) -> bool | str:
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ep_moe import Buffer
+    from ep_moe.native.symmetric import NcclSymmetricBuffer, SymmetricBuffer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        memory = SymmetricBuffer(dist.group.WORLD, device, 3 << 20)
+    except RuntimeError as exc:  # this torch / NCCL does not offer the backend: the error names the variable
+        assert SYMMETRIC_MEMORY_ENV in str(exc), exc
+        return f"torch's NCCL symmetric memory backend is unavailable here: {exc}"
+    assert isinstance(memory, NcclSymmetricBuffer) and symm_mem.get_backend(device) == "NCCL"
+    assert memory.nbytes == 4 << 20 and memory.ptrs == [memory.tensor.data_ptr()]
+    memory.peer_tensor(0)[:16].fill_(7)
+    assert int(memory.tensor[:16].sum()) == 7 * 16
+    memory.destroy()
+    nat, ref = Buffer(backend="native", timeout_s=30.0), Buffer(backend="torch")
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(300, 2048, generator=g, device=device).to(torch.bfloat16)
+    idx = torch.rand(300, 32, generator=g, device=device).topk(4, dim=1).indices
+    w = torch.rand(300, 4, generator=g, device=device)
+    outs = []
+    for buf in (nat, ref):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 32)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        combined = buf.combine(recv_x, handle, topk_weights=recv_w)[0]
+        outs.append((recv_x, combined))
+    assert nat.backend_name == "native"
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    nat.destroy()
+    ref.destroy()
+    return True
