@@ -19,7 +19,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 
 if has build; then
   start=$SECONDS
-  if ! MAX_JOBS=32 python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  # the ahead-of-time extension too (the default install builds none), so that the runs below can compare it with
+  # the JIT kernels (EP_MOE_JIT=1)
+  if ! EP_MOE_BUILD_EXTENSION=1 MAX_JOBS=32 python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
     tail -60 "$OUT/build.log"
     echo "BUILD FAILED"
     exit 1

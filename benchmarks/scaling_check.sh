@@ -7,7 +7,8 @@
 #   N=8 bash benchmarks/scaling_check.sh          # default N: every visible GPU
 #   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
 #
-# STEPS picks among: build test bench services copyengine tune layers train (default: all). `services`:
+# STEPS picks among: build test bench providers services copyengine tune layers train (default: all). `providers`:
+# ep-moe bench with each symmetric memory provider (EP_MOE_SYMMETRIC_MEMORY=torch / nccl / vmm). `services`:
 # ElasticBuffer's PP/AGRS, the two-stage pipeline and ZeRO-1 trainer, hybrid views (1 x N, N x 1), Engram on
 # hybrid memory and the JIT kernels' GPU suites at EP N, engram_fetch's GB/s beside the H2D copy rate, and
 # agrs_bench (the native PP/AGRS transport vs NCCL, GB/s, SMs used). Multicast stays off
@@ -20,7 +21,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ep_moe_scaling}
 mkdir -p "$OUT"
 N=${N:-$(nvidia-smi -L | wc -l)}
-STEPS=${STEPS:-"build test bench services copyengine tune layers train"}
+STEPS=${STEPS:-"build test bench providers services copyengine tune layers train"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 echo "EP $N on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 
@@ -59,6 +60,14 @@ if has services; then
   echo "native PP/AGRS transport GPU tests at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/stream_transport_ep$N.log" | tail -4
   timeout 300 torchrun --nproc-per-node "$N" benchmarks/agrs_bench.py > "$OUT/agrs_ep$N.txt" 2>&1
   echo "agrs_bench at EP $N: rc $?"; grep -E "GB/s|SMs used|batched" "$OUT/agrs_ep$N.txt"
+fi
+if has providers; then
+  # the GPU memory type's symmetric memory providers (issue 21): torch (CUDA backend), torch over NCCL windows, VMM
+  for provider in torch nccl vmm; do
+    EP_MOE_SYMMETRIC_MEMORY=$provider timeout 300 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 \
+      --num-sms 24 --runs 30 --dtype bf16 > "$OUT/bench_provider_${provider}_ep$N.txt" 2>&1
+    echo "bench with the $provider symmetric memory at EP $N: rc $?"; sed -n '/^ep-moe bench:/,$p' "$OUT/bench_provider_${provider}_ep$N.txt"
+  done
 fi
 if has copyengine; then
   # copy engine for dispatch and combine (0 / 1) and the combine's reducers (bulk copies: auto / 0 / 1)
