@@ -69,6 +69,22 @@ class _GpuEngram(EngramMixin):
         pass
 
 
+def _write_and_fetch(engram, rank: int, num_ranks: int, gen: torch.Generator, cases) -> int:
+    """Write every rank's random table (bf16 rows, fp32 scales from ``gen``, the same on every rank), fetch each of
+    ``cases`` (int32 ``[T, P]`` global ids) and compare with indexing the concatenated tables; returns the count."""
+    device = engram.buffer.device
+    tables = [torch.randn(N, H, generator=gen).to(torch.bfloat16) for _ in range(num_ranks)]
+    scales = [torch.rand(N, S, generator=gen) for _ in range(num_ranks)]
+    engram.engram_write(tables[rank].to(device), scales[rank])
+    everything, every_sf = torch.cat(tables), torch.cat(scales)
+    for indices in cases:
+        fetched, fetched_sf = engram.engram_fetch(indices.to(device))()
+        assert fetched.device == device
+        assert torch.equal(fetched.cpu().view(torch.int16), everything[indices.long()].view(torch.int16))
+        assert torch.equal(fetched_sf.cpu(), every_sf[indices.long()])
+    return len(cases)
+
+
 def _denied(pid: int, fd: int) -> int:
     raise fdshare.PeerFdError("pidfd_getfd: Operation not permitted (simulated)", denied=True)
 
@@ -101,19 +117,10 @@ def _hybrid_worker(rank: int, num_ranks: int, route: str) -> int:
     dist.barrier(group)
     # Engram's direct path on the device
     gen = torch.Generator().manual_seed(5)
-    tables = [torch.randn(N, H, generator=gen).to(torch.bfloat16) for _ in range(num_ranks)]
-    scales = [torch.rand(N, S, generator=gen) for _ in range(num_ranks)]
-    engram.engram_write(tables[rank].to(device), scales[rank])
-    everything, every_sf = torch.cat(tables), torch.cat(scales)
-    checked = 0
-    for indices in (torch.randint(0, num_ranks * N, (257, 8), generator=gen, dtype=torch.int32),
-                    torch.full((3, 2), num_ranks * N - 1, dtype=torch.int32),
-                    torch.empty(0, 8, dtype=torch.int32)):
-        fetched, fetched_sf = engram.engram_fetch(indices.to(device))()
-        assert fetched.device == device
-        assert torch.equal(fetched.cpu().view(torch.int16), everything[indices.long()].view(torch.int16))
-        assert torch.equal(fetched_sf.cpu(), every_sf[indices.long()])
-        checked += 1
+    checked = _write_and_fetch(engram, rank, num_ranks, gen, (
+        torch.randint(0, num_ranks * N, (257, 8), generator=gen, dtype=torch.int32),
+        torch.full((3, 2), num_ranks * N - 1, dtype=torch.int32),
+        torch.empty(0, 8, dtype=torch.int32)))
     try:
         engram.engram_fetch(torch.tensor([[num_ranks * N]], dtype=torch.int32, device=device))
     except ValueError as exc:
@@ -151,22 +158,12 @@ def _elastic_collectives_worker(rank: int, num_ranks: int) -> int:
     torch.cuda.set_device(device)
     engram = _GpuEngram(dist.group.WORLD, device, N * H * 2 + (1 << 20), allow_hybrid_mode=False)
     assert engram.memory_type == "elastic" and engram.memory.host_segments[(rank + 1) % num_ranks] is None
-    gen = torch.Generator().manual_seed(11)
-    tables = [torch.randn(N, H, generator=gen).to(torch.bfloat16) for _ in range(num_ranks)]
-    scales = [torch.rand(N, S, generator=gen) for _ in range(num_ranks)]
-    engram.engram_write(tables[rank].to(device), scales[rank])
-    everything, every_sf = torch.cat(tables), torch.cat(scales)
-    checked = 0
     per_rank = torch.Generator().manual_seed(100 + rank)  # every rank asks for different ids
-    for indices in (torch.randint(0, num_ranks * N, (513, 8), generator=per_rank, dtype=torch.int32),
-                    torch.full((5, 3), rank * N + 7, dtype=torch.int32),  # repeated ids, all on this rank
-                    torch.full((4, 2), ((rank + 1) % num_ranks) * N, dtype=torch.int32),  # all on one peer
-                    torch.empty(0, 8, dtype=torch.int32)):
-        fetched, fetched_sf = engram.engram_fetch(indices.to(device))()
-        assert fetched.device == device
-        assert torch.equal(fetched.cpu().view(torch.int16), everything[indices.long()].view(torch.int16))
-        assert torch.equal(fetched_sf.cpu(), every_sf[indices.long()])
-        checked += 1
+    checked = _write_and_fetch(engram, rank, num_ranks, torch.Generator().manual_seed(11), (
+        torch.randint(0, num_ranks * N, (513, 8), generator=per_rank, dtype=torch.int32),
+        torch.full((5, 3), rank * N + 7, dtype=torch.int32),  # repeated ids, all on this rank
+        torch.full((4, 2), ((rank + 1) % num_ranks) * N, dtype=torch.int32),  # all on one peer
+        torch.empty(0, 8, dtype=torch.int32)))
     dist.barrier()
     engram._release_memory()
     return checked
