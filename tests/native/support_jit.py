@@ -1,9 +1,12 @@
-"""The fake compiler of the JIT tests: deterministic blobs, a log line per compile, optional delay or failure."""
+"""Helpers of the JIT tests: the fake compiler (deterministic blobs, a log line per compile, optional delay or
+failure), a C header's struct fields as declared, and a CUDA source run as a host program (nvcc)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -32,3 +35,32 @@ class FakeCompiler:
 
     def compiles(self) -> int:
         return len(self.log.read_text().splitlines()) if self.log is not None and self.log.exists() else 0
+
+
+def header_fields(header: Path, struct: str) -> list[str]:
+    """Field names of ``struct`` in the C header ``header``, in order (declarations ``type a, b;`` and
+    ``type a[N];``)."""
+    body = re.search(r"struct " + struct + r" \{(.*?)\n\};", header.read_text(), re.S)
+    assert body, f"struct {struct} not found in {header.name}"
+    names = []
+    for line in body.group(1).splitlines():
+        code = line.split("//")[0].strip()
+        if not code:
+            continue
+        assert code.endswith(";"), f"{struct}: cannot read the declaration {code!r}"
+        declarators = re.sub(r"\[[^\]]*\]", "", code[:-1])  # array extents
+        first, *rest = declarators.split(",")
+        names.append(first.split()[-1].lstrip("*"))
+        names += [d.strip().lstrip("*") for d in rest]
+    return names
+
+
+def host_program(nvcc: str, tmp_path: Path, source: str, name: str) -> list[int]:
+    """Compile ``source`` as a host program with ``nvcc`` (sm_90), run it, and return the integers it prints."""
+    path = tmp_path / f"{name}.cu"
+    path.write_text(source)
+    exe = tmp_path / name
+    subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-o", str(exe), str(path)], check=True, capture_output=True,
+                   timeout=600)
+    return [int(v) for v in subprocess.run([str(exe)], check=True, capture_output=True, text=True,
+                                           timeout=60).stdout.split()]

@@ -17,10 +17,10 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
+from support_jit import header_fields, host_program
 
 from ep_moe import permute as P
 from ep_moe.native import jit
@@ -34,47 +34,22 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed here
 
 
 # ------------------------------------------------------------------------------------------ mirrors and source
-def _header_fields(struct: str) -> list[str]:
-    body = re.search(r"struct " + struct + r" \{(.*?)\n\};", M.EXPERT_MAJOR_H.read_text(), re.S)
-    assert body, f"struct {struct} not found in expert_major.h"
-    names = []
-    for line in body.group(1).splitlines():
-        code = line.split("//")[0].strip()
-        if not code:
-            continue
-        assert code.endswith(";"), f"{struct}: cannot read the declaration {code!r}"
-        first, *rest = code[:-1].split(",")
-        names.append(first.split()[-1].lstrip("*"))
-        names += [d.strip().lstrip("*") for d in rest]
-    return names
-
-
 @pytest.mark.parametrize("struct", M.EXPERT_MAJOR_MIRRORED, ids=lambda s: s.__name__)
 def test_mirror_fields_are_the_headers_in_order(struct):
-    assert struct.field_names() == _header_fields(struct.__name__)
-
-
-def _host_program(tmp_path, source: str, name: str) -> list[int]:
-    path = tmp_path / f"{name}.cu"
-    path.write_text(source)
-    exe = tmp_path / name
-    subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-o", str(exe), str(path)], check=True, capture_output=True,
-                   timeout=600)
-    return [int(v) for v in subprocess.run([str(exe)], check=True, capture_output=True, text=True,
-                                           timeout=60).stdout.split()]
+    assert struct.field_names() == header_fields(M.EXPERT_MAJOR_H, struct.__name__)
 
 
 @needs_nvcc
 def test_mirror_layout_and_constants_equal_the_compilers(tmp_path):
     probe = M.probe_source(M.EXPERT_MAJOR_MIRRORED, host_program=True, header=M.EXPERT_MAJOR_H)
-    assert M.layout_mismatches(_host_program(tmp_path, probe, "probe"), M.EXPERT_MAJOR_MIRRORED) == []
+    assert M.layout_mismatches(host_program(NVCC, tmp_path, probe, "probe"), M.EXPERT_MAJOR_MIRRORED) == []
     wrapper = E.SOURCE.file.read_text()
     listed = re.search(r"const long long values\[\] = \{(.*?)\};", wrapper, re.S).group(1)
     assert [v.strip() for v in listed.split(",")] == [name for name, _ in M.EXPERT_MAJOR_CONSTANTS]
     source = (f'#include "{(M.CSRC_DIR / "expert_major.cu").as_posix()}"\n#include <cstdio>\nint main() {{\n'
               f"  using namespace ep_moe;\n  const long long values[] = {{{listed}}};\n"
               "  for (long long v : values) std::printf(\"%lld\\n\", v);\n}\n")
-    compiled = _host_program(tmp_path, source, "constants")
+    compiled = host_program(NVCC, tmp_path, source, "constants")
     assert M.constant_mismatches(compiled, M.EXPERT_MAJOR_CONSTANTS) == []
     wrong = list(compiled)
     wrong[2] = 5  # kRowBF16 is 0: a zero is checked here (unlike the intranode table's "not checked" zeros)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
+from support_jit import header_fields, host_program
 
 from ep_moe import native
 from ep_moe.native import jit
@@ -34,42 +34,14 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed here
 
 
 # ------------------------------------------------------------------------------------------ the mirrors
-def _header_fields(struct: str) -> list[str]:
-    """Field names of ``struct`` in kernels.h, in order (declarations ``type a, b;`` and ``type a[N];``)."""
-    text = P.KERNELS_H.read_text()
-    body = re.search(r"struct " + struct + r" \{(.*?)\n\};", text, re.S)
-    assert body, f"struct {struct} not found in kernels.h"
-    names = []
-    for line in body.group(1).splitlines():
-        code = line.split("//")[0].strip()
-        if not code:
-            continue
-        assert code.endswith(";"), f"{struct}: cannot read the declaration {code!r}"
-        declarators = re.sub(r"\[[^\]]*\]", "", code[:-1])  # array extents
-        first, *rest = declarators.split(",")
-        names.append(first.split()[-1].lstrip("*"))
-        names += [d.strip().lstrip("*") for d in rest]
-    return names
-
-
 @pytest.mark.parametrize("struct", P.MIRRORED, ids=lambda s: s.__name__)
 def test_mirror_fields_are_the_headers_in_order(struct):
-    assert struct.field_names() == _header_fields(struct.__name__)
-
-
-def _host_program(tmp_path, source: str, name: str) -> list[int]:
-    path = tmp_path / f"{name}.cu"
-    path.write_text(source)
-    exe = tmp_path / name
-    subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-o", str(exe), str(path)], check=True, capture_output=True,
-                   timeout=600)
-    return [int(line) for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True,
-                                                 timeout=60).stdout.split()]
+    assert struct.field_names() == header_fields(P.KERNELS_H, struct.__name__)
 
 
 @needs_nvcc
 def test_mirror_layout_equals_the_compilers(tmp_path):
-    compiled = _host_program(tmp_path, P.probe_source(host_program=True), "probe")
+    compiled = host_program(NVCC, tmp_path, P.probe_source(host_program=True), "probe")
     assert P.layout_mismatches(compiled) == []
     assert len(compiled) == len(P.layout_of()) == sum(1 + len(s._fields_) for s in P.MIRRORED)
 
@@ -85,7 +57,7 @@ def test_constants_equal_the_sources(tmp_path):
     source = (f'#include "{(P.CSRC_DIR / "layout.cu").as_posix()}"\n#include "{(P.CSRC_DIR / "intranode.cu").as_posix()}"\n'
               f"#include <cstdio>\n{offset_of}\nint main() {{\n  using namespace ep_moe;\n  const long long values[] = {{"
               + listed + "};\n  for (long long v : values) std::printf(\"%lld\\n\", v);\n}\n")
-    compiled = _host_program(tmp_path, source, "constants")
+    compiled = host_program(NVCC, tmp_path, source, "constants")
     assert P.constant_mismatches(compiled) == []
     # the copy-engine flags' offset, read from the device at first use: as the sum of Control's members before it
     ranks, chunks, experts = P.MAX_RANKS, dict(P.CONSTANTS)["kMaxChunks"], dict(P.CONSTANTS)["kMaxNotifyExperts"]
