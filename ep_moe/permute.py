@@ -97,7 +97,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
     if capacity and num_slots not in (None, num_experts * capacity):
         raise ValueError(f"expert_layout: argument 'num_slots' must be None or num_experts * capacity = "
                          f"{num_experts * capacity} with a capacity, got {num_slots}")
-    how = _implementation(topk_idx)
+    how = kernel_implementation(topk_idx)
     slots = -1 if num_slots is None else num_slots
     if how == "native" and num_experts <= NATIVE_MAX_EXPERTS:
         *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots,
@@ -229,7 +229,7 @@ def _pair_dot_torch(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int
 
 
 # ------------------------------------------------------------------------------------------ implementations
-# Four implementations of the same contract, chosen per call by where the tensors are (`_implementation`):
+# Four implementations of the same contract, chosen per call by where the tensors are (`kernel_implementation`):
 # the CUDA kernels of the native extension (torch ops ``ep_moe_native::*``, registered in C++: the least host
 # time per call), the JIT kernels (`ep_moe.native.jit.expert_major`: the same functions with the same outputs,
 # specialized per shape, launched from Python), the Triton kernels of `ep_moe.permute_triton` (CUDA without
@@ -239,8 +239,10 @@ NATIVE_MAX_EXPERTS = 1024  # experts the native (and JIT) layout kernels count i
 assert NATIVE_MAX_EXPERTS == jit_kernels.MAX_EXPERTS
 
 
-def _implementation(t: Tensor) -> str:
-    """``"native"``, ``"jit"``, ``"triton"`` or ``"torch"`` for tensors like ``t`` (see above)."""
+def kernel_implementation(t: Tensor) -> str:
+    """Which implementation the CUDA kernels of tensors like ``t`` come from: ``"native"`` (the extension's torch
+    ops), ``"jit"`` (`ep_moe.native.jit`), ``"triton"`` or ``"torch"`` (see above; also for other callers of the
+    extension's expert-major ops, e.g. the Megatron integration's routing map)."""
     if not t.is_cuda or t.dtype == torch.float64:
         return "torch"
     jit_mode, compiling = jit.mode(), torch.compiler.is_compiling()
@@ -255,13 +257,6 @@ def _implementation(t: Tensor) -> str:
     return "torch"
 
 
-def kernel_implementation(t: Tensor) -> str:
-    """Which implementation the CUDA kernels of tensors like ``t`` come from: ``"native"`` (the extension's torch
-    ops), ``"jit"`` (`ep_moe.native.jit`), ``"triton"`` or ``"torch"`` (also for other callers of the extension's
-    expert-major ops, e.g. the Megatron integration's routing map)."""
-    return _implementation(t)
-
-
 def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
     flat = values.reshape(-1)
     if flat.shape[0] == 0:
@@ -273,7 +268,7 @@ def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
 
 def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """(rows [M, H], slot_values [M] or None)."""
-    how = _implementation(x)
+    how = kernel_implementation(x)
     kernel = (torch.ops.ep_moe_native.permute_rows if how == "native" else
               jit_kernels.permute_rows if how == "jit" else None)
     if kernel is not None and (values is None or values.dtype == torch.float32):
@@ -294,7 +289,7 @@ def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | No
 def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_values: Tensor | None = None,
                slot_of_pair: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out [N, H], pair_values [N, K] or None: ``slot_values`` at each pair's slot, 0 where it has none)."""
-    how = _implementation(y)
+    how = kernel_implementation(y)
     if how in ("native", "jit"):
         kernel = torch.ops.ep_moe_native.unpermute_sum if how == "native" else jit_kernels.unpermute_sum
         out, pair_values = kernel(
@@ -318,7 +313,7 @@ def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_val
 def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int,
                         need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """(grad_y [M, H] or None, grad_weights [M] or None) of `unpermute_sum`."""
-    how = _implementation(grad)
+    how = kernel_implementation(grad)
     if how in ("native", "jit"):
         kernel = (torch.ops.ep_moe_native.unpermute_sum_backward if how == "native" else
                   jit_kernels.unpermute_sum_backward)
@@ -474,7 +469,7 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     if values is not None and (values.shape != layout.slot_of_pair.shape or values.dtype != torch.float32):
         raise ValueError(f"permute_received_rows: argument 'values' must be [N={layout.num_rows}, "
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
-    how = _implementation(rows)
+    how = kernel_implementation(rows)
     if how in ("native", "jit") and not torch.compiler.is_compiling():
         if how == "native":
             kernel = torch.ops.ep_moe_native.permute_received_rows

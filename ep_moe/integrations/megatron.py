@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ep_moe import Buffer, TokenDispatcher
-from ep_moe.permute import kernel_implementation
+from ep_moe import Buffer, TokenDispatcher, permute
 
 log = logging.getLogger("ep_moe")
 
@@ -182,7 +181,7 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int, check: bo
         raise ValueError(f"probs must have routing_map's shape {tuple(routing_map.shape)}, got {tuple(probs.shape)}")
     if check and routing_map.numel() and int(routing_map.sum(dim=1).max()) > topk:
         raise ValueError(f"routing_map selects more than moe_router_topk={topk} experts for some token")
-    how = kernel_implementation(routing_map)
+    how = permute.kernel_implementation(routing_map)
     if (how in ("native", "jit") and probs.device == routing_map.device
             and probs.dtype in (torch.float32, torch.bfloat16)):
         return _RoutingMapToTopk.apply(routing_map.contiguous(), probs.contiguous(), topk, how == "jit")

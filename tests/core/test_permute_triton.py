@@ -523,7 +523,7 @@ def test_permute_module_on_the_triton_kernels_equals_its_torch_definitions(devic
     g_out = random_rows((N, H), dtype, gen)
 
     def run(implementation: str, dev: str):
-        monkeypatch.setattr(P, "_implementation", lambda t: implementation)
+        monkeypatch.setattr(P, "kernel_implementation", lambda t: implementation)
         lay = P.ExpertLayout(*(t.to(dev) for t in layout[:5]))
         xi, vi = x.to(dev).clone().requires_grad_(), values.to(dev).clone().requires_grad_()
         rows, slot_values = P.permute_rows_and_values(xi, vi, lay)

@@ -355,14 +355,14 @@ def _routing_torch_definition(routing_map, probs, K):
 # ------------------------------------------------------------------------------------------ who calls them
 def test_permute_received_rows_takes_the_jit_op_when_the_jit_is_chosen(launched, monkeypatch):
     buffer, N, own_x, own_tokens, prefix, layout, values = _received_case(1, 8, torch.bfloat16, False)
-    monkeypatch.setattr(P, "_implementation", lambda t: "jit")
+    monkeypatch.setattr(P, "kernel_implementation", lambda t: "jit")
     got, got_values = P.permute_received_rows(buffer, N, own_x, own_tokens, prefix, 1, layout, values)
     assert len(launched) == 1 and launched[0][0] == E.PERMUTE_KERNELS[16]
     received = P._received_rows_torch(buffer, N, own_x, own_tokens, prefix, 1)
     want = P._permute_torch(received, layout.pair_of_slot, layout.num_topk)
     want_values = P._slot_values_torch(values, layout.pair_of_slot)
     assert torch.equal(_bits(got), _bits(want)) and torch.equal(got_values, want_values)
-    monkeypatch.setattr(P, "_implementation", lambda t: "torch")
+    monkeypatch.setattr(P, "kernel_implementation", lambda t: "torch")
     P.permute_received_rows(buffer, N, own_x, own_tokens, prefix, 1, layout, values)
     assert len(launched) == 1, "the torch definitions elsewhere"
 
@@ -386,7 +386,7 @@ def test_native_backend_takes_the_jit_ops_with_jit_intranode_kernels(launched, m
 
 def test_megatron_routing_map_takes_the_jit_op(launched, monkeypatch):
     integ = pytest.importorskip("ep_moe.integrations.megatron")
-    monkeypatch.setattr(P, "_implementation", lambda t: "jit")
+    monkeypatch.setattr(P, "kernel_implementation", lambda t: "jit")
     routing_map = torch.tensor([[True, False, True], [False, False, False]])
     probs = torch.tensor([[0.25, 0.0, 0.75], [0.0, 0.0, 0.0]]).requires_grad_()
     idx, w = integ.routing_map_to_topk(routing_map, probs, 2, check=False)

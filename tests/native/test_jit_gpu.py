@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(autouse=True)
 def _jit_forced(monkeypatch):
     monkeypatch.setenv("EP_MOE_JIT", "1")
-    assert P._implementation(torch.empty(1, device="cuda")) == "jit", jit.unavailable_reason()
+    assert P.kernel_implementation(torch.empty(1, device="cuda")) == "jit", jit.unavailable_reason()
 
 
 def test_rows_routed_nowhere():

@@ -207,6 +207,6 @@ def test_the_implementation_choice(monkeypatch, env, extension, jit_ok, triton, 
     monkeypatch.setattr(jit, "available", lambda: jit_ok)
     monkeypatch.setattr(P.permute_triton, "available", lambda: triton)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-    assert P._implementation(SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) == want
-    assert P._implementation(SimpleNamespace(is_cuda=True, dtype=torch.float64)) == "torch"
-    assert P._implementation(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16)) == "torch"
+    assert P.kernel_implementation(SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) == want
+    assert P.kernel_implementation(SimpleNamespace(is_cuda=True, dtype=torch.float64)) == "torch"
+    assert P.kernel_implementation(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16)) == "torch"
