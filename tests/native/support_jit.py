@@ -1,16 +1,38 @@
 """Helpers of the JIT tests: the fake compiler (deterministic blobs, a log line per compile, optional delay or
-failure), a C header's struct fields as declared, and a CUDA source run as a host program (nvcc)."""
+failure), a C header's struct fields as declared, a CUDA source run as a host program (nvcc, `NVCC` /
+`needs_nvcc`), and the GPU files' marks with the fixture that forces the JIT kernels (`GPU_JIT_MARKS`,
+`jit_forced`: import both into a module)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
-from ep_moe.native.jit.compilers import CompileError
+import pytest
+import torch
+
+from ep_moe import permute
+from ep_moe.native import jit
+from ep_moe.native.jit.compilers import CompileError, find_nvcc
+
+NVCC = find_nvcc()[0] if shutil.which("nvcc") else None
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed here")
+
+GPU_JIT_MARKS = [pytest.mark.gpu,
+                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+                 pytest.mark.skipif(jit.compiler()[0] is None, reason=f"no CUDA compiler: {jit.compiler()[1]}")]
+
+
+@pytest.fixture(autouse=True)
+def jit_forced(monkeypatch):
+    """``EP_MOE_JIT=1`` for every test of the module that imports it: `ep_moe.permute` takes the JIT kernels."""
+    monkeypatch.setenv("EP_MOE_JIT", "1")
+    assert permute.kernel_implementation(torch.empty(1, device="cuda")) == "jit", jit.unavailable_reason()
 
 
 class FakeCompiler:

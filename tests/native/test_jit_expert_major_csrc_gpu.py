@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support_jit import GPU_JIT_MARKS, jit_forced  # noqa: F401 (an autouse fixture)
 
 # The extension's cases of the permute from the receive buffer, run here through the JIT (EP_MOE_JIT=1).
 from test_expert_major_kernels import (
@@ -23,18 +24,9 @@ from test_expert_major_kernels import (
 
 from ep_moe import native
 from ep_moe import permute as P
-from ep_moe.native import jit
 from ep_moe.native.jit import expert_major_csrc as E
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(jit.compiler()[0] is None, reason=f"no CUDA compiler: {jit.compiler()[1]}")]
-
-
-@pytest.fixture(autouse=True)
-def _jit_forced(monkeypatch):
-    monkeypatch.setenv("EP_MOE_JIT", "1")
-    assert P.kernel_implementation(torch.empty(1, device="cuda")) == "jit", jit.unavailable_reason()
+pytestmark = GPU_JIT_MARKS
 
 
 def test_the_mirrors_are_checked_at_first_use():

@@ -17,6 +17,7 @@ import textwrap
 import locations
 import pytest
 import torch
+from support_jit import GPU_JIT_MARKS, jit_forced  # noqa: F401 (an autouse fixture)
 
 # The extension's cases, collected here again and run with this module's fixture (EP_MOE_JIT=1): the same
 # assertions against the torch definitions, through the JIT kernels.
@@ -34,17 +35,8 @@ from test_expert_major_kernels import (
 
 from ep_moe import native
 from ep_moe import permute as P
-from ep_moe.native import jit
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(jit.compiler()[0] is None, reason=f"no CUDA compiler: {jit.compiler()[1]}")]
-
-
-@pytest.fixture(autouse=True)
-def _jit_forced(monkeypatch):
-    monkeypatch.setenv("EP_MOE_JIT", "1")
-    assert P.kernel_implementation(torch.empty(1, device="cuda")) == "jit", jit.unavailable_reason()
+pytestmark = GPU_JIT_MARKS
 
 
 def test_rows_routed_nowhere():

@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
 
 import pytest
 import torch
-from support_jit import header_fields, host_program
+from support_jit import NVCC, header_fields, host_program, needs_nvcc
 
 from ep_moe import native
 from ep_moe.native import jit
 from ep_moe.native.jit import cubin, expert_major_csrc
 from ep_moe.native.jit import intranode as I
 from ep_moe.native.jit import params as P
-from ep_moe.native.jit.compilers import NvccCompiler, find_nvcc, find_nvrtc
-
-NVCC = find_nvcc()[0] if shutil.which("nvcc") else None
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed here")
+from ep_moe.native.jit.compilers import NvccCompiler, find_nvrtc
 
 
 # ------------------------------------------------------------------------------------------ the mirrors
