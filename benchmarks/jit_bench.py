@@ -256,6 +256,21 @@ def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, ite
     return result
 
 
+def _print_jit_vs_aot(title: str, timing: dict, ops: tuple[str, ...]) -> None:
+    """One table: per op, the GPU (host) µs per call of the JIT and the extension ("aot") builds present in
+    ``timing``, and their ratios where both are."""
+    names = [n for n in ("jit", "aot") if n in timing]
+    both = len(names) == 2
+    width = max(9, max(len(op) for op in ops) + 1)
+    print(f"\n{title}: gpu us per call (host us per call)")
+    print(f"{'op':<{width}}" + "".join(f"{n:>22}" for n in names) + ("   jit/aot gpu  jit/aot host" if both else ""))
+    for op in ops:
+        cells = [f"{timing[n][op]['gpu_us']:9.1f} ({timing[n][op]['host_us']:6.1f})" for n in names]
+        ratios = (f"{timing['jit'][op]['gpu_us'] / timing['aot'][op]['gpu_us']:13.2f}x"
+                  f"{timing['jit'][op]['host_us'] / timing['aot'][op]['host_us']:13.2f}x" if both else "")
+        print(f"{op:<{width}}" + "".join(f"{c:>22}" for c in cells) + ratios)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
@@ -302,16 +317,8 @@ def main() -> None:
                 timing = run_intranode(T, H, args.topk, args.experts, dtype, args.iters)
                 results.append({"intranode": dict(T=T, H=H, K=args.topk, E=args.experts, dtype=args.dtype),
                                 "timing": timing})
-                names = [n for n in ("jit", "aot") if n in timing]
-                print(f"\nintranode at EP 1, T={T} H={H} K={args.topk} E={args.experts} {args.dtype}: "
-                      "gpu us per call (host us per call)")
-                both = len(names) == 2
-                print(f"{'op':<9}" + "".join(f"{n:>22}" for n in names) + ("   jit/aot gpu  jit/aot host" if both else ""))
-                for op in ("layout", "dispatch", "cached", "combine"):
-                    cells = [f"{timing[n][op]['gpu_us']:9.1f} ({timing[n][op]['host_us']:6.1f})" for n in names]
-                    ratios = (f"{timing['jit'][op]['gpu_us'] / timing['aot'][op]['gpu_us']:13.2f}x"
-                              f"{timing['jit'][op]['host_us'] / timing['aot'][op]['host_us']:13.2f}x" if both else "")
-                    print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells) + ratios)
+                _print_jit_vs_aot(f"intranode at EP 1, T={T} H={H} K={args.topk} E={args.experts} {args.dtype}",
+                                  timing, ("layout", "dispatch", "cached", "combine"))
         dist.destroy_process_group()
     if args.csrc_ops:
         for T in args.tokens:
@@ -319,16 +326,8 @@ def main() -> None:
                 timing = run_csrc_ops(T, H, args.topk, args.experts, args.alignment, dtype, args.iters)
                 results.append({"csrc_ops": dict(T=T, H=H, K=args.topk, L=args.experts, dtype=args.dtype),
                                 "timing": timing})
-                names = [n for n in ("jit", "aot") if n in timing]
-                both = len(names) == 2
-                print(f"\ncsrc ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}: "
-                      "gpu us per call (host us per call)")
-                print(f"{'op':<12}" + "".join(f"{n:>22}" for n in names) + ("   jit/aot gpu  jit/aot host" if both else ""))
-                for op in ("received", "own_rows", "routing", "routing_bwd"):
-                    cells = [f"{timing[n][op]['gpu_us']:9.1f} ({timing[n][op]['host_us']:6.1f})" for n in names]
-                    ratios = (f"{timing['jit'][op]['gpu_us'] / timing['aot'][op]['gpu_us']:13.2f}x"
-                              f"{timing['jit'][op]['host_us'] / timing['aot'][op]['host_us']:13.2f}x" if both else "")
-                    print(f"{op:<12}" + "".join(f"{c:>22}" for c in cells) + ratios)
+                _print_jit_vs_aot(f"csrc ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}", timing,
+                                  ("received", "own_rows", "routing", "routing_bwd"))
     print("\nJIT kernels this process built or loaded:")
     for event in jit.history():
         if event.how != "memory":
