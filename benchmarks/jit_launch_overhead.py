@@ -5,6 +5,7 @@ on CPU tensors.
 
     python3 benchmarks/jit_launch_overhead.py [--calls 20000]
     python3 benchmarks/jit_launch_overhead.py --intranode [--calls 20000]
+    python3 benchmarks/jit_launch_overhead.py --csrc-ops [--calls 20000]
 
 Prints microseconds per call, the median of 5 rounds (``--intranode``: the fastest of 9, in CPU time of the thread). What it leaves out: the driver's own launch cost and the
 CUDA caching allocator (CPU tensors here); `benchmarks/jit_bench.py` measures the whole host time on a GPU.
@@ -13,6 +14,10 @@ CUDA caching allocator (CPU tensors here); `benchmarks/jit_bench.py` measures th
 dispatch, combine with top-k weights) with the arguments the native backend passes (2 ranks; the CUDA checks,
 pinned-memory mapping and stream lookup replaced by CPU stand-ins), each kernel a `driver.Function` whose launch
 is the same no-op C call.
+
+``--csrc-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_csrc` (received rows with
+values, own rows weighted, routing map to top-k and its backward) on CPU tensors, the device check replaced by a
+contiguity check and every kernel a `driver.Function` with the no-op launch; timed as ``--intranode``.
 """
 
 from __future__ import annotations
@@ -109,12 +114,56 @@ def intranode(calls: int, launch) -> None:
         print(f"intranode {name + ':':<30}{per_call_us(fn, max(calls // 10, 100), best=True):6.2f} us (CPU tensors)")
 
 
+def csrc_ops(calls: int, launch) -> None:
+    """Host time per call of `expert_major_csrc`'s ops on CPU tensors (see the module docstring)."""
+    from ep_moe.native.jit import expert_major_csrc as E
+
+    class _Kernels:
+        fn = {fragment: Function(0, fragment, (), launch_fn=launch) for fragment in E.KERNELS.values()}
+
+    def check(t, op, name, device):
+        if not t.is_contiguous():
+            raise E._fail(op, f"argument '{name}' must be contiguous")
+
+    E.kernels, E._device_index, E._raw_stream = (lambda device: _Kernels), (lambda t: 0), (lambda device: 0)
+    if hasattr(E, "_check"):
+        E._check = check
+    if hasattr(E, "_on_device"):  # the device check of the tensors (CPU here): contiguity only
+        E._on_device = lambda device: (lambda t: True)
+    T, H, K, L = 64, 64, 8, 32  # small: the host path does not depend on the sizes, CPU allocation would
+    N = 2 * T
+    prefix = torch.tensor([[T, T], [N, N]], dtype=torch.int32)
+    rows, own_x = torch.zeros(N, H, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.bfloat16)
+    own_tokens = torch.arange(T, dtype=torch.int32)
+    pair_of_slot = torch.arange(N * K)
+    values = torch.rand(N * K)
+    y, w = torch.zeros(N * K, H, dtype=torch.bfloat16), torch.rand(N * K)
+    sorted_slots = torch.arange(N * K).view(N, K)
+    routing_map = torch.zeros(T, L, dtype=torch.bool)
+    probs = torch.zeros(T, L, dtype=torch.bfloat16)
+    topk_idx, grad_w = torch.zeros(T, K, dtype=torch.int64), torch.rand(T, K)
+    runs = {
+        "permute_received_rows": lambda: E.permute_received_rows(rows, N, own_x, own_tokens, prefix, 1, pair_of_slot,
+                                                                 K, values),
+        "unpermute_own_rows": lambda: E.unpermute_own_rows(y, w, sorted_slots, prefix, 1),
+        "routing_map_to_topk": lambda: E.routing_map_to_topk(routing_map, probs, K),
+        "routing_map_to_topk_backward": lambda: E.routing_map_to_topk_backward(grad_w, topk_idx, L, torch.bfloat16),
+    }
+    for name, fn in runs.items():
+        fn()
+        print(f"csrc {name + ':':<32}{per_call_us(fn, max(calls // 10, 100), best=True):6.2f} us (CPU tensors)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--intranode", action="store_true", help="the intranode launchers instead")
+    parser.add_argument("--csrc-ops", action="store_true", help="expert_major_csrc's four ops instead")
     args = parser.parse_args()
     launch = no_op_launch()
+    if args.csrc_ops:
+        csrc_ops(args.calls, launch)
+        return
     if args.intranode:
         intranode(args.calls, launch)
         return
