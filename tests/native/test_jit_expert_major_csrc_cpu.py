@@ -194,8 +194,11 @@ class _FakeKernel:
     def __init__(self, fragment, calls):
         self.fragment, self.calls = fragment, calls
 
-    def launch_params(self, grid, block, stream, params, shared_bytes=0):
-        p = type(params).from_buffer_copy(params)
+    def launch_prepared(self, grid, block, stream, args, shared_bytes=0):
+        # the launchers pass a pointer array to their one struct (prepared_args): copy the struct it points at
+        struct = M.PermuteRowsParams if self.fragment in E.PERMUTE_KERNELS.values() else \
+            M.UnpermuteSumParams if self.fragment in E.UNPERMUTE_KERNELS.values() else M.RoutingMapParams
+        p = struct.from_buffer_copy(struct.from_address(args[0]))
         self.calls.append((self.fragment, grid, block, p))
         word = {f: w for w, f in E.PERMUTE_KERNELS.items()}.get(self.fragment)
         if word is not None:
@@ -218,15 +221,14 @@ def launched(monkeypatch):
     class _Fake:
         fn = {fragment: _FakeKernel(fragment, calls) for fragment in E.KERNELS.values()}
 
-    def check(t, op, name, device):
-        if t.device != device:
+    def check(t, op, name, device):  # the device index of a CPU tensor is -1 (`_device_index`: t.get_device())
+        if t.get_device() != device:
             raise E._fail(op, f"argument '{name}' must be on {device}, got {t.device}")
         if not t.is_contiguous():
             raise E._fail(op, f"argument '{name}' must be contiguous")
 
     monkeypatch.setattr(E, "kernels", lambda device: _Fake)
     monkeypatch.setattr(E, "_check", check)
-    monkeypatch.setattr(E, "_device_index", lambda t: 0)
     monkeypatch.setattr(E, "_raw_stream", lambda device: 0)
     return calls
 
