@@ -12,7 +12,7 @@ CUDA caching allocator (CPU tensors here); `benchmarks/jit_bench.py` measures th
 
 ``--intranode``: the launchers of `ep_moe.native.jit.intranode` (layout, notify, fresh dispatch with top-k, cached
 dispatch, combine with top-k weights) with the arguments the native backend passes (2 ranks; the CUDA checks,
-pinned-memory mapping and stream lookup replaced by CPU stand-ins), each kernel a `driver.Function` whose launch
+pinned-memory mapping and stream lookup replaced by CPU stand-ins of the same shape that leave out ``is_cuda``), each kernel a `driver.Function` whose launch
 is the same no-op C call.
 
 ``--csrc-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_csrc` (received rows with
@@ -64,8 +64,23 @@ def intranode(calls: int, launch) -> None:
         if not t.is_contiguous():
             raise I._fail(f"argument '{name}' must be a contiguous CUDA tensor")
 
+    def ptr(t, name):  # `_ptr`'s shape with the CUDA half of its check left out, as check_cuda
+        if t is None:
+            return 0
+        if not t.is_contiguous():
+            check_cuda(t, name)
+        return t.data_ptr()
+
+    def check_all(names, *tensors):  # likewise `_check_all`'s
+        for t in tensors:
+            if not t.is_contiguous():
+                for u, name in zip(tensors, names):
+                    check_cuda(u, name)
+                return
+
     I.kernels, I._check_cuda, I._is_pinned, I._device = (lambda device: _Kernels), check_cuda, (lambda t: True), (
         lambda t: 0)
+    I._ptr, I._check_all = ptr, check_all
     I._raw_stream, I.host_device_pointer = (lambda device: 0), (lambda ptr, device: ptr)
     if hasattr(I, "_zero"):  # the layout's memsets (cuMemsetD32Async): not timed, like the launch
         I._zero = lambda device, t, stream: None
@@ -126,10 +141,7 @@ def csrc_ops(calls: int, launch) -> None:
             raise E._fail(op, f"argument '{name}' must be contiguous")
 
     E.kernels, E._device_index, E._raw_stream = (lambda device: _Kernels), (lambda t: 0), (lambda device: 0)
-    if hasattr(E, "_check"):
-        E._check = check
-    if hasattr(E, "_on_device"):  # the device check of the tensors (CPU here): contiguity only
-        E._on_device = lambda device: (lambda t: True)
+    E._check = check
     T, H, K, L = 64, 64, 8, 32  # small: the host path does not depend on the sizes, CPU allocation would
     N = 2 * T
     prefix = torch.tensor([[T, T], [N, N]], dtype=torch.int32)

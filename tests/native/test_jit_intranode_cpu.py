@@ -798,8 +798,14 @@ def test_reused_structs_equal_fresh_ones_call_after_call(recorded):
 def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):
     zeroed = []
     monkeypatch.setattr(I, "_zero", lambda device, t, stream: zeroed.append(t.numel()) or t.zero_())
-    I.layout(torch.randint(-1, 16, (300, 4)), 16, 4)
-    assert zeroed == [4, 16], "the extension's two memsets, no fill kernels"
+    for experts, ranks in ((16, 4), (6, 3), (5, 5)):
+        zeroed.clear()
+        per_rank, per_expert, _ = I.layout(torch.randint(-1, experts, (300, 4)), experts, ranks)
+        padded = (experts + 3) // 4 * 4
+        assert zeroed == [padded + ranks], "one memset over both counts (the padding between them too), no fills"
+        assert (per_expert.shape, per_rank.shape) == ((experts,), (ranks,))
+        assert per_expert.data_ptr() % 16 == 0 and per_rank.data_ptr() % 16 == 0, "both 16-byte aligned"
+        assert per_rank.data_ptr() >= per_expert.data_ptr() + 4 * experts, "the two do not overlap"
 
 
 def _reference_struct(kind: str, env, a: dict):
