@@ -924,3 +924,14 @@ def test_field_writer_checks_its_run_and_values():
         P.FieldWriter(P.LayoutParams, ("num_topk", "num_tokens"))
     with pytest.raises(ValueError, match="is not a scalar"):
         P.FieldWriter(P.KernelEnv, ("num_ranks", "ctrl"))
+
+
+def test_the_inline_checks_name_the_first_bad_tensor():
+    """`_ptr` and `_check_all` (the launchers' checks, inline on the usual path) raise the same named ValueError as
+    `_check_cuda` for a tensor that is not a contiguous CUDA tensor (here: CPU tensors, the real checks)."""
+    t = torch.zeros(4, 4)
+    assert I._ptr(None, "bias0") == 0
+    with pytest.raises(ValueError, match="argument 'bias0' must be a contiguous CUDA tensor"):
+        I._ptr(t, "bias0")
+    with pytest.raises(ValueError, match="argument 'y' must be a contiguous CUDA tensor"):
+        I._check_all(("y", "out"), t, t)
