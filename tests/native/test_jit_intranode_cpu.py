@@ -272,6 +272,35 @@ def test_env_maps_each_pinned_buffer_once(recorded, monkeypatch):
     assert len(looked_up) == 3
 
 
+def test_notify_asks_whether_a_buffer_is_pinned_once_per_mapped_tensor(recorded, monkeypatch):
+    """``Tensor.is_pinned`` is a CUDA query per call: the notify asks it only for a tensor its Env has not mapped
+    (the same object at the same address stays pinned); a new tensor is asked again and refused with the named
+    error, and a mapped one that shrank is still refused by its size check."""
+    env = _env()
+    asked = []
+    monkeypatch.setattr(I, "_is_pinned", lambda t: asked.append(t.data_ptr()) or not t.is_cuda)
+    args = _notify_args()
+    for _ in range(3):
+        I.notify(env, **args)
+    counts, experts = args["host_counts"], args["host_expert_counts"]
+    assert sorted(asked) == sorted([counts.data_ptr(), experts.data_ptr()]), "asked once per tensor"
+    monkeypatch.setattr(I, "_is_pinned", lambda t: asked.append(t.data_ptr()) or False)  # nothing else is pinned
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned"):
+        I.notify(env, **{**args, "host_counts": counts.clone()})
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned"):
+        I.notify(env, **{**args, "host_counts": counts[:]})  # another object at the same address: asked again
+    with pytest.raises(ValueError, match="argument 'host_expert_counts' must be pinned"):
+        I.notify(env, **{**args, "host_expert_counts": experts.clone()})
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned int32"):
+        I.exchange(env, HEADER, None, counts.clone(), None)
+    I.exchange(env, HEADER, None, counts, None)  # mapped: no question
+    count = len(asked)
+    counts.resize_(3)  # same object, same address, too small now
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned"):
+        I.notify(env, **args)
+    assert len(asked) == count, "the size check refused it, not the pinned question"
+
+
 def test_layout_launch(recorded):
     idx = torch.randint(-1, 16, (600, 4))
     per_rank, per_expert, in_rank = I.layout(idx, 16, 4)

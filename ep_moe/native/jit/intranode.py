@@ -354,6 +354,13 @@ class Env:
             found = self._prepared[key] = _Prepared(make)
         return found
 
+    def pinned(self, t: Tensor) -> bool:
+        """`_is_pinned` of ``t``, without asking CUDA again (``Tensor.is_pinned`` is a CUDA pointer query per call)
+        for a tensor this Env mapped (`device_pointer`: only after this check passed): that same tensor object at
+        the same address is still pinned memory. Dtype and size are the caller's to check on every call."""
+        found = self._mapped.get(t.data_ptr())
+        return (found is not None and found[0] is t) or _is_pinned(t)
+
     def device_pointer(self, pinned: Tensor) -> int:
         """The device address of a pinned host tensor (the notify's count buffers), looked up once per tensor:
         the tensor is kept, so its address cannot be reused by another allocation while this Env lives."""
@@ -443,7 +450,7 @@ def exchange(env: Env, header: list[int], prefix: Tensor | None, host_counts: Te
     own value)."""
     num_ranks = env.env.num_ranks
     words = _host_words(num_ranks)
-    if not _is_pinned(host_counts) or host_counts.dtype != torch.int32 or host_counts.numel() < words:
+    if not env.pinned(host_counts) or host_counts.dtype != torch.int32 or host_counts.numel() < words:
         raise _fail(f"argument 'host_counts' must be pinned int32 of at least {words} words")
     if prefix is not None:
         _check_cuda(prefix, "prefix")
@@ -477,7 +484,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
     if (pos.numel() != num_tokens * num_ranks or send_list.numel() != num_tokens * num_ranks
             or pos.dtype != torch.int32 or send_list.dtype != torch.int32):
         raise _fail("arguments 'pos' and 'send_list' must hold T * R int32")
-    if not _is_pinned(host_counts) or host_counts.numel() < _host_words(num_ranks):
+    if not env.pinned(host_counts) or host_counts.numel() < _host_words(num_ranks):
         raise _fail(f"argument 'host_counts' must be pinned, R * R + R int32 then the header check's "
                     f"{_host_words(num_ranks) - num_ranks * (num_ranks + 1)}")
     if host_expert_counts is not None:  # the per-expert counts travel with the row counts
@@ -488,7 +495,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
                         f"got {experts_per_rank}")
         if expert_alignment < 1:
             raise _fail(f"argument 'expert_alignment' must be >= 1, got {expert_alignment}")
-        if (not _is_pinned(host_expert_counts) or host_expert_counts.dtype != torch.int64
+        if (not env.pinned(host_expert_counts) or host_expert_counts.dtype != torch.int64
                 or host_expert_counts.numel() < experts_per_rank):
             raise _fail("argument 'host_expert_counts' must be pinned int64 with room for every local expert")
         _check_cuda(topk_idx, "topk_idx")
