@@ -964,3 +964,17 @@ def test_the_inline_checks_name_the_first_bad_tensor():
         I._ptr(t, "bias0")
     with pytest.raises(ValueError, match="argument 'y' must be a contiguous CUDA tensor"):
         I._check_all(("y", "out"), t, t)
+
+
+def test_intranode_kernels_follows_the_choice_at_every_call(monkeypatch):
+    """`native.intranode_kernels` keeps the JIT module once imported, but still follows the build chosen for the
+    current EP_MOE_JIT value at each call (the module is cached, not the choice)."""
+    fake_extension = object()
+    monkeypatch.setattr(native, "_C", fake_extension)
+    monkeypatch.setattr(native, "_choices", {"1": ("jit", None), "0": ("aot", None)})
+    monkeypatch.setenv("EP_MOE_JIT", "1")
+    assert native.intranode_kernels() is I and native.intranode_kernels() is I
+    monkeypatch.setenv("EP_MOE_JIT", "0")
+    assert native.intranode_kernels() is fake_extension
+    monkeypatch.setenv("EP_MOE_JIT", "1")
+    assert native.intranode_kernels() is I
