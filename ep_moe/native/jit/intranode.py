@@ -394,11 +394,8 @@ def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
     if num_tokens == 0:
         return [per_rank, per_expert, in_rank]
     with _layout_lock:
-        p = _layout_params
-        p.topk_idx, p.num_tokens, p.num_topk, p.num_experts, p.num_ranks = (topk_idx.data_ptr(), num_tokens, num_topk,
-                                                                           num_experts, num_ranks)
-        p.num_tokens_per_rank, p.num_tokens_per_expert = per_rank.data_ptr(), per_expert.data_ptr()
-        p.is_token_in_rank = in_rank.data_ptr()
+        _LAYOUT_FIELDS.write(_layout_view, topk_idx.data_ptr(), num_tokens, num_topk, num_experts, num_ranks,
+                             per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr())
         kernels(device).fn["layout"].launch_prepared((num_tokens + LAYOUT_THREADS - 1) // LAYOUT_THREADS,
                                                      LAYOUT_THREADS, stream, _layout_args)
     LAUNCHES["layout"] += 1
@@ -407,6 +404,8 @@ def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
 
 _layout_params = P.LayoutParams()  # every field set by each call: one struct for the process
 _layout_args = prepared_args(_layout_params)
+_layout_view = memoryview(_layout_params).cast("B")
+_LAYOUT_FIELDS = P.FieldWriter(P.LayoutParams, P.LayoutParams.field_names())  # every field, one pack per call
 _layout_lock = threading.Lock()
 
 
