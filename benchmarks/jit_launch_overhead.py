@@ -7,13 +7,15 @@ on CPU tensors.
     python3 benchmarks/jit_launch_overhead.py --intranode [--calls 20000]
     python3 benchmarks/jit_launch_overhead.py --csrc-ops [--calls 20000]
 
-Prints microseconds per call, the median of 5 rounds (``--intranode``: the fastest of 9, in CPU time of the thread). What it leaves out: the driver's own launch cost and the
+Prints microseconds per call, the median of 5 rounds (``--intranode``, ``--csrc-ops``: the fastest of 9, in CPU time
+of the thread). What it leaves out: the driver's own launch cost, the CUDA queries (``Tensor.is_pinned``) and the
 CUDA caching allocator (CPU tensors here); `benchmarks/jit_bench.py` measures the whole host time on a GPU.
 
 ``--intranode``: the launchers of `ep_moe.native.jit.intranode` (layout, notify, fresh dispatch with top-k, cached
 dispatch, combine with top-k weights) with the arguments the native backend passes (2 ranks; the CUDA checks,
-pinned-memory mapping and stream lookup replaced by CPU stand-ins of the same shape that leave out ``is_cuda``), each kernel a `driver.Function` whose launch
-is the same no-op C call.
+pinned-memory mapping and stream lookup replaced by CPU stand-ins of the same shape that leave out ``is_cuda``),
+each kernel a `driver.Function` whose launch is the same no-op C call, and the layout's ``cuMemsetD32Async`` a call of libc's
+``llabs`` (its host path through `driver.memset_zero_async` is timed).
 
 ``--csrc-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_csrc` (received rows with
 values, own rows weighted, routing map to top-k and its backward) on CPU tensors, the device check replaced by a
@@ -28,9 +30,11 @@ import ctypes
 import statistics
 import time
 import timeit
+import types
 
 import torch
 
+from ep_moe.native.jit import driver
 from ep_moe.native.jit import expert_major as J
 from ep_moe.native.jit.driver import Function
 
@@ -80,10 +84,21 @@ def intranode(calls: int, launch) -> None:
 
     I.kernels, I._check_cuda, I._is_pinned, I._device = (lambda device: _Kernels), check_cuda, (lambda t: True), (
         lambda t: 0)
-    I._ptr, I._check_all = ptr, check_all
+    if hasattr(I, "_check_all"):  # the launchers' inline checks (since 2026-12-02; before, all through _check_cuda)
+        I._ptr, I._check_all = ptr, check_all
     I._raw_stream, I.host_device_pointer = (lambda device: 0), (lambda ptr, device: ptr)
-    if hasattr(I, "_zero"):  # the layout's memsets (cuMemsetD32Async): not timed, like the launch
-        I._zero = lambda device, t, stream: None
+
+    libc = ctypes.CDLL(None)
+
+    class _Driver:  # the layout's memsets: their host path, to libc's llabs (arithmetic only: an address is safe)
+        lib = types.SimpleNamespace(cuMemsetD32Async=libc.llabs)
+        memset_d32_async = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t,
+                                            ctypes.c_void_p)(("llabs", libc))
+
+        def check(self, status: int, call: str) -> None:  # llabs returns no CUDA status
+            pass
+
+    driver._driver, driver._thread.device = _Driver(), 0
     R, T, H, K, L, N = 2, 64, 64, 8, 16, 96
     env = I.Env(0, [0x1000, 0x2000], torch.zeros(8, dtype=torch.int64),
                 torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 10**10, 8, 8, 4)

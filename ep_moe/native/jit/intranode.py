@@ -387,7 +387,7 @@ def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
     # cost): per_expert at its start, per_rank at the next 16-byte boundary, so that both are 16-byte aligned.
     expert_words = (num_experts + 3) // 4 * 4
     counts = topk_idx.new_empty(expert_words + num_ranks, dtype=torch.int32)
-    per_expert, per_rank = counts[:num_experts], counts[expert_words:]
+    per_expert, _, per_rank = torch.split_with_sizes(counts, (num_experts, expert_words - num_experts, num_ranks))
     in_rank = topk_idx.new_empty((num_tokens, num_ranks), dtype=torch.bool)
     stream = _raw_stream(device)
     _zero(device, counts, stream)
