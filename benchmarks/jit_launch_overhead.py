@@ -5,14 +5,21 @@ on CPU tensors.
 
     python3 benchmarks/jit_launch_overhead.py [--calls 20000]
     python3 benchmarks/jit_launch_overhead.py --intranode [--calls 20000]
+    python3 benchmarks/jit_launch_overhead.py --csrc-ops [--calls 20000]
 
-Prints microseconds per call, the median of 5 rounds (``--intranode``: the fastest of 9, in CPU time of the thread). What it leaves out: the driver's own launch cost and the
+Prints microseconds per call, the median of 5 rounds (``--intranode``, ``--csrc-ops``: the fastest of 9, in CPU time
+of the thread). What it leaves out: the driver's own launch cost, the CUDA queries (``Tensor.is_pinned``) and the
 CUDA caching allocator (CPU tensors here); `benchmarks/jit_bench.py` measures the whole host time on a GPU.
 
 ``--intranode``: the launchers of `ep_moe.native.jit.intranode` (layout, notify, fresh dispatch with top-k, cached
 dispatch, combine with top-k weights) with the arguments the native backend passes (2 ranks; the CUDA checks,
-pinned-memory mapping and stream lookup replaced by CPU stand-ins), each kernel a `driver.Function` whose launch
-is the same no-op C call.
+pinned-memory mapping and stream lookup replaced by CPU stand-ins of the same shape that leave out ``is_cuda``),
+each kernel a `driver.Function` whose launch is the same no-op C call, and the layout's ``cuMemsetD32Async`` a call of libc's
+``llabs`` (its host path through `driver.memset_zero_async` is timed).
+
+``--csrc-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_csrc` (received rows with
+values, own rows weighted, routing map to top-k and its backward) on CPU tensors, the device check replaced by a
+contiguity check and every kernel a `driver.Function` with the no-op launch; timed as ``--intranode``.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import ctypes
 import statistics
 import time
 import timeit
+import types
 
 import torch
 
+from ep_moe.native.jit import driver
 from ep_moe.native.jit import expert_major as J
 from ep_moe.native.jit.driver import Function
 
@@ -59,11 +68,37 @@ def intranode(calls: int, launch) -> None:
         if not t.is_contiguous():
             raise I._fail(f"argument '{name}' must be a contiguous CUDA tensor")
 
+    def ptr(t, name):  # `_ptr`'s shape with the CUDA half of its check left out, as check_cuda
+        if t is None:
+            return 0
+        if not t.is_contiguous():
+            check_cuda(t, name)
+        return t.data_ptr()
+
+    def check_all(names, *tensors):  # likewise `_check_all`'s
+        for t in tensors:
+            if not t.is_contiguous():
+                for u, name in zip(tensors, names):
+                    check_cuda(u, name)
+                return
+
     I.kernels, I._check_cuda, I._is_pinned, I._device = (lambda device: _Kernels), check_cuda, (lambda t: True), (
         lambda t: 0)
+    if hasattr(I, "_check_all"):  # the launchers' inline checks (since 2026-12-02; before, all through _check_cuda)
+        I._ptr, I._check_all = ptr, check_all
     I._raw_stream, I.host_device_pointer = (lambda device: 0), (lambda ptr, device: ptr)
-    if hasattr(I, "_zero"):  # the layout's memsets (cuMemsetD32Async): not timed, like the launch
-        I._zero = lambda device, t, stream: None
+
+    libc = ctypes.CDLL(None)
+
+    class _Driver:  # the layout's memsets: their host path, to libc's llabs (arithmetic only: an address is safe)
+        lib = types.SimpleNamespace(cuMemsetD32Async=libc.llabs)
+        memset_d32_async = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t,
+                                            ctypes.c_void_p)(("llabs", libc))
+
+        def check(self, status: int, call: str) -> None:  # llabs returns no CUDA status
+            pass
+
+    driver._driver, driver._thread.device = _Driver(), 0
     R, T, H, K, L, N = 2, 64, 64, 8, 16, 96
     env = I.Env(0, [0x1000, 0x2000], torch.zeros(8, dtype=torch.int64),
                 torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 10**10, 8, 8, 4)
@@ -109,12 +144,53 @@ def intranode(calls: int, launch) -> None:
         print(f"intranode {name + ':':<30}{per_call_us(fn, max(calls // 10, 100), best=True):6.2f} us (CPU tensors)")
 
 
+def csrc_ops(calls: int, launch) -> None:
+    """Host time per call of `expert_major_csrc`'s ops on CPU tensors (see the module docstring)."""
+    from ep_moe.native.jit import expert_major_csrc as E
+
+    class _Kernels:
+        fn = {fragment: Function(0, fragment, (), launch_fn=launch) for fragment in E.KERNELS.values()}
+
+    def check(t, op, name, device):
+        if not t.is_contiguous():
+            raise E._fail(op, f"argument '{name}' must be contiguous")
+
+    E.kernels, E._device_index, E._raw_stream = (lambda device: _Kernels), (lambda t: 0), (lambda device: 0)
+    E._check = check
+    T, H, K, L = 64, 64, 8, 32  # small: the host path does not depend on the sizes, CPU allocation would
+    N = 2 * T
+    prefix = torch.tensor([[T, T], [N, N]], dtype=torch.int32)
+    rows, own_x = torch.zeros(N, H, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.bfloat16)
+    own_tokens = torch.arange(T, dtype=torch.int32)
+    pair_of_slot = torch.arange(N * K)
+    values = torch.rand(N * K)
+    y, w = torch.zeros(N * K, H, dtype=torch.bfloat16), torch.rand(N * K)
+    sorted_slots = torch.arange(N * K).view(N, K)
+    routing_map = torch.zeros(T, L, dtype=torch.bool)
+    probs = torch.zeros(T, L, dtype=torch.bfloat16)
+    topk_idx, grad_w = torch.zeros(T, K, dtype=torch.int64), torch.rand(T, K)
+    runs = {
+        "permute_received_rows": lambda: E.permute_received_rows(rows, N, own_x, own_tokens, prefix, 1, pair_of_slot,
+                                                                 K, values),
+        "unpermute_own_rows": lambda: E.unpermute_own_rows(y, w, sorted_slots, prefix, 1),
+        "routing_map_to_topk": lambda: E.routing_map_to_topk(routing_map, probs, K),
+        "routing_map_to_topk_backward": lambda: E.routing_map_to_topk_backward(grad_w, topk_idx, L, torch.bfloat16),
+    }
+    for name, fn in runs.items():
+        fn()
+        print(f"csrc {name + ':':<32}{per_call_us(fn, max(calls // 10, 100), best=True):6.2f} us (CPU tensors)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--intranode", action="store_true", help="the intranode launchers instead")
+    parser.add_argument("--csrc-ops", action="store_true", help="expert_major_csrc's four ops instead")
     args = parser.parse_args()
     launch = no_op_launch()
+    if args.csrc_ops:
+        csrc_ops(args.calls, launch)
+        return
     if args.intranode:
         intranode(args.calls, launch)
         return

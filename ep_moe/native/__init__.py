@@ -186,8 +186,17 @@ def intranode_kernels():
         raise RuntimeError(f"ep_moe.native: no intranode kernels: {why}")
     if kind == "aot":
         return _C
+    return _jit_intranode or _import_jit_intranode()
+
+
+_jit_intranode = None  # ep_moe.native.jit.intranode once imported: no import statement per call (every operation)
+
+
+def _import_jit_intranode():
+    global _jit_intranode
     from .jit import intranode
 
+    _jit_intranode = intranode
     return intranode
 
 

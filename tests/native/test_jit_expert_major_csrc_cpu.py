@@ -165,8 +165,11 @@ class _FakeKernel:
     def __init__(self, fragment, calls):
         self.fragment, self.calls = fragment, calls
 
-    def launch_params(self, grid, block, stream, params, shared_bytes=0):
-        p = type(params).from_buffer_copy(params)
+    def launch_prepared(self, grid, block, stream, args, shared_bytes=0):
+        # the launchers pass a pointer array to their one struct (prepared_args): copy the struct it points at
+        struct = M.PermuteRowsParams if self.fragment in E.PERMUTE_KERNELS.values() else \
+            M.UnpermuteSumParams if self.fragment in E.UNPERMUTE_KERNELS.values() else M.RoutingMapParams
+        p = struct.from_buffer_copy(struct.from_address(args[0]))
         self.calls.append((self.fragment, grid, block, p))
         word = {f: w for w, f in E.PERMUTE_KERNELS.items()}.get(self.fragment)
         if word is not None:
@@ -189,15 +192,14 @@ def launched(monkeypatch):
     class _Fake:
         fn = {fragment: _FakeKernel(fragment, calls) for fragment in E.KERNELS.values()}
 
-    def check(t, op, name, device):
-        if t.device != device:
+    def check(t, op, name, device):  # the device index of a CPU tensor is -1 (`_device_index`: t.get_device())
+        if t.get_device() != device:
             raise E._fail(op, f"argument '{name}' must be on {device}, got {t.device}")
         if not t.is_contiguous():
             raise E._fail(op, f"argument '{name}' must be contiguous")
 
     monkeypatch.setattr(E, "kernels", lambda device: _Fake)
     monkeypatch.setattr(E, "_check", check)
-    monkeypatch.setattr(E, "_device_index", lambda t: 0)
     monkeypatch.setattr(E, "_raw_stream", lambda device: 0)
     return calls
 
@@ -390,3 +392,45 @@ def test_megatron_routing_map_takes_the_jit_op(launched, monkeypatch):
     w.backward(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
     assert probs.grad.tolist() == [[1.0, 0.0, 2.0], [0.0, 0.0, 0.0]]
     assert [c[0] for c in launched] == [E.ROUTING_KERNELS[torch.float32], E.ROUTING_BACKWARD_KERNELS[torch.float32]]
+
+
+def test_each_call_rewrites_every_field_of_the_reused_struct(launched):
+    """The ops reuse one parameter struct each (`_Prepared`): a call after another of a different shape, without
+    the optional inputs, or of the other routing op must launch exactly the struct a fresh one would hold."""
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.tensor([[4, 6], [10, 12]], dtype=torch.int32)
+    for N, K, H, weighted in ((12, 3, 16, True), (7, 2, 6, False), (12, 3, 16, False), (5, 4, 8, True)):
+        srt = torch.randint(-1, N * K, (N, K), generator=gen)
+        y = torch.randn(N * K, H, generator=gen).to(torch.bfloat16)
+        w = torch.rand(N * K, generator=gen) if weighted else None
+        out = E.unpermute_own_rows(y, w, srt, prefix, 1)
+        p = launched[-1][3]
+        fresh = M.UnpermuteSumParams(y=y.data_ptr(), out=out.data_ptr(), dtype=0, hidden=H, num_rows=N,
+                                     num_slots=N * K, num_topk=K, weights=0 if w is None else w.data_ptr(),
+                                     sorted_slots=srt.data_ptr(), rank_prefix_matrix=prefix.data_ptr(), num_ranks=2,
+                                     rank=1)
+        assert bytes(p) == bytes(fresh), (N, K, H, weighted)
+    for T, E_, K in ((9, 6, 2), (4, 5, 3)):  # forward and backward alternate: their structs must not mix
+        routing_map = torch.rand(T, E_, generator=gen) < 0.5
+        probs = torch.rand(T, E_, generator=gen)
+        idx, w = E.routing_map_to_topk(routing_map, probs, K)
+        forward = launched[-1][3]
+        grad = E.routing_map_to_topk_backward(w, idx, E_, torch.float32)
+        backward = launched[-1][3]
+        assert bytes(forward) == bytes(M.RoutingMapParams(
+            routing_map=routing_map.data_ptr(), probs=probs.data_ptr(), probs_dtype=1, num_tokens=T, num_experts=E_,
+            num_topk=K, topk_idx=idx.data_ptr(), topk_weights=w.data_ptr()))
+        assert bytes(backward) == bytes(M.RoutingMapParams(
+            probs_dtype=1, num_tokens=T, num_experts=E_, num_topk=K, topk_idx=idx.data_ptr(),
+            topk_weights=w.data_ptr(), grad_probs=grad.data_ptr()))
+
+
+def test_the_device_check_names_the_argument_without_the_cpu_stand_in():
+    """`_check` itself (the `launched` fixture replaces it): a CPU tensor, or one on another device than the op's
+    first tensor, raises the named ValueError before anything is allocated or launched."""
+    routing_map, probs = torch.zeros(4, 3, dtype=torch.bool), torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="routing_map_to_topk: argument 'routing_map' must be a CUDA tensor, got cpu"):
+        E.routing_map_to_topk(routing_map, probs, 2)
+    with pytest.raises(ValueError, match="argument 'probs' must be on cuda:1, got cpu"):
+        E._check(probs, "routing_map_to_topk", "probs", 1)
+    assert E._device_index(probs) == -1

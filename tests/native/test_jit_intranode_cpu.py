@@ -240,6 +240,35 @@ def test_env_maps_each_pinned_buffer_once(recorded, monkeypatch):
     assert len(looked_up) == 3
 
 
+def test_notify_asks_whether_a_buffer_is_pinned_once_per_mapped_tensor(recorded, monkeypatch):
+    """``Tensor.is_pinned`` is a CUDA query per call: the notify asks it only for a tensor its Env has not mapped
+    (the same object at the same address stays pinned); a new tensor is asked again and refused with the named
+    error, and a mapped one that shrank is still refused by its size check."""
+    env = _env()
+    asked = []
+    monkeypatch.setattr(I, "_is_pinned", lambda t: asked.append(t.data_ptr()) or not t.is_cuda)
+    args = _notify_args()
+    for _ in range(3):
+        I.notify(env, **args)
+    counts, experts = args["host_counts"], args["host_expert_counts"]
+    assert sorted(asked) == sorted([counts.data_ptr(), experts.data_ptr()]), "asked once per tensor"
+    monkeypatch.setattr(I, "_is_pinned", lambda t: asked.append(t.data_ptr()) or False)  # nothing else is pinned
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned"):
+        I.notify(env, **{**args, "host_counts": counts.clone()})
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned"):
+        I.notify(env, **{**args, "host_counts": counts[:]})  # another object at the same address: asked again
+    with pytest.raises(ValueError, match="argument 'host_expert_counts' must be pinned"):
+        I.notify(env, **{**args, "host_expert_counts": experts.clone()})
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned int32"):
+        I.exchange(env, HEADER, None, counts.clone(), None)
+    I.exchange(env, HEADER, None, counts, None)  # mapped: no question
+    count = len(asked)
+    counts.resize_(3)  # same object, same address, too small now
+    with pytest.raises(ValueError, match="argument 'host_counts' must be pinned"):
+        I.notify(env, **args)
+    assert len(asked) == count, "the size check refused it, not the pinned question"
+
+
 def test_layout_launch(recorded):
     idx = torch.randint(-1, 16, (600, 4))
     per_rank, per_expert, in_rank = I.layout(idx, 16, 4)
@@ -766,8 +795,14 @@ def test_reused_structs_equal_fresh_ones_call_after_call(recorded):
 def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):
     zeroed = []
     monkeypatch.setattr(I, "_zero", lambda device, t, stream: zeroed.append(t.numel()) or t.zero_())
-    I.layout(torch.randint(-1, 16, (300, 4)), 16, 4)
-    assert zeroed == [4, 16], "the extension's two memsets, no fill kernels"
+    for experts, ranks in ((16, 4), (6, 3), (5, 5)):
+        zeroed.clear()
+        per_rank, per_expert, _ = I.layout(torch.randint(-1, experts, (300, 4)), experts, ranks)
+        padded = (experts + 3) // 4 * 4
+        assert zeroed == [padded + ranks], "one memset over both counts (the padding between them too), no fills"
+        assert (per_expert.shape, per_rank.shape) == ((experts,), (ranks,))
+        assert per_expert.data_ptr() % 16 == 0 and per_rank.data_ptr() % 16 == 0, "both 16-byte aligned"
+        assert per_rank.data_ptr() >= per_expert.data_ptr() + 4 * experts, "the two do not overlap"
 
 
 def _reference_struct(kind: str, env, a: dict):
@@ -886,3 +921,28 @@ def test_field_writer_checks_its_run_and_values():
         P.FieldWriter(P.LayoutParams, ("num_topk", "num_tokens"))
     with pytest.raises(ValueError, match="is not a scalar"):
         P.FieldWriter(P.KernelEnv, ("num_ranks", "ctrl"))
+
+
+def test_the_inline_checks_name_the_first_bad_tensor():
+    """`_ptr` and `_check_all` (the launchers' checks, inline on the usual path) raise the same named ValueError as
+    `_check_cuda` for a tensor that is not a contiguous CUDA tensor (here: CPU tensors, the real checks)."""
+    t = torch.zeros(4, 4)
+    assert I._ptr(None, "bias0") == 0
+    with pytest.raises(ValueError, match="argument 'bias0' must be a contiguous CUDA tensor"):
+        I._ptr(t, "bias0")
+    with pytest.raises(ValueError, match="argument 'y' must be a contiguous CUDA tensor"):
+        I._check_all(("y", "out"), t, t)
+
+
+def test_intranode_kernels_follows_the_choice_at_every_call(monkeypatch):
+    """`native.intranode_kernels` keeps the JIT module once imported, but still follows the build chosen for the
+    current EP_MOE_JIT value at each call (the module is cached, not the choice)."""
+    fake_extension = object()
+    monkeypatch.setattr(native, "_C", fake_extension)
+    monkeypatch.setattr(native, "_choices", {"1": ("jit", None), "0": ("aot", None)})
+    monkeypatch.setenv("EP_MOE_JIT", "1")
+    assert native.intranode_kernels() is I and native.intranode_kernels() is I
+    monkeypatch.setenv("EP_MOE_JIT", "0")
+    assert native.intranode_kernels() is fake_extension
+    monkeypatch.setenv("EP_MOE_JIT", "1")
+    assert native.intranode_kernels() is I

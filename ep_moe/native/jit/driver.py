@@ -46,6 +46,10 @@ class _Driver:
         lib.cuCtxSetCurrent.argtypes = [vp]
         lib.cuDeviceGet.argtypes = [ctypes.POINTER(c_int), c_int]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), c_int]
+        # typed: with 4 arguments the prototype's conversion is cheaper than a ctypes object per argument (the
+        # launch's 11 are not: see above)
+        self.memset_d32_async = ctypes.CFUNCTYPE(c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, vp)(
+            ("cuMemsetD32Async", lib))
         self.check(lib.cuInit(0), "cuInit")
         self._primary: dict[int, ctypes.c_void_p] = {}
 
@@ -77,6 +81,9 @@ _driver_lock = threading.Lock()
 def driver() -> _Driver:
     """The loaded driver; raises `DriverError` when libcuda is absent or does not initialize."""
     global _driver
+    loaded = _driver
+    if loaded is not None:  # set once, never unset: no lock on the launchers' path
+        return loaded
     with _driver_lock:
         if _driver is None:
             _driver = _Driver()
@@ -170,8 +177,7 @@ def memset_zero_async(address: int, words: int, stream: int, device: int) -> Non
     if getattr(_thread, "device", None) != device:
         drv.use_primary_context(device)
         _thread.device = device
-    status = drv.lib.cuMemsetD32Async(ctypes.c_uint64(address), ctypes.c_uint(0), ctypes.c_size_t(words),
-                                      ctypes.c_void_p(stream))
+    status = drv.memset_d32_async(address, 0, words, stream)
     if status != CUDA_SUCCESS:
         drv.check(status, f"cuMemsetD32Async({words} words)")
 

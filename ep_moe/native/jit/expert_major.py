@@ -43,7 +43,8 @@ def _function(file: str, defines: tuple[tuple[str, int], ...], name: str, signat
 
 
 def _device_of(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    index = t.get_device()  # an int: no torch.device object per call
+    return index if index >= 0 else torch.cuda.current_device()
 
 
 def _on(device: int):

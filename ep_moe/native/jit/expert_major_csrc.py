@@ -24,7 +24,7 @@ from torch import Tensor
 from . import KernelSource, module
 from . import params as P
 from .cubin import find_kernel, function_symbols
-from .driver import PTR, Function
+from .driver import PTR, Function, prepared_args
 from .intranode import JitLayoutError, _read_back, probe_file
 
 SOURCE = KernelSource.of("expert_major_csrc.cu")
@@ -114,25 +114,51 @@ def kernels(device: int) -> _Kernels:
     return found
 
 
-def _launch(device: int, fragment: str, grid: int, block: int, params) -> None:
-    kernels(device).fn[fragment].launch_params(grid, block, _raw_stream(device), params)
+class _Prepared:
+    """One parameter struct per op for the process, refilled by one `params.FieldWriter` pack (every field, so
+    nothing of an earlier call survives) and launched through a pointer array built once; the driver copies the
+    arguments during cuLaunchKernel, and the lock keeps two threads from filling it at the same time."""
+
+    __slots__ = ("params", "view", "args", "lock", "fields")
+
+    def __init__(self, struct_type: type[P.Params]) -> None:
+        self.params = struct_type()
+        self.view = memoryview(self.params).cast("B")
+        self.args = prepared_args(self.params)
+        self.lock = threading.Lock()
+        self.fields = P.FieldWriter(struct_type, struct_type.field_names())
+
+
+_PERMUTE = _Prepared(P.PermuteRowsParams)
+_UNPERMUTE = _Prepared(P.UnpermuteSumParams)
+_ROUTING = _Prepared(P.RoutingMapParams)
+_ROUTING_BACKWARD = _Prepared(P.RoutingMapParams)
+
+
+def _launch(device: int, fragment: str, grid: int, block: int, prepared: _Prepared) -> None:
+    """Kernel ``fragment`` on ``device``'s current stream with ``prepared``'s struct (call under its lock)."""
+    kernels(device).fn[fragment].launch_prepared(grid, block, _raw_stream(device), prepared.args)
 
 
 # ------------------------------------------------------------------------------------------ checks
+_INT32, _INT64, _FLOAT32, _BOOL = torch.int32, torch.int64, torch.float32, torch.bool
+
+
 def _fail(op: str, message: str) -> ValueError:
     return ValueError(f"ep_moe.native.jit.{op}: {message}")
 
 
-def _check(t: Tensor, op: str, name: str, device: torch.device) -> None:
-    if not t.is_cuda or t.device != device:
-        raise _fail(op, f"argument '{name}' must be on {device}, got {t.device}")
-    if not t.is_contiguous():
+def _check(t: Tensor, op: str, name: str, device: int) -> None:
+    """``t`` is a contiguous CUDA tensor on device index ``device`` (`_device_index` of the op's first tensor)."""
+    if not (t.is_cuda and t.get_device() == device and t.is_contiguous()):
+        if not t.is_cuda or t.get_device() != device:
+            raise _fail(op, f"argument '{name}' must be on cuda:{device}, got {t.device}" if device >= 0 else
+                        f"argument '{name}' must be a CUDA tensor, got {t.device}")
         raise _fail(op, f"argument '{name}' must be contiguous")
 
 
-def _dtype(t: Tensor, dtype: torch.dtype, op: str, name: str) -> None:
-    if t.dtype != dtype:
-        raise _fail(op, f"argument '{name}' must be {dtype}, got {t.dtype}")
+def _dtype_error(t: Tensor, dtype: torch.dtype, op: str, name: str) -> ValueError:
+    return _fail(op, f"argument '{name}' must be {dtype}, got {t.dtype}")
 
 
 def _row_dtype(dtype: torch.dtype, op: str, name: str) -> int:
@@ -143,7 +169,8 @@ def _row_dtype(dtype: torch.dtype, op: str, name: str) -> int:
 
 
 def _device_index(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    """The CUDA device index of ``t`` (-1 for a CPU tensor; `_check` then refuses it)."""
+    return t.get_device()
 
 
 def _blocks(n: int, per_block: int) -> int:
@@ -153,23 +180,32 @@ def _blocks(n: int, per_block: int) -> int:
 def word_bytes(row_bytes: int, *addresses: int) -> int:
     """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every address (0 for a null one): the permute's
     instantiation (``by_word`` of csrc/expert_major.cu)."""
-    for word in (16, 4, 2):
-        if row_bytes % word == 0 and all(a % word == 0 for a in addresses):
-            return word
-    return 1
+    return _word_of(_or_all(row_bytes, addresses))
+
+
+def _or_all(first: int, rest: tuple[int, ...]) -> int:
+    for value in rest:
+        first |= value
+    return first
+
+
+def _word_of(bits: int) -> int:
+    """16/4/2/1: the widest that divides every number OR-ed into ``bits`` (a power of two divides each of some
+    non-negative numbers exactly when it divides their bitwise OR)."""
+    return 16 if not bits & 15 else 4 if not bits & 3 else 2 if not bits & 1 else 1
 
 
 def pack_elements(element_size: int, hidden: int, *addresses: int) -> int:
     """Elements per 16-byte pack when ``hidden`` and every (non-null) address allow it, else 1 (``by_pack``)."""
     vec = 16 // element_size
-    return vec if hidden % vec == 0 and all(a % 16 == 0 for a in addresses) else 1
+    return vec if hidden % vec == 0 and not _or_all(0, addresses) & 15 else 1
 
 
 def _own_range_check(op: str, rank_prefix_matrix: Tensor, rank: int) -> int:
-    num_ranks = rank_prefix_matrix.shape[0] if rank_prefix_matrix.dim() >= 1 else 0
-    if rank_prefix_matrix.dim() != 2 or rank_prefix_matrix.shape[1] != num_ranks or not 0 <= rank < num_ranks:
+    shape = rank_prefix_matrix.shape
+    if len(shape) != 2 or shape[1] != shape[0] or not 0 <= rank < shape[0]:
         raise _fail(op, "argument 'rank_prefix_matrix' must be [R, R] with 0 <= rank < R")
-    return num_ranks
+    return shape[0]
 
 
 # ------------------------------------------------------------------------------------------ the ops
@@ -182,44 +218,49 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     ``own_x [T, H]`` of one dtype, ``own_tokens [T]`` int32, ``pair_of_slot [M]`` int64, ``values [num_rows * K]``
     fp32 or None."""
     op = "permute_received_rows"
-    if rows.dim() != 2 or own_x.dim() != 2 or rows.shape[1] != own_x.shape[1] or rows.dtype != own_x.dtype:
-        raise _fail(op, f"arguments 'rows' and 'own_x' must be [*, H] of one dtype, got {tuple(rows.shape)} "
-                        f"{rows.dtype} and {tuple(own_x.shape)} {own_x.dtype}")
-    if not 0 <= num_rows <= rows.shape[0]:
-        raise _fail(op, f"argument 'num_rows' must be in [0, {rows.shape[0]}] (the buffer's rows), got {num_rows}")
+    rows_shape, own_shape = rows.shape, own_x.shape
+    if len(rows_shape) != 2 or len(own_shape) != 2 or rows_shape[1] != own_shape[1] or rows.dtype != own_x.dtype:
+        raise _fail(op, f"arguments 'rows' and 'own_x' must be [*, H] of one dtype, got {tuple(rows_shape)} "
+                        f"{rows.dtype} and {tuple(own_shape)} {own_x.dtype}")
+    if not 0 <= num_rows <= rows_shape[0]:
+        raise _fail(op, f"argument 'num_rows' must be in [0, {rows_shape[0]}] (the buffer's rows), got {num_rows}")
     if num_topk < 1:
         raise _fail(op, f"argument 'num_topk' must be >= 1, got {num_topk}")
-    device = rows.device
-    for t, name in ((rows, "rows"), (own_x, "own_x"), (own_tokens, "own_tokens"),
-                    (rank_prefix_matrix, "rank_prefix_matrix"), (pair_of_slot, "pair_of_slot")):
-        _check(t, op, name, device)
-    _dtype(own_tokens, torch.int32, op, "own_tokens")
-    _dtype(rank_prefix_matrix, torch.int32, op, "rank_prefix_matrix")
-    _dtype(pair_of_slot, torch.int64, op, "pair_of_slot")
+    device = _device_index(rows)
+    _check(rows, op, "rows", device)
+    _check(own_x, op, "own_x", device)
+    _check(own_tokens, op, "own_tokens", device)
+    _check(rank_prefix_matrix, op, "rank_prefix_matrix", device)
+    _check(pair_of_slot, op, "pair_of_slot", device)
+    if own_tokens.dtype != _INT32:
+        raise _dtype_error(own_tokens, _INT32, op, "own_tokens")
+    if rank_prefix_matrix.dtype != _INT32:
+        raise _dtype_error(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix")
+    if pair_of_slot.dtype != _INT64:
+        raise _dtype_error(pair_of_slot, _INT64, op, "pair_of_slot")
     num_ranks = _own_range_check(op, rank_prefix_matrix, rank)
-    if own_tokens.numel() != own_x.shape[0]:
-        raise _fail(op, f"argument 'own_tokens' must have a token per row of own_x ({own_x.shape[0]}), got "
+    if own_tokens.numel() != own_shape[0]:
+        raise _fail(op, f"argument 'own_tokens' must have a token per row of own_x ({own_shape[0]}), got "
                         f"{own_tokens.numel()}")
-    slots = pair_of_slot.numel()
-    out = rows.new_empty((slots, rows.shape[1]))
-    p = P.PermuteRowsParams()
     if values is not None:
         _check(values, op, "values", device)
-        _dtype(values, torch.float32, op, "values")
+        if values.dtype != _FLOAT32:
+            raise _dtype_error(values, _FLOAT32, op, "values")
         if values.numel() != num_rows * num_topk:
             raise _fail(op, f"argument 'values' must have N * K = {num_rows * num_topk} elements, got {values.numel()}")
-        slot_values = rows.new_empty(slots, dtype=torch.float32)
-        p.values, p.slot_values = values.data_ptr(), slot_values.data_ptr()
-    else:
-        slot_values = rows.new_empty(0, dtype=torch.float32)
-    row_bytes = rows.shape[1] * rows.element_size()
-    p.x, p.out, p.row_bytes = rows.data_ptr(), out.data_ptr(), row_bytes
-    p.pair_of_slot, p.num_slots, p.num_pairs, p.num_topk = pair_of_slot.data_ptr(), slots, num_rows * num_topk, num_topk
-    p.own_x, p.own_tokens, p.rank_prefix_matrix = own_x.data_ptr(), own_tokens.data_ptr(), rank_prefix_matrix.data_ptr()
-    p.num_ranks, p.rank, p.num_own_rows = num_ranks, rank, own_x.shape[0]
+    slots = pair_of_slot.numel()
+    out = rows.new_empty((slots, rows_shape[1]))
+    slot_values = rows.new_empty(slots if values is not None else 0, dtype=_FLOAT32)
+    row_bytes = rows_shape[1] * rows.element_size()
     if slots > 0 and (row_bytes > 0 or values is not None):
-        word = word_bytes(row_bytes, p.x, p.out, p.own_x)
-        _launch(_device_index(rows), PERMUTE_KERNELS[word], _blocks(slots, ROWS_PER_BLOCK), ROW_THREADS, p)
+        x_ptr, out_ptr, own_ptr = rows.data_ptr(), out.data_ptr(), own_x.data_ptr()
+        values_ptr, slot_values_ptr = (0, 0) if values is None else (values.data_ptr(), slot_values.data_ptr())
+        word = _word_of(row_bytes | x_ptr | out_ptr | own_ptr)
+        with _PERMUTE.lock:
+            _PERMUTE.fields.write(_PERMUTE.view, x_ptr, out_ptr, row_bytes, pair_of_slot.data_ptr(), slots,
+                                  num_rows * num_topk, num_topk, values_ptr, slot_values_ptr, own_ptr,
+                                  own_tokens.data_ptr(), rank_prefix_matrix.data_ptr(), num_ranks, rank, own_shape[0])
+            _launch(device, PERMUTE_KERNELS[word], _blocks(slots, ROWS_PER_BLOCK), ROW_THREADS, _PERMUTE)
     return out, slot_values
 
 
@@ -230,30 +271,38 @@ def unpermute_own_rows(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, 
     row's slots in order, weighted by ``weights [M]`` fp32 when given, rounded once); the other rows are left
     unwritten. ``y [M, H]`` bf16/fp32, ``sorted_slots [N, K]`` int64."""
     op = "unpermute_own_rows"
-    if y.dim() != 2 or sorted_slots.dim() != 2:
+    y_shape, slots_shape = y.shape, sorted_slots.shape
+    if len(y_shape) != 2 or len(slots_shape) != 2:
         raise _fail(op, "arguments 'y' and 'sorted_slots' must be [M, H] and [N, K]")
-    device = y.device
-    for t, name in ((y, "y"), (sorted_slots, "sorted_slots"), (rank_prefix_matrix, "rank_prefix_matrix")):
-        _check(t, op, name, device)
-    _dtype(sorted_slots, torch.int64, op, "sorted_slots")
-    _dtype(rank_prefix_matrix, torch.int32, op, "rank_prefix_matrix")
+    device = _device_index(y)
+    _check(y, op, "y", device)
+    _check(sorted_slots, op, "sorted_slots", device)
+    _check(rank_prefix_matrix, op, "rank_prefix_matrix", device)
+    if sorted_slots.dtype != _INT64:
+        raise _dtype_error(sorted_slots, _INT64, op, "sorted_slots")
+    if rank_prefix_matrix.dtype != _INT32:
+        raise _dtype_error(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix")
     num_ranks = _own_range_check(op, rank_prefix_matrix, rank)
-    (rows, topk), (slots, hidden) = sorted_slots.shape, y.shape
-    p = P.UnpermuteSumParams()
-    p.dtype = _row_dtype(y.dtype, op, "y")
+    (rows, topk), (slots, hidden) = slots_shape, y_shape
+    dtype = _row_dtype(y.dtype, op, "y")
+    weights_ptr = 0
     if weights is not None:
         _check(weights, op, "weights", device)
-        _dtype(weights, torch.float32, op, "weights")
+        if weights.dtype != _FLOAT32:
+            raise _dtype_error(weights, _FLOAT32, op, "weights")
         if weights.numel() != slots:
             raise _fail(op, f"argument 'weights' must be [M={slots}]")
-        p.weights = weights.data_ptr()
+        weights_ptr = weights.data_ptr()
     out = y.new_empty((rows, hidden))
-    p.y, p.out, p.hidden, p.num_rows, p.num_slots, p.num_topk = y.data_ptr(), out.data_ptr(), hidden, rows, slots, topk
-    p.sorted_slots = sorted_slots.data_ptr()
-    p.rank_prefix_matrix, p.num_ranks, p.rank = rank_prefix_matrix.data_ptr(), num_ranks, rank
     if rows > 0:
-        vec = pack_elements(y.element_size(), hidden, p.y, p.out)
-        _launch(_device_index(y), UNPERMUTE_KERNELS[(y.dtype, vec)], _blocks(rows, ROWS_PER_BLOCK), ROW_THREADS, p)
+        y_ptr, out_ptr = y.data_ptr(), out.data_ptr()
+        vec = 16 // y.element_size()
+        if hidden % vec or (y_ptr | out_ptr) & 15:
+            vec = 1
+        with _UNPERMUTE.lock:
+            _UNPERMUTE.fields.write(_UNPERMUTE.view, y_ptr, out_ptr, dtype, hidden, rows, slots, topk, weights_ptr,
+                                    sorted_slots.data_ptr(), 0, 0, 0, rank_prefix_matrix.data_ptr(), num_ranks, rank)
+            _launch(device, UNPERMUTE_KERNELS[(y.dtype, vec)], _blocks(rows, ROWS_PER_BLOCK), ROW_THREADS, _UNPERMUTE)
     return out
 
 
@@ -262,25 +311,25 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, num_topk: int) -> tu
     increasing id, then -1; topk_weights [T, K] fp32: their probs, 0 for -1)``. ``routing_map [T, E]`` bool,
     ``probs [T, E]`` bf16/fp32."""
     op = "routing_map_to_topk"
-    if routing_map.dim() != 2 or probs.shape != routing_map.shape:
+    shape = routing_map.shape
+    if len(shape) != 2 or probs.shape != shape:
         raise _fail(op, "'routing_map' and 'probs' must be [T, E] of one shape")
     if num_topk < 1:
         raise _fail(op, f"argument 'num_topk' must be >= 1, got {num_topk}")
-    device = routing_map.device
+    device = _device_index(routing_map)
     _check(routing_map, op, "routing_map", device)
     _check(probs, op, "probs", device)
-    _dtype(routing_map, torch.bool, op, "routing_map")
-    p = P.RoutingMapParams()
-    p.probs_dtype = _row_dtype(probs.dtype, op, "probs")
-    tokens, experts = routing_map.shape
-    idx = routing_map.new_empty((tokens, num_topk), dtype=torch.int64)
-    weights = routing_map.new_empty((tokens, num_topk), dtype=torch.float32)
-    p.routing_map, p.probs, p.num_tokens, p.num_experts, p.num_topk = (routing_map.data_ptr(), probs.data_ptr(), tokens,
-                                                                       experts, num_topk)
-    p.topk_idx, p.topk_weights = idx.data_ptr(), weights.data_ptr()
+    if routing_map.dtype != _BOOL:
+        raise _dtype_error(routing_map, _BOOL, op, "routing_map")
+    probs_dtype = _row_dtype(probs.dtype, op, "probs")
+    tokens, experts = shape
+    idx = routing_map.new_empty((tokens, num_topk), dtype=_INT64)
+    weights = routing_map.new_empty((tokens, num_topk), dtype=_FLOAT32)
     if tokens > 0:
-        _launch(_device_index(routing_map), ROUTING_KERNELS[probs.dtype], _blocks(tokens, TOKEN_THREADS),
-                TOKEN_THREADS, p)
+        with _ROUTING.lock:
+            _ROUTING.fields.write(_ROUTING.view, routing_map.data_ptr(), probs.data_ptr(), probs_dtype, tokens, experts,
+                                  num_topk, idx.data_ptr(), weights.data_ptr(), 0)
+            _launch(device, ROUTING_KERNELS[probs.dtype], _blocks(tokens, TOKEN_THREADS), TOKEN_THREADS, _ROUTING)
     return idx, weights
 
 
@@ -290,22 +339,25 @@ def routing_map_to_topk_backward(grad_weights: Tensor, topk_idx: Tensor, num_exp
     ``grad_weights [T, K]`` fp32 value (plus 0, rounded to ``dtype``) at its expert ``topk_idx [T, K]`` int64, 0
     elsewhere."""
     op = "routing_map_to_topk_backward"
-    if grad_weights.dim() != 2 or topk_idx.shape != grad_weights.shape or num_experts < 1:
+    shape = topk_idx.shape
+    if grad_weights.dim() != 2 or shape != grad_weights.shape or num_experts < 1:
         raise _fail(op, "'grad_weights' and 'topk_idx' must be [T, K] of one shape, and num_experts >= 1")
-    device = topk_idx.device
+    device = _device_index(topk_idx)
     _check(grad_weights, op, "grad_weights", device)
     _check(topk_idx, op, "topk_idx", device)
-    _dtype(grad_weights, torch.float32, op, "grad_weights")
-    _dtype(topk_idx, torch.int64, op, "topk_idx")
-    p = P.RoutingMapParams()
-    p.probs_dtype = _row_dtype(dtype, op, "dtype")
-    tokens, topk = topk_idx.shape
+    if grad_weights.dtype != _FLOAT32:
+        raise _dtype_error(grad_weights, _FLOAT32, op, "grad_weights")
+    if topk_idx.dtype != _INT64:
+        raise _dtype_error(topk_idx, _INT64, op, "topk_idx")
+    probs_dtype = _row_dtype(dtype, op, "dtype")
+    tokens, topk = shape
     grad = topk_idx.new_empty((tokens, num_experts), dtype=dtype)
-    p.num_tokens, p.num_experts, p.num_topk = tokens, num_experts, topk
-    p.topk_idx, p.topk_weights, p.grad_probs = topk_idx.data_ptr(), grad_weights.data_ptr(), grad.data_ptr()
     if tokens > 0:
-        _launch(_device_index(topk_idx), ROUTING_BACKWARD_KERNELS[dtype], _blocks(tokens, TOKEN_THREADS),
-                TOKEN_THREADS, p)
+        with _ROUTING_BACKWARD.lock:
+            _ROUTING_BACKWARD.fields.write(_ROUTING_BACKWARD.view, 0, 0, probs_dtype, tokens, num_experts, topk,
+                                           topk_idx.data_ptr(), grad_weights.data_ptr(), grad.data_ptr())
+            _launch(device, ROUTING_BACKWARD_KERNELS[dtype], _blocks(tokens, TOKEN_THREADS), TOKEN_THREADS,
+                    _ROUTING_BACKWARD)
     return grad
 
 

@@ -147,10 +147,10 @@ def _launch(device: int, name: str, grid: int, block: int, *params, shared_bytes
     LAUNCHES[name] += 1
 
 
-def _launch_prepared(device: int, name: str, grid: int, block: int, prepared: _Prepared, shared_bytes: int = 0
+def _launch_prepared(env: Env, name: str, grid: int, block: int, prepared: _Prepared, shared_bytes: int = 0
                      ) -> None:
-    """`_launch` of a `_Prepared` struct (through its pointer array)."""
-    kernels(device).fn[name].launch_prepared(grid, block, _raw_stream(device), prepared.args, shared_bytes)
+    """`_launch` of a `_Prepared` struct (through its pointer array), with the functions ``env`` looked up once."""
+    env.functions[name].launch_prepared(grid, block, _raw_stream(env.device), prepared.args, shared_bytes)
     LAUNCHES[name] += 1
 
 
@@ -169,15 +169,26 @@ def _check_cuda(t: Tensor, name: str) -> None:
 
 
 def _ptr(t: Tensor | None, name: str) -> int:
-    """The address of an optional tensor (0 when absent; never dereferenced then)."""
+    """The address of an optional tensor (0 when absent; never dereferenced then), checked as `_check_cuda`."""
     if t is None:
         return 0
-    _check_cuda(t, name)
+    if not (t.is_cuda and t.is_contiguous()):  # inline: the launchers pass up to 10 of them per call
+        _check_cuda(t, name)
     return t.data_ptr()
 
 
+def _check_all(names: tuple[str, ...], *tensors: Tensor) -> None:
+    """`_check_cuda` of every tensor (``names[i]`` names ``tensors[i]``), in one call on the usual path."""
+    for t in tensors:
+        if not (t.is_cuda and t.is_contiguous()):
+            for u, name in zip(tensors, names):
+                _check_cuda(u, name)
+            return
+
+
 def _device(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    index = t.get_device()  # an int: no torch.device object per call
+    return index if index >= 0 else torch.cuda.current_device()
 
 
 def _elem_type(t: Tensor, name: str) -> int:
@@ -327,7 +338,7 @@ class Env:
         # Compile (or read) and check the kernels now, while the backend is being built (its ranks then meet in
         # a barrier), not in a first call, where peers would wait in a kernel for this rank's compile; likewise the
         # expert-major ops of the fused paths (permute of rows in place, own rows of a combine).
-        kernels(self.device)
+        self.functions: dict[str, Function] = kernels(self.device).fn  # looked up once, not per call
         if num_ranks > 1:
             from . import expert_major_csrc
 
@@ -342,6 +353,13 @@ class Env:
                 self._prepared.clear()
             found = self._prepared[key] = _Prepared(make)
         return found
+
+    def pinned(self, t: Tensor) -> bool:
+        """`_is_pinned` of ``t``, without asking CUDA again (``Tensor.is_pinned`` is a CUDA pointer query per call)
+        for a tensor this Env mapped (`device_pointer`: only after this check passed): that same tensor object at
+        the same address is still pinned memory. Dtype and size are the caller's to check on every call."""
+        found = self._mapped.get(t.data_ptr())
+        return (found is not None and found[0] is t) or _is_pinned(t)
 
     def device_pointer(self, pinned: Tensor) -> int:
         """The device address of a pinned host tensor (the notify's count buffers), looked up once per tensor:
@@ -364,21 +382,20 @@ def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
                     "<= 32 dividing num_experts")
     device = _device(topk_idx)
     num_tokens, num_topk = topk_idx.shape
-    # As the extension: empty outputs, the two counts zeroed by memsets (no torch fill kernels), then the kernel.
-    per_rank = topk_idx.new_empty(num_ranks, dtype=torch.int32)
-    per_expert = topk_idx.new_empty(num_experts, dtype=torch.int32)
+    # Empty outputs, the counts zeroed by a memset (no torch fill kernel), then the kernel. Both counts live in one
+    # allocation zeroed by one memset (the extension makes two of each: host time per call is this launcher's
+    # cost): per_expert at its start, per_rank at the next 16-byte boundary, so that both are 16-byte aligned.
+    expert_words = (num_experts + 3) // 4 * 4
+    counts = topk_idx.new_empty(expert_words + num_ranks, dtype=torch.int32)
+    per_expert, _, per_rank = torch.split_with_sizes(counts, (num_experts, expert_words - num_experts, num_ranks))
     in_rank = topk_idx.new_empty((num_tokens, num_ranks), dtype=torch.bool)
     stream = _raw_stream(device)
-    _zero(device, per_rank, stream)
-    _zero(device, per_expert, stream)
+    _zero(device, counts, stream)
     if num_tokens == 0:
         return [per_rank, per_expert, in_rank]
     with _layout_lock:
-        p = _layout_params
-        p.topk_idx, p.num_tokens, p.num_topk, p.num_experts, p.num_ranks = (topk_idx.data_ptr(), num_tokens, num_topk,
-                                                                           num_experts, num_ranks)
-        p.num_tokens_per_rank, p.num_tokens_per_expert = per_rank.data_ptr(), per_expert.data_ptr()
-        p.is_token_in_rank = in_rank.data_ptr()
+        _LAYOUT_FIELDS.write(_layout_view, topk_idx.data_ptr(), num_tokens, num_topk, num_experts, num_ranks,
+                             per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr())
         kernels(device).fn["layout"].launch_prepared((num_tokens + LAYOUT_THREADS - 1) // LAYOUT_THREADS,
                                                      LAYOUT_THREADS, stream, _layout_args)
     LAUNCHES["layout"] += 1
@@ -387,6 +404,8 @@ def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
 
 _layout_params = P.LayoutParams()  # every field set by each call: one struct for the process
 _layout_args = prepared_args(_layout_params)
+_layout_view = memoryview(_layout_params).cast("B")
+_LAYOUT_FIELDS = P.FieldWriter(P.LayoutParams, P.LayoutParams.field_names())  # every field, one pack per call
 _layout_lock = threading.Lock()
 
 
@@ -430,7 +449,7 @@ def exchange(env: Env, header: list[int], prefix: Tensor | None, host_counts: Te
     own value)."""
     num_ranks = env.env.num_ranks
     words = _host_words(num_ranks)
-    if not _is_pinned(host_counts) or host_counts.dtype != torch.int32 or host_counts.numel() < words:
+    if not env.pinned(host_counts) or host_counts.dtype != torch.int32 or host_counts.numel() < words:
         raise _fail(f"argument 'host_counts' must be pinned int32 of at least {words} words")
     if prefix is not None:
         _check_cuda(prefix, "prefix")
@@ -453,9 +472,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
            host_expert_counts: Tensor | None, header: list[int], test_perturb: Tensor | None) -> None:
     """The count exchange and the per-destination token lists (the extension's ``notify``)."""
     num_ranks = env.env.num_ranks
-    for t, name in ((is_token_in_rank, "is_token_in_rank"), (num_tokens_per_rank, "num_tokens_per_rank"),
-                    (rank_prefix_matrix, "rank_prefix_matrix"), (pos, "pos"), (send_list, "send_list")):
-        _check_cuda(t, name)
+    _check_all(_NOTIFY_TENSORS, is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, pos, send_list)
     num_tokens = is_token_in_rank.shape[0]
     if is_token_in_rank.dtype != torch.bool or is_token_in_rank.dim() != 2 or is_token_in_rank.shape[1] != num_ranks:
         raise _fail("argument 'is_token_in_rank' must be [T, R] bool")
@@ -466,7 +483,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
     if (pos.numel() != num_tokens * num_ranks or send_list.numel() != num_tokens * num_ranks
             or pos.dtype != torch.int32 or send_list.dtype != torch.int32):
         raise _fail("arguments 'pos' and 'send_list' must hold T * R int32")
-    if not _is_pinned(host_counts) or host_counts.numel() < _host_words(num_ranks):
+    if not env.pinned(host_counts) or host_counts.numel() < _host_words(num_ranks):
         raise _fail(f"argument 'host_counts' must be pinned, R * R + R int32 then the header check's "
                     f"{_host_words(num_ranks) - num_ranks * (num_ranks + 1)}")
     if host_expert_counts is not None:  # the per-expert counts travel with the row counts
@@ -477,7 +494,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
                         f"got {experts_per_rank}")
         if expert_alignment < 1:
             raise _fail(f"argument 'expert_alignment' must be >= 1, got {expert_alignment}")
-        if (not _is_pinned(host_expert_counts) or host_expert_counts.dtype != torch.int64
+        if (not env.pinned(host_expert_counts) or host_expert_counts.dtype != torch.int64
                 or host_expert_counts.numel() < experts_per_rank):
             raise _fail("argument 'host_expert_counts' must be pinned int64 with room for every local expert")
         _check_cuda(topk_idx, "topk_idx")
@@ -493,9 +510,10 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
                              pos.data_ptr(), send_list.data_ptr(), env.device_pointer(host_counts), num_worst_tokens,
                              rows_capacity, *experts)
         prepared.set_check(header, False, test_perturb, None)
-        _launch_prepared(env.device, "notify", 1 + num_ranks, NOTIFY_THREADS, prepared)
+        _launch_prepared(env, "notify", 1 + num_ranks, NOTIFY_THREADS, prepared)
 
 
+_NOTIFY_TENSORS = ("is_token_in_rank", "num_tokens_per_rank", "rank_prefix_matrix", "pos", "send_list")
 # What a notify call writes (every field but the Env and the header check), in the struct's order.
 _NOTIFY_FIELDS = P.FieldWriter(P.NotifyParams, (
     "is_token_in_rank", "num_tokens_per_rank", "counts_int64", "num_tokens", "rank_prefix_matrix", "pos", "send_list",
@@ -522,9 +540,7 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks or len(offsets) != 5:
         raise _fail("arguments 'data_ptrs' and 'offsets' must hold R pointers and 5 offsets")
-    for t, name in ((rank_prefix_matrix, "rank_prefix_matrix"), (send_list, "send_list"), (x, "x"),
-                    (recv_x, "recv_x")):
-        _check_cuda(t, name)
+    _check_all(_DISPATCH_TENSORS, rank_prefix_matrix, send_list, x, recv_x)
     if x.dim() != 2 or recv_x.dim() != 2 or x.shape[1] != recv_x.shape[1] or x.dtype != recv_x.dtype:
         raise _fail("arguments 'x' and 'recv_x' must be [*, H] of one dtype")
     x_bytes = x.shape[1] * x.element_size()
@@ -580,7 +596,7 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
         # copy stream writes); a fresh one's notify did
         if not fresh:
             prepared.set_check(header, write_arrival, test_perturb, 0)
-            _launch_prepared(env.device, "dispatch", num_blocks, THREADS, prepared, shared)
+            _launch_prepared(env, "dispatch", num_blocks, THREADS, prepared, shared)
             return
     _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                         copy_engine_shares, num_push_blocks, trace, num_blocks)
@@ -615,6 +631,7 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
 
 
 _NO_LOCK = contextlib.nullcontext()
+_DISPATCH_TENSORS = ("rank_prefix_matrix", "send_list", "x", "recv_x")
 # What a dispatch call writes (before its copy-engine fields, header check and rows_in_place), in the struct's order.
 _DISPATCH_FIELDS = P.FieldWriter(P.DispatchParams, (
     "rank_prefix_matrix", "send_list", "num_tokens", "x", "x_bytes", "scales", "num_scales", "has_scales", "has_topk",
@@ -659,9 +676,7 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks:
         raise _fail("argument 'data_ptrs' must hold R pointers")
-    for t, name in ((rank_prefix_matrix, "rank_prefix_matrix"), (is_token_in_rank, "is_token_in_rank"), (pos, "pos"),
-                    (y, "y"), (out, "out")):
-        _check_cuda(t, name)
+    _check_all(_COMBINE_TENSORS, rank_prefix_matrix, is_token_in_rank, pos, y, out)
     num_tokens = is_token_in_rank.shape[0]
     if pos.numel() < num_tokens * num_ranks:
         raise _fail("argument 'pos' does not match is_token_in_rank")
@@ -721,7 +736,7 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
         shared = bulk_smem_bytes(num_ranks, piece16) if piece16 > 0 else 0
         if not fresh:
             prepared.set_check(header, True, test_perturb, 0)  # with the handle's layout digest
-            _launch_prepared(env.device, name, num_blocks, THREADS, prepared, shared)
+            _launch_prepared(env, name, num_blocks, THREADS, prepared, shared)
             return
     _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                         copy_engine_shares, num_push_blocks, trace, num_blocks)
@@ -740,6 +755,7 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
                     loaded.control_flags_offset)
 
 
+_COMBINE_TENSORS = ("rank_prefix_matrix", "is_token_in_rank", "pos", "y", "out")
 # What a combine call writes before its copy-engine fields, and its expert-major rows after the header check.
 _COMBINE_FIELDS = P.FieldWriter(P.CombineParams, (
     "rows_capacity", "rank_prefix_matrix", "is_token_in_rank", "pos", "num_tokens", "y", "y_type", "hidden",
