@@ -12,7 +12,9 @@ gradient: Triton's summation order differs, so within 1e-4), then times each ope
 * ``permute``: rows and values into slots; ``reduce``: the weighted sum back; ``backward``: the reduce's
   gradients (rows and weights);
 * ``gpu``: CUDA events around ``--iters`` back-to-back calls, per call (host time hidden when the GPU is busy);
-* ``host``: the host's time per call (Python, allocation, launch), a loop of calls without waiting.
+* ``host``: the host's time per call (Python, allocation, launch), a loop of calls without waiting;
+* the implementations take turns: ``--rounds`` rounds each time every op of every implementation once, and the
+  median round is printed (a drift of the machine's speed then falls on all implementations alike).
 
 ``--cold`` points the JIT cache at a new temporary directory first, so the first call of each specialization
 compiles; the compile (or load) time of every JIT kernel is printed. Prints one table per shape; ``--json``
@@ -38,8 +40,10 @@ values), ``own_rows`` (unpermute_own_rows, weighted), ``routing`` (routing_map_t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -123,12 +127,28 @@ def time_host(fn, iters: int) -> float:
     return host * 1e6 / iters
 
 
+def measure(calls: dict[str, dict], iters: int, rounds: int, around=None) -> dict:
+    """``calls[impl][op]`` timed in turns: each of ``rounds`` rounds times every op of every implementation once
+    (GPU, then host), so a drift of the machine's speed falls on all of them alike; the median round per op.
+    ``around(impl)``: a context manager held while ``impl``'s calls run (e.g. the environment that picks it)."""
+    samples = {impl: {op: ([], []) for op in ops} for impl, ops in calls.items()}
+    for _ in range(rounds):
+        for impl, ops in calls.items():
+            with around(impl) if around is not None else contextlib.nullcontext():
+                for op, fn in ops.items():
+                    samples[impl][op][0].append(time_gpu(fn, iters))
+                    samples[impl][op][1].append(time_host(fn, iters))
+    return {impl: {op: {"gpu_us": statistics.median(g), "host_us": statistics.median(h)} for op, (g, h) in ops.items()}
+            for impl, ops in samples.items()}
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.contiguous(), b.contiguous()
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int) -> dict:
+def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int, rounds: int
+              ) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     scores = torch.rand(T, L, generator=gen, device="cuda")
     idx = scores.topk(min(K, L), dim=1).indices.to(torch.int64)
@@ -157,18 +177,28 @@ def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.
                 raise SystemExit(f"{name} output {i} differs from {ref} (T={T} H={H} K={K} L={L})")
     lay = P._expert_layout_torch(idx, L, A, M)
     pos, srt = lay.pair_of_slot, lay.sorted_slots
-    result = {}
-    for name, impl in impls.items():
-        calls = {"layout": lambda impl=impl: impl["layout"](idx, L, A, M),
-                 "permute": lambda impl=impl: impl["permute"](x, pos, K, values),
-                 "reduce": lambda impl=impl: impl["reduce"](y, w, srt),
-                 "backward": lambda impl=impl: impl["backward"](grad, y, w, pos, K)}
-        result[name] = {op: {"gpu_us": time_gpu(fn, iters), "host_us": time_host(fn, iters)}
-                        for op, fn in calls.items()}
-    return result
+    calls = {name: {"layout": lambda impl=impl: impl["layout"](idx, L, A, M),
+                    "permute": lambda impl=impl: impl["permute"](x, pos, K, values),
+                    "reduce": lambda impl=impl: impl["reduce"](y, w, srt),
+                    "backward": lambda impl=impl: impl["backward"](grad, y, w, pos, K)}
+             for name, impl in impls.items()}
+    return measure(calls, iters, rounds)
 
 
-def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int) -> dict:
+def _kernels_flag(name: str):
+    """``EP_MOE_JIT`` set to pick the ``name`` build ("jit" or "aot") while the context lasts (the backend looks its
+    module up per call, so the flag must stay set while that build's buffer is called)."""
+    @contextlib.contextmanager
+    def flag():
+        os.environ["EP_MOE_JIT"] = "1" if name == "jit" else "0"
+        try:
+            yield
+        finally:
+            os.environ.pop("EP_MOE_JIT", None)
+    return flag()
+
+
+def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int, rounds: int) -> dict:
     """The native backend at EP 1 on the JIT module and on the extension (see the module docstring)."""
     import ep_moe
     from ep_moe.native.jit import intranode
@@ -178,40 +208,39 @@ def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int
     idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int64)
     weights = torch.rand(T, K, device="cuda", generator=gen)
     config = ep_moe.Config(num_sms=24)
-    result, outputs = {}, {}
-    for name, flag in (("jit", "1"), ("aot", "0")):
-        os.environ["EP_MOE_JIT"] = flag  # the backend looks its module up per call: keep the flag while timing
-        try:
+    calls, outputs, buffers = {}, {}, []
+    for name in ("jit", "aot"):
+        with _kernels_flag(name):
             if native.kernels_kind() != name:
                 print(f"intranode {name}: unavailable ({native.kernels_unavailable_reason()})")
                 continue
             buf = ep_moe.Buffer(backend="native")
+            buffers.append(buf)
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
             kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=idx, topk_weights=weights, num_worst_tokens=T, config=config)
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kwargs)
             combined = buf.combine(recv_x, handle, topk_weights=recv_w, config=config)[0]
             outputs[name] = (per_rank, per_expert, in_rank, recv_x, recv_w, combined)
-            calls = {"layout": lambda buf=buf: buf.get_dispatch_layout(idx, E),
-                     "dispatch": lambda buf=buf, kw=kwargs: buf.dispatch(x, **kw),
-                     "cached": lambda buf=buf, h=handle: buf.dispatch(x, handle=h, config=config),
-                     "combine": lambda buf=buf, h=handle, r=recv_x, w=recv_w: buf.combine(r, h, topk_weights=w,
-                                                                                           config=config)}
-            result[name] = {op: {"gpu_us": time_gpu(fn, iters), "host_us": time_host(fn, iters)}
-                            for op, fn in calls.items()}
-            buf.destroy()
-        finally:
-            os.environ.pop("EP_MOE_JIT", None)
+            calls[name] = {"layout": lambda buf=buf: buf.get_dispatch_layout(idx, E),
+                           "dispatch": lambda buf=buf, kw=kwargs: buf.dispatch(x, **kw),
+                           "cached": lambda buf=buf, h=handle: buf.dispatch(x, handle=h, config=config),
+                           "combine": lambda buf=buf, h=handle, r=recv_x, w=recv_w: buf.combine(r, h, topk_weights=w,
+                                                                                                 config=config)}
     if len(outputs) == 2:
         for i, (a, b) in enumerate(zip(outputs["jit"], outputs["aot"])):
             if not same(a, b):
                 raise SystemExit(f"intranode output {i} of the JIT module differs from the extension's (T={T} H={H})")
+    result = measure(calls, iters, rounds, around=_kernels_flag)
+    for buf in buffers:
+        buf.destroy()
     if "jit" in result:
         result["jit_launches"] = dict(intranode.LAUNCHES)
     return result
 
 
-def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int) -> dict:
+def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int, rounds: int
+                 ) -> dict:
     """The generic expert-major ops, JIT build against the extension (see the module docstring)."""
     from ep_moe.native.jit import expert_major_csrc as E
 
@@ -235,25 +264,24 @@ def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, ite
         impls["aot"] = torch.ops.ep_moe_native
     else:
         print(f"csrc ops aot: the extension is not built ({native.extension_unavailable_reason()})")
-    result, outputs = {}, {}
+    calls, outputs = {}, {}
     for name, ops in impls.items():
         topk_idx = ops.routing_map_to_topk(routing_map, probs, K)[0]
-        calls = {
+        op_calls = {
             "received": lambda ops=ops: ops.permute_received_rows(rows, N, own_x, own_tokens, prefix, rank,
                                                                    layout.pair_of_slot, layout.num_topk, values),
             "own_rows": lambda ops=ops: ops.unpermute_own_rows(y, w, layout.sorted_slots, prefix, rank),
             "routing": lambda ops=ops: ops.routing_map_to_topk(routing_map, probs, K),
             "routing_bwd": lambda ops=ops, t=topk_idx: ops.routing_map_to_topk_backward(grad_w, t, L, dtype),
         }
-        outputs[name] = [calls["received"]()[0], calls["received"]()[1], calls["own_rows"]()[T:2 * T],
-                         *calls["routing"](), calls["routing_bwd"]()]
-        result[name] = {op: {"gpu_us": time_gpu(fn, iters), "host_us": time_host(fn, iters)}
-                        for op, fn in calls.items()}
+        outputs[name] = [op_calls["received"]()[0], op_calls["received"]()[1], op_calls["own_rows"]()[T:2 * T],
+                         *op_calls["routing"](), op_calls["routing_bwd"]()]
+        calls[name] = op_calls
     if len(outputs) == 2:
         for i, (a, b) in enumerate(zip(outputs["jit"], outputs["aot"])):
             if not same(a, b):
                 raise SystemExit(f"csrc op output {i} of the JIT differs from the extension's (T={T} H={H})")
-    return result
+    return measure(calls, iters, rounds)
 
 
 def _print_jit_vs_aot(title: str, timing: dict, ops: tuple[str, ...]) -> None:
@@ -279,7 +307,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32, help="local experts")
     parser.add_argument("--alignment", type=int, default=16)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=50, help="back-to-back calls per timing")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timings per op and implementation, taken in turns; the median is reported")
     parser.add_argument("--cold", action="store_true", help="a fresh JIT cache directory: first calls compile")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--intranode", action="store_true",
@@ -298,7 +328,7 @@ def main() -> None:
     for T in args.tokens:
         for H in args.hidden:
             shape = dict(T=T, H=H, K=args.topk, L=args.experts, A=args.alignment, dtype=args.dtype)
-            timing = run_shape(impls, T, H, args.topk, args.experts, args.alignment, dtype, args.iters)
+            timing = run_shape(impls, T, H, args.topk, args.experts, args.alignment, dtype, args.iters, args.rounds)
             results.append({"shape": shape, "timing": timing})
             print(f"\nT={T} H={H} K={args.topk} L={args.experts} A={args.alignment} {args.dtype}: "
                   "gpu us per call (host us per call)")
@@ -314,7 +344,7 @@ def main() -> None:
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
         for T in args.tokens:
             for H in args.hidden:
-                timing = run_intranode(T, H, args.topk, args.experts, dtype, args.iters)
+                timing = run_intranode(T, H, args.topk, args.experts, dtype, args.iters, args.rounds)
                 results.append({"intranode": dict(T=T, H=H, K=args.topk, E=args.experts, dtype=args.dtype),
                                 "timing": timing})
                 _print_jit_vs_aot(f"intranode at EP 1, T={T} H={H} K={args.topk} E={args.experts} {args.dtype}",
@@ -323,7 +353,7 @@ def main() -> None:
     if args.csrc_ops:
         for T in args.tokens:
             for H in args.hidden:
-                timing = run_csrc_ops(T, H, args.topk, args.experts, args.alignment, dtype, args.iters)
+                timing = run_csrc_ops(T, H, args.topk, args.experts, args.alignment, dtype, args.iters, args.rounds)
                 results.append({"csrc_ops": dict(T=T, H=H, K=args.topk, L=args.experts, dtype=args.dtype),
                                 "timing": timing})
                 _print_jit_vs_aot(f"csrc ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}", timing,
