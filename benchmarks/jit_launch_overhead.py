@@ -1,7 +1,8 @@
 """Host time of a JIT kernel launch, without a GPU: `driver.Function.launch` and the expert-major launchers of
 `ep_moe.native.jit.expert_major` (argument choice, output allocation, specialization lookup, packing) with
-``cuLaunchKernel`` replaced by a C function that does nothing (libc's ``isalpha``, through the same ctypes call),
-on CPU tensors.
+``cuLaunchKernel`` (and ``cuLaunchCooperativeKernel``) replaced by a C function that does nothing (libc's
+``isalpha``, through the same ctypes call), on CPU tensors; the layout's ``cuMemsetD32Async`` goes to libc's
+``llabs``, as ``--intranode``'s.
 
     python3 benchmarks/jit_launch_overhead.py [--calls 20000]
     python3 benchmarks/jit_launch_overhead.py --intranode [--calls 20000]
@@ -43,6 +44,22 @@ def no_op_launch():
     fn = ctypes.CDLL(None).isalpha  # int isalpha(int): the handle (0) is its argument, it returns 0
     fn.restype = ctypes.c_int
     return fn
+
+
+def fake_memset_driver() -> None:
+    """The layouts' memsets: their host path through `driver.memset_zero_async`, to libc's llabs (arithmetic only:
+    an address is safe)."""
+    libc = ctypes.CDLL(None)
+
+    class _Driver:
+        lib = types.SimpleNamespace(cuMemsetD32Async=libc.llabs)
+        memset_d32_async = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t,
+                                            ctypes.c_void_p)(("llabs", libc))
+
+        def check(self, status: int, call: str) -> None:  # llabs returns no CUDA status
+            pass
+
+    driver._driver, driver._thread.device = _Driver(), 0
 
 
 def per_call_us(fn, calls: int, best: bool = False) -> float:
@@ -88,17 +105,7 @@ def intranode(calls: int, launch) -> None:
         I._ptr, I._check_all = ptr, check_all
     I._raw_stream, I.host_device_pointer = (lambda device: 0), (lambda ptr, device: ptr)
 
-    libc = ctypes.CDLL(None)
-
-    class _Driver:  # the layout's memsets: their host path, to libc's llabs (arithmetic only: an address is safe)
-        lib = types.SimpleNamespace(cuMemsetD32Async=libc.llabs)
-        memset_d32_async = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t,
-                                            ctypes.c_void_p)(("llabs", libc))
-
-        def check(self, status: int, call: str) -> None:  # llabs returns no CUDA status
-            pass
-
-    driver._driver, driver._thread.device = _Driver(), 0
+    fake_memset_driver()
     R, T, H, K, L, N = 2, 64, 64, 8, 16, 96
     env = I.Env(0, [0x1000, 0x2000], torch.zeros(8, dtype=torch.int64),
                 torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 10**10, 8, 8, 4)
@@ -199,20 +206,24 @@ def main() -> None:
     f7 = Function(0, "k7", J._PERMUTE_SIG, launch_fn=launch)
     a7 = (1 << 40, 2 << 40, 3 << 40, 32768, 32768, 4 << 40, 5 << 40)
     print(f"Function.launch, 7 arguments:           {per_call_us(lambda: f7.launch(4096, 256, 0, *a7), args.calls):6.2f} us")
-    f13 = Function(0, "k13", J._LAYOUT_SIG, launch_fn=launch)
-    a13 = tuple(range(1, 14))
-    print(f"Function.launch, 13 arguments:          {per_call_us(lambda: f13.launch(1, 256, 0, *a13), args.calls):6.2f} us")
+    f15 = Function(0, "k15", J._LAYOUT_SIG, launch_fn=launch, cooperative_fn=launch)
+    a15 = tuple(range(1, 16))
+    print(f"Function.launch_cooperative, 15 args:   "
+          f"{per_call_us(lambda: f15.launch_cooperative(1, 256, 0, *a15), args.calls):6.2f} us")
 
     functions: dict = {}
 
     def fake_function(file, defines, name, signature, device):
         key = (file, defines, name)
         if key not in functions:
-            functions[key] = Function(0, name, signature, launch_fn=launch)
+            functions[key] = Function(0, name, signature, launch_fn=launch, cooperative_fn=launch)
         return functions[key]
 
     J._function, J._on, J._stream, J._device_of = (fake_function, lambda d: contextlib.nullcontext(),
                                                    lambda d: 0, lambda t: 0)
+    if hasattr(J, "_resident_blocks"):  # the cooperative layout (since 2026-12-02): occupancy, capture check, memset
+        J._resident_blocks, J._capturing = (lambda fn, device: 264), (lambda: False)
+        fake_memset_driver()
     T, H, K, L = 64, 64, 8, 32  # small: the host path does not depend on the sizes, CPU allocation would
     x, values = torch.empty(T, H, dtype=torch.bfloat16), torch.rand(T * K)
     pos = torch.arange(T * K)
@@ -221,7 +232,7 @@ def main() -> None:
     grad = torch.empty(T, H, dtype=torch.bfloat16)
     idx = torch.randint(0, L, (T, K))
     calls = {
-        "expert_layout (4 launches)": lambda: J.expert_layout(idx, L, 16, T * K + L * 15),
+        "expert_layout (fixed size)": lambda: J.expert_layout(idx, L, 16, T * K + L * 15),
         "permute_rows with values": lambda: J.permute_rows(x, pos, K, values),
         "unpermute_sum weighted": lambda: J.unpermute_sum(y, w, srt, None, None),
         "unpermute_sum_backward": lambda: J.unpermute_sum_backward(grad, y, w, pos, K, True, True),

@@ -182,3 +182,38 @@ def test_launch_arguments_are_packed_where_the_kernel_reads_them():
     assert seen["args"] == [1, 2, 3, 4.0, 5] and seen["grid"] == (2, 3, 4)
     with pytest.raises(TypeError, match="k takes 5 arguments"):
         f.launch(1, 32, 0, 1, 2, 3)
+
+
+def test_cooperative_launch_packs_like_launch_and_names_a_refusal(monkeypatch):
+    """`Function.launch_cooperative`: the same packing through ``cuLaunchCooperativeKernel``'s ten arguments (no
+    ``extra``); a refused launch raises `DriverError` naming the call, the kernel and the grid."""
+    from ep_moe.native.jit import driver
+    from ep_moe.native.jit.driver import I32, I64, PTR, DriverError, Function
+
+    seen = {}
+
+    def fake_cooperative(handle, gx, gy, gz, bx, by, bz, shared, stream, params):
+        types = (PTR, I64, I32)
+        seen["args"] = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(types)]
+        seen["grid"], seen["block"], seen["stream"] = (gx, gy, gz), (bx, by, bz), stream.value
+        return seen.get("status", 0)
+
+    def plain(*args):
+        raise AssertionError("a cooperative launch must not go through cuLaunchKernel")
+
+    f = Function(99, "coop", (PTR, I64, I32), launch_fn=plain, cooperative_fn=fake_cooperative)
+    f.launch_cooperative(132, 256, 0x7F00_0000_3000, 0x7F00_0000_1000, -(2**40), 3)
+    assert seen == {"args": [0x7F00_0000_1000, -(2**40), 3], "grid": (132, 1, 1), "block": (256, 1, 1),
+                    "stream": ctypes.c_void_p(0x7F00_0000_3000).value}
+    with pytest.raises(TypeError, match="coop takes 3 arguments"):
+        f.launch_cooperative(1, 32, 0, 1, 2)
+
+    class _Driver:  # names the error as the real one does (cuGetErrorName)
+        def check(self, status, call):
+            if status:
+                raise DriverError(f"jit: {call} failed: CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
+
+    monkeypatch.setattr(driver, "_driver", _Driver())
+    seen["status"] = 720
+    with pytest.raises(DriverError, match=r"cuLaunchCooperativeKernel\(coop, grid=1000, block=256"):
+        f.launch_cooperative(1000, 256, 0, 1, 2, 3)

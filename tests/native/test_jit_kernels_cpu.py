@@ -1,17 +1,22 @@
 """The JIT expert-major kernels' host side on CPU: ``ep-moe jit warmup`` and ``list`` (with a fake compiler), the
 ``ep-moe env`` lines, that `specializations` (what warmup compiles) covers every specialization the launchers ask
-for in a forward and backward pass, with the argument count of each kernel's signature, and, where nvcc is
-installed, that every kernel source compiles standalone with it (``nvcc -std=c++17 -arch=sm_90 -cubin``), and
-likewise with NVRTC where a libnvrtc is found."""
+for in a forward and backward pass, with the argument count of each kernel's signature; the layout launcher's
+sequence of memset and launches (cooperative, two at the exact size, the four plain kernels under a graph capture)
+and its outputs, each kernel run as its contract on the CPU memory it is handed; and, where nvcc is installed, that
+every kernel source compiles standalone with it (``nvcc -std=c++17 -arch=sm_90 -cubin``; the layout at 1, 7 and
+1024 experts), and likewise with NVRTC where a libnvrtc is found."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-from support_jit import FakeCompiler
+from support_jit import NVCC, FakeCompiler, needs_nvcc
 
 from ep_moe.cli import jit as jit_cli
 from ep_moe.native import jit
@@ -82,14 +87,103 @@ def test_env_reports_the_jit_compiler_and_cache(fake_jit):
     assert "JIT kernels:" in text
 
 
+def _memory(address: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` elements of ``dtype`` at ``address`` of this process's memory (CPU tensors' storage), writable."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    kind = {torch.int64: ctypes.c_int64, torch.int32: ctypes.c_int32}[dtype]
+    return torch.frombuffer((kind * count).from_address(address), dtype=dtype)
+
+
+class _LayoutDevice:
+    """The layout kernels' contract in Python, run on the CPU memory that a launch's arguments point at (so the
+    launcher's addresses, sizes and phases are what is tested), and the log of memsets and launches.
+
+    A cooperative launch checks the barrier's words (no arrivals; generation 0 before the count phase) and
+    advances the generation past the barriers it passes, as the kernel does. The count phase (the cooperative kernel's bit
+    1, or ``ep_expert_scan`` after ``ep_expert_count``) writes the block counts' exclusive offsets, the pairs and the aligned sizes;
+    the place phase (bit 2, or ``ep_expert_sort_rows`` after ``ep_expert_assign``) checks that what the count phase
+    wrote is still there and writes pair_of_slot, slot_of_pair and sorted_slots as the torch definition does."""
+
+    def __init__(self, resident: int = 264):
+        self.log: list[tuple] = []
+        self.resident = resident
+        self.written: dict[int, list[int]] = {}
+
+    def memset(self, address, words, stream, device):
+        self.log.append(("memset", words))
+        ctypes.memset(address, 0, 4 * words)
+
+    def _count(self, L, K, args):
+        idx_p, pairs, A, M, C, nb, ppb, bc, tok, cnt, pos, sop, srt, barrier = args[:14]
+        idx = _memory(idx_p, pairs, torch.int64)
+        key = torch.where((idx >= 0) & (idx < L), idx, L)
+        blocks = torch.stack([torch.bincount(key[b * ppb:(b + 1) * ppb], minlength=L + 1)[:L] for b in range(nb)])
+        assert nb == max(-(-pairs // ppb), 1) and ppb % 256 == 0, (nb, ppb, pairs)
+        _memory(bc, nb * L, torch.int32).copy_((blocks.cumsum(0) - blocks).flatten())
+        total = blocks.sum(0)
+        _memory(tok, L, torch.int64).copy_(torch.full_like(total, C) if C else (total + A - 1) // A * A)
+        _memory(cnt, L, torch.int64).copy_(total.clamp(max=C) if C else total)
+        self.written[tok] = _memory(tok, 2 * L, torch.int64).tolist()
+
+    def _place(self, L, K, args):
+        from ep_moe import permute as P
+
+        idx_p, pairs, A, M, C, nb, ppb, bc, tok, cnt, pos, sop, srt, barrier = args[:14]
+        assert _memory(tok, 2 * L, torch.int64).tolist() == self.written.pop(tok), "the counts were overwritten"
+        idx = _memory(idx_p, pairs, torch.int64).view(-1, K)
+        want = P._expert_layout_torch(idx, L, A, None if C else M, C)
+        assert want.num_slots == M, (want.num_slots, M)
+        _memory(pos, M, torch.int64).copy_(want.pair_of_slot)
+        _memory(sop, pairs, torch.int64).copy_(want.slot_of_pair.flatten())
+        _memory(srt, pairs, torch.int64).copy_(want.sorted_slots.flatten())
+
+    def function(self, L: int, K: int, name: str, signature):
+        device = self
+
+        class _Fake:
+            def __init__(self):
+                self.name = name
+
+            def launch(self, grid, block, stream, *args):
+                assert len(args) == len(signature), f"{name}: {len(args)} arguments for {len(signature)}"
+                device.log.append((name, grid, block))
+                if name == "ep_expert_scan":
+                    device._count(L, K, args)
+                elif name == "ep_expert_sort_rows":
+                    device._place(L, K, args)
+
+            def launch_cooperative(self, grid, block, stream, *args):
+                assert len(args) == len(signature), f"{name}: {len(args)} arguments for {len(signature)}"
+                assert name == "ep_expert_layout" and block == 256 and grid == args[5] <= device.resident, \
+                    (name, grid, block, args[5])
+                device.log.append(("cooperative", grid, args[-1]))
+                barrier = _memory(args[13], 2, torch.int32)  # arrivals, generation
+                assert barrier[0] == 0 and (barrier[1] == 0 or not args[-1] & J.PHASE_COUNT), \
+                    f"the barrier's words before phase {args[-1]}: {barrier.tolist()}"
+                if args[-1] & J.PHASE_COUNT:
+                    device._count(L, K, args)
+                    barrier[1] += 2 if args[-1] & J.PHASE_PLACE else 1  # the barriers passed, as the kernel's
+                if args[-1] & J.PHASE_PLACE:
+                    device._place(L, K, args)
+                    barrier[1] += 1
+
+        return _Fake()
+
+
 class _Recorder:
-    """Stands in for `expert_major._function`: records each specialization and checks the argument count."""
+    """Stands in for `expert_major._function`: records each specialization and checks the argument count; the
+    layout's kernels run their contract on CPU memory (`_LayoutDevice`)."""
 
     def __init__(self):
         self.sources: set = set()
+        self.device = _LayoutDevice()
 
     def __call__(self, file, defines, name, signature, device):
         self.sources.add(jit.KernelSource.of(file, dict(defines)))
+        if file == "expert_layout.cu":
+            values = dict(defines)
+            return self.device.function(values["EP_EXPERTS"], values["EP_TOPK"], name, signature)
 
         class _Launch:
             @staticmethod
@@ -99,14 +193,24 @@ class _Recorder:
         return _Launch()
 
 
-@pytest.mark.parametrize("dtype, hidden", [("bf16", 7168), ("fp32", 37), ("bf16", 6)])
-def test_warmup_covers_every_specialization_of_a_pass(monkeypatch, dtype, hidden):
-    recorder = _Recorder()
-    monkeypatch.setattr(J, "_function", recorder)
+@pytest.fixture
+def recorder(monkeypatch) -> _Recorder:
+    """The launchers on CPU tensors: `_Recorder` for `_function`, no device or stream, no capture, the memset
+    and the occupancy of the fake layout device."""
+    rec = _Recorder()
+    monkeypatch.setattr(J, "_function", rec)
     monkeypatch.setattr(J, "_layout", {})  # the layout's per-specialization cache of what _function gave
     monkeypatch.setattr(J, "_on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(J, "_stream", lambda device: 0)
     monkeypatch.setattr(J, "_device_of", lambda t: 0)
+    monkeypatch.setattr(J, "_capturing", lambda: False)
+    monkeypatch.setattr(J, "memset_zero_async", rec.device.memset)
+    monkeypatch.setattr(J, "_resident_blocks", lambda fn, device: rec.device.resident)
+    return rec
+
+
+@pytest.mark.parametrize("dtype, hidden", [("bf16", 7168), ("fp32", 37), ("bf16", 6)])
+def test_warmup_covers_every_specialization_of_a_pass(recorder, dtype, hidden):
     N, K, L = 16, 4, 8
     rows_dtype = J.SHAPE_DTYPES[dtype]
     idx = torch.randint(0, L, (N, K))
@@ -125,6 +229,97 @@ def test_warmup_covers_every_specialization_of_a_pass(monkeypatch, dtype, hidden
     J.unpermute_sum_backward(grad, y, None, pair_of_slot, K, True, False)
     warm = set(J.specializations(hidden, K, L, dtype))
     assert recorder.sources == warm, (recorder.sources ^ warm)
+
+
+LAYOUT_CASES = [  # (routing, N, K, L, A)
+    ("random", 37, 4, 16, 1), ("random", 300, 8, 3, 16), ("random", 2000, 8, 256, 128), ("none", 40, 4, 4, 4),
+    ("random", 0, 4, 4, 1), ("random", 5, 0, 4, 4), ("one_expert", 500, 6, 8, 1),
+]
+
+
+def _routing(kind: str, N: int, K: int, L: int) -> torch.Tensor:
+    if kind == "none":
+        return torch.full((N, K), -1, dtype=torch.int64)
+    if kind == "one_expert":
+        return torch.full((N, K), L - 1, dtype=torch.int64)
+    return torch.randint(-1, L + 1, (N, K), generator=torch.Generator().manual_seed(N * 31 + K * 7 + L))
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=[f"{c[0]}-N{c[1]}-K{c[2]}-L{c[3]}-A{c[4]}" for c in LAYOUT_CASES])
+@pytest.mark.parametrize("mode", ["exact", "fixed", "below", "capacity", "capture", "small_grid"])
+def test_layout_launches_and_outputs(recorder, monkeypatch, case, mode):
+    """The layout launcher's sequence (a memset of the barrier's words, then one cooperative launch, two at the
+    exact size with the host read between; the four plain kernels under a graph capture; no pairs: one launch and
+    no read) and its outputs, every kernel run as its contract on the CPU memory it is handed (`_LayoutDevice`):
+    equal to the torch definition, so the launcher's addresses, sizes and views are right. ``small_grid``: fewer
+    resident blocks than tiles (blocks take several sub-tiles)."""
+    from ep_moe import permute as P
+
+    kind, N, K, L, A = case
+    idx = _routing(kind, N, K, L)
+    pairs = N * K
+    exact = P._expert_layout_torch(idx, L, A, None)
+    C = 0
+    if mode == "exact":
+        num_slots, want = -1, exact
+    elif mode == "capacity":
+        C = max(int(exact.pairs_per_expert.max()) // 2, 1) if pairs else 3
+        num_slots, want, A = -1, P._expert_layout_torch(idx, L, 1, None, C), 1
+    else:
+        num_slots = {"fixed": P.max_slots(N, K, L, A), "capture": exact.num_slots + 5, "small_grid": exact.num_slots,
+                     "below": max(exact.num_slots - 2 * A - 1, 0)}[mode]
+        want = P._expert_layout_torch(idx, L, A, num_slots)
+    if mode == "capture":
+        monkeypatch.setattr(J, "_capturing", lambda: True)
+    if mode == "small_grid":
+        recorder.device.resident = 3
+    got = J.expert_layout(idx, L, A, num_slots, C)
+    names = ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert")
+    for name, g in zip(names, got):
+        w = getattr(want, name)
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), f"{name} ({mode})"
+    host = got[5]
+    if mode == "capacity":
+        assert host.tolist() == [C] * L
+    elif mode == "exact":
+        assert torch.equal(host, exact.tokens_per_expert_host)
+    else:
+        assert host.numel() == 0
+    tiles = max(-(-pairs // 256), 1)
+    blocks = min(tiles, J.LAYOUT_MAX_BLOCKS, recorder.device.resident)
+    nb = max(-(-pairs // (-(-tiles // blocks) * 256)), 1)
+    if mode == "capture":
+        want_log = [("ep_expert_count", nb, 256), ("ep_expert_scan", 1, J.SCAN_THREADS), ("ep_expert_assign", nb, 256),
+                    ("ep_expert_sort_rows", max(-(-N // 256), 1) if K else 1, 256)]
+    elif mode == "exact" and pairs:
+        want_log = [("memset", 2), ("cooperative", nb, J.PHASE_COUNT), ("cooperative", nb, J.PHASE_PLACE)]
+    else:
+        want_log = [("memset", 2), ("cooperative", nb, J.PHASE_ALL)]
+    assert recorder.device.log == want_log
+    if mode == "small_grid" and pairs > 3 * 256:
+        assert nb <= 3
+    # the outputs are views of one allocation (pair_of_slot apart at the exact size), and no specialization
+    # depends on the capacity
+    storages = {t.untyped_storage().data_ptr() for t in got[1:5] if t.numel()}
+    assert len(storages) <= 1
+    if mode != "exact" and pairs and num_slots:
+        assert got[0].untyped_storage().data_ptr() in storages
+    assert all(set(dict(s.defines)) == {"EP_EXPERTS", "EP_TOPK"} for s in recorder.sources), recorder.sources
+
+
+def test_layout_signature_matches_the_kernels_parameters():
+    """`_LAYOUT_SIG` against ``EP_LAYOUT_PARAMS`` of expert_layout.cu, parameter by parameter."""
+    import re
+
+    from ep_moe.native.jit.driver import I32, I64, PTR
+
+    text = (Path(jit.__file__).parent / "kernels" / "expert_layout.cu").read_text()
+    body = re.search(r"#define EP_LAYOUT_PARAMS(.*?)\n#define", text, re.S).group(1).replace("\\", " ")
+    kinds = []
+    for param in body.split(","):
+        words = param.replace("*", " * ").split()
+        kinds.append(PTR if "*" in words else {"i64": I64, "int": I32}[words[0]])
+    assert tuple(kinds) == J._LAYOUT_SIG
 
 
 def test_specializations_check_their_arguments():
@@ -158,7 +353,8 @@ def test_every_kernel_source_compiles(tmp_path, name):
     with ThreadPoolExecutor(4) as pool:
         cubins = list(pool.map(lambda s: jit.build(s, "sm_90", compiler, store), picked.values()))
     assert all(c[:4] == b"\x7fELF" for c in cubins), "a CUBIN is an ELF image"
-    names = {"expert_layout.cu": [b"ep_expert_count", b"ep_expert_scan", b"ep_expert_assign", b"ep_expert_sort_rows"],
+    names = {"expert_layout.cu": [b"ep_expert_layout", b"ep_expert_count", b"ep_expert_scan", b"ep_expert_assign",
+                                  b"ep_expert_sort_rows"],
              "permute_rows.cu": [b"ep_permute_rows"], "unpermute_sum.cu": [b"ep_unpermute_sum"],
              "unpermute_sum_backward.cu": [b"ep_unpermute_sum_backward"]}
     for source, cubin in zip(picked.values(), cubins):
@@ -166,14 +362,30 @@ def test_every_kernel_source_compiles(tmp_path, name):
             assert b".text." + name + b"\x00" in cubin, f"{source.label}: no kernel {name.decode()}"
 
 
-def test_no_top_k_columns_ask_for_no_zero_width_kernel(monkeypatch):
+@needs_nvcc
+def test_the_layout_compiles_for_every_expert_count(tmp_path):
+    """expert_layout.cu with nvcc at the extremes of its specialization (1 and 1024 experts: the fused kernel's
+    static shared memory, 45 KiB at 1024, must stay under 48 KiB) and an odd top-k: every kernel in the CUBIN."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(experts_topk):
+        experts, topk = experts_topk
+        out = tmp_path / f"layout_{experts}_{topk}.cubin"
+        subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-cubin", f"-DEP_EXPERTS={experts}", f"-DEP_TOPK={topk}",
+                        str(Path(jit.__file__).parent / "kernels" / "expert_layout.cu"), "-o", str(out)],
+                       check=True, capture_output=True, timeout=600)
+        return out.read_bytes()
+
+    with ThreadPoolExecutor(3) as pool:
+        cubins = list(pool.map(build, [(1, 1), (7, 3), (1024, 8)]))
+    for cubin in cubins:
+        for name in (b"ep_expert_layout", b"ep_expert_count", b"ep_expert_scan", b"ep_expert_assign",
+                     b"ep_expert_sort_rows"):
+            assert b".text." + name + b"\x00" in cubin, name
+
+
+def test_no_top_k_columns_ask_for_no_zero_width_kernel(recorder):
     """K = 0 (rows routed nowhere): the launchers never ask for an EP_TOPK=0 kernel (zero-length arrays)."""
-    recorder = _Recorder()
-    monkeypatch.setattr(J, "_function", recorder)
-    monkeypatch.setattr(J, "_layout", {})  # the layout's per-specialization cache of what _function gave
-    monkeypatch.setattr(J, "_on", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(J, "_stream", lambda device: 0)
-    monkeypatch.setattr(J, "_device_of", lambda t: 0)
     idx = torch.empty(5, 0, dtype=torch.int64)
     pair_of_slot, slot_of_pair, sorted_slots, tokens, *_ = J.expert_layout(idx, 4, 4, 12)
     assert pair_of_slot.tolist() == [0] * 12 and tokens.tolist() == [0] * 4  # all padding (pair index N*K = 0)

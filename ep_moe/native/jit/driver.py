@@ -3,7 +3,8 @@ device), loaded into the device's primary context (the one torch uses), and laun
 current stream, so CUDA graph capture records them).
 
 Per launch the host work is one ``struct.pack_into`` of the arguments into the function's own buffer (the array
-of pointers into it is built once) and the ``cuLaunchKernel`` call, under the function's lock.
+of pointers into it is built once) and the ``cuLaunchKernel`` call (``cuLaunchCooperativeKernel`` for a kernel whose
+blocks must all be resident at once: `Function.launch_cooperative`), under the function's lock.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_FOUND = 500
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the function attribute
 
 # Argument kinds of a kernel signature, as ctypes types (a pointer is passed as its integer address).
@@ -39,6 +41,9 @@ class _Driver:
         # no argtypes on the hot call (they cost microseconds per call): Function.launch passes ctypes objects
         # where a C int would not do (handle, stream, the parameter array)
         lib.cuLaunchKernel.restype = c_int
+        lib.cuLaunchCooperativeKernel.restype = c_int
+        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(c_int), vp, c_int, ctypes.c_size_t]
+        lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(c_int), c_int, c_int]
         lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
         lib.cuFuncSetAttribute.argtypes = [vp, c_int, c_int]
@@ -96,7 +101,7 @@ class Function:
     (pointers as ``tensor.data_ptr()``, 0 for null)."""
 
     def __init__(self, handle: int, name: str, signature: Sequence[type], max_dynamic_shared: int = 0,
-                 launch_fn=None, device: int | None = None) -> None:
+                 launch_fn=None, device: int | None = None, cooperative_fn=None) -> None:
         self.handle = ctypes.c_void_p(handle)
         self.device = device  # its module's device: launches make that primary context current once per thread
         self.name = name
@@ -114,6 +119,9 @@ class Function:
         self._lock = threading.Lock()
         # launch_fn: cuLaunchKernel's signature; another callable only to time the host side without a GPU
         self._launch = launch_fn if launch_fn is not None else driver().lib.cuLaunchKernel
+        # cooperative_fn: cuLaunchCooperativeKernel's signature (the same less `extra`), looked up at the first
+        # cooperative launch unless given (a fake, as launch_fn)
+        self._launch_cooperative = cooperative_fn
         self.max_dynamic_shared = max_dynamic_shared
 
     def launch(self, grid: int | tuple[int, int, int], block: int, stream: int, *args: int | float,
@@ -137,6 +145,40 @@ class Function:
             driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
                                    f"shared={shared_bytes})")
 
+
+    def launch_cooperative(self, grid: int, block: int, stream: int, *args: int | float, shared_bytes: int = 0) -> None:
+        """`launch` through ``cuLaunchCooperativeKernel``: the driver starts every block at once or refuses, so the
+        kernel may wait for all of its blocks (a grid barrier) even while other kernels hold SMs. ``grid`` must be
+        at most `max_active_blocks` times the device's SM count (`multiprocessor_count`). Raises `DriverError`
+        when the launch is refused (e.g. ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``)."""
+        if self.device is not None and getattr(_thread, "device", None) != self.device:
+            driver().use_primary_context(self.device)
+            _thread.device = self.device
+        launch = self._launch_cooperative
+        if launch is None:
+            launch = self._launch_cooperative = driver().lib.cuLaunchCooperativeKernel
+        with self._lock:
+            try:
+                self._struct.pack_into(self._view, 0, *args)
+            except struct.error as exc:
+                raise TypeError(f"jit: {self.name} takes {len(self._params)} arguments of kinds "
+                                f"{self._struct.format}: {exc}") from None
+            status = launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), self._params)
+        if status != CUDA_SUCCESS:
+            driver().check(status, f"cuLaunchCooperativeKernel({self.name}, grid={grid}, block={block}, "
+                                   f"shared={shared_bytes})")
+
+    def max_active_blocks(self, block: int, shared_bytes: int = 0) -> int:
+        """How many blocks of ``block`` threads (and ``shared_bytes`` of dynamic shared memory) one SM holds at once
+        (``cuOccupancyMaxActiveBlocksPerMultiprocessor``: registers, static and dynamic shared memory, threads)."""
+        drv = driver()
+        if self.device is not None:
+            drv.use_primary_context(self.device)
+        count = ctypes.c_int()
+        drv.check(drv.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(count), self.handle, block,
+                                                                       shared_bytes),
+                  f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name}, block={block}, shared={shared_bytes})")
+        return count.value
 
     def launch_prepared(self, grid: int, block: int, stream: int, args: ctypes.Array, shared_bytes: int = 0) -> None:
         """Enqueue with ``args``, an array of pointers to the arguments built once by the caller (`prepared_args`)
@@ -180,6 +222,16 @@ def memset_zero_async(address: int, words: int, stream: int, device: int) -> Non
     status = drv.memset_d32_async(address, 0, words, stream)
     if status != CUDA_SUCCESS:
         drv.check(status, f"cuMemsetD32Async({words} words)")
+
+
+def multiprocessor_count(device: int) -> int:
+    """The SM count of ``device`` (``cuDeviceGetAttribute``). Raises `DriverError` when the query fails."""
+    drv = driver()
+    dev, count = ctypes.c_int(), ctypes.c_int()
+    drv.check(drv.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+    drv.check(drv.lib.cuDeviceGetAttribute(ctypes.byref(count), CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.value),
+              "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)")
+    return count.value
 
 
 def host_device_pointer(host_ptr: int, device: int) -> int:
@@ -250,4 +302,4 @@ class Module:
 
 
 __all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver", "host_device_pointer",
-           "memset_zero_async", "prepared_args"]
+           "memset_zero_async", "multiprocessor_count", "prepared_args"]

@@ -17,15 +17,15 @@ import torch
 from torch import Tensor
 
 from . import KernelSource, module
-from .driver import I32, I64, PTR, Function
+from .driver import I32, I64, PTR, DriverError, Function, memset_zero_async, multiprocessor_count
 
 MAX_EXPERTS = 1024      # the layout's shared-memory counters (EP_EXPERTS)
-LAYOUT_TILE = 256       # pairs per sub-tile = threads of a count / assign block
-LAYOUT_MAX_BLOCKS = 256
+LAYOUT_TILE = 256       # pairs per sub-tile = threads of a layout block
+LAYOUT_MAX_BLOCKS = 256  # read at every call (a GPU test lowers it: blocks then take several sub-tiles)
 ROWS_PER_BLOCK = 8      # the row kernels: one warp per row or slot, 256 threads
 ROW_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 
-_LAYOUT_SIG = (PTR, I64, I64, I64, I32, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR)
+_LAYOUT_SIG = (PTR, I64, I64, I64, I64, I32, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32)
 _PERMUTE_SIG = (PTR, PTR, PTR, I64, I64, PTR, PTR)
 _UNPERMUTE_SIG = (PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR)
 _BACKWARD_SIG = (PTR, PTR, PTR, PTR, I64, I64, PTR, PTR)
@@ -87,18 +87,66 @@ def pack_elements(element_size: int, hidden: int, *tensors: Tensor | None) -> in
 
 
 # ------------------------------------------------------------------------------------------ layout
-_layout: dict[tuple, tuple[Function, Function, Function, Function]] = {}
+_LAYOUT_KERNELS = ("ep_expert_layout", "ep_expert_count", "ep_expert_scan", "ep_expert_assign", "ep_expert_sort_rows")
+PHASE_COUNT, PHASE_PLACE = 1, 2  # ep_expert_layout's phases (count and scan; assign and sort), as bits
+PHASE_ALL = PHASE_COUNT | PHASE_PLACE
+SCAN_THREADS = 1024  # ep_expert_scan's one block (the plain kernels only)
+_NO_HOST = torch.empty(0, dtype=torch.int64)  # the host counts where none are read (never written: empty)
 
 
-def _layout_functions(defines: tuple[tuple[str, int], ...], device: int
-                      ) -> tuple[Function, Function, Function, Function]:
-    """The layout's four kernels (count, scan, assign, sort rows) of one specialization: one lookup per call."""
-    found = _layout.get((defines, device))
+class _LayoutKernels:
+    """One specialization's layout kernels on one device: ``ep_expert_layout`` (cooperative) and the four plain
+    ones, with the most blocks the device holds at once of the first (a cooperative launch's limit)."""
+
+    __slots__ = ("fused", "count", "scan", "assign", "sort_rows", "topk", "device", "resident")
+
+    def __init__(self, functions: list[Function], topk: int, device: int, resident: int) -> None:
+        self.fused, self.count, self.scan, self.assign, self.sort_rows = functions
+        self.topk, self.device, self.resident = topk, device, resident
+
+    def cooperative(self, phase: int, num_blocks: int, stream: int, args: tuple) -> None:
+        """``phase`` of the layout in one cooperative launch of ``num_blocks`` blocks; before the count phase, the
+        grid barrier's two words (``args[13]``, the call's own: never shared with a layout on another stream)
+        are zeroed on the stream (the barrier leaves its count at 0, so the place phase needs no second memset)."""
+        if phase & PHASE_COUNT:
+            memset_zero_async(args[13], 2, stream, self.device)
+        self.fused.launch_cooperative(num_blocks, LAYOUT_TILE, stream, *args, phase)
+
+    def separately(self, phase: int, num_blocks: int, stream: int, args: tuple) -> None:
+        """``phase`` of the layout as plain launches of the four kernels (what a CUDA graph capture takes)."""
+        if phase & PHASE_COUNT:
+            self.count.launch(num_blocks, LAYOUT_TILE, stream, *args, phase)
+            self.scan.launch(1, SCAN_THREADS, stream, *args, phase)
+        if phase & PHASE_PLACE:
+            self.assign.launch(num_blocks, LAYOUT_TILE, stream, *args, phase)
+            rows = args[1] // self.topk  # num_pairs // K
+            self.sort_rows.launch(max(_blocks(rows, 256), 1), 256, stream, *args, phase)
+
+
+def _resident_blocks(fused: Function, device: int) -> int:
+    """How many blocks of ``fused`` (256 threads, static shared memory only) ``device`` holds at once."""
+    resident = fused.max_active_blocks(LAYOUT_TILE) * multiprocessor_count(device)
+    if resident < 1:
+        raise DriverError(f"jit: {fused.name} fits no block on device {device} (occupancy 0): no cooperative launch")
+    return resident
+
+
+_layout: dict[tuple[int, int, int], _LayoutKernels] = {}
+
+
+def _layout_functions(experts: int, topk: int, device: int) -> _LayoutKernels:
+    """The layout's kernels of one specialization (looked up, and the occupancy queried, once)."""
+    found = _layout.get((experts, topk, device))
     if found is None:
-        found = _layout[(defines, device)] = tuple(
-            _function("expert_layout.cu", defines, name, _LAYOUT_SIG, device)
-            for name in ("ep_expert_count", "ep_expert_scan", "ep_expert_assign", "ep_expert_sort_rows"))
+        defines = (("EP_EXPERTS", experts), ("EP_TOPK", topk))
+        functions = [_function("expert_layout.cu", defines, name, _LAYOUT_SIG, device) for name in _LAYOUT_KERNELS]
+        found = _layout[(experts, topk, device)] = _LayoutKernels(functions, topk, device,
+                                                                   _resident_blocks(functions[0], device))
     return found
+
+
+# Whether the current stream is being captured into a CUDA graph (torch's own check, without the Python wrapper).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int = 0
@@ -106,55 +154,64 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
     """``ep_moe_native::expert_layout``: ``(pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K],
     tokens_per_expert [L], pairs_per_expert [L], tokens_per_expert on the host [L] (empty unless num_slots < 0,
     the exact size, which reads the counts once on the host, or a capacity))``. ``topk_idx [N, K]`` int64,
-    ``1 <= num_experts <= MAX_EXPERTS``. ``capacity`` C > 0 (alignment 1; a kernel specialized on C): every
-    expert owns exactly C slots, ``M = L * C``, with no host read."""
+    ``1 <= num_experts <= MAX_EXPERTS``. ``capacity`` C > 0 (alignment 1; a run-time argument of the kernels):
+    every expert owns exactly C slots, ``M = L * C``, with no host read.
+
+    Launches: ``cuMemsetD32Async`` of the grid barrier's two words, then one cooperative launch of
+    ``ep_expert_layout`` (count, scan, assign with the padding, sort), or two at the exact size with the host read
+    between them (the size of pair_of_slot); no pairs (N = 0 or K = 0) take the same path and the kernel writes
+    the zero counts and the padding (P = 0), at the exact size with no read (M = 0, or L * C). Under a CUDA graph
+    capture, the four plain kernels instead. The outputs are views of one allocation (pair_of_slot apart at the
+    exact size), with the kernels' block counts and barrier words behind them."""
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"jit.expert_layout: argument 'num_experts' must be in [1, {MAX_EXPERTS}], got {num_experts}")
     rows, topk = topk_idx.shape
     pairs = rows * topk
     device = _device_of(topk_idx)
-    longs = dict(dtype=torch.int64, device=topk_idx.device)
-    # One allocation for the per-expert vectors (tokens, pairs, first slot) and one for the per-pair ones (host
-    # time per call is this launcher's cost: every torch call from Python is a few µs). The scan writes every
-    # count when there are pairs; with none, the counts are set here.
-    per_expert = torch.empty(3, num_experts, **longs)
-    tokens, counts, first_slot = per_expert[0], per_expert[1], per_expert[2]
-    defines = (("EP_EXPERTS", num_experts), ("EP_TOPK", topk)) + ((("EP_CAPACITY", capacity),) if capacity else ())
     with _on(device):
-        stream = _stream(device)
-        args: list[int] = []
-        if pairs > 0:
-            count, scan, assign, sort_rows = _layout_functions(defines, device)
-            tiles = _blocks(pairs, LAYOUT_TILE)
-            blocks = min(tiles, LAYOUT_MAX_BLOCKS)
-            pairs_per_block = _blocks(tiles, blocks) * LAYOUT_TILE
-            num_blocks = _blocks(pairs, pairs_per_block)
-            block_counts = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=topk_idx.device)
-            args = [topk_idx.data_ptr(), pairs, alignment, 0, num_blocks, pairs_per_block, block_counts.data_ptr(),
-                    first_slot.data_ptr(), tokens.data_ptr(), counts.data_ptr()]
-            count.launch(num_blocks, LAYOUT_TILE, stream, *args, 0, 0, 0)
-            scan.launch(1, 1024, stream, *args, 0, 0, 0)
-        else:
-            per_expert[:2].zero_()
-            if capacity:
-                tokens.fill_(capacity)
-        host = torch.empty(0, dtype=torch.int64)
+        kernels = _layout_functions(num_experts, max(topk, 1), device)  # K = 0: no pairs; any K >= 1 does
+        # the grid: every block resident at once (a cooperative launch's condition); with no pairs one block still
+        # writes the counts and the padding
+        tiles = _blocks(pairs, LAYOUT_TILE) or 1
+        pairs_per_block = _blocks(tiles, min(tiles, LAYOUT_MAX_BLOCKS, kernels.resident)) * LAYOUT_TILE
+        num_blocks = _blocks(pairs, pairs_per_block) or 1
+        host = _NO_HOST
         if capacity:  # every count is known on the host
             host = torch.full((num_experts,), capacity, dtype=torch.int64)
             num_slots = num_experts * capacity
-        elif num_slots < 0:  # exact size: the aligned total, read once on the host (with the counts)
-            host = tokens.cpu()
+        elif num_slots < 0 and pairs == 0:  # the exact size of no pairs: every count is 0
+            host = torch.zeros(num_experts, dtype=torch.int64)
+            num_slots = 0
+        exact = num_slots < 0  # the host reads the aligned counts between the two phases
+        # One allocation: [pair_of_slot (fixed size only) | slot_of_pair | sorted_slots | tokens | pairs | the int32
+        # block counts [num_blocks, L] and the barrier's two words] (int64 elements; the tail by raw addresses).
+        head = 0 if exact else num_slots
+        tail = (num_blocks * num_experts + 3) // 2
+        buffer = topk_idx.new_empty(head + 2 * pairs + 2 * num_experts + tail)
+        pair_of_slot, slot_of_pair, sorted_slots, tokens, counts, _ = buffer.split_with_sizes(
+            (head, pairs, pairs, num_experts, num_experts, tail))
+        base = buffer.data_ptr()
+        at_slot_of_pair = base + 8 * head
+        at_tokens = at_slot_of_pair + 16 * pairs
+        at_block_counts = at_tokens + 16 * num_experts
+        at_barrier = at_block_counts + 4 * num_blocks * num_experts
+        stream = _stream(device)
+        run = kernels.cooperative
+        if _capturing():  # captured launches: the four plain kernels until captures of cooperative ones are checked
+            run = kernels.separately
+        args = (topk_idx.data_ptr(), pairs, alignment, max(num_slots, 0), capacity, num_blocks, pairs_per_block,
+                at_block_counts, at_tokens, at_tokens + 8 * num_experts, base, at_slot_of_pair,
+                at_slot_of_pair + 8 * pairs, at_barrier)
+        if not exact:
+            run(PHASE_ALL, num_blocks, stream, args)
+        else:
+            run(PHASE_COUNT, num_blocks, stream, args)
+            host = tokens.cpu()  # the one host read: waits for the counts
             num_slots = int(host.sum())
-        # with pairs, the assign kernel writes every slot (P on padding): no fill launch
-        pair_of_slot = torch.empty(num_slots, **longs) if pairs > 0 else torch.full((num_slots,), pairs, **longs)
-        per_pair = torch.empty(2, rows, topk, **longs)
-        slot_of_pair, sorted_slots = per_pair[0], per_pair[1]
-        if pairs > 0:
-            args[3] = num_slots
-            tail = [pair_of_slot.data_ptr(), slot_of_pair.data_ptr(), sorted_slots.data_ptr()]
-            assign.launch(args[4], LAYOUT_TILE, stream, *args, *tail)
-            sort_rows.launch(_blocks(rows, 256), 256, stream, *args, *tail)
-    return pair_of_slot, slot_of_pair, sorted_slots, tokens, counts, host
+            pair_of_slot = topk_idx.new_empty(num_slots)
+            run(PHASE_PLACE, num_blocks, stream, args[:3] + (num_slots,) + args[4:10] + (pair_of_slot.data_ptr(),)
+                + args[11:])
+    return pair_of_slot, slot_of_pair.view(rows, topk), sorted_slots.view(rows, topk), tokens, counts, host
 
 
 # ------------------------------------------------------------------------------------------ rows
