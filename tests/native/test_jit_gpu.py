@@ -4,8 +4,8 @@ layout at exact size and at bounds equal to, above and below the total; the perm
 (weighted) reduce; the gradients, the weights' one within a tolerance of float64 and repeatable), bit for bit the
 ahead-of-time extension where it is built (the weights' gradient too: same order), inside a CUDA graph (captured,
 replayed on new routings; a kernel first used during the capture too), the layout's cooperative kernel against its
-four plain kernels (the capture path) bit for bit, with a grid below the tile count, on two streams at once and
-with a capacity under capture, and the disk cache: a second process loads every kernel from it, in under 1 s in
+four plain kernels bit for bit, with a grid below the tile count, on two streams at once and with a capacity
+under capture (a cooperative launch captured and replayed), and the disk cache: a second process loads every kernel from it, in under 1 s in
 all.
 Needs one GPU and a CUDA compiler (NVRTC from the nvidia-cuda-nvrtc wheel, or nvcc): ``pytest -m gpu``."""
 
@@ -149,15 +149,15 @@ def _layout_outputs(idx, L, A, num_slots, capacity):
 @pytest.mark.parametrize("L, K, N", LAUNCH_SIZES, ids=[f"L{c[0]}-K{c[1]}-N{c[2]}" for c in LAUNCH_SIZES])
 @pytest.mark.parametrize("size", ["exact", "fixed", "capacity"])
 def test_the_cooperative_layout_equals_the_four_kernels_bit_for_bit(monkeypatch, L, K, N, size):
-    """The cooperative kernel (one launch; two at the exact size) against the four plain kernels (the graph
-    capture path, forced here outside a capture), every output bit for bit, on random routings (a quarter of the
+    """The cooperative kernel (one launch; two at the exact size) against the four plain kernels (the same phase
+    functions without the grid barrier), every output bit for bit, on random routings (a quarter of the
     entries -1) from 1 to 32768 pairs and 1 to 1024 experts; the grid is what the device holds at most."""
     idx = routing("random", N, K, L, seed=L * 7 + K + N).cuda()
     A = 1 if size == "capacity" else 16
     capacity = max(N * K // (2 * L), 1) if size == "capacity" else 0
     num_slots = P.max_slots(N, K, L, A) if size == "fixed" else -1
     fused = _layout_outputs(idx, L, A, num_slots, capacity)
-    monkeypatch.setattr(J, "_capturing", lambda: True)
+    monkeypatch.setattr(J._LayoutKernels, "cooperative", J._LayoutKernels.separately)
     plain = _layout_outputs(idx, L, A, num_slots, capacity)
     torch.cuda.synchronize()
     for i, (a, b) in enumerate(zip(fused, plain)):
@@ -181,13 +181,14 @@ def test_a_grid_below_the_tile_count_gives_the_same_layout(monkeypatch, blocks, 
     most = int(exact.pairs_per_expert.max()) if idx.numel() else 0
     cases = [(None, 0, exact), (exact.num_slots + A, 0, P._expert_layout_torch(idx, L, A, exact.num_slots + A)),
              (None, max(most // 2, 1), P._expert_layout_torch(idx, L, 1, None, max(most // 2, 1)))]
-    for capturing in (False, True):
-        monkeypatch.setattr(J, "_capturing", lambda capturing=capturing: capturing)
+    for plain in (False, True):
+        if plain:
+            monkeypatch.setattr(J._LayoutKernels, "cooperative", J._LayoutKernels.separately)
         for num_slots, capacity, want in cases:
             got = P.expert_layout(idx.cuda(), L, 1 if capacity else A, num_slots, capacity)
             for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
                 assert_bits(getattr(got, name), getattr(want, name),
-                            f"{name} ({blocks} blocks, num_slots {num_slots}, capacity {capacity}, plain {capturing})")
+                            f"{name} ({blocks} blocks, num_slots {num_slots}, capacity {capacity}, plain {plain})")
 
 
 def test_layouts_on_two_streams_at_once():
@@ -215,8 +216,8 @@ def test_layouts_on_two_streams_at_once():
 
 
 def test_a_capacity_layout_captured_and_replayed():
-    """A capacity layout (the capacity a kernel argument) captured in a CUDA graph (the plain kernels) and
-    replayed on new routings: equal to the eager layout (cooperative) on the same routing, bit for bit; a second
+    """A capacity layout (the capacity a kernel argument) captured in a CUDA graph (its cooperative launch) and
+    replayed on new routings: equal to the eager layout on the same routing, bit for bit; a second
     capacity compiles nothing new."""
     N, K, L, C = 512, 4, 16, 40
     static_idx = routing("random", N, K, L, seed=81).cuda()

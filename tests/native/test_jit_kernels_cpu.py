@@ -1,7 +1,7 @@
 """The JIT expert-major kernels' host side on CPU: ``ep-moe jit warmup`` and ``list`` (with a fake compiler), the
 ``ep-moe env`` lines, that `specializations` (what warmup compiles) covers every specialization the launchers ask
 for in a forward and backward pass, with the argument count of each kernel's signature; the layout launcher's
-sequence of memset and launches (cooperative, two at the exact size, the four plain kernels under a graph capture)
+sequence of memset and launches (cooperative, two at the exact size; the four plain kernels in their place)
 and its outputs, each kernel run as its contract on the CPU memory it is handed; and, where nvcc is installed, that
 every kernel source compiles standalone with it (``nvcc -std=c++17 -arch=sm_90 -cubin``; the layout at 1, 7 and
 1024 experts), and likewise with NVRTC where a libnvrtc is found."""
@@ -203,7 +203,6 @@ def recorder(monkeypatch) -> _Recorder:
     monkeypatch.setattr(J, "_on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(J, "_stream", lambda device: 0)
     monkeypatch.setattr(J, "_device_of", lambda t: 0)
-    monkeypatch.setattr(J, "_capturing", lambda: False)
     monkeypatch.setattr(J, "memset_zero_async", rec.device.memset)
     monkeypatch.setattr(J, "_resident_blocks", lambda fn, device: rec.device.resident)
     return rec
@@ -246,10 +245,11 @@ def _routing(kind: str, N: int, K: int, L: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=[f"{c[0]}-N{c[1]}-K{c[2]}-L{c[3]}-A{c[4]}" for c in LAYOUT_CASES])
-@pytest.mark.parametrize("mode", ["exact", "fixed", "below", "capacity", "capture", "small_grid"])
+@pytest.mark.parametrize("mode", ["exact", "fixed", "below", "capacity", "plain", "small_grid"])
 def test_layout_launches_and_outputs(recorder, monkeypatch, case, mode):
     """The layout launcher's sequence (a memset of the barrier's words, then one cooperative launch, two at the
-    exact size with the host read between; the four plain kernels under a graph capture; no pairs: one launch and
+    exact size with the host read between; ``plain``: the four plain kernels (the GPU tests' check of the
+    cooperative kernel) in its place; no pairs: one launch and
     no read) and its outputs, every kernel run as its contract on the CPU memory it is handed (`_LayoutDevice`):
     equal to the torch definition, so the launcher's addresses, sizes and views are right. ``small_grid``: fewer
     resident blocks than tiles (blocks take several sub-tiles)."""
@@ -266,11 +266,11 @@ def test_layout_launches_and_outputs(recorder, monkeypatch, case, mode):
         C = max(int(exact.pairs_per_expert.max()) // 2, 1) if pairs else 3
         num_slots, want, A = -1, P._expert_layout_torch(idx, L, 1, None, C), 1
     else:
-        num_slots = {"fixed": P.max_slots(N, K, L, A), "capture": exact.num_slots + 5, "small_grid": exact.num_slots,
+        num_slots = {"fixed": P.max_slots(N, K, L, A), "plain": exact.num_slots + 5, "small_grid": exact.num_slots,
                      "below": max(exact.num_slots - 2 * A - 1, 0)}[mode]
         want = P._expert_layout_torch(idx, L, A, num_slots)
-    if mode == "capture":
-        monkeypatch.setattr(J, "_capturing", lambda: True)
+    if mode == "plain":
+        monkeypatch.setattr(J._LayoutKernels, "cooperative", J._LayoutKernels.separately)
     if mode == "small_grid":
         recorder.device.resident = 3
     got = J.expert_layout(idx, L, A, num_slots, C)
@@ -288,7 +288,7 @@ def test_layout_launches_and_outputs(recorder, monkeypatch, case, mode):
     tiles = max(-(-pairs // 256), 1)
     blocks = min(tiles, J.LAYOUT_MAX_BLOCKS, recorder.device.resident)
     nb = max(-(-pairs // (-(-tiles // blocks) * 256)), 1)
-    if mode == "capture":
+    if mode == "plain":
         want_log = [("ep_expert_count", nb, 256), ("ep_expert_scan", 1, J.SCAN_THREADS), ("ep_expert_assign", nb, 256),
                     ("ep_expert_sort_rows", max(-(-N // 256), 1) if K else 1, 256)]
     elif mode == "exact" and pairs:

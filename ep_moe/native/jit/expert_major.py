@@ -113,7 +113,8 @@ class _LayoutKernels:
         self.fused.launch_cooperative(num_blocks, LAYOUT_TILE, stream, *args, phase)
 
     def separately(self, phase: int, num_blocks: int, stream: int, args: tuple) -> None:
-        """``phase`` of the layout as plain launches of the four kernels (what a CUDA graph capture takes)."""
+        """``phase`` of the layout as plain launches of the four kernels: the same phase functions without the grid
+        barrier (the tests' check of the cooperative kernel against them)."""
         if phase & PHASE_COUNT:
             self.count.launch(num_blocks, LAYOUT_TILE, stream, *args, phase)
             self.scan.launch(1, SCAN_THREADS, stream, *args, phase)
@@ -145,10 +146,6 @@ def _layout_functions(experts: int, topk: int, device: int) -> _LayoutKernels:
     return found
 
 
-# Whether the current stream is being captured into a CUDA graph (torch's own check, without the Python wrapper).
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
-
-
 def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int = 0
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``ep_moe_native::expert_layout``: ``(pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K],
@@ -160,8 +157,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
     Launches: ``cuMemsetD32Async`` of the grid barrier's two words, then one cooperative launch of
     ``ep_expert_layout`` (count, scan, assign with the padding, sort), or two at the exact size with the host read
     between them (the size of pair_of_slot); no pairs (N = 0 or K = 0) take the same path and the kernel writes
-    the zero counts and the padding (P = 0), at the exact size with no read (M = 0, or L * C). Under a CUDA graph
-    capture, the four plain kernels instead. The outputs are views of one allocation (pair_of_slot apart at the
+    the zero counts and the padding (P = 0), at the exact size with no read (M = 0, or L * C). The outputs are views of one allocation (pair_of_slot apart at the
     exact size), with the kernels' block counts and barrier words behind them."""
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"jit.expert_layout: argument 'num_experts' must be in [1, {MAX_EXPERTS}], got {num_experts}")
@@ -196,9 +192,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
         at_block_counts = at_tokens + 16 * num_experts
         at_barrier = at_block_counts + 4 * num_blocks * num_experts
         stream = _stream(device)
-        run = kernels.cooperative
-        if _capturing():  # captured launches: the four plain kernels until captures of cooperative ones are checked
-            run = kernels.separately
+        run = kernels.cooperative  # CUDA graph capture records cooperative launches too (checked on the H200)
         args = (topk_idx.data_ptr(), pairs, alignment, max(num_slots, 0), capacity, num_blocks, pairs_per_block,
                 at_block_counts, at_tokens, at_tokens + 8 * num_experts, base, at_slot_of_pair,
                 at_slot_of_pair + 8 * pairs, at_barrier)
