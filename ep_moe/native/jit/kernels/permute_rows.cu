@@ -2,7 +2,8 @@
 // EP_VALUES, slot_values[s] = values[pair] (0 for padding). One warp per slot, 8 per block.
 // Specialization: EP_WORD_BYTES (16/4/2/1: the widest word dividing the row bytes and both row pointers),
 // EP_ROW_WORDS (row bytes / word bytes), EP_TOPK (K), EP_VALUES (0/1). A compile-time row width lets each lane
-// issue all its loads (up to 8 at once) before its stores.
+// issue its loads in batches ahead of their stores (two words per batch: the fastest of 2-16 on an H200, see
+// docs/native.md).
 #include "ep_jit.cuh"
 
 #if !defined(EP_WORD_BYTES) || !defined(EP_ROW_WORDS) || !defined(EP_TOPK) || !defined(EP_VALUES)
@@ -16,7 +17,7 @@ constexpr i64 kWords = EP_ROW_WORDS;
 constexpr int kTopk = EP_TOPK;
 constexpr int kRowsPerBlock = 8;
 constexpr int kPerLane = static_cast<int>((kWords + kWarp - 1) / kWarp);
-constexpr int kBatch = kPerLane < 1 ? 1 : (kPerLane < 8 ? kPerLane : 8);
+constexpr int kBatch = kPerLane < 2 ? 1 : 2;  // words per lane loaded before they are stored
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256)
