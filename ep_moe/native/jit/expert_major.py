@@ -238,6 +238,12 @@ def _row_dtype(t: Tensor, what: str) -> int:
         raise ValueError(f"jit.{what}: rows must be bfloat16 or float32, got {t.dtype}") from None
 
 
+def reduce_row_threads(packs: int) -> int:
+    """Threads per row of the weighted reduce for rows of ``packs`` packs: 128 (the row's loads spread over four
+    warps) from 128 packs on, else one warp."""
+    return 128 if packs >= 128 else 32
+
+
 def unpermute_sum(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_values: Tensor | None,
                   slot_of_pair: Tensor | None) -> tuple[Tensor, Tensor]:
     """``ep_moe_native::unpermute_sum``: ``(out [N, H] of y's dtype, pair_values [N, K] fp32, empty without
@@ -252,11 +258,13 @@ def unpermute_sum(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_
         return out.zero_(), pair_values
     vec = pack_elements(y.element_size(), hidden, y, out)
     device = _device_of(y)
+    row_threads = reduce_row_threads(hidden // vec)
     defines = (("EP_DTYPE", dtype), ("EP_PACKS", hidden // vec), ("EP_PAIR_VALUES", int(with_values)),
-               ("EP_TOPK", topk), ("EP_VEC", vec), ("EP_WEIGHTED", int(weights is not None)))
+               ("EP_ROW_THREADS", row_threads), ("EP_TOPK", topk), ("EP_VEC", vec),
+               ("EP_WEIGHTED", int(weights is not None)))
     with _on(device):
         _function("unpermute_sum.cu", defines, "ep_unpermute_sum", _UNPERMUTE_SIG, device).launch(
-            _blocks(rows, ROWS_PER_BLOCK), 256, _stream(device), y.data_ptr(), out.data_ptr(), rows, slots,
+            _blocks(rows, 256 // row_threads), 256, _stream(device), y.data_ptr(), out.data_ptr(), rows, slots,
             _ptr(weights), sorted_slots.data_ptr(), _ptr(slot_values), _ptr(slot_of_pair) if with_values else 0,
             pair_values.data_ptr() if with_values else 0)
     return out, pair_values
@@ -314,12 +322,13 @@ def specializations(hidden: int, topk: int, experts: int, dtype: str = "bf16") -
     vec = 16 // element if hidden % (16 // element) == 0 else 1
     rows = {"EP_DTYPE": ROW_DTYPES[SHAPE_DTYPES[dtype]], "EP_PACKS": hidden // vec, "EP_TOPK": topk, "EP_VEC": vec}
     for weighted, pair_values in ((1, 0), (0, 0), (0, 1)):
-        out.append(KernelSource.of("unpermute_sum.cu", {**rows, "EP_WEIGHTED": weighted, "EP_PAIR_VALUES": pair_values}))
+        out.append(KernelSource.of("unpermute_sum.cu", {**rows, "EP_WEIGHTED": weighted, "EP_PAIR_VALUES": pair_values,
+                                                        "EP_ROW_THREADS": reduce_row_threads(hidden // vec)}))
     for weighted, grad_y, grad_w in ((1, 1, 1), (1, 1, 0), (1, 0, 1), (0, 1, 0)):
         out.append(KernelSource.of("unpermute_sum_backward.cu", {**rows, "EP_WEIGHTED": weighted, "EP_GRAD_Y": grad_y,
                                                                  "EP_GRAD_W": grad_w}))
     return out
 
 
-__all__ = ["MAX_EXPERTS", "SHAPE_DTYPES", "expert_layout", "pack_elements", "permute_rows", "row_word_bytes",
-           "specializations", "unpermute_sum", "unpermute_sum_backward"]
+__all__ = ["MAX_EXPERTS", "SHAPE_DTYPES", "expert_layout", "pack_elements", "permute_rows", "reduce_row_threads",
+           "row_word_bytes", "specializations", "unpermute_sum", "unpermute_sum_backward"]
