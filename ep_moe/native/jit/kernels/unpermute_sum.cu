@@ -4,8 +4,8 @@
 // given), 256 threads per block.
 // Specialization: EP_DTYPE (0 bf16, 1 fp32), EP_VEC (elements per 16-byte pack, 1 when the hidden size or a
 // pointer does not allow packs), EP_PACKS (H / EP_VEC), EP_TOPK (K), EP_WEIGHTED and EP_PAIR_VALUES (0/1),
-// EP_ROW_THREADS (32, 64, 128 or 256). A compile-time K keeps a row's slots and weights in registers and issues its
-// K loads together; more threads per row put more of a row's loads in flight at once (each thread sums its own
+// EP_ROW_THREADS (32, 64, 128 or 256). A compile-time K keeps a row's weights in registers and issues its K loads
+// together; more threads per row put more of a row's loads in flight at once (each thread sums its own
 // packs, so the result does not depend on the thread count).
 #include "ep_jit.cuh"
 
@@ -37,14 +37,12 @@ ep_unpermute_sum(const P* __restrict__ y, P* __restrict__ out, i64 num_rows, i64
   const i64 row = static_cast<i64>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kRowThreads;
   if (row >= num_rows) return;
   const int lane = threadIdx.x % kRowThreads;
-  i64 slot[kTopk];
+  const i64* row_slots = sorted_slots + row * kTopk;
   float w[kTopk];
 #pragma unroll
   for (int j = 0; j < kTopk; ++j) {
-    const i64 s = __ldg(sorted_slots + row * kTopk + j);
-    const bool ok = s >= 0 && s < num_slots;
-    slot[j] = ok ? s : -1;
-    w[j] = (EP_WEIGHTED && ok) ? __ldg(weights + s) : 1.0f;
+    const i64 s = __ldg(row_slots + j);
+    w[j] = (EP_WEIGHTED && s >= 0 && s < num_slots) ? __ldg(weights + s) : 1.0f;
   }
   P* dst = out + row * kPacks;
   for (i64 c = lane; c < kPacks; c += kRowThreads) {
@@ -53,8 +51,11 @@ ep_unpermute_sum(const P* __restrict__ y, P* __restrict__ out, i64 num_rows, i64
     for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
 #pragma unroll
     for (int j = 0; j < kTopk; ++j) {
-      if (slot[j] < 0) continue;
-      const P term = y[slot[j] * kPacks + c];
+      // the slot read again per pack (an L1 hit) rather than held in registers: fewer registers, more warps
+      // resident, faster on large inputs
+      const i64 s = __ldg(row_slots + j);
+      if (s < 0 || s >= num_slots) continue;
+      const P term = y[s * kPacks + c];
 #pragma unroll
       for (int v = 0; v < kVec; ++v)
         acc[v] = EP_WEIGHTED ? __fadd_rn(acc[v], __fmul_rn(w[j], to_f32(term.v[v]))) : __fadd_rn(acc[v], to_f32(term.v[v]));
