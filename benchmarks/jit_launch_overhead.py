@@ -221,8 +221,8 @@ def main() -> None:
 
     J._function, J._on, J._stream, J._device_of = (fake_function, lambda d: contextlib.nullcontext(),
                                                    lambda d: 0, lambda t: 0)
-    if hasattr(J, "_resident_blocks"):  # the cooperative layout (since 2026-12-02): occupancy, capture check, memset
-        J._resident_blocks, J._capturing = (lambda fn, device: 264), (lambda: False)
+    if hasattr(J, "_resident_blocks"):  # the cooperative layout (since 2026-12-02): occupancy and memset
+        J._resident_blocks = lambda fn, device: 264
         fake_memset_driver()
     T, H, K, L = 64, 64, 8, 32  # small: the host path does not depend on the sizes, CPU allocation would
     x, values = torch.empty(T, H, dtype=torch.bfloat16), torch.rand(T * K)

@@ -422,3 +422,24 @@ def test_the_implementation_choice(monkeypatch, env, extension, jit_ok, triton, 
     assert P.kernel_implementation(SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) == want
     assert P.kernel_implementation(SimpleNamespace(is_cuda=True, dtype=torch.float64)) == "torch"
     assert P.kernel_implementation(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16)) == "torch"
+
+
+def test_word_and_pack_widths_follow_every_address_and_the_row_size():
+    """`row_word_bytes` / `pack_elements` (one bitwise OR of the addresses) against their definition: the widest
+    word dividing the row bytes and every address, and 16-byte packs only where the hidden size and every address
+    allow them; views at byte offsets 0-17 of one buffer give every alignment."""
+    base = torch.zeros(4096, dtype=torch.uint8)
+    views = [base[offset:] for offset in range(18)]
+    for row_bytes in (1, 2, 3, 4, 6, 8, 12, 16, 32, 14336):
+        for a in views[::3]:
+            for b in views:
+                want = next(w for w in (16, 4, 2, 1) if row_bytes % w == 0 and a.data_ptr() % w == 0
+                            and b.data_ptr() % w == 0)
+                assert J.row_word_bytes(row_bytes, a, b) == want, (row_bytes, a.data_ptr() % 16, b.data_ptr() % 16)
+    for element_size, hidden in ((2, 7168), (2, 6), (4, 37), (4, 8)):
+        vec = 16 // element_size
+        for a in views[::4]:
+            for b in (None, *views[::5]):
+                aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (a, b))
+                want = vec if hidden % vec == 0 and aligned else 1
+                assert J.pack_elements(element_size, hidden, a, b) == want

@@ -72,8 +72,11 @@ def _blocks(n: int, per_block: int) -> int:
 
 def row_word_bytes(row_bytes: int, *tensors: Tensor) -> int:
     """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every tensor's address."""
+    bits = row_bytes  # a power of two divides every one of them iff it divides their bitwise OR
+    for t in tensors:
+        bits |= t.data_ptr()
     for word in (16, 4, 2):
-        if row_bytes % word == 0 and all(t.data_ptr() % word == 0 for t in tensors):
+        if bits % word == 0:
             return word
     return 1
 
@@ -81,9 +84,11 @@ def row_word_bytes(row_bytes: int, *tensors: Tensor) -> int:
 def pack_elements(element_size: int, hidden: int, *tensors: Tensor | None) -> int:
     """Elements per 16-byte pack when ``hidden`` and every address allow it, else 1."""
     vec = 16 // element_size
-    if hidden % vec == 0 and all(t is None or t.data_ptr() % 16 == 0 for t in tensors):
-        return vec
-    return 1
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return vec if hidden % vec == 0 and bits % 16 == 0 else 1
 
 
 # ------------------------------------------------------------------------------------------ layout
