@@ -217,3 +217,35 @@ def test_cooperative_launch_packs_like_launch_and_names_a_refusal(monkeypatch):
     seen["status"] = 720
     with pytest.raises(DriverError, match=r"cuLaunchCooperativeKernel\(coop, grid=1000, block=256"):
         f.launch_cooperative(1000, 256, 0, 1, 2, 3)
+
+
+def test_per_device_makes_one_object_per_device_under_racing_threads():
+    """`jit.PerDevice`: eight threads asking for the same device at once get one object, made once; another device
+    gets its own; after a clear (tests) the next lookup makes a new one."""
+    import threading
+    import time
+
+    made = []
+
+    def make(device: int) -> object:
+        time.sleep(0.01)  # widen the window in which a second maker could slip in
+        made.append(device)
+        return object()
+
+    per_device = jit.PerDevice(make)
+    start = threading.Barrier(8)
+    got: list[object] = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(per_device.of(0))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == [0] and all(g is got[0] for g in got)
+    assert per_device.of(1) is not got[0] and made == [0, 1]
+    per_device.clear()
+    assert per_device.of(0) is not got[0] and made == [0, 1, 0]

@@ -200,11 +200,30 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+class PerDevice(dict):
+    """Objects made once per device by ``make(device)`` at first use, under a lock, so that two threads never make
+    two; the lookup of one already made is a plain dict read. Clearing it (tests) makes them again."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+        self._lock = threading.Lock()
+
+    def of(self, device: int):
+        found = self.get(device)
+        if found is None:
+            with self._lock:
+                found = self.get(device)
+                if found is None:
+                    found = self[device] = self._make(device)
+        return found
+
+
 def history() -> list[LoadEvent]:
     """What this process built or read, in order (for reports: the compile time of each kernel)."""
     return list(_history)
 
 
 __all__ = ["FLAGS", "KERNELS_DIR", "CompileError", "Compiler", "JitUnavailable", "KernelCache", "KernelSource",
-           "LoadEvent", "available", "build", "cache_key", "compiler", "default_cache_dir", "device_arch",
+           "LoadEvent", "PerDevice", "available", "build", "cache_key", "compiler", "default_cache_dir", "device_arch",
            "history", "key_inputs", "mode", "module", "process_cache", "set_cache_dir", "unavailable_reason"]

@@ -21,7 +21,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import KernelSource, module
+from . import KernelSource, PerDevice, module
 from . import params as P
 from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, prepared_args
@@ -94,21 +94,16 @@ class _Kernels:
         self.checked = True
 
 
-_kernels: dict[int, _Kernels] = {}
-_lock = threading.Lock()
+_kernels: PerDevice = PerDevice(_Kernels)
+_check_lock = threading.Lock()
 
 
 def kernels(device: int) -> _Kernels:
     """The kernels on ``device`` (compiled or read from the cache and loaded at first use; checked at the first use
     outside a CUDA graph capture)."""
-    found = _kernels.get(device)
-    if found is None:
-        with _lock:
-            found = _kernels.get(device)
-            if found is None:
-                found = _kernels[device] = _Kernels(device)
+    found = _kernels.of(device)
     if not found.checked and not torch.cuda.is_current_stream_capturing():
-        with _lock:
+        with _check_lock:
             if not found.checked:
                 found.check()
     return found

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import KernelSource, module, process_cache
+from . import KernelSource, PerDevice, module, process_cache
 from . import params as P
 from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
 from .cubin import find_kernel, function_symbols
@@ -124,20 +124,13 @@ class _Kernels:
                    for name, fragment in KERNELS.items()}
 
 
-_kernels: dict[int, _Kernels] = {}
-_lock = threading.Lock()
+_kernels: PerDevice = PerDevice(_Kernels)
 LAUNCHES: dict[str, int] = dict.fromkeys(KERNELS, 0)  # kernels this process launched through this module, by name
 
 
 def kernels(device: int) -> _Kernels:
     """The kernels on ``device`` (compiled or read from the cache, loaded and checked at first use)."""
-    found = _kernels.get(device)
-    if found is None:
-        with _lock:
-            found = _kernels.get(device)
-            if found is None:
-                found = _kernels[device] = _Kernels(device)
-    return found
+    return _kernels.of(device)
 
 
 def _launch(device: int, name: str, grid: int, block: int, *params, shared_bytes: int = 0) -> None:
