@@ -124,45 +124,46 @@ class Function:
         self._launch_cooperative = cooperative_fn
         self.max_dynamic_shared = max_dynamic_shared
 
+    def _enter_context(self) -> None:
+        """Make this function's device's primary context current on this thread, once per thread and device (a
+        thread that has not touched CUDA through the runtime yet may have no current context)."""
+        if self.device is not None and getattr(_thread, "device", None) != self.device:
+            driver().use_primary_context(self.device)
+            _thread.device = self.device
+
+    def _pack(self, args: tuple) -> None:
+        """``args`` into the argument buffer (under the function's lock); a wrong count or kind is a TypeError."""
+        try:
+            self._struct.pack_into(self._view, 0, *args)
+        except struct.error as exc:
+            raise TypeError(f"jit: {self.name} takes {len(self._params)} arguments of kinds "
+                            f"{self._struct.format}: {exc}") from None
+
     def launch(self, grid: int | tuple[int, int, int], block: int, stream: int, *args: int | float,
                shared_bytes: int = 0) -> None:
         """Enqueue on ``stream`` (a ``cudaStream_t`` as int, e.g. ``torch.cuda.current_stream().cuda_stream``).
         Raises `DriverError` when the launch is refused."""
-        if self.device is not None and getattr(_thread, "device", None) != self.device:
-            # a thread that has not touched CUDA through the runtime yet may have no current context
-            driver().use_primary_context(self.device)
-            _thread.device = self.device
+        self._enter_context()
         gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
         with self._lock:
-            try:
-                self._struct.pack_into(self._view, 0, *args)
-            except struct.error as exc:
-                raise TypeError(f"jit: {self.name} takes {len(self._params)} arguments of kinds "
-                                f"{self._struct.format}: {exc}") from None
+            self._pack(args)
             status = self._launch(self.handle, gx, gy, gz, block, 1, 1, shared_bytes, ctypes.c_void_p(stream),
                                   self._params, None)
         if status != CUDA_SUCCESS:
             driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
                                    f"shared={shared_bytes})")
 
-
     def launch_cooperative(self, grid: int, block: int, stream: int, *args: int | float, shared_bytes: int = 0) -> None:
         """`launch` through ``cuLaunchCooperativeKernel``: the driver starts every block at once or refuses, so the
         kernel may wait for all of its blocks (a grid barrier) even while other kernels hold SMs. ``grid`` must be
         at most `max_active_blocks` times the device's SM count (`multiprocessor_count`). Raises `DriverError`
         when the launch is refused (e.g. ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``)."""
-        if self.device is not None and getattr(_thread, "device", None) != self.device:
-            driver().use_primary_context(self.device)
-            _thread.device = self.device
+        self._enter_context()
         launch = self._launch_cooperative
         if launch is None:
             launch = self._launch_cooperative = driver().lib.cuLaunchCooperativeKernel
         with self._lock:
-            try:
-                self._struct.pack_into(self._view, 0, *args)
-            except struct.error as exc:
-                raise TypeError(f"jit: {self.name} takes {len(self._params)} arguments of kinds "
-                                f"{self._struct.format}: {exc}") from None
+            self._pack(args)
             status = launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), self._params)
         if status != CUDA_SUCCESS:
             driver().check(status, f"cuLaunchCooperativeKernel({self.name}, grid={grid}, block={block}, "
@@ -184,9 +185,7 @@ class Function:
         """Enqueue with ``args``, an array of pointers to the arguments built once by the caller (`prepared_args`)
         for structs it reuses across launches (the driver copies the arguments during the call). Raises
         `DriverError` when refused."""
-        if self.device is not None and getattr(_thread, "device", None) != self.device:
-            driver().use_primary_context(self.device)
-            _thread.device = self.device
+        self._enter_context()
         status = self._launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), args, None)
         if status != CUDA_SUCCESS:
             driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
@@ -197,9 +196,7 @@ class Function:
         """Enqueue a kernel whose arguments are passed by value as ctypes objects (``params``: parameter struct
         mirrors, or ``ctypes.c_uint64`` pointers; the driver copies them during the call, so no lock is needed).
         Raises `DriverError` when refused."""
-        if self.device is not None and getattr(_thread, "device", None) != self.device:
-            driver().use_primary_context(self.device)
-            _thread.device = self.device
+        self._enter_context()
         args = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
         status = self._launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), args, None)
         if status != CUDA_SUCCESS:
