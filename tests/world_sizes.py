@@ -1,0 +1,36 @@
+"""Several world sizes in one spawned job (tests/ is on sys.path: pytest puts conftest.py's folder there).
+
+A spawned CPU rank costs seconds (its interpreter imports torch and the test module) while a multi-rank case
+of the core tests takes less, so a test that covers world sizes 2, 3, 4 and 8 spawns the largest size once:
+that size runs on the whole group, each smaller size ``n`` on the subgroup of ranks ``[0, n)``, one size after
+the other (the ranks outside a subgroup wait for nothing: they return when their sizes are done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ep_moe.distributed import run_distributed
+
+
+def run_world_sizes(worker: Callable, sizes: Sequence[int], *args: Any, timeout_s: float = 120.0,
+                    join_timeout_s: float = 600.0) -> dict[int, list[Any]]:
+    """``worker(rank, num_ranks, group, *args)`` once per world size in ``sizes`` (each ``>= 1``), on
+    ``max(sizes)`` spawned ranks: ``group`` is None (the default group, as torch.distributed and ep_moe's buffers
+    read it) for the largest size, the subgroup of ranks ``[0, num_ranks)`` for the others, and ``rank`` the rank
+    in it. ``worker`` must be importable (module level)
+    and must pass ``group`` to everything collective. Returns ``{num_ranks: [every rank's value, by rank]}``;
+    raises `ep_moe.distributed.RankFailures` as `run_distributed` does."""
+    order = sorted(set(sizes), reverse=True)
+    results = run_distributed(_sizes_worker, order[0], worker, order, args, timeout_s=timeout_s,
+                              join_timeout_s=join_timeout_s)
+    return {n: [results[r][n] for r in range(n)] for n in sizes}
+
+
+def _sizes_worker(rank: int, world_size: int, worker: Callable, order: list[int], args: tuple) -> dict[int, Any]:
+    # new_group is collective over the whole group: every rank creates every subgroup, in the same order.
+    groups = {n: None if n == world_size else dist.new_group(list(range(n))) for n in order}
+    return {n: worker(rank, n, groups[n], *args) for n in order if rank < n}
