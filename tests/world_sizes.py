@@ -31,6 +31,14 @@ def run_world_sizes(worker: Callable, sizes: Sequence[int], *args: Any, timeout_
 
 
 def _sizes_worker(rank: int, world_size: int, worker: Callable, order: list[int], args: tuple) -> dict[int, Any]:
-    # new_group is collective over the whole group: every rank creates every subgroup, in the same order.
-    groups = {n: None if n == world_size else dist.new_group(list(range(n))) for n in order}
+    groups = {n: None if n == world_size else _first_ranks(n, world_size) for n in order}
     return {n: worker(rank, n, groups[n], *args) for n in order if rank < n}
+
+
+def _first_ranks(n: int, world_size: int):
+    """The group of ranks ``[0, n)`` on its members (collective over the whole group). Each rank joins one group of
+    the partition ``[0, n)``, ``[n, world_size)``, so that every rank holds as many process groups as its peers:
+    torch names a group made with ``use_local_synchronization`` (ep_moe's hybrid backend makes its hop groups so)
+    by its ranks and the number of groups this process holds, which must agree on every member."""
+    group, _ = dist.new_subgroups_by_enumeration([list(range(n)), list(range(n, world_size))])
+    return group
