@@ -302,13 +302,13 @@ def _dispatch_worker(rank: int, num_ranks: int, group: dist.ProcessGroup) -> int
     return checked
 
 
-WORLD_SIZES = (2, 3, 4, 8)
-
-
 @pytest.fixture(scope="module")
-def checked_by_world_size() -> dict[int, list[int]]:
-    """Every world size's run, in one spawned job of 8 ranks (2, 3 and 4 on subgroups of it)."""
-    return run_world_sizes(_dispatch_worker, WORLD_SIZES, join_timeout_s=300)
+def checked_by_world_size(request) -> dict[int, list[int]]:
+    """The selected world sizes' runs in one spawned job of the largest (8 unless ``-m "not slow"`` leaves it
+    out), the smaller sizes on subgroups of it."""
+    selected = {item.callspec.params["num_ranks"] for item in request.session.items
+                if item.module is request.module and "checked_by_world_size" in item.fixturenames}
+    return run_world_sizes(_dispatch_worker, sorted(selected), join_timeout_s=300)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
