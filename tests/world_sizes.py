@@ -9,11 +9,12 @@ the other (the ranks outside a subgroup wait for nothing: they return when their
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ep_moe.distributed import run_distributed
+from ep_moe.distributed import free_port, run_distributed
 
 
 def run_world_sizes(worker: Callable, sizes: Sequence[int], *args: Any, timeout_s: float = 120.0,
@@ -42,3 +43,17 @@ def _first_ranks(n: int, world_size: int):
     by its ranks and the number of groups this process holds, which must agree on every member."""
     group, _ = dist.new_subgroups_by_enumeration([list(range(n)), list(range(n, world_size))])
     return group
+
+
+def continue_alone(rank: int, timeout_s: float = 300.0) -> bool:
+    """For code that runs on the default group (the trainer) and needs a one-rank world after a multi-rank one,
+    without spawning another interpreter. Collective over the default group: every rank waits for the others
+    and leaves it; rank 0 then joins a new default group of its own (world size 1) and gets True, the others get
+    False (they have no group left and should return). The launcher destroys the one-rank group at the end."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return False
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=timeout_s))
+    return True

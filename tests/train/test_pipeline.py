@@ -25,6 +25,7 @@ import os
 import locations
 import pytest
 import torch
+from world_sizes import continue_alone
 
 from ep_moe.distributed import run_distributed
 
@@ -65,11 +66,14 @@ def _converge(rank: int, world: int, tmp: str) -> dict:
 def _two_ranks(rank: int, world: int, tmp: str) -> dict:
     """Every 2-rank run of this file, in one spawned group (a spawn costs more than most of these runs): the
     convergence runs, the checkpoint runs (in ``tmp/checkpoints``), and the 2-rank references of the
-    data-parallel-per-stage test (EP 1 and 2)."""
+    data-parallel-per-stage test (EP 1 and 2); then rank 0 alone, in a world of one rank, the one-stage
+    reference of the convergence runs."""
     out = {"converge": _converge(rank, world, tmp)}
     os.makedirs(os.path.join(tmp, "checkpoints"), exist_ok=True)
     out["checkpoints"] = _checkpoints(rank, world, os.path.join(tmp, "checkpoints"))
     out["dp_per_stage"] = {ep: _pipeline_with_data_parallel(rank, world, tmp, DP_PER_STAGE_STEPS, ep) for ep in EPS}
+    if continue_alone(rank):
+        out["one_rank"] = _one_rank(0, 1, tmp)
     return out
 
 
@@ -90,7 +94,7 @@ def two_ranks(tmp_path_factory) -> tuple[str, list[dict]]:
 def test_pipeline_converges_like_one_stage_and_zero1_equals_all_reduce(two_ranks):
     tmp, results = two_ranks
     two = [r["converge"] for r in results]
-    one = run_distributed(_one_rank, 1, tmp, timeout_s=300, join_timeout_s=600)[0]
+    one = results[0]["one_rank"]
     pp1, pp2 = one["pp1"], two[0]["pp2"]
     assert two[0]["pp2"] == two[1]["pp2"], "both stages report the same losses"
     assert len(pp1) == len(pp2) == STEPS
