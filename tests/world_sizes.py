@@ -1,9 +1,11 @@
 """Several world sizes in one spawned job (tests/ is on sys.path: pytest puts conftest.py's folder there).
 
 A spawned CPU rank costs seconds (its interpreter imports torch and the test module) while a multi-rank case
-of the core tests takes less, so a test that covers world sizes 2, 3, 4 and 8 spawns the largest size once:
-that size runs on the whole group, each smaller size ``n`` on the subgroup of ranks ``[0, n)``, one size after
-the other (the ranks outside a subgroup wait for nothing: they return when their sizes are done).
+of the core tests takes less, so a test that covers world sizes 2, 3, 4 and 8 spawns the largest size once
+(`run_world_sizes`): that size runs on the whole group, each smaller size ``n`` on the subgroup of ranks
+``[0, n)``, one size after the other (a rank outside the remaining subgroups returns when its sizes are done).
+Code that runs on the default group (the trainer) gets a one-rank world after a multi-rank one in rank 0 of the
+same job (`continue_alone`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ def run_world_sizes(worker: Callable, sizes: Sequence[int], *args: Any, timeout_
     """``worker(rank, num_ranks, group, *args)`` once per world size in ``sizes`` (each ``>= 1``), on
     ``max(sizes)`` spawned ranks: ``group`` is None (the default group, as torch.distributed and ep_moe's buffers
     read it) for the largest size, the subgroup of ranks ``[0, num_ranks)`` for the others, and ``rank`` the rank
-    in it. ``worker`` must be importable (module level)
-    and must pass ``group`` to everything collective. Returns ``{num_ranks: [every rank's value, by rank]}``;
+    in it. ``worker`` must be importable (module level) and must pass ``group`` to everything collective. Returns ``{num_ranks: [every rank's value, by rank]}``;
     raises `ep_moe.distributed.RankFailures` as `run_distributed` does."""
     order = sorted(set(sizes), reverse=True)
     results = run_distributed(_sizes_worker, order[0], worker, order, args, timeout_s=timeout_s,
