@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support_core import expect_raises
+from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 from ep_moe.agrs import (
@@ -51,10 +52,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _torch_all_gather(t: torch.Tensor, num_ranks: int) -> torch.Tensor:
+def _torch_all_gather(t: torch.Tensor, num_ranks: int, group) -> torch.Tensor:
     """torch.distributed's all-gather of ``t`` as bytes (so every dtype goes through gloo)."""
     parts = [torch.empty_like(_bits(t)) for _ in range(num_ranks)]
-    dist.all_gather(parts, _bits(t).clone())
+    dist.all_gather(parts, _bits(t).clone(), group=group)
     return torch.stack(parts)
 
 
@@ -74,8 +75,8 @@ def _adversarial(dtype: torch.dtype, num_ranks: int, shape: tuple, rank: int, sa
     return (torch.randn((num_ranks, *shape), generator=gen) * mags).to(dtype)
 
 
-def _sessions(rank: int, num_ranks: int) -> dict:
-    eb = ElasticBuffer(num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
+def _sessions(rank: int, num_ranks: int, group) -> dict:
+    eb = ElasticBuffer(group, num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
     eb.agrs_set_config(64 * 1024, 10)
     checked, order_sensitive, inplace_ptrs = 0, 0, []
     for session in range(3):  # the later sessions reuse the memory of the first
@@ -96,7 +97,7 @@ def _sessions(rank: int, num_ranks: int) -> dict:
         handle()  # idempotent
         for t, g in zip(tensors, gathered):
             assert g.shape == (num_ranks, *t.shape) and g.dtype == t.dtype, (g.shape, t.shape)
-            want = _torch_all_gather(t, num_ranks)
+            want = _torch_all_gather(t, num_ranks, group)
             assert all(torch.equal(_bits(g[i]), want[i]) for i in range(num_ranks)), f"{t.dtype}{tuple(t.shape)}"
             checked += 1
         # In-place: written in this rank's slot, gathered with no copy.
@@ -143,7 +144,7 @@ def _sessions(rank: int, num_ranks: int) -> dict:
         shard, handle = eb.reduce_scatter(x)
         handle()
         ref = torch.empty(6)
-        dist.reduce_scatter_tensor(ref, x.reshape(-1).clone())
+        dist.reduce_scatter_tensor(ref, x.reshape(-1).clone(), group=group)
         assert torch.equal(shard, ref)
         checked += 1
         eb.destroy_agrs_session()
@@ -153,17 +154,31 @@ def _sessions(rank: int, num_ranks: int) -> dict:
     return {"checked": checked, "order_sensitive": order_sensitive}
 
 
+def _all_workers(rank: int, num_ranks: int, group) -> dict:
+    """The sessions and, at up to 3 ranks, the misuse checks at this world size (one spawned job of 4 ranks)."""
+    out = {"sessions": _sessions(rank, num_ranks, group)}
+    if num_ranks <= 3:
+        out["misuse"] = _misuse(rank, num_ranks, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def by_world_size() -> dict[int, list[dict]]:
+    """`_all_workers` at 1, 2, 3 and 4 ranks: 4 spawned ranks, the smaller sizes on subgroups of them."""
+    return run_world_sizes(_all_workers, (1, 2, 3, 4))
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_all_gather_reduce_scatter_sessions(num_ranks):
-    results = run_distributed(_sessions, num_ranks)
+def test_all_gather_reduce_scatter_sessions(by_world_size, num_ranks):
+    results = [r["sessions"] for r in by_world_size[num_ranks]]
     per_session = len(GATHER_CASES) + 3 + 2 + 4 + 1
     assert [r["checked"] for r in results] == [2 * per_session] * num_ranks
     if num_ranks >= 3:  # the reduce-scatter check is meaningful: some shard rounds differently in reverse order
         assert sum(r["order_sensitive"] for r in results) > 0
 
 
-def _misuse(rank: int, num_ranks: int) -> list[str]:
-    eb = ElasticBuffer(num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
+def _misuse(rank: int, num_ranks: int, group) -> list[str]:
+    eb = ElasticBuffer(group, num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
     seen = []
 
     expect = functools.partial(expect_raises, seen, rank, AGRSError)
@@ -233,8 +248,8 @@ def _misuse(rank: int, num_ranks: int) -> list[str]:
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3])
-def test_misuse_raises_named_errors(num_ranks):
-    results = run_distributed(_misuse, num_ranks)
+def test_misuse_raises_named_errors(by_world_size, num_ranks):
+    results = [r["misuse"] for r in by_world_size[num_ranks]]
     names = {"AGRSConfigError", "AGRSSessionError", "AGRSTensorError", "AGRSCapacityError"}
     if num_ranks > 1:
         names.add("AGRSMismatchError")

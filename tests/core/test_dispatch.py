@@ -1,9 +1,9 @@
 """Core dispatch/combine on the torch backend over gloo, checked bit for bit against the
 single-process reference (`ep_moe.reference`) on random and adversarial routings (docs/semantics.md).
 
-Each spawned group (2, 3 and 4 ranks) runs every case of `_cases`; every rank regenerates all
-ranks' inputs from the case seed and checks its own outputs. A mismatch raises at once with the case
-name, so the peers fail fast (their next collective sees the closed connection).
+Each group (8 spawned ranks, then subgroups of 2, 3 and 4 of them) runs every case of `_cases`; every rank
+regenerates all ranks' inputs from the case seed and checks its own outputs. A mismatch raises at once with
+the case name, so the peers fail fast (their next collective sees the closed connection).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from support_core import (
     make_inputs,
     small_ints,
 )
+from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, DispatchHandle, EventOverlap
 from ep_moe.backends.base import DispatchResult
-from ep_moe.distributed import run_distributed
 from ep_moe.reference import reference_combine, reference_dispatch, reference_layout
 
 TOKENS = (33, 7, 1, 16, 0, 12, 5, 9)  # different T per rank, multiples of nothing
@@ -149,7 +149,7 @@ def _run_case(buffer: Buffer, rank: int, num_ranks: int, case: Case, seed: int) 
                            float((idx >= 0).sum()), float(sum(refs[1][rank].num_recv_tokens_per_expert)),
                            float(w.double()[idx >= 0].sum()), float(exact_out[2].double().sum())],
                           dtype=torch.float64)
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=buffer.group)
     sent, received, sum_sent, sum_received, pairs_sent, pairs_received, w_sent, w_received = totals.tolist()
     check(sent == received, where, f"rows sent {sent} != rows received {received}")
     check(sum_sent == sum_received, where, f"checksum sent {sum_sent} != received {sum_received}")
@@ -291,8 +291,8 @@ def _api_case(buffer: Buffer, rank: int, num_ranks: int) -> None:
     buffer.barrier()
 
 
-def _dispatch_worker(rank: int, num_ranks: int) -> int:
-    buffer = Buffer(backend="torch", timeout_s=30)
+def _dispatch_worker(rank: int, num_ranks: int, group: dist.ProcessGroup) -> int:
+    buffer = Buffer(group, backend="torch", timeout_s=30)
     checked = 0
     for seed, case in enumerate(_cases(num_ranks), start=1):
         checked += _run_case(buffer, rank, num_ranks, case, seed)
@@ -302,10 +302,18 @@ def _dispatch_worker(rank: int, num_ranks: int) -> int:
     return checked
 
 
+@pytest.fixture(scope="module")
+def checked_by_world_size(request) -> dict[int, list[int]]:
+    """The selected world sizes' runs in one spawned job of the largest (8 unless ``-m "not slow"`` leaves it
+    out), the smaller sizes on subgroups of it."""
+    selected = {item.callspec.params["num_ranks"] for item in request.session.items
+                if item.module is request.module and "checked_by_world_size" in item.fixturenames}
+    return run_world_sizes(_dispatch_worker, sorted(selected), join_timeout_s=300)
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
-def test_dispatch_combine_equal_reference(num_ranks: int) -> None:
-    checked = run_distributed(_dispatch_worker, num_ranks, join_timeout_s=150)
-    assert checked == [len(_cases(num_ranks))] * num_ranks
+def test_dispatch_combine_equal_reference(checked_by_world_size, num_ranks: int) -> None:
+    assert checked_by_world_size[num_ranks] == [len(_cases(num_ranks))] * num_ranks
 
 
 # ------------------------------------------------------------------------------ in-process API details

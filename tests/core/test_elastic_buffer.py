@@ -12,10 +12,10 @@ import gc
 import pytest
 import torch
 from support_core import Case, check, check_bits, check_equal, make_inputs
+from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, ElasticBuffer, EventOverlap, ops
 from ep_moe.buffer import buffer_by_id
-from ep_moe.distributed import run_distributed
 from ep_moe.expert_major import expert_combine, expert_dispatch
 from ep_moe.permute import max_slots
 from ep_moe.reference import (
@@ -182,9 +182,9 @@ def _expanded(eb: ElasticBuffer, rank: int, num_ranks: int, case: Case, seed: in
     return 1
 
 
-def _single_reduction(rank: int, num_ranks: int) -> None:
+def _single_reduction(rank: int, num_ranks: int, group) -> None:
     """``allow_multiple_reduction=False``: the expanded combine sums every row once at the source."""
-    eb = ElasticBuffer(None, allow_multiple_reduction=False, backend="torch", num_gpu_timeout_secs=60)
+    eb = ElasticBuffer(group, allow_multiple_reduction=False, backend="torch", num_gpu_timeout_secs=60)
     case = _cases(num_ranks)[0]
     inp = make_inputs(case, num_ranks, 77)
     refs = reference_expert_dispatch(inp.xs, inp.idxs, inp.weights, case.experts, case.alignment)
@@ -278,8 +278,8 @@ def _fp8(eb: ElasticBuffer, rank: int, num_ranks: int, seed: int) -> int:
     return 1
 
 
-def _worker(rank: int, num_ranks: int) -> int:
-    eb = ElasticBuffer(None, num_max_tokens_per_rank=0, backend="torch", num_gpu_timeout_secs=60)
+def _worker(rank: int, num_ranks: int, group) -> int:
+    eb = ElasticBuffer(group, num_max_tokens_per_rank=0, backend="torch", num_gpu_timeout_secs=60)
     check(eb.num_ranks == num_ranks and eb.rank == rank and eb.num_bytes % (2 << 20) == 0, f"R={rank}", "attrs")
     checked = 0
     for seed, case in enumerate(_cases(num_ranks), start=1):
@@ -289,15 +289,29 @@ def _worker(rank: int, num_ranks: int) -> int:
     checked += _fp8(eb, rank, num_ranks, 77)
     _gradients(eb, rank, num_ranks)
     if num_ranks > 1:
-        _single_reduction(rank, num_ranks)
+        _single_reduction(rank, num_ranks, group)
     eb.barrier(with_cpu_sync=True)
     eb.destroy()
     return checked
 
 
+def _all_workers(rank: int, num_ranks: int, group) -> dict:
+    """Every multi-rank check of this file at this world size (one spawned job of 4 ranks runs them all)."""
+    out = {"equal": _worker(rank, num_ranks, group)}
+    if num_ranks == 1:
+        out["errors"] = _errors_worker(rank, num_ranks, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def by_world_size() -> dict[int, list[dict]]:
+    """`_all_workers` at 1, 2, 3 and 4 ranks: 4 spawned ranks, the smaller sizes on subgroups of them."""
+    return run_world_sizes(_all_workers, (1, 2, 3, 4), join_timeout_s=600)
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_elastic_buffer_equals_the_reference(num_ranks: int) -> None:
-    checked = run_distributed(_worker, num_ranks, join_timeout_s=300)
+def test_elastic_buffer_equals_the_reference(by_world_size, num_ranks: int) -> None:
+    checked = [r["equal"] for r in by_world_size[num_ranks]]
     assert checked == [2 * len(_cases(num_ranks)) + 1] * num_ranks
 
 
@@ -310,15 +324,15 @@ def _raises(fn, name: str) -> None:
         raise AssertionError(f"no ValueError naming {name!r}")
 
 
-def _errors_worker(rank: int, num_ranks: int) -> bool:
-    _raises(lambda: ElasticBuffer(None, num_cpu_bytes=-1, backend="torch"), "num_cpu_bytes")
-    _raises(lambda: ElasticBuffer(None, num_bytes=12345, backend="torch"), "num_bytes")
-    _raises(lambda: ElasticBuffer(None, backend="nccl"), "backend")
-    _raises(lambda: ElasticBuffer(None, num_gpu_timeout_secs=0, backend="torch"), "num_gpu_timeout_secs")
-    hint = ElasticBuffer.get_buffer_size_hint(None, 128, 256, num_topk=4)
+def _errors_worker(rank: int, num_ranks: int, group) -> bool:
+    _raises(lambda: ElasticBuffer(group, num_cpu_bytes=-1, backend="torch"), "num_cpu_bytes")
+    _raises(lambda: ElasticBuffer(group, num_bytes=12345, backend="torch"), "num_bytes")
+    _raises(lambda: ElasticBuffer(group, backend="nccl"), "backend")
+    _raises(lambda: ElasticBuffer(group, num_gpu_timeout_secs=0, backend="torch"), "num_gpu_timeout_secs")
+    hint = ElasticBuffer.get_buffer_size_hint(group, 128, 256, num_topk=4)
     assert hint % (2 << 20) == 0 and hint >= Buffer.get_buffer_size_hint(128, 256, num_ranks, 4)
-    assert ElasticBuffer.get_buffer_size_hint(None, 128, 256, 4, allow_multiple_reduction=False) >= hint
-    eb = ElasticBuffer(None, num_max_tokens_per_rank=128, hidden=256, num_topk=4, backend="torch",
+    assert ElasticBuffer.get_buffer_size_hint(group, 128, 256, 4, allow_multiple_reduction=False) >= hint
+    eb = ElasticBuffer(group, num_max_tokens_per_rank=128, hidden=256, num_topk=4, backend="torch",
                        explicitly_destroy=True)
     assert eb.num_bytes == hint and eb.num_max_tokens_per_rank == 128 and eb.get_theoretical_num_sms(8, 2) > 0
     eb.num_max_tokens_per_rank = 0
@@ -355,7 +369,7 @@ def _errors_worker(rank: int, num_ranks: int) -> bool:
     else:
         raise AssertionError("a destroyed buffer dispatched")
     # explicitly_destroy=False: collected buffers free their resources
-    collected = ElasticBuffer(None, backend="torch")
+    collected = ElasticBuffer(group, backend="torch")
     buffer_id = collected.buffer.buffer_id
     collected = None
     gc.collect()
@@ -366,5 +380,5 @@ def _errors_worker(rank: int, num_ranks: int) -> bool:
     return False
 
 
-def test_elastic_buffer_errors_and_lifecycle() -> None:
-    assert run_distributed(_errors_worker, 1, join_timeout_s=120) == [True]
+def test_elastic_buffer_errors_and_lifecycle(by_world_size) -> None:
+    assert [r["errors"] for r in by_world_size[1]] == [True]

@@ -20,9 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
-from ep_moe.distributed import run_distributed
 from ep_moe.memory import ALIGNMENT_BYTES, SymmetricMemory
 
 SIZES = dict(num_max_tokens_per_rank=1024, hidden=1024, num_topk=4)  # a hint of a few 2 MiB granules
@@ -46,19 +46,19 @@ def _inputs(rank: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return x, idx, torch.rand(T, K, generator=g)
 
 
-def _check_sizes(num_ranks: int) -> int:
-    hint = ElasticBuffer.get_buffer_size_hint(None, **SIZES)
+def _check_sizes(num_ranks: int, group) -> int:
+    hint = ElasticBuffer.get_buffer_size_hint(group, **SIZES)
     small = hint - ALIGNMENT_BYTES
     assert small >= ALIGNMENT_BYTES
     for hybrid in (True, False):
-        _raises(lambda hybrid=hybrid: ElasticBuffer(None, num_bytes=small, num_cpu_bytes=1, allow_hybrid_mode=hybrid,
+        _raises(lambda hybrid=hybrid: ElasticBuffer(group, num_bytes=small, num_cpu_bytes=1, allow_hybrid_mode=hybrid,
                                                     backend="torch", **SIZES), "argument 'num_bytes'")
-    gpu = ElasticBuffer(None, num_bytes=small, backend="torch", explicitly_destroy=True, **SIZES)  # unchanged
+    gpu = ElasticBuffer(group, num_bytes=small, backend="torch", explicitly_destroy=True, **SIZES)  # unchanged
     assert gpu.memory_type == "gpu" and gpu.memory is None and not gpu.comm_memory_in_segment
     assert gpu.buffer.num_nvl_bytes == small
     gpu.destroy()
     for hybrid in (True, False):
-        eb = ElasticBuffer(None, num_cpu_bytes=1, allow_hybrid_mode=hybrid, backend="torch", explicitly_destroy=True,
+        eb = ElasticBuffer(group, num_cpu_bytes=1, allow_hybrid_mode=hybrid, backend="torch", explicitly_destroy=True,
                            **SIZES)  # num_bytes=None: the hint
         assert eb.memory_type == ("hybrid" if hybrid and num_ranks > 1 else "elastic")
         assert eb.num_bytes == hint and eb.memory.gpu.numel() == hint
@@ -68,9 +68,9 @@ def _check_sizes(num_ranks: int) -> int:
     return 2
 
 
-def _check_fixed_size_call(rank: int, num_ranks: int) -> int:
-    eb = ElasticBuffer(None, num_bytes=ALIGNMENT_BYTES, num_cpu_bytes=1, backend="torch", explicitly_destroy=True)
-    gpu = ElasticBuffer(None, backend="torch", explicitly_destroy=True)
+def _check_fixed_size_call(rank: int, num_ranks: int, group) -> int:
+    eb = ElasticBuffer(group, num_bytes=ALIGNMENT_BYTES, num_cpu_bytes=1, backend="torch", explicitly_destroy=True)
+    gpu = ElasticBuffer(group, backend="torch", explicitly_destroy=True)
     x, idx, w = _inputs(rank, num_ranks)
     for do_expand in (False, True):
         _raises(lambda do_expand=do_expand: eb.dispatch(x, idx, w, num_experts=E, num_max_tokens_per_rank=4096,
@@ -87,8 +87,8 @@ def _check_fixed_size_call(rank: int, num_ranks: int) -> int:
     return 2
 
 
-def _check_destroy_order(num_ranks: int) -> int:
-    eb = ElasticBuffer(None, num_cpu_bytes=1, backend="torch", explicitly_destroy=True, **SIZES)
+def _check_destroy_order(num_ranks: int, group) -> int:
+    eb = ElasticBuffer(group, num_cpu_bytes=1, backend="torch", explicitly_destroy=True, **SIZES)
     order: list[str] = []
     buffer_destroy, memory_close = eb.buffer.destroy, eb.memory.close
     eb.buffer.destroy = lambda: (order.append("backend"), buffer_destroy())[1]
@@ -106,11 +106,17 @@ def _cpu_share_exports_nothing(group: dist.ProcessGroup) -> int:
     return 1
 
 
-def _worker(rank: int, num_ranks: int) -> int:
-    return (_check_sizes(num_ranks) + _check_fixed_size_call(rank, num_ranks) + _check_destroy_order(num_ranks)
-            + _cpu_share_exports_nothing(dist.group.WORLD))
+def _worker(rank: int, num_ranks: int, group) -> int:
+    return (_check_sizes(num_ranks, group) + _check_fixed_size_call(rank, num_ranks, group)
+            + _check_destroy_order(num_ranks, group) + _cpu_share_exports_nothing(group or dist.group.WORLD))
+
+
+@pytest.fixture(scope="module")
+def checked_by_world_size() -> dict[int, list[int]]:
+    """`_worker` at 1 and 3 ranks: 3 spawned ranks, 1 on a subgroup of them."""
+    return run_world_sizes(_worker, (1, 3), timeout_s=60, join_timeout_s=300)
 
 
 @pytest.mark.parametrize("num_ranks", [1, 3])
-def test_segment_sizes_fixed_calls_and_destroy_order(num_ranks: int) -> None:
-    assert run_distributed(_worker, num_ranks, timeout_s=60, join_timeout_s=300) == [6] * num_ranks
+def test_segment_sizes_fixed_calls_and_destroy_order(checked_by_world_size, num_ranks: int) -> None:
+    assert checked_by_world_size[num_ranks] == [6] * num_ranks

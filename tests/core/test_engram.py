@@ -17,9 +17,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
-from ep_moe.distributed import run_distributed
 from ep_moe.memory import ALIGNMENT_BYTES, PeerFdError, align_up, choose_memory_type, fdshare, memory_layout
 from ep_moe.memory.fdshare import exchange_fds, pidfd_getfd
 from ep_moe.memory.host import create_shared_segment
@@ -179,9 +179,8 @@ def _check_errors(eb: ElasticBuffer, rank: int, num_ranks: int) -> None:
     assert torch.equal(fetched, torch.cat(tables)[(good + 1).long()])
 
 
-def _check_exchange_failures(rank: int, num_ranks: int) -> None:
+def _check_exchange_failures(rank: int, num_ranks: int, group) -> None:
     """A rank that could not make its segment, or a descriptor that cannot be taken: every rank raises."""
-    group = dist.group.WORLD
     _raises(lambda: exchange_fds(group, -1, "no memory here" if rank == 0 else None), PeerFdError,
             "rank 0: no memory here")
     if num_ranks > 1:
@@ -193,7 +192,7 @@ def _check_exchange_failures(rank: int, num_ranks: int) -> None:
             os.close(fd)
 
 
-def _check_socket_exchange(rank: int, num_ranks: int) -> None:
+def _check_socket_exchange(rank: int, num_ranks: int, group) -> None:
     """The route where pidfd_getfd is denied: descriptors over Unix sockets reach every rank of the node."""
     fd = create_shared_segment(4096)
     os.pwrite(fd, bytes([rank + 1]) * 8, 0)
@@ -205,16 +204,16 @@ def _check_socket_exchange(rank: int, num_ranks: int) -> None:
     try:
         for method in ("socket", "auto"):  # auto: pidfd_getfd denied on every rank, then the sockets
             fdshare.pidfd_getfd = denied if method == "auto" else real
-            local_ranks, fds = exchange_fds(dist.group.WORLD, fd, method=method)
+            local_ranks, fds = exchange_fds(group, fd, method=method)
             assert local_ranks == list(range(num_ranks)) and fds[rank] == fd
             for owner in range(num_ranks):
                 assert os.pread(fds[owner], 8, 0) == bytes([owner + 1]) * 8, (method, rank, owner)
             for owner in range(num_ranks):
                 if owner != rank:
                     os.close(fds[owner])
-            dist.barrier()
+            dist.barrier(group)
         if num_ranks > 1:
-            _raises(lambda: exchange_fds(dist.group.WORLD, fd, method="pidfd"), PeerFdError, "simulated")
+            _raises(lambda: exchange_fds(group, fd, method="pidfd"), PeerFdError, "simulated")
     finally:
         fdshare.pidfd_getfd = real
         os.close(fd)
@@ -227,16 +226,16 @@ def test_pidfd_getfd_errors() -> None:
         pidfd_getfd(1 << 30, 0)
 
 
-def _worker(rank: int, num_ranks: int) -> int:
-    _check_exchange_failures(rank, num_ranks)
-    _check_socket_exchange(rank, num_ranks)
-    gpu = ElasticBuffer(None, backend="torch", explicitly_destroy=True)
+def _worker(rank: int, num_ranks: int, group) -> int:
+    _check_exchange_failures(rank, num_ranks, group)
+    _check_socket_exchange(rank, num_ranks, group)
+    gpu = ElasticBuffer(group, backend="torch", explicitly_destroy=True)
     assert gpu.memory_type == "gpu" and gpu.memory is None
     _raises(lambda: gpu.engram_write(torch.zeros(2, 2)), ValueError, "argument 'num_cpu_bytes'")
     gpu.destroy()
     checked = 0
     for hybrid in (True, False):
-        eb = ElasticBuffer(None, num_bytes=2 << 20, num_cpu_bytes=(2 << 20) + 1, allow_hybrid_mode=hybrid,
+        eb = ElasticBuffer(group, num_bytes=2 << 20, num_cpu_bytes=(2 << 20) + 1, allow_hybrid_mode=hybrid,
                            backend="torch", explicitly_destroy=True, num_cpu_timeout_secs=60)
         want = "hybrid" if hybrid and num_ranks > 1 else "elastic"
         assert eb.memory_type == want and want in repr(eb), (eb.memory_type, want)
@@ -249,6 +248,12 @@ def _worker(rank: int, num_ranks: int) -> int:
     return checked
 
 
+@pytest.fixture(scope="module")
+def checked_by_world_size() -> dict[int, list[int]]:
+    """`_worker` at 1, 2, 3 and 4 ranks: 4 spawned ranks, the smaller sizes on subgroups of them."""
+    return run_world_sizes(_worker, (1, 2, 3, 4), timeout_s=60, join_timeout_s=600)
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_memory_types_and_engram(num_ranks: int) -> None:
-    assert run_distributed(_worker, num_ranks, timeout_s=60, join_timeout_s=300) == [2 * 5 * 7] * num_ranks
+def test_memory_types_and_engram(checked_by_world_size, num_ranks: int) -> None:
+    assert checked_by_world_size[num_ranks] == [2 * 5 * 7] * num_ranks

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from support_core import Case, check, check_bits, check_equal, make_inputs
+from world_sizes import run_world_sizes
 
 from ep_moe import Buffer
-from ep_moe.distributed import run_distributed
 from ep_moe.expert_major import expert_combine, expert_dispatch
 from ep_moe.permute import max_slots
 from ep_moe.reference import reference_expert_combine, reference_expert_dispatch
@@ -89,8 +89,8 @@ def _weight_gradient_case(buffer: Buffer) -> None:
     torch.testing.assert_close(w.grad, want, rtol=1e-6, atol=1e-6)
 
 
-def _worker(rank: int, num_ranks: int) -> int:
-    buffer = Buffer(backend="torch", timeout_s=60)
+def _worker(rank: int, num_ranks: int, group) -> int:
+    buffer = Buffer(group, backend="torch", timeout_s=60)
     checked = 0
     for seed, case in enumerate(_cases(num_ranks), start=1):
         most = max(case.tokens) * num_ranks  # a bound on the rows any rank receives
@@ -103,16 +103,38 @@ def _worker(rank: int, num_ranks: int) -> int:
     return checked
 
 
+def _all_workers(rank: int, num_ranks: int, group) -> dict:
+    """Every multi-rank check of this file at this world size (one spawned job of 4 ranks runs them all)."""
+    out = {"equal": _worker(rank, num_ranks, group)}
+    if num_ranks <= 3:
+        out["gradcheck"] = _gradcheck_worker(rank, num_ranks, group)
+    if num_ranks == 2:
+        out["empty_rank"] = _empty_rank_backward_worker(rank, num_ranks, group)
+    if num_ranks == 3:
+        out["exact_combine"] = _exact_combine_worker(rank, num_ranks, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def by_world_size() -> dict[int, list[dict]]:
+    """`_all_workers` at 1, 2, 3 and 4 ranks: 4 spawned ranks, the smaller sizes on subgroups of them."""
+    return run_world_sizes(_all_workers, (1, 2, 3, 4), join_timeout_s=600)
+
+
+def _results(by_world_size: dict[int, list[dict]], num_ranks: int, name: str) -> list:
+    return [r[name] for r in by_world_size[num_ranks]]
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_expert_major_equals_the_reference(num_ranks: int) -> None:
-    checked = run_distributed(_worker, num_ranks, join_timeout_s=300)
+def test_expert_major_equals_the_reference(by_world_size, num_ranks: int) -> None:
+    checked = _results(by_world_size, num_ranks, "equal")
     assert checked == [3 * len(_cases(num_ranks))] * num_ranks
 
 
-def _empty_rank_backward_worker(rank: int, num_ranks: int) -> list[float]:
+def _empty_rank_backward_worker(rank: int, num_ranks: int, group) -> list[float]:
     """Every token routes to rank 0's experts, so rank 1 receives no pair (its ``y`` is ``[0, H]``); the backward of
     the exact combine (``allow_multiple_reduction=False``) is a collective that rank 1 must enter all the same."""
-    buffer = Buffer(backend="torch", timeout_s=20)
+    buffer = Buffer(group, backend="torch", timeout_s=20)
     gen = torch.Generator().manual_seed(7 + rank)
     x = torch.randn(6, 8, generator=gen, requires_grad=True)
     idx = torch.tensor([[0, 1]] * 6)
@@ -124,8 +146,8 @@ def _empty_rank_backward_worker(rank: int, num_ranks: int) -> list[float]:
     return [y.shape[0], float(y.grad.abs().sum()) if y.grad is not None else -1.0]
 
 
-def test_a_rank_without_pairs_enters_the_exact_combines_backward() -> None:
-    got = run_distributed(_empty_rank_backward_worker, 2, join_timeout_s=120)
+def test_a_rank_without_pairs_enters_the_exact_combines_backward(by_world_size) -> None:
+    got = _results(by_world_size, 2, "empty_rank")
     assert got[1] == [0, 0.0] and got[0][0] == 24 and got[0][1] > 0, got  # 2 sources x 6 tokens x 2 pairs
 
 
@@ -150,12 +172,12 @@ def _k_combines(buffer: Buffer, y: torch.Tensor, handle, weights: torch.Tensor |
     return acc.to(y.dtype)
 
 
-def _exact_combine_worker(rank: int, num_ranks: int) -> int:
+def _exact_combine_worker(rank: int, num_ranks: int, group) -> int:
     """``allow_multiple_reduction=False`` is one rank-major combine of ``[N, K * H]`` fp32 rows forward and one
     cached dispatch of ``[T, H]`` back, and gives the K-combine formula's output, ``grad_y`` and ``grad_w`` bit for
     bit (and the reference's output), on random and adversarial routings, exact and fixed size, weighted and
     plain."""
-    buffer = Buffer(backend="torch", timeout_s=60)
+    buffer = Buffer(group, backend="torch", timeout_s=60)
     calls = {"combine": 0, "dispatch": 0}
     widths = {}
 
@@ -218,16 +240,16 @@ def _exact_combine_worker(rank: int, num_ranks: int) -> int:
     return checked
 
 
-def test_exact_combine_is_one_collective_equal_to_k_combines() -> None:
-    assert run_distributed(_exact_combine_worker, 3, join_timeout_s=180) == [12] * 3
+def test_exact_combine_is_one_collective_equal_to_k_combines(by_world_size) -> None:
+    assert _results(by_world_size, 3, "exact_combine") == [12] * 3
 
 
-def _gradcheck_worker(rank: int, num_ranks: int) -> bool:
+def _gradcheck_worker(rank: int, num_ranks: int, group) -> bool:
     """float64 gradcheck (see tests/core/test_autograd.py on gradcheck across ranks: every rank makes the same
     number of evaluations, and a rank's output may depend on its own inputs only). On every rank: the tokens
     ``x`` and the routing weights, which travel with the tokens and come back. On one rank also the expert side:
     the expert rows' scale and the combine's per-row weights."""
-    buffer = Buffer(backend="torch", timeout_s=60)
+    buffer = Buffer(group, backend="torch", timeout_s=60)
     gen = torch.Generator().manual_seed(3 + rank)
     tokens, hidden, topk, experts = 5, 4, 2, 2 * num_ranks
     idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
@@ -257,8 +279,8 @@ def _gradcheck_worker(rank: int, num_ranks: int) -> bool:
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3])
-def test_gradcheck_through_expert_major(num_ranks: int) -> None:
-    assert run_distributed(_gradcheck_worker, num_ranks, join_timeout_s=120) == [True] * num_ranks
+def test_gradcheck_through_expert_major(by_world_size, num_ranks: int) -> None:
+    assert _results(by_world_size, num_ranks, "gradcheck") == [True] * num_ranks
 
 
 def test_torch_compile_traces_the_local_path() -> None:

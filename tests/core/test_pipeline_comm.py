@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from support_core import expect_raises
+from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
@@ -55,8 +56,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _ring(rank: int, num_ranks: int) -> dict:
-    eb = ElasticBuffer(num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
+def _ring(rank: int, num_ranks: int, group) -> dict:
+    eb = ElasticBuffer(group, num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
     prev, nxt = (rank - 1) % num_ranks, (rank + 1) % num_ranks
     checked = 0
     seq = {"next": 0, "prev": 0}  # messages this rank has sent each way
@@ -115,15 +116,29 @@ def _ring(rank: int, num_ranks: int) -> dict:
     return {"checked": checked}
 
 
+def _all_workers(rank: int, num_ranks: int, group) -> dict:
+    """The ring and, at 1, 2 and 4 ranks, the misuse checks at this world size (one spawned job of 4 ranks)."""
+    out = {"ring": _ring(rank, num_ranks, group)}
+    if num_ranks != 3:
+        out["misuse"] = _misuse(rank, num_ranks, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def by_world_size() -> dict[int, list[dict]]:
+    """`_all_workers` at 1, 2, 3 and 4 ranks: 4 spawned ranks, the smaller sizes on subgroups of them."""
+    return run_world_sizes(_all_workers, (1, 2, 3, 4))
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-def test_ring_send_recv(num_ranks):
-    results = run_distributed(_ring, num_ranks)
+def test_ring_send_recv(by_world_size, num_ranks):
+    results = [r["ring"] for r in by_world_size[num_ranks]]
     expected = len(CASES) + (7 if num_ranks > 1 else 4) + 20
     assert [r["checked"] for r in results] == [expected] * num_ranks
 
 
-def _misuse(rank: int, num_ranks: int) -> list[str]:
-    eb = ElasticBuffer(num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
+def _misuse(rank: int, num_ranks: int, group) -> list[str]:
+    eb = ElasticBuffer(group, num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
     prev, nxt = (rank - 1) % num_ranks, (rank + 1) % num_ranks
     seen = []
 
@@ -181,8 +196,8 @@ def _misuse(rank: int, num_ranks: int) -> list[str]:
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
-def test_misuse_raises_named_errors(num_ranks):
-    results = run_distributed(_misuse, num_ranks)
+def test_misuse_raises_named_errors(by_world_size, num_ranks):
+    results = [r["misuse"] for r in by_world_size[num_ranks]]
     for seen in results:
         assert {"PPConfigError", "PPPeerError", "PPTensorError", "PPMismatchError"} <= set(seen)
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 import pytest
 import torch
 from support_core import Case, check, check_bits, make_inputs
+from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, ElasticBuffer
 from ep_moe.backends.base import ReceivedRows
 from ep_moe.backends.torch_backend import TorchBackend
-from ep_moe.distributed import run_distributed
 from ep_moe.expert_major import expert_cached_dispatch, expert_combine, expert_dispatch
 from ep_moe.permute import (
     _unpermute_sum_torch,
@@ -245,8 +245,8 @@ def _compare(in_place: Buffer, plain: Buffer, rank: int, num_ranks: int, case: C
             check_bits(a.detach(), b, where, f"{name} multiple_reduction={multiple}")
 
 
-def _worker(rank: int, num_ranks: int) -> int:
-    in_place, plain = Buffer(backend="torch", timeout_s=60), Buffer(backend="torch", timeout_s=60)
+def _worker(rank: int, num_ranks: int, group) -> int:
+    in_place, plain = Buffer(group, backend="torch", timeout_s=60), Buffer(group, backend="torch", timeout_s=60)
     in_place.backend = InPlaceTorchBackend(in_place.group, in_place.device, 60.0)
     checked = 0
     for seed, case in enumerate(_cases(num_ranks), start=1):
@@ -267,13 +267,29 @@ def _worker(rank: int, num_ranks: int) -> int:
     return checked
 
 
+def _all_workers(rank: int, num_ranks: int, group) -> dict:
+    """Every multi-rank check of this file at this world size (one spawned job of 4 ranks runs them all)."""
+    out = {"in_place": _worker(rank, num_ranks, group)}
+    if num_ranks == 2:
+        out["refusal"] = _refusal_worker(rank, num_ranks, group)
+    if num_ranks <= 3:
+        out["cached"] = _cached_worker(rank, num_ranks, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def by_world_size() -> dict[int, list[dict]]:
+    """`_all_workers` at 2, 3 and 4 ranks: 4 spawned ranks, the smaller sizes on subgroups of them."""
+    return run_world_sizes(_all_workers, (2, 3, 4), join_timeout_s=600)
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])
-def test_rows_in_place_equal_the_composed_path(num_ranks: int) -> None:
-    assert run_distributed(_worker, num_ranks, join_timeout_s=300) == [2 * len(_cases(num_ranks))] * num_ranks
+def test_rows_in_place_equal_the_composed_path(by_world_size, num_ranks: int) -> None:
+    assert [r["in_place"] for r in by_world_size[num_ranks]] == [2 * len(_cases(num_ranks))] * num_ranks
 
 
-def _refusal_worker(rank: int, num_ranks: int) -> str:
-    buffer = Buffer(backend="torch", timeout_s=60)
+def _refusal_worker(rank: int, num_ranks: int, group) -> str:
+    buffer = Buffer(group, backend="torch", timeout_s=60)
     x, idx, w = torch.zeros(2, 16), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1)
     assert not buffer.receives_in_place(x, 2)
     try:
@@ -286,8 +302,8 @@ def _refusal_worker(rank: int, num_ranks: int) -> str:
     return ""
 
 
-def test_a_backend_without_rows_in_place_refuses_consume() -> None:
-    messages = run_distributed(_refusal_worker, 2, join_timeout_s=60)
+def test_a_backend_without_rows_in_place_refuses_consume(by_world_size) -> None:
+    messages = [r["refusal"] for r in by_world_size[2]]
     assert all("consume_in_place" in m for m in messages), messages
 
 
@@ -348,8 +364,8 @@ def _cached_equals_fresh(ebs: list[ElasticBuffer], rank: int, num_ranks: int, ca
             check_bits(a, b, where, f"rows in place vs composed, output {i}")
 
 
-def _cached_worker(rank: int, num_ranks: int) -> int:
-    ebs = [ElasticBuffer(backend="torch", num_gpu_timeout_secs=60, explicitly_destroy=True) for _ in range(2)]
+def _cached_worker(rank: int, num_ranks: int, group) -> int:
+    ebs = [ElasticBuffer(group, backend="torch", num_gpu_timeout_secs=60, explicitly_destroy=True) for _ in range(2)]
     ebs[0].buffer.backend = InPlaceTorchBackend(ebs[0].buffer.group, ebs[0].buffer.device, 60.0)
     E = 4 * num_ranks
     tokens = tuple(5 + 2 * s for s in range(num_ranks))
@@ -370,5 +386,5 @@ def _cached_worker(rank: int, num_ranks: int) -> int:
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
-def test_cached_expert_dispatch_equals_the_fresh_one(num_ranks: int) -> None:
-    assert run_distributed(_cached_worker, num_ranks, join_timeout_s=300) == [12] * num_ranks
+def test_cached_expert_dispatch_equals_the_fresh_one(by_world_size, num_ranks: int) -> None:
+    assert [r["cached"] for r in by_world_size[num_ranks]] == [12] * num_ranks

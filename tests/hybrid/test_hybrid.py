@@ -4,7 +4,8 @@ dispatch, combine with weights and bias, gradients) on random and adversarial ro
 a node receiving nothing, a rank without tokens); the bytes each hop carries, counted by the backend, equal the
 model's exact count (`ep_moe.tuning.hybrid.exact_hop_rows`; its expectation: tests/tuning/test_hybrid_model.py).
 
-Every spawned rank regenerates all ranks' inputs from seeds. One spawned run per world size holds every case."""
+Every spawned rank regenerates all ranks' inputs from seeds. One spawned run of 8 ranks holds every case (4 and 6
+ranks on subgroups of it)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import socket
 
 import pytest
 import torch
+from world_sizes import run_world_sizes
 
-from ep_moe.distributed import run_distributed
 from ep_moe.hybrid import ENV_SCALEOUT_RANKS, LogicalTopology, logical_topology
 from ep_moe.tuning.hybrid import exact_hop_rows, hybrid_row_bytes
 
@@ -74,17 +75,22 @@ def _round_trip(eb, x, idx, w, bias, E: int, expand: bool, sync: bool, bound: in
             torch.tensor(h.num_recv_tokens_per_expert_list, dtype=torch.int64)]
 
 
-def _worker(rank: int, num_ranks: int, views: list[int]) -> int:
+# world size -> its views (numbers of logical nodes)
+VIEWS = {4: [2, 4], 6: [2], 8: [2, 4]}
+
+
+def _worker(rank: int, num_ranks: int, group) -> int:
     from ep_moe import ElasticBuffer
 
+    views = VIEWS[num_ranks]
     E = 4 * num_ranks  # every node holds >= TOPK experts (the one-node routing picks TOPK of them)
-    flat = ElasticBuffer(allow_hybrid_mode=False)
+    flat = ElasticBuffer(group, allow_hybrid_mode=False)
     assert flat.get_logical_domain_size() == (1, num_ranks) and flat.buffer.backend_name == "torch"
     assert flat.get_physical_domain_size() == (1, num_ranks)  # one host
     checked = 0
     for num_nodes in views:
         per_node = num_ranks // num_nodes
-        eb = ElasticBuffer(num_scaleout_ranks=num_nodes)
+        eb = ElasticBuffer(group, num_scaleout_ranks=num_nodes)
         assert eb.buffer.backend_name == "hybrid"
         assert eb.get_logical_domain_size() == (num_nodes, per_node)
         assert (eb.scaleout_rank_idx, eb.scaleup_rank_idx) == divmod(rank, per_node)
@@ -138,7 +144,8 @@ def _worker(rank: int, num_ranks: int, views: list[int]) -> int:
     if num_ranks == 4:  # a peer that never arrives: the error names the hop (rank 3 skips its scale-out hop)
         import torch.distributed as dist
 
-        eb = ElasticBuffer(num_scaleout_ranks=2, num_gpu_timeout_secs=2)
+        # (the smallest size runs last in `run_world_sizes`: the hop that rank 1 left waiting is never used again)
+        eb = ElasticBuffer(group, num_scaleout_ranks=2, num_gpu_timeout_secs=2)
         if rank != 3:
             try:
                 eb.buffer.backend._hop("dispatch", "scaleout", torch.zeros(2, 4, dtype=torch.uint8), 2, 1, lambda: 1)
@@ -147,17 +154,24 @@ def _worker(rank: int, num_ranks: int, views: list[int]) -> int:
                 checked += 1
             else:
                 assert rank in (0, 2), "rank 1 should have timed out"  # ranks 0 and 2 form the other subgroup
-        dist.barrier()
+        dist.barrier(group)
     return checked
 
 
-@pytest.mark.parametrize("num_ranks, views", [(4, [2, 4]), (6, [2]), (8, [2, 4])])
-def test_hybrid_equals_flat_and_counts_match_the_model(num_ranks: int, views: list[int]) -> None:
+@pytest.fixture(scope="module")
+def checked_by_world_size() -> dict[int, list[int]]:
+    """`_worker` at 4, 6 and 8 ranks: 8 spawned ranks, 4 and 6 on subgroups of them."""
+    return run_world_sizes(_worker, tuple(VIEWS), join_timeout_s=900)
+
+
+@pytest.mark.parametrize("num_ranks, views", list(VIEWS.items()))
+def test_hybrid_equals_flat_and_counts_match_the_model(checked_by_world_size, num_ranks: int,
+                                                       views: list[int]) -> None:
     per_view = 3 * (4 + 2) + 2  # kinds x (bf16 modes + traffic checks of both modes) + random's fp32 modes
     expected = [per_view * len(views)] * num_ranks
     if num_ranks == 4:
         expected[1] += 1  # the timeout check
-    assert run_distributed(_worker, num_ranks, views, join_timeout_s=600) == expected
+    assert checked_by_world_size[num_ranks] == expected
 
 
 def test_one_rank_hybrid_backend_equals_flat(solo_group) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_hybrid import HIDDEN, TOPK, _inputs, _round_trip, _routing, _same
+from world_sizes import run_world_sizes
 
-from ep_moe.distributed import run_distributed
 from ep_moe.tuning.hybrid import exact_hop_rows
 
 FP8_HIDDEN = 128
@@ -83,15 +83,20 @@ def _check_pipeline(log: list[tuple], nc: int, where: str) -> None:
                 f"{where}: {log}"
 
 
-def _worker(rank: int, num_ranks: int, configs: list[tuple[int, int, str]]) -> int:
+# world size -> its (logical nodes, chunks, scale-up transport) configurations
+CONFIGS = {4: [(2, 1, "auto"), (2, 3, "torch"), (2, 5, "all_to_all")], 6: [(2, 2, "torch")]}
+
+
+def _worker(rank: int, num_ranks: int, group) -> int:
     from ep_moe import ElasticBuffer
     from ep_moe.hybrid.backend import _Tally
 
+    configs = CONFIGS[num_ranks]
     E = 4 * num_ranks
-    flat = ElasticBuffer(allow_hybrid_mode=False)
+    flat = ElasticBuffer(group, allow_hybrid_mode=False)
     checked = 0
     for num_nodes, chunks, scaleup in configs:
-        eb = ElasticBuffer(num_scaleout_ranks=num_nodes, num_hybrid_chunks=chunks, hybrid_scaleup=scaleup)
+        eb = ElasticBuffer(group, num_scaleout_ranks=num_nodes, num_hybrid_chunks=chunks, hybrid_scaleup=scaleup)
         backend = eb.buffer.backend
         assert backend.scaleup_transport == ("all_to_all" if scaleup == "auto" else scaleup), backend.scaleup_reason
         assert backend.max_chunks == backend.num_chunks == chunks
@@ -154,7 +159,7 @@ def _worker(rank: int, num_ranks: int, configs: list[tuple[int, int, str]]) -> i
         from ep_moe.tuning.hybrid import plan_hybrid
 
         # no chunk count given: the hybrid model's plan of the call's shape sets it (a tiny shape: one chunk)
-        eb = ElasticBuffer(num_scaleout_ranks=2)
+        eb = ElasticBuffer(group, num_scaleout_ranks=2)
         assert not eb.buffer.backend.chunks_fixed and eb.buffer.backend.num_chunks == 4
         xs, idxs, ws = _inputs("random", num_ranks, 2, E, torch.bfloat16)
         bound = max(i.shape[0] for i in idxs)
@@ -175,12 +180,13 @@ def _worker(rank: int, num_ranks: int, configs: list[tuple[int, int, str]]) -> i
         checked += 1
 
         try:  # a chunk count that differs between ranks: every rank raises, before any row moves
-            ElasticBuffer(num_scaleout_ranks=2, num_hybrid_chunks=1 + rank % 2)
+            ElasticBuffer(group, num_scaleout_ranks=2, num_hybrid_chunks=1 + rank % 2)
         except ValueError as exc:
             assert "num_hybrid_chunks" in str(exc) and "equal on every rank" in str(exc), str(exc)
             checked += 1
         # a peer that never posts chunk 2 of the scale-out hop: the error names the hop and the chunk
-        eb = ElasticBuffer(num_scaleout_ranks=2, num_hybrid_chunks=2, num_gpu_timeout_secs=2)
+        # (the smallest size runs last in `run_world_sizes`: the hop that rank 1 left waiting is never used again)
+        eb = ElasticBuffer(group, num_scaleout_ranks=2, num_hybrid_chunks=2, num_gpu_timeout_secs=2)
         if rank != 3:
             send = torch.zeros(2, 4, dtype=torch.uint8)
             try:
@@ -190,19 +196,23 @@ def _worker(rank: int, num_ranks: int, configs: list[tuple[int, int, str]]) -> i
                 checked += 1
             else:
                 assert rank in (0, 2), "rank 1 should have timed out"
-        dist.barrier()
+        dist.barrier(group)
     flat.destroy()
     return checked
 
 
-@pytest.mark.parametrize("num_ranks, configs", [
-    (4, [(2, 1, "auto"), (2, 3, "torch"), (2, 5, "all_to_all")]),
-    (6, [(2, 2, "torch")]),
-])
-def test_chunked_overlap_scaleup_transports_and_fp8_equal_flat(num_ranks: int, configs) -> None:
+@pytest.fixture(scope="module")
+def checked_by_world_size() -> dict[int, list[int]]:
+    """`_worker` at 4 and 6 ranks: 6 spawned ranks, 4 on a subgroup of them."""
+    return run_world_sizes(_worker, tuple(CONFIGS), join_timeout_s=900)
+
+
+@pytest.mark.parametrize("num_ranks, configs", list(CONFIGS.items()))
+def test_chunked_overlap_scaleup_transports_and_fp8_equal_flat(checked_by_world_size, num_ranks: int,
+                                                               configs) -> None:
     per_config = 2 * (4 + 4 + 2)  # kinds x (bf16/fp32 round trips + FP8 round trips + FP8 traffic checks)
     expected = [sum(per_config + (1 if c[1] >= 3 else 0) for c in configs)] * num_ranks
     if num_ranks == 4:
         expected = [e + 2 for e in expected]  # the planned chunk count, the disagreeing chunk counts
         expected[1] += 1                      # the timeout
-    assert run_distributed(_worker, num_ranks, configs, join_timeout_s=600) == expected
+    assert checked_by_world_size[num_ranks] == expected

@@ -28,6 +28,7 @@ import os
 
 import locations
 import torch
+from world_sizes import continue_alone
 
 from ep_moe.distributed import run_distributed
 
@@ -96,6 +97,8 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict:
                          [f"model.expert_model_parallel_size={ep}", f"checkpoint.load={ckpt}"] + FORCED)
         out[f"reshard_ep{ep}_state_exact"] = _check_resharded_load(recipe, ckpt)
         out[f"reshard_ep{ep}"] = train_rank(recipe, cpu).losses
+    if continue_alone(rank):  # rank 0, in a world of one rank: the same runs without a data-parallel split
+        out.update(_one_rank(0, 1, tmp))
     return out
 
 
@@ -113,8 +116,8 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 
 def test_losses_do_not_depend_on_ep_size_or_data_parallel_split(tmp_path):
-    four = run_distributed(_four_ranks, 4, str(tmp_path), timeout_s=300, join_timeout_s=600)[0]
-    one = run_distributed(_one_rank, 1, str(tmp_path), timeout_s=300, join_timeout_s=600)[0]
+    four = run_distributed(_four_ranks, 4, str(tmp_path), timeout_s=300, join_timeout_s=900)[0]
+    one = four  # rank 0's 1-rank runs (forced_w1, learned_w1), after the 4-rank ones
     for name in ("forced_ep1", "forced_ep2", "forced_ep4", "learned_ep1", "learned_ep4"):
         assert len(four[name]) == STEPS, name
 

@@ -1,4 +1,6 @@
-"""When things go wrong in ``ep-moe train`` (the tiny recipe on 2 CPU ranks, through the real command line):
+"""When things go wrong in ``ep-moe train`` (the tiny recipe on 2 CPU ranks, through the real command line; a
+run that stops before any rank starts through the command's ``main`` in the test process, stderr captured at the
+file descriptor):
 
 * the launcher killed with SIGKILL takes its ranks with it, and leaves a lock that the next run sees is stale;
 * a run folder is held by one run at a time, and a fresh run does not reuse one that holds an earlier run;
@@ -85,6 +87,16 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def _main(capfd, *args: str) -> tuple[int, str]:
+    """``ep-moe train TINY ARGS`` in this process (for runs refused before any rank starts: nothing is spawned, so
+    a new interpreter would only add its start-up): the exit status and what reached stderr."""
+    from ep_moe.train import launch
+
+    capfd.readouterr()
+    code = launch.main([TINY, *args])
+    return code, capfd.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- the launcher dies
 def test_killed_launcher_takes_its_ranks_along_and_leaves_a_stale_lock(tmp_path):
     run = str(tmp_path / "run")
@@ -114,12 +126,12 @@ def test_killed_launcher_takes_its_ranks_along_and_leaves_a_stale_lock(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- one run per folder
-def test_a_second_run_on_a_held_folder_fails_in_one_line(tmp_path):
+def test_a_second_run_on_a_held_folder_fails_in_one_line(tmp_path, capfd):
     run = str(tmp_path / "run")
-    with RunDirLock(run):  # held by this (live) process
-        out = _run(*QUICK, f"checkpoint.save={run}", "train.train_iters=1", timeout=60)
-    assert out.returncode == 2
-    [line] = _lines(out.stderr)
+    with RunDirLock(run):  # held by this (live) process; the run's own lock is another taker (flock per open)
+        code, err = _main(capfd, *QUICK, f"checkpoint.save={run}", "train.train_iters=1")
+    assert code == 2
+    [line] = _lines(err)
     assert line.startswith(f"ep-moe train: {run} is in use by pid {os.getpid()} (host {socket.gethostname()}) "
                            "since "), line
     assert not os.path.exists(run)  # nothing left behind: the folder was empty and is gone with the lock
@@ -156,13 +168,13 @@ def test_lock_records_decide_where_file_locks_do_not(tmp_path):
         RunDirLock(folder).acquire()
 
 
-def test_a_fresh_run_does_not_reuse_a_folder_with_an_earlier_run(tmp_path):
+def test_a_fresh_run_does_not_reuse_a_folder_with_an_earlier_run(tmp_path, capfd):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"kind": "run", "step": 0}\n')
-    out = _run(*QUICK, f"checkpoint.save={run}", "train.train_iters=1", timeout=60)
-    assert out.returncode == 2
-    [line] = _lines(out.stderr)
+    code, err = _main(capfd, *QUICK, f"checkpoint.save={run}", "train.train_iters=1")
+    assert code == 2
+    [line] = _lines(err)
     assert line == (f"ep-moe train: {run} holds an earlier run (metrics.jsonl): continue it with --resume, or start "
                     "over with --overwrite (or choose another checkpoint.save)")
     assert (run / "metrics.jsonl").read_text() == '{"kind": "run", "step": 0}\n'  # untouched
@@ -189,28 +201,28 @@ def test_overwrite_removes_what_the_trainer_wrote_only(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- errors: one line each
-def test_native_backend_without_the_extension_is_one_line_before_any_rank(tmp_path):
+def test_native_backend_without_the_extension_is_one_line_before_any_rank(tmp_path, capfd):
     from ep_moe import native
 
     if native.kernels_kind() is not None:
         pytest.skip("the native kernels (extension or JIT) can run here")
-    out = _run(*QUICK, f"checkpoint.save={tmp_path / 'run'}", "ep_moe.dispatcher_backend=native", timeout=60)
-    assert out.returncode == 2
-    [line] = _lines(out.stderr)
+    code, err = _main(capfd, *QUICK, f"checkpoint.save={tmp_path / 'run'}", "ep_moe.dispatcher_backend=native")
+    assert code == 2
+    [line] = _lines(err)
     assert line.startswith("ep-moe train: ep_moe.dispatcher_backend: 'native' needs the native kernels (the CUDA "
                            "extension ep_moe.native._C or their JIT build), which cannot run here ("), line
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_checkpoint_save_at_a_file_is_one_line_before_any_rank(tmp_path):
+def test_checkpoint_save_at_a_file_is_one_line_before_any_rank(tmp_path, capfd):
     target = tmp_path / "a-file"
     target.write_text("not a folder")
-    out = _run(*QUICK, f"checkpoint.save={target}", timeout=60)
-    assert out.returncode == 2
-    assert _lines(out.stderr) == [f"ep-moe train: checkpoint.save: {target} is a file, not a folder"]
-    out = _run(*QUICK, f"checkpoint.save={target / 'sub'}", timeout=60)
-    assert out.returncode == 2
-    assert _lines(out.stderr) == [f"ep-moe train: checkpoint.save: cannot create the folder {target / 'sub'}: "
+    code, err = _main(capfd, *QUICK, f"checkpoint.save={target}")
+    assert code == 2
+    assert _lines(err) == [f"ep-moe train: checkpoint.save: {target} is a file, not a folder"]
+    code, err = _main(capfd, *QUICK, f"checkpoint.save={target / 'sub'}")
+    assert code == 2
+    assert _lines(err) == [f"ep-moe train: checkpoint.save: cannot create the folder {target / 'sub'}: "
                                   f"{target} is a file"]
 
 

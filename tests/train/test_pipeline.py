@@ -20,14 +20,19 @@ Tolerances, and why:
 
 from __future__ import annotations
 
+import os
+
 import locations
 import pytest
 import torch
+from world_sizes import continue_alone
 
 from ep_moe.distributed import run_distributed
 
 TINY = str(locations.RECIPES / "tiny-cpu.yaml")
 STEPS = 30
+DP_PER_STAGE_STEPS = 5  # the 4-rank pipeline (2 data-parallel ranks per stage) against 2 ranks without one
+EPS = (1, 2)
 BASE = ["model.vocab_size=32", "model.seq_length=32", "model.num_layers=4",
         "model.moe_router_load_balancing_type=seq_aux_loss", "model.moe_aux_loss_coeff=0.01",
         "model.moe_router_force_load_balancing=true", "model.expert_model_parallel_size=1",
@@ -44,7 +49,7 @@ def _recipe(tmp: str, name: str, world: int, extra: list[str]):
     return recipe
 
 
-def _two_ranks(rank: int, world: int, tmp: str) -> dict:
+def _converge(rank: int, world: int, tmp: str) -> dict:
     from ep_moe.train.loop import train_rank
 
     cpu = torch.device("cpu")
@@ -58,6 +63,20 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict:
             "dp_ep2": default_ep2.losses, "zero_ep2": zero_ep2.losses}
 
 
+def _two_ranks(rank: int, world: int, tmp: str) -> dict:
+    """Every 2-rank run of this file, in one spawned group (a spawn costs more than most of these runs): the
+    convergence runs, the checkpoint runs (in ``tmp/checkpoints``), and the 2-rank references of the
+    data-parallel-per-stage test (EP 1 and 2); then rank 0 alone, in a world of one rank, the one-stage
+    reference of the convergence runs."""
+    out = {"converge": _converge(rank, world, tmp)}
+    os.makedirs(os.path.join(tmp, "checkpoints"), exist_ok=True)
+    out["checkpoints"] = _checkpoints(rank, world, os.path.join(tmp, "checkpoints"))
+    out["dp_per_stage"] = {ep: _pipeline_with_data_parallel(rank, world, tmp, DP_PER_STAGE_STEPS, ep) for ep in EPS}
+    if continue_alone(rank):
+        out["one_rank"] = _one_rank(0, 1, tmp)
+    return out
+
+
 def _one_rank(rank: int, world: int, tmp: str) -> dict:
     from ep_moe.train.loop import train_rank
 
@@ -65,9 +84,17 @@ def _one_rank(rank: int, world: int, tmp: str) -> dict:
     return {"pp1": result.losses, "pp1_eval": result.eval_loss}
 
 
-def test_pipeline_converges_like_one_stage_and_zero1_equals_all_reduce(tmp_path):
-    two = run_distributed(_two_ranks, 2, str(tmp_path), timeout_s=300, join_timeout_s=900)
-    one = run_distributed(_one_rank, 1, str(tmp_path), timeout_s=300, join_timeout_s=600)[0]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[str, list[dict]]:
+    """The folder and every rank's results of `_two_ranks`."""
+    tmp = str(tmp_path_factory.mktemp("two_ranks"))
+    return tmp, run_distributed(_two_ranks, 2, tmp, timeout_s=300, join_timeout_s=900)
+
+
+def test_pipeline_converges_like_one_stage_and_zero1_equals_all_reduce(two_ranks):
+    tmp, results = two_ranks
+    two = [r["converge"] for r in results]
+    one = results[0]["one_rank"]
     pp1, pp2 = one["pp1"], two[0]["pp2"]
     assert two[0]["pp2"] == two[1]["pp2"], "both stages report the same losses"
     assert len(pp1) == len(pp2) == STEPS
@@ -89,17 +116,26 @@ def _pipeline_with_data_parallel(rank: int, world: int, tmp: str, steps: int, ep
     return train_rank(_recipe(tmp, f"w{world}_ep{ep}", world, extra), torch.device("cpu")).losses
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_pipeline_with_two_data_parallel_ranks_per_stage(tmp_path, ep):
+def _four_ranks(rank: int, world: int, tmp: str) -> dict[int, list[float]]:
+    return {ep: _pipeline_with_data_parallel(rank, world, tmp, DP_PER_STAGE_STEPS, ep) for ep in EPS}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict[int, list[float]]]:
+    """Every rank's losses of the 4-rank pipeline runs (EP 1 and 2, one spawned group)."""
+    return run_distributed(_four_ranks, 4, str(tmp_path_factory.mktemp("four_ranks")), timeout_s=300,
+                           join_timeout_s=900)
+
+
+@pytest.mark.parametrize("ep", EPS)
+def test_pipeline_with_two_data_parallel_ranks_per_stage(two_ranks, four_ranks, ep):
     """4 ranks, ``pp_size: 2``: each stage's 2 ranks sum their gradients (EP 1), or hold half the experts each
     (EP 2 inside the stage: the MoE layers dispatch over the stage's pair of ranks); equal to ``pp_size: 1`` on 2
     ranks at the same EP size (the same micro-batches per data-parallel rank) within the same bound (measured:
     4e-7 over 30 steps at EP 1)."""
-    steps = 5
-    four = run_distributed(_pipeline_with_data_parallel, 4, str(tmp_path), steps, ep, timeout_s=300,
-                           join_timeout_s=900)
-    two = run_distributed(_pipeline_with_data_parallel, 2, str(tmp_path), steps, ep, timeout_s=300,
-                          join_timeout_s=600)
+    steps = DP_PER_STAGE_STEPS
+    four = [r[ep] for r in four_ranks]
+    two = [r["dp_per_stage"][ep] for r in two_ranks[1]]
     assert all(losses == four[0] for losses in four) and len(four[0]) == steps
     worst = max(abs(a - b) for a, b in zip(four[0], two[0]))
     assert worst <= 1e-5, f"pp_size 2 x DP 2 (EP {ep}) vs DP 2: max |loss difference| {worst:.3g}"
@@ -161,12 +197,13 @@ def _checkpoints(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-def test_pipeline_and_zero1_checkpoints_resume_exactly_and_load_in_the_default_layout(tmp_path):
+def test_pipeline_and_zero1_checkpoints_resume_exactly_and_load_in_the_default_layout(two_ranks):
     """``pp_size: 2`` and ZeRO-1 save the default trainer's checkpoint format: a run resumed from step 3 gives the
     uninterrupted run's losses bit for bit; the step-3 checkpoint loaded by the default layout (DP 2) continues
     with ZeRO-1's losses bit for bit and the pipeline's within the pipeline-vs-one-stage bound (module
     docstring); a stop request on one stage stops both after the step and saves there."""
-    out = run_distributed(_checkpoints, 2, str(tmp_path), timeout_s=300, join_timeout_s=900)
+    tmp, results = two_ranks
+    out = [r["checkpoints"] for r in results]
     for rank in range(2):
         assert out[rank]["pp_resumed"] == out[rank]["pp"], "pp_size 2: resumed from step 3 != uninterrupted"
         assert out[rank]["zero_resumed"] == out[rank]["zero"], "ZeRO-1: resumed from step 3 != uninterrupted"
@@ -178,7 +215,7 @@ def test_pipeline_and_zero1_checkpoints_resume_exactly_and_load_in_the_default_l
         assert folder is not None and folder.endswith("step_0000002"), folder
     from ep_moe.train.checkpoint import checkpoint_info
 
-    assert checkpoint_info(str(tmp_path / "pp" / "step_0000003"))["step"] == 3
+    assert checkpoint_info(os.path.join(tmp, "checkpoints", "pp", "step_0000003"))["step"] == 3
 
 
 @pytest.mark.parametrize("sizes,ranks", [([5, 1, 1, 9, 3], 2), ([4] * 7, 3), ([100, 1, 1], 4), ([], 2), ([7], 3)])
