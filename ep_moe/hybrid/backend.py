@@ -255,6 +255,7 @@ class HybridBackend(TorchBackend):
         self.scaleup_members = topology.scaleup_members(self.node)     # group ranks, by local index
         global_ranks = dist.get_process_group_ranks(group)
         timeout = timedelta(seconds=timeout_s)
+        self._align_process_group_counts(global_ranks[self.rank])
         self.scaleout_group = _subgroup([global_ranks[r] for r in self.scaleout_members], timeout,
                                         f"ep_moe_scaleout_l{self.local}")
         self.scaleup_group = _subgroup([global_ranks[r] for r in self.scaleup_members], timeout,
@@ -276,6 +277,21 @@ class HybridBackend(TorchBackend):
                              f"got (chunks, given) {agreed} by rank")
         self._inner: CommBackend | None = None
         self.scaleup_transport, self.scaleup_reason = self._make_scaleup(mode, native_options)
+
+    def _align_process_group_counts(self, global_rank: int) -> None:
+        """Every rank of the group holds as many process groups before the hop groups are made: torch names a group
+        made with ``use_local_synchronization`` by its ranks and the number of groups the calling process holds
+        (``distributed_c10d._hash_ranks_to_str``), and its members meet under that name, so members holding
+        different numbers (after groups that only some of them joined, e.g. a framework's) would wait for each other
+        under different names until the timeout. A rank holding fewer makes one-rank gloo groups of its own (no
+        peer takes part) up to the largest count. Collective over the group."""
+        names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+        if names is None:  # a torch without that registry names its groups otherwise: nothing to align
+            return
+        held = torch.tensor([len(names)], dtype=torch.int64, device=self.device)
+        counts = self._all_gather_counts(held, "init/process group counts").view(-1).tolist()
+        for _ in range(max(counts) - counts[self.rank]):
+            dist.new_group([global_rank], backend="gloo", use_local_synchronization=True, group_desc="ep_moe_align")
 
     # ---------------------------------------------------------------- the scale-up transport
     def _make_scaleup(self, mode: str, native_options: NativeOptions | None) -> tuple[str, str]:

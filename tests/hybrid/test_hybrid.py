@@ -196,6 +196,44 @@ def test_one_rank_hybrid_backend_equals_flat(solo_group) -> None:
         ElasticBuffer(solo_group, num_scaleout_ranks=2)  # 2 does not divide 1 rank: refused before anything is made
 
 
+def _uneven_groups_worker(rank: int, world_size: int) -> int:
+    """Ranks 0 and 1 join a group that ranks 2 and 3 do not (as after a framework's groups), so the ranks hold
+    different numbers of process groups; the hybrid buffer's hop groups must still meet (not wait until the
+    timeout) and give the flat path's results."""
+    import torch.distributed as dist
+
+    from ep_moe import ElasticBuffer
+
+    dist.new_group([0, 1])  # collective over the world; only ranks 0 and 1 hold it
+    held = torch.tensor([len(dist.distributed_c10d._world.pg_names)])
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(counts, held)
+    assert len({int(c) for c in counts}) > 1, f"the ranks should hold different numbers of groups: {counts}"
+    E = 4 * world_size
+    flat = ElasticBuffer(allow_hybrid_mode=False)
+    eb = ElasticBuffer(num_scaleout_ranks=2, num_gpu_timeout_secs=30)
+    assert eb.buffer.backend_name == "hybrid"
+    xs, idxs, ws = _inputs("random", world_size, 2, E, torch.float32)
+    bias = torch.randn(xs[rank].shape[0], HIDDEN)
+    bound = max(i.shape[0] for i in idxs)
+    want = _round_trip(flat, xs[rank], idxs[rank], ws[rank], bias, E, False, True, bound)
+    got = _round_trip(eb, xs[rank], idxs[rank], ws[rank], bias, E, False, True, bound)
+    for i, (a, b) in enumerate(zip(got, want)):
+        _same(a, b, f"uneven groups, output {i}")
+    eb.destroy()
+    flat.destroy()
+    return 1
+
+
+def test_hybrid_buffer_with_ranks_holding_different_numbers_of_groups() -> None:
+    """4 ranks viewed as 2 x 2, where ranks 0 and 1 made one process group more than ranks 2 and 3 (torch names a
+    locally made group by its ranks and the number of groups its maker holds): the buffer is built and equals
+    flat."""
+    from ep_moe.distributed import run_distributed
+
+    assert run_distributed(_uneven_groups_worker, 4, timeout_s=60.0, join_timeout_s=300.0) == [1, 1, 1, 1]
+
+
 # ------------------------------------------------------------------------------------------ topology
 def test_topology_views() -> None:
     t = LogicalTopology.blocks(8, 2)
