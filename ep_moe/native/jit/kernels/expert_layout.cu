@@ -7,8 +7,9 @@
 //   resident at once, so its grid barriers cannot deadlock) doing count -> barrier -> scan -> barrier -> assign
 //   (with the padding fill) -> barrier -> sort; `phase` picks kPhaseCount (count and scan), kPhasePlace (assign
 //   and sort) or both (kPhaseAll). The exact size launches it twice (the host reads the aligned counts between).
-// * four plain launches, in this order (what a CUDA graph capture records): ep_expert_count (num_blocks x 256),
-//   ep_expert_scan (1 x 1024), ep_expert_assign (num_blocks x 256) and ep_expert_sort_rows (one thread per row).
+// * four plain launches, in this order (the GPU tests check the cooperative kernel against them): ep_expert_count
+//   (num_blocks x 256), ep_expert_scan (1 x 1024), ep_expert_assign (num_blocks x 256) and ep_expert_sort_rows
+//   (one thread per row).
 // Block b of the count and assign phases takes pairs [b * pairs_per_block, ...), a multiple of 256; the assign
 // phase also writes every padding slot (P), so pair_of_slot needs no fill; with P = 0 the phases still write
 // every output (the counts, the aligned sizes, the padding).
