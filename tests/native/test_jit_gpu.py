@@ -5,8 +5,8 @@ layout at exact size and at bounds equal to, above and below the total; the perm
 ahead-of-time extension where it is built (the weights' gradient too: same order), inside a CUDA graph (captured,
 replayed on new routings; a kernel first used during the capture too), the layout's cooperative kernel against its
 four plain kernels bit for bit, with a grid below the tile count, on two streams at once and with a capacity
-under capture (a cooperative launch captured and replayed), and the disk cache: a second process loads every kernel from it, in under 1 s in
-all.
+under capture (a cooperative launch captured and replayed), and the disk cache: a second process loads every
+kernel from it, in under 1 s in all.
 Needs one GPU and a CUDA compiler (NVRTC from the nvidia-cuda-nvrtc wheel, or nvcc): ``pytest -m gpu``."""
 
 from __future__ import annotations

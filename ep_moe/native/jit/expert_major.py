@@ -22,7 +22,7 @@ from .driver import I32, I64, PTR, DriverError, Function, memset_zero_async, mul
 MAX_EXPERTS = 1024      # the layout's shared-memory counters (EP_EXPERTS)
 LAYOUT_TILE = 256       # pairs per sub-tile = threads of a layout block
 LAYOUT_MAX_BLOCKS = 256  # read at every call (a GPU test lowers it: blocks then take several sub-tiles)
-ROWS_PER_BLOCK = 8      # the row kernels: one warp per row or slot, 256 threads
+ROWS_PER_BLOCK = 8      # the permute and backward kernels: one warp per slot, 256 threads
 ROW_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 
 _LAYOUT_SIG = (PTR, I64, I64, I64, I64, I32, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR, I32)
@@ -162,8 +162,9 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
     Launches: ``cuMemsetD32Async`` of the grid barrier's two words, then one cooperative launch of
     ``ep_expert_layout`` (count, scan, assign with the padding, sort), or two at the exact size with the host read
     between them (the size of pair_of_slot); no pairs (N = 0 or K = 0) take the same path and the kernel writes
-    the zero counts and the padding (P = 0), at the exact size with no read (M = 0, or L * C). The outputs are views of one allocation (pair_of_slot apart at the
-    exact size), with the kernels' block counts and barrier words behind them."""
+    the zero counts and the padding (P = 0), at the exact size with no read (M = 0, or L * C). The outputs are
+    views of one allocation (pair_of_slot apart at the exact size), with the kernels' block counts and barrier
+    words behind them."""
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"jit.expert_layout: argument 'num_experts' must be in [1, {MAX_EXPERTS}], got {num_experts}")
     rows, topk = topk_idx.shape
