@@ -17,7 +17,6 @@ from collections.abc import Sequence
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_FOUND = 500
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory above this needs the function attribute
 
 # Argument kinds of a kernel signature, as ctypes types (a pointer is passed as its integer address).
@@ -43,7 +42,6 @@ class _Driver:
         lib.cuLaunchKernel.restype = c_int
         lib.cuLaunchCooperativeKernel.restype = c_int
         lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(c_int), vp, c_int, ctypes.c_size_t]
-        lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(c_int), c_int, c_int]
         lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
         lib.cuFuncSetAttribute.argtypes = [vp, c_int, c_int]
@@ -156,7 +154,7 @@ class Function:
     def launch_cooperative(self, grid: int, block: int, stream: int, *args: int | float, shared_bytes: int = 0) -> None:
         """`launch` through ``cuLaunchCooperativeKernel``: the driver starts every block at once or refuses, so the
         kernel may wait for all of its blocks (a grid barrier) even while other kernels hold SMs. ``grid`` must be
-        at most `max_active_blocks` times the device's SM count (`multiprocessor_count`). Raises `DriverError`
+        at most `max_active_blocks` times the device's SM count. Raises `DriverError`
         when the launch is refused (e.g. ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``)."""
         self._enter_context()
         launch = self._launch_cooperative
@@ -219,16 +217,6 @@ def memset_zero_async(address: int, words: int, stream: int, device: int) -> Non
     status = drv.memset_d32_async(address, 0, words, stream)
     if status != CUDA_SUCCESS:
         drv.check(status, f"cuMemsetD32Async({words} words)")
-
-
-def multiprocessor_count(device: int) -> int:
-    """The SM count of ``device`` (``cuDeviceGetAttribute``). Raises `DriverError` when the query fails."""
-    drv = driver()
-    dev, count = ctypes.c_int(), ctypes.c_int()
-    drv.check(drv.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-    drv.check(drv.lib.cuDeviceGetAttribute(ctypes.byref(count), CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev.value),
-              "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)")
-    return count.value
 
 
 def host_device_pointer(host_ptr: int, device: int) -> int:
@@ -299,4 +287,4 @@ class Module:
 
 
 __all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver", "host_device_pointer",
-           "memset_zero_async", "multiprocessor_count", "prepared_args"]
+           "memset_zero_async", "prepared_args"]

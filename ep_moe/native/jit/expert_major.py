@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import KernelSource, module
-from .driver import I32, I64, PTR, DriverError, Function, memset_zero_async, multiprocessor_count
+from .driver import I32, I64, PTR, DriverError, Function, memset_zero_async
 
 MAX_EXPERTS = 1024      # the layout's shared-memory counters (EP_EXPERTS)
 LAYOUT_TILE = 256       # pairs per sub-tile = threads of a layout block
@@ -131,7 +131,7 @@ class _LayoutKernels:
 
 def _resident_blocks(fused: Function, device: int) -> int:
     """How many blocks of ``fused`` (256 threads, static shared memory only) ``device`` holds at once."""
-    resident = fused.max_active_blocks(LAYOUT_TILE) * multiprocessor_count(device)
+    resident = fused.max_active_blocks(LAYOUT_TILE) * torch.cuda.get_device_properties(device).multi_processor_count
     if resident < 1:
         raise DriverError(f"jit: {fused.name} fits no block on device {device} (occupancy 0): no cooperative launch")
     return resident
