@@ -154,8 +154,8 @@ class Function:
     def launch_cooperative(self, grid: int, block: int, stream: int, *args: int | float, shared_bytes: int = 0) -> None:
         """`launch` through ``cuLaunchCooperativeKernel``: the driver starts every block at once or refuses, so the
         kernel may wait for all of its blocks (a grid barrier) even while other kernels hold SMs. ``grid`` must be
-        at most `max_active_blocks` times the device's SM count. Raises `DriverError`
-        when the launch is refused (e.g. ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``)."""
+        at most `max_active_blocks` times the device's SM count. Raises `DriverError` when the launch is refused
+        (e.g. ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``)."""
         self._enter_context()
         launch = self._launch_cooperative
         if launch is None:
