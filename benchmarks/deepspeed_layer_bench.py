@@ -7,6 +7,11 @@ checked against DeepSpeed's output on the same input and RNG state, then timed: 
 caches do not serve them, a barrier before every iteration, median and quartiles over ``--iters``; the layers
 take turns (``--rounds``), so that a drift of the machine's speed does not favour one.
 
+At one rank a last row, ``dropless-floor``, times DeepSpeed's gate (dropless) and the same experts with nothing
+between them: for each input its rows are grouped by expert once, untimed; an iteration runs the gate, the experts
+on those rows, weights each row by its gate value (one gather) and back-propagates a gradient of that and of
+``l_aux``. A dropless layer's time minus this row's is the token movement's own share (printed as ``own ms``).
+
 ``--trivial-experts`` replaces every expert of all four layers (DeepSpeed's and ours, capacity and
 dropless) by the same trivial, parameter-free module (`TrivialExpert`: the identity), so that the time is the
 gate's and the token movement's own share of forward + backward (``--ffn`` is then unused; the gate weights
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -147,6 +153,50 @@ def _step(layer, x, g, seed: int):
     return x, out, l_aux, counts
 
 
+def _forward(layer, x, g, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A layer's forward: the tensors to back-propagate and their gradients."""
+    _, out, l_aux, _ = _step(layer, x, g, seed)
+    return [out, l_aux], [g, torch.full_like(l_aux, 0.01)]
+
+
+FLOOR = "dropless-floor"
+
+
+class DroplessFloor:
+    """One rank: DeepSpeed's gate (dropless) and the experts of an ep_moe dropless layer with no token movement.
+    Each input's rows grouped by expert (the layer's own expert-major layout) are made once, untimed, as a leaf that
+    requires grad; `forward` runs the gate (``l_aux`` included), the experts on those rows and one gather of the
+    gate values to weight them, and returns what to back-propagate."""
+
+    def __init__(self, layer, xs: list[torch.Tensor], seed: int = 3):
+        from ep_moe.expert_major import local_expert_dispatch
+
+        self.layer, self.moe = layer, layer.deepspeed_moe
+        self.prepared = {}
+        gen = torch.Generator(device=xs[0].device).manual_seed(seed)
+        for x in xs:
+            with torch.no_grad():
+                torch.manual_seed(seed)
+                topk_idx, topk_weights, _ = self.moe._route(x, None)
+                out = local_expert_dispatch(x, topk_idx, topk_weights, self.moe.num_local_experts, check_values=False)
+            rows = out.expert_x.clone().requires_grad_(True)
+            grad_rows = torch.randn(rows.shape, generator=gen, device=rows.device, dtype=rows.dtype)
+            self.prepared[id(x)] = (rows, out.tokens_per_expert_list, out.handle.layout.pair_of_slot, grad_rows)
+
+    def __call__(self, x, g, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        rows, counts, pair_of_slot, grad_rows = self.prepared[id(x)]
+        torch.manual_seed(seed)
+        _, topk_weights, _ = self.moe._route(x.detach().requires_grad_(True), None)
+        weights = topk_weights.reshape(-1)[pair_of_slot].to(rows.dtype)
+        out = self.moe._run_experts(rows, counts) * weights.unsqueeze(1)
+        return [out, self.moe.l_aux], [grad_rows, torch.full_like(self.moe.l_aux, 0.01)]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.layer.zero_grad(set_to_none=set_to_none)
+        for rows, *_ in self.prepared.values():
+            rows.grad = None
+
+
 def _check(layers, xs, gs, rank: int) -> dict[str, float]:
     """Each ep_moe layer's output relative to DeepSpeed's of the same mode (max |diff| / max |ref|)."""
     out = {}
@@ -181,12 +231,13 @@ def _time(layer, xs, gs, warmup: int, iters: int, device, rank: int, first: int)
             start.record()
         else:
             t0 = time.perf_counter()
-        x, out, l_aux, _ = _step(layer, x, g, 1000 * it + rank)
+        outputs, grads = (layer if isinstance(layer, DroplessFloor) else functools.partial(_forward, layer))(
+            x, g, 1000 * it + rank)
         if cuda:
             mid.record()
         else:
             t1 = time.perf_counter()
-        torch.autograd.backward([out, l_aux], [g, torch.full_like(l_aux, 0.01)])
+        torch.autograd.backward(outputs, grads)
         if cuda:
             end.record()
             torch.cuda.synchronize()
@@ -245,9 +296,11 @@ def bench(rank: int, world: int, raw_args: dict) -> dict | None:
     layers = _layers(args, rank, device, dtype)
     xs, gs = _inputs(args, rank, device, dtype)
     checks = _check(layers, xs, gs, rank)
+    if world == 1 and "ep_moe-dropless" in layers:
+        layers[FLOOR] = DroplessFloor(layers["ep_moe-dropless"], xs)
     timings = _timings(layers, xs, gs, args, device, rank)
     backend = next((m.deepspeed_moe._get_dispatcher().buffer.backend_name for m in layers.values()
-                    if hasattr(m.deepspeed_moe, "_get_dispatcher") and world > 1), "local")
+                    if world > 1 and hasattr(m.deepspeed_moe, "_get_dispatcher")), "local")
     release_buffers()
     if rank != 0:
         return None
@@ -271,15 +324,17 @@ def _table(result: dict) -> str:
              f"hidden {c['hidden']}, {_experts_text(c)}, top-{c['k']}, capacity factor "
              f"{c['capacity_factor']}, {c['dtype']}, skew {c['skew']}; deepspeed {result['deepspeed']}, "
              f"torch {result['torch']}, ep_moe backend {result['ep_moe_backend']}",
-             f"{'layer':<20} {'fwd ms':>8} {'fwd+bwd ms':>11} {'p25-p75':>15} {'vs DeepSpeed':>13}  check"]
+             f"{'layer':<20} {'fwd ms':>8} {'fwd+bwd ms':>11} {'p25-p75':>15} {'vs DeepSpeed':>13} {'own ms':>7}  check"]
+    floor = t.get(FLOOR)
     for mode, r in t.items():
         ref = t.get(mode.replace("ep_moe", "deepspeed"))
         speedup = f"{ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if mode.startswith("ep_moe") and ref else ""
+        own = f"{r['fwd_bwd_ms'] - floor['fwd_bwd_ms']:.3f}" if floor and mode.endswith("-dropless") else ""
         check = result["checks"].get(mode)
         check_text = (f"rel diff {check['max_rel_diff']:.1e}, l_aux/counts "
                       f"{'equal' if check['l_aux_and_counts_equal'] else 'DIFFER'}") if check else ""
         lines.append(f"{mode:<20} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} "
-                     f"{r['fwd_bwd_p25_ms']:7.3f}-{r['fwd_bwd_p75_ms']:<7.3f} {speedup:>13}  {check_text}")
+                     f"{r['fwd_bwd_p25_ms']:7.3f}-{r['fwd_bwd_p75_ms']:<7.3f} {speedup:>13} {own:>7}  {check_text}")
     return "\n".join(lines)
 
 

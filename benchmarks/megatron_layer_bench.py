@@ -15,6 +15,13 @@ inputs:
 ``--trivial-experts`` replaces the experts of every variant by one trivial module (``x * probs``), so that the
 time is the router's and the dispatcher's own.
 
+At EP 1 a last row, ``no dispatcher``, times the same router and experts with nothing between them: the experts
+take each input's rows already grouped by expert (made once, untimed) and its probs by one gather, and the
+backward starts from a gradient of their output. A variant's time minus that row's is its dispatcher's own share of
+the layer (dispatch, combine, their backward, the host reads they wait for), printed beside its ratio to
+``alltoall``'s share. (Across ranks there is no such floor: the rows must cross.)
+
+The inputs require grad, as inside a model, so the dispatch's backward (the input's gradient) is timed too.
 Each variant is checked against ``alltoall`` first (relative max difference of output and input
 gradient), then timed: ``--warmup`` untimed iterations, ``--iters`` timed ones with CUDA events around
 forward + backward, a barrier before each, inputs rotated among 3 sets; the variants take turns
@@ -83,16 +90,52 @@ def _build(spec, **kwargs):
     return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
 
 
-def _bench(layer, inputs, grads, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of each of ``iters`` forward + backward passes on this rank (after ``warmup``)."""
+def _layer_step(layer):
+    """One forward + backward of ``layer`` on input ``x`` with output gradient ``g``."""
+    def step(x: torch.Tensor, g: torch.Tensor) -> None:
+        out, _ = layer(x)
+        out.backward(g)
+    return step
+
+
+class NoDispatcher:
+    """The layer's router and experts with nothing between them (one rank): for each input, its rows grouped by
+    expert (tokens in order within an expert, as Megatron's permute) and their expert counts on the host are made
+    once, untimed; a step runs the router, gathers the routed probs in that order, runs the experts on the rows
+    (a leaf that requires grad, so the experts' input gradient is computed as in the layer) and back-propagates a
+    gradient of the experts' output. What every dispatcher adds on top of this is its own share."""
+
+    def __init__(self, layer, inputs: list[torch.Tensor], seed: int = 7):
+        self.layer = layer
+        self.prepared = {}
+        gen = torch.Generator(device=inputs[0].device).manual_seed(seed)
+        with torch.no_grad():
+            for x in inputs:
+                _, routing_map = layer.router(x)
+                num_tokens, num_experts = routing_map.shape
+                expert, token = routing_map.t().nonzero(as_tuple=True)
+                rows = x.reshape(num_tokens, -1)[token].clone().requires_grad_(True)
+                grad_rows = torch.randn(rows.shape, generator=gen, device=rows.device, dtype=rows.dtype)
+                self.prepared[id(x)] = (rows, routing_map.sum(0).cpu(), token * num_experts + expert, grad_rows)
+
+    def __call__(self, x: torch.Tensor, g: torch.Tensor) -> None:
+        rows, tokens_per_expert, pair_index, grad_rows = self.prepared[id(x)]
+        probs, _ = self.layer.router(x)
+        out, _ = self.layer.experts(rows, tokens_per_expert, probs.reshape(-1)[pair_index])
+        out.backward(grad_rows)
+
+
+def _bench(step, inputs, grads, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` forward + backward passes (``step(x, g)``) on this rank (after
+    ``warmup``)."""
     times = []
     for i in range(warmup + iters):
         x, g = inputs[i % len(inputs)], grads[i % len(grads)]
+        x.grad = None
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out, _ = layer(x)
-        out.backward(g)
+        step(x, g)
         end.record()
         end.synchronize()
         if i >= warmup:
@@ -100,14 +143,13 @@ def _bench(layer, inputs, grads, warmup: int, iters: int) -> list[float]:
     return times
 
 
-def _profile(name: str, layer, inputs, grads, iters: int) -> None:
+def _profile(name: str, step, inputs, grads, iters: int) -> None:
     """Print this rank's top GPU kernels and CPU ops over ``iters`` forward + backward passes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(iters):
-            out, _ = layer(inputs[i % len(inputs)])
-            out.backward(grads[i % len(grads)])
+            step(inputs[i % len(inputs)], grads[i % len(grads)])
         torch.cuda.synchronize()
     if dist.get_rank() == 0:
         averages = prof.key_averages()
@@ -154,7 +196,7 @@ def run_rank(rank: int, world: int, args) -> dict:
     dtype = next(layer.parameters()).dtype
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     shape = (args.tokens, 1, args.hidden)
-    inputs = [torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3)]
+    inputs = [torch.randn(shape, generator=gen, device="cuda", dtype=dtype).requires_grad_(True) for _ in range(3)]
     grads = [torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3)]
     with torch.no_grad():  # a router that spreads tokens over every expert
         layer.router.weight.normal_(0, 1.0 / args.hidden ** 0.5, generator=gen)
@@ -176,7 +218,7 @@ def run_rank(rank: int, world: int, args) -> dict:
         flex.load_state_dict(layer.state_dict())
 
     reference = _check(layer, inputs[0], grads[0])
-    runs = []  # (name, layer to call, its dispatcher or None for the flex layer, max rel diff)
+    runs = []  # (name, step, its dispatcher or None for the flex layer and the floor, max rel diff or None)
     for name, dispatcher in variants + ([("flex+deepep", None)] if flex is not None else []):
         target = flex if dispatcher is None else layer
         if dispatcher is not None:
@@ -184,24 +226,26 @@ def run_rank(rank: int, world: int, args) -> dict:
         out, grad = _check(target, inputs[0], grads[0])
         diff = max((out - reference[0]).abs().max().item() / reference[0].abs().max().item(),
                    (grad - reference[1]).abs().max().item() / reference[1].abs().max().item())
-        runs.append((name, target, dispatcher, diff))
+        runs.append((name, _layer_step(target), dispatcher, diff))
+    if world == 1:
+        runs.append((NO_DISPATCHER, NoDispatcher(layer, inputs), None, None))
     # Variants take turns, --rounds times, so that a drift of the machine's speed spreads over all of them.
     times: dict[str, list[float]] = {name: [] for name, *_ in runs}
     per_round = max(1, args.iters // args.rounds)
     for round_index in range(args.rounds):
-        for name, target, dispatcher, _ in runs:
+        for name, step, dispatcher, _ in runs:
             if dispatcher is not None:
                 layer.token_dispatcher = dispatcher
-            times[name] += _bench(target, inputs, grads, args.warmup if round_index == 0 else 1, per_round)
+            times[name] += _bench(step, inputs, grads, args.warmup if round_index == 0 else 1, per_round)
     rows = []
-    for name, target, dispatcher, diff in runs:
+    for name, step, dispatcher, diff in runs:
         if dispatcher is not None:
             layer.token_dispatcher = dispatcher
         ms = torch.tensor(statistics.median(times[name]), device="cuda")
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         if args.profile:
-            _profile(name, target, inputs, grads, args.profile)
-        if dispatcher is None:  # say which ep_moe backend the compat module's Buffer chose
+            _profile(name, step, inputs, grads, args.profile)
+        if dispatcher is None and name == "flex+deepep":  # say which ep_moe backend the compat module's Buffer chose
             from megatron.core.transformer.moe import fused_a2a
 
             name = f"flex+deepep[{fused_a2a._buffer.backend_name}]"
@@ -209,6 +253,9 @@ def run_rank(rank: int, world: int, args) -> dict:
     integ.destroy_ep_buffers()
     return {"rows": rows, "megatron_core": integ.MEGATRON_CORE_VERSION, "world": world,
             "gpu": torch.cuda.get_device_name(), "args": vars(args)}
+
+
+NO_DISPATCHER = "no dispatcher (router + experts)"
 
 
 def _spawned(rank: int, world: int, args_dict: dict) -> dict:
@@ -222,9 +269,17 @@ def _table(result: dict) -> str:
     lines = [f"MoE layer fwd+bwd, {result['world']} x {result['gpu']}, megatron-core {result['megatron_core']}: "
              f"{a['tokens']} tokens/rank, hidden {a['hidden']}, {a['experts']} routed experts, {experts}, "
              f"top-{a['topk']}, {a['dtype']}; median of {a['iters']} in {a.get('rounds', 1)} turns",
-             "| dispatcher | ms | vs alltoall | max rel diff vs alltoall |", "| --- | --- | --- | --- |"]
+             "| dispatcher | ms | vs alltoall | dispatcher's own ms | own / alltoall's own (time) | max rel diff vs alltoall |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    floor = next((r["ms"] for r in result["rows"] if r["dispatcher"] == NO_DISPATCHER), None)
     for r in result["rows"]:
-        lines.append(f"| {r['dispatcher']} | {r['ms']:.3f} | {base / r['ms']:.2f}x | {r['max_rel_diff_vs_alltoall']:.2e} |")
+        own = own_ratio = diff = "-"
+        if floor is not None and r["dispatcher"] != NO_DISPATCHER:
+            own = f"{r['ms'] - floor:.3f}"
+            own_ratio = f"{(r['ms'] - floor) / (base - floor):.2f}x" if base > floor else "-"
+        if r["max_rel_diff_vs_alltoall"] is not None:
+            diff = f"{r['max_rel_diff_vs_alltoall']:.2e}"
+        lines.append(f"| {r['dispatcher']} | {r['ms']:.3f} | {base / r['ms']:.2f}x | {own} | {own_ratio} | {diff} |")
     return "\n".join(lines)
 
 

@@ -53,3 +53,24 @@ def test_deepspeed_layer_bench_cpu(trivial: bool, tmp_path) -> None:
     for check in result["checks"].values():
         assert check["max_rel_diff"] <= 1e-5 and check["l_aux_and_counts_equal"], result["checks"]
     assert sorted(result["timings"]) == sorted(MODES)
+
+
+def test_deepspeed_layer_bench_floor_at_one_rank(tmp_path) -> None:
+    """At one rank the bench adds the dropless floor (gate + experts, no token movement) and each dropless layer's
+    own share (its time minus the floor's)."""
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, str(BENCH), "--nproc", "1", "--tokens", "48", "--hidden", "16", "--ffn", "24",
+           "--experts", "4", "--k", "2", "--iters", "2", "--warmup", "1", "--json", str(out_json)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(locations.REPO),
+                                                                    os.environ.get("PYTHONPATH")])),
+               CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run(cmd, cwd=locations.REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out_json.read_text())
+    assert sorted(result["timings"]) == sorted(MODES + ("dropless-floor",))
+    rows = {line.split()[0]: line.split() for line in run.stdout.splitlines()
+            if line.split() and line.split()[0] in result["timings"]}
+    floor_ms = result["timings"]["dropless-floor"]["fwd_bwd_ms"]
+    for mode in ("deepspeed-dropless", "ep_moe-dropless"):
+        own = result["timings"][mode]["fwd_bwd_ms"] - floor_ms
+        assert f"{own:.3f}" in rows[mode], rows[mode]
