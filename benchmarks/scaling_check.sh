@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call on a 2-, 4- or 8-GPU NVLink machine (the two-GPU issue: N=2): build, the native GPU suite at EP N,
 # ep-moe bench at DeepEP's workload and 8192 tokens (BF16 + FP8, SM sweep + the tuner's count), the tuner's
-# check at EP N, the Megatron / DeepSpeed layer benchmarks and the GPU training recipe at EP N (the same
-# micro-batch per GPU as at EP 2, so tokens/s should grow with N). Logs and JSON under $OUT.
+# check at EP N, the Megatron / DeepSpeed layer benchmarks (real and trivial experts) and the GPU training recipe,
+# each at EP N and at EP 1 in the same call (the same global batch, so tokens/s should grow with N; at EP 1 the
+# layer benches add the no-dispatcher floor). Logs and JSON under $OUT. Over the 10-minute limit of one device call,
+# run it as several calls with STEPS.
 #
 #   N=8 bash benchmarks/scaling_check.sh          # default N: every visible GPU
 #   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
@@ -103,16 +105,25 @@ if has layers; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ep_moe_site $WHEELS > "$OUT/wheels.log" 2>&1
     export PYTHONPATH=/tmp/ep_moe_site${PYTHONPATH:+:$PYTHONPATH} DS_BUILD_OPS=0
   fi
-  timeout 300 python3 benchmarks/megatron_layer_bench.py --nproc "$N" --experts $((4 * N)) --backends native,torch \
-    --json "$OUT/megatron_layer_ep$N.json" > "$OUT/megatron_layer_ep$N.txt" 2>&1
-  echo "megatron layer at EP $N: rc $?"; grep -v Warning "$OUT/megatron_layer_ep$N.txt" | tail -8
-  timeout 300 python3 benchmarks/deepspeed_layer_bench.py --nproc "$N" --experts $((4 * N)) \
-    > "$OUT/deepspeed_layer_ep$N.txt" 2>&1
-  echo "deepspeed layer at EP $N: rc $?"; grep -v Warning "$OUT/deepspeed_layer_ep$N.txt" | tail -8
+  # at EP N and at EP 1 (where a no-dispatcher floor row gives each dispatcher's own share), with the real experts
+  # and with trivial ones (the dispatcher's share at EP N), the same expert count everywhere
+  for ep in "$N" 1; do
+    for trivial in "" --trivial-experts; do
+      tag="ep$ep${trivial:+_trivial}"
+      timeout 300 python3 benchmarks/megatron_layer_bench.py --nproc "$ep" --experts $((4 * N)) --backends native,torch \
+        --iters 300 --rounds 10 $trivial --json "$OUT/megatron_layer_$tag.json" > "$OUT/megatron_layer_$tag.txt" 2>&1
+      echo "megatron layer at EP $ep $trivial: rc $?"; grep -v Warning "$OUT/megatron_layer_$tag.txt" | tail -8
+      timeout 300 torchrun --nproc-per-node "$ep" benchmarks/deepspeed_layer_bench.py --experts $((4 * N)) --dtype bf16 \
+        --iters 200 --rounds 10 $trivial > "$OUT/deepspeed_layer_$tag.txt" 2>&1
+      echo "deepspeed layer at EP $ep $trivial: rc $?"; grep -v Warning "$OUT/deepspeed_layer_$tag.txt" | tail -8
+    done
+  done
 fi
 if has train; then
-  timeout 600 torchrun --nproc-per-node "$N" -m ep_moe.train recipes/small-gpu-ep2.yaml \
-    model.expert_model_parallel_size="$N" train.nproc="$N" train.global_batch_size=$((16 * N)) \
-    > "$OUT/train_ep$N.txt" 2>&1
-  echo "training at EP $N: rc $?"; grep -E "^done:" "$OUT/train_ep$N.txt"
+  for ep in "$N" 1; do
+    timeout 600 torchrun --nproc-per-node "$ep" -m ep_moe.train recipes/small-gpu-ep2.yaml \
+      model.expert_model_parallel_size="$ep" train.nproc="$ep" train.global_batch_size=$((16 * N)) \
+      > "$OUT/train_ep$ep.txt" 2>&1
+    echo "training at EP $ep: rc $?"; grep -E "^done:" "$OUT/train_ep$ep.txt"
+  done
 fi
