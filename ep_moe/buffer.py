@@ -186,7 +186,7 @@ class Buffer:
         then either join the current stream (sync) or return an `EventOverlap` (async)."""
         if self._comm_stream is None:
             return fn(), EventOverlap(None)
-        compute = torch.cuda.current_stream()
+        compute = torch.cuda.current_stream(self.device)  # with the device given: no current-device lookup
         comm = self._comm_stream
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
@@ -202,7 +202,7 @@ class Buffer:
                 _record_use(tensors_in, comm)
                 compute.wait_stream(comm)
                 raise
-        outputs = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.is_cuda]
+        outputs = _cuda_tensors(out, [])
         _record_use(tensors_in, comm)
         for t in outputs:
             t.record_stream(compute)
@@ -477,9 +477,18 @@ def _record_use(tensors: list, stream) -> None:
             t.record_stream(stream)
 
 
-def _flatten(obj):
-    if isinstance(obj, tuple | list):  # NamedTuples included
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _cuda_tensors(obj, found: list) -> list:
+    """Append the CUDA tensors of a result (nested tuples, lists and NamedTuples; anything else is skipped) to
+    ``found``, in order. Scalars are skipped without a call each: an exact dispatch's result holds its per-expert
+    counts as a list of up to E ints (see docs/native.md, sixteenth session, for what walking them cost)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            found.append(obj)
+    elif isinstance(obj, tuple | list):
         for item in obj:
-            yield from _flatten(item)
-    else:
-        yield obj
+            if not isinstance(item, _SCALARS):
+                _cuda_tensors(item, found)
+    return found

@@ -38,7 +38,7 @@ def streams(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", on)
-    return SimpleNamespace(_comm_stream=comm), log, current
+    return SimpleNamespace(_comm_stream=comm, device=torch.device("cuda", 0)), log, current
 
 
 def _queue_then(log: list, current: list, error: Exception | None):
@@ -63,3 +63,29 @@ def test_a_call_that_raises_after_queuing_kernels_still_joins_the_streams(stream
         Buffer._run(buffer, _queue_then(log, current, ValueError("ranks disagree")), [], None, False)
     assert log == ["comm waits for compute", "kernels queued on comm", "compute waits for comm"]
     assert current[-1].name == "compute"
+
+
+class _FakeCudaTensor(torch.Tensor):
+    """A CPU tensor that says it is a CUDA one and logs the streams it is marked in use by."""
+
+    is_cuda = True
+
+    def record_stream(self, stream) -> None:
+        self.marked.append(stream.name)
+
+
+def _fake_cuda_tensor() -> _FakeCudaTensor:
+    t = torch.Tensor._make_subclass(_FakeCudaTensor, torch.empty(1))
+    t.marked = []
+    return t
+
+
+def test_a_result_s_cuda_tensors_are_marked_in_use_by_the_current_stream(streams) -> None:
+    """Every CUDA tensor of a nested result (tuples, NamedTuples, lists) is marked; the lists of counts in it are
+    walked without a call per number, CPU tensors and other objects are left alone."""
+    buffer, log, current = streams
+    first, second, cpu = _fake_cuda_tensor(), _fake_cuda_tensor(), torch.empty(1)
+    result = (first, None, list(range(256)), (cpu, [second, 3], "name"), 2.5)
+    out, _ = Buffer._run(buffer, lambda: result, [], None, False)
+    assert out is result
+    assert first.marked == ["compute"] and second.marked == ["compute"]
