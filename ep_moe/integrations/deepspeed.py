@@ -8,6 +8,10 @@ expert/data-parallel groups of ``deepspeed.utils.groups``, and ``isinstance(laye
 deepspeed.moe.layer.MoE)``, so that ``deepspeed.initialize``, the MoE-aware optimizer grouping and the
 per-expert checkpoint files treat the layer exactly as they treat DeepSpeed's.
 
+One shortcut in the gate: at top-2 without capacity (the dropless mode below) the layer computes the gate's routing
+itself (`dropless_top2_routes`: the same weights, routes, ``l_aux``, ``exp_counts`` and draws from the RNG, bit for
+bit), leaving out the capacity-buffer positions that DeepSpeed's gate also computes and a dropless layer never reads.
+
 What changes: the token movement. DeepSpeed packs an ``[E, C, H]`` capacity-padded tensor and moves it
 with two equal-split all-to-alls; this layer sends each token once to each rank that holds one of its
 experts, through ep_moe's `TokenDispatcher`, and runs each local expert on exactly its tokens.
@@ -45,6 +49,7 @@ try:
         SECOND_ALLTOALL_TIMER,
         MOELayer,
         TopKGate,
+        gumbel_rsample,
     )
     from deepspeed.utils import groups
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
@@ -111,6 +116,48 @@ def init_deepspeed_comm(build_shm_op: bool = False) -> None:
             if name in compatible:
                 compatible[name] = False
     ds_comm.init_distributed(dist_backend=torch_dist.get_backend(), verbose=False)
+
+
+def takes_dropless_top2(gate: nn.Module, used_token: Tensor | None) -> bool:
+    """Whether `dropless_top2_routes` gives this call's routing: DeepSpeed's own ``TopKGate`` (with per-route output)
+    at top-2 without capacity, no ``used_token`` mask, no input jitter and no gate timer; anything else goes through
+    the gate's own forward."""
+    return (_SPARSE_ROUTES and type(gate) is TopKGate and gate.k == 2 and not gate.drop_tokens and used_token is None
+            and gate.wg.weight.shape[0] >= 2 and not gate.wall_clock_breakdown
+            and not (gate.noisy_gate_policy == "Jitter" and gate.training))
+
+
+def dropless_top2_routes(gate: TopKGate, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The routing of DeepSpeed's top-2 gate without capacity (``drop_tokens=False``) for ``tokens [S, H]``, computing
+    only what a dropless layer reads: ``(l_aux, topk_idx [S, 2] int64, topk_weights [S, 2] fp32, exp_counts [E]
+    int64)``.
+
+    Why: DeepSpeed's gate also computes every route's place in a capacity buffer, two cumulative sums over an
+    ``[S, E]`` int64 one-hot, which a dropless layer never reads and which dominate the gate's GPU time (see
+    docs/native.md); the layer then waits for them when it reads its expert counts on the host.
+
+    The values are the gate's: logits of the fp32 input by the fp32 ``wg`` weights; the first expert the argmax of
+    the softmax; the second the argmax of the logits plus, when ``top2_2nd_expert_sampling``, DeepSpeed's own Gumbel
+    draw (``gumbel_rsample``, the same draw from the global RNG) with the first masked out; each route's weight its
+    softmax probability divided by the pair's sum (clamped at fp32's eps); ``l_aux = mean(mean_s(gates) *
+    fraction of tokens whose first expert is e) * E^2``; ``exp_counts`` the routes per expert. Checked against the
+    gate in tests/integrations/test_deepspeed.py (routes, ``l_aux`` and counts equal, gradients within 1e-5)."""
+    logits = torch.nn.functional.linear(tokens.float(), gate.wg.weight.float())
+    probs = torch.softmax(logits, dim=1)
+    num_experts = probs.shape[1]
+    first = probs.argmax(dim=1)
+    first_one_hot = torch.nn.functional.one_hot(first, num_experts)
+    if gate.top2_2nd_expert_sampling:
+        logits = logits + gumbel_rsample(logits.shape, device=logits.device)
+    second = logits.masked_fill(first_one_hot.bool(), float("-inf")).argmax(dim=1)
+    topk_idx = torch.stack([first, second], dim=1)
+    chosen = probs.gather(1, topk_idx)
+    total = torch.clamp(chosen.sum(dim=1, keepdim=True), min=torch.finfo(chosen.dtype).eps)
+    topk_weights = chosen / total
+    first_share = first_one_hot.float().mean(dim=0)
+    l_aux = (probs.mean(dim=0) * first_share).mean() * num_experts * num_experts
+    exp_counts = (first_one_hot + torch.nn.functional.one_hot(second, num_experts)).sum(dim=0).detach()
+    return l_aux, topk_idx, topk_weights, exp_counts
 
 
 def _buffer_for(group: torch_dist.ProcessGroup, backend: str) -> Buffer:
@@ -235,6 +282,9 @@ class EPMOELayer(MOELayer):
         """Run DeepSpeed's gate; set ``l_aux``/``exp_counts``; return ``(topk_idx [S, k] int64 with -1
         for dropped routes, topk_weights [S, k] fp32, capacity)``: the gate's per-expert capacity in capacity
         mode with per-route output (every expert then has at most that many routes), else 0."""
+        if takes_dropless_top2(self.gate, used_token):
+            self.l_aux, topk_idx, topk_weights, self.exp_counts = dropless_top2_routes(self.gate, tokens)
+            return topk_idx, topk_weights, 0
         if _SPARSE_ROUTES:
             self.l_aux, capacity, _, indices, _locations, gates, self.exp_counts = self.gate(
                 tokens, used_token, True, False)
