@@ -28,6 +28,8 @@ functions check their arguments once; the kernels' entry points do not check aga
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import NamedTuple
 
 import torch
@@ -37,6 +39,8 @@ from . import native, permute_triton
 from .layout import count_values, round_up
 from .native import jit
 from .native.jit import expert_major as jit_kernels
+
+log = logging.getLogger("ep_moe")
 
 
 class ExpertLayout(NamedTuple):
@@ -97,13 +101,18 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
     if capacity and num_slots not in (None, num_experts * capacity):
         raise ValueError(f"expert_layout: argument 'num_slots' must be None or num_experts * capacity = "
                          f"{num_experts * capacity} with a capacity, got {num_slots}")
-    how = kernel_implementation(topk_idx)
+    how, why = kernel_implementation(topk_idx), None
+    if how == "triton":
+        how, why = "torch", "the layout has no Triton kernel"
+    elif how != "torch" and num_experts > NATIVE_MAX_EXPERTS:
+        how, why = "torch", f"{num_experts} experts: the layout kernels count at most {NATIVE_MAX_EXPERTS}"
+    _note_ran(how, topk_idx, why)
     slots = -1 if num_slots is None else num_slots
-    if how == "native" and num_experts <= NATIVE_MAX_EXPERTS:
+    if how == "native":
         *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots,
                                                                capacity)
         return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
-    if how == "jit" and num_experts <= NATIVE_MAX_EXPERTS:
+    if how == "jit":
         *tensors, host = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots, capacity)
         return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
     return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots, capacity)
@@ -257,6 +266,53 @@ def kernel_implementation(t: Tensor) -> str:
     return "torch"
 
 
+# Which implementations ran in this process (`implementations_run`), and whether the torch fallback on a GPU has
+# been said: benchmarks and `ep-moe env` name what ran instead of what a choice would give.
+_ran: set[str] = set()
+_ran_lock = threading.Lock()
+_fallback_said = False
+
+
+def torch_fallback_reason(t: Tensor) -> str:
+    """Why CUDA tensors like ``t`` run as torch code, in one line."""
+    if t.dtype == torch.float64:
+        return "float64 has no kernel"
+    reasons = [f"native extension: {native.extension_unavailable_reason() or 'not chosen'}",
+               f"JIT: {'EP_MOE_JIT=0' if jit.mode() == 'off' else jit.unavailable_reason() or 'not chosen'}",
+               f"Triton: {permute_triton.unavailable_reason() or 'not chosen'}"]
+    return "; ".join(reasons)
+
+
+def _note_ran(how: str, t: Tensor, why: str | None = None) -> str:
+    """Record that implementation ``how`` runs a call on tensors like ``t`` and return ``how``. The first torch
+    run on a GPU in the process is logged once, with ``why`` (or the reason none of the kernels could run).
+    Calls traced by torch.compile are not recorded (the compiled graph runs what inductor generates)."""
+    global _fallback_said
+    if torch.compiler.is_compiling():
+        return how
+    if how not in _ran:
+        with _ran_lock:
+            _ran.add(how)
+    if how == "torch" and t.is_cuda and not _fallback_said:
+        _fallback_said = True
+        log.warning("ep_moe.permute: the expert-major kernels run as torch code on %s (%s)", t.device,
+                    why or torch_fallback_reason(t))
+    return how
+
+
+def implementations_run() -> tuple[str, ...]:
+    """The implementations (``"native"``, ``"jit"``, ``"triton"``, ``"torch"``; sorted) that ran an
+    expert-major call in this process since it started or since `reset_implementations_run`."""
+    with _ran_lock:
+        return tuple(sorted(_ran))
+
+
+def reset_implementations_run() -> None:
+    """Forget which implementations ran (e.g. between a benchmark's warm-up and its timed calls)."""
+    with _ran_lock:
+        _ran.clear()
+
+
 def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
     flat = values.reshape(-1)
     if flat.shape[0] == 0:
@@ -268,7 +324,7 @@ def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
 
 def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """(rows [M, H], slot_values [M] or None)."""
-    how = kernel_implementation(x)
+    how = _note_ran(kernel_implementation(x), x)
     kernel = (torch.ops.ep_moe_native.permute_rows if how == "native" else
               jit_kernels.permute_rows if how == "jit" else None)
     if kernel is not None and (values is None or values.dtype == torch.float32):
@@ -289,7 +345,7 @@ def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | No
 def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_values: Tensor | None = None,
                slot_of_pair: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out [N, H], pair_values [N, K] or None: ``slot_values`` at each pair's slot, 0 where it has none)."""
-    how = kernel_implementation(y)
+    how = _note_ran(kernel_implementation(y), y)
     if how in ("native", "jit"):
         kernel = torch.ops.ep_moe_native.unpermute_sum if how == "native" else jit_kernels.unpermute_sum
         out, pair_values = kernel(
@@ -313,7 +369,7 @@ def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_val
 def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int,
                         need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """(grad_y [M, H] or None, grad_weights [M] or None) of `unpermute_sum`."""
-    how = kernel_implementation(grad)
+    how = _note_ran(kernel_implementation(grad), grad)
     if how in ("native", "jit"):
         kernel = (torch.ops.ep_moe_native.unpermute_sum_backward if how == "native" else
                   jit_kernels.unpermute_sum_backward)
@@ -471,6 +527,7 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
     how = kernel_implementation(rows)
     if how in ("native", "jit") and not torch.compiler.is_compiling():
+        _note_ran(how, rows)
         if how == "native":
             kernel = torch.ops.ep_moe_native.permute_received_rows
         else:  # imported here: the intranode JIT module it comes with is not needed before
@@ -501,5 +558,6 @@ def pair_values(values: Tensor, layout: ExpertLayout) -> Tensor:
     return _slot_values_torch(values, layout.pair_of_slot)
 
 
-__all__ = ["ExpertLayout", "expert_layout", "kernel_implementation", "max_slots", "pair_values", "permute_received_rows", "permute_rows",
-           "permute_rows_and_values", "permute_rows_backward", "unpermute_sum", "unpermute_sum_backward"]
+__all__ = ["ExpertLayout", "expert_layout", "implementations_run", "kernel_implementation", "max_slots", "pair_values",
+           "permute_received_rows", "permute_rows", "permute_rows_and_values", "permute_rows_backward",
+           "reset_implementations_run", "torch_fallback_reason", "unpermute_sum", "unpermute_sum_backward"]

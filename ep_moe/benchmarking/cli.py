@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import native
+from .. import native, permute
 from ..buffer import Buffer
 from ..config import Config
 from ..distributed import MULTICAST_OFF, launch, nccl_version, torchrun_env
@@ -182,13 +182,14 @@ class _RankBench:
             _say(self.rank, f"{what} {row.check}: {'; '.join(row.problems)}")
         else:
             _say(self.rank, f"{what} {row.median_us:10.1f} us (p10 {row.p10_us:.1f}, p90 {row.p90_us:.1f})"
-                            f"  check {row.check}")
+                            f"  check {row.check}  kernels {row.kernels}")
 
     def _measure(self, row: Row, op: str, fn: Callable[[int], object], num_sets: int, problems: list[str],
                  expected: list[Outputs]) -> None:
         """Time ``fn`` on every rank, checking every call against ``expected`` (per input set: the checked
         call's fingerprints); fill ``row`` with the slowest-rank statistics and every problem; emit it."""
         def timed() -> tuple[list[float], list[str]]:
+            permute.reset_implementations_run()
             check = CallCheck(op, expected, self.spec.warmup, self.device)
             samples = time_runs(fn, runs=self.spec.runs, warmup=self.spec.warmup, num_sets=num_sets,
                                 timer=self.timer, gate=self.gate, check=check)
@@ -204,7 +205,20 @@ class _RankBench:
             stats = summarize(slowest_rank_per_run([s for s, _ in found]))
             row.median_us, row.p10_us, row.p90_us, row.runs = stats.median_us, stats.p10_us, stats.p90_us, stats.runs
             row.rank_median_us = [summarize(s).median_us for s, _ in found]
+        row.kernels = self._kernels(row.backend, op)
         self._emit(row)
+
+    def _kernels(self, backend: str, op: str) -> str:
+        """Which kernels ran the timed calls of ``op`` on this rank: the buffer's transport (for ``native``, the
+        build of its kernels: JIT or the extension) and, for the expert-major operations, the implementations
+        of the permute and reduce (`ep_moe.permute.implementations_run`)."""
+        transport = self.buffers[backend].backend_name
+        if transport == "native":
+            kind = native.kernels_kind()
+            transport += f" ({'extension' if kind == 'aot' else kind})"
+        if op.startswith("expert_"):
+            transport += f", permute {'+'.join(permute.implementations_run()) or 'none'}"
+        return transport
 
     # -------------------------------------------------------------- setup
     def make_buffers(self) -> None:

@@ -40,6 +40,7 @@ class Row:
     floor_fraction: float | None = None
     speedup_vs_torch: float | None = None
     check: str = "ok"  # "ok", "FAIL" (results differ; see problems) or "error" (an exception)
+    kernels: str = "-"  # what ran the timed calls, e.g. "native (jit), permute jit" (`_RankBench._kernels`)
     problems: list[str] = field(default_factory=list)
 
 
@@ -82,7 +83,7 @@ def table(rows: list[Row], header: list[str]) -> str:
     dtype and operation (torch first, then the other backends by SM count; ``*`` marks the tuner's plan),
     then the problems found."""
     cols = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p90 us", "GB/s", "floor us",
-            "of floor", "vs torch", "check"]
+            "of floor", "vs torch", "check", "kernels"]
     body = []
     for r in sorted(rows, key=_table_order):
         spread = "-" if r.p10_us is None else f"{r.p10_us:.1f}-{r.p90_us:.1f}"
@@ -91,9 +92,9 @@ def table(rows: list[Row], header: list[str]) -> str:
                      "-" if r.num_sms is None else f"{r.num_sms}{'*' if r.planned else ''}",
                      r.op, median, spread, _gbps(r.gbps), _num(r.floor_us, ".1f"),
                      _num(r.floor_fraction, ".2f"), "-" if r.speedup_vs_torch is None else f"{r.speedup_vs_torch:.2f}x",
-                     r.check])
+                     r.check, r.kernels])
     widths = [max(len(c), *(len(line[i]) for line in body)) if body else len(c) for i, c in enumerate(cols)]
-    left = {0, 1, 4, 11}  # text columns
+    left = {0, 1, 4, 11, 12}  # text columns
     def fmt(cells):
         return "  ".join(c.ljust(w) if i in left else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()

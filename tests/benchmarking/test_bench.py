@@ -22,7 +22,7 @@ from ep_moe.benchmarking.workload import num_input_sets, to_fp8_blocks
 from ep_moe.buffer import Buffer
 
 TABLE_COLUMNS = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p90 us", "GB/s", "floor us",
-                 "of floor", "vs torch", "check"]
+                 "of floor", "vs torch", "check", "kernels"]
 
 
 def _rank_with_a_wrong_combine(rank: int, world_size: int, spec) -> dict | None:
@@ -113,6 +113,7 @@ def test_cpu_bench_end_to_end(tmp_path, capsys, monkeypatch):
     for r in good:
         assert r["check"] == ("FAIL" if r in wrong else "ok"), r
         assert r["runs"] == 10 and len(r["rank_median_us"]) == 2
+        assert r["kernels"] == "torch", r  # the torch transport; no expert-major op in this run
         assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"]
         assert r["speedup_vs_torch"] > 0
         assert r["floor_us"] is None and r["floor_fraction"] is None  # no NVLink on CPU
@@ -318,6 +319,7 @@ def test_expert_major_operations_are_timed_and_checked(tmp_path, monkeypatch):
     assert not [key for key in failed if key[0] != "skewed"]
     for op in ("expert_dispatch", "expert_dispatch_fixed", "expert_combine"):
         assert rows[("honest", op, "bf16")]["check"] == "ok" and rows[("torch", op, "bf16")]["check"] == "ok"
+        assert rows[("torch", op, "bf16")]["kernels"] == "torch, permute torch"  # CPU ranks: torch code
     for op in ("expert_dispatch", "expert_dispatch_fixed"):
         assert any("expert_weights vs backend torch: differs" in p for p in failed[("skewed", op, "bf16")]), failed
 
