@@ -132,6 +132,29 @@ def nvrtc_candidates() -> list[str]:
     return out
 
 
+def _load_builtins(lib_path: str, version: tuple[int, int]) -> str:
+    """Load the ``libnvrtc-builtins.so.X.Y`` that libnvrtc ``X.Y`` dlopens by soname on its first compile, from
+    libnvrtc's own folder: the loader does not search that folder (the ``nvidia-cuda-nvrtc`` wheel's lib/ is on
+    no search path unless LD_LIBRARY_PATH names it), but once a library of that soname is loaded, its dlopen finds
+    it. Returns where it was found; raises RuntimeError where it is neither there nor on the loader's path (this
+    libnvrtc could not compile)."""
+    name = f"libnvrtc-builtins.so.{version[0]}.{version[1]}"
+    # a toolkit's libnvrtc.so is a symlink that may point into another folder
+    paths = (lib_path, os.path.realpath(lib_path)) if os.path.sep in lib_path else ()
+    folders = dict.fromkeys(os.path.dirname(p) for p in paths)
+    for folder in folders:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+    try:
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)  # a bare soname: the loader's own search
+    except OSError as exc:
+        where = f"beside {lib_path} or " if folders else ""
+        raise RuntimeError(f"{name} is not {where}on the loader's path ({exc})") from None
+    return name
+
+
 class NvrtcCompiler:
     """NVRTC through ctypes: headers are read from the source's folder and ``include_dirs``; device code only (the
     kernels include no host header)."""
@@ -146,6 +169,7 @@ class NvrtcCompiler:
             raise RuntimeError(f"nvrtcVersion failed in {lib_path}")
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         self.version = (major.value, minor.value)
+        self.builtins = _load_builtins(lib_path, self.version)
         real = os.path.basename(os.path.realpath(lib_path))
         self.identity = f"nvrtc {major.value}.{minor.value} ({real})"
 
