@@ -11,7 +11,9 @@ What is measured (on GPU; `calibrate` is collective over the EP group):
 
 On a machine without a GPU nothing is measured: `calibrate` and `load_rates` return the datasheet defaults
 and say so. The cache file is ``$EP_MOE_CALIBRATION`` if set, else ``$EP_MOE_CACHE_DIR/calibration.json``,
-else ``~/.cache/ep_moe/calibration.json``; entries are keyed by GPU model, driver and group topology.
+else ``~/.cache/ep_moe/calibration.json``; entries are keyed by GPU model, driver and group topology. A file
+that cannot be used (damaged, another format version, no entry for this machine) gives the datasheet rates
+with one warning, or, named by a caller (``load_rates(path=...)``), a `CalibrationFileError`.
 """
 
 from __future__ import annotations
@@ -94,18 +96,42 @@ def _hardware_key(topology: Topology, backend: str) -> str:
            f"{topology.driver}|{backend}"
 
 
-def _read_cache(path: Path) -> dict:
+class CalibrationFileError(ValueError):
+    """A calibration file that cannot be used (unreadable, not a calibration cache, another format version, a
+    malformed entry, or no entry for this machine): ``path`` and ``why`` say which file and what is wrong."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.path, self.why = Path(path), why
+        super().__init__(f"calibration {path}: {why}")
+
+
+def _entries(path: Path) -> dict:
+    """The file's entries ({} when there is no file); `CalibrationFileError` for one that cannot be used."""
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         return {}
-    except (OSError, json.JSONDecodeError) as exc:
-        log.warning("ep_moe: ignoring the unreadable calibration cache %s (%s)", path, exc)
-        return {}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
-        log.warning("ep_moe: ignoring the calibration cache %s (unknown format)", path)
-        return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CalibrationFileError(path, f"cannot be read ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CalibrationFileError(path, f"is not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or "version" not in data or not isinstance(data.get("entries"), dict):
+        raise CalibrationFileError(path, "is not a calibration cache (it needs 'version' and an 'entries' object)")
+    if data["version"] != CACHE_VERSION:
+        raise CalibrationFileError(path, f"has format version {data['version']!r}; this ep_moe reads version "
+                                         f"{CACHE_VERSION}")
     return data["entries"]
+
+
+def _read_cache(path: Path) -> dict:
+    """The entries to keep when writing ``path``: none of a file that cannot be used (it is replaced)."""
+    try:
+        return _entries(path)
+    except CalibrationFileError as exc:
+        log.warning("ep_moe: %s; it is replaced by a new file", exc)
+        return {}
 
 
 def save_rates(topology: Topology, rates: Rates, backend: str = "native", path: str | os.PathLike | None = None) -> Path:
@@ -122,30 +148,67 @@ def save_rates(topology: Topology, rates: Rates, backend: str = "native", path: 
     return path
 
 
-def load_rates(topology: Topology, backend: str = "native", path: str | os.PathLike | None = None) -> Rates:
-    """The cached calibration for ``topology`` (or for the same hardware at another EP size, with a note),
-    else the datasheet defaults. Never raises on a missing or corrupt cache."""
-    path = Path(path) if path is not None else cache_path()
-    entries = _read_cache(path)
-    entry = entries.get(cache_key(topology, backend))
-    note = None
+def _cached_rates(topology: Topology, backend: str, path: Path) -> Rates | None:
+    """The rates ``path`` holds for ``topology`` (or for the same hardware at another EP size, with a note);
+    None when there is no file. `CalibrationFileError` for a file that cannot be used or has no entry for
+    this machine."""
+    entries = _entries(path)
+    if not entries:
+        return None
+    key = cache_key(topology, backend)
+    entry, note = entries.get(key), None
     if entry is None:
         hardware = _hardware_key(topology, backend)
-        entry = next((e for e in entries.values() if e.get("hardware") == hardware), None)
-        if entry is not None:
+        entry = next((e for e in entries.values() if isinstance(e, dict) and e.get("hardware") == hardware), None)
+        if entry is None:
+            others = sorted(str(k) for k in entries)
+            listed = "; ".join(others[:3]) + (f"; and {len(others) - 3} more" if len(others) > 3 else "")
+            raise CalibrationFileError(path, f"has no entry for this machine ({key}); it was calibrated for: {listed}")
+        try:
             note = f"calibrated for another group ({Topology.from_dict(entry['topology']).describe()})"
-    if entry is None:
-        defaults = Rates.defaults(topology)
-        if not topology.has_gpu:
-            return replace(defaults, source="datasheet defaults (no GPU here: nothing measured)")
-        return replace(defaults, source=f"datasheet defaults (no calibration for this machine in {path})")
+        except (KeyError, TypeError, ValueError):
+            note = "calibrated for another group"
+    if not isinstance(entry, dict) or not isinstance(entry.get("rates"), dict):
+        raise CalibrationFileError(path, f"its entry for this machine ({key}) has no 'rates' object")
     try:
         rates = Rates.from_dict(entry["rates"])
     except (KeyError, TypeError, ValueError) as exc:
-        log.warning("ep_moe: ignoring a malformed calibration entry in %s (%s)", path, exc)
-        return Rates.defaults(topology)
+        raise CalibrationFileError(path, f"its entry for this machine ({key}) is malformed: {exc}") from None
     rates = replace(rates, source=f"{rates.source}; cached in {path}")
     return replace(rates, notes=rates.notes + (note,)) if note else rates
+
+
+def _datasheet(topology: Topology, why: str) -> Rates:
+    defaults = Rates.defaults(topology)
+    return replace(defaults, source=f"datasheet defaults ({why})")
+
+
+def load_rates(topology: Topology, backend: str = "native", path: str | os.PathLike | None = None) -> Rates:
+    """The cached calibration for ``topology`` (or for the same hardware at another EP size, with a note),
+    else the datasheet defaults (their ``source`` says why).
+
+    The cache file (`cache_path`) is optional: a missing one gives the datasheet rates quietly; one that
+    cannot be used (unreadable, damaged, another format version, a malformed entry, no entry for this
+    machine) gives them with one warning, ``calibration <path> ignored: <why>; using datasheet rates``.
+    A file named by ``path`` is what the caller asked for: the same problems raise `CalibrationFileError`
+    (a `ValueError`) naming the file and the problem, and so does a missing file.
+    """
+    explicit = path is not None
+    path = Path(path) if explicit else cache_path()
+    try:
+        rates = _cached_rates(topology, backend, path)
+    except CalibrationFileError as exc:
+        if explicit:
+            raise
+        log.warning("ep_moe: calibration %s ignored: %s; using datasheet rates", path, exc.why)
+        return _datasheet(topology, f"calibration {path} ignored: {exc.why}")
+    if rates is not None:
+        return rates
+    if explicit:
+        raise CalibrationFileError(path, "does not exist")
+    if not topology.has_gpu:
+        return _datasheet(topology, "no GPU here: nothing measured")
+    return _datasheet(topology, f"no calibration for this machine in {path}")
 
 
 # ------------------------------------------------------------------------------------------ timing helpers
@@ -430,12 +493,20 @@ def calibrate(group: dist.ProcessGroup | None = None, topology: Topology | None 
     world = dist.get_world_size(group) if initialized else 1
     topology = topology or detect_topology(world_size=world)
     backend = buffer.backend_name if buffer is not None else "native"
-    cached = load_rates(topology, backend, path)
+    file = Path(path) if path is not None else cache_path()
+    try:  # the file this writes: one that cannot be used is replaced, not an error
+        cached = _cached_rates(topology, backend, file)
+        exact = cached is not None and cache_key(topology, backend) in _entries(file)
+    except CalibrationFileError as exc:
+        cached, exact = _datasheet(topology, f"calibration {file} ignored: {exc.why}"), False
+    if cached is None:
+        cached = _datasheet(topology, "no GPU here: nothing measured" if not topology.has_gpu
+                            else f"no calibration for this machine in {file}")
     if not torch.cuda.is_available():
         if rank == 0:
             say(f"calibration: no GPU here, nothing measured: {cached.source}")
         return cached
-    if not force and cached.measured and cache_key(topology, backend) in _read_cache(Path(path) if path else cache_path()):
+    if not force and cached.measured and exact:
         if rank == 0:
             say(f"calibration: using the cached one ({cached.source})")
         return cached
@@ -500,6 +571,6 @@ def calibrate(group: dist.ProcessGroup | None = None, topology: Topology | None 
     return rates
 
 
-__all__ = ["CACHE_VERSION", "ENV_CACHE_DIR", "ENV_CALIBRATION", "DispatchBench", "buffer_measure_fn", "cache_key",
+__all__ = ["CACHE_VERSION", "ENV_CACHE_DIR", "ENV_CALIBRATION", "CalibrationFileError", "DispatchBench", "buffer_measure_fn", "cache_key",
            "cache_path", "calibrate", "fit_kernels", "load_rates", "measure_local_sm_rates", "measure_peer_rates",
            "save_rates"]

@@ -55,7 +55,21 @@ class KernelFit:
 
     @classmethod
     def from_dict(cls, data: dict) -> KernelFit:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        """The fit ``to_dict`` wrote; `ValueError` naming the field for a value that is not a number (or not
+        a positive scale or sharpness, or a negative overhead)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"KernelFit: expected an object, got {_describe(data)}")
+        values = {k: _number("KernelFit", k, data[k]) for k in cls.__dataclass_fields__ if k in data}
+        for name in ("link_scale", "sm_scale", "sharpness"):
+            if name in values and not values[name] > 0:
+                raise ValueError(f"KernelFit: '{name}' must be > 0, got {values[name]!r}")
+        if values.get("overhead_us", 0.0) < 0:
+            raise ValueError(f"KernelFit: 'overhead_us' must be >= 0, got {values['overhead_us']!r}")
+        if "samples" in values:
+            if values["samples"] != int(values["samples"]):
+                raise ValueError(f"KernelFit: 'samples' must be a whole number, got {values['samples']!r}")
+            values["samples"] = int(values["samples"])
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -137,12 +151,46 @@ class Rates:
 
     @classmethod
     def from_dict(cls, data: dict) -> Rates:
+        """The rates ``to_dict`` wrote (a calibration file's entry); `ValueError` naming the field for a value
+        of the wrong type (``nvlink_gbs`` is required)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"Rates: expected an object, got {_describe(data)}")
+        if "nvlink_gbs" not in data:
+            raise ValueError("Rates: 'nvlink_gbs' is missing")
         values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        for name in ("nvlink_gbs", "rdma_gbs", "sm_read_gbs", "sm_write_gbs", "sm_peer_write_gbs"):
+            if name in values:
+                values[name] = _number("Rates", name, values[name])
+        if values.get("copy_engine_gbs") is not None:
+            values["copy_engine_gbs"] = _number("Rates", "copy_engine_gbs", values["copy_engine_gbs"])
         for op in ("dispatch", "combine"):
-            if isinstance(values.get(op), dict):
-                values[op] = KernelFit.from_dict(values[op])
-        values["notes"] = tuple(values.get("notes", ()))
+            if op in values:
+                try:
+                    values[op] = KernelFit.from_dict(values[op])
+                except ValueError as exc:
+                    raise ValueError(f"Rates: '{op}': {exc}") from None
+        if not isinstance(values.get("measured", False), bool):
+            raise ValueError(f"Rates: 'measured' must be true or false, got {_describe(values['measured'])}")
+        if not isinstance(values.get("source", ""), str):
+            raise ValueError(f"Rates: 'source' must be a string, got {_describe(values['source'])}")
+        notes = values.get("notes", ())
+        if not isinstance(notes, list | tuple) or not all(isinstance(n, str) for n in notes):
+            raise ValueError(f"Rates: 'notes' must be a list of strings, got {_describe(notes)}")
+        values["notes"] = tuple(notes)
         return cls(**values)
+
+
+def _describe(value) -> str:
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
+def _number(owner: str, name: str, value) -> float:
+    """``value`` as a float: a finite number (inf only for a smooth-max sharpness), not a bool or a string."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{owner}: '{name}' must be a number, got {_describe(value)}")
+    if math.isnan(value) or (math.isinf(value) and name != "sharpness"):
+        raise ValueError(f"{owner}: '{name}' must be finite, got {value!r}")
+    return float(value)
 
 
 def smooth_max(values: Iterable[float], sharpness: float) -> float:
