@@ -3,6 +3,7 @@ run that stops before any rank starts through the command's ``main`` in the test
 file descriptor):
 
 * the launcher killed with SIGKILL takes its ranks with it, and leaves a lock that the next run sees is stale;
+* the launcher sent SIGTERM stops its ranks after their step, saves a checkpoint that resumes, and exits 130;
 * a run folder is held by one run at a time, and a fresh run does not reuse one that holds an earlier run;
 * errors are one line each on stderr (the same error on every rank once), tracebacks in ``error.log``;
 * a rank killed by a signal is one line, within seconds, and the other ranks are stopped.
@@ -123,6 +124,41 @@ def test_killed_launcher_takes_its_ranks_along_and_leaves_a_stale_lock(tmp_path)
     assert line.startswith(f"ep-moe train: {run}: took over the lock of pid {proc.pid} (host {socket.gethostname()}) "
                            "since ") and line.endswith(", which no longer runs"), line
     assert not os.path.exists(os.path.join(run, LOCK_NAME))  # released at exit
+
+
+# ---------------------------------------------------------------------------------------------- the launcher is stopped
+def test_sigterm_to_the_launcher_saves_a_checkpoint_that_resumes_and_exits_130(tmp_path):
+    """What a process manager's ``kill PID`` does (the launcher alone; it forwards the signal to its ranks), the
+    SIGINT of Ctrl-C being checked in test_convergence.py."""
+    from ep_moe.train.checkpoint import checkpoint_info, latest_checkpoint
+
+    run = str(tmp_path / "run")
+    proc = _start(*LONG, f"checkpoint.save={run}")
+    try:
+        _wait_training(proc, run)
+        ranks = _ranks(proc.pid)
+        assert len(ranks) == 2
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _cleanup(proc)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err, (out, err)
+    assert all(_gone(r) for r in ranks)
+    checkpoint = latest_checkpoint(run)
+    assert checkpoint is not None, os.listdir(run)
+    stopped_at = checkpoint_info(checkpoint)["step"]
+    trained = [r["step"] for r in read_records(os.path.join(run, "metrics.jsonl")) if r["kind"] == "train"]
+    assert stopped_at >= 2 and stopped_at == max(trained), (stopped_at, trained)
+    assert f"interrupted (SIGTERM) after step {stopped_at}" in out + err, (out, err)
+    assert not os.path.exists(os.path.join(run, LOCK_NAME))
+
+    # The checkpoint loads: a resumed run starts from it and trains one more step.
+    resumed = _run(*LONG, f"checkpoint.save={run}", "--resume", f"train.train_iters={stopped_at + 1}")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from {checkpoint} at step {stopped_at}" in resumed.stdout + resumed.stderr, resumed.stdout
+    trained = [r["step"] for r in read_records(os.path.join(run, "metrics.jsonl")) if r["kind"] == "train"]
+    assert trained == list(range(1, stopped_at + 2)), trained
 
 
 # ---------------------------------------------------------------------------------------------- one run per folder
