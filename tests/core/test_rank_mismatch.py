@@ -1,6 +1,7 @@
 """Ranks that disagree on a call's shape, dtype, top-k, experts, fixed size or handle: every rank raises the same
 ValueError naming the field and the ranks' values, before any row moves (no gloo abort, no hang), and the
-group stays usable (docs/semantics.md, Errors). At 2 and 3 ranks, the last rank is the odd one out."""
+group stays usable (docs/semantics.md, Errors). At 2, 3 and 4 ranks (one spawned job of 4 ranks, the smaller
+sizes on its first ranks: tests/world_sizes.py), the last rank is the odd one out."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import time
 import pytest
 import torch
 from support_core import Case, check_bits, make_inputs
+from world_sizes import run_world_sizes
 
 from ep_moe import Buffer
-from ep_moe.distributed import run_distributed
 from ep_moe.reference import reference_combine, reference_dispatch
 
 BUFFER_TIMEOUT_S = 10.0
 GROUP_TIMEOUT_S = 30.0
 H, K, E_PER_RANK = 128, 2, 2
 TOKENS = (6, 9, 4, 7, 5, 8, 3, 6)  # T of ranks 0, 1, 2, ... (the GPU version runs up to 8 ranks)
+WORLD_SIZES = (2, 3, 4)
 
 
 def _scenarios(rank: int, num_ranks: int, buffer: Buffer, x, idx, w, E: int, W: int):
@@ -103,11 +105,11 @@ def _correct_calls(rank: int, buffer: Buffer, inp, E: int) -> str:
     return ""
 
 
-def _session(rank: int, num_ranks: int) -> dict:
+def _session(rank: int, num_ranks: int, group) -> dict:
     case = Case("mismatch", TOKENS[:num_ranks], H, K, E_PER_RANK * num_ranks, "random", "bf16")
     inp = make_inputs(case, num_ranks, seed=5)
     E = case.experts
-    buffer = Buffer(backend="torch", timeout_s=BUFFER_TIMEOUT_S)
+    buffer = Buffer(group, backend="torch", timeout_s=BUFFER_TIMEOUT_S)
     results = {}
     scenarios = _scenarios(rank, num_ranks, buffer, inp.x(rank), inp.idxs[rank], inp.weights[rank], E,
                            sum(case.tokens))
@@ -122,12 +124,16 @@ def _session(rank: int, num_ranks: int) -> dict:
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
-def session(request) -> tuple[int, list[dict]]:
-    num_ranks = request.param
-    # Were a collective of mismatched sizes still possible, gloo would abort a rank (run_distributed then
+@pytest.fixture(scope="module")
+def sessions() -> dict[int, list[dict]]:
+    # Were a collective of mismatched sizes still possible, gloo would abort a rank (run_world_sizes then
     # raises naming it) or the ranks would wait for the group timeout.
-    return num_ranks, run_distributed(_session, num_ranks, timeout_s=GROUP_TIMEOUT_S, join_timeout_s=300)
+    return run_world_sizes(_session, WORLD_SIZES, timeout_s=GROUP_TIMEOUT_S, join_timeout_s=300)
+
+
+@pytest.fixture(params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
+def session(request, sessions) -> tuple[int, list[dict]]:
+    return request.param, sessions[request.param]
 
 
 def _values(num_ranks: int, common: object, odd: object) -> str:
