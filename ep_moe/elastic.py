@@ -86,6 +86,99 @@ class ElasticHandle:
     """0 (exact size, after a host sync) or the fixed row bound of the rank-major dispatch."""
     recv_topk_idx: Tensor | None = None
     """Compact layout: the dispatch's ``recv_topk_idx`` (a cached dispatch returns it again)."""
+    rank: int = 0
+    """The dispatching rank (the handle's metadata is computed from it)."""
+    _recv_src_metadata: Tensor | None = None
+    _dst_buffer_slot_idx: Tensor | None = None
+
+    @property
+    def recv_src_metadata(self) -> Tensor | None:
+        """``[N, 2 + K]`` int32 on the device, one row per rank-major received row (V2's layout; computed on first
+        read): column 0 the source token's global index ``src_rank * num_max_tokens_per_rank + t``; column 1
+        ``src_rank * K + k`` with k the first top-k entry of the token whose expert is local; columns ``2 + k``
+        the expanded row of pair (token, k) in the expanded layout, -1 where entry k is not local and always -1 in
+        the compact layout. Rows past the received ones (fixed size) are -1. None when ``num_max_tokens_per_rank``
+        is 0 (V2 requires it)."""
+        if self._recv_src_metadata is None and self.num_max_tokens_per_rank > 0:
+            self._recv_src_metadata = _source_metadata(self)
+        return self._recv_src_metadata
+
+    @recv_src_metadata.setter
+    def recv_src_metadata(self, value: Tensor | None) -> None:
+        self._recv_src_metadata = value
+
+    @property
+    def dst_buffer_slot_idx(self) -> Tensor:
+        """``[T, K]`` int32 on the device (computed on first read): for each top-k entry of this rank's tokens,
+        the rank-major row that the token lands in on the entry's rank (the same row for every entry of a token
+        on one rank), -1 where ``topk_idx`` is -1."""
+        if self._dst_buffer_slot_idx is None:
+            self._dst_buffer_slot_idx = _destination_rows(self)
+        return self._dst_buffer_slot_idx
+
+    @dst_buffer_slot_idx.setter
+    def dst_buffer_slot_idx(self, value: Tensor) -> None:
+        self._dst_buffer_slot_idx = value
+
+    token_metadata_at_forward = None
+    """V2's per-channel forwarding metadata of its hybrid kernels: ep_moe's hybrid path keeps none (None)."""
+    channel_linked_list = None
+    """V2's per-channel linked list of its hybrid kernels: ep_moe's hybrid path keeps none (None)."""
+
+
+def _received_sources(handle: ElasticHandle) -> tuple[Tensor, Tensor, Tensor]:
+    """``(src_rank [N], src_token [N], local [N, K] bool)`` of the rank-major received rows behind ``handle``:
+    -1 ranks and tokens on rows past the received ones; ``local`` marks the top-k entries whose expert is on this
+    rank."""
+    inner = handle.inner
+    if handle.do_expand:
+        local = inner.layout.slot_of_pair >= 0
+        dispatch = inner.dispatch
+    else:
+        local = handle.recv_topk_idx >= 0
+        dispatch = inner
+    if dispatch is None:  # one rank, expanded: the received rows are the tokens with an expert, in order
+        has = local.any(dim=1)
+        order = torch.argsort((~has).to(torch.int8), stable=True)
+        rows = torch.where(has[order], order, -1)
+        num_rows = handle.num_recv_tokens if handle.num_worst_tokens == 0 else handle.num_worst_tokens
+        rows = torch.cat([rows, rows.new_full((max(num_rows - rows.shape[0], 0),), -1)])[:num_rows]
+        local = torch.cat([local, local.new_zeros(max(num_rows - local.shape[0], 0), local.shape[1])])
+        return torch.where(rows >= 0, 0, -1), rows, local[rows.clamp(min=0)] & (rows >= 0).unsqueeze(1)
+    return dispatch.recv_src_rank.to(torch.int64), dispatch.recv_src_idx.to(torch.int64), local
+
+
+def _source_metadata(handle: ElasticHandle) -> Tensor:
+    src_rank, src_token, local = _received_sources(handle)
+    num_topk = local.shape[1]
+    received = src_rank >= 0
+    first_local = torch.where(local.any(dim=1), local.to(torch.int8).argmax(dim=1), -1)
+    meta = torch.full((local.shape[0], 2 + num_topk), -1, dtype=torch.int32, device=local.device)
+    meta[:, 0] = torch.where(received, src_rank * handle.num_max_tokens_per_rank + src_token, -1).to(torch.int32)
+    meta[:, 1] = torch.where(received & (first_local >= 0), src_rank * num_topk + first_local, -1).to(torch.int32)
+    if handle.do_expand:
+        slots = handle.inner.layout.slot_of_pair
+        if handle.inner.dispatch is None:  # the layout's rows are the tokens: pick the received ones
+            slots = slots[src_token.clamp(min=0)]
+        meta[:, 2:] = torch.where(local, slots, -1).to(torch.int32)
+    return meta
+
+
+def _destination_rows(handle: ElasticHandle) -> Tensor:
+    topk_idx = handle.topk_idx
+    dispatch = handle.inner.dispatch if handle.do_expand else handle.inner
+    valid = topk_idx >= 0
+    if dispatch is None:  # one rank, expanded: the tokens with an expert, in order, are the received rows
+        rows = (torch.cumsum(valid.any(dim=1).to(torch.int64), dim=0) - 1).unsqueeze(1)
+        return torch.where(valid, rows, -1).to(torch.int32)
+    num_ranks = dispatch.rank_prefix_matrix.shape[0]
+    dst = torch.where(valid, topk_idx // (handle.num_experts // num_ranks), 0)
+    # row of token t on rank r: the rows of lower source ranks on r, then t's place among this rank's tokens to r
+    before = (dispatch.rank_prefix_matrix[handle.rank - 1].to(torch.int64) if handle.rank > 0 else
+              torch.zeros(num_ranks, dtype=torch.int64, device=topk_idx.device))
+    place = torch.cumsum(dispatch.is_token_in_rank.to(torch.int64), dim=0) - 1  # [T, R]
+    rows = before[dst] + place.gather(1, dst)
+    return torch.where(valid, rows, -1).to(torch.int32)
 
 
 def _event_of(event):
@@ -466,7 +559,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         num_sms = self._num_sms(num_sms, num_experts, topk_idx.shape[1], data, bound)
         routing = topk_idx.clone() if do_handle_copy else topk_idx
         common = dict(num_experts=num_experts, expert_alignment=alignment, num_max_tokens_per_rank=bound,
-                      num_sms=num_sms, topk_idx=routing, num_worst_tokens=num_worst_tokens)
+                      num_sms=num_sms, topk_idx=routing, num_worst_tokens=num_worst_tokens, rank=self.rank)
         if do_expand:
             out = expert_dispatch(self.buffer, x, topk_idx, weights, num_experts, alignment, num_worst_tokens, num_sms)
             aligned, unaligned = out.tokens_per_expert, out.pairs_per_expert
@@ -474,9 +567,13 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             counts = [] if not sync else (out.tokens_per_expert_list if out.tokens_per_expert_list is not None
                                           else aligned.tolist())
             inner = out.handle
-            per_rank = (inner.dispatch.rank_prefix_matrix[:, self.rank] if inner.dispatch is not None
-                        else torch.full((1,), data.shape[0], dtype=torch.int64, device=data.device))  # no copy
-            recv_rows = -1 if not sync else (inner.layout.num_rows)
+            if inner.dispatch is not None:
+                per_rank = inner.dispatch.rank_prefix_matrix[:, self.rank]
+                recv_rows = inner.layout.num_rows
+            else:  # one rank, no rank-major copy: the tokens with an expert are the received ones
+                per_rank = (topk_idx >= 0).any(dim=1).sum().reshape(1)
+                recv_rows = int(per_rank) if sync else -1
+            recv_rows = recv_rows if sync else -1
             new = ElasticHandle(do_expand=True, num_recv_tokens=recv_rows,
                                 num_expanded_tokens=sum(counts) if sync else -1,
                                 num_recv_tokens_per_expert_list=counts,
