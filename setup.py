@@ -137,13 +137,19 @@ setup(
                   "ep_moe.recipes": ["*.yaml"]},
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
-        # tensorboard: the trainer's logger.tensorboard_dir (the tests write and read event files)
-        "dev": ["pytest>=7", "pytest-timeout", "ruff", "tensorboard"],
+        # tensorboard: the trainer's logger.tensorboard_dir (the tests write and read event files); psutil: the
+        # fault tests' process checks
+        "dev": ["pytest>=7", "pytest-timeout", "ruff", "tensorboard", "psutil"],
         "tensorboard": ["tensorboard"],
         # The versions CI tests on CPU; newer ones are tested on the GPU machine (README).
         "megatron": ["megatron-core>=0.13"],  # 0.13.1-0.16.1 tested on CPU, 0.19.2 on GPU
         "deepspeed": ["deepspeed>=0.16"],
         "test-integrations": ["megatron-core==0.16.1", "deepspeed==0.19.8"],
+        # What the kernel tests need on a CPU: Triton (its kernels run in the interpreter) and NVRTC (every CUDA
+        # source compiles for sm_90), at the versions that CUDA torch 2.13 depends on (triton==3.7.1; cuda-toolkit
+        # 13.0.3 gives nvidia-cuda-nvrtc 13.0.88), so this extra never conflicts with a CUDA torch 2.13 install.
+        "test-kernels": ['triton==3.7.1; platform_system == "Linux"',
+                         'nvidia-cuda-nvrtc==13.0.88; platform_system == "Linux"'],
     },
     entry_points={"console_scripts": ["ep-moe = ep_moe.cli:main"]},
     ext_modules=ext_modules,
