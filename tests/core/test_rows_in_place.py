@@ -8,8 +8,8 @@ the dispatch and combine kernels"), on the CPU:
 * the whole path through `Buffer.dispatch_result(consume_in_place=...)` and the autograd function, at 2/3/4 gloo
   ranks, with a test double of the backend (`InPlaceTorchBackend`: the torch backend's dispatch, then a "receive
   buffer" whose own-rank rows and rows past the total are garbage, as in the native buffer; its combine of
-  expert-major rows forms the rank-major rows from ``sorted_slots`` and the weights), equals the composed path bit
-  for bit: rows, weights, counts, both combine modes, and the gradients of x, of the routing weights, of the
+  expert-major rows forms the rank-major rows from ``sorted_slots`` and the weights by a loop over rows and slots,
+  not by ``unpermute_sum``, which the composed path uses), equals the composed path bit for bit: rows, weights, counts, both combine modes, and the gradients of x, of the routing weights, of the
   experts' rows and of their weights;
 * a backend that cannot leave rows in place refuses ``consume_in_place`` with a named error.
 
@@ -28,13 +28,7 @@ from ep_moe import Buffer, ElasticBuffer
 from ep_moe.backends.base import ReceivedRows
 from ep_moe.backends.torch_backend import TorchBackend
 from ep_moe.expert_major import expert_cached_dispatch, expert_combine, expert_dispatch
-from ep_moe.permute import (
-    _unpermute_sum_torch,
-    expert_layout,
-    max_slots,
-    permute_received_rows,
-    permute_rows_and_values,
-)
+from ep_moe.permute import expert_layout, max_slots, permute_received_rows, permute_rows_and_values
 
 GARBAGE = 0x5A  # byte pattern of rows the in-place path must not read
 
@@ -129,11 +123,30 @@ def test_permute_received_rows_errors_name_the_argument() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the path, 2-4 ranks
+def _rank_major_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor) -> torch.Tensor:
+    """Row i of the rank-major rows formed from the expert-major rows ``y``, one row and one slot at a time
+    (docs/semantics.md, "Expert-major layout", the combine with multiple reduction): from an fp32 zero (fp64 for
+    fp64 ``y``), add ``weights[s] * y[s]`` (the product rounded to fp32, then added; ``y[s]`` unweighted without
+    weights) for each of the row's slots in increasing order (slots are expert-major: increasing slot is
+    increasing local expert), then round once to ``y``'s dtype. The order is the stated one, so the composed path
+    must equal it bit for bit."""
+    acc_dtype = torch.promote_types(y.dtype, torch.float32)
+    out = torch.empty(sorted_slots.shape[0], y.shape[1], dtype=y.dtype)
+    for i, row in enumerate(sorted_slots.tolist()):
+        acc = torch.zeros(y.shape[1], dtype=acc_dtype)
+        for s in sorted(s for s in row if s >= 0):
+            term = y[s].to(acc_dtype)
+            acc = acc + (term if weights is None else weights[s].to(acc_dtype) * term)
+        out[i] = acc.to(y.dtype)
+    return out
+
+
 class InPlaceTorchBackend(TorchBackend):
     """Test double: the torch backend's dispatch, then the received rows as the native kernels leave them (the
     peers' rows in a receive buffer whose own-rank rows and rows past the total are garbage; the own rows in x,
-    through the send list to this rank), handed to ``consume`` (fresh and cached dispatches); a combine of expert-major rows forms the
-    rank-major rows (the torch definition of unpermute_sum) and combines them."""
+    through the send list to this rank), handed to ``consume`` (fresh and cached dispatches); a combine of
+    expert-major rows forms the rank-major rows (`_rank_major_rows`, independent of the composed path's
+    ``unpermute_sum``) and combines them."""
 
     name = "torch-in-place"
     expert_row_combines = 0
@@ -148,7 +161,7 @@ class InPlaceTorchBackend(TorchBackend):
     def combine(self, y, handle, topk_weights, bias, config=None, *, expert_rows=None):
         if expert_rows is not None:
             sorted_slots, weights = expert_rows
-            y = _unpermute_sum_torch(y, weights, sorted_slots)
+            y = _rank_major_rows(y, weights, sorted_slots)
             self.expert_row_combines += 1
         return super().combine(y, handle, topk_weights, bias, config)
 
