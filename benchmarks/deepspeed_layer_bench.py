@@ -7,6 +7,17 @@ checked against DeepSpeed's output on the same input and RNG state, then timed: 
 caches do not serve them, a barrier before every iteration, median and quartiles over ``--iters``; the layers
 take turns (``--rounds``), so that a drift of the machine's speed does not favour one.
 
+Checked: the last timed call of every turn of every layer, on every rank, as that call left them (kept, not made
+again): its output, ``l_aux``, ``exp_counts`` and input gradient. An ep_moe layer's against DeepSpeed's layer of
+the same mode on the same input and gate seed (an untimed call; built for the check if that mode is not timed):
+output and input gradient within `_checked.RTOL` of the dtype (the two order and round the weighted sums
+differently), ``l_aux`` and counts equal. DeepSpeed's layers and the floor against their own untimed call on the
+same input and seed, bit for bit (the same computation). The row's ``check`` says ``ok`` or ``DIFF``; an ep_moe
+row adds the largest relative difference from DeepSpeed seen; any mismatch is printed (layer, rank, turn, first
+differing element) with exit status 1. The header names the ep_moe backend (the native kernels' build where it is
+native) and the ``permute`` column which implementations of ep_moe's expert-major permute ran in the layer's
+timed calls (``ep_moe.permute.implementations_run``; ``-``: none).
+
 At one rank a last row, ``dropless-floor``, times DeepSpeed's gate (dropless) and the same experts with nothing
 between them: for each input its rows are grouped by expert once, untimed; an iteration runs the gate, the experts
 on those rows, weights each row by its gate value (one gather) and back-propagates a gradient of that and of
@@ -40,7 +51,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from _checked import RTOL, gather_problems, max_rel_diff, mismatch, report, verdict
 
+from ep_moe import permute
 from ep_moe.distributed import launch, torchrun_env
 
 MODES = ("deepspeed-capacity", "ep_moe-capacity", "deepspeed-dropless", "ep_moe-dropless")
@@ -93,7 +106,8 @@ class TrivialExpert(torch.nn.Module):
         return x
 
 
-def _layers(args, rank: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+def _layers(args, rank: int, device: torch.device, dtype: torch.dtype, modes: list[str]
+            ) -> dict[str, torch.nn.Module]:
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     from ep_moe.integrations.deepspeed import replace_deepspeed_moe
@@ -120,7 +134,7 @@ def _layers(args, rank: int, device: torch.device, dtype: torch.dtype) -> dict[s
             wg = base.deepspeed_moe.gate.wg.weight
             wg += args.skew * torch.linspace(0, 1, args.experts)[:, None] * _mean_direction(args)[None, :]
     layers = {}
-    for mode in args.mode_list:
+    for mode in modes:
         layer = copy.deepcopy(base)
         if mode.startswith("ep_moe"):
             layer = replace_deepspeed_moe(layer, drop_tokens=mode.endswith("capacity"), backend=args.backend)
@@ -153,10 +167,10 @@ def _step(layer, x, g, seed: int):
     return x, out, l_aux, counts
 
 
-def _forward(layer, x, g, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A layer's forward: the tensors to back-propagate and their gradients."""
-    _, out, l_aux, _ = _step(layer, x, g, seed)
-    return [out, l_aux], [g, torch.full_like(l_aux, 0.01)]
+def _forward(layer, x, g, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
+    """A layer's forward: the tensors to back-propagate, their gradients, and ``(the input leaf, exp_counts)``."""
+    leaf, out, l_aux, counts = _step(layer, x, g, seed)
+    return [out, l_aux], [g, torch.full_like(l_aux, 0.01)], (leaf, counts)
 
 
 FLOOR = "dropless-floor"
@@ -166,7 +180,8 @@ class DroplessFloor:
     """One rank: DeepSpeed's gate (dropless) and the experts of an ep_moe dropless layer with no token movement.
     Each input's rows grouped by expert (the layer's own expert-major layout) are made once, untimed, as a leaf that
     requires grad; `forward` runs the gate (``l_aux`` included), the experts on those rows and one gather of the
-    gate values to weight them, and returns what to back-propagate."""
+    gate values to weight them, and returns what to back-propagate (and, as `_forward`, the leaf whose gradient is
+    checked: the rows)."""
 
     def __init__(self, layer, xs: list[torch.Tensor], seed: int = 3):
         from ep_moe.expert_major import local_expert_dispatch
@@ -183,13 +198,13 @@ class DroplessFloor:
             grad_rows = torch.randn(rows.shape, generator=gen, device=rows.device, dtype=rows.dtype)
             self.prepared[id(x)] = (rows, out.tokens_per_expert_list, out.handle.layout.pair_of_slot, grad_rows)
 
-    def __call__(self, x, g, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def __call__(self, x, g, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
         rows, counts, pair_of_slot, grad_rows = self.prepared[id(x)]
         torch.manual_seed(seed)
         _, topk_weights, _ = self.moe._route(x.detach().requires_grad_(True), None)
         weights = topk_weights.reshape(-1)[pair_of_slot].to(rows.dtype)
         out = self.moe._run_experts(rows, counts) * weights.unsqueeze(1)
-        return [out, self.moe.l_aux], [grad_rows, torch.full_like(self.moe.l_aux, 0.01)]
+        return [out, self.moe.l_aux], [grad_rows, torch.full_like(self.moe.l_aux, 0.01)], (rows, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.layer.zero_grad(set_to_none=set_to_none)
@@ -197,31 +212,31 @@ class DroplessFloor:
             rows.grad = None
 
 
-def _check(layers, xs, gs, rank: int) -> dict[str, float]:
-    """Each ep_moe layer's output relative to DeepSpeed's of the same mode (max |diff| / max |ref|)."""
-    out = {}
-    for mode in layers:
-        if not mode.startswith("ep_moe"):
-            continue
-        ref_mode = mode.replace("ep_moe", "deepspeed")
-        if ref_mode not in layers:
-            continue
-        with torch.no_grad():
-            _, ours, l_ours, c_ours = _step(layers[mode], xs[0], gs[0], 11 + rank)
-            _, ref, l_ref, c_ref = _step(layers[ref_mode], xs[0], gs[0], 11 + rank)
-        rel = float((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
-        same = bool(torch.equal(c_ours, c_ref)) and bool(torch.equal(l_ours, l_ref))
-        stats = torch.tensor([rel, 0.0 if same else 1.0], device=ours.device)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        out[mode] = {"max_rel_diff": float(stats[0]), "l_aux_and_counts_equal": stats[1].item() == 0}
-    return out
+class Kept:
+    """What one call gave: its iteration number (input set ``it % len(xs)``, gate seed ``1000 * it + rank``), output,
+    ``l_aux``, ``exp_counts`` (None for the floor) and the gradient of its input leaf (the floor's: its rows)."""
+
+    def __init__(self, it: int, outputs: list[torch.Tensor], counts, grad: torch.Tensor) -> None:
+        self.it, self.out, self.l_aux = it, outputs[0].detach(), outputs[1].detach()
+        self.counts, self.grad = counts, grad
+
+    def copy(self) -> Kept:
+        counts = self.counts.clone() if isinstance(self.counts, torch.Tensor) else self.counts
+        return Kept(self.it, [self.out.clone(), self.l_aux.clone()], counts, self.grad.clone())
 
 
-def _time(layer, xs, gs, warmup: int, iters: int, device, rank: int, first: int) -> tuple[list[float], list[float]]:
+def _call(layer, x, g, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
+    return (layer if isinstance(layer, DroplessFloor) else functools.partial(_forward, layer))(x, g, seed)
+
+
+def _time(layer, xs, gs, warmup: int, iters: int, device, rank: int, first: int
+          ) -> tuple[list[float], list[float], Kept]:
     """Per-iteration forward and forward + backward milliseconds of ``iters`` timed iterations (after
-    ``warmup``); iteration numbers (input set, gate seed) start at ``first``."""
+    ``warmup``); iteration numbers (input set, gate seed) start at ``first``. Also what the last call gave (copied
+    after its end mark)."""
     cuda = device.type == "cuda"
     fwd, total = [], []
+    kept = None
     for it in range(first, first + warmup + iters):
         x, g = xs[it % len(xs)], gs[it % len(gs)]
         dist.barrier()
@@ -231,8 +246,7 @@ def _time(layer, xs, gs, warmup: int, iters: int, device, rank: int, first: int)
             start.record()
         else:
             t0 = time.perf_counter()
-        outputs, grads = (layer if isinstance(layer, DroplessFloor) else functools.partial(_forward, layer))(
-            x, g, 1000 * it + rank)
+        outputs, grads, (leaf, counts) = _call(layer, x, g, 1000 * it + rank)
         if cuda:
             mid.record()
         else:
@@ -248,29 +262,81 @@ def _time(layer, xs, gs, warmup: int, iters: int, device, rank: int, first: int)
         if it >= first + warmup:
             fwd.append(f)
             total.append(t)
+        kept = Kept(it, outputs, counts, leaf.grad)
         layer.zero_grad(set_to_none=True)
-    return fwd, total
+    return fwd, total, kept.copy()
 
 
-def _timings(layers: dict, xs, gs, args, device, rank: int) -> dict[str, dict[str, float]]:
+def _untimed(layer, xs, gs, it: int, rank: int) -> Kept:
+    """``layer``'s call of iteration ``it`` (its input set and gate seed), untimed: a reference."""
+    outputs, grads, (leaf, counts) = _call(layer, xs[it % len(xs)], gs[it % len(gs)], 1000 * it + rank)
+    torch.autograd.backward(outputs, grads)
+    kept = Kept(it, outputs, counts, leaf.grad).copy()
+    layer.zero_grad(set_to_none=True)
+    return kept
+
+
+def _check_kept(mode: str, kept: Kept, reference, what: str, xs, gs, rank: int, turn: int, rtol: float | None
+                ) -> tuple[list[str], float, bool]:
+    """The problems of ``kept`` (``mode``'s last timed call of turn ``turn``) against ``reference``'s untimed call
+    of the same iteration (``what`` names it): output and input gradient within ``rtol`` (None: bit for bit),
+    ``l_aux`` and counts equal. Also the largest relative difference of output and gradient, and whether ``l_aux``
+    and counts are equal."""
+    want = _untimed(reference, xs, gs, kept.it, rank)
+    where = (f"{mode}, turn {turn + 1}'s last timed call (input set {kept.it % len(xs)}, gate seed "
+             f"{1000 * kept.it + rank}) vs {what}")
+    problems = [p for p in (mismatch(f"{where}: output", kept.out, want.out, rtol),
+                            mismatch(f"{where}: input gradient", kept.grad, want.grad, rtol),
+                            mismatch(f"{where}: l_aux", kept.l_aux, want.l_aux, None)) if p]
+    counts_equal = (kept.counts is None and want.counts is None) or (
+        isinstance(kept.counts, torch.Tensor) and isinstance(want.counts, torch.Tensor)
+        and torch.equal(kept.counts, want.counts))
+    if not counts_equal:
+        problems.append(f"{where}: exp_counts {kept.counts} vs expected {want.counts}")
+    return (problems, max(max_rel_diff(kept.out, want.out), max_rel_diff(kept.grad, want.grad)),
+            counts_equal and torch.equal(kept.l_aux, want.l_aux))
+
+
+def _timings(layers: dict, references: dict, xs, gs, args, device, rank: int, rtol: float
+             ) -> tuple[dict[str, dict[str, float]], dict[str, dict]]:
     """Every layer timed, the layers taking turns (``--rounds`` turns of ``iters / rounds`` iterations), so that
-    a drift of the machine's speed does not favour one; the slowest rank's medians and quartiles."""
+    a drift of the machine's speed does not favour one; the slowest rank's medians and quartiles. And the checks
+    of every turn's last timed call, per layer: ``check``, ``problems`` (every rank's), ``max_rel_diff`` (an ep_moe
+    layer's from DeepSpeed's; else None), ``l_aux_and_counts_equal`` and ``permute`` (the expert-major permute
+    implementations its calls ran)."""
     per_round = max(1, args.iters // args.rounds)
     samples = {mode: ([], []) for mode in layers}
+    checks = {mode: {"problems": [], "max_rel_diff": 0.0, "equal": True, "permute": set()} for mode in layers}
     for round_index in range(args.rounds):
         for mode, layer in layers.items():
-            fwd, total = _time(layer, xs, gs, args.warmup if round_index == 0 else 1, per_round, device, rank,
-                               first=round_index * (args.warmup + per_round))
+            permute.reset_implementations_run()
+            fwd, total, kept = _time(layer, xs, gs, args.warmup if round_index == 0 else 1, per_round, device, rank,
+                                     first=round_index * (args.warmup + per_round))
+            checks[mode]["permute"].update(permute.implementations_run())
             samples[mode][0].extend(fwd)
             samples[mode][1].extend(total)
-    out = {}
+            ours = mode.startswith("ep_moe")  # against DeepSpeed's layer of its mode; the others against themselves
+            reference = references[mode.replace("ep_moe", "deepspeed")] if ours else layer
+            what = "DeepSpeed's layer (untimed)" if ours else "its untimed call"
+            problems, diff, equal = _check_kept(mode, kept, reference, what, xs, gs, rank, round_index,
+                                                rtol if ours else None)
+            checks[mode]["problems"] += problems
+            checks[mode]["max_rel_diff"] = max(checks[mode]["max_rel_diff"], diff)
+            checks[mode]["equal"] &= equal
+    out, checked = {}, {}
     for mode, (fwd, total) in samples.items():
         stats = torch.tensor([statistics.median(fwd), statistics.median(total), _quantile(total, 0.25),
-                              _quantile(total, 0.75)], device=device, dtype=torch.float64)
+                              _quantile(total, 0.75), checks[mode]["max_rel_diff"],
+                              0.0 if checks[mode]["equal"] else 1.0], device=device, dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         out[mode] = {"fwd_ms": float(stats[0]), "fwd_bwd_ms": float(stats[1]), "fwd_bwd_p25_ms": float(stats[2]),
                      "fwd_bwd_p75_ms": float(stats[3])}
-    return out
+        problems = gather_problems(checks[mode]["problems"])
+        checked[mode] = {"check": verdict(problems), "problems": problems,
+                         "max_rel_diff": float(stats[4]) if mode.startswith("ep_moe") else None,
+                         "l_aux_and_counts_equal": stats[5].item() == 0,
+                         "permute": ",".join(sorted(checks[mode]["permute"])) or "-"}
+    return out, checked
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -293,14 +359,24 @@ def bench(rank: int, world: int, raw_args: dict) -> dict | None:
         raise SystemExit(f"--experts {args.experts} must be divisible by the {world} ranks")
     init_deepspeed_comm()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    layers = _layers(args, rank, device, dtype)
+    # DeepSpeed's layer of each timed ep_moe layer's mode is its reference, built (untimed) if not timed itself
+    references = [m.replace("ep_moe", "deepspeed") for m in args.mode_list if m.startswith("ep_moe")]
+    layers = _layers(args, rank, device, dtype, args.mode_list + [m for m in references if m not in args.mode_list])
+    references = {m: layers[m] for m in references}
+    layers = {m: layers[m] for m in args.mode_list}
     xs, gs = _inputs(args, rank, device, dtype)
-    checks = _check(layers, xs, gs, rank)
     if world == 1 and "ep_moe-dropless" in layers:
         layers[FLOOR] = DroplessFloor(layers["ep_moe-dropless"], xs)
-    timings = _timings(layers, xs, gs, args, device, rank)
+    timings, timed_checks = _timings(layers, references, xs, gs, args, device, rank, RTOL[dtype])
     backend = next((m.deepspeed_moe._get_dispatcher().buffer.backend_name for m in layers.values()
                     if world > 1 and hasattr(m.deepspeed_moe, "_get_dispatcher")), "local")
+    if backend == "native":
+        from ep_moe import native
+
+        kind = native.kernels_kind()
+        backend += f" (native kernels: {'extension (aot)' if kind == 'aot' else kind or 'none'})"
+    checks = {mode: {"max_rel_diff": c["max_rel_diff"], "l_aux_and_counts_equal": c["l_aux_and_counts_equal"]}
+              for mode, c in timed_checks.items() if mode.startswith("ep_moe")}
     release_buffers()
     if rank != 0:
         return None
@@ -309,7 +385,7 @@ def bench(rank: int, world: int, raw_args: dict) -> dict | None:
             "expert_fn": "trivial: identity, no parameters" if args.trivial_experts else
                          f"MLP: Linear {args.hidden}->{args.ffn}, GELU, Linear {args.ffn}->{args.hidden}",
             "deepspeed": deepspeed.__version__, "torch": torch.__version__, "ep_moe_backend": backend,
-            "checks": checks, "timings": timings}
+            "checks": checks, "timed_checks": timed_checks, "timings": timings}
 
 
 def _experts_text(config: dict) -> str:
@@ -324,7 +400,8 @@ def _table(result: dict) -> str:
              f"hidden {c['hidden']}, {_experts_text(c)}, top-{c['k']}, capacity factor "
              f"{c['capacity_factor']}, {c['dtype']}, skew {c['skew']}; deepspeed {result['deepspeed']}, "
              f"torch {result['torch']}, ep_moe backend {result['ep_moe_backend']}",
-             f"{'layer':<20} {'fwd ms':>8} {'fwd+bwd ms':>11} {'p25-p75':>15} {'vs DeepSpeed':>13} {'own ms':>7}  check"]
+             f"{'layer':<20} {'fwd ms':>8} {'fwd+bwd ms':>11} {'p25-p75':>15} {'vs DeepSpeed':>13} {'own ms':>7} "
+             f"{'permute':>8} {'check':>5}  vs DeepSpeed's layer"]
     floor = t.get(FLOOR)
     for mode, r in t.items():
         ref = t.get(mode.replace("ep_moe", "deepspeed"))
@@ -333,8 +410,10 @@ def _table(result: dict) -> str:
         check = result["checks"].get(mode)
         check_text = (f"rel diff {check['max_rel_diff']:.1e}, l_aux/counts "
                       f"{'equal' if check['l_aux_and_counts_equal'] else 'DIFFER'}") if check else ""
+        timed = result["timed_checks"][mode]
         lines.append(f"{mode:<20} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} "
-                     f"{r['fwd_bwd_p25_ms']:7.3f}-{r['fwd_bwd_p75_ms']:<7.3f} {speedup:>13} {own:>7}  {check_text}")
+                     f"{r['fwd_bwd_p25_ms']:7.3f}-{r['fwd_bwd_p75_ms']:<7.3f} {speedup:>13} {own:>7} "
+                     f"{timed['permute']:>8} {timed['check']:>5}  {check_text}".rstrip())
     return "\n".join(lines)
 
 
@@ -351,12 +430,13 @@ def main(argv: list[str] | None = None) -> int:
     device_type = "cuda" if gpus and (under_torchrun or gpus >= args.nproc) else "cpu"
     result = launch(_spawned, args.nproc, vars(args), device_type=device_type, timeout_s=300,
                     join_timeout_s=1800)[0]
-    if result is not None:
-        print(_table(result), flush=True)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
-    return 0
+    if result is None:  # another rank's process under torchrun: rank 0 reports
+        return 0
+    print(_table(result), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return report("deepspeed_layer_bench", [p for c in result["timed_checks"].values() for p in c["problems"]])
 
 
 if __name__ == "__main__":

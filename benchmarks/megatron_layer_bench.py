@@ -22,11 +22,21 @@ the layer (dispatch, combine, their backward, the host reads they wait for), pri
 ``alltoall``'s share. (Across ranks there is no such floor: the rows must cross.)
 
 The inputs require grad, as inside a model, so the dispatch's backward (the input's gradient) is timed too.
-Each variant is checked against ``alltoall`` first (relative max difference of output and input
-gradient), then timed: ``--warmup`` untimed iterations, ``--iters`` timed ones with CUDA events around
-forward + backward, a barrier before each, inputs rotated among 3 sets; the variants take turns
-(``--rounds`` turns of ``iters / rounds`` iterations each), so that a drift of the machine's speed does not
-favour one; the median per rank, then the slowest rank's median. Printed last: a table with ms and the ratio to alltoall; ``--json PATH`` saves it.
+Timing: ``--warmup`` untimed iterations, ``--iters`` timed ones with CUDA events around forward + backward, a
+barrier before each, inputs rotated among 3 sets; the variants take turns (``--rounds`` turns of ``iters /
+rounds`` iterations each), so that a drift of the machine's speed does not favour one; the median per rank, then
+the slowest rank's median.
+
+Checked: the last timed call of every turn of every variant, on every rank, as that call left them (kept by the
+timed step, not a call made again): its output and input gradient against ``alltoall``'s untimed call on the same
+input set, within `_checked.RTOL` of the dtype (the dispatchers order and round the sums over a token's experts
+differently); the floor's experts' output and their input's gradient against the floor's own untimed call, bit
+for bit (the same computation). The table's ``check`` column says ``ok`` or ``DIFF``, ``max rel diff`` is the
+largest difference from alltoall seen, and any mismatch is printed (variant, rank, turn, first differing element)
+with exit status 1. The header names the native kernels' build where a variant used the native backend, and the
+``permute`` column which implementations of ep_moe's expert-major permute ran in the variant's timed calls
+(``ep_moe.permute.implementations_run``; ``-``: none). Printed last: a table with ms and the ratio to alltoall;
+``--json PATH`` saves it.
 """
 
 from __future__ import annotations
@@ -35,11 +45,14 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
+from _checked import RTOL, gather_problems, max_rel_diff, mismatch, report, verdict
 
+from ep_moe import permute
 from ep_moe.distributed import launch, torchrun_env
 
 
@@ -90,12 +103,18 @@ def _build(spec, **kwargs):
     return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
 
 
-def _layer_step(layer):
-    """One forward + backward of ``layer`` on input ``x`` with output gradient ``g``."""
-    def step(x: torch.Tensor, g: torch.Tensor) -> None:
-        out, _ = layer(x)
+class LayerStep:
+    """One forward + backward of ``layer`` on input ``x`` with output gradient ``g``. ``kept``: the latest call's
+    ``(x, output, x's gradient)``, so that the outputs of the last timed call are the ones checked."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor, g: torch.Tensor) -> None:
+        out, _ = self.layer(x)
         out.backward(g)
-    return step
+        self.kept = (x, out.detach(), x.grad)
 
 
 class NoDispatcher:
@@ -103,7 +122,8 @@ class NoDispatcher:
     expert (tokens in order within an expert, as Megatron's permute) and their expert counts on the host are made
     once, untimed; a step runs the router, gathers the routed probs in that order, runs the experts on the rows
     (a leaf that requires grad, so the experts' input gradient is computed as in the layer) and back-propagates a
-    gradient of the experts' output. What every dispatcher adds on top of this is its own share."""
+    gradient of the experts' output. What every dispatcher adds on top of this is its own share. ``kept``: the
+    latest call's ``(x, the experts' output, the rows' gradient)``."""
 
     def __init__(self, layer, inputs: list[torch.Tensor], seed: int = 7):
         self.layer = layer
@@ -117,30 +137,95 @@ class NoDispatcher:
                 rows = x.reshape(num_tokens, -1)[token].clone().requires_grad_(True)
                 grad_rows = torch.randn(rows.shape, generator=gen, device=rows.device, dtype=rows.dtype)
                 self.prepared[id(x)] = (rows, routing_map.sum(0).cpu(), token * num_experts + expert, grad_rows)
+        self.kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, g: torch.Tensor) -> None:
         rows, tokens_per_expert, pair_index, grad_rows = self.prepared[id(x)]
+        rows.grad = None  # each call's own gradient, as the layer steps' inputs get
         probs, _ = self.layer.router(x)
         out, _ = self.layer.experts(rows, tokens_per_expert, probs.reshape(-1)[pair_index])
         out.backward(grad_rows)
+        self.kept = (x, out.detach(), rows.grad)
 
 
 def _bench(step, inputs, grads, warmup: int, iters: int) -> list[float]:
     """Milliseconds of each of ``iters`` forward + backward passes (``step(x, g)``) on this rank (after
-    ``warmup``)."""
+    ``warmup``); CUDA events on a GPU, the wall clock on the CPU. Afterwards ``step.kept`` holds copies of the
+    last call's outputs (made after its end mark, so other calls cannot overwrite what is checked)."""
+    cuda = inputs[0].is_cuda
     times = []
     for i in range(warmup + iters):
         x, g = inputs[i % len(inputs)], grads[i % len(grads)]
         x.grad = None
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
         step(x, g)
-        end.record()
-        end.synchronize()
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
         if i >= warmup:
-            times.append(start.elapsed_time(end))
+            times.append(ms)
+    x, out, grad = step.kept
+    step.kept = (x, out.clone(), grad.clone())
     return times
+
+
+class Expected:
+    """What a variant's calls must give, per input set: ``outputs[k]`` = ``(output, input gradient)`` on
+    ``inputs[k]``, within ``rtol`` of the largest |element| (None: bit for bit); ``what`` names the reference."""
+
+    def __init__(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], rtol: float | None, what: str):
+        self.outputs, self.rtol, self.what = outputs, rtol, what
+
+
+def _untimed(step, inputs, grads) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``step``'s output and input gradient on every input set (untimed calls): a reference."""
+    kept = []
+    for x, g in zip(inputs, grads):
+        x.grad = None
+        step(x, g)
+        _, out, grad = step.kept
+        kept.append((out.clone(), grad.clone()))
+    return kept
+
+
+def _check_kept(name: str, step, inputs, expected: Expected, turn: int) -> tuple[list[str], float]:
+    """The problems of the call ``step`` kept (its last timed call of turn ``turn``) against ``expected``, and the
+    largest relative difference of its outputs."""
+    x, out, grad = step.kept
+    k = next(i for i, t in enumerate(inputs) if t is x)
+    want_out, want_grad = expected.outputs[k]
+    where = f"{name}, turn {turn + 1}'s last timed call (input set {k}) vs {expected.what}"
+    problems = [p for p in (mismatch(f"{where}: output", out, want_out, expected.rtol),
+                            mismatch(f"{where}: input gradient", grad, want_grad, expected.rtol)) if p]
+    return problems, max(max_rel_diff(out, want_out), max_rel_diff(grad, want_grad))
+
+
+def time_and_check(runs, layer, inputs, grads, warmup: int, iters: int, rounds: int) -> dict[str, dict]:
+    """Time every run ``(name, step, dispatcher or None, Expected)``, the runs taking turns (``rounds`` turns of
+    ``iters / rounds`` iterations; ``layer.token_dispatcher`` set to the run's dispatcher), and check the last
+    timed call of every turn. Per name: ``times`` (ms), ``problems`` (this rank's), ``max_rel_diff`` and
+    ``permute`` (the expert-major permute implementations its calls ran)."""
+    out = {name: {"times": [], "problems": [], "max_rel_diff": 0.0, "permute": set()} for name, *_ in runs}
+    per_round = max(1, iters // rounds)
+    for round_index in range(rounds):
+        for name, step, dispatcher, expected in runs:
+            if dispatcher is not None:
+                layer.token_dispatcher = dispatcher
+            permute.reset_implementations_run()
+            out[name]["times"] += _bench(step, inputs, grads, warmup if round_index == 0 else 1, per_round)
+            out[name]["permute"].update(permute.implementations_run())
+            problems, diff = _check_kept(name, step, inputs, expected, round_index)
+            out[name]["problems"] += problems
+            out[name]["max_rel_diff"] = max(out[name]["max_rel_diff"], diff)
+    return out
 
 
 def _profile(name: str, step, inputs, grads, iters: int) -> None:
@@ -164,13 +249,6 @@ class TrivialExperts(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         return (hidden.float() * probs.unsqueeze(-1)).to(hidden.dtype), None
-
-
-def _check(layer, x, g) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x.detach().requires_grad_(True)
-    out, _ = layer(x)
-    out.backward(g)
-    return out.detach().float(), x.grad.float()
 
 
 def run_rank(rank: int, world: int, args) -> dict:
@@ -217,42 +295,57 @@ def run_rank(rank: int, world: int, args) -> dict:
             flex.experts = TrivialExperts()
         flex.load_state_dict(layer.state_dict())
 
-    reference = _check(layer, inputs[0], grads[0])
-    runs = []  # (name, step, its dispatcher or None for the flex layer and the floor, max rel diff or None)
+    # alltoall's untimed calls on every input set: what every variant's timed calls must give, within the dtype's
+    # tolerance (the dispatchers order and round the sums over a token's experts differently)
+    reference = Expected(_untimed(LayerStep(layer), inputs, grads), RTOL[dtype], "alltoall's untimed call")
+    runs = []  # (name, step, its dispatcher or None for the flex layer and the floor, Expected)
     for name, dispatcher in variants + ([("flex+deepep", None)] if flex is not None else []):
-        target = flex if dispatcher is None else layer
-        if dispatcher is not None:
-            layer.token_dispatcher = dispatcher
-        out, grad = _check(target, inputs[0], grads[0])
-        diff = max((out - reference[0]).abs().max().item() / reference[0].abs().max().item(),
-                   (grad - reference[1]).abs().max().item() / reference[1].abs().max().item())
-        runs.append((name, _layer_step(target), dispatcher, diff))
-    if world == 1:
-        runs.append((NO_DISPATCHER, NoDispatcher(layer, inputs), None, None))
+        runs.append((name, LayerStep(flex if dispatcher is None else layer), dispatcher, reference))
+    if world == 1:  # the floor against its own untimed calls, bit for bit: the same computation every time
+        floor = NoDispatcher(layer, inputs)
+        runs.append((NO_DISPATCHER, floor, None, Expected(_untimed(floor, inputs, grads), None, "its untimed call")))
     # Variants take turns, --rounds times, so that a drift of the machine's speed spreads over all of them.
-    times: dict[str, list[float]] = {name: [] for name, *_ in runs}
-    per_round = max(1, args.iters // args.rounds)
-    for round_index in range(args.rounds):
-        for name, step, dispatcher, _ in runs:
-            if dispatcher is not None:
-                layer.token_dispatcher = dispatcher
-            times[name] += _bench(step, inputs, grads, args.warmup if round_index == 0 else 1, per_round)
+    measured = time_and_check(runs, layer, inputs, grads, args.warmup, args.iters, args.rounds)
     rows = []
-    for name, step, dispatcher, diff in runs:
+    for name, step, dispatcher, _ in runs:
         if dispatcher is not None:
             layer.token_dispatcher = dispatcher
-        ms = torch.tensor(statistics.median(times[name]), device="cuda")
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        m = measured[name]
+        stats = torch.tensor([statistics.median(m["times"]), m["max_rel_diff"]], device="cuda", dtype=torch.float64)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        problems = gather_problems(m["problems"])
         if args.profile:
             _profile(name, step, inputs, grads, args.profile)
+        backend = dispatcher.buffer.backend_name if hasattr(dispatcher, "buffer") else None
         if dispatcher is None and name == "flex+deepep":  # say which ep_moe backend the compat module's Buffer chose
             from megatron.core.transformer.moe import fused_a2a
 
-            name = f"flex+deepep[{fused_a2a._buffer.backend_name}]"
-        rows.append({"dispatcher": name, "ms": ms.item(), "max_rel_diff_vs_alltoall": diff})
+            backend = fused_a2a._buffer.backend_name
+            name = f"flex+deepep[{backend}]"
+        rows.append(_row(name, float(stats[0]), None if name == NO_DISPATCHER else float(stats[1]), problems,
+                         m["permute"], backend))
     integ.destroy_ep_buffers()
     return {"rows": rows, "megatron_core": integ.MEGATRON_CORE_VERSION, "world": world,
-            "gpu": torch.cuda.get_device_name(), "args": vars(args)}
+            "gpu": torch.cuda.get_device_name(), "kernels": _kernels(rows), "args": vars(args)}
+
+
+def _row(name: str, ms: float, diff: float | None, problems: list[str], permute_run, backend: str | None) -> dict:
+    """One table row: the dispatcher's name, its median ms, the largest relative difference from alltoall (None
+    for the floor), the check (``ok`` / ``DIFF`` and every rank's problems), the ep_moe Buffer's backend (None
+    for Megatron's own dispatcher and the floor) and the expert-major permute implementations that ran."""
+    return {"dispatcher": name, "ms": ms, "max_rel_diff_vs_alltoall": diff, "check": verdict(problems),
+            "problems": problems, "backend": backend, "permute": ",".join(sorted(permute_run)) or "-"}
+
+
+def _kernels(rows: list[dict]) -> str:
+    """Which kernels the ep_moe variants ran, for the header: the native build where one used the native
+    backend."""
+    if not any(r["backend"] == "native" for r in rows):
+        return ""
+    from ep_moe import native
+
+    kind = native.kernels_kind()
+    return f"native kernels: {'extension (aot)' if kind == 'aot' else kind or 'none'}"
 
 
 NO_DISPATCHER = "no dispatcher (router + experts)"
@@ -264,13 +357,16 @@ def _spawned(rank: int, world: int, args_dict: dict) -> dict:
 
 def _table(result: dict) -> str:
     a = result["args"]
-    base = next(r["ms"] for r in result["rows"] if r["dispatcher"] == "alltoall")
+    base_row = result["rows"][0]  # the reference dispatcher (alltoall)
+    base = base_row["ms"]
     experts = "trivial experts (x * probs)" if a.get("trivial_experts") else f"{a['experts']} experts (ffn {a['ffn']})"
+    kernels = f"; {result['kernels']}" if result.get("kernels") else ""
     lines = [f"MoE layer fwd+bwd, {result['world']} x {result['gpu']}, megatron-core {result['megatron_core']}: "
              f"{a['tokens']} tokens/rank, hidden {a['hidden']}, {a['experts']} routed experts, {experts}, "
-             f"top-{a['topk']}, {a['dtype']}; median of {a['iters']} in {a.get('rounds', 1)} turns",
-             "| dispatcher | ms | vs alltoall | dispatcher's own ms | own / alltoall's own (time) | max rel diff vs alltoall |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"top-{a['topk']}, {a['dtype']}; median of {a['iters']} in {a.get('rounds', 1)} turns{kernels}",
+             f"| dispatcher | ms | vs {base_row['dispatcher']} | dispatcher's own ms | own / {base_row['dispatcher']}'s "
+             f"own (time) | max rel diff vs {base_row['dispatcher']} | permute | check |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     floor = next((r["ms"] for r in result["rows"] if r["dispatcher"] == NO_DISPATCHER), None)
     for r in result["rows"]:
         own = own_ratio = diff = "-"
@@ -279,8 +375,19 @@ def _table(result: dict) -> str:
             own_ratio = f"{(r['ms'] - floor) / (base - floor):.2f}x" if base > floor else "-"
         if r["max_rel_diff_vs_alltoall"] is not None:
             diff = f"{r['max_rel_diff_vs_alltoall']:.2e}"
-        lines.append(f"| {r['dispatcher']} | {r['ms']:.3f} | {base / r['ms']:.2f}x | {own} | {own_ratio} | {diff} |")
+        lines.append(f"| {r['dispatcher']} | {r['ms']:.3f} | {base / r['ms']:.2f}x | {own} | {own_ratio} | {diff} | "
+                     f"{r['permute']} | {r['check']} |")
     return "\n".join(lines)
+
+
+def finish(result: dict, json_path: str | None) -> int:
+    """Save (``json_path``) and print the result, then every failed check; the exit status (1: a check
+    failed)."""
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    print(_table(result), flush=True)
+    return report("megatron_layer_bench", [p for r in result["rows"] for p in r["problems"]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,12 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun this process is one rank (--nproc ignored); otherwise --nproc ranks are spawned.
     result = launch(_spawned, args.nproc, vars(args), device_type="cuda", timeout_s=600, join_timeout_s=3000)[0]
     if torchrun is not None and torchrun.rank != 0:
-        return 0
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    print(_table(result))
-    return 0
+        return 1 if any(r["problems"] for r in result["rows"]) else 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":
