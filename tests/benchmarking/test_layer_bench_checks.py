@@ -181,3 +181,58 @@ def test_deepspeed_layer_bench_fails_on_a_wrong_timed_call(monkeypatch, capsys) 
     assert failures and all("ep_moe-dropless" in line for line in failures), err
     assert "first at (5, 0): got " in failures[0] and ", expected " in failures[0], failures[0]
     print(out + "\n".join(failures))
+
+
+TUNE_CHECK_WRAPPER = r'''
+import runpy, sys
+from ep_moe.backends.torch_backend import TorchBackend
+
+original = TorchBackend.combine
+
+
+def combine(self, y, handle, topk_weights, bias, config=None):
+    """One token's row negated in the timed calls (fixed size) at 12 SMs: not in the checked call at the
+    planned count (exact size), nor in the reference's calls (no config)."""
+    out, weights = original(self, y, handle, topk_weights, bias, config)
+    if config is not None and config.num_sms == 12 and handle.num_worst_tokens > 0 and out.shape[0] > 1:
+        out = out.clone()
+        out[1] = -out[1]
+    return out, weights
+
+
+if sys.argv.pop(1) == "corrupt":
+    TorchBackend.combine = combine
+sys.argv[0] = sys.argv.pop(1)
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["honest", "corrupt"])
+def test_tune_check_checks_every_sm_count_of_the_sweep(mode: str, tmp_path) -> None:
+    """benchmarks/tune_check.py's CPU dry run (2 gloo ranks, torch backend) with a sweep of 8 and 12 SMs: every
+    workload's row says ``ok``, exit 0; with a combine that is wrong at 12 SMs in the timed calls only, every
+    workload's row says ``DIFF (12 SMs)``, the sweep marks 12 SMs, and the run exits 1 naming the workload, the SM
+    count and the first differing element."""
+    wrapper = tmp_path / "corrupt_tune_check.py"
+    wrapper.write_text(TUNE_CHECK_WRAPPER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper), mode,
+           str(BENCHMARKS / "tune_check.py"), "--sweep", "8:12:4", "--passes", "1", "--iters", "2"]
+    run = subprocess.run(cmd, cwd=locations.REPO, env=_env(), capture_output=True, text=True, timeout=200)
+    output = run.stdout[-4000:] + run.stderr[-4000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in run.stdout.splitlines()
+            if line.startswith("| ") and "CPU dry run" in line]
+    assert len(rows) == 3, output
+    failures = [line for line in run.stderr.splitlines() if "CHECK FAILED" in line]
+    if mode == "honest":
+        assert run.returncode == 0, output
+        assert [r[-1] for r in rows] == ["ok"] * 3 and not failures, output
+        return
+    assert run.returncode != 0, output
+    assert [r[-1] for r in rows] == ["DIFF (12 SMs)"] * 3, output
+    assert any(line.split()[:1] == ["12"] and line.count("!") == 3 for line in run.stdout.splitlines()), output
+    assert failures and all("12 SMs, last timed call" in line for line in failures), output
+    first = next(line for line in failures if "rank 0: E64 K6" in line)
+    assert "combined_x vs the reference's combine of the same rows: differs (" in first, first
+    assert "first at (1, 0): " in first and " vs expected " in first, first
+    print(first)
