@@ -1,12 +1,13 @@
 """All-gather / reduce-scatter sessions (AGRS): the session methods of `ep_moe.ElasticBuffer` (DeepEP V2's API),
 as the mixin `AGRSMixin`.
 
-Session memory. `AGRSMixin.agrs_set_config` allocates, on the buffer's device, ``R x num_max_session_bytes`` bytes
-(``num_max_session_bytes`` rounded up to 32; R ranks). A session (`create_agrs_session` ..
-`destroy_agrs_session`) hands out chunks of it in call order: an operation on a tensor of ``n`` bytes takes a chunk
-of ``R x round_up(n, 32)`` bytes, rank ``j``'s slot at ``j x round_up(n, 32)``; the per-rank bytes of a session
-(the sum of the rounded ``n``) are at most ``num_max_session_bytes`` and its operations (each `all_gather` or
-`reduce_scatter` call, with any number of tensors) at most ``num_max_all_gathers_per_session``.
+Session memory (DeepEP V2's accounting). `AGRSMixin.agrs_set_config` allocates, on the buffer's device,
+``num_max_session_bytes`` bytes rounded up to 32: the gathered bytes of a whole session. A session
+(`create_agrs_session` .. `destroy_agrs_session`) hands out chunks of it in call order: a tensor of ``n`` bytes
+takes a chunk of ``round_up(R x n, 32)`` bytes (R ranks), rank ``j``'s slot at ``j x n``; the chunks of a session
+fit ``num_max_session_bytes`` (`ElasticBuffer.get_agrs_num_max_session_bytes` adds them up for given shapes) and
+its operations (each `all_gather` or `reduce_scatter` call, with any number of tensors) are at most
+``num_max_all_gathers_per_session``.
 
 * `agrs_get_inplace_tensor(shape, dtype)` takes a chunk now and returns this rank's slot of it as a tensor: write
   into it, then pass it to `all_gather`, which gathers it with no local copy.
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .memory.layout import ALIGNMENT_BYTES
 from .validation import check_positive_int
 from .wire import (
     MAX_DIMS,
@@ -132,7 +134,7 @@ class AGRSHandle:
 @dataclass
 class _Inplace:
     chunk: int     # byte offset of the chunk in the session memory
-    stride: int    # rounded bytes of one rank's slot
+    stride: int    # bytes of one rank's slot (the tensor's bytes)
     shape: tuple
     dtype: torch.dtype
     data_ptr: int
@@ -141,12 +143,12 @@ class _Inplace:
 @dataclass
 class _AGRSState:
     transport: str
-    session_bytes: int            # per rank, rounded
+    session_bytes: int            # the whole session's chunks, rounded
     max_ops: int
-    memory: torch.Tensor          # [R * session_bytes] uint8
+    memory: torch.Tensor          # [>= session_bytes] uint8
     session: int = 0              # number of the open session (1, 2, ...); 0 before the first
     open: bool = False
-    used: int = 0                 # per-rank bytes taken in the open session
+    used: int = 0                 # bytes of the chunks taken in the open session
     ops: int = 0                  # operations run in the open session
     inplace: list = field(default_factory=list)   # unused _Inplace of the open session
     handles: list = field(default_factory=list)   # AGRSHandle of the open session
@@ -174,10 +176,29 @@ class AGRSMixin:
     _agrs_retired: list | None = None  # native transports of earlier configurations (freed by `_agrs_release`)
 
     # ---------------------------------------------------------------- public API
+    @staticmethod
+    def get_agrs_num_max_session_bytes(group: dist.ProcessGroup | None, shapes, dtype: torch.dtype) -> int:
+        """The session bytes that gathering tensors of ``shapes`` (one shape, or a sequence of shapes) of ``dtype``
+        takes on ``group`` (None: the world): the sum of ``round_up(R x bytes, 32)`` (DeepEP V2's formula, and
+        the chunks this session memory hands out)."""
+        if isinstance(shapes, tuple | list | torch.Size) and shapes and isinstance(shapes[0], int):
+            shapes = (shapes,)
+        num_ranks = dist.get_world_size(group)
+        return sum(round_up(num_ranks * nbytes(tuple(s), dtype)) for s in shapes)
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(group: dist.ProcessGroup | None, num_max_session_bytes: int) -> int:
+        """The ``num_bytes`` a buffer needs for sessions of ``num_max_session_bytes``: that, rounded up to 2 MiB
+        (V2's; the session memory is separate here, so only the check against ``num_bytes`` reads it)."""
+        check_positive_int("ElasticBuffer.get_agrs_buffer_size_hint", "num_max_session_bytes",
+                           num_max_session_bytes, 0)
+        return round_up(num_max_session_bytes, ALIGNMENT_BYTES)
+
     def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int, *,
                         transport: str | None = None) -> None:
-        """Allocate the session memory: ``R x round_up(num_max_session_bytes, 32)`` bytes on the buffer's device;
-        a session may then run ``num_max_all_gathers_per_session`` operations. Not while a session is open
+        """Allocate the session memory: ``round_up(num_max_session_bytes, 32)`` bytes on the buffer's device, the
+        gathered bytes of one session as V2 counts them (`get_agrs_num_max_session_bytes`); a session may then run
+        ``num_max_all_gathers_per_session`` operations. Not while a session is open
         (`AGRSSessionError`). Raises `AGRSConfigError` for a value below 1 or when the memory exceeds the
         buffer's ``num_bytes``. Every rank should call it with the same values (a full session on one rank
         raises on all).
@@ -196,13 +217,12 @@ class AGRSMixin:
         if self._agrs is not None and self._agrs.open:
             raise AGRSSessionError(f"ep_moe.ElasticBuffer.{op}: session {self._agrs.session} is open "
                                    "(destroy_agrs_session first)")
-        per_rank = round_up(num_max_session_bytes)
-        total = per_rank * self.num_ranks
+        total = round_up(num_max_session_bytes)
         if total > self.num_bytes:
             raise AGRSConfigError(
-                f"ep_moe.ElasticBuffer.{op}: {per_rank} bytes per rank (num_max_session_bytes="
-                f"{num_max_session_bytes} rounded up to 32) x {self.num_ranks} ranks = {total} bytes exceeds the "
-                f"buffer's num_bytes={self.num_bytes}")
+                f"ep_moe.ElasticBuffer.{op}: num_max_session_bytes={num_max_session_bytes} (rounded up to 32: "
+                f"{total}) exceeds the buffer's num_bytes={self.num_bytes}")
+        per_rank = round_up(-(-total // self.num_ranks))  # the native transport's memory is R equal parts
         chosen = agrs_transport(self.buffer.backend_name, transport)
         session = self._agrs.session if self._agrs is not None else 0
         native = None
@@ -221,7 +241,7 @@ class AGRSMixin:
             memory = torch.empty(total, dtype=torch.uint8, device=self.buffer.device)
         if self._agrs is not None and self._agrs.native is not None:
             self._agrs_retired = [*(self._agrs_retired or []), self._agrs.native]
-        self._agrs = _AGRSState(chosen, per_rank, num_max_all_gathers_per_session, memory, session, native=native)
+        self._agrs = _AGRSState(chosen, total, num_max_all_gathers_per_session, memory, session, native=native)
 
     def create_agrs_session(self) -> int:
         """Open a session (its number, 1, 2, ...). Raises `AGRSConfigError` before `agrs_set_config`,
@@ -263,13 +283,14 @@ class AGRSMixin:
         if len(shape) > MAX_DIMS:
             raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'shape' must have at most {MAX_DIMS} dims, "
                                   f"got {len(shape)}")
-        stride = round_up(nbytes(shape, dtype))
-        if state.used + stride > state.session_bytes:
-            raise AGRSCapacityError(f"ep_moe.ElasticBuffer.{op}: {stride} more bytes per rank would exceed the "
+        stride = nbytes(shape, dtype)
+        cost = round_up(stride * self.num_ranks)
+        if state.used + cost > state.session_bytes:
+            raise AGRSCapacityError(f"ep_moe.ElasticBuffer.{op}: {cost} more bytes would exceed the "
                                     f"session's {state.session_bytes} (used {state.used}; agrs_set_config's "
                                     "num_max_session_bytes)")
-        chunk = state.used * self.num_ranks
-        state.used += stride
+        chunk = state.used
+        state.used += cost
         own = state.memory[chunk + self.rank * stride: chunk + self.rank * stride + nbytes(shape, dtype)]
         tensor = own.view(dtype).view(shape) if own.numel() else torch.empty(shape, dtype=dtype,
                                                                              device=self.buffer.device)
@@ -298,9 +319,9 @@ class AGRSMixin:
             self._agrs_check_tensor(op, f"tensors[{j}]", t)
             inplace = self._agrs_inplace_of(op, f"tensors[{j}]", t, state, taken=[p[1] for p in plan])
             if inplace is None:
-                stride = round_up(t.numel() * t.element_size())
-                plan.append((t, None, (state.used + new_bytes) * self.num_ranks, stride))
-                new_bytes += stride
+                stride = t.numel() * t.element_size()
+                plan.append((t, None, state.used + new_bytes, stride))
+                new_bytes += round_up(stride * self.num_ranks)
             else:
                 plan.append((t, inplace, inplace.chunk, inplace.stride))
         full = self._agrs_room(state, new_bytes)
@@ -338,7 +359,7 @@ class AGRSMixin:
         """Sum ``tensor`` (``[R, *S]``, bf16/fp16/fp32/fp64) over ranks and scatter it: rank r's ``shard``
         (``[*S]``, the input's dtype) is ``sum over ranks j of tensor_j[r]``, added in fp32 (fp64 for fp64) in
         increasing rank order and rounded once, filled by ``handle()``. The rows from every rank land in the
-        session memory (one operation, ``R x round_up(bytes of [*S], 32)`` bytes of it). Errors as `all_gather`."""
+        session memory (one operation, ``round_up(R x bytes of [*S], 32)`` bytes of it). Errors as `all_gather`."""
         op = "reduce_scatter"
         state = self._agrs_state(op, want_open=True)
         self._agrs_check_tensor(op, "tensor", tensor)
@@ -347,14 +368,14 @@ class AGRSMixin:
                                   f"of {' or '.join(map(str, REDUCE_DTYPES))}, got {tensor.dtype}{tuple(tensor.shape)}")
         self._agrs_inplace_of(op, "tensor", tensor, state, taken=[], allow=False)
         shard_shape = tuple(tensor.shape[1:])
-        size = nbytes(shard_shape, tensor.dtype)
-        stride = round_up(size)
-        full = self._agrs_room(state, stride)
-        chunk = state.used * self.num_ranks
+        size = stride = nbytes(shard_shape, tensor.dtype)
+        cost = round_up(size * self.num_ranks)
+        full = self._agrs_room(state, cost)
+        chunk = state.used
         self._agrs_agree(op, state, OP_REDUCE_SCATTER, [(tuple(tensor.shape), tensor.dtype)], size * self.num_ranks,
-                         full, stride, place=_place_digest([(chunk, stride)]))
+                         full, cost, place=_place_digest([(chunk, stride)]))
         state.ops += 1
-        state.used += stride
+        state.used += cost
         block = state.memory[chunk: chunk + self.num_ranks * stride]
         shard = torch.empty(shard_shape, dtype=tensor.dtype, device=tensor.device)
         works, finish, send = [], None, None
@@ -367,12 +388,7 @@ class AGRSMixin:
             works = [self._agrs_send_native(op, state, [(j, chunk + self.rank * stride, row_bytes[j])
                                                         for j in state.native.peers] if size else [], stage)]
         elif size:
-            if stride == size:
-                send = byte_view(rows)
-            else:
-                send = torch.zeros(self.num_ranks, stride, dtype=torch.uint8, device=tensor.device)
-                send[:, :size].copy_(rows.view(torch.uint8).view(self.num_ranks, size))
-                send = send.view(-1)
+            send = byte_view(rows)
             works.append(dist.all_to_all_single(block, send, group=self.group, async_op=True))
         if size:
             received = block.view(self.num_ranks, stride)[:, :size]
@@ -448,7 +464,7 @@ class AGRSMixin:
                                " copy it out first")
 
     def _agrs_room(self, state: _AGRSState, new_bytes: int) -> int:
-        """0 when the session has room for one more operation of ``new_bytes`` per rank, else 1 (bytes) or 2
+        """0 when the session has room for one more operation of ``new_bytes`` (its chunks), else 1 (bytes) or 2
         (operations)."""
         if state.ops + 1 > state.max_ops:
             return 2
@@ -482,7 +498,7 @@ class AGRSMixin:
         short = [(i, row[_H_FULL]) for i, row in enumerate(rows) if row[_H_FULL]]
         if short:
             described = ", ".join(f"rank {i}: {'bytes' if f == 1 else 'operations'}" for i, f in short)
-            mine_text = (f"this rank: {new_bytes} more bytes per rank with {state.used} of {state.session_bytes} "
+            mine_text = (f"this rank: {new_bytes} more bytes with {state.used} of {state.session_bytes} "
                          f"used, operation {state.ops + 1} of {state.max_ops}")
             raise AGRSCapacityError(f"{where}: the session is full on {described} ({mine_text}; "
                                     "agrs_set_config's num_max_session_bytes / num_max_all_gathers_per_session)")

@@ -41,14 +41,13 @@ from .handle import DispatchHandle
 from .hybrid import HybridBackend, LogicalTopology, host_topology, logical_topology
 from .memory import memory_type_of_group
 from .memory.cuda_vmm import vmm_unavailable_reason
+from .memory.layout import ALIGNMENT_BYTES  # num_bytes is a multiple of it (2 MiB), as in DeepEP V2
 from .permute import unpermute_sum
 from .pipeline_comm import PipelineCommMixin
 from .validation import _fail, check_num_experts, check_positive_int, check_tensor, split_hidden
 
 log = logging.getLogger("ep_moe")
 
-ALIGNMENT_BYTES = 2 << 20
-"""``num_bytes`` is a multiple of this (2 MiB), as in DeepEP V2."""
 
 
 @dataclass

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .memory import SymmetricMemory, memory_type_of_group
+from .memory.layout import ALIGNMENT_BYTES
 from .validation import _fail, check_positive_int
-from .wire import wait_work
+from .wire import round_up, wait_work
 
 SF_ALIGNMENT_BYTES = 4096
 """The scales start at the first multiple of this after the table in the host segment."""
@@ -126,6 +127,26 @@ class EngramMixin:
         self._engram = None
 
     # ---------------------------------------------------------------- write
+    @staticmethod
+    def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
+                                     dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+        """``(num_gpu_bytes, num_cpu_bytes)``, each rounded up to 2 MiB, for a table of ``num_entries`` rows of
+        ``hidden`` elements of ``dtype`` per rank: ``num_cpu_bytes`` holds it in the host segment as
+        `engram_write` lays it out (the rows; for a one-byte float dtype also per-row fp32 scales of
+        ``ceil(hidden / 128)`` columns at the next 4 KiB); ``num_gpu_bytes`` is V2's receive area of
+        ``num_max_tokens_per_rank`` fetched rows of ``round_up(hidden x itemsize, 32)`` bytes (ep_moe returns
+        fetched rows as new tensors, so only V2's sum ``num_bytes = gpu + cpu`` reads it)."""
+        op = "ElasticBuffer.get_engram_storage_size_hint"
+        for name, value in (("num_entries", num_entries), ("hidden", hidden),
+                            ("num_max_tokens_per_rank", num_max_tokens_per_rank)):
+            check_positive_int(op, name, value, 0)
+        row_bytes = hidden * dtype.itemsize
+        need = num_entries * row_bytes
+        if dtype.is_floating_point and dtype.itemsize == 1:  # FP8: room for the scales written beside the rows
+            need = round_up(need, SF_ALIGNMENT_BYTES) + num_entries * -(-hidden // 128) * 4
+        gpu = round_up(round_up(row_bytes, 32) * num_max_tokens_per_rank, ALIGNMENT_BYTES)
+        return gpu, round_up(need, ALIGNMENT_BYTES)
+
     def engram_write(self, storage: Tensor, sf: Tensor | None = None) -> None:
         """Collective: store this rank's table in its host segment, then wait for every rank (a barrier).
 

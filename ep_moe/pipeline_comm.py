@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .memory.layout import ALIGNMENT_BYTES
 from .validation import check_positive_int
 from .wire import (
     byte_view,
@@ -114,6 +115,15 @@ class _PPState:
     native: object = None  # ep_moe.native.stream_transport.PPStreamTransport on the native transport
 
 
+def _pp_slot_bytes(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+    """Bytes of the PP slots: per direction (send, recv) and per neighbour (prev, next), the in-flight slots of
+    ``num_max_tensor_bytes`` rounded up to 32."""
+    for name, value in (("num_max_tensor_bytes", num_max_tensor_bytes),
+                        ("num_max_inflight_tensors", num_max_inflight_tensors)):
+        check_positive_int("ElasticBuffer.get_pp_buffer_size_hint", name, value, 1)
+    return round_up(num_max_tensor_bytes) * num_max_inflight_tensors * 2 * 2
+
+
 class PipelineCommMixin:
     """``pp_set_config`` / ``pp_send`` / ``pp_recv`` for `ep_moe.ElasticBuffer`.
 
@@ -125,6 +135,12 @@ class PipelineCommMixin:
     _pp_retired: list | None = None  # native transports of earlier configurations (freed by `_pp_release`)
 
     # ---------------------------------------------------------------- public API
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """The ``num_bytes`` a buffer needs for `pp_set_config` with these values: the slots (see there) rounded up
+        to 2 MiB, as V2."""
+        return round_up(_pp_slot_bytes(num_max_tensor_bytes, num_max_inflight_tensors), ALIGNMENT_BYTES)
+
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int, *,
                       transport: str | None = None) -> None:
         """Reserve PP slots: per direction (send, recv) and per neighbour (prev, next), ``num_max_inflight_tensors``
@@ -148,7 +164,7 @@ class PipelineCommMixin:
             raise PPConfigError(str(exc)) from None
         chosen = pp_transport(self.buffer.backend_name, transport)
         slot_bytes = round_up(num_max_tensor_bytes)
-        total = slot_bytes * num_max_inflight_tensors * 2 * 2
+        total = _pp_slot_bytes(num_max_tensor_bytes, num_max_inflight_tensors)
         if total > self.num_bytes:
             raise PPConfigError(
                 f"ep_moe.ElasticBuffer.{op}: {slot_bytes} bytes per slot (num_max_tensor_bytes={num_max_tensor_bytes} "

@@ -243,6 +243,12 @@ class ElasticBuffer(_CoreElasticBuffer):
         *result, event = super().dispatch(*args, **kwargs)
         return (*result, _wrap_event(event))
 
+        if num_bytes is not None and num_cpu_bytes > 0:  # V2's num_bytes counts the CPU bytes; the core's does not
+            if num_bytes <= num_cpu_bytes:
+                raise _fail("ElasticBuffer", "num_bytes", f"> num_cpu_bytes={num_cpu_bytes} (V2: GPU + CPU bytes)",
+                            num_bytes)
+            num_bytes -= num_cpu_bytes
+        self._replicated_sf: torch.Tensor | None = None
     def combine(self, *args, **kwargs):
         """`ep_moe.ElasticBuffer.combine`; the event is a DeepEP-style `EventOverlap`."""
         *result, event = super().combine(*args, **kwargs)
@@ -264,6 +270,49 @@ class Buffer(_CoreBuffer):
     ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
     ``explicitly_destroy``, ``enable_shrink``, ``comm`` -- must be None); keyword-only ``backend``
     ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto"), ``timeout_s``, ``check_inputs``
+    def engram_write(self, storage: torch.Tensor, sf: torch.Tensor | None = None) -> None:
+        """`ep_moe.ElasticBuffer.engram_write`. V2 passes every rank's scales, replicated (``sf [R * n, S]``, so
+        that fetches read them locally): they are kept on the device as given; a rank's own ``[n, S]`` goes to the
+        host segment as in the core."""
+        self._replicated_sf = None
+        rows = storage.shape[0] if isinstance(storage, torch.Tensor) and storage.dim() == 2 else None
+        if (sf is not None and rows is not None and self.num_ranks > 1 and isinstance(sf, torch.Tensor)
+                and sf.dim() == 2 and sf.shape[0] == self.num_ranks * rows):
+            super().engram_write(storage)
+            self._replicated_sf = sf.detach().clone()
+            return
+        super().engram_write(storage, sf)
+
+    def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False):
+        """V2's fetch: a callable that waits and returns ``(data [T, P * H_e], sf [T, P * S] or None)``, each token's
+        P entries side by side (`ep_moe.ElasticBuffer.engram_fetch` gives ``[T, P, H_e]``, of which this is a
+        view). ``use_tma_aligned_col_major_sf``: ``sf`` column-major with the token dimension padded to 16 bytes
+        (the TMA layout of an FP8 GEMM's scales; the same values)."""
+        hook = super().engram_fetch(indices, num_qps)
+        replicated = self._replicated_sf
+
+        def wait():
+            fetched, fetched_sf = hook()
+            T, P = indices.shape
+            if replicated is not None:
+                fetched_sf = replicated.index_select(0, indices.reshape(-1).to(torch.int64))
+            data = fetched.reshape(T, -1)
+            if fetched_sf is None:
+                return data, None
+            fetched_sf = fetched_sf.reshape(T, -1)
+            return data, _tma_aligned_col_major(fetched_sf) if use_tma_aligned_col_major_sf else fetched_sf
+
+        return wait
+
+
+def _tma_aligned_col_major(sf: torch.Tensor) -> torch.Tensor:
+    """``sf [T, C]`` as a column-major tensor whose columns start 16-byte aligned (T padded), same values."""
+    per_16_bytes = max(16 // sf.element_size(), 1)
+    padded = -(-sf.shape[0] // per_16_bytes) * per_16_bytes
+    out = torch.empty((sf.shape[1], padded), dtype=sf.dtype, device=sf.device)[:, :sf.shape[0]].t()
+    out.copy_(sf)
+    return out
+
     (default False, as DeepEP, which does not check expert ids: True checks them at a host sync per call)
     and ``native_options`` (as `ep_moe.Buffer`'s). The SM budget of calls without a config is ep_moe's
     (`ep_moe.Buffer.num_sms`, shared with it).

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..elastic import ALIGNMENT_BYTES, ElasticBuffer
+from ..elastic import ElasticBuffer
 from ..layers.model import rotary_tables
 from . import checkpoint as ckpt
 from .config import Recipe
@@ -134,7 +134,7 @@ class StageRunner:
         self.act_shape = (m, s, h)
         slot = m * s * h * 4
         slots = max(accum, recipe.train.eval_iters * accum, 1)
-        num_bytes = -(-slot * slots * 4 // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+        num_bytes = ElasticBuffer.get_pp_buffer_size_hint(slot, slots)
         self.buffer = ElasticBuffer(ps.pair_group, num_bytes=num_bytes, backend="torch",
                                     num_gpu_timeout_secs=recipe.train.timeout_s, explicitly_destroy=True)
         self.buffer.pp_set_config(slot, slots)

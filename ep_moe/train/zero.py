@@ -32,12 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..elastic import ALIGNMENT_BYTES, ElasticBuffer
+from ..elastic import ElasticBuffer
 from .parallel import ParallelState, all_reduce_sum
-
-
-def _round32(num_bytes: int) -> int:
-    return -(-num_bytes // 32) * 32
 
 
 def split_runs(sizes: list[int], num_ranks: int) -> list[tuple[int, int]]:
@@ -78,11 +74,12 @@ class ZeroBucket:
         self.owned = params[begin:end]
         self.buffer = None
         if self.size > 1:
-            per_rank = 2 * _round32(self.run_numel * 4) + _round32(len(params) * 4)
-            num_bytes = -(-per_rank * self.size // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-            self.buffer = ElasticBuffer(group, num_bytes=num_bytes, backend="torch", num_gpu_timeout_secs=timeout_s,
-                                        explicitly_destroy=True)
-            self.buffer.agrs_set_config(per_rank, 3)
+            # a step's session: the gradients' reduce-scatter, the squared sums' and the runs' all-gathers
+            session = ElasticBuffer.get_agrs_num_max_session_bytes(
+                group, [(self.run_numel,), (len(params),), (self.run_numel,)], torch.float32)
+            self.buffer = ElasticBuffer(group, num_bytes=ElasticBuffer.get_agrs_buffer_size_hint(group, session),
+                                        backend="torch", num_gpu_timeout_secs=timeout_s, explicitly_destroy=True)
+            self.buffer.agrs_set_config(session, 3)
 
     def reduce_gradients(self) -> torch.Tensor:
         """Step 1 and the squared sums of step 2: this rank's parameters get their summed gradients, the others

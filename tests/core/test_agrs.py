@@ -77,7 +77,7 @@ def _adversarial(dtype: torch.dtype, num_ranks: int, shape: tuple, rank: int, sa
 
 def _sessions(rank: int, num_ranks: int, group) -> dict:
     eb = ElasticBuffer(group, num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
-    eb.agrs_set_config(64 * 1024, 10)
+    eb.agrs_set_config(64 * 1024 * num_ranks, 10)
     checked, order_sensitive, inplace_ptrs = 0, 0, []
     for session in range(3):  # the later sessions reuse the memory of the first
         if session == 2:  # the context manager: create on entry, destroy on exit
@@ -188,8 +188,8 @@ def _misuse(rank: int, num_ranks: int, group) -> list[str]:
     expect(AGRSConfigError, lambda: eb.all_gather([x]), "agrs_set_config")
     expect(AGRSConfigError, lambda: eb.agrs_set_config(0, 1), "num_max_session_bytes")
     expect(AGRSConfigError, lambda: eb.agrs_set_config(64, 0), "num_max_all_gathers_per_session")
-    expect(AGRSConfigError, lambda: eb.agrs_set_config(2 * MiB // num_ranks + 32, 1), "exceeds", "num_bytes")
-    eb.agrs_set_config(256, 3)
+    expect(AGRSConfigError, lambda: eb.agrs_set_config(2 * MiB + 32, 1), "exceeds", "num_bytes")
+    eb.agrs_set_config(256 * num_ranks, 3)  # a session's gathered bytes (V2's count): R x 256
     expect(AGRSSessionError, lambda: eb.all_gather([x]), "create_agrs_session")
     expect(AGRSSessionError, lambda: eb.reduce_scatter(x), "create_agrs_session")
     expect(AGRSSessionError, lambda: eb.agrs_get_inplace_tensor((2,), torch.float32), "create_agrs_session")
@@ -228,7 +228,7 @@ def _misuse(rank: int, num_ranks: int, group) -> list[str]:
             expect(AGRSMismatchError, lambda: eb.reduce_scatter(torch.zeros(num_ranks)), "different operations")
         # Full on one rank only (rank 0 holds an extra in-place tensor): every rank refuses, naming rank 0.
         if rank == 0:
-            eb.agrs_get_inplace_tensor((40,), torch.float32)  # 160 of the 256 bytes per rank
+            eb.agrs_get_inplace_tensor((48,), torch.float32)  # R x 192 of the R x 256 bytes
         expect(AGRSCapacityError, lambda: eb.all_gather([torch.zeros(20)]), "full on rank 0: bytes")
     (g,), h = eb.all_gather([x + rank])  # operation 2 of 3
     h()
