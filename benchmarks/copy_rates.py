@@ -19,15 +19,24 @@ see what one SM can push over NVLink without 16-byte stores from registers.
 ``reduce`` (local only, up to 512 threads) is the combine reducer's inner work without its waits: one warp
 per 14 KB BF16 row adds the rows of two sources in fp32 and writes one row, U 16-byte loads per source in
 flight; its GB/s counts the rows written (it reads twice as many bytes).
+
+Checked after the runs of every SM count, on every rank: the bytes each kernel wrote (the destination is zeroed
+before the runs) bit for bit against what it copies, the source's bytes (local, and the ranks' sources differ, so
+push and pull show whose rows landed: push writes the next rank's buffer, which must then hold this rank's source;
+pull reads it) or, for ``reduce``, torch's fp32 sum of the two halves rounded to bf16 (the kernel's arithmetic).
+Each row ends with ``check ok`` or ``check DIFF``; a mismatch is printed (op, shape, SMs, first differing
+element) and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
+from _checked import gather_problems, mismatch, report, verdict
 
 from ep_moe.distributed import TorchrunEnv, init_from_torchrun, torchrun_env
 
@@ -237,7 +246,21 @@ def median_gbps(ext, shape: str, dst: int, src: int, row_list: torch.Tensor, sms
     return written / statistics.median(times) / 1e9
 
 
-def main() -> None:
+def source(rank: int, device: torch.device) -> torch.Tensor:
+    """Rank ``rank``'s NBYTES of source: finite bf16 values (the reduce adds them) that vary along the tensor and
+    with the rank; any rank can make any rank's (integer arithmetic, the same on every device)."""
+    i = torch.arange(NBYTES // 2, dtype=torch.int32, device=device)
+    return ((i * 40503 + (rank + 1) * 9973) % 4093).float().div_(4093).sub_(0.5).bfloat16()
+
+
+def written(shape: str) -> int:
+    """The bf16 elements at the start of the destination that ``shape`` writes: every byte (grid), whole rows
+    (the row shapes; NBYTES is not a multiple of a row), half of them (reduce)."""
+    rows = NBYTES // ROW_BYTES
+    return {"grid": NBYTES // 2, "reduce": rows // 2 * (ROW_BYTES // 2)}.get(shape, rows * (ROW_BYTES // 2))
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sms", nargs="+", type=int, default=[1, 2, 4, 8, 16, 24, 32])
     parser.add_argument("--unroll", nargs="+", type=int, default=[1, 4, 8, 16], choices=[1, 4, 8, 16])
@@ -252,7 +275,7 @@ def main() -> None:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     ext = build()
-    src = torch.randn(NBYTES // 4, device=device)
+    src = source(rank, device)
     dst = torch.empty_like(src)
     row_list = torch.arange(NBYTES // ROW_BYTES, dtype=torch.int32, device=device)  # a send list: sorted rows
     targets = {"local": (dst.data_ptr(), src.data_ptr())}
@@ -261,18 +284,34 @@ def main() -> None:
         from ep_moe.native.symmetric import SymmetricBuffer
 
         peer_buffer = SymmetricBuffer(dist.group.WORLD, device, NBYTES)
-        peer_buffer.tensor.view(torch.float32).copy_(src)
+        peer_buffer.tensor.view(torch.bfloat16).copy_(src)
         peer = (rank + 1) % world
         targets["push"] = (peer_buffer.ptrs[peer], src.data_ptr())  # store into the next rank's buffer
         targets["pull"] = (dst.data_ptr(), peer_buffer.ptrs[peer])  # load from it
         torch.cuda.synchronize()
         dist.barrier()
+    # What each op's destination must hold after the runs (the first `written(shape)` elements), and where it is.
+    half, out = NBYTES // 4, written("reduce")
+    expected = {"local": src, "reduce": (src[:out].float() + src[half:half + out].float()).bfloat16()}
+    destination = {"local": dst, "pull": dst}
+    if world > 1:
+        own = peer_buffer.tensor.view(torch.bfloat16)
+        expected.update(push=source((rank - 1) % world, device), pull=source((rank + 1) % world, device))
+        destination["push"] = own  # the previous rank pushes into this rank's buffer
 
+    def prepare(op: str) -> None:
+        """Zero what the runs write; before pulls, this rank's buffer holds its own source again (pushes
+        overwrote it)."""
+        destination[op].zero_()
+        if op == "pull":
+            own.copy_(src)
+
+    problems = []
     if rank == 0:
         print(f"copy rates, {torch.cuda.get_device_name(device)}, {world} GPU(s); 256 MiB, GB/s copied per GPU "
               f"(median of 10); row = one warp per {ROW_BYTES}-byte row; U = 16-byte loads in flight per thread")
         print(f"{'op':6s} {'shape':8s} {'thr':>5s} {'U':>3s} " + " ".join(f"{n:>7d}" for n in args.sms)
-              + "   GB/s/SM at the fewest SMs")
+              + "   GB/s/SM at the fewest SMs  check")
     for op, (d, s) in targets.items():
         for shape in args.shapes:
             if shape == "reduce" and op != "local":
@@ -285,19 +324,33 @@ def main() -> None:
                 for unroll in args.unroll:
                     if shape == "tma" and unroll < 2:
                         continue
-                    rates = [median_gbps(ext, shape, d, s, row_list, n, threads, unroll) for n in args.sms]
+                    rates, found = [], []
+                    for n in args.sms:
+                        prepare(op)
+                        rates.append(median_gbps(ext, shape, d, s, row_list, n, threads, unroll))
+                        if world > 1:  # the peers' writes into this rank's buffer are done
+                            torch.cuda.synchronize()
+                            dist.barrier()
+                        w = written(shape)
+                        found += [p for p in [mismatch(f"{op} {shape}, {threads} threads, U {unroll}, {n} SMs: "
+                                                       "destination after the last run", destination[op][:w],
+                                                       expected["reduce" if shape == "reduce" else op][:w], None)]
+                                  if p]
+                    found = gather_problems(found)
+                    problems += found
                     if world > 1:  # the slowest GPU sets the pace
                         t = torch.tensor(rates, device=device)
                         dist.all_reduce(t, op=dist.ReduceOp.MIN)
                         rates = t.tolist()
                     if rank == 0:
                         print(f"{op:6s} {shape:8s} {threads:5d} {unroll:3d} " + " ".join(f"{r:7.1f}" for r in rates)
-                              + f"   {rates[0] / args.sms[0]:.1f}", flush=True)
+                              + f"   {rates[0] / args.sms[0]:.1f}  check {verdict(found)}", flush=True)
     if world > 1:
         dist.barrier()
         peer_buffer.destroy()
         dist.destroy_process_group()
+    return report("copy_rates", problems) if rank == 0 else (1 if problems else 0)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
