@@ -165,7 +165,7 @@ class Buffer:
     def get_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,
                              dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> int:
         """Bytes of symmetric memory the native backend needs for these sizes (2 MiB aligned)."""
-        elem = 1 if fp8 else torch.empty(0, dtype=dtype).element_size()
+        elem = 1 if fp8 else dtype.itemsize
         return native.buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, elem, fp8)
 
     @staticmethod

@@ -623,7 +623,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         return ops.DispatchOutput((result.recv_x, result.recv_scales), result.recv_topk_idx,
                                   result.recv_topk_weights, result.num_recv_tokens_per_expert, result.handle,
                                   torch.tensor(host if host is not None and not num_worst_tokens else [],
-                                               dtype=torch.int64))
+                                               dtype=torch.int64, device="cpu"))
 
     def _cached_rows(self, data: Tensor, scales: Tensor | None, inner: DispatchHandle, num_sms: int):
         """A cached rank-major dispatch of ``data`` (differentiable) or of the FP8 pair (no autograd)."""

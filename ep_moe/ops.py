@@ -74,10 +74,10 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: i
     result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                                        config=_config(num_sms))
-    host = torch.empty(0, dtype=torch.int64)
+    host = torch.empty(0, dtype=torch.int64, device="cpu")
     if _has_host_counts(buffer, num_worst_tokens):
         listed = result.num_recv_tokens_per_expert_list
-        host = (torch.tensor(listed, dtype=torch.int64) if listed is not None
+        host = (torch.tensor(listed, dtype=torch.int64, device="cpu") if listed is not None
                 else result.num_recv_tokens_per_expert.cpu())
     outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
             *_handle_args(result.handle)[:5])
@@ -103,7 +103,7 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_w
             torch.empty(x.shape[0], num_ranks, dtype=torch.bool, device=x.device),
             torch.empty(0, dtype=torch.uint8, device=x.device),
             torch.empty(num_experts // num_ranks if _has_host_counts(buffer, num_worst_tokens) else 0,
-                        dtype=torch.int64))
+                        dtype=torch.int64, device="cpu"))
 
 
 def _dispatch_setup(ctx, inputs, output):

@@ -130,7 +130,7 @@ def _expert_layout_torch(topk_idx: Tensor, num_experts: int, alignment: int, num
     host = None
     if capacity:
         padded = torch.full_like(pairs, capacity)
-        host = torch.full((num_experts,), capacity, dtype=torch.int64)
+        host = torch.full((num_experts,), capacity, dtype=torch.int64, device="cpu")
         num_slots = num_experts * capacity
         pairs = pairs.clamp(max=capacity)
     else:

@@ -35,8 +35,9 @@ def reference_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                 in_rank[t][e // experts_per_rank] = True
                 per_expert[e] += 1
     per_rank = [sum(row[r] for row in in_rank) for r in range(num_ranks)]
-    return (torch.tensor(per_rank, dtype=torch.int32), torch.tensor(per_expert, dtype=torch.int32),
-            torch.tensor(in_rank, dtype=torch.bool).reshape(len(rows), num_ranks))
+    return (torch.tensor(per_rank, dtype=torch.int32, device="cpu"),
+            torch.tensor(per_expert, dtype=torch.int32, device="cpu"),
+            torch.tensor(in_rank, dtype=torch.bool, device="cpu").reshape(len(rows), num_ranks))
 
 
 @dataclass
@@ -82,7 +83,7 @@ def reference_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], to
                     pairs[e - first] += 1
                 else:
                     row_idx.append(-1)
-                    row_w.append(torch.zeros((), dtype=weights.dtype))
+                    row_w.append(weights.new_zeros(()))
             local_idx.append(row_idx)
             local_w.append(torch.stack(row_w) if row_w else weights.new_zeros(0))
 
@@ -93,12 +94,12 @@ def reference_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], to
 
         out.append(ReferenceDispatch(
             recv_x=gather(xs), recv_scales=gather(scales) if scales is not None else None,
-            recv_topk_idx=torch.tensor(local_idx, dtype=torch.int64).reshape(len(sources), num_topk),
+            recv_topk_idx=torch.tensor(local_idx, dtype=torch.int64, device="cpu").reshape(len(sources), num_topk),
             recv_topk_weights=(torch.stack(local_w) if local_w else topk_weights[0].new_zeros(0, num_topk)),
             num_recv_tokens_per_expert=[_round_up(n, expert_alignment) for n in pairs],
-            recv_src_rank=torch.tensor([s for s, _ in sources], dtype=torch.int32),
-            recv_src_idx=torch.tensor([t for _, t in sources], dtype=torch.int32),
-            rank_prefix_matrix=torch.tensor(prefix, dtype=torch.int32)))
+            recv_src_rank=torch.tensor([s for s, _ in sources], dtype=torch.int32, device="cpu"),
+            recv_src_idx=torch.tensor([t for _, t in sources], dtype=torch.int32, device="cpu"),
+            rank_prefix_matrix=torch.tensor(prefix, dtype=torch.int32, device="cpu")))
     return out
 
 
@@ -113,10 +114,10 @@ def reference_combine(ys: list[torch.Tensor], dispatched: list[ReferenceDispatch
     results = []
     for s in range(num_ranks):
         acc_dtype = torch.promote_types(dtype, torch.float32)
-        acc = torch.zeros(num_tokens[s], hidden, dtype=acc_dtype)
+        acc = torch.zeros(num_tokens[s], hidden, dtype=acc_dtype, device="cpu")
         acc_w = None
         if topk_weights is not None:
-            acc_w = torch.zeros(num_tokens[s], topk_weights[0].shape[1], dtype=torch.float32)
+            acc_w = torch.zeros(num_tokens[s], topk_weights[0].shape[1], dtype=torch.float32, device="cpu")
         for r in range(num_ranks):
             d = dispatched[r]
             for i in range(d.recv_src_rank.numel()):
@@ -194,7 +195,7 @@ def reference_expert_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tens
             return torch.stack(rows) if rows else tensors[0].new_empty(0, *tensors[0].shape[1:])
 
         weights = torch.tensor([float(topk_weights[p[0]][p[1], p[2]]) if p is not None else 0.0 for p in slots],
-                               dtype=torch.float32)
+                               dtype=torch.float32, device="cpu")
         out.append(ReferenceExpertDispatch(
             expert_x=gather(xs), expert_scales=gather(scales) if scales is not None else None,
             expert_weights=weights, num_recv_tokens_per_expert=aligned, num_recv_pairs_per_expert=unaligned,
@@ -217,7 +218,7 @@ def reference_expert_combine(ys: list[torch.Tensor], dispatched: list[ReferenceE
     hidden, dtype = ys[0].shape[1], ys[0].dtype
     results = []
     for s in range(num_ranks):
-        acc = torch.zeros(num_tokens[s], hidden, dtype=torch.float32)
+        acc = torch.zeros(num_tokens[s], hidden, dtype=torch.float32, device="cpu")
         for t in range(num_tokens[s]):
             terms = []  # (rank, global expert, w * y in fp32)
             for r in range(num_ranks):
@@ -231,7 +232,7 @@ def reference_expert_combine(ys: list[torch.Tensor], dispatched: list[ReferenceE
                 for r in range(num_ranks):
                     mine = sorted(((e, term) for rr, e, term in terms if rr == r), key=lambda item: item[0])
                     if mine:
-                        partial = torch.zeros(hidden, dtype=torch.float32)
+                        partial = torch.zeros(hidden, dtype=torch.float32, device="cpu")
                         for _, term in mine:
                             partial = partial + term
                         acc[t] = acc[t] + partial.to(dtype).float()

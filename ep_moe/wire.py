@@ -84,8 +84,8 @@ def host_header(values: list[int], length: int, device: torch.device) -> torch.T
     """``values`` padded with zeros to ``length`` int64, on ``device`` (the transport's: CPU for gloo)."""
     if len(values) > length:
         raise AssertionError(f"header of {len(values)} values > {length}")
-    header = torch.zeros(length, dtype=torch.int64)
-    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    header = torch.zeros(length, dtype=torch.int64, device="cpu")
+    header[: len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
     return header if device.type == "cpu" else header.to(device)
 
 

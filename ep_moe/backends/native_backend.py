@@ -184,14 +184,17 @@ class NativeBackend(CommBackend):
             self._state = torch.zeros(8, dtype=torch.int64, device=device)  # LocalState (64 bytes)
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
             # the error record, then the mismatch record (csrc/kernels.h)
-            self._error = torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, pin_memory=True)
+            self._error = torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, device="cpu",
+                                      pin_memory=True)
             self._error_record = self._error[:C.ERROR_WORDS]  # read at every call's start
             self._mismatch_record = self._error[C.ERROR_WORDS:]
             # [R * R] rows s sends r, then [R] tokens of every rank (written by notify), then the header check's
             # words: [R][HEADER_WORDS] every rank's header as seen, this rank's, the verdict (notify, exchange)
             self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1) + C.MAX_RANKS * HEADER_WORDS + HEADER_LEN + 1,
-                                            dtype=torch.int32, pin_memory=True)
-            self._host_expert_counts = torch.zeros(C.MAX_NOTIFY_EXPERTS, dtype=torch.int64, pin_memory=True)
+                                            dtype=torch.int32, device="cpu",
+                                            pin_memory=True)
+            self._host_expert_counts = torch.zeros(C.MAX_NOTIFY_EXPERTS, dtype=torch.int64, device="cpu",
+                                                   pin_memory=True)
             # the kernels' Env of each options value in use (chunk counts are fixed per Env), checked equal
             # on every rank before its first use
             self._buffer_env = self._new_env(options)
@@ -645,7 +648,7 @@ class NativeBackend(CommBackend):
 
     def _data_view(self, offset: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """``[rows, width]`` of ``dtype`` at byte ``offset`` of this rank's data buffer (a view)."""
-        nbytes = rows * width * torch.empty(0, dtype=dtype).element_size()
+        nbytes = rows * width * dtype.itemsize
         return self._data.tensor[offset:offset + nbytes].view(dtype).view(rows, width)
 
     def _route_of(self, handle: DispatchHandle) -> torch.Tensor:

@@ -89,7 +89,7 @@ class TorchBackend(CommBackend):
         digest (0 without one). On a GPU the constant part is made once per value, with no host sync."""
         key = values + (0,)
         if self.device.type == "cpu":
-            static = torch.tensor(key, dtype=torch.int64)
+            static = torch.tensor(key, dtype=torch.int64, device="cpu")
         else:
             static = self._device_headers.get(key)
             if static is None:
@@ -98,7 +98,8 @@ class TorchBackend(CommBackend):
                     for i, v in enumerate(key):
                         static[i].fill_(v)
                 else:
-                    static = torch.tensor(key, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+                    static = torch.tensor(key, dtype=torch.int64, device="cpu").pin_memory().to(self.device,
+                                                                                                non_blocking=True)
                 if len(self._device_headers) < 256:
                     self._device_headers[key] = static
         return static if digest is None else torch.cat([static[:-1], digest.view(1)])
@@ -278,7 +279,8 @@ class TorchBackend(CommBackend):
                 else:
                     expert_table = [row[first_pair:first_pair + num_experts] for row in table]
             num_recv = -1 if num_worst_tokens else sum(row[self.rank] for row in counts)
-            handle = DispatchHandle(prefix_matrix, torch.empty(0), torch.empty(0), is_token_in_rank,
+            none = torch.empty(0, dtype=torch.int32, device=x.device)  # filled below
+            handle = DispatchHandle(prefix_matrix, none, none, is_token_in_rank,
                                     num_recv, num_worst_tokens)
             route = self._route(handle, count_matrix, counts)
         num_rows = handle.num_recv_rows

@@ -94,7 +94,7 @@ class RunGate:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, head_start_us: float = 2000.0) -> None:
         self.group = group
         self.cuda = device.type == "cuda"
-        self._token = torch.ones(1, device=device) if self.cuda else None
+        self._token = torch.ones(1, dtype=torch.float32, device=device) if self.cuda else None
         self._sleep = getattr(torch.cuda, "_sleep", None) if self.cuda else None
         # ~2 GHz SM clock: cycles for the head start (a shorter or longer sleep only changes idle time).
         self._sleep_cycles = int(head_start_us * 2000)

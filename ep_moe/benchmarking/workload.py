@@ -43,10 +43,10 @@ def make_input_set(tokens: int, hidden: int, num_experts: int, num_topk: int, nu
     """DeepEP's intranode test routing: scores ``|N(0,1)| + 1``, top-k unsorted; tokens ``N(0,1)``
     (never zeros); weights from the softmax of the chosen scores."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    scores = torch.randn(tokens, num_experts, generator=gen, device=device).abs() + 1
+    scores = torch.randn(tokens, num_experts, generator=gen, dtype=torch.float32, device=device).abs() + 1
     top_scores, topk_idx = torch.topk(scores, num_topk, dim=-1, largest=True, sorted=False)
     topk_weights = torch.softmax(top_scores, dim=-1).to(torch.float32)
-    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float32, device=device).to(dtype)
     per_rank, per_expert, in_rank = (t.to(device) for t in reference_layout(topk_idx, num_experts, num_ranks))
     return InputSet(x, topk_idx.contiguous(), topk_weights.contiguous(), per_rank, per_expert, in_rank)
 

@@ -12,8 +12,8 @@ from ..distributed import run_distributed
 
 def _rank_main(rank: int, world_size: int, tokens: int, hidden: int, experts: int, topk: int) -> dict:
     gen = torch.Generator().manual_seed(1234 + rank)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
-    scores = torch.rand(tokens, experts, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float32, device="cpu").to(torch.bfloat16)
+    scores = torch.rand(tokens, experts, generator=gen, dtype=torch.float32, device="cpu")
     topk_weights, topk_idx = scores.topk(topk, dim=1)
     buffer = Buffer(backend="torch")
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)

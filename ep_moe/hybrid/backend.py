@@ -528,7 +528,7 @@ class HybridBackend(TorchBackend):
         # forwarded[l, k, n, l2]: rows forwarder (n, l) hands rank (n, l2) in chunk k (from the sources of index l)
         forwarded = chunks.index_select(0, grid.flatten()).view(S, G, nc, -1).sum(dim=0)[:, :, grid]  # [G,nc,S,G]
         c2 = forwarded.amax(dim=(0, 2, 3)).tolist()
-        k = torch.arange(nc)[:, None]
+        k = torch.arange(nc, device=nodes.device)[:, None]
         pieces = ((k + 1) * nodes[:, None, :] // nc - k * nodes[:, None, :] // nc)  # [R, nc, S] tokens per piece
         out_sent = pieces[me].tolist()                                              # [nc][S]
         out_recv = pieces[grid[:, l0], :, n0].t().tolist()                          # [nc][S]
@@ -667,7 +667,7 @@ class HybridBackend(TorchBackend):
         # the forwarder's view of chunk k: the rows of the sources of local index l, by node then token
         experts_per_rank = num_experts // R
         from_source_node = node_matrix[self._grid[:, self.local], self.node]  # [S] tokens each node's source sends
-        plan = _Plan(nc, cs, c2, slot1, torch.empty(0), torch.empty(0), net)
+        plan = _Plan(nc, cs, c2, slot1, slot1.new_empty(0), slot1.new_empty(0), net)
 
         def slot2_of(k: int, recv1: torch.Tensor) -> torch.Tensor:
             piece = (k + 1) * from_source_node // nc - k * from_source_node // nc

@@ -27,7 +27,7 @@ def derive_seed(*parts: int | str) -> int:
 
 def _normal(shape: tuple[int, ...], std: float, generator: torch.Generator | None) -> Tensor:
     """Normal(0, std) drawn in fp32 on the CPU (the same numbers whatever the target device/dtype)."""
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
 
 
 def mark_expert(param: nn.Parameter) -> nn.Parameter:
@@ -60,9 +60,9 @@ class SwiGLU(nn.Module):
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.init_method_std = init_method_std
         self.output_init_std = output_init_std if output_init_std is not None else init_method_std
-        self.w1 = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, dtype=dtype))
-        self.w3 = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, dtype=dtype))
+        self.w1 = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, dtype=dtype, device="cpu"))
+        self.w3 = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, dtype=dtype, device="cpu"))
+        self.w2 = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, dtype=dtype, device="cpu"))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -108,9 +108,12 @@ class GroupedExperts(nn.Module):
         self.output_init_std = output_init_std if output_init_std is not None else init_method_std
         self.impl = impl
         local = self.num_local_experts
-        self.w1 = mark_expert(nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size, dtype=dtype)))
-        self.w3 = mark_expert(nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size, dtype=dtype)))
-        self.w2 = mark_expert(nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size, dtype=dtype)))
+        self.w1 = mark_expert(nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size, dtype=dtype,
+                                                         device="cpu")))
+        self.w3 = mark_expert(nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size, dtype=dtype,
+                                                         device="cpu")))
+        self.w2 = mark_expert(nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size, dtype=dtype,
+                                                         device="cpu")))
         self.reset_parameters(0)
 
     @property

@@ -149,7 +149,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device="cpu"))
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -184,14 +184,15 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.init_method_std = config.init_method_std
         self.output_init_std = scaled_output_std(config.init_method_std, config.num_layers)
-        self.wqkv = nn.Parameter(torch.empty(3 * h, h, dtype=dtype))
-        self.wo = nn.Parameter(torch.empty(h, h, dtype=dtype))
+        self.wqkv = nn.Parameter(torch.empty(3 * h, h, dtype=dtype, device="cpu"))
+        self.wo = nn.Parameter(torch.empty(h, h, dtype=dtype, device="cpu"))
         self.dropout = config.attention_dropout
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         for w, std in ((self.wqkv, self.init_method_std), (self.wo, self.output_init_std)):
-            w.copy_(torch.empty(w.shape).normal_(0.0, std, generator=generator))
+            w.copy_(torch.empty(w.shape, dtype=torch.float32, device="cpu").normal_(0.0, std,
+                                                                                    generator=generator))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, s, h = x.shape
@@ -274,13 +275,15 @@ class MoETransformer(nn.Module):
         dtype = config.torch_dtype
         # Submodules draw a throwaway init from the global RNG; keep the caller's RNG state untouched.
         with torch.random.fork_rng(devices=[]):
-            self.embedding = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+            self.embedding = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype,
+                                                       device="cpu"))
             self.layers = nn.ModuleList(TransformerBlock(config, i, buffer, dp_group, sms_of_layer.get(i, 0),
                                                          num_worst_tokens) for i in range(config.num_layers))
             self.final_norm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
             self.output_weight: nn.Parameter | None = None
             if config.untie_embeddings_and_output_weights:
-                self.output_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+                self.output_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype,
+                                                               device="cpu"))
         self.reset_parameters(seed)
 
     @property
@@ -295,7 +298,8 @@ class MoETransformer(nn.Module):
             w = getattr(self, name)
             if w is not None:
                 gen = torch.Generator().manual_seed(derive_seed(seed, name))
-                w.copy_(torch.empty(w.shape).normal_(0.0, std, generator=gen))
+                w.copy_(torch.empty(w.shape, dtype=torch.float32, device="cpu").normal_(0.0, std,
+                                                                                        generator=gen))
         for name, module in self.named_modules():
             if isinstance(module, GroupedExperts):
                 module.reset_parameters(derive_seed(seed, name))

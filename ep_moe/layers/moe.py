@@ -100,7 +100,7 @@ class MoELayer(nn.Module):
             self.shared_expert = SwiGLU(c.hidden_size, c.moe_shared_expert_intermediate_size, dtype=dtype,
                                         init_method_std=c.init_method_std, output_init_std=out_std)
             if c.moe_shared_expert_gate:
-                self.shared_expert_gate = nn.Parameter(torch.empty(1, c.hidden_size, dtype=dtype))
+                self.shared_expert_gate = nn.Parameter(torch.empty(1, c.hidden_size, dtype=dtype, device="cpu"))
         self.init_method_std = c.init_method_std
         self._dispatchers: dict[int, TokenDispatcher | LocalTokenDispatcher] = {}
 
@@ -108,7 +108,8 @@ class MoELayer(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Initialise the shared-expert gate (the submodules have their own ``reset_parameters``)."""
         if self.shared_expert_gate is not None:
-            w = torch.empty(self.shared_expert_gate.shape).normal_(0.0, self.init_method_std, generator=generator)
+            w = torch.empty(self.shared_expert_gate.shape, dtype=torch.float32, device="cpu").normal_(
+                0.0, self.init_method_std, generator=generator)
             self.shared_expert_gate.copy_(w)
 
     def dispatcher(self, expert_alignment: int) -> TokenDispatcher | LocalTokenDispatcher:

@@ -121,17 +121,18 @@ class TopKRouter(nn.Module):
         self.dp_group = dp_group
         self.init_method_std = init_method_std
 
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device="cpu"))
         if enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device="cpu"))
             # (token, expert) pairs routed since the last update_expert_bias (training forwards only)
-            self.register_buffer("local_tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32),
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(num_experts, dtype=torch.float32, device="cpu"),
                                  persistent=False)
         else:
             self.expert_bias = None
         self.reset_parameters()
         self.reset_stats()
-        zero = torch.zeros((), dtype=torch.float32)
+        zero = torch.zeros((), dtype=torch.float32, device="cpu")
         self.aux_loss: Tensor = zero   # coefficient-scaled, with grad; set by forward
         self.z_loss: Tensor = zero
 
@@ -139,8 +140,8 @@ class TopKRouter(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, init_method_std) weight drawn in fp32 from ``generator`` on the CPU."""
         with torch.no_grad():
-            w = torch.empty(self.weight.shape, dtype=torch.float32).normal_(0.0, self.init_method_std,
-                                                                           generator=generator)
+            w = torch.empty(self.weight.shape, dtype=torch.float32, device="cpu").normal_(
+                0.0, self.init_method_std, generator=generator)
             self.weight.copy_(w)
 
     def _apply(self, fn, recurse: bool = True):

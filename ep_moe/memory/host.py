@@ -67,7 +67,7 @@ class HostRange:
         if offset < 0 or offset + size > self.size:
             raise ValueError(f"ep_moe.memory: [{offset}, {offset + size}) is outside the {self.size}-byte range")
         if size == 0:
-            return torch.empty(0, dtype=torch.uint8)
+            return torch.empty(0, dtype=torch.uint8, device="cpu")
         array = (ctypes.c_uint8 * size).from_address(self.address + offset)
         array._range = self  # the tensor holds the array (torch.frombuffer), the array holds the range
         return torch.frombuffer(array, dtype=torch.uint8)

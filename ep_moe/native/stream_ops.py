@@ -282,7 +282,7 @@ class SignalWaiter:
         self._pool = stream_pool()
         self.stream = self._pool.acquire(device, highest_priority=False)
         self._rescue = self._pool.acquire(device, highest_priority=True)
-        self._word_host = torch.empty(1, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        self._word_host = torch.empty(1, dtype=torch.int64, device="cpu", pin_memory=torch.cuda.is_available())
         self.failure: tuple[type[Exception], str] | None = None
         self._stuck = False  # a timed-out wait whose stream could not be released
 

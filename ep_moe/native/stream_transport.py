@@ -253,12 +253,12 @@ class _SymmetricWords:
 
 def _host_int64(*shape: int) -> torch.Tensor:
     """A host int64 buffer, pinned where CUDA is (so that copies to and from the device are asynchronous)."""
-    return torch.empty(shape, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+    return torch.empty(shape, dtype=torch.int64, device="cpu", pin_memory=torch.cuda.is_available())
 
 
 def _pinned_int64(values: Sequence[int], length: int) -> torch.Tensor:
     header = _host_int64(length).zero_()
-    header[: len(values)] = torch.tensor(list(values), dtype=torch.int64)
+    header[: len(values)] = torch.tensor(list(values), dtype=torch.int64, device="cpu")
     return header
 
 

@@ -16,7 +16,7 @@ def _(topk_idx, num_experts, alignment, num_slots, capacity=0):
     elif exact:
         num_slots = torch.library.get_ctx().new_dynamic_size()
     longs = dict(dtype=torch.int64, device=topk_idx.device)
-    host = torch.empty(num_experts if exact or capacity else 0, dtype=torch.int64)
+    host = torch.empty(num_experts if exact or capacity else 0, dtype=torch.int64, device="cpu")
     return (torch.empty(num_slots, **longs), torch.empty(rows, topk, **longs), torch.empty(rows, topk, **longs),
             torch.empty(num_experts, **longs), torch.empty(num_experts, **longs), host)
 

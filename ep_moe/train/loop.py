@@ -130,7 +130,7 @@ def _global_mean(per_micro: torch.Tensor, ps: ParallelState, accum: int, extra: 
     """All ranks' ``per_micro [accum, C]`` values as one ``[accum, W, C]`` float64 table, plus ``extra``
     summed over ranks, in one collective. Each rank fills only its own slot, so the sum is exact."""
     c = per_micro.shape[1]
-    table = torch.zeros(accum, ps.world_size, c, dtype=torch.float64)
+    table = torch.zeros(accum, ps.world_size, c, dtype=torch.float64, device="cpu")
     table[:, ps.rank] = per_micro.double().cpu()
     flat = torch.cat([table.flatten(), extra.double().cpu().flatten()]).to(ps.device)
     if ps.world_size > 1:
@@ -151,7 +151,7 @@ def evaluate(model, dataset, recipe: Recipe, ps: ParallelState, accum: int) -> f
     """Mean cross-entropy over ``eval_iters`` validation global batches (the same batches every time)."""
     t = recipe.train
     model.eval()
-    per_micro = torch.zeros(t.eval_iters * accum, 1, dtype=torch.float64)
+    per_micro = torch.zeros(t.eval_iters * accum, 1, dtype=torch.float64, device="cpu")
     for j in range(t.eval_iters):
         batch = dataset.batch("valid", j, t.global_batch_size)
         for i in range(accum):
@@ -161,7 +161,7 @@ def evaluate(model, dataset, recipe: Recipe, ps: ParallelState, accum: int) -> f
             per_micro[j * accum + i, 0] = out.loss.double().item()
     model.train()
     model.moe_stats()  # drop the routing statistics of the evaluation forwards (collective, all ranks)
-    table = _global_mean(per_micro, ps, t.eval_iters * accum, torch.zeros(0))
+    table = _global_mean(per_micro, ps, t.eval_iters * accum, torch.zeros(0, dtype=torch.float64, device="cpu"))
     return row_order_mean(table[: t.eval_iters * accum * ps.world_size])
 
 
@@ -271,7 +271,7 @@ class DataParallelSteps:
 
     def _train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, float, dict[str, Any]]:
         t, ps, model, zero = self.recipe.train, self.ps, self.model, self.zero
-        per_micro = torch.zeros(self.accum, 2, dtype=torch.float64)
+        per_micro = torch.zeros(self.accum, 2, dtype=torch.float64, device="cpu")
         for i in range(self.accum):
             mb = rank_slice(batch, ps.rank, ps.world_size, t.micro_batch_size, i).to(self.device)
             with _autocast(self.recipe, self.device):
@@ -291,7 +291,8 @@ class DataParallelSteps:
         return per_micro, grad_norm, model.moe_stats()
 
     def _step_losses(self, per_micro: torch.Tensor, stop: bool) -> tuple[float, float, bool]:
-        table = _global_mean(per_micro, self.ps, self.accum, torch.tensor([1.0 if stop else 0.0]))
+        table = _global_mean(per_micro, self.ps, self.accum,
+                             torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device="cpu"))
         n = self.accum * self.ps.world_size * 2
         by_micro = table[:n].view(self.accum * self.ps.world_size, 2)
         return row_order_mean(by_micro[:, 0]), row_order_mean(by_micro[:, 1]), bool(table[n] > 0)

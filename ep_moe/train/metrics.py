@@ -162,7 +162,7 @@ def imbalance_stats(counts) -> dict[str, Any]:
     """Routing statistics from tokens per expert (``counts [MoE layers, experts]``, any numbers)."""
     import torch
 
-    counts = torch.as_tensor(counts, dtype=torch.float64)
+    counts = torch.as_tensor(counts, dtype=torch.float64, device="cpu")
     if counts.numel() == 0:
         return {}
     per_layer = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)

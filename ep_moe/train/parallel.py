@@ -125,7 +125,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, deterministic
 def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
     grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
     if not grads:
-        return torch.zeros(0)
+        return torch.zeros(0, dtype=torch.float32, device="cpu")
     return torch.cat(grads)
 
 

@@ -148,7 +148,7 @@ class StageRunner:
         """Forward (and with ``train`` backward) every micro-batch through both stages. Returns ``[n, 2]``
         float64: stage 1's ``(cross-entropy, its aux loss)``, stage 0's ``(0, its aux loss)`` per micro-batch."""
         ps, buf, peer = self.ps, self.buffer, self.ps.peer
-        out = torch.zeros(len(micro_batches), 2, dtype=torch.float64)
+        out = torch.zeros(len(micro_batches), 2, dtype=torch.float64, device="cpu")
         grad_ctx = nullcontext() if train else torch.no_grad()
         if ps.stage == 0:
             kept = []
@@ -191,9 +191,9 @@ def _step_table(per_micro: torch.Tensor, ps: PipelineState, extra: list[float]) 
     """Every rank's ``[n, 2]`` in one ``[n, D, 2]`` float64 table summed over the world (stage 0 adds its aux,
     stage 1 its cross-entropy and aux), plus ``extra`` summed."""
     n = per_micro.shape[0]
-    table = torch.zeros(n, ps.dp_size, 2, dtype=torch.float64)
+    table = torch.zeros(n, ps.dp_size, 2, dtype=torch.float64, device="cpu")
     table[:, ps.dp_rank] = per_micro
-    flat = torch.cat([table.flatten(), torch.tensor(extra, dtype=torch.float64)]).to(ps.device)
+    flat = torch.cat([table.flatten(), torch.tensor(extra, dtype=torch.float64, device="cpu")]).to(ps.device)
     dist.all_reduce(flat)
     return flat.cpu()
 

@@ -112,7 +112,7 @@ class ZeroBucket:
     @staticmethod
     def _squares(params: list[torch.nn.Parameter]) -> torch.Tensor:
         if not params:
-            return torch.zeros(0, dtype=torch.float32)
+            return torch.zeros(0, dtype=torch.float32, device="cpu")
         return torch.stack([(p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
                             .pow(2).sum() for p in params])
 

@@ -303,15 +303,16 @@ class DispatchBench:
         self.buffer, self.shape = buffer, shape
         device = buffer.device
         gen = torch.Generator(device=device).manual_seed(seed * 1009 + buffer.rank)
-        scores = torch.randn(shape.tokens, shape.num_experts, generator=gen, device=device).abs() + 1
+        scores = torch.randn(shape.tokens, shape.num_experts, generator=gen, dtype=torch.float32,
+                             device=device).abs() + 1
         values, self.topk_idx = scores.topk(shape.topk, dim=1)
         self.topk_weights = torch.softmax(values, dim=1).float()
         dtype = {1: torch.bfloat16, 2: torch.bfloat16, 4: torch.float32}[shape.dtype_bytes]
-        self.xs = [torch.randn(shape.tokens, shape.hidden, generator=gen, device=device).to(dtype)
+        self.xs = [torch.randn(shape.tokens, shape.hidden, generator=gen, dtype=torch.float32, device=device).to(dtype)
                    for _ in range(rotations)]
         if shape.dtype_bytes == 1:
             self.xs = [(x.to(torch.float8_e4m3fn), torch.rand(shape.tokens, shape.hidden // 128, generator=gen,
-                                                              device=device) + 0.5) for x in self.xs]
+                                                              dtype=torch.float32, device=device) + 0.5) for x in self.xs]
         self.combine_dtype = torch.bfloat16 if shape.dtype_bytes <= 2 else torch.float32
         self.layout = buffer.get_dispatch_layout(self.topk_idx, shape.num_experts)
         self._combine_inputs: dict[int, list[torch.Tensor]] = {}
@@ -395,7 +396,8 @@ class DispatchBench:
                 after.record()
             # The device must not have caught up with the host (then host gaps would be timed): every
             # rank learns whether any did, and all try again with a longer head start together.
-            starved = torch.tensor([1.0 if sleep_done.query() else 0.0], device=self.buffer.device)
+            starved = torch.tensor([1.0 if sleep_done.query() else 0.0], dtype=torch.float32,
+                                   device=self.buffer.device)
             torch.cuda.synchronize()
             dist.all_reduce(starved, op=dist.ReduceOp.MAX, group=self.buffer.group)
             if not starved.item():
@@ -427,7 +429,8 @@ class DispatchBench:
         data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
         rows = data.shape[0]
         if rows not in self._combine_inputs:  # made once: inside a timed window only in the first pair
-            self._combine_inputs[rows] = [torch.randn(rows, self.shape.hidden, device=data.device).to(self.combine_dtype)
+            self._combine_inputs[rows] = [torch.randn(rows, self.shape.hidden, dtype=torch.float32,
+                                                      device=data.device).to(self.combine_dtype)
                                           for _ in range(len(self.xs))]
         pool = self._combine_inputs[rows]
         return pool[i % len(pool)]

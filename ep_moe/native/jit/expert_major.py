@@ -96,7 +96,7 @@ _LAYOUT_KERNELS = ("ep_expert_layout", "ep_expert_count", "ep_expert_scan", "ep_
 PHASE_COUNT, PHASE_PLACE = 1, 2  # ep_expert_layout's phases (count and scan; assign and sort), as bits
 PHASE_ALL = PHASE_COUNT | PHASE_PLACE
 SCAN_THREADS = 1024  # ep_expert_scan's one block (the plain kernels only)
-_NO_HOST = torch.empty(0, dtype=torch.int64)  # the host counts where none are read (never written: empty)
+_NO_HOST = torch.empty(0, dtype=torch.int64, device="cpu")  # the host counts where none are read (never written: empty)
 
 
 class _LayoutKernels:
@@ -179,10 +179,10 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
         num_blocks = _blocks(pairs, pairs_per_block) or 1
         host = _NO_HOST
         if capacity:  # every count is known on the host
-            host = torch.full((num_experts,), capacity, dtype=torch.int64)
+            host = torch.full((num_experts,), capacity, dtype=torch.int64, device="cpu")
             num_slots = num_experts * capacity
         elif num_slots < 0 and pairs == 0:  # the exact size of no pairs: every count is 0
-            host = torch.zeros(num_experts, dtype=torch.int64)
+            host = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
             num_slots = 0
         exact = num_slots < 0  # the host reads the aligned counts between the two phases
         # One allocation: [pair_of_slot (fixed size only) | slot_of_pair | sorted_slots | tokens | pairs | the int32
@@ -317,7 +317,7 @@ def specializations(hidden: int, topk: int, experts: int, dtype: str = "bf16") -
             raise ValueError(f"specializations: argument '{name}' must be an integer >= {low}, got {value!r}")
     if experts > MAX_EXPERTS:
         raise ValueError(f"specializations: argument 'experts' must be <= {MAX_EXPERTS} (more use torch), got {experts}")
-    element = torch.empty(0, dtype=SHAPE_DTYPES[dtype]).element_size()
+    element = SHAPE_DTYPES[dtype].itemsize
     row_bytes = hidden * element
     word = next(w for w in (16, 4, 2, 1) if row_bytes % w == 0)
     out = [KernelSource.of("expert_layout.cu", {"EP_EXPERTS": experts, "EP_TOPK": topk})]

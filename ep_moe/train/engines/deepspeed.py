@@ -104,11 +104,13 @@ def build_model(recipe: DeepSpeedRecipe, rank: int) -> nn.Module:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + ep_rank * local + i)
             for name, p in module.named_parameters():
                 with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=gen) * std if name.endswith("weight") else 0.0)
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device="cpu") * std
+                            if name.endswith("weight") else 0.0)
         return moe
 
     torch.manual_seed(seed)
-    model = TinyMoELM(m, make_moe)
+    with torch.device("cpu"):  # on the CPU whatever the caller's default device (moved by the caller)
+        model = TinyMoELM(m, make_moe)
     for name, p in model.named_parameters():
         if "deepspeed_experts" not in name and p.dim() >= 2:
             with torch.no_grad():

@@ -118,8 +118,8 @@ def _init_experts(model: torch.nn.Module, seed: int, std: float, num_layers: int
                                                 + layer.local_expert_indices[i])
             with torch.no_grad():
                 w1, w2 = expert.linear_fc1.weight, expert.linear_fc2.weight
-                w1.copy_(torch.randn(w1.shape, generator=gen) * std)
-                w2.copy_(torch.randn(w2.shape, generator=gen) * out_std)
+                w1.copy_(torch.randn(w1.shape, generator=gen, dtype=torch.float32, device="cpu") * std)
+                w2.copy_(torch.randn(w2.shape, generator=gen, dtype=torch.float32, device="cpu") * out_std)
 
 
 def build_model(recipe: MegatronRecipe, device: torch.device):
@@ -328,7 +328,7 @@ class MegatronSteps:
              {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}],
             lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         self.accum = t.global_batch_size // (t.micro_batch_size * self.world_size)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.accum, device=device))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / self.accum, dtype=torch.float32, device=device))
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
         self.ep_group = parallel_state.get_expert_model_parallel_group()
         self.positions = torch.arange(m.seq_length, device=device)
@@ -389,7 +389,7 @@ class MegatronSteps:
                 p.grad = torch.zeros_like(p)
         _sum_grads(self.dense, None, 1.0 / world)
         _sum_grads(self.experts, self.expert_dp_group, 1.0 / world)
-        zero = torch.zeros((), device=device)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
         dense_sq = sum((p.grad.float() ** 2).sum() for p in self.dense) if self.dense else zero
         expert_sq = sum((p.grad.float() ** 2).sum() for p in self.experts) if self.experts else zero
         expert_sq = expert_sq.clone()
@@ -402,10 +402,11 @@ class MegatronSteps:
         # Router losses (raw, mean over micro-batches and MoE layers), this step's loss and the stop flag: one
         # all-reduce over the world.
         router = _router_losses()
-        aux_raw = sum((v for k, v in router.items() if "load_balancing_loss" in k), torch.zeros(m.num_layers))
-        z_raw = router.get("z_loss", torch.zeros(m.num_layers))
-        reduced = torch.cat([step_loss.view(1).cpu(), aux_raw / accum, z_raw / accum,
-                             torch.tensor([1.0 if stop_requested else 0.0], dtype=torch.float64)]).to(device)
+        no_loss = torch.zeros(m.num_layers, dtype=torch.float64, device="cpu")
+        aux_raw = sum((v for k, v in router.items() if "load_balancing_loss" in k), no_loss)
+        z_raw = router.get("z_loss", no_loss)
+        stop = torch.tensor([1.0 if stop_requested else 0.0], dtype=torch.float64, device="cpu")
+        reduced = torch.cat([step_loss.view(1).cpu(), aux_raw / accum, z_raw / accum, stop]).to(device)
         dist.all_reduce(reduced)
         reduced = reduced.cpu()
         aux_layers = reduced[1:1 + m.num_layers] / world
