@@ -306,10 +306,13 @@ class AGRSMixin:
         the session. Every rank passes the same count, dtypes and shapes (`AGRSMismatchError` on every rank
         otherwise); over the session's bytes or operations on any rank: `AGRSCapacityError` on every rank, before
         anything is sent. Read ``gathered`` after ``handle()``; it stays valid until `destroy_agrs_session`."""
-        op = "all_gather"
         if isinstance(tensors, torch.Tensor):
-            (gathered,), handle = self.all_gather([tensors])
+            (gathered,), handle = self._all_gather([tensors])
             return gathered, handle
+        return self._all_gather(tensors)
+
+    def _all_gather(self, tensors) -> tuple[list[torch.Tensor], AGRSHandle]:
+        op = "all_gather"
         state = self._agrs_state(op, want_open=True)
         if not isinstance(tensors, list | tuple) or not tensors:
             raise AGRSTensorError(f"ep_moe.ElasticBuffer.{op}: argument 'tensors' must be a non-empty list of "

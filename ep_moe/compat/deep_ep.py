@@ -61,6 +61,7 @@ DEEP_EP_LEGACY_API_VERSION = "1.2.1"
 __version__ = f"{DEEP_EP_API_VERSION}+ep_moe"
 
 _NVL_PEERS = 8      # ranks one NVLink domain holds in DeepEP's sizing
+from ..hybrid import host_topology, logical_topology
 _SIZING_TOPK = 128  # top-k columns and FP8 scale columns a ring row reserves (DeepEP-style sizing)
 # DeepEP's chunk fields: its constructor's defaults, and the values of the recommended configs
 # (`Buffer.get_dispatch_config`), which a caller may pass without being warned.
@@ -305,6 +306,43 @@ class Buffer(_CoreBuffer):
         return wait
 
 
+    # V2's argument names and return forms of the mixins' calls
+    def all_gather(self, t):
+        """V2's form of `ep_moe.ElasticBuffer.all_gather`: one tensor gives ``(gathered, handle)``, a list or tuple
+        of tensors ``(*gathered, handle)``."""
+        if isinstance(t, torch.Tensor):
+            return super().all_gather(t)
+        gathered, handle = super().all_gather(t)
+        return (*gathered, handle)
+
+    def agrs_get_inplace_tensor(self, shapes, dtype: torch.dtype):
+        """`ep_moe.ElasticBuffer.agrs_get_inplace_tensor` under V2's argument name."""
+        return super().agrs_get_inplace_tensor(shapes, dtype)
+
+    def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
+        """`ep_moe.ElasticBuffer.pp_send` under V2's argument name."""
+        super().pp_send(t, dst_rank_idx, num_sms)
+
+    def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
+        """`ep_moe.ElasticBuffer.pp_recv` under V2's argument name."""
+        super().pp_recv(t, src_rank_idx, num_sms)
+
+
+def get_physical_domain_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """V2's ``deep_ep.get_physical_domain_size``: ``(RDMA ranks, NVLink ranks)`` of ``group`` = (hosts, ranks per
+    host), from the ranks' host names (collective)."""
+    topology = host_topology(group)
+    return topology.num_scaleout_ranks, topology.num_scaleup_ranks
+
+
+def get_logical_domain_size(group: dist.ProcessGroup | None = None, allow_hybrid_mode: bool = True
+                            ) -> tuple[int, int]:
+    """V2's ``deep_ep.get_logical_domain_size``: ``(scale-out ranks, scale-up ranks)`` that an ``ElasticBuffer``
+    on ``group`` uses (`ep_moe.hybrid.logical_topology`; collective)."""
+    topology = logical_topology(host_topology(group), dist.get_world_size(group), allow_hybrid_mode)
+    return topology.num_scaleout_ranks, topology.num_scaleup_ranks
+
+
 def _tma_aligned_col_major(sf: torch.Tensor) -> torch.Tensor:
     """``sf [T, C]`` as a column-major tensor whose columns start 16-byte aligned (T padded), same values."""
     per_16_bytes = max(16 // sf.element_size(), 1)
@@ -393,6 +431,22 @@ def _tma_aligned_col_major(sf: torch.Tensor) -> torch.Tensor:
         handle, event)``. Without ``topk_idx`` (and without ``handle``) it dispatches by ``is_token_in_rank``
         alone: ``recv_topk_idx``/``recv_topk_weights`` are None and the per-expert counts come from
         ``num_tokens_per_expert`` (one extra all-reduce of ``E`` counts)."""
+    def low_latency_update_mask_buffer(self, *args, **kwargs) -> None:
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    def low_latency_query_mask_buffer(self, *args, **kwargs) -> None:
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    def low_latency_clean_mask_buffer(self, *args, **kwargs) -> None:
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
+        raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise NotImplementedError("ep_moe.compat.deep_ep: get_local_buffer_tensor is not provided (ep_moe's "
+                                  "symmetric memory is laid out by its kernels, not exposed as a tensor)")
+
         x = _contiguous_hidden(x)
         core_event = _core_event(previous_event)
         if handle is None and topk_idx is None:
