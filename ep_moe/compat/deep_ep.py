@@ -45,6 +45,7 @@ from ..config import Config as _CoreConfig
 from ..elastic import ElasticBuffer as _CoreElasticBuffer
 from ..elastic import ElasticHandle
 from ..event import EventOverlap as _CoreEventOverlap
+from ..hybrid import host_topology, logical_topology
 from ..layout import round_up
 from ..validation import FP8_DTYPES, _fail
 
@@ -61,7 +62,6 @@ DEEP_EP_LEGACY_API_VERSION = "1.2.1"
 __version__ = f"{DEEP_EP_API_VERSION}+ep_moe"
 
 _NVL_PEERS = 8      # ranks one NVLink domain holds in DeepEP's sizing
-from ..hybrid import host_topology, logical_topology
 _SIZING_TOPK = 128  # top-k columns and FP8 scale columns a ring row reserves (DeepEP-style sizing)
 # DeepEP's chunk fields: its constructor's defaults, and the values of the recommended configs
 # (`Buffer.get_dispatch_config`), which a caller may pass without being warned.
@@ -228,6 +228,12 @@ class ElasticBuffer(_CoreElasticBuffer):
                  num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
                  explicitly_destroy: bool = False, *, backend: str | None = None,
                  check_inputs: bool = False) -> None:
+        if num_bytes is not None and num_cpu_bytes > 0:  # V2's num_bytes counts the CPU bytes; the core's does not
+            if num_bytes <= num_cpu_bytes:
+                raise _fail("ElasticBuffer", "num_bytes", f"> num_cpu_bytes={num_cpu_bytes} (V2: GPU + CPU bytes)",
+                            num_bytes)
+            num_bytes -= num_cpu_bytes
+        self._replicated_sf: torch.Tensor | None = None
         super().__init__(group, num_bytes, num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk,
                          use_fp8_dispatch, deterministic, allow_hybrid_mode, allow_multiple_reduction,
                          prefer_overlap_with_compute, sl_idx, num_allocated_qps, num_cpu_timeout_secs,
@@ -244,33 +250,11 @@ class ElasticBuffer(_CoreElasticBuffer):
         *result, event = super().dispatch(*args, **kwargs)
         return (*result, _wrap_event(event))
 
-        if num_bytes is not None and num_cpu_bytes > 0:  # V2's num_bytes counts the CPU bytes; the core's does not
-            if num_bytes <= num_cpu_bytes:
-                raise _fail("ElasticBuffer", "num_bytes", f"> num_cpu_bytes={num_cpu_bytes} (V2: GPU + CPU bytes)",
-                            num_bytes)
-            num_bytes -= num_cpu_bytes
-        self._replicated_sf: torch.Tensor | None = None
     def combine(self, *args, **kwargs):
         """`ep_moe.ElasticBuffer.combine`; the event is a DeepEP-style `EventOverlap`."""
         *result, event = super().combine(*args, **kwargs)
         return (*result, _wrap_event(event))
 
-
-# ------------------------------------------------------------------------------------------ buffer
-def _contiguous_hidden(x):
-    """DeepEP accepts column-major FP8 scales (``scales.T.contiguous().T``); hand the core row-major ones."""
-    if isinstance(x, tuple | list) and len(x) == 2 and isinstance(x[1], torch.Tensor):
-        return x[0].contiguous(), x[1].contiguous()
-    return x
-
-
-class Buffer(_CoreBuffer):
-    """DeepEP's normal-mode ``deep_ep.Buffer`` on ep_moe (intranode and torch.distributed groups).
-
-    Args: DeepEP's (``group``, ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode`` -- must be False --,
-    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
-    ``explicitly_destroy``, ``enable_shrink``, ``comm`` -- must be None); keyword-only ``backend``
-    ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto"), ``timeout_s``, ``check_inputs``
     def engram_write(self, storage: torch.Tensor, sf: torch.Tensor | None = None) -> None:
         """`ep_moe.ElasticBuffer.engram_write`. V2 passes every rank's scales, replicated (``sf [R * n, S]``, so
         that fetches read them locally): they are kept on the device as given; a rank's own ``[n, S]`` goes to the
@@ -351,6 +335,22 @@ def _tma_aligned_col_major(sf: torch.Tensor) -> torch.Tensor:
     out.copy_(sf)
     return out
 
+
+# ------------------------------------------------------------------------------------------ buffer
+def _contiguous_hidden(x):
+    """DeepEP accepts column-major FP8 scales (``scales.T.contiguous().T``); hand the core row-major ones."""
+    if isinstance(x, tuple | list) and len(x) == 2 and isinstance(x[1], torch.Tensor):
+        return x[0].contiguous(), x[1].contiguous()
+    return x
+
+
+class Buffer(_CoreBuffer):
+    """DeepEP's normal-mode ``deep_ep.Buffer`` on ep_moe (intranode and torch.distributed groups).
+
+    Args: DeepEP's (``group``, ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode`` -- must be False --,
+    ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``,
+    ``explicitly_destroy``, ``enable_shrink``, ``comm`` -- must be None); keyword-only ``backend``
+    ("auto" | "native" | "torch"; default ``$EP_MOE_BACKEND`` or "auto"), ``timeout_s``, ``check_inputs``
     (default False, as DeepEP, which does not check expert ids: True checks them at a host sync per call)
     and ``native_options`` (as `ep_moe.Buffer`'s). The SM budget of calls without a config is ep_moe's
     (`ep_moe.Buffer.num_sms`, shared with it).
@@ -415,22 +415,6 @@ def _tma_aligned_col_major(sf: torch.Tensor) -> torch.Tensor:
     def clean_low_latency_buffer(self, *args, **kwargs) -> None:
         raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
 
-    # ----------------------------------------------------------------- layout, dispatch, combine
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """As `ep_moe.Buffer.get_dispatch_layout`; the event is a DeepEP-style `EventOverlap`."""
-        *layout, event = super().get_dispatch_layout(topk_idx, num_experts, _core_event(previous_event),
-                                                     async_finish, allocate_on_comm_stream)
-        return (*layout, _wrap_event(event))
-
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, num_experts: int | None = None):
-        """DeepEP's ``dispatch``: ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
-        handle, event)``. Without ``topk_idx`` (and without ``handle``) it dispatches by ``is_token_in_rank``
-        alone: ``recv_topk_idx``/``recv_topk_weights`` are None and the per-expert counts come from
-        ``num_tokens_per_expert`` (one extra all-reduce of ``E`` counts)."""
     def low_latency_update_mask_buffer(self, *args, **kwargs) -> None:
         raise NotImplementedError("ep_moe.compat.deep_ep: low-latency mode is not provided")
 
@@ -447,6 +431,22 @@ def _tma_aligned_col_major(sf: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("ep_moe.compat.deep_ep: get_local_buffer_tensor is not provided (ep_moe's "
                                   "symmetric memory is laid out by its kernels, not exposed as a tensor)")
 
+    # ----------------------------------------------------------------- layout, dispatch, combine
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """As `ep_moe.Buffer.get_dispatch_layout`; the event is a DeepEP-style `EventOverlap`."""
+        *layout, event = super().get_dispatch_layout(topk_idx, num_experts, _core_event(previous_event),
+                                                     async_finish, allocate_on_comm_stream)
+        return (*layout, _wrap_event(event))
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None, previous_event=None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *, num_experts: int | None = None):
+        """DeepEP's ``dispatch``: ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)``. Without ``topk_idx`` (and without ``handle``) it dispatches by ``is_token_in_rank``
+        alone: ``recv_topk_idx``/``recv_topk_weights`` are None and the per-expert counts come from
+        ``num_tokens_per_expert`` (one extra all-reduce of ``E`` counts)."""
         x = _contiguous_hidden(x)
         core_event = _core_event(previous_event)
         if handle is None and topk_idx is None:
