@@ -39,7 +39,7 @@ def _calibration_cache() -> str:
 ITEMS: tuple[native_report.Item, ...] = (
     ("ep_moe", lambda: f"{ep_moe.__version__} from {Path(ep_moe.__file__).parent}"),
     *native_report.ITEMS,
-    ("expert-major kernels", _expert_major_kernels),
+    ("permute kernels", _expert_major_kernels),
     ("calibration cache", _calibration_cache),
 )
 

@@ -146,14 +146,13 @@ ITEMS: tuple[Item, ...] = (
 def format_report(items: Sequence[Item]) -> str:
     """One ``name: value`` line per item (a value may continue on indented lines); an item whose probe raises
     says so instead of stopping the report."""
-    width = max((len(name) for name, _ in items), default=0) + 2
     lines = []
     for name, probe in items:
         try:
             value = probe()
         except Exception as exc:  # one broken probe must not hide the rest of the report
             value = f"could not be determined ({type(exc).__name__}: {exc})"
-        lines.append(f"{name + ':':<{width}}{value}")
+        lines.append(f"{name + ':':<19}{value}")
     return "\n".join(lines)
 
 

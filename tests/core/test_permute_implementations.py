@@ -69,7 +69,7 @@ def test_gpu_fallback_names_a_specific_reason(fresh, caplog):
 
 
 def test_env_names_the_expert_major_implementation():
-    line = next(line for line in env.report().splitlines() if line.startswith("expert-major kernels:"))
+    line = next(line for line in env.report().splitlines() if line.startswith("permute kernels:"))
     if not torch.cuda.is_available():
         assert line.endswith("torch (no CUDA device)")
     else:
