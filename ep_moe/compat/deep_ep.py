@@ -21,6 +21,19 @@ Making ``import deep_ep`` resolve to this module:
 * by hand (e.g. for ``torchrun``): ``export PYTHONPATH=$(python -m ep_moe.compat.deep_ep --shim-dir)``,
   a folder holding a two-line ``deep_ep.py`` that calls `install`.
 
+``deep_ep.utils`` from a DeepEP checkout (DeepEP's test programs import ``deep_ep.utils.envs``, ``.refs``,
+``.testing``, ``.math``, ``.gate``): name the checkout (or its ``deep_ep`` folder) with
+``install(utils_from=PATH)``, the ``EP_MOE_DEEP_EP_PATH`` variable (read when `install` runs: the ``--shim-dir``
+route and spawned processes use it) or ``python -m ep_moe.compat.deep_ep --deep-ep PATH program.py ARGS``
+(which sets the variable for the processes the program spawns). ``deep_ep`` then has a ``__path__`` through which
+only ``deep_ep.utils`` and its submodules load from that folder; ``deep_ep`` itself, ``deep_ep.buffers.*`` and
+``deep_ep._C`` stay ep_moe's (DeepEP's buffers need its compiled extension). Without a folder ``deep_ep.utils``
+is this module. ``deep_ep._C`` is a stand-in for the compiled extension as far as DeepEP's utils use it:
+``EventHandle``, ``Config``, ``topk_idx_t``, and the NCCL-communicator calls, which create no NCCL communicator
+(ep_moe's buffers use the torch.distributed group) and report the group as one NVLink domain on one node
+(``get_physical_domain_size`` gives ``(1, ranks)``; ``get_logical_domain_size`` the same, or the
+``EP_MOE_SCALEOUT_RANKS`` split in hybrid mode); other names raise an AttributeError saying so.
+
 The backend is ep_moe's ``"auto"`` (native NVLink kernels where built, else torch.distributed);
 ``EP_MOE_BACKEND=torch|native`` or ``Buffer(..., backend=...)`` chooses.
 """
@@ -28,6 +41,9 @@ The backend is ep_moe's ``"auto"`` (native NVLink kernels where built, else torc
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import itertools
 import logging
 import os
 import runpy
@@ -509,9 +525,94 @@ class Buffer(_CoreBuffer):
                                   "Buffer.combine serves any torch.distributed group")
 
 
+# ------------------------------------------------------------------------------------------ deep_ep._C
+_NCCL_UNIQUE_ID_BYTES = 128
+_comms: dict[int, tuple[int, int]] = {}  # a stand-in communicator handle -> (ranks, rank)
+_comm_handles = itertools.count(1)
+
+
+def _nccl_unique_id() -> bytes:
+    """``_C.get_local_nccl_unique_id``: random bytes of an NCCL unique id's size. DeepEP's utils all-gather it
+    and pass rank 0's to `_create_nccl_comm`, which needs no real id."""
+    return os.urandom(_NCCL_UNIQUE_ID_BYTES)
+
+
+def _create_nccl_comm(root_unique_id: object, num_ranks: int, rank: int) -> int:
+    """``_C.create_nccl_comm``: a handle recording the group's size and this rank. No NCCL communicator is
+    created: ep_moe's buffers communicate through the torch.distributed group itself."""
+    handle = next(_comm_handles)
+    _comms[handle] = (int(num_ranks), int(rank))
+    return handle
+
+
+def _destroy_nccl_comm(comm: int) -> None:
+    """``_C.destroy_nccl_comm``: forget a handle of `_create_nccl_comm` (others are torch's own: left alone)."""
+    _comms.pop(comm, None)
+
+
+def _comm_size(comm: int) -> int:
+    """The number of ranks of a communicator: a stand-in handle, or the raw NCCL communicator of a
+    torch.distributed group (what DeepEP's utils pass when they reuse torch's, ``backend._comm_ptr()``)."""
+    if comm in _comms:
+        return _comms[comm][0]
+    world = getattr(dist.distributed_c10d, "_world", None)
+    for group in list(getattr(world, "pg_map", None) or ()):
+        try:
+            if group._get_backend(torch.device("cuda"))._comm_ptr() == comm:
+                return group.size()
+        except Exception:  # not an NCCL group, or no communicator yet
+            continue
+    raise NotImplementedError(f"ep_moe deep_ep._C: communicator {comm!r} is neither one of the stand-in "
+                              "create_nccl_comm's nor the NCCL communicator of a torch.distributed group of this "
+                              "process; ep_moe keeps no other NCCL communicators")
+
+
+def _physical_domain_size(comm: int) -> tuple[int, int]:
+    """``_C.get_physical_domain_size``: ``(RDMA ranks, NVLink ranks)`` = ``(1, ranks)``: the group is taken
+    as one NVLink domain on one node (the buffers' ``get_physical_domain_size()`` finds the hosts)."""
+    return 1, _comm_size(comm)
+
+
+def _logical_domain_size(comm: int, allow_hybrid_mode: bool = True) -> tuple[int, int]:
+    """``_C.get_logical_domain_size``: ``(scale-out ranks, scale-up ranks)``: the ``EP_MOE_SCALEOUT_RANKS``
+    split in hybrid mode where set (as ep_moe's buffers do), else ``(1, ranks)``."""
+    from ..hybrid.topology import LogicalTopology, logical_topology
+
+    num_ranks = _comm_size(comm)
+    topology = logical_topology(LogicalTopology.flat(num_ranks), num_ranks, allow_hybrid_mode)
+    return topology.num_scaleout_ranks, topology.num_scaleup_ranks
+
+
+def _make_c_module() -> types.ModuleType:
+    """The ``deep_ep._C`` stand-in (see the module docstring)."""
+    module = types.ModuleType("deep_ep._C", "ep_moe's stand-in for DeepEP's compiled extension, as far as "
+                                            "deep_ep.utils uses it (ep_moe.compat.deep_ep).")
+    provided = {"EventHandle": EventHandle, "Config": Config, "topk_idx_t": topk_idx_t,
+                "get_local_nccl_unique_id": _nccl_unique_id, "create_nccl_comm": _create_nccl_comm,
+                "destroy_nccl_comm": _destroy_nccl_comm, "get_physical_domain_size": _physical_domain_size,
+                "get_logical_domain_size": _logical_domain_size}
+    module.__dict__.update(provided)
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"deep_ep._C.{name}: ep_moe has no compiled DeepEP extension; its stand-in provides "
+                             f"only {', '.join(sorted(provided))} (what deep_ep.utils uses). DeepEP's own "
+                             "buffers and kernels are not available: use deep_ep.Buffer / deep_ep.ElasticBuffer")
+
+    module.__getattr__ = __getattr__
+    return module
+
+
+_C = _make_c_module()
+
+
 # ------------------------------------------------------------------------------------------ import deep_ep
-_ALIASES = ("deep_ep", "deep_ep.utils", "deep_ep.buffer", "deep_ep.buffers", "deep_ep.buffers.elastic",
-            "deep_ep.buffers.legacy")
+_ALIASES = ("deep_ep", "deep_ep.buffer", "deep_ep.buffers", "deep_ep.buffers.elastic", "deep_ep.buffers.legacy")
+_UTILS = "deep_ep.utils"
+ENV_DEEP_EP_PATH = "EP_MOE_DEEP_EP_PATH"
+"""Environment variable naming a DeepEP checkout (or its ``deep_ep`` folder) whose ``deep_ep.utils`` `install`
+loads; read each time `install` runs."""
 _SHIM_MARK = "_EP_MOE_DEEP_EP_SHIM"
 _SHIM_SOURCE = (
     "# Written by ep_moe.compat.deep_ep: `import deep_ep` resolves to ep_moe's DeepEP-compatible module.\n"
@@ -521,22 +622,91 @@ _SHIM_SOURCE = (
 )
 
 
-def install(rebind_megatron: bool = True) -> types.ModuleType:
-    """Make ``import deep_ep`` (and ``deep_ep.utils``, ``deep_ep.buffer``, V2's ``deep_ep.buffers.elastic`` and
-    ``deep_ep.buffers.legacy``) resolve to this module, in
-    this process. Call it before anything imports ``deep_ep``; a real DeepEP already imported is an
-    error. With ``rebind_megatron``, a Megatron ``fused_a2a`` imported earlier without DeepEP is
-    reloaded so its flex dispatcher's ``deepep`` backend uses this module. Returns this module."""
+class _UtilsFinder(importlib.abc.MetaPathFinder):
+    """Finds ``deep_ep.utils`` in a DeepEP ``deep_ep`` folder, and nothing else: its submodules then load
+    through its ``__path__``, while ``deep_ep.buffers`` and ``deep_ep._C`` stay ep_moe's."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname != _UTILS:
+            return None
+        utils = os.path.join(self.folder, "utils")
+        return importlib.util.spec_from_file_location(fullname, os.path.join(utils, "__init__.py"),
+                                                      submodule_search_locations=[utils])
+
+
+_utils_finder: _UtilsFinder | None = None
+
+
+def deep_ep_folder(path: str) -> str:
+    """The ``deep_ep`` folder of ``path``: a DeepEP checkout (holding ``deep_ep/utils/__init__.py``) or that
+    ``deep_ep`` folder itself; a FileNotFoundError saying what was looked for otherwise."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    for folder in (os.path.join(path, "deep_ep"), path):
+        if os.path.isfile(os.path.join(folder, "utils", "__init__.py")):
+            return folder
+    raise FileNotFoundError(f"ep_moe.compat.deep_ep: no deep_ep/utils/__init__.py in {path}: give a DeepEP "
+                            "checkout or its deep_ep folder")
+
+
+def _drop_user_utils() -> None:
+    """Remove the folder's finder and forget the ``deep_ep.utils`` modules loaded from it."""
+    global _utils_finder
+    this = sys.modules[__name__]
+    if _utils_finder is not None and _utils_finder in sys.meta_path:
+        sys.meta_path.remove(_utils_finder)
+    _utils_finder = None
+    for name in [n for n in sys.modules if n == _UTILS or n.startswith(_UTILS + ".")]:
+        if sys.modules[name] is not this:
+            del sys.modules[name]
+    if this.__dict__.get("utils") not in (None, this):
+        del this.utils
+
+
+def _use_utils(folder: str | None) -> None:
+    """``deep_ep.utils`` from ``folder`` (a ``deep_ep`` folder), or this module where None."""
+    global _utils_finder
+    this = sys.modules[__name__]
+    if _utils_finder is not None and _utils_finder.folder != folder:
+        _drop_user_utils()
+    if folder is None:
+        this.utils = this  # `import deep_ep.utils` then `deep_ep.utils.X`
+        sys.modules[_UTILS] = this
+        return
+    if _utils_finder is None:
+        if sys.modules.get(_UTILS) is this:
+            del sys.modules[_UTILS]
+        if this.__dict__.get("utils") is this:
+            del this.utils  # `from deep_ep import utils` must import the folder's package
+        _utils_finder = _UtilsFinder(folder)
+        sys.meta_path.insert(0, _utils_finder)
+
+
+def install(rebind_megatron: bool = True, utils_from: str | None = None) -> types.ModuleType:
+    """Make ``import deep_ep`` (and ``deep_ep.buffer``, V2's ``deep_ep.buffers.elastic`` and
+    ``deep_ep.buffers.legacy``) resolve to this module and ``deep_ep._C`` to its stand-in, in this process.
+    ``deep_ep.utils`` comes from ``utils_from`` (a DeepEP checkout or its ``deep_ep`` folder; None: the
+    ``EP_MOE_DEEP_EP_PATH`` variable, if set), else it is this module; a folder other than the one installed
+    before drops the ``deep_ep.utils`` modules loaded from that one. Call it before anything imports
+    ``deep_ep``; a real DeepEP already imported is an error. With ``rebind_megatron``, a Megatron ``fused_a2a``
+    imported earlier without DeepEP is reloaded so its flex dispatcher's ``deepep`` backend uses this module.
+    Returns this module."""
     this = sys.modules[__name__]
     current = sys.modules.get("deep_ep")
     if current is not None and current is not this and not getattr(current, _SHIM_MARK, False):
         raise RuntimeError(f"ep_moe.compat.deep_ep.install: another deep_ep is already imported "
                            f"({getattr(current, '__file__', current)}); install before anything imports deep_ep")
-    this.utils = this  # `import deep_ep.utils` then `deep_ep.utils.X`
+    source = utils_from if utils_from is not None else os.environ.get(ENV_DEEP_EP_PATH) or None
+    folder = deep_ep_folder(source) if source is not None else None
     this.buffer = this
     this.buffers = this.elastic = this.legacy = this  # V2's `deep_ep.buffers.elastic` / `.legacy`
+    this.__path__ = []  # package-like: `deep_ep.utils` may be a real package (found by `_UtilsFinder` only)
     for name in _ALIASES:
         sys.modules[name] = this
+    sys.modules["deep_ep._C"] = _C
+    _use_utils(folder)
     if rebind_megatron:
         _rebind_megatron()
     return this
@@ -545,9 +715,13 @@ def install(rebind_megatron: bool = True) -> types.ModuleType:
 def uninstall() -> None:
     """Undo `install` (entries pointing elsewhere are left alone)."""
     this = sys.modules[__name__]
-    for name in _ALIASES:
+    _drop_user_utils()
+    for name in (*_ALIASES, _UTILS):
         if sys.modules.get(name) is this:
             del sys.modules[name]
+    if sys.modules.get("deep_ep._C") is _C:
+        del sys.modules["deep_ep._C"]
+    this.__dict__.pop("__path__", None)
 
 
 def _rebind_megatron() -> None:
@@ -565,8 +739,9 @@ def _rebind_megatron() -> None:
 
 def shim_dir() -> str:
     """A folder holding a ``deep_ep.py`` that calls `install`; put it on ``PYTHONPATH`` so that every
-    process (``torchrun`` workers, ``multiprocessing`` children) resolves ``import deep_ep`` to ep_moe.
-    Under ``$EP_MOE_CACHE_DIR`` (default ``~/.cache/ep_moe``)."""
+    process (``torchrun`` workers, ``multiprocessing`` children) resolves ``import deep_ep`` to ep_moe
+    (``deep_ep.utils`` from ``$EP_MOE_DEEP_EP_PATH`` where set). Under ``$EP_MOE_CACHE_DIR`` (default
+    ``~/.cache/ep_moe``)."""
     root = os.environ.get("EP_MOE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ep_moe")
     folder = os.path.join(root, "deep_ep_shim")
     target = os.path.join(folder, "deep_ep.py")
@@ -585,16 +760,32 @@ def shim_dir() -> str:
 
 
 _USAGE = """usage: python -m ep_moe.compat.deep_ep --shim-dir
-       python -m ep_moe.compat.deep_ep program.py [ARGS...]
-       python -m ep_moe.compat.deep_ep -m module [ARGS...]
+       python -m ep_moe.compat.deep_ep [--deep-ep PATH] program.py [ARGS...]
+       python -m ep_moe.compat.deep_ep [--deep-ep PATH] -m module [ARGS...]
 
 Runs a program written for DeepEP on ep_moe: `import deep_ep` resolves to ep_moe.compat.deep_ep in it and
-in every process it spawns. --shim-dir prints a folder to put on PYTHONPATH for the same effect."""
+in every process it spawns. --deep-ep PATH: deep_ep.utils comes from that DeepEP checkout (or its deep_ep
+folder), also in spawned processes (through EP_MOE_DEEP_EP_PATH). --shim-dir prints a folder to put on
+PYTHONPATH for the same effect (with EP_MOE_DEEP_EP_PATH set for deep_ep.utils)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``python -m ep_moe.compat.deep_ep`` launcher (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    utils_from = None
+    if argv and (argv[0] == "--deep-ep" or argv[0].startswith("--deep-ep=")):
+        if argv[0] == "--deep-ep":
+            if len(argv) < 2:
+                print(_USAGE, file=sys.stderr)
+                return 2
+            utils_from, argv = argv[1], argv[2:]
+        else:
+            utils_from, argv = argv[0].partition("=")[2], argv[1:]
+        try:
+            utils_from = deep_ep_folder(utils_from)
+        except FileNotFoundError as e:
+            print(e, file=sys.stderr)
+            return 2
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE)
         return 0 if argv else 2
@@ -602,9 +793,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--shim-dir":
         print(folder)
         return 0
-    # Child processes: exec'd ones read PYTHONPATH; multiprocessing's spawn copies this sys.path.
+    # Child processes: exec'd ones read PYTHONPATH and EP_MOE_DEEP_EP_PATH; multiprocessing's spawn copies
+    # this sys.path (the folder goes ahead of site-packages, where a real DeepEP may be installed).
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
-    sys.path.append(folder)
+    if utils_from is not None:
+        os.environ[ENV_DEEP_EP_PATH] = utils_from
+    sys.path.insert(1, folder)
     install()
     if argv[0] == "-m":
         if len(argv) < 2:
@@ -620,8 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "install", "shim_dir",
-           "topk_idx_t", "uninstall"]
+__all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "deep_ep_folder",
+           "install", "shim_dir", "topk_idx_t", "uninstall"]
 
 if __name__ == "__main__":
     # Run as a script, this file is `__main__`; the launcher works on the importable module.
