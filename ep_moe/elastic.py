@@ -119,6 +119,11 @@ class ElasticHandle:
     def dst_buffer_slot_idx(self, value: Tensor) -> None:
         self._dst_buffer_slot_idx = value
 
+    def deterministic_sort(self, *args, **kwargs) -> None:
+        """V2 sorts a dispatch's outputs by source token (expanded: by expert, then source token) when
+        ``deterministic=True``; ep_moe's dispatch returns them in that order already (rows by source rank, then
+        token; expanded rows by expert, source rank, token), so there is nothing to do."""
+
     token_metadata_at_forward = None
     """V2's per-channel forwarding metadata of its hybrid kernels: ep_moe's hybrid path keeps none (None)."""
     channel_linked_list = None

@@ -135,10 +135,34 @@ class EventOverlap(_CoreEventOverlap):
         if event is not None and not isinstance(event, EventHandle):
             event = EventHandle._wrap(event)  # a raw torch.cuda.Event
         super().__init__(event, extra_tensors)
+        self.hook_after_wait = None
+        self._release_handle_by_call = False
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """The current stream waits for the event; then the hook registered (`register_hook_after_wait`) runs
+        once, and ``release_handle`` drops the event."""
         if self.event is not None:
             self.event.current_stream_wait()
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait) -> None:
+        """Run ``hook_after_wait()`` after the next `current_stream_wait` (one hook at a time, as V2)."""
+        if self.hook_after_wait is not None:
+            raise RuntimeError("deep_ep.EventOverlap: a hook is already registered")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        """``with overlap(release_handle=True):`` -- the wait at the end of the block also drops the event."""
+        self._release_handle_by_call = release_handle
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
 
 
 def _core_event(previous_event) -> _CoreEventOverlap | None:
@@ -326,6 +350,29 @@ class ElasticBuffer(_CoreElasticBuffer):
     def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
         """`ep_moe.ElasticBuffer.pp_recv` under V2's argument name."""
         super().pp_recv(t, src_rank_idx, num_sms)
+
+
+def find_cuda_home() -> str | None:
+    """V2's ``deep_ep.find_cuda_home``: the CUDA toolkit ep_moe's JIT would use (``CUDA_HOME``, ``CUDA_PATH``, the
+    ``nvcc`` on ``PATH``, ``/usr/local/cuda``), or None."""
+    from ..native.jit.compilers import _cuda_home
+
+    home = _cuda_home()
+    return None if home is None else str(home)
+
+
+def find_nccl_root() -> str:
+    raise NotImplementedError("ep_moe.compat.deep_ep: find_nccl_root is DeepEP's build-time NCCL discovery; ep_moe "
+                              "links no NCCL of its own (it uses torch.distributed's)")
+
+
+def check_nccl_so() -> None:
+    """V2 checks that the NCCL loaded is the one its extension links; ep_moe links none (torch's is the only one),
+    so there is nothing to check."""
+
+
+def init_jit() -> None:
+    """V2 initializes its JIT runtime at import; ep_moe's JIT compiles on first use, so there is nothing to do."""
 
 
 def get_physical_domain_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -814,8 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "deep_ep_folder",
-           "install", "shim_dir", "topk_idx_t", "uninstall"]
+__all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "check_nccl_so",
+           "deep_ep_folder", "find_cuda_home", "find_nccl_root", "get_logical_domain_size",
+           "get_physical_domain_size", "init_jit", "install", "shim_dir", "topk_idx_t", "uninstall"]
 
 if __name__ == "__main__":
     # Run as a script, this file is `__main__`; the launcher works on the importable module.

@@ -74,3 +74,25 @@ def test_legacy_buffer_refuses_what_it_does_not_provide_by_name(name):
     buffer = deep_ep.Buffer.__new__(deep_ep.Buffer)
     with pytest.raises(NotImplementedError, match="not provided"):
         getattr(buffer, name)(0)
+
+
+def test_event_overlap_hooks_and_release():
+    ran = []
+    event = deep_ep.EventOverlap(None)
+    event.register_hook_after_wait(lambda: ran.append("hook"))
+    with pytest.raises(RuntimeError, match="already registered"):
+        event.register_hook_after_wait(lambda: None)
+    event.current_stream_wait()
+    event.current_stream_wait()  # the hook runs once
+    assert ran == ["hook"]
+    with event(release_handle=True):
+        pass
+    assert event.event is None and event._release_handle_by_call is False
+
+
+def test_module_level_helpers():
+    deep_ep.check_nccl_so()  # nothing to check: torch's NCCL is the only one
+    deep_ep.init_jit()
+    assert deep_ep.find_cuda_home() is None or Path(deep_ep.find_cuda_home()).is_dir()
+    with pytest.raises(NotImplementedError, match="find_nccl_root"):
+        deep_ep.find_nccl_root()
