@@ -41,8 +41,6 @@ def mismatch(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float | Non
     max|want| (NaN only where ``want`` has NaN). Otherwise one line naming ``what``, how many elements differ and
     the first one: its index, the value got and the value expected."""
     if rtol is None:
-        if got.dim() == 0 and want.dim() == 0:  # compare's byte view needs a dimension
-            got, want = got.reshape(1), want.reshape(1)
         problems = compare(what, got, want)
         return problems[0] if problems else None
     if got.shape != want.shape:

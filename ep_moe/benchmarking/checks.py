@@ -16,7 +16,7 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))  # 0-dim included
 
 
 def compare(what: str, got, want) -> list[str]:
