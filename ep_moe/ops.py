@@ -60,17 +60,21 @@ def _config(num_sms: int) -> Config | None:
     return Config(num_sms=num_sms) if num_sms > 0 else None
 
 
-def _fresh(t: Tensor, inputs: tuple) -> Tensor:
-    """Custom ops may not return a tensor that shares memory with one of their ``inputs``: copy only then. A view
-    shows in ``_base``, except under inference mode, and a one-rank backend may hand an input back itself, so the
-    storages are compared too."""
-    if t._base is not None:
-        return t.clone()
-    if t.numel():
-        storage = t.untyped_storage().data_ptr()
-        if any(isinstance(i, Tensor) and i.numel() and i.untyped_storage().data_ptr() == storage for i in inputs):
-            return t.clone()
-    return t
+def _fresh(outputs: tuple, inputs: tuple) -> tuple:
+    """``outputs`` with a copy wherever one shares memory with an input or an earlier output (torch refuses such
+    outputs of a custom op): a view (it shows in ``_base``, except under inference mode) or the same storage (a
+    one-rank backend may hand an input back, or two outputs out of one allocation)."""
+    def storage(t) -> int:
+        return t.untyped_storage().data_ptr() if isinstance(t, Tensor) and t.numel() else 0
+
+    taken = {storage(t) for t in inputs} - {0}
+    fresh = []
+    for t in outputs:
+        if t.numel() and (t._base is not None or storage(t) in taken):
+            t = t.clone()
+        taken.add(storage(t))
+        fresh.append(t)
+    return tuple(fresh)
 
 
 # ------------------------------------------------------------------------------------------ dispatch
@@ -89,7 +93,7 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: i
                 else result.num_recv_tokens_per_expert.cpu())
     outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
             *_handle_args(result.handle)[:5])
-    return (*(_fresh(t, (x, topk_idx, topk_weights)) for t in outs), host)
+    return (*_fresh(outs, (x, topk_idx, topk_weights)), host)
 
 
 def _has_host_counts(buffer: Buffer, num_worst_tokens: int) -> bool:
@@ -149,8 +153,7 @@ def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, b
                                                               config=_config(num_sms))
     if combined_w is None:
         combined_w = torch.zeros(is_token_in_rank.shape[0], 0, dtype=torch.float32, device=x.device)
-    inputs = (x, topk_weights, bias_0, bias_1)
-    return _fresh(combined, inputs), _fresh(combined_w, inputs)
+    return _fresh((combined, combined_w), (x, topk_weights, bias_0, bias_1))
 
 
 @_combine_op.register_fake
@@ -194,7 +197,8 @@ def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Ten
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
                      num_worst_tokens)
     recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle, config=_config(num_sms))
-    return _fresh(recv_x, (x,))
+    return _fresh((recv_x,), (x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
+                              backend_state))[0]
 
 
 @_cached_dispatch_op.register_fake

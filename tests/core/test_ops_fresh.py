@@ -1,5 +1,6 @@
-"""The custom ops copy an output only where it shares memory with an input (torch refuses such outputs): a view
-(which under inference mode carries no ``_base``) or the input itself, as a one-rank backend may hand back."""
+"""The custom ops copy an output only where it shares memory with an input or an earlier output (torch refuses such
+outputs): a view (which under inference mode carries no ``_base``), the input itself (a one-rank backend may hand
+it back) or two outputs cut from one allocation."""
 
 from __future__ import annotations
 
@@ -8,21 +9,30 @@ import torch
 from ep_moe.ops import _fresh
 
 
-def test_an_output_sharing_an_inputs_memory_is_copied():
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_an_output_sharing_memory_is_copied():
     x = torch.randn(4, 3)
-    assert _fresh(x, (x,)) is not x and torch.equal(_fresh(x, (x,)), x)
-    assert _fresh(x[1:], (torch.ones(1), x)) is not x  # a view with _base
+    (same,) = _fresh((x,), (x,))
+    assert same is not x and torch.equal(same, x)
+    (view,) = _fresh((x[1:],), (torch.ones(1), x))  # a view with _base
+    assert _storage(view) != _storage(x)
     with torch.inference_mode():
         y = torch.randn(4, 3)
-        view = y[:2]
-        assert view._base is None  # why the storages are compared
-        copied = _fresh(view, (y,))
-        assert copied.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
-        assert torch.equal(copied, view)
+        head, tail = y[:2], y[2:]
+        assert head._base is None  # why the storages are compared
+        (copied,) = _fresh((head,), (y,))
+        assert _storage(copied) != _storage(y) and torch.equal(copied, head)
+        both = torch.randn(2, 5)
+        first, second = _fresh((both[0], both[1]), (y,))  # two outputs of one allocation
+        assert first is both[0] or _storage(first) == _storage(both)
+        assert _storage(second) != _storage(first) and torch.equal(second, both[1])
+        assert _fresh((head, tail), ())[0] is head  # the first of two is kept
 
 
 def test_an_output_of_its_own_is_returned_as_is():
-    z, x = torch.randn(2), torch.randn(4, 3)
-    assert _fresh(z, (x, None, torch.empty(0))) is z
-    empty = torch.empty(0, 3)
-    assert _fresh(empty, (torch.empty(0, 3),)) is empty
+    z, x, empty = torch.randn(2), torch.randn(4, 3), torch.empty(0, 3)
+    assert _fresh((z, empty), (x, None, torch.empty(0)))[0] is z
+    assert _fresh((z, empty), (x,))[1] is empty
