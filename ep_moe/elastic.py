@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -87,8 +87,8 @@ class ElasticHandle:
     """Compact layout: the dispatch's ``recv_topk_idx`` (a cached dispatch returns it again)."""
     rank: int = 0
     """The dispatching rank (the handle's metadata is computed from it)."""
-    _recv_src_metadata: Tensor | None = None
-    _dst_buffer_slot_idx: Tensor | None = None
+    _recv_src_metadata: Tensor | None = field(default=None, repr=False)  # computed on first read
+    _dst_buffer_slot_idx: Tensor | None = field(default=None, repr=False)
 
     @property
     def recv_src_metadata(self) -> Tensor | None:
