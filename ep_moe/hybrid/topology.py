@@ -1,8 +1,11 @@
 """The logical topology of an EP group: ``num_scaleout_ranks x num_scaleup_ranks`` (nodes x ranks per node).
 
-Found from the ranks' host names (one all-gather of ``socket.gethostname()``): ranks on one host form a node,
-numbered by their lowest rank; a rank's local index is its place among its host's ranks in rank order. Every
-host must hold the same number of ranks, else the group is viewed flat (1 x R, logged). Overridable: the
+Found from the launch (one all-gather of each rank's node key, `node_key`): under torchrun a node is one agent
+(``GROUP_RANK``, with ``LOCAL_WORLD_SIZE`` ranks), under SLURM one ``SLURM_NODEID``, else one host name
+(``socket.gethostname()``). Ranks with one key form a node, numbered by their lowest rank; a rank's local index
+is its place among its node's ranks in rank order. The launch's keys count even where the host names are equal
+(two agents on one machine are two nodes). Every node must hold the same number of ranks, else the group is
+viewed flat (1 x R, logged). Overridable: the
 ``num_scaleout_ranks`` argument or the ``EP_MOE_SCALEOUT_RANKS`` variable cut the group into that many nodes of
 consecutive ranks (8 ranks as 2 x 4: ranks 0-3 are node 0), which is how CPU tests simulate nodes on one host.
 ``allow_hybrid_mode=False`` gives the flat view.
@@ -32,7 +35,8 @@ class LogicalTopology:
     Attributes:
         node_of: ``node_of[r]``, the scale-out index of group rank r.
         local_of: ``local_of[r]``, its scale-up index inside its node.
-        source: how it was found: "flat", "hosts" or "override".
+        source: how it was found: "flat", "launch" (torchrun's agents or SLURM's nodes), "hosts" or
+            "override".
     """
 
     node_of: tuple[int, ...]
@@ -102,8 +106,9 @@ class LogicalTopology:
                                tuple(r % per_node for r in range(num_ranks)), source)
 
     @staticmethod
-    def from_hosts(hosts: list[str]) -> LogicalTopology:
-        """Nodes from each rank's host name; flat (logged) when the hosts hold different numbers of ranks."""
+    def from_hosts(hosts: list[str], source: str = "hosts") -> LogicalTopology:
+        """Nodes from each rank's host name (or any node key, `node_key`); flat (logged) when the hosts hold
+        different numbers of ranks. ``source``: the view's source when it has more than one node."""
         order: dict[str, int] = {}
         for h in hosts:
             order.setdefault(h, len(order))
@@ -117,7 +122,7 @@ class LogicalTopology:
         for h in hosts:
             local.append(seen.get(h, 0))
             seen[h] = local[-1] + 1
-        return LogicalTopology(tuple(order[h] for h in hosts), tuple(local), "hosts" if len(order) > 1 else "flat")
+        return LogicalTopology(tuple(order[h] for h in hosts), tuple(local), source if len(order) > 1 else "flat")
 
 
 def _env_scaleout_ranks() -> int | None:
@@ -130,12 +135,33 @@ def _env_scaleout_ranks() -> int | None:
         raise ValueError(f"ep_moe: environment variable {ENV_SCALEOUT_RANKS} must be an int, got {value!r}") from None
 
 
+LAUNCH_NODE_VARIABLES = ("GROUP_RANK", "SLURM_NODEID")
+"""The launchers' node index of this process, first found wins: torchrun's agent (``GROUP_RANK``, which
+torchrun sets with ``LOCAL_WORLD_SIZE``), SLURM's node (``SLURM_NODEID``)."""
+
+
+def node_key() -> tuple[str, str]:
+    """This process's node as ``(source, key)``: ``("launch", "GROUP_RANK=1")`` under torchrun (the agent's
+    index: agents on one host are distinct nodes), ``("launch", "SLURM_NODEID=0")`` under srun, else
+    ``("hosts", <host name>)``."""
+    for name in LAUNCH_NODE_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return "launch", f"{name}={value}"
+    return "hosts", socket.gethostname()
+
+
 def host_topology(group: dist.ProcessGroup | None = None) -> LogicalTopology:
-    """The physical view of ``group``: nodes are hosts (one all-gather of the host names; every rank calls it)."""
+    """The physical view of ``group``: nodes are the launch's nodes (`node_key`: torchrun agents, SLURM nodes,
+    else hosts), from one all-gather of the keys (every rank of ``group`` calls it). Ranks that disagree on
+    where their keys come from (some under a launcher, some not) are grouped by host name."""
     group = group if group is not None else dist.group.WORLD
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return LogicalTopology.from_hosts([str(h) for h in hosts])
+    keys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, (node_key(), socket.gethostname()), group=group)
+    sources = {k[0][0] for k in keys}
+    if len(sources) == 1 and sources != {"hosts"}:
+        return LogicalTopology.from_hosts([str(k[0][1]) for k in keys], "launch")
+    return LogicalTopology.from_hosts([str(k[1]) for k in keys])
 
 
 def logical_topology(physical: LogicalTopology | None, num_ranks: int, allow_hybrid_mode: bool = True,
@@ -164,4 +190,4 @@ def discover_topology(group: dist.ProcessGroup | None = None, allow_hybrid_mode:
                             num_scaleout_ranks)
 
 
-__all__ = ["ENV_SCALEOUT_RANKS", "LogicalTopology", "discover_topology", "host_topology", "logical_topology"]
+__all__ = ["ENV_SCALEOUT_RANKS", "LAUNCH_NODE_VARIABLES", "LogicalTopology", "node_key", "discover_topology", "host_topology", "logical_topology"]

@@ -149,6 +149,12 @@ class EpMoeSection:
     # > 0: fixed-size dispatch, an upper bound on the rows any EP rank receives per micro-batch (at most
     # micro_batch_size * seq_length * expert_model_parallel_size): the dispatch never waits on the host.
     num_worst_tokens: int = 0
+    # ep_moe engine only. true: hybrid mode (`ep_moe.hybrid`): the EP group's dispatch/combine take two hops,
+    # across nodes then inside the node, where the group spans more than one node. The nodes come from the
+    # launch (torchrun's GROUP_RANK, SLURM's SLURM_NODEID, else the host names; `ep_moe.hybrid.topology`);
+    # ``num_scaleout_ranks`` overrides them (that many nodes of consecutive EP ranks; None: from the launch).
+    hybrid_mode: bool = False
+    num_scaleout_ranks: int | None = None
 
 
 TUNER_POLICY_KEYS = ("min_sms", "max_sms", "time_tolerance", "knee_cap", "margin")
@@ -319,6 +325,8 @@ class MegatronRecipe(RecipeBase):
         "train.pp_size": "its pipeline is Megatron's own", "train.zero_stage": "Megatron's optimizer is its own",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend and ep_moe.num_sms"
            for key in ("tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
+        **{f"ep_moe.{key}": "hybrid mode is the ep_moe engine's (Megatron's dispatcher runs flat over its EP group)"
+           for key in ("hybrid_mode", "num_scaleout_ranks")},
     }
 
     def engine_rules(self, world_size: int, device: str | None) -> None:
@@ -373,6 +381,8 @@ class DeepSpeedRecipe(RecipeBase):
         "train.pp_size": "no pipeline in this engine", "train.zero_stage": "set deepspeed.zero_stage",
         **{f"ep_moe.{key}": "it uses only ep_moe.dispatcher_backend"
            for key in ("num_sms", "tuning_plan", "expert_alignment", "num_worst_tokens", *TUNER_POLICY_KEYS)},
+        **{f"ep_moe.{key}": "hybrid mode is the ep_moe engine's (DeepSpeed's MoE layer runs flat over its EP group)"
+           for key in ("hybrid_mode", "num_scaleout_ranks")},
     }
 
     def engine_rules(self, world_size: int, device: str | None) -> None:
@@ -598,13 +608,32 @@ def _require(ok: bool, path: str, message: str) -> None:
         raise RecipeError(f"{path}: {message}")
 
 
+def launch_world_size() -> int | None:
+    """The world size of the launcher this process runs under (torchrun, or anything that sets ``RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_RANK``), else None (``ep-moe train`` then spawns ``train.nproc`` ranks itself)."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        try:
+            return int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise RecipeError(f"WORLD_SIZE: the launcher's world size must be an int, got "
+                              f"{os.environ['WORLD_SIZE']!r}") from None
+    return None
+
+
+def job_world_size(recipe: AnyRecipe) -> int:
+    """The ranks of this job: the launcher's world (`launch_world_size`) under a launcher, where
+    ``train.nproc`` is no constraint; else ``train.nproc``."""
+    world = launch_world_size()
+    return recipe.train.nproc if world is None else world
+
+
 def validate(recipe: AnyRecipe, world_size: int | None = None, device: str | None = None) -> None:
     """Every rule of ``recipe``'s engine: shared keys it does not use left at their defaults, the rules
-    shared by all engines, then its own (`RecipeBase.engine_rules`). ``world_size`` defaults to
-    ``train.nproc`` (torchrun passes its own); ``device`` (the resolved ``cpu``/``cuda``) adds the rules
-    that depend on it."""
+    shared by all engines, then its own (`RecipeBase.engine_rules`). ``world_size`` defaults to the job's
+    (`job_world_size`: the launcher's world under torchrun or srun, else ``train.nproc``); ``device`` (the
+    resolved ``cpu``/``cuda``) adds the rules that depend on it."""
     _check_supported(recipe)
-    world = recipe.train.nproc if world_size is None else world_size
+    world = job_world_size(recipe) if world_size is None else world_size
     _shared_rules(recipe, world, device)
     recipe.engine_rules(world, device)
 
@@ -659,6 +688,10 @@ def _shared_rules(recipe: AnyRecipe, world: int, device: str | None) -> None:
              f"must divide model.num_moe_experts={m.num_moe_experts}, got {ep}")
     _require(world % ep == 0, "model.expert_model_parallel_size",
              f"must divide the number of ranks ({world}), got {ep}")
+    if e.num_scaleout_ranks is not None:
+        _require(e.num_scaleout_ranks >= 1 and ep % e.num_scaleout_ranks == 0, "ep_moe.num_scaleout_ranks",
+                 f"must be a positive divisor of model.expert_model_parallel_size={ep}, got {e.num_scaleout_ranks}")
+        _require(e.hybrid_mode, "ep_moe.num_scaleout_ranks", "needs ep_moe.hybrid_mode=true")
     dp_ranks = world // t.pp_size if t.pp_size >= 1 and world % t.pp_size == 0 else world  # per pipeline stage
     per_step = t.micro_batch_size * dp_ranks
     _require(t.global_batch_size % per_step == 0, "train.global_batch_size",

@@ -13,6 +13,12 @@ the ranks killed by a signal). `failure_lines` turns it into the lines printed o
 Under ``torchrun`` every rank is its own process and there is no launcher of ours to collect the errors:
 `report_rank_error` appends the rank's traceback to the same ``error.log`` (under a file lock) and prints its
 one line only when no rank of the same ``torchrun`` agent has printed that error already.
+
+A lost peer under a launcher (a node gone: its ranks' connections close, and the collective that used them
+raises at once) is one line per surviving rank, `report_lost_peer`: which peer is gone and in which stage of
+the run (`set_stage`, which the training loop keeps current). The peers are known from `record_peers` (every
+rank's node, host and pid, gathered at start-up): a peer on this host whose process is gone is named by rank;
+otherwise the ranks of the other nodes are named as the candidates.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import fcntl
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 from ep_moe.distributed import RankFailures, is_peer_lost, signal_text
 
 from .rundir import ERROR_LOG
 
+LOST_PEER_CHECKS = 10  # looks for a gone peer process on this host, 0.1 s apart
 MAX_MESSAGE = 600  # characters of one error message on its line (the log has it all)
 
 
@@ -108,6 +116,79 @@ def write_error_log(folder: str, exc: RankFailures, argv: list[str] | None = Non
         return path
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------------------------------------- lost peers
+_state: dict = {"stage": "start-up", "peers": []}
+
+
+def set_stage(stage: str) -> None:
+    """What this rank does now (``"training step 12"``, ``"checkpoint save at step 12"``...), for the line a
+    lost peer prints."""
+    _state["stage"] = stage
+
+
+def current_stage() -> str:
+    return _state["stage"]
+
+
+def record_peers(peers: list[dict]) -> None:
+    """Every rank of the job, by rank: ``{"node": <node key>, "host": <host name>, "pid": <process id>}``."""
+    _state["peers"] = list(peers)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lost_peer_text(rank: int) -> str:
+    """The peer(s) that ``rank`` lost, in words: the ranks of this host whose process is gone (``"rank 2 (node
+    GROUP_RANK=1, pid 123, gone)"``), else the ranks of the other nodes as candidates, else ``"a peer"``."""
+    peers = _state["peers"]
+    if not peers or rank >= len(peers):
+        return "a peer"
+    me = peers[rank]
+    gone: list = []
+    for _ in range(LOST_PEER_CHECKS):  # the dying peer's processes may take a moment to go
+        gone = [(r, p) for r, p in enumerate(peers)
+                if r != rank and p["host"] == me["host"] and not _alive(int(p["pid"]))]
+        if gone:
+            break
+        time.sleep(0.1)
+    if gone:
+        return ", ".join(f"rank {r} (node {p['node']}, pid {p['pid']}, gone)" for r, p in gone)
+    others: dict[str, list[int]] = {}
+    for r, p in enumerate(peers):
+        if p["node"] != me["node"]:
+            others.setdefault(str(p["node"]), []).append(r)
+    if others:
+        return "a rank of " + " or ".join(f"node {node} ({rank_list(ranks)}, host {peers[ranks[0]]['host']})"
+                                          for node, ranks in others.items())
+    return "a peer"
+
+
+def report_lost_peer(folder: str, rank: int, exc: BaseException) -> str:
+    """This rank's line when a peer went away under a launcher (``is_peer_lost``): it names the lost peer
+    (`lost_peer_text`) and the stage (`set_stage`); the traceback goes to ``<folder>/error.log`` as in
+    `report_rank_error`. Printed by every surviving rank (each says where it stopped)."""
+    node = _state["peers"][rank]["node"] if rank < len(_state["peers"]) else "?"
+    line = (f"rank {rank} (node {node}): lost {lost_peer_text(rank)} during {current_stage()}; stopping "
+            f"({one_line(str(exc), 160)})")
+    logged = report_rank_error(folder, rank, exc)
+    where = logged[logged.rfind(" ["):] if logged and logged.endswith("]") else f" [log: {os.path.join(folder, ERROR_LOG)}]"
+    return line + where
 
 
 def report_rank_error(folder: str, rank: int, exc: BaseException) -> str | None:

@@ -12,6 +12,11 @@ Ranks start through `ep_moe.distributed.launch`, for every engine:
 * otherwise ``train.nproc`` ranks are spawned (gloo on the CPU, NCCL on ``cuda:<rank>`` when the device is
   CUDA).
 
+Under torchrun the launcher's world size decides (``train.nproc`` is no constraint there). After a torchelastic
+restart (``--max-restarts``; `elastic_restart_count` > 0) the run resumes from the latest checkpoint in
+``checkpoint.save`` by itself. A lost peer (a node gone) ends each surviving rank with one line naming the
+peer and the stage (`ep_moe.train.failures.report_lost_peer`), exit status 1.
+
 ``engine: ep_moe`` runs `ep_moe.train.loop` on each rank: Ctrl-C reaches every rank (and is forwarded to
 them), each finishes its step, a checkpoint is saved, and the command exits with status 130.
 ``engine: megatron`` / ``engine: deepspeed``: ``ep_moe.train.engines.<engine>.train(recipe, device)`` runs it.
@@ -25,15 +30,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from typing import Any
 
 import torch
 
-from ep_moe.distributed import RankFailures, launch, torchrun_env
+from ep_moe.distributed import RankFailures, is_peer_lost, launch, torchrun_env
 
 from .config import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, validate
-from .failures import failure_lines, report_rank_error, write_error_log
+from .failures import failure_lines, report_lost_peer, report_rank_error, write_error_log
 from .rundir import RunDirError, RunDirLock, check_outputs, clear_earlier_run, refuse_earlier_run, run_dir
 
 EXTRAS = {"megatron": "megatron", "deepspeed": "deepspeed"}
@@ -191,6 +197,16 @@ def engine_module(engine: str):
                           f"({exc}); install them with: pip install 'ep_moe[{EXTRAS[engine]}]'") from None
 
 
+def elastic_restart_count() -> int:
+    """How many times torchelastic has restarted this group (``TORCHELASTIC_RESTART_COUNT``; 0 on the first
+    attempt and outside torchrun). After a restart ``ep-moe train`` resumes from the latest checkpoint in
+    ``checkpoint.save`` by itself (as ``--resume``)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def _say(line: str) -> None:
     print(f"ep-moe train: {line}", file=sys.stderr, flush=True)
 
@@ -211,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_yaml(recipe), end="")
             return 0
+        if elastic_restart_count() > 0 and recipe.checkpoint.save is not None:
+            # torchelastic restarted the group (--max-restarts): continue the run from its latest checkpoint,
+            # never start it over (--overwrite applied to the first attempt only)
+            recipe.checkpoint.resume = True
+            args.overwrite = False
         module = None if recipe.engine == "ep_moe" else engine_module(recipe.engine)
         device = prepare(recipe)
         preflight_backend(recipe, device)
@@ -241,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         env = torchrun_env()
         if env is not None and recipe is not None:  # this rank's own error: one line, the traceback in the log
+            if is_peer_lost(str(exc)):  # a node (or rank) gone: every surviving rank says which and where
+                _say(report_lost_peer(run_dir(recipe), env.rank, exc))
+                return 1
             line = report_rank_error(run_dir(recipe), env.rank, exc)
             if line is not None:
                 _say(line)

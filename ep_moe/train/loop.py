@@ -12,7 +12,9 @@ in row order, so it does not depend on how the batch was split over ranks.
 from __future__ import annotations
 
 import math
+import os
 import signal
+import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -21,9 +23,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ep_moe.distributed import torchrun_env
+
 from . import checkpoint as ckpt
 from .config import Recipe
 from .data import build_dataset, rank_slice
+from .failures import record_peers, set_stage
 from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
 from .parallel import (
     ParallelState,
@@ -97,7 +102,8 @@ def build_model(recipe: Recipe, ps: ParallelState) -> torch.nn.Module:
     from ep_moe.layers.model import ModelConfig, MoETransformer
 
     config = ModelConfig(**recipe.model.model_config_kwargs())
-    buffer = build_ep_buffer(ps, recipe.ep_moe.dispatcher_backend)
+    e = recipe.ep_moe
+    buffer = build_ep_buffer(ps, e.dispatcher_backend, e.hybrid_mode, e.num_scaleout_ranks)
     num_sms = layer_num_sms(recipe, buffer)
     # Built on the CPU (the init draws from CPU generators), then moved.
     model = MoETransformer(config, buffer=buffer, expert_dp_group=ps.expert_dp_group,
@@ -319,6 +325,13 @@ def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
     if t.deterministic:
         enable_determinism()
     torch.manual_seed(recipe.rng.seed)
+    if torchrun_env() is not None:  # under a launcher: who is where, for the line a lost peer prints
+        from ep_moe.hybrid.topology import node_key
+
+        peers: list = [None] * dist.get_world_size()
+        dist.all_gather_object(peers, {"node": node_key()[1], "host": socket.gethostname(), "pid": os.getpid()})
+        record_peers(peers)
+    set_stage("start-up (model, process groups)")
     if t.pp_size > 1:
         from .pipeline import PipelineSteps
 
@@ -341,6 +354,7 @@ def run_training(recipe, steps: TrainSteps, t0: float) -> RunResult:
     start_step = 0
     resumed_from = steps.find_checkpoint()
     if resumed_from is not None:
+        set_stage(f"checkpoint load ({resumed_from})")
         start_step = steps.load(resumed_from)
     result = RunResult(rank=steps.rank, entropy_floor=floor, last_step=start_step)
 
@@ -375,6 +389,7 @@ def run_training(recipe, steps: TrainSteps, t0: float) -> RunResult:
     try:
         while step < t.train_iters:
             step_start = time.monotonic()
+            set_stage(f"training step {step + 1}")
             lr, batch = steps.begin(step)
             outcome = steps.step(batch, stop.requested)
             step += 1
@@ -388,10 +403,12 @@ def run_training(recipe, steps: TrainSteps, t0: float) -> RunResult:
                         tokens_per_s, time.monotonic() - t0, outcome.stats)
             last = step == t.train_iters
             if t.eval_iters > 0 and ((t.eval_interval and step % t.eval_interval == 0) or last) and not outcome.stop:
+                set_stage(f"evaluation after step {step}")
                 eval_loss = steps.evaluate()
                 result.evals.append((step, eval_loss))
                 report_eval(progress, metrics, step, eval_loss, floor, time.monotonic() - t0)
             if ckpt.save_due(recipe.checkpoint, step, last, outcome.stop):
+                set_stage(f"checkpoint save at step {step}")
                 result.checkpoint = steps.save(step)
                 last_saved = step
             if outcome.stop:

@@ -66,14 +66,36 @@ def build_parallel_state(ep_size: int, device: torch.device, deterministic: bool
                          deterministic)
 
 
-def build_ep_buffer(ps: ParallelState, backend: str) -> Buffer | None:
+def build_ep_buffer(ps: ParallelState, backend: str, hybrid_mode: bool = False,
+                    num_scaleout_ranks: int | None = None) -> Buffer | None:
     """The `Buffer` of this rank's EP group, shared by every MoE layer; None at EP 1 (the layers then keep all
-    experts in-process, with the same numbers). Collective over the EP group."""
+    experts in-process, with the same numbers). Collective over the EP group.
+
+    ``hybrid_mode`` (``ep_moe.hybrid_mode``): where the EP group spans more than one node, dispatch and combine
+    go through `ep_moe.hybrid.HybridBackend` (two hops; the same numbers as the flat path). The nodes are the
+    launch's (`ep_moe.hybrid.topology.host_topology`: torchrun's agents, SLURM's nodes, else the hosts), unless
+    ``num_scaleout_ranks`` (``ep_moe.num_scaleout_ranks``) or ``EP_MOE_SCALEOUT_RANKS`` cuts the group into that
+    many nodes of consecutive ranks (`ep_moe.hybrid.logical_topology`). One node: the flat buffer, as without
+    hybrid mode. ``buffer.backend_reason`` says which view was taken and from where."""
     if ps.ep_size == 1:
         return None
     # Expert ids come from the layers' own routers (in range by construction): no value checks, which would
     # cost a host sync per MoE layer.
-    return Buffer(ps.ep_group, backend=backend, check_inputs=False)
+    buffer = Buffer(ps.ep_group, backend=backend, check_inputs=False)
+    if not hybrid_mode:
+        return buffer
+    from ..hybrid import HybridBackend, discover_topology
+
+    topology = discover_topology(ps.ep_group, True, num_scaleout_ranks)
+    if topology.is_hybrid:
+        flat, buffer.backend = buffer.backend, HybridBackend(ps.ep_group, buffer.device, buffer.timeout_s, topology,
+                                                             native_options=buffer.native_options)
+        flat.destroy()
+        buffer.backend_reason = (f"hybrid mode, {topology.num_scaleout_ranks} x {topology.num_scaleup_ranks} "
+                                 f"({topology.source})")
+    else:
+        buffer.backend_reason += f"; hybrid mode: one node ({topology.source})"
+    return buffer
 
 
 def layer_num_sms(recipe: Recipe, buffer: Buffer | None) -> list[int]:

@@ -1,0 +1,178 @@
+"""Past one machine as users launch it, on one CPU machine: two ``torchrun`` agents with c10d rendezvous (two
+nodes), hybrid mode's topology from the launch, a node lost, and an elastic restart that resumes.
+
+Every agent runs in its own session with its output in files; whatever a test leaves is killed (agents and
+their ranks, by pid) in ``finally``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import locations
+import psutil
+import pytest
+import torch
+
+from ep_moe.distributed import free_port
+from ep_moe.train.checkpoint import checkpoint_info, latest_checkpoint
+from ep_moe.train.metrics import read_records
+from ep_moe.train.rundir import RunDirLock
+
+ROOT = str(locations.REPO)
+TINY = os.path.join(ROOT, "recipes", "tiny-cpu.yaml")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# EP 4 over 2 nodes x 2 ranks, the smallest model that still routes across both nodes.
+SMALL = ["logger.progress_bar=false", "train.eval_iters=0", "model.num_layers=1", "model.seq_length=32",
+         "train.global_batch_size=16", "train.micro_batch_size=4", "model.expert_model_parallel_size=4"]
+
+
+class Agents:
+    """``count`` torchrun agents of one job (``--nnodes count --nproc-per-node per_node``, c10d rendezvous on
+    a free port, no node rank), each started in its own session, stdout/stderr in ``folder``."""
+
+    def __init__(self, folder: str, args: list[str], count: int = 2, per_node: int = 2, max_restarts: int = 0):
+        port = free_port()
+        self.folder = folder
+        self.procs: list[subprocess.Popen] = []
+        for i in range(count):
+            cmd = [*TORCHRUN, "--nnodes", str(count), "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
+                   "-m", "ep_moe.train", TINY, *args]
+            with open(self.out(i), "w") as out, open(self.err(i), "w") as err:
+                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=out, stderr=err))
+
+    def out(self, i: int) -> str:
+        return os.path.join(self.folder, f"agent{i}.out")
+
+    def err(self, i: int) -> str:
+        return os.path.join(self.folder, f"agent{i}.err")
+
+    def text(self, i: int) -> str:
+        return open(self.out(i)).read() + open(self.err(i)).read()
+
+    def ranks(self, i: int) -> list[psutil.Process]:
+        """Agent ``i``'s worker processes (torchrun starts each in a session of its own)."""
+        try:
+            return psutil.Process(self.procs[i].pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return [p.returncode for p in self.procs]
+
+    def kill(self, i: int) -> list[psutil.Process]:
+        """SIGKILL agent ``i`` and its ranks at once (a node lost); the processes killed."""
+        victims = [psutil.Process(self.procs[i].pid), *self.ranks(i)]
+        for v in victims:
+            try:
+                v.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.procs[i].wait(timeout=10)
+        return victims
+
+    def cleanup(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.kill(i)
+
+
+def _train_losses(folder: str) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_records(os.path.join(folder, "metrics.jsonl"))
+            if r.get("kind") == "train"]
+
+
+def _wait_for(cond, agents: Agents, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if any(p.poll() is not None for p in agents.procs):
+            pytest.fail(f"an agent ended before {what}:\n" + "\n".join(agents.text(i) for i in range(2)))
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+STEPS = 40  # the hybrid and restarted runs' length; the restart test kills a rank after the first checkpoint
+SAVE_EVERY = 4
+
+
+@pytest.fixture(scope="module")
+def flat_run(tmp_path_factory) -> list[tuple[int, float]]:
+    """The reference: one launcher spawning 4 ranks, flat (no hybrid mode), `STEPS` steps; its train losses."""
+    folder = str(tmp_path_factory.mktemp("flat") / "run")
+    out = subprocess.run([sys.executable, "-m", "ep_moe.train", TINY, *SMALL, f"train.train_iters={STEPS}",
+                          "checkpoint.save_interval=0", "train.nproc=4", f"checkpoint.save={folder}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr
+    assert "dispatcher backend: torch" in out.stdout
+    losses = _train_losses(folder)
+    assert len(losses) == STEPS
+    return losses
+
+
+def test_two_torchrun_agents_run_hybrid_mode_with_nodes_from_the_launch_and_the_flat_runs_losses(tmp_path, flat_run):
+    """Two agents x 2 ranks, EP 4 (more than train.nproc: the launcher's world decides), hybrid mode: the EP
+    group is viewed as 2 x 2 from the launch (GROUP_RANK; the host names are equal here), and the losses are the
+    one-launcher 4-rank flat run's, bit for bit."""
+    hybrid = str(tmp_path / "hybrid")
+    agents = Agents(str(tmp_path), [*SMALL, f"train.train_iters={STEPS}", "checkpoint.save_interval=0",
+                                    "ep_moe.hybrid_mode=true", f"checkpoint.save={hybrid}"])
+    try:
+        codes = agents.wait(timeout=150)
+    finally:
+        agents.cleanup()
+    texts = [agents.text(i) for i in range(2)]
+    assert codes == [0, 0], "\n".join(texts)
+    assert not any("must divide the number of ranks" in t for t in texts)
+    assert sum("dispatcher backend: hybrid (hybrid mode, 2 x 2 (launch))" in t for t in texts) == 1, texts
+    got = _train_losses(hybrid)
+    assert json.dumps(got) == json.dumps(flat_run), (got, flat_run)  # the repr of each float: every bit
+
+
+def test_a_lost_node_ends_the_other_nodes_ranks_in_seconds_with_one_line_each(tmp_path):
+    """SIGKILL one agent and its ranks mid-run: the other node's ranks exit within 30 s, each with one line
+    naming the lost peer and the stage; its agent exits with status 1, no process is left, the run folder's
+    lock is free and the last checkpoint loads."""
+    run = str(tmp_path / "run")
+    agents = Agents(str(tmp_path), [*SMALL, "train.train_iters=100000", "checkpoint.save_interval=2",
+                                    "ep_moe.hybrid_mode=true", f"checkpoint.save={run}"])
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(run, "latest")) and len(_train_losses(run)) >= 3, agents,
+                  120, "a checkpoint")
+        survivors = agents.ranks(0)
+        assert len(survivors) == 2
+        agents.kill(1)
+        t0 = time.monotonic()
+        code = agents.procs[0].wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        agents.cleanup()
+    print(f"the other node's agent exited {took:.1f} s after the node was lost")
+    assert code == 1
+    gone = psutil.wait_procs(survivors, timeout=5)[1]
+    assert not gone, f"orphans: {gone}"
+    err = open(agents.err(0)).read()
+    ours = [line for line in err.splitlines() if line.startswith("ep-moe train:")]
+    assert len(ours) == 2, err
+    for line in ours:
+        assert " lost rank " in line and "gone)" in line and " during " in line, line
+        assert any(f"during {stage}" in line for stage in ("training step", "checkpoint save", "evaluation")), line
+    lock = RunDirLock(run).acquire()  # free: no live process holds it
+    lock.release()
+    latest = latest_checkpoint(run)
+    info = checkpoint_info(latest)
+    assert info["step"] >= 2 and info["step"] % 2 == 0 and info["world_size"] == 4 and info["ep_size"] == 4
+    for name in ("model.pt", "optimizer.pt"):
+        state = torch.load(os.path.join(latest, name), map_location="cpu", weights_only=True)
+        assert state
+    model = torch.load(os.path.join(latest, "model.pt"), map_location="cpu", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in model.values() if t.is_floating_point())
+
