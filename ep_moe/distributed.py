@@ -72,8 +72,27 @@ def _join(backend: str, rank: int, world_size: int, timeout_s: float, device: to
     if backend == "nccl":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
+    store = _attempt_store(timeout_s)
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def _attempt_store(timeout_s: float) -> dist.Store | None:
+    """Under torchelastic with its agent's store (``TORCHELASTIC_USE_AGENT_STORE``): that store, seen through a
+    prefix of this attempt of the group. The agents keep one store server for every attempt, so without the
+    prefix a restarted group would read the previous attempt's peer addresses and fail to connect. The attempt
+    is counted in the store itself (every rank adds 1 to one key as it joins: attempt = (its count - 1) //
+    WORLD_SIZE), since ``TORCHELASTIC_RESTART_COUNT`` can differ between agents of one attempt (an agent that
+    restarts because another one left does not count it). None elsewhere (``init_process_group``'s own
+    ``env://``)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    server = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    attempt = (server.add("ep_moe/joined_ranks", 1) - 1) // int(os.environ["WORLD_SIZE"])
+    return dist.PrefixStore(f"ep_moe/attempt_{attempt}/", server)
 
 
 DEVICE_TYPES = ("cuda", "cpu")

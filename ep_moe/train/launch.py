@@ -12,9 +12,9 @@ Ranks start through `ep_moe.distributed.launch`, for every engine:
 * otherwise ``train.nproc`` ranks are spawned (gloo on the CPU, NCCL on ``cuda:<rank>`` when the device is
   CUDA).
 
-Under torchrun the launcher's world size decides (``train.nproc`` is no constraint there). After a torchelastic
-restart (``--max-restarts``; `elastic_restart_count` > 0) the run resumes from the latest checkpoint in
-``checkpoint.save`` by itself. A lost peer (a node gone) ends each surviving rank with one line naming the
+Under torchrun the launcher's world size decides (``train.nproc`` is no constraint there). Under torchrun
+``--max-restarts`` > 0 (`elastic_max_restarts`) every attempt resumes from the latest checkpoint in
+``checkpoint.save`` by itself, so a restarted group continues the run. A lost peer (a node gone) ends each surviving rank with one line naming the
 peer and the stage (`ep_moe.train.failures.report_lost_peer`), exit status 1.
 
 ``engine: ep_moe`` runs `ep_moe.train.loop` on each rank: Ctrl-C reaches every rank (and is forwarded to
@@ -197,12 +197,13 @@ def engine_module(engine: str):
                           f"({exc}); install them with: pip install 'ep_moe[{EXTRAS[engine]}]'") from None
 
 
-def elastic_restart_count() -> int:
-    """How many times torchelastic has restarted this group (``TORCHELASTIC_RESTART_COUNT``; 0 on the first
-    attempt and outside torchrun). After a restart ``ep-moe train`` resumes from the latest checkpoint in
-    ``checkpoint.save`` by itself (as ``--resume``)."""
+def elastic_max_restarts() -> int:
+    """torchrun's ``--max-restarts`` for this job (``TORCHELASTIC_MAX_RESTARTS``; 0 outside torchrun). Above 0,
+    ``ep-moe train`` resumes from the latest checkpoint in ``checkpoint.save`` by itself on every attempt (as
+    ``--resume``): torchelastic's restart count cannot tell a first attempt from a restart after a node left or
+    joined, so the first attempt resumes too (an earlier run in the folder is continued, not refused)."""
     try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     except ValueError:
         return 0
 
@@ -227,11 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(dump_yaml(recipe), end="")
             return 0
-        if elastic_restart_count() > 0 and recipe.checkpoint.save is not None:
-            # torchelastic restarted the group (--max-restarts): continue the run from its latest checkpoint,
-            # never start it over (--overwrite applied to the first attempt only)
+        if elastic_max_restarts() > 0 and recipe.checkpoint.save is not None:
+            # torchelastic may restart the group (--max-restarts), also when a node leaves or joins (then
+            # TORCHELASTIC_RESTART_COUNT stays 0): every attempt continues from the latest checkpoint, if any
+            if args.overwrite:
+                raise RecipeError("--overwrite: under torchrun --max-restarts > 0 every attempt resumes from "
+                                  "checkpoint.save, and a restart would clear it again; empty the folder first or "
+                                  "choose another checkpoint.save")
             recipe.checkpoint.resume = True
-            args.overwrite = False
         module = None if recipe.engine == "ep_moe" else engine_module(recipe.engine)
         device = prepare(recipe)
         preflight_backend(recipe, device)

@@ -176,3 +176,70 @@ def test_a_lost_node_ends_the_other_nodes_ranks_in_seconds_with_one_line_each(tm
     model = torch.load(os.path.join(latest, "model.pt"), map_location="cpu", weights_only=True)
     assert all(torch.isfinite(t).all() for t in model.values() if t.is_floating_point())
 
+
+def test_an_elastic_restart_resumes_from_the_last_checkpoint_with_the_uninterrupted_runs_loss(tmp_path, flat_run):
+    """``--max-restarts 1``: one rank SIGKILLed after the first checkpoint; torchelastic restarts both agents'
+    ranks, the trainer resumes from the latest checkpoint by itself, and every loss after it (the final one too)
+    is the uninterrupted run's, bit for bit."""
+    run = str(tmp_path / "run")
+    agents = Agents(str(tmp_path), [*SMALL, f"train.train_iters={STEPS}", f"checkpoint.save_interval={SAVE_EVERY}",
+                                    "ep_moe.hybrid_mode=true", f"checkpoint.save={run}"], max_restarts=1)
+    try:
+        _wait_for(lambda: latest_checkpoint(run) is not None, agents, 120, "the first checkpoint")
+        victim = agents.ranks(1)[0]
+        victim.send_signal(signal.SIGKILL)
+        codes = agents.wait(timeout=150)
+    finally:
+        agents.cleanup()
+    texts = [agents.text(i) for i in range(2)]
+    assert codes == [0, 0], "\n".join(texts)
+    resumed = [line for t in texts for line in t.splitlines() if line.startswith("resumed from ")]
+    assert len(resumed) == 1, texts
+    start = int(resumed[0].rsplit(" ", 1)[1])
+    assert start % SAVE_EVERY == 0 and 0 < start < STEPS, resumed
+    got = dict(_train_losses(run))  # the steps after the resume were written last
+    assert max(got) == STEPS
+    after = [(step, loss) for step, loss in flat_run if step > start]
+    assert json.dumps([(step, got[step]) for step, _ in after]) == json.dumps(after)
+    assert json.dumps(got[STEPS]) == json.dumps(flat_run[-1][1])
+
+
+# ---------------------------------------------------------------------------------------------- in process
+def test_under_a_launcher_its_world_decides_and_train_nproc_is_no_constraint(monkeypatch):
+    from ep_moe.train.config import RecipeError, load_recipe
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RecipeError, match=r"model.expert_model_parallel_size: must divide the number of ranks "
+                                          r"\(2\), got 4"):
+        load_recipe(TINY, ["model.expert_model_parallel_size=4", "train.micro_batch_size=4"])
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    recipe = load_recipe(TINY, ["model.expert_model_parallel_size=4", "train.micro_batch_size=4"])
+    assert recipe.train.nproc == 2 and recipe.model.expert_model_parallel_size == 4
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+def test_hybrid_mode_is_a_named_error_for_the_other_engines(engine):
+    from ep_moe.train.config import RecipeError, load_recipe
+
+    name = {"megatron": "megatron-gpt-moe-ep2", "deepspeed": "deepspeed-moe-ep2"}[engine]
+    for override in ("ep_moe.hybrid_mode=true", "ep_moe.num_scaleout_ranks=2"):
+        with pytest.raises(RecipeError, match=rf"^{override.split('=')[0]}: engine {engine} does not support it "
+                                              r"\(hybrid mode is the ep_moe engine's"):
+            load_recipe(name, [override])
+
+
+def test_the_nodes_come_from_the_launch_before_the_host_names(monkeypatch):
+    from ep_moe.hybrid.topology import LogicalTopology, node_key
+
+    for key in ("GROUP_RANK", "SLURM_NODEID"):
+        monkeypatch.delenv(key, raising=False)
+    assert node_key()[0] == "hosts"
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    assert node_key() == ("launch", "SLURM_NODEID=3")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert node_key() == ("launch", "GROUP_RANK=1")  # torchrun's agent first
+    view = LogicalTopology.from_hosts(["GROUP_RANK=0", "GROUP_RANK=0", "GROUP_RANK=1", "GROUP_RANK=1"], "launch")
+    assert (view.num_scaleout_ranks, view.num_scaleup_ranks, view.source) == (2, 2, "launch")
