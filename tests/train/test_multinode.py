@@ -35,14 +35,15 @@ class Agents:
     """``count`` torchrun agents of one job (``--nnodes count --nproc-per-node per_node``, c10d rendezvous on
     a free port, no node rank), each started in its own session, stdout/stderr in ``folder``."""
 
-    def __init__(self, folder: str, args: list[str], count: int = 2, per_node: int = 2, max_restarts: int = 0):
+    def __init__(self, folder: str, args: list[str], count: int = 2, per_node: int = 2, max_restarts: int = 0,
+                 recipe: str = TINY):
         port = free_port()
         self.folder = folder
         self.procs: list[subprocess.Popen] = []
         for i in range(count):
             cmd = [*TORCHRUN, "--nnodes", str(count), "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
-                   "-m", "ep_moe.train", TINY, *args]
+                   "-m", "ep_moe.train", recipe, *args]
             with open(self.out(i), "w") as out, open(self.err(i), "w") as err:
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=out, stderr=err))
 
@@ -202,6 +203,28 @@ def test_an_elastic_restart_resumes_from_the_last_checkpoint_with_the_uninterrup
     after = [(step, loss) for step, loss in flat_run if step > start]
     assert json.dumps([(step, got[step]) for step, _ in after]) == json.dumps(after)
     assert json.dumps(got[STEPS]) == json.dumps(flat_run[-1][1])
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+def test_the_other_engines_run_on_two_torchrun_agents_with_the_one_launcher_runs_losses(tmp_path, engine):
+    """Megatron and DeepSpeed launched as two nodes (EP 4 > train.nproc): the losses of the one-launcher 4-rank
+    run, bit for bit (their MoE layers run flat: hybrid mode is the ep_moe engine's)."""
+    recipe = {"megatron": "megatron-gpt-moe-ep2", "deepspeed": "deepspeed-moe-ep2"}[engine]
+    args = ["train.train_iters=2", "train.device=cpu", "train.eval_iters=0", "train.target_loss_gap=null",
+            "model.num_layers=1", "ep_moe.dispatcher_backend=torch", "model.expert_model_parallel_size=4",
+            "train.micro_batch_size=4", "logger.log_interval=1", "logger.progress_bar=false"]
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    agents = Agents(str(tmp_path), [*args, f"checkpoint.save={two}"], recipe=recipe)
+    try:
+        codes = agents.wait(timeout=200)
+    finally:
+        agents.cleanup()
+    assert codes == [0, 0], "\n".join(agents.text(i) for i in range(2))
+    out = subprocess.run([sys.executable, "-m", "ep_moe.train", recipe, *args, "train.nproc=4",
+                          f"checkpoint.save={one}"], cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr
+    got, want = _train_losses(two), _train_losses(one)
+    assert len(want) == 2 and json.dumps(got) == json.dumps(want), (got, want)
 
 
 # ---------------------------------------------------------------------------------------------- in process
