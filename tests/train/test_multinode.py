@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,15 @@ SMALL = ["logger.progress_bar=false", "train.eval_iters=0", "model.num_layers=1"
          "train.global_batch_size=16", "train.micro_batch_size=4", "model.expert_model_parallel_size=4"]
 
 
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+
+
 class Agents:
     """``count`` torchrun agents of one job (``--nnodes count --nproc-per-node per_node``, c10d rendezvous on
     a free port, no node rank), each started in its own session, stdout/stderr in ``folder``."""
@@ -46,6 +56,8 @@ class Agents:
                    "-m", "ep_moe.train", recipe, *args]
             with open(self.out(i), "w") as out, open(self.err(i), "w") as err:
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=out, stderr=err))
+            if i == 0:  # agent 0 hosts the rendezvous store: the others start once it listens
+                _wait_listening(port, self.procs[0])
 
     def out(self, i: int) -> str:
         return os.path.join(self.folder, f"agent{i}.out")
@@ -138,21 +150,23 @@ def test_two_torchrun_agents_run_hybrid_mode_with_nodes_from_the_launch_and_the_
     assert json.dumps(got) == json.dumps(flat_run), (got, flat_run)  # the repr of each float: every bit
 
 
-def test_a_lost_node_ends_the_other_nodes_ranks_in_seconds_with_one_line_each(tmp_path):
+@pytest.mark.parametrize("lost", [0, 1], ids=["the-rendezvous-host", "the-other-node"])
+def test_a_lost_node_ends_the_other_nodes_ranks_in_seconds_with_one_line_each(tmp_path, lost):
     """SIGKILL one agent and its ranks mid-run: the other node's ranks exit within 30 s, each with one line
     naming the lost peer and the stage; its agent exits with status 1, no process is left, the run folder's
-    lock is free and the last checkpoint loads."""
+    lock is free and the last checkpoint loads. Agent 0 started first and hosts the rendezvous store."""
     run = str(tmp_path / "run")
     agents = Agents(str(tmp_path), [*SMALL, "train.train_iters=100000", "checkpoint.save_interval=2",
                                     "ep_moe.hybrid_mode=true", f"checkpoint.save={run}"])
     try:
         _wait_for(lambda: os.path.exists(os.path.join(run, "latest")) and len(_train_losses(run)) >= 3, agents,
                   120, "a checkpoint")
-        survivors = agents.ranks(0)
+        alive = 1 - lost
+        survivors = agents.ranks(alive)
         assert len(survivors) == 2
-        agents.kill(1)
+        agents.kill(lost)
         t0 = time.monotonic()
-        code = agents.procs[0].wait(timeout=30)
+        code = agents.procs[alive].wait(timeout=30)
         took = time.monotonic() - t0
     finally:
         agents.cleanup()
@@ -160,7 +174,7 @@ def test_a_lost_node_ends_the_other_nodes_ranks_in_seconds_with_one_line_each(tm
     assert code == 1
     gone = psutil.wait_procs(survivors, timeout=5)[1]
     assert not gone, f"orphans: {gone}"
-    err = open(agents.err(0)).read()
+    err = open(agents.err(alive)).read()
     ours = [line for line in err.splitlines() if line.startswith("ep-moe train:")]
     assert len(ours) == 2, err
     for line in ours:
