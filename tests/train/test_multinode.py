@@ -1,7 +1,7 @@
 """Past one machine as users launch it, on one CPU machine: two ``torchrun`` agents with c10d rendezvous (two
 nodes), hybrid mode's topology from the launch, a node lost, and an elastic restart that resumes.
 
-Every agent runs in its own session with its output in files; whatever a test leaves is killed (agents and
+Every agent runs in its own process group (setsid) with its output in files; whatever a test leaves is killed (agents and
 their ranks, by pid) in ``finally``."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> N
 
 class Agents:
     """``count`` torchrun agents of one job (``--nnodes count --nproc-per-node per_node``, c10d rendezvous on
-    a free port, no node rank), each started in its own session, stdout/stderr in ``folder``."""
+    a free port, no node rank), each started with setsid, stdout/stderr in ``folder``."""
 
     def __init__(self, folder: str, args: list[str], count: int = 2, per_node: int = 2, max_restarts: int = 0,
                  recipe: str = TINY):
@@ -69,7 +69,7 @@ class Agents:
         return open(self.out(i)).read() + open(self.err(i)).read()
 
     def ranks(self, i: int) -> list[psutil.Process]:
-        """Agent ``i``'s worker processes (torchrun starts each in a session of its own)."""
+        """Agent ``i``'s worker processes (torchrun starts each with setsid)."""
         try:
             return psutil.Process(self.procs[i].pid).children(recursive=True)
         except psutil.NoSuchProcess:
