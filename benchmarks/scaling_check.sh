@@ -77,7 +77,7 @@ if has jit; then
   done
 fi
 if has providers; then
-  # the GPU memory type's symmetric memory providers (issue 21): torch (CUDA backend), torch over NCCL windows, VMM
+  # the GPU memory type's symmetric memory providers: torch (CUDA backend), torch over NCCL windows, VMM
   for provider in torch nccl vmm; do
     EP_MOE_SYMMETRIC_MEMORY=$provider timeout 300 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 \
       --num-sms 24 --runs 30 --dtype bf16 > "$OUT/bench_provider_${provider}_ep$N.txt" 2>&1

@@ -1,4 +1,4 @@
-"""GPU check of the SM planner (issue 5): the auto plan's measured time against a sweep of SM counts.
+"""GPU check of the SM planner: the auto plan's measured time against a sweep of SM counts.
 
     torchrun --nproc-per-node 2 benchmarks/tune_check.py --json $OUT/tune_check.json
 

@@ -148,7 +148,7 @@ def _sessions(rank: int, num_ranks: int, group) -> dict:
         assert torch.equal(shard, ref)
         checked += 1
         eb.destroy_agrs_session()
-    assert inplace_ptrs[0] == inplace_ptrs[1], "the second session reuses the first one's memory"
+    assert inplace_ptrs[0] == inplace_ptrs[1], "a later AGRS session reuses the first one's memory"
     eb.barrier()
     eb.destroy()
     return {"checked": checked, "order_sensitive": order_sensitive}

@@ -6,7 +6,7 @@ imported), so the ``interpreter`` cases (CPU tensors) run in a child pytest star
 (`test_child_process_runs_the_interpreted_cases`), or in this process when it was started so; the ``cuda`` cases (``gpu``) run
 compiled. The compiled kernel's machine code is also checked for fused multiply-adds offline (no GPU needed).
 
-Layouts are the expert-major ones of issue 20 (per local expert, its pairs in (row, k) order, each expert's
+Layouts are the expert-major ones of docs/semantics.md (per local expert, its pairs in (row, k) order, each expert's
 slots aligned to ``A`` with padding, trailing padding as in fixed mode) on random and adversarial routings. Most
 cases shrink ``TILE_BYTES`` so that tiny rows still take several ``BLOCK_H`` blocks with a ragged last one and
 several rows per program. Without Triton every kernel test is skipped with the reason."""
