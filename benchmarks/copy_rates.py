@@ -4,7 +4,7 @@
     python3 benchmarks/copy_rates.py                                 # one GPU: local only
 
 The native dispatch/combine kernels move rows one warp per row; they were measured at about 65 % of the
-per-SM rate of a plain grid-stride copy kernel (docs/native.md). This measures
+per-SM rate of a plain grid-stride copy kernel (CHANGELOG.md). This measures
 the ceiling for each shape the kernels could take: grid-stride 16-byte copies (``grid``) and one warp per
 14 KB row (``row``, DeepEP's hidden 7168 in BF16; ``row_nc`` with the native kernels' non-coherent loads;
 ``row_list`` reading row ``list[r]``, a lookup before every row as the pushers do), with ``U`` 16-byte loads

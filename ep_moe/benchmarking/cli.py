@@ -59,7 +59,7 @@ from .workload import DTYPES, InputSet, make_input_set, num_input_sets, to_fp8_b
 
 GPU_DEFAULTS = {"tokens": [4096], "hidden": 7168, "experts": 256, "topk": 8}  # DeepEP's intranode test
 CPU_DEFAULTS = {"tokens": [64, 128, 256], "hidden": 256, "experts": 16, "topk": 4}  # a sweep: the plot has a curve
-DEFAULT_LINK_GBPS = 394.0  # copy-engine peer copy, H200 pair over NV18 (docs/native.md, baselines)
+DEFAULT_LINK_GBPS = 394.0  # copy-engine peer copy, H200 pair over NV18 (CHANGELOG.md, baselines)
 MAX_INPUT_SETS = 32
 L2_FALLBACK_BYTES = 60 << 20
 

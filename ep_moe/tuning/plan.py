@@ -45,7 +45,7 @@ class PlanPolicy:
         time_tolerance, knee_cap: see ``margin``. Past the knee a kernel gains only SM-side latency, which the
             fitted curve extrapolates poorly, so the reference stays near the knee; 1.6 x reaches the next drop
             in the pushers' chunk rounds (16 pushers take 64 chunks in 4 rounds). The sweeps that chose these
-            values are in docs/native.md (tuner).
+            values are in CHANGELOG.md.
         min_sms: lower bound (even). max_sms: upper bound (default: the device's SMs).
         hybrid: multi-node mode: hybrid (RDMA to the same-index GPU, then NVLink) or direct.
         num_allocated_qps: cap on QPs (None = no cap).

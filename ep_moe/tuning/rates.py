@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .topology import Topology
 
-# Defaults, measured on H200 (docs/native.md, baselines): a grid-stride 16-byte copy moves ~48 GB/s per SM
+# Defaults, measured on H200 (CHANGELOG.md, baselines): a grid-stride 16-byte copy moves ~48 GB/s per SM
 # locally and pushes ~45 GB/s per SM into a peer; stores of 8 SMs saturate NVLink at ~360 of the raw
 # 478 GB/s per direction (75 %). A read-only SM streams several times faster than it writes.
 DEFAULT_SM_READ_GBS = 180.0

@@ -5,7 +5,7 @@
 // peer, as with top-8 of 256 experts on 2 ranks). Combine: the rows for one source are contiguous on both
 // sides (y rows [rows_from_lower(src, me), +count) -> the source's buffer at rows_back_from_lower(src, me)),
 // so each chunk is one copy. Every chunk adds a fixed cost (its copy call and flag write), so a call cuts its
-// rows into a few chunks only; measurements against SM pushers are in docs/native.md.
+// rows into a few chunks only; measurements against SM pushers are in CHANGELOG.md.
 //
 // Stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64) come from the driver through the
 // runtime's entry-point query, so the extension does not link libcuda.

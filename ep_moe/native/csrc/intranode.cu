@@ -452,7 +452,7 @@ struct DispatchShared {
 
 // A row's metadata in the lanes' registers: the pushers load it before the row's data and store it after,
 // so that its loads' latency hides behind the copy (loads after the copy cost every row one more
-// dependent latency; docs/native.md has the measurement). Lanes hold scales c and c + 32
+// dependent latency; CHANGELOG.md has the measurement). Lanes hold scales c and c + 32
 // and top-k slot k = lane; `store_row_meta` sends the rest of wider rows (> 64 scales, > 32 slots) itself.
 struct RowMeta {
   float scale[2];
@@ -1259,7 +1259,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     // the tokens in the order their chunks land. With fewer tokens than warps each token's columns are
     // split into `slices` ranges of whole warp passes (item i: token i / slices, range i % slices), so
     // that every warp has work. (Faster than blocks taking groups of 2 x warps tokens at every size
-    // measured; see docs/native.md.) Lanes < R load the next item's routing while this one is reduced.
+    // measured; see CHANGELOG.md.) Lanes < R load the next item's routing while this one is reduced.
     const int all_warps = num_reducers * num_warps;
     const int n16 = static_cast<int>(y_bytes / 16);
     constexpr int kPass = 32 * kReduceUnroll;
