@@ -573,11 +573,10 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             inner = out.handle
             if inner.dispatch is not None:
                 per_rank = inner.dispatch.rank_prefix_matrix[:, self.rank]
-                recv_rows = inner.layout.num_rows
+                recv_rows = inner.layout.num_rows if sync else -1
             else:  # one rank, no rank-major copy: the tokens with an expert are the received ones
                 per_rank = (topk_idx >= 0).any(dim=1).sum().reshape(1)
-                recv_rows = int(per_rank) if sync else -1
-            recv_rows = recv_rows if sync else -1
+                recv_rows = int(per_rank) if sync else -1  # a host read only where the call syncs anyway
             new = ElasticHandle(do_expand=True, num_recv_tokens=recv_rows,
                                 num_expanded_tokens=sum(counts) if sync else -1,
                                 num_recv_tokens_per_expert_list=counts,
