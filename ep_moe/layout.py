@@ -74,3 +74,30 @@ def aligned_expert_counts(local_topk_idx: torch.Tensor, num_local_experts: int, 
     """Received (token, expert) pairs per local expert, rounded up to ``alignment``: ``[L]`` int64."""
     flat = torch.where(local_topk_idx >= 0, local_topk_idx, num_local_experts).flatten()
     return round_up(count_values(flat, num_local_experts + 1)[:num_local_experts], alignment)
+
+
+def summation_order(topk_idx: torch.Tensor, num_experts: int, num_groups: int) -> torch.Tensor:
+    """The order in which a combine adds each token's partial rows, one per group of ranks (DeepEP V2's order).
+
+    A group (a rank, or a node of ranks) holds experts ``[g E / G, (g + 1) E / G)``. A token's partial rows are
+    added in the order of each group's last position in the token's top-k list; groups the token has no expert on
+    come first, in increasing id (they hold no row of it, or only a row the caller placed there by hand).
+
+    Args:
+        topk_idx: ``[T, K]`` int64 expert ids, -1 meaning "no expert".
+        num_experts: E, divisible by ``num_groups``.
+        num_groups: G.
+
+    Returns:
+        ``[T, G]`` int32 on ``topk_idx``'s device: row t is a permutation of ``0..G-1``, the groups in the order
+        their rows are added.
+    """
+    num_tokens, num_topk = topk_idx.shape
+    groups = expert_to_rank(topk_idx, num_experts, num_groups)
+    position = torch.arange(num_topk, dtype=torch.int64, device=topk_idx.device).expand(num_tokens, num_topk)
+    last = torch.full((num_tokens, num_groups + 1), -1, dtype=torch.int64, device=topk_idx.device)
+    # Column G collects the -1 entries so that one scatter handles them; it is dropped below.
+    last.scatter_reduce_(1, torch.where(groups >= 0, groups, num_groups), position, reduce="amax")
+    ids = torch.arange(num_groups, dtype=torch.int64, device=topk_idx.device)
+    key = last[:, :num_groups] * num_groups + ids  # absent groups: negative, by id; present: by last position
+    return torch.argsort(key, dim=1).to(torch.int32)
