@@ -20,6 +20,7 @@ from .backends.torch_backend import TorchBackend
 from .config import DEFAULT_NUM_SMS, Config, NativeOptions
 from .event import EventOverlap
 from .handle import DispatchHandle
+from .layout import summation_order
 from .validation import (
     _fail,
     check_handle,
@@ -359,20 +360,22 @@ class Buffer:
                      shape=(num_tokens, self.group_size))
         if data.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not num_worst_tokens:
             raise _fail(op, "num_worst_tokens", "> 0 during CUDA-graph capture (no host sync allowed)", 0)
-        if consume_in_place is not None:
-            if not self.receives_in_place(x, num_experts):
-                raise _fail(op, "consume_in_place", "None: this buffer's backend cannot leave these rows in place",
-                            "a function")
-            return self._run(
-                lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
-                                              num_tokens_per_rank, None, num_experts, expert_alignment,
-                                              num_worst_tokens, config, consume=consume_in_place),
-                [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
-        return self._run(
-            lambda: self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
-                                          num_tokens_per_rank, None, num_experts, expert_alignment,
-                                          num_worst_tokens, config),
-            [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event, async_finish)
+        if consume_in_place is not None and not self.receives_in_place(x, num_experts):
+            raise _fail(op, "consume_in_place", "None: this buffer's backend cannot leave these rows in place",
+                        "a function")
+        extra = {} if consume_in_place is None else {"consume": consume_in_place}
+
+        def run() -> DispatchResult:
+            result = self.backend.dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
+                                           num_tokens_per_rank, None, num_experts, expert_alignment,
+                                           num_worst_tokens, config, **extra)
+            if self.group_size == 1:  # one partial row per token: no order to keep
+                return result
+            order = summation_order(topk_idx, num_experts, self.group_size)
+            return result._replace(handle=result.handle._replace(summation_order=order))
+
+        return self._run(run, [data, scales, topk_idx, topk_weights, is_token_in_rank], previous_event,
+                         async_finish)
 
     def receives_in_place(self, x, num_experts: int) -> bool:
         """Whether a fresh dispatch of ``x`` (``[T, H]`` or the FP8 pair) to ``num_experts`` experts (0: a cached
@@ -395,8 +398,9 @@ class Buffer:
             bias: ``[T, H]`` tensor or a pair of them (either may be None), added after the sum.
 
         Returns:
-            ``(combined_x [T, H] x.dtype, combined_topk_weights [T, K] fp32 or None, event)``; the sum
-            runs in fp32 in increasing rank order, then ``+ bias[0] + bias[1]``, then the cast.
+            ``(combined_x [T, H] x.dtype, combined_topk_weights [T, K] fp32 or None, event)``; the sum runs in
+            fp32 from ``bias[0] + bias[1]``, adding the token's rows in ``handle.summation_order`` (DeepEP V2's
+            order), then the cast.
         """
         op = "combine"
         check_handle(op, handle, self.group_size, self.device)
@@ -430,7 +434,8 @@ class Buffer:
 
         Args:
             y: ``[M, H]`` bf16/fp32 expert-major rows. handle: the rank-major dispatch's.
-            sorted_slots: ``[N, K]`` int64, each received row's slots in increasing order, then -1 (the layout's).
+            sorted_slots: ``[N, K]`` int64, each received row's slots in the order of the sum; entries < 0
+                are skipped (the layout's ``slot_of_pair``: top-k order).
             weights: ``[M]`` fp32 or None (plain sums).
 
         Returns:

@@ -413,11 +413,11 @@ def expert_combine(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Ten
     tokens: ``[T, H]`` in y's dtype, weighted by ``weights [M]`` fp32 (None = plain sums). Differentiable in
     ``y`` and ``weights``.
 
-    ``allow_multiple_reduction``: every rank sums, per token, ``w * y`` over its rows of that token in increasing
-    expert (fp32, products rounded first: no fused multiply-add), rounds to y's dtype and sends one row back; the
-    source sums over ranks in increasing order in fp32 and rounds once (the bytes of a rank-major combine).
-    False: the source sums ``w * y`` over all of the token's rows in increasing global expert id, in fp32, and
-    rounds once (each row crosses as fp32: ``2 K``-fold the bytes for bf16, in one rank-major combine of
+    ``allow_multiple_reduction``: every rank sums, per token, ``w * y`` over its rows of that token in top-k
+    order (fp32, products rounded first: no fused multiply-add), rounds to y's dtype and sends one row back; the
+    source sums those rows in fp32 in the order of each rank's last top-k entry and rounds once (the bytes of a
+    rank-major combine; DeepEP V2's order). False: the source sums ``w * y`` over all of the token's rows in top-k
+    order, in fp32, and rounds once (each row crosses as fp32: ``2 K``-fold the bytes for bf16, in one rank-major combine of
     ``[N, K * H]`` fp32 rows, so the native buffer must hold those wider rows)."""
     op = "expert_combine"
     if not isinstance(handle, ExpertHandle):
@@ -451,7 +451,7 @@ class _ExpertCombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weights, buffer, handle):
         config = Config(num_sms=handle.num_sms) if handle.num_sms > 0 else None
-        out = buffer.combine_expert_rows(y, handle.dispatch, handle.layout.sorted_slots, weights, config)
+        out = buffer.combine_expert_rows(y, handle.dispatch, handle.layout.slot_of_pair, weights, config)
         ctx.save_for_backward(y, weights)
         ctx.buffer, ctx.handle = buffer, handle
         return out
@@ -486,7 +486,7 @@ def _sum_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Ten
     (fp32, ``[N, K * H]``), ``w * y`` of its pair (i, k), 0 where it has none; a token gets each column block from
     exactly one rank (the others send 0), so the combine's fp32 sum over ranks is exact, and the K blocks reach the
     source bit for bit (the bytes of K combines of ``[N, H]`` fp32 in one collective). The source then sums the
-    K blocks in increasing global expert id in fp32 and rounds once."""
+    K blocks in top-k order in fp32 and rounds once."""
     layout = handle.layout
     num_rows, num_topk = layout.slot_of_pair.shape
     hidden = y.shape[1]
@@ -501,11 +501,7 @@ def _sum_each_pair(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Ten
         rows = products.new_zeros(slots.shape[0], hidden) + products.sum()
     blocks = combine(buffer, rows.view(num_rows, num_topk * hidden), handle.dispatch, num_sms=handle.num_sms)[0]
     num_tokens = handle.topk_idx.shape[0]
-    # the blocks in increasing global expert id (entries without an expert last: their blocks are 0)
-    order = torch.where(handle.topk_idx >= 0, handle.topk_idx, torch.iinfo(torch.int64).max).argsort(
-        dim=1, stable=True)
-    ranked = blocks.view(num_tokens, num_topk, hidden).gather(
-        1, order.unsqueeze(2).expand(num_tokens, num_topk, hidden))
+    ranked = blocks.view(num_tokens, num_topk, hidden)  # in top-k order (an entry without an expert: 0)
     # The order of the fp32 sum is the contract: one add per k, from 0 (no reduction op keeps that order on
     # every device).
     acc = torch.zeros_like(ranked[:, 0])

@@ -29,6 +29,9 @@ class DispatchHandle(NamedTuple):
     """0, or the fixed row count of the received tensors."""
     backend_state: torch.Tensor | None = None
     """Backend-specific device data (e.g. where each token landed in a peer's buffer), or None."""
+    summation_order: torch.Tensor | None = None
+    """[T, R] int32: per token, the ranks in the order a combine adds their rows
+    (`ep_moe.layout.summation_order`), or None: increasing rank (one rank, or a dispatch without top-k)."""
 
     @property
     def num_tokens(self) -> int:

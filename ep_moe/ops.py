@@ -7,7 +7,7 @@
 
 Each op has a fake (meta) implementation, so ``torch.compile`` traces through them, and selective
 activation checkpointing can name them (``torch.ops.ep_moe.dispatch.default``). The buffer is passed by
-its integer id; a dispatch handle travels flattened (`_handle_args`: its five tensors, then its
+its integer id; a dispatch handle travels flattened (`_handle_args`: its six tensors, then its
 ``num_worst_tokens``) and is rebuilt by `_handle`.
 """
 
@@ -37,22 +37,27 @@ class DispatchOutput(NamedTuple):
 
 
 def _handle(rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
-            backend_state: Tensor, num_worst_tokens: int) -> DispatchHandle:
-    """The `DispatchHandle` flattened by `_handle_args`."""
+            backend_state: Tensor, summation_order: Tensor, num_worst_tokens: int) -> DispatchHandle:
+    """The `DispatchHandle` flattened by `_handle_args` (an empty tensor stands for None)."""
     num_recv = -1 if num_worst_tokens else recv_src_idx.shape[0]
     state = backend_state if backend_state.numel() else None
+    order = summation_order if summation_order.numel() else None
     return DispatchHandle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, num_recv,
-                          num_worst_tokens, state)
+                          num_worst_tokens, state, order)
 
 
-def _handle_args(handle: DispatchHandle) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+def _handle_args(handle: DispatchHandle) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """A handle as custom-op arguments: its tensors (an empty one for no backend state), then
     ``num_worst_tokens``, which says how to read them (``num_recv_tokens`` follows from both)."""
+    device = handle.is_token_in_rank.device
     state = handle.backend_state
     if state is None:
-        state = torch.empty(0, dtype=torch.uint8, device=handle.is_token_in_rank.device)
+        state = torch.empty(0, dtype=torch.uint8, device=device)
+    order = handle.summation_order
+    if order is None:
+        order = torch.empty(0, handle.num_ranks, dtype=torch.int32, device=device)
     return (handle.rank_prefix_matrix, handle.recv_src_idx, handle.recv_src_rank, handle.is_token_in_rank, state,
-            handle.num_worst_tokens)
+            order, handle.num_worst_tokens)
 
 
 def _config(num_sms: int) -> Config | None:
@@ -81,7 +86,7 @@ def _fresh(outputs: tuple, inputs: tuple) -> tuple:
 @torch.library.custom_op("ep_moe::dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: int, num_experts: int,
                  expert_alignment: int, num_worst_tokens: int, num_sms: int
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buffer = buffer_by_id(buffer_id)
     result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
@@ -92,7 +97,7 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: i
         host = (torch.tensor(listed, dtype=torch.int64, device="cpu") if listed is not None
                 else result.num_recv_tokens_per_expert.cpu())
     outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
-            *_handle_args(result.handle)[:5])
+            *_handle_args(result.handle)[:6])
     return (*_fresh(outs, (x, topk_idx, topk_weights)), host)
 
 
@@ -114,6 +119,7 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_w
             torch.empty(rows, **int32), torch.empty(rows, **int32),
             torch.empty(x.shape[0], num_ranks, dtype=torch.bool, device=x.device),
             torch.empty(0, dtype=torch.uint8, device=x.device),
+            torch.empty(x.shape[0] if num_ranks > 1 else 0, num_ranks, **int32),
             torch.empty(num_experts // num_ranks if _has_host_counts(buffer, num_worst_tokens) else 0,
                         dtype=torch.int64, device="cpu"))
 
@@ -121,7 +127,7 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_w
 def _dispatch_setup(ctx, inputs, output):
     ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = inputs[3], inputs[6], inputs[7]
     ctx.hidden, ctx.x_dtype = inputs[0].shape[1], inputs[0].dtype
-    ctx.save_for_backward(output[1], *output[4:9])  # the received top-k ids and the handle's tensors
+    ctx.save_for_backward(output[1], *output[4:10])  # the received top-k ids and the handle's tensors
 
 
 def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *_):
@@ -145,10 +151,10 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 @torch.library.custom_op("ep_moe::combine", mutates_args=())
 def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, bias_1: Tensor | None,
                 rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
-                backend_state: Tensor, num_worst_tokens: int, buffer_id: int, num_sms: int
+                backend_state: Tensor, summation_order: Tensor, num_worst_tokens: int, buffer_id: int, num_sms: int
                 ) -> tuple[Tensor, Tensor]:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
-                     num_worst_tokens)
+                     summation_order, num_worst_tokens)
     combined, combined_w, _ = buffer_by_id(buffer_id).combine(x, handle, topk_weights, (bias_0, bias_1),
                                                               config=_config(num_sms))
     if combined_w is None:
@@ -158,7 +164,7 @@ def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, b
 
 @_combine_op.register_fake
 def _(x, topk_weights, bias_0, bias_1, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-      backend_state, num_worst_tokens, buffer_id, num_sms):
+      backend_state, summation_order, num_worst_tokens, buffer_id, num_sms):
     num_tokens = is_token_in_rank.shape[0]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     return x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens, num_topk, dtype=torch.float32)
@@ -183,7 +189,7 @@ def _combine_backward(ctx, grad_out, grad_w):
         grad_weights = torch.ops.ep_moe.cached_dispatch(padded.contiguous(), *handle_tensors, ctx.num_worst_tokens,
                                                         ctx.buffer_id, ctx.num_sms)[:, :num_topk]
     grad_bias = [grad_out.to(d) if d is not None else None for d in ctx.bias_dtypes]
-    return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None, None)
+    return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None, None, None)
 
 
 _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
@@ -192,30 +198,30 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 # ------------------------------------------------------------------------------------------ cached dispatch
 @torch.library.custom_op("ep_moe::cached_dispatch", mutates_args=())
 def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor,
-                        is_token_in_rank: Tensor, backend_state: Tensor, num_worst_tokens: int,
-                        buffer_id: int, num_sms: int) -> Tensor:
+                        is_token_in_rank: Tensor, backend_state: Tensor, summation_order: Tensor,
+                        num_worst_tokens: int, buffer_id: int, num_sms: int) -> Tensor:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
-                     num_worst_tokens)
+                     summation_order, num_worst_tokens)
     recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle, config=_config(num_sms))
     return _fresh((recv_x,), (x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-                              backend_state))[0]
+                              backend_state, summation_order))[0]
 
 
 @_cached_dispatch_op.register_fake
-def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, num_worst_tokens,
-      buffer_id, num_sms):
+def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, summation_order,
+      num_worst_tokens, buffer_id, num_sms):
     return x.new_empty(recv_src_idx.shape[0], x.shape[1])
 
 
 def _cached_dispatch_setup(ctx, inputs, output):
-    ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms = inputs[6], inputs[7], inputs[8]
-    ctx.save_for_backward(*inputs[1:6])
+    ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms = inputs[7], inputs[8], inputs[9]
+    ctx.save_for_backward(*inputs[1:7])
 
 
 def _cached_dispatch_backward(ctx, grad):
     combined, _ = torch.ops.ep_moe.combine(grad.contiguous(), None, None, None, *ctx.saved_tensors,
                                            ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms)
-    return (combined, None, None, None, None, None, None, None, None)
+    return (combined, None, None, None, None, None, None, None, None, None)
 
 
 _cached_dispatch_op.register_autograd(_cached_dispatch_backward, setup_context=_cached_dispatch_setup)
@@ -228,9 +234,10 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, 
     ``topk_weights [T, K]`` fp32 (see `Buffer.dispatch`). Gradients flow to ``x`` and ``topk_weights``.
     ``num_sms`` > 0 overrides the buffer's SM budget for this call and its backward."""
     (recv_x, recv_idx, recv_w, counts, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-     state, host_counts) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
+     state, order, host_counts) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
                                                      expert_alignment, num_worst_tokens, num_sms)
-    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, state, num_worst_tokens)
+    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, state, order,
+                     num_worst_tokens)
     return DispatchOutput(recv_x, recv_idx, recv_w, counts, handle, host_counts)
 
 

@@ -105,31 +105,45 @@ def reference_dispatch(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], to
 
 def reference_combine(ys: list[torch.Tensor], dispatched: list[ReferenceDispatch], num_tokens: list[int],
                       topk_weights: list[torch.Tensor] | None = None,
-                      biases: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+                      biases: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+                      topk_idxs: list[torch.Tensor] | None = None, num_experts: int = 0
                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Combine of every rank ``r``'s ``ys[r] [N_r, H]`` back to every source rank, summed in fp32 in
-    increasing ``r``, plus biases, cast to ``ys``' dtype. Returns ``(combined, combined_weights)`` per rank."""
+    """Combine of every rank ``r``'s ``ys[r] [N_r, H]`` back to every source rank, cast to ``ys``' dtype once.
+
+    Per token the fp32 sum starts from its biases (``bias[0]``, then ``bias[1]``) and adds the rows in DeepEP V2's
+    order: by the last position in the token's top-k list (``topk_idxs[s] [T_s, K]``, ids of ``num_experts``) of
+    an expert on the row's rank, ranks without one first, in increasing rank; without ``topk_idxs``, in increasing
+    rank. Returns ``(combined, combined_weights)`` per rank."""
     num_ranks = len(ys)
     hidden, dtype = ys[0].shape[1], ys[0].dtype
+    acc_dtype = torch.promote_types(dtype, torch.float32)
     results = []
     for s in range(num_ranks):
-        acc_dtype = torch.promote_types(dtype, torch.float32)
         acc = torch.zeros(num_tokens[s], hidden, dtype=acc_dtype, device="cpu")
+        if biases is not None:
+            for b in biases[s]:
+                if b is not None:
+                    acc = acc + b.to(acc_dtype)
         acc_w = None
         if topk_weights is not None:
             acc_w = torch.zeros(num_tokens[s], topk_weights[0].shape[1], dtype=torch.float32, device="cpu")
+        rows_of: list[list[tuple[int, int]]] = [[] for _ in range(num_tokens[s])]  # per token: (rank, row)
         for r in range(num_ranks):
             d = dispatched[r]
             for i in range(d.recv_src_rank.numel()):
                 if int(d.recv_src_rank[i]) == s:
                     t = int(d.recv_src_idx[i])
-                    acc[t] += ys[r][i].to(acc_dtype)
+                    rows_of[t].append((r, i))
                     if acc_w is not None:
                         acc_w[t] += topk_weights[r][i]
-        if biases is not None:
-            for b in biases[s]:
-                if b is not None:
-                    acc = acc + b.to(acc_dtype)
+        for t, rows in enumerate(rows_of):
+            last = {}  # rank -> its last top-k position for token t
+            if topk_idxs is not None:
+                for k, e in enumerate(topk_idxs[s][t].tolist()):
+                    if e >= 0:
+                        last[e // (num_experts // num_ranks)] = k
+            for r, i in sorted(rows, key=lambda row: (last.get(row[0], -1), row[0])):
+                acc[t] += ys[r][i].to(acc_dtype)
         results.append((acc.to(dtype), acc_w))
     return results
 
@@ -210,34 +224,35 @@ def reference_expert_combine(ys: list[torch.Tensor], dispatched: list[ReferenceE
     """Weighted expert-major combine of every rank ``r``'s ``ys[r] [M_r, H]`` back to every source rank
     (``weights[r] [M_r]`` fp32 per slot; None = plain sums).
 
-    ``allow_multiple_reduction``: rank r sums, per (s, t), ``w * y`` over its slots of that token in increasing
-    expert (products rounded to fp32, then added), rounds to y's dtype, and the source sums those rows over r in
-    increasing order in fp32 and rounds once. Else the source sums ``w * y`` over all of the token's pairs in
-    increasing global expert id in fp32 and rounds once."""
+    ``allow_multiple_reduction``: rank r sums, per (s, t), ``w * y`` over its slots of that token in top-k order
+    (products rounded to fp32, then added), rounds to y's dtype, and the source sums those rows in fp32 in the
+    order of each rank's last top-k position and rounds once. Else the source sums ``w * y`` over all of the
+    token's pairs in top-k order in fp32 and rounds once. (DeepEP V2's orders.)"""
     num_ranks = len(ys)
     hidden, dtype = ys[0].shape[1], ys[0].dtype
     results = []
     for s in range(num_ranks):
         acc = torch.zeros(num_tokens[s], hidden, dtype=torch.float32, device="cpu")
         for t in range(num_tokens[s]):
-            terms = []  # (rank, global expert, w * y in fp32)
+            terms = []  # (top-k position, rank, w * y in fp32)
             for r in range(num_ranks):
                 for slot, pair in enumerate(dispatched[r].pairs):
                     if pair is not None and pair[0] == s and pair[1] == t:
                         term = ys[r][slot].float()
                         if weights is not None:
                             term = weights[r][slot] * term
-                        terms.append((r, int(topk_idxs[s][t, pair[2]]), term))
+                        terms.append((pair[2], r, term))
+            terms.sort(key=lambda item: item[0])
             if allow_multiple_reduction:
-                for r in range(num_ranks):
-                    mine = sorted(((e, term) for rr, e, term in terms if rr == r), key=lambda item: item[0])
-                    if mine:
-                        partial = torch.zeros(hidden, dtype=torch.float32, device="cpu")
-                        for _, term in mine:
+                last = {r: k for k, r, _ in terms}  # each rank's last top-k position
+                for r in sorted(last, key=last.get):
+                    partial = torch.zeros(hidden, dtype=torch.float32, device="cpu")
+                    for _, rr, term in terms:
+                        if rr == r:
                             partial = partial + term
-                        acc[t] = acc[t] + partial.to(dtype).float()
+                    acc[t] = acc[t] + partial.to(dtype).float()
             else:
-                for _, _, term in sorted(terms, key=lambda item: item[1]):
+                for _, _, term in terms:
                     acc[t] = acc[t] + term
         results.append(acc.to(dtype))
     return results

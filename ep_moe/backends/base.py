@@ -94,7 +94,8 @@ class CommBackend(ABC):
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor | None, torch.Tensor | None], config: Config
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Send each received row back to its source and sum per token in increasing rank order (fp32)."""
+        """Send each received row back to its source and sum per token in fp32: the biases first, then the rows
+        in ``handle.summation_order`` (increasing rank where it is None); one rounding."""
 
     @abstractmethod
     def barrier(self) -> None:

@@ -334,22 +334,36 @@ class TorchBackend(CommBackend):
         w_chunks = self._return_rows(as_bytes(topk_weights), route, "combine/weights") if topk_weights is not None \
             else [None] * len(chunks)
         acc_dtype = torch.promote_types(y.dtype, torch.float32)  # fp32, or fp64 for fp64 input
-        acc = torch.zeros(num_tokens + 1, hidden, dtype=acc_dtype, device=y.device)
+        acc = torch.zeros(num_tokens + 1, hidden, dtype=acc_dtype, device=y.device)  # row T: the spare
+        for b in bias:  # the biases first, then the rows (DeepEP V2's order)
+            if b is not None:
+                acc[:num_tokens] += b.to(acc_dtype)
         acc_w = None
         if topk_weights is not None:
             acc_w = torch.zeros(num_tokens + 1, topk_weights.shape[1], dtype=torch.float32, device=y.device)
-        for (tokens, rows), w_chunk in zip(chunks, w_chunks):  # increasing rank: a fixed summation order
-            acc.index_add_(0, tokens, from_bytes(rows, y.dtype, hidden).to(acc_dtype))
+        rows = [from_bytes(r, y.dtype, hidden).to(acc_dtype) for _, r in chunks]
+        order = handle.summation_order
+        if order is None or num_tokens == 0:  # increasing rank
+            for (tokens, _), r in zip(chunks, rows):
+                acc.index_add_(0, tokens, r)
+        else:  # pass j adds each token's j-th rank's row (at most one per token: a fixed order)
+            steps = [_step_of_rank(order, rank).index_select(0, tokens.clamp(max=num_tokens - 1))
+                     for rank, (tokens, _) in enumerate(chunks)]
+            for step in range(len(chunks)):
+                for (tokens, _), r, step_of_row in zip(chunks, rows, steps):
+                    acc.index_add_(0, torch.where(step_of_row == step, tokens, num_tokens), r)  # others: spare
+        for (tokens, _), w_chunk in zip(chunks, w_chunks):  # one nonzero weight per (token, k): any order
             if w_chunk is not None:
                 acc_w.index_add_(0, tokens, from_bytes(w_chunk[1], torch.float32, acc_w.shape[1]))
-        acc = acc[:num_tokens]
-        for b in bias:
-            if b is not None:
-                acc = acc + b.to(acc_dtype)
-        return acc.to(y.dtype), (acc_w[:num_tokens] if acc_w is not None else None)
+        return acc[:num_tokens].to(y.dtype), (acc_w[:num_tokens] if acc_w is not None else None)
 
     def barrier(self) -> None:
         self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
+
+
+def _step_of_rank(order: torch.Tensor, rank: int) -> torch.Tensor:
+    """``[T]`` int64: the place of ``rank`` in each token's summation order (``order`` ``[T, R]``)."""
+    return (order == rank).to(torch.int64).argmax(dim=1)
 
 
 def _counts_from_prefix(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:

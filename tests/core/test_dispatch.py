@@ -126,7 +126,7 @@ def _run_case(buffer: Buffer, rank: int, num_ranks: int, case: Case, seed: int) 
         "weights+2bias": (yws, list(zip(bias0, bias1))),
     }
     for name, (weights, biases) in variants.items():
-        want_x, want_w = reference_combine(ys, all_refs, list(case.tokens), weights, biases)[rank]
+        want_x, want_w = reference_combine(ys, all_refs, list(case.tokens), weights, biases, inp.idxs, E)[rank]
         bias_arg = None if biases is None else (biases[rank][0] if biases[rank][1] is None else biases[rank])
         got_x, got_w, ev = buffer.combine(ys[rank], handle, topk_weights=None if weights is None else weights[rank],
                                           bias=bias_arg)
@@ -199,7 +199,7 @@ def _run_case(buffer: Buffer, rank: int, num_ranks: int, case: Case, seed: int) 
         y_pad = torch.cat([ys[rank], garbage])
         yw_pad = torch.cat([yws[rank], torch.full((pad, case.topk), 1e4)])
         want_x, want_w = reference_combine(ys, all_refs, list(case.tokens), yws,
-                                           list(zip(bias0, bias1)))[rank]
+                                           list(zip(bias0, bias1)), inp.idxs, E)[rank]
         got_x, got_w, _ = buffer.combine(y_pad, whandle, topk_weights=yw_pad, bias=(bias0[rank], bias1[rank]))
         check_bits(got_x, want_x, ww, "combine through the padded handle")
         check_bits(got_w, want_w, ww, "combined topk_weights through the padded handle")

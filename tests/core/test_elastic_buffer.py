@@ -86,7 +86,8 @@ def _compact(eb: ElasticBuffer, rank: int, num_ranks: int, case: Case, seed: int
     gen = torch.Generator().manual_seed(seed * 31)
     ys = [_rows(r.recv_x.shape[0], case.hidden, x.dtype, gen) for r in refs]
     yws = [r.recv_topk_weights * 3 for r in refs]
-    want, want_w = reference_combine(ys, refs, list(case.tokens), yws)[rank]
+    want, want_w = reference_combine(ys, refs, list(case.tokens), yws, topk_idxs=inp.idxs,
+                                    num_experts=case.experts)[rank]
     combined, combined_w, _ = eb.combine(ys[rank], h, topk_weights=yws[rank])
     check_equal(combined, want, where, "compact combine")
     check_equal(combined_w, want_w, where, "compact combined_topk_weights")
@@ -260,7 +261,8 @@ def _fp8(eb: ElasticBuffer, rank: int, num_ranks: int, seed: int) -> int:
         check_bits(cx, rx, where, "cached compact rows")
         check_bits(cs, rs, where, "cached compact scales")
         ys = [torch.ones(r.recv_x.shape[0], case.hidden, dtype=torch.bfloat16) for r in ref]
-        want, _ = reference_combine(ys, ref, list(case.tokens))[rank]
+        want, _ = reference_combine(ys, ref, list(case.tokens), topk_idxs=inp.idxs,
+                                    num_experts=case.experts)[rank]
         y = torch.cat([ys[rank], torch.zeros(rx.shape[0] - n, case.hidden, dtype=torch.bfloat16)])
         check_equal(eb.combine(y, h)[0], want, where, f"combine after an FP8 dispatch (sync={sync})")
         slots = None if sync else max_slots(bound * num_ranks, case.topk, case.experts // num_ranks, case.alignment)

@@ -154,7 +154,7 @@ def test_a_rank_without_pairs_enters_the_exact_combines_backward(by_world_size) 
 def _k_combines(buffer: Buffer, y: torch.Tensor, handle, weights: torch.Tensor | None) -> torch.Tensor:
     """The exact combine (``allow_multiple_reduction=False``) as it was composed before one collective carried it:
     per k, a rank-major combine of ``[N, H]`` fp32 rows (pair (i, k)'s ``w * y``, 0 where it has none), then the
-    source's sum over k in increasing global expert id, from 0, in fp32, rounded once."""
+    source's sum over k in top-k order, from 0, in fp32, rounded once."""
     from ep_moe.ops import combine
 
     layout = handle.layout
@@ -167,8 +167,8 @@ def _k_combines(buffer: Buffer, y: torch.Tensor, handle, weights: torch.Tensor |
         rows = torch.where((slots >= 0).unsqueeze(1), picked, torch.zeros_like(picked))
         columns.append(combine(buffer, rows, handle.dispatch, num_sms=handle.num_sms)[0])
     acc = torch.zeros(handle.topk_idx.shape[0], y.shape[1])
-    for k in torch.where(handle.topk_idx >= 0, handle.topk_idx, 1 << 62).argsort(dim=1, stable=True).T:
-        acc = acc + torch.stack(columns, dim=1)[torch.arange(acc.shape[0]), k]
+    for column in columns:
+        acc = acc + column
     return acc.to(y.dtype)
 
 

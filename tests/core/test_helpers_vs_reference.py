@@ -128,8 +128,8 @@ def test_expert_layout_capacity_errors_name_the_argument():
 
 @pytest.mark.parametrize("kind", ROUTINGS)
 def test_permute_and_weighted_unpermute_equal_loops(kind):
-    """`permute_rows` copies each pair's row (FP8 bytes too), `unpermute_sum` adds w * y in increasing slot
-    order in fp32 (products rounded first), rounds once; rows without a pair are zero."""
+    """`permute_rows` copies each pair's row (FP8 bytes too), `unpermute_sum` adds w * y in top-k order in fp32
+    (products rounded first), rounds once; rows without a pair are zero."""
     gen = torch.Generator().manual_seed(len(kind))
     idx = _routing(kind, 23, 3, 16, gen)
     tokens = idx.shape[0]
@@ -148,7 +148,8 @@ def test_permute_and_weighted_unpermute_equal_loops(kind):
         assert got.shape == (tokens, 8)
         for row in range(tokens):
             acc = torch.zeros(8)
-            for slot in layout.sorted_slots[row].tolist():
+            for k in range(3):  # top-k order: the slot of pair (row, k), if it has one
+                slot = next((s for s, p in enumerate(layout.pair_of_slot.tolist()) if p == row * 3 + k), -1)
                 if slot >= 0:
                     acc = acc + (y[slot].float() if weights is None else weights[slot] * y[slot].float())
             assert torch.equal(got[row], acc.bfloat16()), (kind, row)

@@ -98,7 +98,8 @@ def _correct_calls(rank: int, buffer: Buffer, inp, E: int) -> str:
         again = buffer.dispatch(inp.x(rank), handle=out[4])[0]
         check_bits(again, ref[rank].recv_x, where, "cached recv_x")
         combined = buffer.combine(out[0], out[4])[0]
-        want = reference_combine([r.recv_x for r in ref], ref, [x.shape[0] for x in inp.xs])[rank][0]
+        want = reference_combine([r.recv_x for r in ref], ref, [x.shape[0] for x in inp.xs],
+                                  topk_idxs=inp.idxs, num_experts=E)[rank][0]
         check_bits(combined, want, where, "combined")
     except Exception as exc:  # the outcome is what the test reports
         return f"{type(exc).__name__}: {exc}"

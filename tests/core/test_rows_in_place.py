@@ -127,14 +127,14 @@ def _rank_major_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots
     """Row i of the rank-major rows formed from the expert-major rows ``y``, one row and one slot at a time
     (docs/semantics.md, "Expert-major layout", the combine with multiple reduction): from an fp32 zero (fp64 for
     fp64 ``y``), add ``weights[s] * y[s]`` (the product rounded to fp32, then added; ``y[s]`` unweighted without
-    weights) for each of the row's slots in increasing order (slots are expert-major: increasing slot is
-    increasing local expert), then round once to ``y``'s dtype. The order is the stated one, so the composed path
-    must equal it bit for bit."""
+    weights) for each of the row's slots in the order ``sorted_slots`` lists them (the layout's ``slot_of_pair``:
+    top-k order; entries < 0 skipped), then round once to ``y``'s dtype. The order is the stated one, so the
+    composed path must equal it bit for bit."""
     acc_dtype = torch.promote_types(y.dtype, torch.float32)
     out = torch.empty(sorted_slots.shape[0], y.shape[1], dtype=y.dtype)
     for i, row in enumerate(sorted_slots.tolist()):
         acc = torch.zeros(y.shape[1], dtype=acc_dtype)
-        for s in sorted(s for s in row if s >= 0):
+        for s in (s for s in row if s >= 0):
             term = y[s].to(acc_dtype)
             acc = acc + (term if weights is None else weights[s].to(acc_dtype) * term)
         out[i] = acc.to(y.dtype)

@@ -36,7 +36,8 @@ def _equal_to_reference(rank: int, world: int) -> bool:
     ok = torch.equal(recv_x.cpu(), ref[rank].recv_x) and torch.equal(recv_idx.cpu(), ref[rank].recv_topk_idx)
     ok &= torch.equal(recv_w.cpu(), ref[rank].recv_topk_weights) and counts == ref[rank].num_recv_tokens_per_expert
     ys = [(d.recv_x.float() * (r + 1)).to(torch.bfloat16) for r, d in enumerate(ref)]
-    expected = reference_combine(ys, ref, [tokens + r for r in range(world)])[rank][0]
+    expected = reference_combine(ys, ref, [tokens + r for r in range(world)],
+                                 topk_idxs=[i[1] for i in inputs], num_experts=experts)[rank][0]
     combined, _, _ = buffer.combine(ys[rank].cuda(), handle)
     return bool(ok and torch.equal(combined.cpu(), expected))
 

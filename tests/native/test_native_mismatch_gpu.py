@@ -51,7 +51,7 @@ OFF = (-1, 0, 0)  # the knob's values that change nothing (no rank is source -1)
 def _need_gpus(count: int) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < count:
         pytest.skip(f"needs {count} CUDA GPU{'s' if count > 1 else ''}")
-    if native.kernels_kind() is None:  # the extension or the JIT kernels
+    if not native.kernels_available():
         pytest.skip(f"no native kernels: {native.kernels_unavailable_reason()}")
 
 
@@ -238,7 +238,8 @@ def _correct_calls_on(rank: int, buffer: Buffer, inp, E: int, device: torch.devi
         check_bits(out[0].cpu(), ref[rank].recv_x, where, "recv_x")
         check_bits(buffer.dispatch(x, handle=out[4])[0].cpu(), ref[rank].recv_x, where, "cached recv_x")
         combined = buffer.combine(out[0], out[4])[0]
-        want = reference_combine([r.recv_x for r in ref], ref, [t.shape[0] for t in inp.xs])[rank][0]
+        want = reference_combine([r.recv_x for r in ref], ref, [t.shape[0] for t in inp.xs],
+                                  topk_idxs=inp.idxs, num_experts=E)[rank][0]
         check_bits(combined.cpu(), want, where, "combined")
         buffer.barrier()
     except Exception as exc:  # the outcome is what the test reports

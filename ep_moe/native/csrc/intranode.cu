@@ -968,13 +968,17 @@ __device__ __forceinline__ void reduce_weights(const CombineParams& p, int t, ui
   }
 }
 
-// One warp reduces 16-byte columns [col_begin, col_end) of token t over the ranks in `mask`, in
-// increasing rank order, and (`with_weights`) the token's top-k weights. Lane r holds in `row_ptr` the
-// address of rank r's row and in `w_ptr` that of its top-k weights; the own rank's row is read in
-// place from y.
+// The j-th source (rank) of `order` (4 bits per rank: the sources of a token in summation order).
+__device__ __forceinline__ int source_at(uint32_t order, int j) { return static_cast<int>((order >> (4 * j)) & 15u); }
+
+// One warp reduces 16-byte columns [col_begin, col_end) of token t: from its biases, then over the ranks
+// in `mask` in the order `order` lists them (source_at; DeepEP V2's order), in fp32, rounded once; and
+// (`with_weights`) the token's top-k weights. Lane r holds in `row_ptr` the address of rank r's row and
+// in `w_ptr` that of its top-k weights; the own rank's row is read in place from y.
 template <int kType>
-__device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint32_t mask, uint64_t row_ptr, uint64_t w_ptr,
-                                             int lane, int col_begin, int col_end, bool with_weights) {
+__device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint32_t mask, uint32_t order,
+                                             uint64_t row_ptr, uint64_t w_ptr, int lane, int col_begin,
+                                             int col_end, bool with_weights) {
   using V = Vec<kType>;
   constexpr int E = V::kElems;
   const int64_t y_bytes = static_cast<int64_t>(p.hidden) * (kType == kBF16 ? 2 : 4);
@@ -983,21 +987,25 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
   for (int c0 = col_begin + lane; c0 - lane < n16; c0 += 32 * kReduceUnroll) {
     float acc[kReduceUnroll][E];
 #pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u)
+    for (int u = 0; u < kReduceUnroll; ++u) {
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
-    uint32_t m = mask;
-    if (m) {
+      const int c = c0 + u * 32;
+      if (c >= n16) continue;
+      const int64_t first = static_cast<int64_t>(t) * p.hidden + static_cast<int64_t>(c) * E;
+      if (p.bias0_type != kNone) add_bias<E>(acc[u], p.bias0, p.bias0_type, first);
+      if (p.bias1_type != kNone) add_bias<E>(acc[u], p.bias1, p.bias1_type, first);
+    }
+    const int sources = __popc(mask);
+    if (sources) {
       // Software pipeline over the sources: the next source's loads are in flight while the
-      // current one is added (the order of the additions is the rank order).
-      int r = __ffs(m) - 1;
-      m &= m - 1;
+      // current one is added (in the order `order` lists them).
+      int r = source_at(order, 0);
       const int4* src = shfl_ptr(row_ptr, r);
       int4 cur[kReduceUnroll];
       load_lane_words(cur, src, c0, n16);
-      while (m) {
-        r = __ffs(m) - 1;
-        m &= m - 1;
+      for (int j = 1; j < sources; ++j) {
+        r = source_at(order, j);
         src = shfl_ptr(row_ptr, r);
         int4 nxt[kReduceUnroll];
         load_lane_words(nxt, src, c0, n16);
@@ -1014,21 +1022,17 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, int t, uint
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
       const int c = c0 + u * 32;
-      if (c >= n16) continue;
-      const int64_t first = static_cast<int64_t>(t) * p.hidden + static_cast<int64_t>(c) * E;
-      if (p.bias0_type != kNone) add_bias<E>(acc[u], p.bias0, p.bias0_type, first);
-      if (p.bias1_type != kNone) add_bias<E>(acc[u], p.bias1, p.bias1_type, first);
-      out[c] = V::pack(acc[u]);
+      if (c < n16) out[c] = V::pack(acc[u]);
     }
   }
   if (with_weights) reduce_weights(p, t, mask, w_ptr, lane);
 }
 
-// A reducer warp's work item: token t (columns of its slice), the ranks whose rows it sums (`mask`) and, in
-// lane r, the addresses of rank r's row and top-k weights.
+// A reducer warp's work item: token t (columns of its slice), the ranks whose rows it sums (`mask`), the
+// order of their sum (`order`, source_at) and, in lane r, the addresses of rank r's row and top-k weights.
 struct ReduceItem {
   int t, slice;
-  uint32_t mask;
+  uint32_t mask, order;
   uint64_t row_ptr, w_ptr;
 };
 
@@ -1095,11 +1099,8 @@ __device__ __forceinline__ bool bulk_reduce(const CombineParams& p, uint8_t* sme
       fence_proxy_async_shared();  // the warp's reads of this stage's last piece come first
       mbar_arrive_expect_tx(bars + s, static_cast<uint32_t>(sources * len * 16));
     }
-    uint32_t m = item.mask;
-    for (int j = 0; m; ++j) {
-      const int r = __ffs(m) - 1;
-      m &= m - 1;
-      const int4* src = shfl_ptr(item.row_ptr, r);
+    for (int j = 0; j < sources; ++j) {  // stage segment j: the j-th source of the order
+      const int4* src = shfl_ptr(item.row_ptr, source_at(item.order, j));
       if (lane == 0) bulk_load(stage + j * piece16, src + col, static_cast<uint32_t>(len * 16), bars + s);
     }
     col += len;
@@ -1120,11 +1121,11 @@ __device__ __forceinline__ bool bulk_reduce(const CombineParams& p, uint8_t* sme
       float acc[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[e] = 0.f;
-#pragma unroll 1
-      for (int j = 0; j < h.w; ++j) V::add(acc, stage[j * piece16 + c]);  // rank order, as in reduce_token
       const int64_t first = static_cast<int64_t>(h.x) * p.hidden + static_cast<int64_t>(h.y + c) * E;
-      if (p.bias0_type != kNone) add_bias<E>(acc, p.bias0, p.bias0_type, first);
+      if (p.bias0_type != kNone) add_bias<E>(acc, p.bias0, p.bias0_type, first);  // the biases first
       if (p.bias1_type != kNone) add_bias<E>(acc, p.bias1, p.bias1_type, first);
+#pragma unroll 1
+      for (int j = 0; j < h.w; ++j) V::add(acc, stage[j * piece16 + c]);  // the order, as in reduce_token
       out[c] = V::pack(acc);
     }
     __syncwarp();
@@ -1266,26 +1267,29 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
     const int slices = max(1, min((n16 + kPass - 1) / kPass, all_warps / max(1, p.num_tokens)));
     const int slice_cols = ((n16 + slices - 1) / slices + kPass - 1) / kPass * kPass;
     const int num_items = p.num_tokens * slices;
-    const auto load_route = [&](int i, bool* in, int* pos) {
+    // Lane j < R also loads the token's j-th rank of the summation order (increasing rank without one).
+    const auto load_route = [&](int i, bool* in, int* pos, int* rank_at) {
       *in = false;
       *pos = -1;
+      *rank_at = lane;
       if (lane < num_ranks && i < num_items) {
         const int64_t t = i / slices;
         *in = p.is_token_in_rank[t * num_ranks + lane];
         *pos = p.pos[t * num_ranks + lane];
+        if (p.summation_order != nullptr) *rank_at = p.summation_order[t * num_ranks + lane];
       }
     };
     int i = q * num_warps + warp;
     bool next_in;
-    int next_pos;
-    load_route(i, &next_in, &next_pos);
+    int next_pos, next_rank_at;
+    load_route(i, &next_in, &next_pos, &next_rank_at);
     const auto next_item = [&](ReduceItem* item, bool* fresh) -> int {
       if (i >= num_items) return 0;
       const bool in = next_in;
-      const int pos = next_pos;
+      const int pos = next_pos, rank_at = next_rank_at;
       item->t = i / slices;
       item->slice = i % slices;
-      load_route(i + all_warps, &next_in, &next_pos);
+      load_route(i + all_warps, &next_in, &next_pos, &next_rank_at);
       i += all_warps;
       bool ok = true, waited = false;
       if (in && lane != me) {
@@ -1300,6 +1304,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       if (!__all_sync(0xffffffffu, ok)) return -1;
       *fresh = __any_sync(0xffffffffu, waited);
       item->mask = __ballot_sync(0xffffffffu, in);
+      item->order = 0;
+      for (int j = 0, n = 0; j < num_ranks; ++j) {  // the ranks of the mask, in the summation order
+        const int r = __shfl_sync(0xffffffffu, rank_at, j);
+        if ((item->mask >> r) & 1u) item->order |= static_cast<uint32_t>(r) << (4 * n++);
+      }
       item->row_ptr = item->w_ptr = 0;
       if (in) {
         const int64_t row = lane_base + pos;
@@ -1321,7 +1330,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
       bool fresh;
       int got;
       while ((got = next_item(&item, &fresh)) > 0) {
-        reduce_token<kType>(p, item.t, item.mask, item.row_ptr, item.w_ptr, lane, item.slice * slice_cols,
+        reduce_token<kType>(p, item.t, item.mask, item.order, item.row_ptr, item.w_ptr, lane, item.slice * slice_cols,
                             min(n16, (item.slice + 1) * slice_cols), item.slice == 0);
         trace.first_wait();
       }

@@ -242,7 +242,7 @@ struct CombineParams {
   int bulk_piece16;
   HeaderCheck check;
   // Expert-major combine (expert_y non-null; never with the copy engine): the pushers send, for received row
-  // i, the fp32 sum over its slots sorted_slots[i] (increasing, -1 = none) of expert_weights[s] * expert_y[s]
+  // i, the fp32 sum over its slots sorted_slots[i] (in order; entries < 0 skipped) of expert_weights[s] * expert_y[s]
   // (each product rounded first: no fused multiply-add; plain sums without weights), from 0, rounded once
   // to y_type: the arithmetic of ep_moe_native::unpermute_sum, computed as the row goes out. y then holds only
   // this rank's own rows (read in place by the reducers; ep_moe_native::unpermute_own_rows).
@@ -251,6 +251,8 @@ struct CombineParams {
   const int64_t* sorted_slots;     // [N, expert_topk]
   int expert_topk;
   int64_t expert_slots;
+  // [T, R]: per token, the ranks in the order their rows are added (DeepEP V2's), or null: increasing rank.
+  const int32_t* summation_order;
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 

@@ -661,11 +661,13 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             num_push_blocks: int, trace: Tensor | None, copy_engine_streams: list[int], copy_engine_flag_stream: int,
             copy_engine_seq: int, copy_engine_go: Tensor | None, copy_engine_shares: list[int],
             host_prefix: list[int], bulk_reduce: bool, header: list[int], test_perturb: Tensor | None,
-            expert_y: Tensor | None, expert_weights: Tensor | None, sorted_slots: Tensor | None) -> None:
+            expert_y: Tensor | None, expert_weights: Tensor | None, sorted_slots: Tensor | None,
+            summation_order: Tensor | None = None) -> None:
     """Rows back to their sources, summed per token (the extension's ``combine``); with ``copy_engine_seq > 0`` the
     rows go back by the copy engine (`copy_engine.enqueue_combine`) while every block reduces. ``expert_y``
     (CombineParams): an expert-major combine; ``y`` then holds the own rows only (``[N, H]``, N = the rows of
-    ``sorted_slots [N, K]``)."""
+    ``sorted_slots [N, K]``). ``summation_order`` ``[T, R]`` int32: per token, the ranks in the order their rows
+    are added (None: increasing rank)."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks:
         raise _fail("argument 'data_ptrs' must hold R pointers")
@@ -698,6 +700,11 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             raise _fail("an expert-major combine needs 'sorted_slots' [N, K] int64 (N = y's rows) and no copy engine")
         if expert_weights is not None and expert_weights.numel() != expert_y.shape[0]:
             raise _fail("argument 'expert_weights' must be [M]")
+    if summation_order is not None:
+        _check_cuda(summation_order, "summation_order")
+        if (summation_order.dtype != torch.int32 or tuple(summation_order.shape) != (num_tokens, num_ranks)
+                or not summation_order.is_contiguous()):
+            raise _fail("argument 'summation_order' must be [T, R] int32, contiguous")
     weights_ptr, out_weights_ptr = _ptr(weights, "topk_weights"), _ptr(out_weights, "out_weights")
     bias0_ptr, bias1_ptr = _ptr(bias0, "bias0"), _ptr(bias1, "bias1")
     bias0_type = _elem_type(bias0, "bias0") if bias0 is not None else 0
@@ -720,6 +727,7 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             bias0_type, bias1_type, out.data_ptr(), out_weights_ptr, num_blocks, num_push_blocks,
             _trace_ptr(trace, num_blocks))
         p.bulk_reduce = bulk_reduce
+        p.summation_order = 0 if summation_order is None else summation_order.data_ptr()
         if expert_y is None:
             _COMBINE_EXPERT_FIELDS.write(view, 0, 0, 0, 0, 0)
         else:

@@ -201,6 +201,7 @@ class CombineParams(Params):
         ("sorted_slots", PTR),
         ("expert_topk", I32),
         ("expert_slots", I64),
+        ("summation_order", PTR),
     ]
 
 
