@@ -370,11 +370,6 @@ def bench(rank: int, world: int, raw_args: dict) -> dict | None:
     timings, timed_checks = _timings(layers, references, xs, gs, args, device, rank, RTOL[dtype])
     backend = next((m.deepspeed_moe._get_dispatcher().buffer.backend_name for m in layers.values()
                     if world > 1 and hasattr(m.deepspeed_moe, "_get_dispatcher")), "local")
-    if backend == "native":
-        from ep_moe import native
-
-        kind = native.kernels_kind()
-        backend += f" (native kernels: {'extension (aot)' if kind == 'aot' else kind or 'none'})"
     checks = {mode: {"max_rel_diff": c["max_rel_diff"], "l_aux_and_counts_equal": c["l_aux_and_counts_equal"]}
               for mode, c in timed_checks.items() if mode.startswith("ep_moe")}
     release_buffers()

@@ -1,6 +1,5 @@
-"""The single-rank expert-major kernels three ways in one run: the JIT kernels (specialized per shape,
-`ep_moe.native.jit.expert_major`), the ahead-of-time extension (``ep_moe_native::*``, generic in the shape) and
-Triton (`ep_moe.permute_triton`), on one GPU.
+"""The single-rank expert-major kernels two ways in one run: the JIT kernels (specialized per shape,
+`ep_moe.native.jit.expert_major`) and Triton (`ep_moe.permute_triton`), on one GPU.
 
     python3 benchmarks/jit_bench.py                       # DeepEP-like: 4096 tokens, hidden 7168, top-8 of 32
     python3 benchmarks/jit_bench.py --tokens 4096 --hidden 2048 4096 7168 --topk 8 --experts 32 --cold
@@ -21,15 +20,14 @@ compiles; the compile (or load) time of every JIT kernel is printed. Prints one 
 writes the numbers.
 
 ``--intranode`` adds the intranode kernels at EP 1 (a one-rank group in this process): a ``Buffer(backend="native")``
-on the JIT module (`ep_moe.native.jit.intranode`, ``EP_MOE_JIT=1``) against one on the extension (``EP_MOE_JIT=0``),
-outputs checked equal bit for bit, then per call: ``layout`` (get_dispatch_layout), ``dispatch`` (fresh, fixed size:
+(`ep_moe.native.jit.intranode`), outputs checked equal to the torch backend's bit for bit, then per call: ``layout`` (get_dispatch_layout), ``dispatch`` (fresh, fixed size:
 ``num_worst_tokens``, no host sync), ``cached`` (dispatch with the handle) and ``combine`` (with top-k weights),
 GPU and host time as above:
 
     python3 benchmarks/jit_bench.py --intranode --tokens 128 4096 --hidden 7168 --topk 8 --experts 256
 
-``--csrc-ops`` adds the extension's generic expert-major ops that the JIT builds from ``csrc/expert_major.cu``
-(`ep_moe.native.jit.expert_major_csrc`) against the extension's, called directly, outputs checked equal bit for bit:
+``--csrc-ops`` adds the generic expert-major ops built from ``csrc/expert_major.cu``
+(`ep_moe.native.jit.expert_major_csrc`), called directly:
 ``received`` (permute_received_rows: N = 2 T received rows, half of them this rank's own rows from its input, with
 values), ``own_rows`` (unpermute_own_rows, weighted), ``routing`` (routing_map_to_topk over ``--experts`` experts) and
 ``routing_bwd`` (its backward), GPU and host time as above:
@@ -68,16 +66,6 @@ def implementations() -> dict[str, dict]:
         }
     else:
         print(f"jit: unavailable ({jit.unavailable_reason()})")
-    if native.extension_available():
-        ops = torch.ops.ep_moe_native
-        impls["aot"] = {
-            "layout": lambda idx, L, A, M: ops.expert_layout(idx, L, A, M),
-            "permute": lambda x, pos, K, v: ops.permute_rows(x, pos, K, v),
-            "reduce": lambda y, w, srt: ops.unpermute_sum(y, w, srt, None, None)[0],
-            "backward": lambda g, y, w, pos, K: ops.unpermute_sum_backward(g, y, w, pos, K, True, True),
-        }
-    else:
-        print(f"aot: the extension is not built ({native.extension_unavailable_reason()})")
     if permute_triton.available():
         def triton_permute(x, pos, K, v):
             out = permute_triton.run_permute_rows(x, pos, K, torch.empty(pos.shape[0], x.shape[1], dtype=x.dtype,
@@ -185,21 +173,8 @@ def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.
     return measure(calls, iters, rounds)
 
 
-def _kernels_flag(name: str):
-    """``EP_MOE_JIT`` set to pick the ``name`` build ("jit" or "aot") while the context lasts (the backend looks its
-    module up per call, so the flag must stay set while that build's buffer is called)."""
-    @contextlib.contextmanager
-    def flag():
-        os.environ["EP_MOE_JIT"] = "1" if name == "jit" else "0"
-        try:
-            yield
-        finally:
-            os.environ.pop("EP_MOE_JIT", None)
-    return flag()
-
-
 def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int, rounds: int) -> dict:
-    """The native backend at EP 1 on the JIT module and on the extension (see the module docstring)."""
+    """The native backend at EP 1 (see the module docstring)."""
     import ep_moe
     from ep_moe.native.jit import intranode
 
@@ -209,29 +184,26 @@ def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int
     weights = torch.rand(T, K, device="cuda", generator=gen)
     config = ep_moe.Config(num_sms=24)
     calls, outputs, buffers = {}, {}, []
-    for name in ("jit", "aot"):
-        with _kernels_flag(name):
-            if native.kernels_kind() != name:
-                print(f"intranode {name}: unavailable ({native.kernels_unavailable_reason()})")
-                continue
-            buf = ep_moe.Buffer(backend="native")
-            buffers.append(buf)
-            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-            kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                          topk_idx=idx, topk_weights=weights, num_worst_tokens=T, config=config)
-            recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kwargs)
-            combined = buf.combine(recv_x, handle, topk_weights=recv_w, config=config)[0]
-            outputs[name] = (per_rank, per_expert, in_rank, recv_x, recv_w, combined)
-            calls[name] = {"layout": lambda buf=buf: buf.get_dispatch_layout(idx, E),
-                           "dispatch": lambda buf=buf, kw=kwargs: buf.dispatch(x, **kw),
-                           "cached": lambda buf=buf, h=handle: buf.dispatch(x, handle=h, config=config),
-                           "combine": lambda buf=buf, h=handle, r=recv_x, w=recv_w: buf.combine(r, h, topk_weights=w,
-                                                                                                 config=config)}
-    if len(outputs) == 2:
-        for i, (a, b) in enumerate(zip(outputs["jit"], outputs["aot"])):
-            if not same(a, b):
-                raise SystemExit(f"intranode output {i} of the JIT module differs from the extension's (T={T} H={H})")
-    result = measure(calls, iters, rounds, around=_kernels_flag)
+    if not native.kernels_available():
+        raise SystemExit(f"intranode: unavailable ({native.kernels_unavailable_reason()})")
+    for name in ("jit", "torch"):
+        buf = ep_moe.Buffer(backend="native" if name == "jit" else "torch")
+        buffers.append(buf)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=idx, topk_weights=weights, num_worst_tokens=T, config=config)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kwargs)
+        combined = buf.combine(recv_x, handle, topk_weights=recv_w, config=config)[0]
+        outputs[name] = (per_rank, per_expert, in_rank, recv_x, recv_w, combined)
+        calls[name] = {"layout": lambda buf=buf: buf.get_dispatch_layout(idx, E),
+                       "dispatch": lambda buf=buf, kw=kwargs: buf.dispatch(x, **kw),
+                       "cached": lambda buf=buf, h=handle: buf.dispatch(x, handle=h, config=config),
+                       "combine": lambda buf=buf, h=handle, r=recv_x, w=recv_w: buf.combine(r, h, topk_weights=w,
+                                                                                             config=config)}
+    for i, (a, b) in enumerate(zip(outputs["jit"], outputs["torch"])):
+        if not same(a, b):
+            raise SystemExit(f"intranode output {i} of the native backend differs from the torch backend's (T={T} H={H})")
+    result = measure({"jit": calls["jit"]}, iters, rounds)
     for buf in buffers:
         buf.destroy()
     if "jit" in result:
@@ -241,7 +213,7 @@ def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int
 
 def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int, rounds: int
                  ) -> dict:
-    """The generic expert-major ops, JIT build against the extension (see the module docstring)."""
+    """The generic expert-major ops (see the module docstring)."""
     from ep_moe.native.jit import expert_major_csrc as E
 
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -260,10 +232,6 @@ def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, ite
     probs = (scores * routing_map).to(dtype)
     grad_w = torch.randn(T, K, device="cuda", generator=gen)
     impls = {"jit": E}
-    if native.extension_available():
-        impls["aot"] = torch.ops.ep_moe_native
-    else:
-        print(f"csrc ops aot: the extension is not built ({native.extension_unavailable_reason()})")
     calls, outputs = {}, {}
     for name, ops in impls.items():
         topk_idx = ops.routing_map_to_topk(routing_map, probs, K)[0]
@@ -277,26 +245,17 @@ def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, ite
         outputs[name] = [op_calls["received"]()[0], op_calls["received"]()[1], op_calls["own_rows"]()[T:2 * T],
                          *op_calls["routing"](), op_calls["routing_bwd"]()]
         calls[name] = op_calls
-    if len(outputs) == 2:
-        for i, (a, b) in enumerate(zip(outputs["jit"], outputs["aot"])):
-            if not same(a, b):
-                raise SystemExit(f"csrc op output {i} of the JIT differs from the extension's (T={T} H={H})")
     return measure(calls, iters, rounds)
 
 
-def _print_jit_vs_aot(title: str, timing: dict, ops: tuple[str, ...]) -> None:
-    """One table: per op, the GPU (host) µs per call of the JIT and the extension ("aot") builds present in
-    ``timing``, and their ratios where both are."""
-    names = [n for n in ("jit", "aot") if n in timing]
-    both = len(names) == 2
+def _print_timing(title: str, timing: dict, ops: tuple[str, ...]) -> None:
+    """One table: per op, the GPU (host) µs per call of the JIT kernels."""
     width = max(9, max(len(op) for op in ops) + 1)
     print(f"\n{title}: gpu us per call (host us per call)")
-    print(f"{'op':<{width}}" + "".join(f"{n:>22}" for n in names) + ("   jit/aot gpu  jit/aot host" if both else ""))
+    print(f"{'op':<{width}}{'jit':>22}")
     for op in ops:
-        cells = [f"{timing[n][op]['gpu_us']:9.1f} ({timing[n][op]['host_us']:6.1f})" for n in names]
-        ratios = (f"{timing['jit'][op]['gpu_us'] / timing['aot'][op]['gpu_us']:13.2f}x"
-                  f"{timing['jit'][op]['host_us'] / timing['aot'][op]['host_us']:13.2f}x" if both else "")
-        print(f"{op:<{width}}" + "".join(f"{c:>22}" for c in cells) + ratios)
+        cell = f"{timing['jit'][op]['gpu_us']:9.1f} ({timing['jit'][op]['host_us']:6.1f})"
+        print(f"{op:<{width}}{cell:>22}")
 
 
 def main() -> None:
@@ -313,9 +272,9 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="a fresh JIT cache directory: first calls compile")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--intranode", action="store_true",
-                        help="also the intranode dispatch/combine at EP 1, JIT module vs extension (--experts: all)")
+                        help="also the intranode dispatch/combine at EP 1 (--experts: all)")
     parser.add_argument("--csrc-ops", action="store_true",
-                        help="also the generic expert-major ops (received rows, own rows, routing map), JIT vs extension")
+                        help="also the generic expert-major ops (received rows, own rows, routing map)")
     args = parser.parse_args()
     if args.cold:
         os.environ["EP_MOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ep_moe_jit_bench_")
@@ -332,12 +291,10 @@ def main() -> None:
             results.append({"shape": shape, "timing": timing})
             print(f"\nT={T} H={H} K={args.topk} L={args.experts} A={args.alignment} {args.dtype}: "
                   "gpu us per call (host us per call)")
-            ratio = "jit" in timing and "aot" in timing  # the specialized kernels' gain over the generic ones
-            print(f"{'op':<9}" + "".join(f"{name:>22}" for name in timing) + ("   aot/jit gpu" if ratio else ""))
+            print(f"{'op':<9}" + "".join(f"{name:>22}" for name in timing))
             for op in ("layout", "permute", "reduce", "backward"):
                 cells = [f"{t[op]['gpu_us']:9.1f} ({t[op]['host_us']:6.1f})" for t in timing.values()]
-                gain = f"{timing['aot'][op]['gpu_us'] / timing['jit'][op]['gpu_us']:14.2f}x" if ratio else ""
-                print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells) + gain)
+                print(f"{op:<9}" + "".join(f"{c:>22}" for c in cells))
     if args.intranode:
         import torch.distributed as dist
 
@@ -347,7 +304,7 @@ def main() -> None:
                 timing = run_intranode(T, H, args.topk, args.experts, dtype, args.iters, args.rounds)
                 results.append({"intranode": dict(T=T, H=H, K=args.topk, E=args.experts, dtype=args.dtype),
                                 "timing": timing})
-                _print_jit_vs_aot(f"intranode at EP 1, T={T} H={H} K={args.topk} E={args.experts} {args.dtype}",
+                _print_timing(f"intranode at EP 1, T={T} H={H} K={args.topk} E={args.experts} {args.dtype}",
                                   timing, ("layout", "dispatch", "cached", "combine"))
         dist.destroy_process_group()
     if args.csrc_ops:
@@ -356,7 +313,7 @@ def main() -> None:
                 timing = run_csrc_ops(T, H, args.topk, args.experts, args.alignment, dtype, args.iters, args.rounds)
                 results.append({"csrc_ops": dict(T=T, H=H, K=args.topk, L=args.experts, dtype=args.dtype),
                                 "timing": timing})
-                _print_jit_vs_aot(f"csrc ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}", timing,
+                _print_timing(f"csrc ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}", timing,
                                   ("received", "own_rows", "routing", "routing_bwd"))
     print("\nJIT kernels this process built or loaded:")
     for event in jit.history():

@@ -161,7 +161,7 @@ def main() -> None:
                 hosts.append((t1 - t0) * 1e6)
                 phases.append(kernel_phases(native.last_trace[op], native.last_push_blocks[op]))
                 timelines[op] = copy_engine_timeline(native.last_copy_engine_trace[op], native.last_trace[op],
-                                                     native_kernels._C.MAX_COPY_ENGINE_CHUNKS)
+                                                     native_kernels.intranode_kernels().MAX_COPY_ENGINE_CHUNKS)
         mine = torch.tensor([statistics.median(calls), statistics.median(hosts),
                              *(statistics.median(p[j] for p in phases) for j in range(6))], device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)

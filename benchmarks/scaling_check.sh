@@ -9,9 +9,7 @@
 #   N=8 bash benchmarks/scaling_check.sh          # default N: every visible GPU
 #   WHEELS=".whl/*.whl" N=4 bash benchmarks/scaling_check.sh   # megatron-core / deepspeed wheels to install
 #
-# STEPS picks among: build test bench jit providers services copyengine tune layers train (default: all). `jit`: the
-# intranode and expert-major kernels compiled on first use (EP_MOE_JIT=1) against the ahead-of-time extension
-# (EP_MOE_JIT=0), ep-moe bench at EP N, the two builds taking turns twice. `providers`:
+# STEPS picks among: build test bench providers services copyengine tune layers train (default: all). `providers`:
 # ep-moe bench with each symmetric memory provider (EP_MOE_SYMMETRIC_MEMORY=torch / nccl / vmm). `services`:
 # ElasticBuffer's PP/AGRS, the two-stage pipeline and ZeRO-1 trainer, hybrid views (1 x N, N x 1), Engram on
 # hybrid memory and the JIT kernels' GPU suites at EP N, engram_fetch's GB/s beside the H2D copy rate, and
@@ -25,7 +23,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/ep_moe_scaling}
 mkdir -p "$OUT"
 N=${N:-$(nvidia-smi -L | wc -l)}
-STEPS=${STEPS:-"build test bench jit providers services copyengine tune layers train"}
+STEPS=${STEPS:-"build test bench providers services copyengine tune layers train"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 echo "EP $N on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 
@@ -39,9 +37,6 @@ if has test; then
   EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/native/test_native_mismatch_gpu.py -q -p no:cacheprovider \
     > "$OUT/mismatch_ep$N.log" 2>&1
   echo "rank-agreement GPU tests at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/mismatch_ep$N.log" | tail -6
-  EP_MOE_JIT=1 EP_MOE_TEST_WORLD=$N timeout 900 python3 -m pytest -m gpu tests/native/test_native_gpu.py -q \
-    -p no:cacheprovider > "$OUT/tests_jit_ep$N.log" 2>&1
-  echo "native GPU tests through the JIT kernels at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/tests_jit_ep$N.log" | tail -6
 fi
 if has bench; then
   timeout 600 python3 -m ep_moe.cli bench --ranks "$N" --tokens 4096 8192 --num-sms 16 24 32 48 --plan-sms --runs 30 --expert-major \
@@ -64,17 +59,6 @@ if has services; then
   echo "native PP/AGRS transport GPU tests at EP $N: rc $?"; grep -E "passed|failed|^FAILED" "$OUT/stream_transport_ep$N.log" | tail -4
   timeout 300 torchrun --nproc-per-node "$N" benchmarks/agrs_bench.py > "$OUT/agrs_ep$N.txt" 2>&1
   echo "agrs_bench at EP $N: rc $?"; grep -E "GB/s|SMs used|batched" "$OUT/agrs_ep$N.txt"
-fi
-if has jit; then
-  # the JIT kernels against the extension at EP N (the JIT issue's two-GPU timings), in turns: 0 1 0 1
-  turn=0
-  for flag in 0 1 0 1; do
-    turn=$((turn + 1))
-    log="$OUT/bench_jit${flag}_turn${turn}_ep$N.txt"
-    EP_MOE_JIT=$flag timeout 300 python3 -m ep_moe.cli bench --ranks "$N" --tokens 128 4096 --num-sms 24 --runs 30 \
-      --expert-major --dtype bf16 > "$log" 2>&1
-    echo "bench with EP_MOE_JIT=$flag at EP $N (turn $turn): rc $?"; sed -n '/^ep-moe bench:/,$p' "$log"
-  done
 fi
 if has providers; then
   # the GPU memory type's symmetric memory providers: torch (CUDA backend), torch over NCCL windows, VMM

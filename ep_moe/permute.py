@@ -1,7 +1,7 @@
 """Expert-major rows on one rank: the permute of (received) rows into one group per local expert, padded to an
 alignment, for a grouped GEMM, and the weighted reduce of the experts' output rows back to one row per (received)
-row. Differentiable (autograd functions; their CUDA kernels are torch ops with fake implementations, so
-``torch.compile`` traces them).
+row. Differentiable (autograd functions; while ``torch.compile`` traces, the torch definitions run and inductor
+compiles them).
 
 Notation: N rows, K top-k columns, L experts of this rank, A alignment, M slots (expert-major rows), H hidden.
 A *pair* ``(i, k)`` is row ``i``'s ``k``-th top-k entry when it names an expert of this rank; its flat index is
@@ -11,17 +11,15 @@ A, then expert 1's, and so on; slots past the used total (a bound given for a fi
 * `expert_layout` computes where every pair goes (no host sync when ``num_slots`` is given).
 * `permute_rows` copies each pair's row into its slot (bit for bit, FP8 included), zero on padding;
   `permute_rows_and_values` also gives each slot its pair's value (e.g. the routing weight), 0 on padding.
-* `unpermute_sum` gives each row the fp32 sum over its pairs, in increasing slot order (= increasing expert),
+* `unpermute_sum` gives each row the fp32 sum over its pairs, in top-k order (DeepEP V2's),
   of ``weight * y[slot]`` (the product rounded to fp32, then added: no fused multiply-add), rounded once to
   y's dtype; rows without a pair get zeros. Gradients: ``y[slot]`` gets ``weight * grad[row]``, the weight
   ``<grad[row], y[slot]>`` in fp32.
 
 Where the work runs (the same bits everywhere; the weights' gradient is a dot product whose summation order is
-each implementation's own, fixed): on CUDA, the kernels of the native extension (``ep_moe_native::*`` torch
-ops: a handful of launches per call, the layout included, and little host time), else the JIT kernels of
-`ep_moe.native.jit.expert_major` (compiled on first use per shape, where a CUDA compiler is found; the permute of
-received rows in place from `ep_moe.native.jit.expert_major_csrc`, the extension's own source built generically;
-``EP_MOE_JIT=1`` prefers them over the extension, ``EP_MOE_JIT=0`` never uses them), else the Triton kernels of
+each implementation's own, fixed): on CUDA, the JIT kernels of `ep_moe.native.jit.expert_major` (compiled on
+first use per shape, or loaded from the cache ``ep-moe jit warmup`` filled; the permute of received rows in place
+from `ep_moe.native.jit.expert_major_csrc`, csrc's generic build), else the Triton kernels of
 `ep_moe.permute_triton`; on CPU (and for float64, e.g. gradcheck) the torch definitions here. The public
 functions check their arguments once; the kernels' entry points do not check again.
 """
@@ -35,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import native, permute_triton
+from . import permute_triton
 from .layout import count_values, round_up
 from .native import jit
 from .native.jit import expert_major as jit_kernels
@@ -108,10 +106,6 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
         how, why = "torch", f"{num_experts} experts: the layout kernels count at most {NATIVE_MAX_EXPERTS}"
     _note_ran(how, topk_idx, why)
     slots = -1 if num_slots is None else num_slots
-    if how == "native":
-        *tensors, host = torch.ops.ep_moe_native.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots,
-                                                               capacity)
-        return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
     if how == "jit":
         *tensors, host = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots, capacity)
         return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
@@ -238,30 +232,23 @@ def _pair_dot_torch(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int
 
 
 # ------------------------------------------------------------------------------------------ implementations
-# Four implementations of the same contract, chosen per call by where the tensors are (`kernel_implementation`):
-# the CUDA kernels of the native extension (torch ops ``ep_moe_native::*``, registered in C++: the least host
-# time per call), the JIT kernels (`ep_moe.native.jit.expert_major`: the same functions with the same outputs,
-# specialized per shape, launched from Python), the Triton kernels of `ep_moe.permute_triton` (CUDA without
-# either), and the torch definitions above (CPU, float64, and the JIT's and Triton's place while torch.compile
-# traces).
-NATIVE_MAX_EXPERTS = 1024  # experts the native (and JIT) layout kernels count in shared memory; beyond, torch
+# Three implementations of the same contract, chosen per call by where the tensors are (`kernel_implementation`):
+# the JIT kernels (`ep_moe.native.jit.expert_major`, specialized per shape, launched from Python), the Triton
+# kernels of `ep_moe.permute_triton` (CUDA where the JIT kernels cannot run), and the torch definitions above (CPU,
+# float64, and the kernels' place while torch.compile traces).
+NATIVE_MAX_EXPERTS = 1024  # experts the JIT layout kernels count in shared memory; beyond, torch
 assert NATIVE_MAX_EXPERTS == jit_kernels.MAX_EXPERTS
 
 
 def kernel_implementation(t: Tensor) -> str:
-    """Which implementation the CUDA kernels of tensors like ``t`` come from: ``"native"`` (the extension's torch
-    ops), ``"jit"`` (`ep_moe.native.jit`), ``"triton"`` or ``"torch"`` (see above; also for other callers of the
-    extension's expert-major ops, e.g. the Megatron integration's routing map)."""
-    if not t.is_cuda or t.dtype == torch.float64:
+    """Which implementation the kernels of tensors like ``t`` come from: ``"jit"`` (`ep_moe.native.jit`),
+    ``"triton"`` or ``"torch"`` (see above; also for other callers of the generic expert-major ops, e.g. the
+    Megatron integration's routing map)."""
+    if not t.is_cuda or t.dtype == torch.float64 or torch.compiler.is_compiling():
         return "torch"
-    jit_mode, compiling = jit.mode(), torch.compiler.is_compiling()
-    if jit_mode == "force" and not compiling and jit.available():
+    if jit.available():
         return "jit"
-    if native.extension_available():
-        return "native"
-    if jit_mode == "auto" and not compiling and jit.available():
-        return "jit"
-    if permute_triton.available() and not compiling:
+    if permute_triton.available():
         return "triton"
     return "torch"
 
@@ -277,8 +264,9 @@ def torch_fallback_reason(t: Tensor) -> str:
     """Why CUDA tensors like ``t`` run as torch code, in one line."""
     if t.dtype == torch.float64:
         return "float64 has no kernel"
-    reasons = [f"native extension: {native.extension_unavailable_reason() or 'not chosen'}",
-               f"JIT: {'EP_MOE_JIT=0' if jit.mode() == 'off' else jit.unavailable_reason() or 'not chosen'}",
+    if torch.compiler.is_compiling():
+        return "torch.compile traces the torch definitions"
+    reasons = [f"JIT: {jit.unavailable_reason() or 'not chosen'}",
                f"Triton: {permute_triton.unavailable_reason() or 'not chosen'}"]
     return "; ".join(reasons)
 
@@ -301,7 +289,7 @@ def _note_ran(how: str, t: Tensor, why: str | None = None) -> str:
 
 
 def implementations_run() -> tuple[str, ...]:
-    """The implementations (``"native"``, ``"jit"``, ``"triton"``, ``"torch"``; sorted) that ran an
+    """The implementations (``"jit"``, ``"triton"``, ``"torch"``; sorted) that ran an
     expert-major call in this process since it started or since `reset_implementations_run`."""
     with _ran_lock:
         return tuple(sorted(_ran))
@@ -325,13 +313,12 @@ def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
 def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """(rows [M, H], slot_values [M] or None)."""
     how = _note_ran(kernel_implementation(x), x)
-    kernel = (torch.ops.ep_moe_native.permute_rows if how == "native" else
-              jit_kernels.permute_rows if how == "jit" else None)
+    kernel = jit_kernels.permute_rows if how == "jit" else None
     if kernel is not None and (values is None or values.dtype == torch.float32):
         rows, slot_values = kernel(x.contiguous(), pair_of_slot, num_topk,
                                    None if values is None else values.contiguous())
         return rows, None if values is None else slot_values
-    if how != "torch":  # Triton (or native / JIT with values of another dtype)
+    if how != "torch":  # Triton (or JIT with values of another dtype)
         rows = torch.empty(pair_of_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
         if how == "triton":
             permute_triton.run_permute_rows(x.contiguous(), pair_of_slot, num_topk, rows)
@@ -346,9 +333,8 @@ def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_val
                slot_of_pair: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out [N, H], pair_values [N, K] or None: ``slot_values`` at each pair's slot, 0 where it has none)."""
     how = _note_ran(kernel_implementation(y), y)
-    if how in ("native", "jit"):
-        kernel = torch.ops.ep_moe_native.unpermute_sum if how == "native" else jit_kernels.unpermute_sum
-        out, pair_values = kernel(
+    if how == "jit":
+        out, pair_values = jit_kernels.unpermute_sum(
             y.contiguous(), None if weights is None else weights.contiguous(), sorted_slots,
             None if slot_values is None else slot_values.contiguous(), slot_of_pair)
         return out, None if slot_values is None else pair_values
@@ -370,10 +356,8 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
                         need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """(grad_y [M, H] or None, grad_weights [M] or None) of `unpermute_sum`."""
     how = _note_ran(kernel_implementation(grad), grad)
-    if how in ("native", "jit"):
-        kernel = (torch.ops.ep_moe_native.unpermute_sum_backward if how == "native" else
-                  jit_kernels.unpermute_sum_backward)
-        grad_y, grad_w = kernel(
+    if how == "jit":
+        grad_y, grad_w = jit_kernels.unpermute_sum_backward(
             grad, y.contiguous(), None if weights is None else weights.contiguous(), pair_of_slot, num_topk,
             need_grad_y, need_grad_weights)
         return (grad_y if need_grad_y else None), (grad_w if need_grad_weights else None)
@@ -469,11 +453,13 @@ def _check_rows(x: Tensor, layout: ExpertLayout) -> None:
 
 
 def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None) -> Tensor:
-    """``y [M, H]`` (bf16/fp32) back to ``[N, H]``: each row the fp32 sum over its pairs, in increasing slot
-    order, of ``weights[slot] * y[slot]`` (``weights [M]`` fp32; None = 1), rounded once to y's dtype.
-    Differentiable in ``y`` and ``weights``."""
+    """``y [M, H]`` (bf16/fp32) back to ``[N, H]``: each row the fp32 sum over its pairs, in top-k order (k = 0,
+    1, ..., as DeepEP V2's expanded combine), of ``weights[slot] * y[slot]`` (``weights [M]`` fp32; None = 1),
+    rounded once to y's dtype. Differentiable in ``y`` and ``weights``."""
     check_unpermute_args(y, layout, weights)
-    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.sorted_slots)
+    # slot_of_pair lists each row's slots in top-k order, -1 where entry k is no pair: every implementation
+    # skips those entries, so it serves as the order of the sum
+    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.slot_of_pair)
 
 
 def check_unpermute_args(y: Tensor, layout: ExpertLayout, weights: Tensor | None) -> None:
@@ -526,15 +512,12 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
         raise ValueError(f"permute_received_rows: argument 'values' must be [N={layout.num_rows}, "
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
     how = kernel_implementation(rows)
-    if how in ("native", "jit") and not torch.compiler.is_compiling():
+    if how == "jit":
         _note_ran(how, rows)
-        if how == "native":
-            kernel = torch.ops.ep_moe_native.permute_received_rows
-        else:  # imported here: the intranode JIT module it comes with is not needed before
-            from .native.jit import expert_major_csrc
+        # imported here: the intranode JIT module it comes with is not needed before
+        from .native.jit import expert_major_csrc
 
-            kernel = expert_major_csrc.permute_received_rows
-        out, slot_values = kernel(
+        out, slot_values = expert_major_csrc.permute_received_rows(
             rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
             rank_prefix_matrix.to(torch.int32).contiguous(), rank, layout.pair_of_slot, layout.num_topk,
             None if values is None else values.contiguous())

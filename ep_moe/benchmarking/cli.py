@@ -209,13 +209,10 @@ class _RankBench:
         self._emit(row)
 
     def _kernels(self, backend: str, op: str) -> str:
-        """Which kernels ran the timed calls of ``op`` on this rank: the buffer's transport (for ``native``, the
-        build of its kernels: JIT or the extension) and, for the expert-major operations, the implementations
-        of the permute and reduce (`ep_moe.permute.implementations_run`)."""
+        """Which kernels ran the timed calls of ``op`` on this rank: the buffer's transport and, for the
+        expert-major operations, the implementations of the permute and reduce
+        (`ep_moe.permute.implementations_run`)."""
         transport = self.buffers[backend].backend_name
-        if transport == "native":
-            kind = native.kernels_kind()
-            transport += f" ({'extension' if kind == 'aot' else kind})"
         if op.startswith("expert_"):
             transport += f", permute {'+'.join(permute.implementations_run()) or 'none'}"
         return transport
@@ -518,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                "Exit status: 0 when every check passed, 1 when a check failed (a checked or a timed call)\n"
                "or an operation raised.")
     p.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=None,
-                   help="backends to compare (default: torch, and native when its extension is built)")
+                   help="backends to compare (default: torch, and native where its kernels run)")
     p.add_argument("--tokens", nargs="+", type=int, default=None, metavar="T",
                    help="tokens per rank; several values make a sweep (e.g. 128 256 ... 16384)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size H (a multiple of 128 for fp8)")
@@ -608,11 +605,11 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: li
         parser.error(f"--timeout: must be positive, got {args.timeout}")
     names = args.backends
     if names is None:
-        names = ["torch"] + (["native"] if native.kernels_kind() is not None and args.device == "cuda" else [])
+        names = ["torch"] + (["native"] if native.kernels_available() and args.device == "cuda" else [])
     elif "native" in names:
         if args.device != "cuda":
             parser.error("--backends native: the native backend needs CUDA GPUs (this run is on CPU)")
-        if native.kernels_kind() is None:
+        if not native.kernels_available():
             parser.error(f"--backends native: no native kernels here ({native.kernels_unavailable_reason()})")
     # torch first: the other backends are compared with it, bit for bit, and timed against it.
     names = sorted(dict.fromkeys(names), key=lambda n: (n != "torch", n))

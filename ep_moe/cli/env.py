@@ -1,9 +1,9 @@
-"""``ep-moe env``: what this installation runs on, and whether the native kernels are built, and why not.
+"""``ep-moe env``: what this installation runs on, and whether the native kernels can run, and why not.
 
 Prints one ``name: value`` line per item: ep_moe's version and location, what ``python -m ep_moe.native``
-reports (`ep_moe.native.report`: interpreter, torch, CUDA and the GPUs, NCCL, symmetric memory, the native
-extension and ``setup.py``'s build record, the multicast variables), the implementation of the expert-major kernels (native, jit, triton or torch,
-and why torch), and the calibration cache. An item that
+reports (`ep_moe.native.report`: interpreter, torch, CUDA and the GPUs, NCCL, symmetric memory, the JIT
+kernels, their compiler and cache, the multicast variables), the implementation of the expert-major kernels (jit, triton or
+torch, and why torch), and the calibration cache. An item that
 cannot be found out says why instead; the exit status is 0 whenever the report is printed.
 """
 

@@ -1,11 +1,12 @@
 """``ep-moe jit``: the JIT kernels' cache, ahead of time.
 
 ``ep-moe jit warmup [--shapes hidden=7168,topk=8,experts=32[,dtype=bf16] ...] [--arch sm_90]`` compiles the
-intranode kernels and the extension's generic expert-major ops (one build each with its layout probe,
+intranode kernels and the generic expert-major ops (one build each with its layout probe,
 `ep_moe.native.jit.intranode.specializations`, `ep_moe.native.jit.expert_major_csrc.specializations`) and every
 expert-major specialization those shapes take (`ep_moe.native.jit.expert_major.specializations`) into the cache
 (``--cache-dir``, else ``$EP_MOE_CACHE_DIR/jit``, else ``~/.cache/ep_moe/jit``), one line per kernel with how long it took: run it where a CUDA
-compiler is (a login node) for compute nodes that lack one (they load the entries with ``EP_MOE_JIT=1``).
+compiler is (a login node, a container build) for compute nodes that lack one: there the kernels load from the cache
+without compiling, and a kernel the cache lacks is an error naming the shape to warm up.
 Without ``--arch`` the architecture of GPU 0 is used. ``ep-moe jit list`` prints the cached kernels.
 Exit status 1 when a kernel does not compile (its log is printed), 2 on bad arguments or no compiler.
 """

@@ -170,9 +170,8 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int, check: bo
     Returns:
         ``topk_idx [T, K]`` int64 (selected expert ids in increasing order, then -1) and
         ``topk_weights [T, K]`` fp32 (the probs of those experts, 0 for -1), differentiable in ``probs``.
-        On CUDA with the native extension or the JIT kernels (fp32 or bf16 probs; `ep_moe.permute.
-        kernel_implementation` chooses) one kernel each way (forward, gradient); elsewhere torch ops, with the
-        same results.
+        On CUDA with the JIT kernels (fp32 or bf16 probs; `ep_moe.permute.kernel_implementation` chooses) one
+        kernel each way (forward, gradient); elsewhere torch ops, with the same results.
     """
     if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
         raise ValueError(f"routing_map must be a [T, E] bool tensor, got {routing_map.dtype} of shape "
@@ -182,9 +181,8 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int, check: bo
     if check and routing_map.numel() and int(routing_map.sum(dim=1).max()) > topk:
         raise ValueError(f"routing_map selects more than moe_router_topk={topk} experts for some token")
     how = permute.kernel_implementation(routing_map)
-    if (how in ("native", "jit") and probs.device == routing_map.device
-            and probs.dtype in (torch.float32, torch.bfloat16)):
-        return _RoutingMapToTopk.apply(routing_map.contiguous(), probs.contiguous(), topk, how == "jit")
+    if how == "jit" and probs.device == routing_map.device and probs.dtype in (torch.float32, torch.bfloat16):
+        return _RoutingMapToTopk.apply(routing_map.contiguous(), probs.contiguous(), topk)
     return _routing_map_to_topk_torch(routing_map, probs, topk)
 
 
@@ -206,31 +204,29 @@ def _routing_map_to_topk_torch(routing_map: Tensor, probs: Tensor, topk: int) ->
 
 
 class _RoutingMapToTopk(torch.autograd.Function):
-    """`routing_map_to_topk` in one kernel (the extension's op, or the JIT's with ``jit``); the gradient puts each
-    weight's gradient (rounded to the probs' dtype) at its expert, zero elsewhere, in one kernel."""
+    """`routing_map_to_topk` in one JIT kernel; the gradient puts each weight's gradient (rounded to the probs'
+    dtype) at its expert, zero elsewhere, in one kernel."""
 
     @staticmethod
-    def forward(ctx, routing_map: Tensor, probs: Tensor, topk: int, jit: bool) -> tuple[Tensor, Tensor]:
-        ops = _jit_csrc() if jit else torch.ops.ep_moe_native
-        topk_idx, topk_weights = ops.routing_map_to_topk(routing_map, probs, topk)
+    def forward(ctx, routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+        topk_idx, topk_weights = _jit_csrc().routing_map_to_topk(routing_map, probs, topk)
         ctx.mark_non_differentiable(topk_idx)
         ctx.save_for_backward(topk_idx)
-        ctx.num_experts, ctx.dtype, ctx.jit = probs.shape[1], probs.dtype, jit
+        ctx.num_experts, ctx.dtype = probs.shape[1], probs.dtype
         return topk_idx, topk_weights
 
     @staticmethod
     def backward(ctx, grad_idx, grad_weights):
         (topk_idx,) = ctx.saved_tensors
         if grad_weights is None or not ctx.needs_input_grad[1]:
-            return None, None, None, None
-        ops = _jit_csrc() if ctx.jit else torch.ops.ep_moe_native
-        grad = ops.routing_map_to_topk_backward(grad_weights.float().contiguous(), topk_idx, ctx.num_experts,
-                                                ctx.dtype)
-        return None, grad, None, None
+            return None, None, None
+        grad = _jit_csrc().routing_map_to_topk_backward(grad_weights.float().contiguous(), topk_idx,
+                                                        ctx.num_experts, ctx.dtype)
+        return None, grad, None
 
 
 def _jit_csrc():
-    """The JIT build of the extension's expert-major ops (`ep_moe.native.jit.expert_major_csrc`)."""
+    """The generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`)."""
     from ep_moe.native.jit import expert_major_csrc
 
     return expert_major_csrc
@@ -244,7 +240,7 @@ class EpMoETokenDispatcher(MoETokenDispatcher):
         num_local_experts, local_expert_indices, config: as for Megatron's dispatchers.
         pg_collection: Megatron's process groups (``.ep``, ``.expt_tp``, ``.tp_ep`` are read); megatron-core
             < 0.15 calls it ``model_comm_pgs`` (accepted too). Default: Megatron's global groups.
-        backend: the `ep_moe.Buffer` backend, "auto" (native kernels over NVLink where built, else
+        backend: the `ep_moe.Buffer` backend, "auto" (native kernels over NVLink where they run, else
             torch.distributed), "native" or "torch".
         num_sms: SMs for this layer's dispatch and combine (0 = the buffer's default).
         buffer: use this `ep_moe.Buffer` (over the EP group) instead of the shared one.

@@ -1,22 +1,16 @@
 """Native intranode kernels (CUDA, over symmetric memory) and the check of whether they can run.
 
-The extension ``ep_moe.native._C`` exists only where ``setup.py`` was asked to build it (``EP_MOE_BUILD_EXTENSION=1``)
-and found a CUDA toolkit and a CUDA build of torch; elsewhere (the default install) the same kernels compile on first
-use (`ep_moe.native.jit.intranode`, chosen by `kernels_kind`); ``setup.py`` records what it decided, and why, in ``build_info.json`` beside this file
-(`read_build_record`), which is what `extension_unavailable_reason` quotes. Everything here imports
-without the extension. ``python -m ep_moe.native`` prints the environment report (``ep-moe env``).
+The kernels compile on first use (`ep_moe.native.jit`: NVRTC or nvcc, into a disk cache that ``ep-moe jit warmup``
+fills ahead of time) and launch from Python (`ep_moe.native.jit.intranode`). `kernels_unavailable_reason` says
+why they cannot run in this process, `unavailable_reason` why the native backend cannot serve a group. Everything
+here imports without CUDA. ``python -m ep_moe.native`` prints the environment report (``ep-moe env``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
+import importlib
 import logging
-import os
 import socket
-import sys
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,164 +23,55 @@ log = logging.getLogger("ep_moe")
 
 MAX_RANKS = 8  # the kernels address at most this many NVLink peers
 
-BUILD_RECORD = Path(__file__).with_name("build_info.json")  # written by setup.py, shipped with the package
-_RECORD_TYPES: dict[str, tuple[type, ...]] = {
-    "built": (bool,), "reason": (str, type(None)), "python": (str,), "prefix": (str,), "time": (str,),
-    "torch": (str, type(None)), "torch_cuda": (str, type(None)), "cuda_home": (str, type(None)),
-    "cuda_arch": (str, type(None)),
-}
-
-
-def read_build_record(path: str | os.PathLike = BUILD_RECORD) -> dict[str, Any] | None:
-    """``setup.py``'s record of the native build, or None when there is no such file.
-
-    Fields: ``built`` (bool: the kernels compiled), ``reason`` (str, why not, when not built), ``python``
-    and ``prefix`` (``sys.executable`` and ``sys.prefix`` of the interpreter that ran ``setup.py``),
-    ``torch`` and ``torch_cuda`` (the torch it saw, None when it could not import one), ``cuda_home`` and
-    ``cuda_arch`` (when it compiled), ``time`` (UTC, ISO 8601). Raises `ValueError` naming the file when it
-    is not such a record.
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise ValueError(f"build record {path}: cannot be read ({exc})") from exc
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"build record {path}: not JSON ({exc})") from exc
-    if not isinstance(record, dict):
-        raise ValueError(f"build record {path}: expected a JSON object, got {type(record).__name__}")
-    for field, types in _RECORD_TYPES.items():
-        if field not in record:
-            raise ValueError(f"build record {path}: field {field!r} is missing")
-        if not isinstance(record[field], types):
-            raise ValueError(f"build record {path}: field {field!r} has the wrong type "
-                             f"({type(record[field]).__name__})")
-    if not record["built"] and not record["reason"]:
-        raise ValueError(f"build record {path}: 'built' is false but no 'reason' is given")
-    return record
-
-
-def _other_interpreter(record: dict[str, Any]) -> str | None:
-    """Says so when ``setup.py`` ran under another interpreter or environment than this one."""
-    same_binary = os.path.realpath(record["python"]) == os.path.realpath(sys.executable)
-    if record["python"] == sys.executable or (same_binary and record["prefix"] == sys.prefix):
-        return None
-    return f"setup.py ran under {record['python']} (prefix {record['prefix']}), this is {sys.executable} " \
-           f"(prefix {sys.prefix})"
-
-
-def explain_missing_extension(import_error: str | None, record_path: str | os.PathLike = BUILD_RECORD) -> str:
-    """Why ``ep_moe.native._C`` cannot be used, from ``setup.py``'s build record (`read_build_record`).
-
-    ``import_error``: the error of importing a ``_C`` that exists, None when there is no ``_C`` file.
-    Says whether ``setup.py`` built the kernels and why not, which interpreter (and torch) built them
-    when that is not this one, and the import error.
-    """
-    try:
-        record = read_build_record(record_path)
-    except ValueError as exc:
-        parts = [f"unreadable {exc}"]
-    else:
-        if record is None:
-            parts = ["no build record: ep_moe was installed without running setup.py here"]
-        elif not record["built"]:
-            parts = [f"setup.py built no extension: {record['reason']}"]
-        else:
-            cuda = f"CUDA {record['torch_cuda']}, sm_{record['cuda_arch']}"
-            parts = [f"setup.py built the kernels ({record['time']}, torch {record['torch']}, {cuda}) but "
-                     + ("they do not import" if import_error else f"no compiled _C is in {Path(__file__).parent}")]
-            if record["torch"] != torch.__version__:
-                parts.append(f"torch here is {torch.__version__}")
-        if record is not None and (other := _other_interpreter(record)):
-            parts.append(other)
-    if import_error:
-        parts.append(f"import error: {import_error}")
-    return "; ".join(parts)
-
-
-try:  # the compiled kernels, when they were built
-    from . import _C  # type: ignore[attr-defined]
-    _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # reported when someone asks for the backend or runs ep-moe env
-    _C = None
-    _found = importlib.util.find_spec(f"{__name__}._C") is not None
-    _IMPORT_ERROR = explain_missing_extension((str(exc) or type(exc).__name__) if _found else None)
-
-
-if _C is not None:
-    from . import torch_ops  # noqa: F401  (the fake implementations of its torch ops)
-
-
-def extension_available() -> bool:
-    """True when the CUDA extension was built and imports."""
-    return _C is not None
-
-
-def extension_unavailable_reason() -> str | None:
-    """Why the CUDA extension cannot be used here (`explain_missing_extension`), None when it imports."""
-    return _IMPORT_ERROR
-
-
-_choices: dict[str | None, tuple[str | None, str | None]] = {}  # by the value of EP_MOE_JIT (once per process)
-
-
-def _kernels_choice() -> tuple[str | None, str | None]:
-    """``(kind, None)`` with kind ``"aot"`` (the extension) or ``"jit"`` (`ep_moe.native.jit.intranode`), or
-    ``(None, why neither)``. ``EP_MOE_JIT=1``: the JIT module; ``0``: the extension; unset: the extension where it
-    is built, else the JIT module where JIT kernels can run (a CUDA GPU and a compiler, or a warm cache)."""
-    value = os.environ.get("EP_MOE_JIT")
-    found = _choices.get(value)
-    if found is None:
-        found = _choices[value] = _decide_kernels()
-    return found
-
-
-def _decide_kernels() -> tuple[str | None, str | None]:
-    from . import jit
-
-    try:
-        mode = jit.mode()
-    except ValueError as exc:
-        return None, str(exc)
-    if mode == "force":
-        why = jit.unavailable_reason()
-        return ("jit", None) if why is None else (None, f"EP_MOE_JIT=1 asks for the JIT kernels, which cannot run "
-                                                        f"here ({why})")
-    if _C is not None:
-        return "aot", None
-    missing = f"the CUDA extension ep_moe.native._C is unavailable ({_IMPORT_ERROR})"
-    if mode == "off":
-        return None, f"{missing}, and EP_MOE_JIT=0 turns the JIT kernels off"
-    why = jit.unavailable_reason()
-    return ("jit", None) if why is None else (None, f"{missing}, and the JIT kernels cannot run here ({why})")
-
-
-def kernels_kind() -> str | None:
-    """Which build of the intranode kernels the native backend uses in this process: ``"aot"`` (the
-    extension), ``"jit"`` (compiled on first use, `ep_moe.native.jit.intranode`), or None (neither can run:
-    `kernels_unavailable_reason`)."""
-    return _kernels_choice()[0]
+_decided: str | None | bool = False  # kernels_unavailable_reason, once per process (False: not decided yet)
 
 
 def kernels_unavailable_reason() -> str | None:
-    """Why neither build of the intranode kernels can run here (one line), None when one can."""
-    return _kernels_choice()[1]
+    """Why the intranode kernels cannot run in this process (one line), or None when they can: the JIT kernels
+    run (`ep_moe.native.jit.unavailable_reason`) and, where no CUDA compiler is found, the disk cache holds the
+    intranode kernels and the generic expert-major ops for this GPU's architecture (``ep-moe jit warmup``).
+    Decided once per process."""
+    global _decided
+    if _decided is False:
+        _decided = _decide_kernels()
+    return _decided
+
+
+def _decide_kernels() -> str | None:
+    from . import jit
+
+    why = jit.unavailable_reason()
+    if why is not None:
+        return why
+    compiler, how = jit.compiler()
+    if compiler is not None:
+        return None
+    from .jit import expert_major_csrc, intranode
+
+    arch = jit.device_arch(torch.cuda.current_device())
+    missing = [s.label for s in intranode.specializations() + expert_major_csrc.specializations()
+               if not jit.in_cache(s, arch)]
+    if not missing:
+        return None
+    return (f"no CUDA compiler ({how}) and the cache {jit.process_cache().directory} lacks {', '.join(missing)} "
+            f"for {arch}; run `ep-moe jit warmup --arch {arch}` where a compiler is")
+
+
+def kernels_available() -> bool:
+    """True when the intranode kernels can run in this process (`kernels_unavailable_reason`)."""
+    return kernels_unavailable_reason() is None
 
 
 def intranode_kernels():
-    """The intranode kernels' module (`kernels_kind`): ``ep_moe.native._C`` or ``ep_moe.native.jit.intranode``,
-    which have the same functions (``Env``, ``layout``, ``notify``, ``dispatch``, ``combine``, ``barrier``) and
-    constants; the JIT one has ``KIND == "jit"``. Raises `RuntimeError` saying why
-    when neither can run."""
-    kind, why = _kernels_choice()
-    if kind is None:
+    """The intranode kernels' module, `ep_moe.native.jit.intranode` (``Env``, ``layout``, ``notify``,
+    ``dispatch``, ``combine``, ``barrier`` and the constants of ``csrc/kernels.h``). Raises `RuntimeError` saying
+    why when they cannot run here (`kernels_unavailable_reason`)."""
+    if _jit_intranode is not None:
+        return _jit_intranode
+    why = kernels_unavailable_reason()
+    if why is not None:
         raise RuntimeError(f"ep_moe.native: no intranode kernels: {why}")
-    if kind == "aot":
-        return _C
-    return _jit_intranode or _import_jit_intranode()
+    return _import_jit_intranode()
 
 
 _jit_intranode = None  # ep_moe.native.jit.intranode once imported: no import statement per call (every operation)
@@ -200,27 +85,16 @@ def _import_jit_intranode():
     return intranode
 
 
-def kinds_disagree(kinds: list[str]) -> str | None:
-    """Why a group whose ranks use these builds (`kernels_kind` of rank r at ``kinds[r]``) cannot run the native
-    backend, or None when they are all alike."""
-    if len(set(kinds)) == 1:
-        return None
-    return ("the ranks use different builds of the native kernels (" + ", ".join(
-        f"rank {r}: {'extension' if k == 'aot' else 'JIT'}" for r, k in enumerate(kinds)) +
-        "); set EP_MOE_JIT alike on every rank")
-
-
 def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | None:
     """Why the native backend cannot serve ``group`` on ``device``, or None when it can.
 
-    Collective: every rank of ``group`` must call it (it gathers each rank's ``EP_MOE_SYMMETRIC_MEMORY``, host,
-    device, what it can map and which build of the kernels it uses: ranks must agree, so that every rank runs the
-    same code). Raises `ValueError` on every rank when the ranks name different symmetric memory providers
+    Collective where the kernels can run here (`kernels_unavailable_reason`): every rank of ``group`` must call it
+    (it gathers each rank's ``EP_MOE_SYMMETRIC_MEMORY``, host, device and what it can map). Raises `ValueError` on every rank when the ranks name different symmetric memory providers
     (`symmetric.agreed_symmetric_memory_provider`). With the ``torch`` provider every rank needs a GPU of its own;
     with ``vmm`` ranks may share one. Ranks on distinct GPUs need peer access to each other.
     """
-    kind, why = _kernels_choice()
-    if kind is None:
+    why = kernels_unavailable_reason()
+    if why is not None:
         return why
     provider = agreed_symmetric_memory_provider(group)
     if device.type != "cuda":
@@ -238,17 +112,15 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
         reason = vmm_unavailable_reason(device, exportable=True, host=False)
         if reason is not None:
             memory_reason = f"{SYMMETRIC_MEMORY_ENV}=vmm, but the CUDA VMM calls cannot serve it: {reason}"
-    here = (socket.gethostname(), torch.cuda.current_device(), memory_reason, kind)
+    here = (socket.gethostname(), torch.cuda.current_device(), memory_reason)
     everyone: list = [None] * num_ranks
     dist.all_gather_object(everyone, here, group=group)  # every rank decides from the same facts
-    failed = [f"rank {r}: {why}" for r, (_, _, why, _) in enumerate(everyone) if why is not None]
+    failed = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(everyone) if why is not None]
     if failed:
         return "; ".join(failed)
     if len({host for host, *_ in everyone}) != 1:
         return "the group spans several hosts (native kernels are intranode only)"
-    if (mixed := kinds_disagree([k for *_, k in everyone])) is not None:
-        return mixed
-    devices = [dev for _, dev, *_ in everyone]
+    devices = [dev for _, dev, _ in everyone]
     if provider == "torch" and len(set(devices)) != num_ranks:
         shared = next(dev for dev in devices if devices.count(dev) > 1)
         ranks = [r for r, dev in enumerate(devices) if dev == shared]
@@ -268,7 +140,6 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     return per_rank, per_expert, in_rank
 
 
-__all__ = ["BUILD_RECORD", "MAX_RANKS", "SYMMETRIC_MEMORY_ENV", "agreed_symmetric_memory_provider",
-           "buffer_size_hint", "dispatch_layout", "explain_missing_extension", "extension_available",
-           "extension_unavailable_reason", "intranode_kernels", "kernels_kind", "kernels_unavailable_reason",
-           "read_build_record", "symmetric_memory_provider", "unavailable_reason"]
+__all__ = ["MAX_RANKS", "SYMMETRIC_MEMORY_ENV", "agreed_symmetric_memory_provider", "buffer_size_hint",
+           "dispatch_layout", "intranode_kernels", "kernels_available", "kernels_unavailable_reason",
+           "symmetric_memory_provider", "unavailable_reason"]

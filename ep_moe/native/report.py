@@ -1,17 +1,15 @@
 """``python -m ep_moe.native``: what the native kernels need and whether they can run here.
 
 One ``name: value`` line per item (`ITEMS`): the Python interpreter, torch, CUDA and the GPUs, NCCL, the symmetric
-memory (the provider ``EP_MOE_SYMMETRIC_MEMORY`` names, and whether it can serve here), the native extension (built
-or not, and why not) with ``setup.py``'s build record (`ep_moe.native.read_build_record`), which build the intranode
-kernels come from (extension or JIT), the JIT kernels (used or why not, the compiler found, the cache directory
-and its kernels), and the multicast variables. ``ep-moe env`` (`ep_moe.cli.env`) prints
+memory (the provider ``EP_MOE_SYMMETRIC_MEMORY`` names, and whether it can serve here), the JIT kernels (whether
+they run, and why not), the intranode kernels (whether the native backend has them), the compiler found, the cache
+directory and its kernels, and the multicast variables. ``ep-moe env`` (`ep_moe.cli.env`) prints
 these and the rest of the installation. An item that cannot be found out says why instead.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import platform
 import sys
@@ -66,49 +64,20 @@ def _symmetric_memory() -> str:
     return f"{chosen}: torch.distributed._symmetric_memory imports"
 
 
-def _native_kernels() -> str:
-    if native.extension_available():
-        return f"built, imported from {Path(native._C.__file__)}"
-    try:
-        record = native.read_build_record()
-    except ValueError:
-        record = None
-    state = "built but not importable" if record is not None and record["built"] else "not built"
-    return f"{state} ({native.extension_unavailable_reason()})"
-
-
-def _build_record() -> str:
-    try:
-        record = native.read_build_record()
-    except ValueError as exc:
-        return f"unreadable {exc}"
-    if record is None:
-        return f"none ({native.BUILD_RECORD} does not exist)"
-    fields = "".join(f"\n    {key}: {value if isinstance(value, str) else json.dumps(value)}"
-                     for key, value in record.items())
-    return f"{native.BUILD_RECORD}{fields}"
-
-
 def _jit_kernels() -> str:
-    mode = jit.mode()
-    if mode == "off":
-        return "off (EP_MOE_JIT=0)"
     reason = jit.unavailable_reason()
     if reason is not None:
         return f"unavailable ({reason})"
-    if native.extension_available() and mode != "force":
-        return "available; the ahead-of-time extension is used instead (EP_MOE_JIT=1 prefers JIT)"
-    return "used for the intranode and expert-major kernels" + (" (EP_MOE_JIT=1)" if mode == "force" else "")
+    compiler, _ = jit.compiler()
+    how = "compiled on first use" if compiler is not None else "loaded from the cache only (no compiler)"
+    return f"available: {how}, launched from Python (ep_moe.native.jit)"
 
 
 def _intranode_kernels() -> str:
-    kind = native.kernels_kind()
-    if kind == "aot":
-        return "the ahead-of-time extension ep_moe.native._C"
-    if kind == "jit":
-        return ("JIT: csrc's kernels compiled on first use, one build per architecture, launched from Python "
-                "(ep_moe.native.jit.intranode)")
-    return f"none, the native backend is unavailable ({native.kernels_unavailable_reason()})"
+    reason = native.kernels_unavailable_reason()
+    if reason is not None:
+        return f"unavailable, and so is the native backend ({reason})"
+    return "available: csrc's kernels, one build per architecture (ep_moe.native.jit.intranode)"
 
 
 def _jit_compiler() -> str:
@@ -133,10 +102,8 @@ ITEMS: tuple[Item, ...] = (
     ("GPUs", _gpus),
     ("NCCL", _nccl),
     ("symmetric memory", _symmetric_memory),
-    ("native kernels", _native_kernels),
-    ("build record", _build_record),
-    ("intranode kernels", _intranode_kernels),
     ("JIT kernels", _jit_kernels),
+    ("intranode kernels", _intranode_kernels),
     ("JIT compiler", _jit_compiler),
     ("JIT cache", _jit_cache),
     ("multicast", _multicast),

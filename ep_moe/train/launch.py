@@ -143,7 +143,7 @@ def preflight_ep_moe(recipe: Recipe) -> None:
 
 
 def preflight_backend(recipe: AnyRecipe, device_type: str) -> None:
-    """``ep_moe.dispatcher_backend: native`` can run here: the CUDA extension imports and the ranks are on
+    """``ep_moe.dispatcher_backend: native`` can run here: the native kernels can run and the ranks are on
     GPUs (checked where the recipe's model dispatches through ep_moe with more than one EP rank, or, for the
     other engines, through ep_moe at all). `RecipeError` naming the key and what to use instead."""
     if recipe.ep_moe.dispatcher_backend != "native":
@@ -159,9 +159,9 @@ def preflight_backend(recipe: AnyRecipe, device_type: str) -> None:
         return
     from ep_moe import native
 
-    if native.kernels_kind() is None:
-        raise RecipeError("ep_moe.dispatcher_backend: 'native' needs the native kernels (the CUDA extension "
-                          "ep_moe.native._C or their JIT build), which cannot run here "
+    if not native.kernels_available():
+        raise RecipeError("ep_moe.dispatcher_backend: 'native' needs the native kernels (compiled on first use, or "
+                          "loaded from the cache that `ep-moe jit warmup` fills), which cannot run here "
                           f"({native.kernels_unavailable_reason()}); use "
                           "ep_moe.dispatcher_backend=auto (native where it can run, else torch) or torch")
     if device_type != "cuda":

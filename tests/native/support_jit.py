@@ -1,7 +1,7 @@
 """Helpers of the JIT tests: the fake compiler (deterministic blobs, a log line per compile, optional delay or
 failure), a C header's struct fields as declared, a CUDA source run as a host program (nvcc, `NVCC` /
-`needs_nvcc`), and the GPU files' marks with the fixture that forces the JIT kernels (`GPU_JIT_MARKS`,
-`jit_forced`: import both into a module)."""
+`needs_nvcc`), and the GPU files' marks with the fixture that checks `ep_moe.permute` takes the JIT kernels
+(`GPU_JIT_MARKS`, `jit_taken`: import both into a module)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ GPU_JIT_MARKS = [pytest.mark.gpu,
 
 
 @pytest.fixture(autouse=True)
-def jit_forced(monkeypatch):
-    """``EP_MOE_JIT=1`` for every test of the module that imports it: `ep_moe.permute` takes the JIT kernels."""
-    monkeypatch.setenv("EP_MOE_JIT", "1")
+def jit_taken():
+    """For every test of the module that imports it: `ep_moe.permute` takes the JIT kernels."""
     assert permute.kernel_implementation(torch.empty(1, device="cuda")) == "jit", jit.unavailable_reason()
 
 

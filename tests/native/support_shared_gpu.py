@@ -26,7 +26,7 @@ def skip_unless_shared_gpu_runs() -> None:
     """Skip (with the reason) where ranks cannot share GPU 0 through VMM memory with the native kernels."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if native.kernels_kind() is None:  # the extension or the JIT kernels
+    if not native.kernels_available():
         pytest.skip(f"no native kernels can run here ({native.kernels_unavailable_reason()})")
     reason = vmm_unavailable_reason(DEVICE, exportable=True, host=False)
     if reason is not None:

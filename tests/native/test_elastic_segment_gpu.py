@@ -34,8 +34,7 @@ pytestmark = pytest.mark.gpu
 
 SEGMENT_BYTES = 256 << 20  # large beside everything else, so that a second data buffer could not hide
 # Per rank, beside the segment: the control block (2 MiB), the kernel modules and what the context reserves when
-# the first kernels load. One H200 (2026-12-02): 72 MiB with the extension, 74 MiB with the JIT kernels, the same
-# for the elastic and hybrid types; a second data buffer shows in ``data_allocations`` whatever its size.
+# the first kernels load. 74 MiB on one H200, the same for the elastic and hybrid types; a second data buffer shows in ``data_allocations`` whatever its size.
 SLACK = 96 << 20
 
 

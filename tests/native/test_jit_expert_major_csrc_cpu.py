@@ -1,4 +1,4 @@
-"""The JIT build of the extension's generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`:
+"""The generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`:
 ``permute_received_rows``, ``unpermute_own_rows``, ``routing_map_to_topk`` and its backward) on CPU:
 
 * the ctypes mirrors of ``csrc/expert_major.h``: field names and order parsed from the header, and (where nvcc is
@@ -9,7 +9,7 @@
   parameter struct points at (so every pointer, size and the chosen instantiation are checked) and the results
   equal the torch definitions bit for bit; arguments checked (errors name them) before anything is launched;
 * who calls them: `ep_moe.permute.permute_received_rows`, the native backend's own rows (`_own_rows`) and fused
-  modes, and the Megatron integration's routing map, when the JIT is chosen.
+  modes, and the Megatron integration's routing map, where the JIT kernels run.
 """
 
 from __future__ import annotations
@@ -365,21 +365,20 @@ def test_permute_received_rows_takes_the_jit_op_when_the_jit_is_chosen(launched,
     assert len(launched) == 1, "the torch definitions elsewhere"
 
 
-def test_native_backend_takes_the_jit_ops_with_jit_intranode_kernels(launched, monkeypatch):
+def test_native_backend_takes_the_jit_ops_where_the_kernels_run(launched, monkeypatch):
     from ep_moe import native
     from ep_moe.backends import native_backend as nb
 
     y = torch.randn(12, 16).to(torch.bfloat16)
     slots = torch.tensor([[0, 3], [1, -1], [2, 5], [4, -1]])
     prefix = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
-    monkeypatch.setattr(native, "_choices", {None: ("jit", None), "": ("jit", None), "1": ("jit", None)})
-    monkeypatch.setattr(native, "extension_available", lambda: False)
-    assert nb._expert_major_ops(), "the fused modes stay on with JIT-built intranode kernels"
+    monkeypatch.setattr(native, "_decided", None)
+    assert nb._expert_major_ops(), "the fused modes are on where the kernels run"
     out = nb._own_rows(y, None, slots, prefix, 1)
     assert launched[-1][0] == E.UNPERMUTE_KERNELS[(torch.bfloat16, 8)]
     assert torch.equal(out[2:4], P._unpermute_sum_torch(y, None, slots)[2:4])
-    monkeypatch.setattr(native, "_choices", {None: (None, "no"), "": (None, "no"), "1": (None, "no")})
-    assert not nb._expert_major_ops(), "neither build: the fused modes are off"
+    monkeypatch.setattr(native, "_decided", "no kernels")
+    assert not nb._expert_major_ops(), "no kernels: the fused modes are off"
 
 
 def test_megatron_routing_map_takes_the_jit_op(launched, monkeypatch):

@@ -1,28 +1,16 @@
-"""The JIT build of the extension's generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`, taken with
-``EP_MOE_JIT=1``) on one GPU: the permute of received rows left in place (the extension test's cases, collected here
-again through the JIT), the own rows of an expert-major combine and Megatron's routing map to top-k and back, each
-bit for bit the torch definitions and, where the extension is built, the extension's ops; the mirrors' check at first
-use; a first use inside a CUDA graph capture replays like eager.
+"""The generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`) on one GPU: the own rows of an expert-major
+combine and Megatron's routing map to top-k and back, each bit for bit the torch definitions (the permute of
+received rows left in place is in test_expert_major_kernels.py); the mirrors' check at first use; a first use
+inside a CUDA graph capture replays like eager.
 Needs one GPU and a CUDA compiler (NVRTC or nvcc): ``pytest -m gpu tests/native/test_jit_expert_major_csrc_gpu.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from support_jit import GPU_JIT_MARKS, jit_forced  # noqa: F401 (an autouse fixture)
+from support_jit import GPU_JIT_MARKS, jit_taken  # noqa: F401 (an autouse fixture)
+from test_expert_major_kernels import BF16, FP32, assert_bits, routing, rows
 
-# The extension's cases of the permute from the receive buffer, run here through the JIT (EP_MOE_JIT=1).
-from test_expert_major_kernels import (
-    BF16,
-    FP32,
-    assert_bits,
-    routing,
-    rows,
-    test_permute_received_rows_equals_the_torch_definition,  # noqa: F401
-    test_permute_received_rows_stays_in_range_on_garbage_routes,  # noqa: F401
-)
-
-from ep_moe import native
 from ep_moe import permute as P
 from ep_moe.native.jit import expert_major_csrc as E
 
@@ -56,10 +44,6 @@ def test_unpermute_own_rows_equals_unpermute_sum_on_the_own_rows(dtype, H, rank)
                                    prefix.cuda(), rank)
         assert got.shape == want.shape and end > first
         assert_bits(got[first:end], want[first:end], f"own rows (weighted={weights is not None})")
-        if native.extension_available():
-            ext = torch.ops.ep_moe_native.unpermute_own_rows(
-                y.cuda(), None if weights is None else weights.cuda(), layout.sorted_slots.cuda(), prefix.cuda(), rank)
-            assert_bits(got[first:end], ext[first:end], "own rows vs the extension")
 
 
 def _routing_case(dtype, shape):
@@ -73,24 +57,18 @@ def _routing_case(dtype, shape):
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("shape", [(300, 16, 4), (64, 3, 4), (0, 8, 2), (1000, 256, 8)])
-def test_routing_map_to_topk_equals_the_torch_ops_and_the_extension(dtype, shape):
+def test_routing_map_to_topk_equals_the_torch_ops(dtype, shape):
     pytest.importorskip("megatron.core", reason="Megatron's routing map conversion needs megatron-core")
     integ = pytest.importorskip("ep_moe.integrations.megatron")
     routing_map, probs, grad, K = _routing_case(dtype, shape)
     results = []
-    for path in ("jit", "torch", "extension"):
-        if path == "extension" and not native.extension_available():
-            continue
+    for path in ("jit", "torch"):
         p = probs.cuda().requires_grad_()
         if path == "jit":
             idx, w = integ.routing_map_to_topk(routing_map.cuda(), p, K, check=False)
-        elif path == "torch":
-            idx, w = integ._routing_map_to_topk_torch(routing_map.cuda(), p, K)
         else:
-            idx, w = torch.ops.ep_moe_native.routing_map_to_topk(routing_map.cuda(), p.detach(), K)
-            p.grad = torch.ops.ep_moe_native.routing_map_to_topk_backward(grad.cuda(), idx, p.shape[1], dtype)
-        if path != "extension":
-            w.backward(grad.cuda())
+            idx, w = integ._routing_map_to_topk_torch(routing_map.cuda(), p, K)
+        w.backward(grad.cuda())
         results.append((idx.cpu(), w.detach().cpu(), p.grad.cpu()))
     for other in results[1:]:
         for name, a, b in zip(("topk_idx", "topk_weights", "grad probs"), results[0], other):

@@ -1,8 +1,5 @@
-"""The JIT expert-major kernels (`ep_moe.native.jit.expert_major`, taken by `ep_moe.permute` with
-``EP_MOE_JIT=1``) on one GPU: bit for bit the torch definitions on the cases of test_expert_major_kernels.py (the
-layout at exact size and at bounds equal to, above and below the total; the permute of rows and values; the
-(weighted) reduce; the gradients, the weights' one within a tolerance of float64 and repeatable), bit for bit the
-ahead-of-time extension where it is built (the weights' gradient too: same order), inside a CUDA graph (captured,
+"""The JIT expert-major kernels (`ep_moe.native.jit.expert_major`, taken by `ep_moe.permute` on CUDA) on one GPU,
+beyond test_expert_major_kernels.py's cases: rows routed nowhere, inside a CUDA graph (captured,
 replayed on new routings; a kernel first used during the capture too), the layout's cooperative kernel against its
 four plain kernels bit for bit, with a grid below the tile count, on two streams at once and with a capacity
 under capture (a cooperative launch captured and replayed), and the disk cache: a second process loads every
@@ -20,23 +17,9 @@ import textwrap
 import locations
 import pytest
 import torch
-from support_jit import GPU_JIT_MARKS, jit_forced  # noqa: F401 (an autouse fixture)
+from support_jit import GPU_JIT_MARKS, jit_taken  # noqa: F401 (an autouse fixture)
+from test_expert_major_kernels import BF16, assert_bits, routing, rows
 
-# The extension's cases, collected here again and run with this module's fixture (EP_MOE_JIT=1): the same
-# assertions against the torch definitions, through the JIT kernels.
-from test_expert_major_kernels import (
-    BF16,
-    FP32,
-    assert_bits,
-    routing,
-    rows,
-    test_gradients_equal_the_torch_definitions,  # noqa: F401
-    test_layout_equals_the_torch_definition,  # noqa: F401
-    test_layout_with_a_capacity_equals_the_torch_definition,  # noqa: F401
-    test_permute_and_reduce_equal_the_torch_definitions,  # noqa: F401
-)
-
-from ep_moe import native
 from ep_moe import permute as P
 from ep_moe.native.jit import expert_major as J
 
@@ -54,36 +37,6 @@ def test_rows_routed_nowhere():
     assert_bits(P.permute_rows(x.cuda(), got), P.permute_rows(x, want), "rows")
     y = rows((12, 8), BF16, seed=2)
     assert_bits(P.unpermute_sum(y.cuda(), got), P.unpermute_sum(y, want), "reduce")
-
-
-def _gradients(device_layout, device, x, values, y, g_rows, g_values, g_out, seed_w):
-    xi, vi = x.to(device).clone().requires_grad_(), values.to(device).clone().requires_grad_()
-    r, sv = P.permute_rows_and_values(xi, vi, device_layout)
-    torch.autograd.backward((r, sv), (g_rows.to(device), g_values.to(device)))
-    yi = y.to(device).clone().requires_grad_()
-    wi = torch.rand(y.shape[0], generator=torch.Generator().manual_seed(seed_w)).to(device).requires_grad_()
-    P.unpermute_sum(yi, device_layout, wi).backward(g_out.to(device))
-    return xi.grad, vi.grad, yi.grad, wi.grad
-
-
-@pytest.mark.skipif(not native.extension_available(), reason="the ahead-of-time extension is not built")
-@pytest.mark.parametrize("dtype, H", [(BF16, 7168), (FP32, 37), (BF16, 6)])
-def test_jit_equals_the_extension_bit_for_bit(monkeypatch, dtype, H):
-    N, K, L, A = 512, 8, 32, 16
-    idx = routing("random", N, K, L, seed=31).cuda()
-    x, y = rows((N, H), dtype, seed=32), None
-    values = torch.rand(N, K, generator=torch.Generator().manual_seed(33))
-    results = {}
-    for how in ("1", "0"):  # JIT, then the extension
-        monkeypatch.setenv("EP_MOE_JIT", how)
-        layout = P.expert_layout(idx, L, A, P.max_slots(N, K, L, A))
-        y = rows((layout.num_slots, H), dtype, seed=34)
-        g_rows = rows((layout.num_slots, H), dtype, seed=35)
-        g_values = torch.randn(layout.num_slots, generator=torch.Generator().manual_seed(38))  # the same both times
-        results[how] = (*layout[:5], *_gradients(layout, "cuda", x, values, y, g_rows, g_values,
-                                                 rows((N, H), dtype, seed=36), 37))
-    for i, (a, b) in enumerate(zip(results["1"], results["0"])):
-        assert_bits(a, b, f"output {i} (layout fields, then grad x, values, y, weights)")
 
 
 def test_captured_in_a_cuda_graph_and_replayed_on_new_routings():
@@ -260,7 +213,7 @@ _CHILD = textwrap.dedent("""
 
 def test_a_second_process_loads_every_kernel_from_the_disk_cache(tmp_path):
     path = os.pathsep.join(p for p in (str(locations.REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, EP_MOE_JIT="1", EP_MOE_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=path)
+    env = dict(os.environ, EP_MOE_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=path)
     runs = []
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)

@@ -6,10 +6,10 @@
 * the JIT source compiles with nvcc (and NVRTC where a libnvrtc is found), the layout probe too, and every kernel the
   launchers look up is found exactly once in the CUBIN's symbol table;
 * the launchers: arguments checked (errors name the argument) before anything is launched, and the parameter structs
-  filled as ``csrc/binding.cpp`` fills them (a recorder stands in for the GPU);
+  filled as the kernels read them (a recorder stands in for the GPU);
 * the copy engine's schedule (`ep_moe.native.jit.copy_engine`) run on host memory by a fake driver: every peer's
   buffer holds what the kernels read, flags written after their chunk's copies, checks before any launch;
-* the choice between the extension and the JIT module (``EP_MOE_JIT``), and the ``ep-moe env`` line.
+* whether the intranode kernels can run (a compiler, or a cache that holds them), and the ``ep-moe env`` lines.
 """
 
 from __future__ import annotations
@@ -59,32 +59,6 @@ def test_constants_equal_the_sources(tmp_path):
     ranks, chunks, experts = P.MAX_RANKS, dict(P.CONSTANTS)["kMaxChunks"], dict(P.CONSTANTS)["kMaxNotifyExperts"]
     before = 8 * ranks + 8 * 2 * ranks + 4 * 2 * ranks * ranks + 4 * 2 * ranks + 4 * 2 * ranks * experts
     assert compiled[-1] == before + 2 * 8 * ranks * chunks, "Control's members before copy_engine_flag changed"
-
-
-def _binding_functions() -> dict[str, list[str]]:
-    """The extension's Python functions (binding.cpp's ``m.def``) and ``Env``'s constructor, with their argument
-    names in order, read from the C++ source."""
-    text = (P.CSRC_DIR / "binding.cpp").read_text()
-    out = {}
-    for name in re.findall(r'm\.def\("(\w+)"', text):
-        params = re.search(r"^\S.*?\b" + name + r"\((.*?)\)\s*\{", text, re.M | re.S).group(1)
-        out[name] = [re.sub(r"[^\w].*$", "", p.split()[-1].lstrip("&*")) for p in params.split(",") if p.strip()]
-    out["Env"] = re.findall(r'pybind11::arg\("(\w+)"\)', text)
-    return out
-
-
-def test_the_module_has_the_extensions_functions_and_constants():
-    """What the native backend calls on ``_C`` exists here with the same arguments in the same order: a binding
-    that gains an argument (or a constant) fails here until intranode.py follows."""
-    import inspect
-
-    functions = _binding_functions()
-    assert set(functions) >= {"Env", "layout", "notify", "dispatch", "combine", "barrier"}
-    for name, args in functions.items():
-        assert list(inspect.signature(getattr(I, name)).parameters) == args, name
-    text = (P.CSRC_DIR / "binding.cpp").read_text()
-    for attr in re.findall(r'm\.attr\("(\w+)"\)', text):
-        assert isinstance(getattr(I, attr), int), attr
 
 
 def test_mismatches_name_the_field():
@@ -499,52 +473,92 @@ def test_barrier_launch(recorded):
     assert I.LAUNCHES["barrier"] >= 1
 
 
-# ------------------------------------------------------------------------------------------ choice and policy
-@pytest.mark.parametrize("env_value, aot, jit_reason, expected", [
-    ("1", True, None, "jit"), ("1", False, "no compiler", None), ("0", True, None, "aot"), ("0", False, None, None),
-    (None, True, None, "aot"), (None, False, None, "jit"), (None, False, "torch 2.13 is a CPU build", None),
-    ("yes", True, None, None)])
-def test_kernels_choice(monkeypatch, env_value, aot, jit_reason, expected):
-    if env_value is None:
-        monkeypatch.delenv("EP_MOE_JIT", raising=False)
-    else:
-        monkeypatch.setenv("EP_MOE_JIT", env_value)
-    monkeypatch.setattr(native, "_C", object() if aot else None)
-    monkeypatch.setattr(native, "_choices", {})
-    monkeypatch.setattr(jit, "unavailable_reason", lambda: jit_reason)
-    assert native.kernels_kind() == expected
+# ------------------------------------------------------------------------------------------ can they run
+@pytest.fixture
+def warm_store(tmp_path, monkeypatch):
+    """This process's cache replaced by an empty one under ``tmp_path`` (`jit.process_cache`)."""
+    store = jit.KernelCache(tmp_path / "cache")
+    monkeypatch.setattr(jit, "_cache", store)
+    monkeypatch.setattr(native, "_decided", False)
+    monkeypatch.setattr(native, "_jit_intranode", None)
+    return store
+
+
+def _as_if_on_a_gpu(monkeypatch, compiler):
+    """The JIT kernels can run (a GPU, the driver) with ``compiler`` (None: none found), on an sm_90 device."""
+    monkeypatch.setattr(jit, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(jit, "compiler", lambda: (compiler, "found" if compiler else "hidden by the test"))
+    monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_kernels_unavailable_where_the_jit_kernels_cannot_run(warm_store, monkeypatch):
+    monkeypatch.setattr(jit, "unavailable_reason", lambda: "torch 2.13 is a CPU build")
+    assert native.kernels_unavailable_reason() == "torch 2.13 is a CPU build"
+    assert not native.kernels_available()
+    with pytest.raises(RuntimeError, match="no intranode kernels: torch 2.13 is a CPU build"):
+        native.intranode_kernels()
+
+
+def test_kernels_available_with_a_compiler(warm_store, monkeypatch, tmp_path):
+    from support_jit import FakeCompiler
+
+    _as_if_on_a_gpu(monkeypatch, FakeCompiler())
+    assert native.kernels_unavailable_reason() is None
+    assert native.intranode_kernels() is I and native.intranode_kernels() is I
+
+
+def test_without_a_compiler_the_kernels_run_from_a_warm_cache_only(warm_store, monkeypatch, tmp_path):
+    """No compiler: the intranode kernels are available exactly when the cache holds every one of their builds
+    (and the generic expert-major ops') for this architecture, by whatever compiler filled it; `jit.build` then loads
+    them without compiling, and a kernel the cache lacks is `JitUnavailable` naming the warm-up."""
+    from support_jit import FakeCompiler
+
+    _as_if_on_a_gpu(monkeypatch, None)
+    sources = I.specializations() + expert_major_csrc.specializations()
     why = native.kernels_unavailable_reason()
-    assert (why is None) == (expected is not None)
-    if expected is None:
-        with pytest.raises(RuntimeError, match="no intranode kernels"):
-            native.intranode_kernels()
-        if env_value == "1":
-            assert "EP_MOE_JIT=1 asks for the JIT kernels" in why and jit_reason in why
-        elif env_value == "0":
-            assert "EP_MOE_JIT=0 turns the JIT kernels off" in why
-        elif env_value == "yes":
-            assert "EP_MOE_JIT='yes'" in why
-        else:
-            assert jit_reason in why and "ep_moe.native._C is unavailable" in why
-    elif expected == "jit":
-        assert native.intranode_kernels() is I and I.KIND == "jit"
+    assert why.startswith("no CUDA compiler (hidden by the test) and the cache ") and "ep-moe jit warmup --arch sm_90" \
+        in why and all(s.label in why for s in sources), why
+    filler = FakeCompiler(log=tmp_path / "compiles.log")
+    for source in sources[:-1]:  # all but one
+        jit.build(source, "sm_90", filler, warm_store)
+    jit.build(sources[-1], "sm_80", filler, warm_store)  # the last one for another architecture only
+    monkeypatch.setattr(native, "_decided", False)
+    why = native.kernels_unavailable_reason()
+    assert why is not None and sources[-1].label in why and sources[0].label not in why, why
+    assert not jit.in_cache(sources[-1], "sm_90") and jit.in_cache(sources[-1], "sm_80")
+    jit.build(sources[-1], "sm_90", filler, warm_store)
+    monkeypatch.setattr(native, "_decided", False)
+    assert native.kernels_unavailable_reason() is None
+    assert jit.cached_archs() == {"sm_80", "sm_90"}
+    compiled = filler.compiles()
+    before = len(jit.history())
+    for source in sources:  # what the first use on the device builds: every one from the disk, none compiled
+        assert jit.build(source, "sm_90") == warm_store.find_prebuilt(f"{source.label}-sm_90",
+                                                                     jit.key_inputs(source, "", "sm_90")).payload
+    assert {e.how for e in jit.history()[before:]} == {"disk"} and len(jit.history()) - before == len(sources)
+    assert filler.compiles() == compiled
+    missing = jit.KernelSource.of("permute_rows.cu", {"EP_ROW_WORDS": 3, "EP_TOPK": 2, "EP_VALUES": 0,
+                                                      "EP_WORD_BYTES": 16})
+    with pytest.raises(jit.JitUnavailable, match="run `ep-moe jit warmup` with this shape"):
+        jit.build(missing, "sm_90")
 
 
-def test_ranks_must_use_one_build():
-    assert native.kinds_disagree(["jit", "jit"]) is None
-    assert native.kinds_disagree(["aot", "jit", "aot"]) == (
-        "the ranks use different builds of the native kernels (rank 0: extension, rank 1: JIT, rank 2: extension); "
-        "set EP_MOE_JIT alike on every rank")
-
-
-def test_env_reports_which_build(monkeypatch):
+def test_env_reports_the_kernels(monkeypatch):
     from ep_moe.native.report import ITEMS, format_report
 
-    monkeypatch.setattr(native, "_choices", {None: ("jit", None), "1": ("jit", None), "0": (None, "why not")})
-    text = format_report([item for item in ITEMS if item[0] == "intranode kernels"])
-    assert text.startswith("intranode kernels: ")
-    if native._kernels_choice()[0] == "jit":
-        assert "JIT: csrc's kernels compiled on first use" in text
+    items = [item for item in ITEMS if item[0] in ("JIT kernels", "intranode kernels")]
+    monkeypatch.setattr(jit, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(jit, "compiler", lambda: (None, "hidden"))
+    monkeypatch.setattr(native, "_decided", None)
+    assert format_report(items).splitlines() == [
+        "JIT kernels:       available: loaded from the cache only (no compiler), launched from Python (ep_moe.native.jit)",
+        "intranode kernels: available: csrc's kernels, one build per architecture (ep_moe.native.jit.intranode)"]
+    monkeypatch.setattr(jit, "unavailable_reason", lambda: "no CUDA GPU is visible")
+    monkeypatch.setattr(native, "_decided", "no CUDA GPU is visible")
+    assert format_report(items).splitlines() == [
+        "JIT kernels:       unavailable (no CUDA GPU is visible)",
+        "intranode kernels: unavailable, and so is the native backend (no CUDA GPU is visible)"]
 
 
 # ------------------------------------------------------------------------------------------ the copy engine
@@ -932,17 +946,3 @@ def test_the_inline_checks_name_the_first_bad_tensor():
         I._ptr(t, "bias0")
     with pytest.raises(ValueError, match="argument 'y' must be a contiguous CUDA tensor"):
         I._check_all(("y", "out"), t, t)
-
-
-def test_intranode_kernels_follows_the_choice_at_every_call(monkeypatch):
-    """`native.intranode_kernels` keeps the JIT module once imported, but still follows the build chosen for the
-    current EP_MOE_JIT value at each call (the module is cached, not the choice)."""
-    fake_extension = object()
-    monkeypatch.setattr(native, "_C", fake_extension)
-    monkeypatch.setattr(native, "_choices", {"1": ("jit", None), "0": ("aot", None)})
-    monkeypatch.setenv("EP_MOE_JIT", "1")
-    assert native.intranode_kernels() is I and native.intranode_kernels() is I
-    monkeypatch.setenv("EP_MOE_JIT", "0")
-    assert native.intranode_kernels() is fake_extension
-    monkeypatch.setenv("EP_MOE_JIT", "1")
-    assert native.intranode_kernels() is I

@@ -1,9 +1,9 @@
 """The intranode kernels through the JIT layer (`ep_moe.native.jit.intranode`) on one GPU: the struct-layout probe
 (the ctypes mirrors of kernels.h and the launchers' constants equal what the compiler sees on the device), the layout
-kernel bit for bit the torch layout and the extension's, and one-rank dispatch / cached dispatch / combine through a
-``Buffer(backend="native")`` that runs on the JIT module (``EP_MOE_JIT=1``, checked by its launch counters), bit for
-bit the torch backend. The full native suite runs on the JIT module too:
-``EP_MOE_JIT=1 EP_MOE_TEST_WORLD=1 python3 -m pytest -m gpu tests/native/test_native_gpu.py``.
+kernel bit for bit the torch layout, and one-rank dispatch / cached dispatch / combine through a
+``Buffer(backend="native")`` that runs on the JIT module (checked by its launch counters), bit for bit the torch
+backend. The full native suite on one GPU:
+``EP_MOE_TEST_WORLD=1 python3 -m pytest -m gpu tests/native/test_native_gpu.py``.
 
 Needs one GPU and a CUDA compiler (NVRTC or nvcc): ``pytest -m gpu tests/native/test_jit_intranode_gpu.py``.
 """
@@ -43,7 +43,7 @@ def test_struct_layout_probe_equals_the_mirrors():
 
 @pytest.mark.parametrize("tokens, topk, experts, ranks", [(0, 8, 64, 8), (1, 1, 8, 1), (4097, 8, 256, 8),
                                                           (300, 6, 9000, 2), (129, 2, 8, 4)])
-def test_layout_kernel_equals_torch_and_the_extension(tokens, topk, experts, ranks):
+def test_layout_kernel_equals_torch(tokens, topk, experts, ranks):
     from ep_moe.layout import dispatch_layout
 
     g = torch.Generator(device="cuda").manual_seed(tokens + experts)
@@ -53,15 +53,12 @@ def test_layout_kernel_equals_torch_and_the_extension(tokens, topk, experts, ran
     want = dispatch_layout(idx, experts, ranks)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    if native.extension_available():
-        for a, b in zip(got, native._C.layout(idx, experts, ranks)):
-            assert torch.equal(a, b)
 
 
 def _one_rank_worker(rank: int, world: int) -> dict:
     from ep_moe import Buffer, Config, NativeOptions
 
-    assert native.kernels_kind() == "jit", native.kernels_kind()
+    assert native.kernels_available(), native.kernels_unavailable_reason()
     before = dict(I.LAUNCHES)
     nat = Buffer(backend="native", timeout_s=20.0)
     ref = Buffer(backend="torch")
@@ -99,8 +96,7 @@ def _one_rank_worker(rank: int, world: int) -> dict:
     return {"checked": checked, **{k: I.LAUNCHES[k] - before[k] for k in I.LAUNCHES}}
 
 
-def test_one_rank_buffer_runs_on_the_jit_module(monkeypatch):
-    monkeypatch.setenv("EP_MOE_JIT", "1")  # the spawned rank inherits it
+def test_one_rank_buffer_runs_on_the_jit_module():
     result, = run_distributed(_one_rank_worker, 1, backend="nccl", timeout_s=120, join_timeout_s=600)
     assert result["checked"] == 5
     # the calls went through the JIT module (the layout kernel is not launched for 0 tokens)

@@ -62,6 +62,33 @@ def test_warmup_compiles_then_reads_from_disk(fake_jit, capsys, monkeypatch, tmp
     assert "0 cached kernels" in capsys.readouterr().out
 
 
+def test_after_warmup_a_process_without_a_compiler_loads_every_kernel_of_the_shape(fake_jit, capsys, monkeypatch):
+    """``ep-moe jit warmup`` on a machine with a compiler; then a process on a machine without one (a new cache
+    object, the compiler search answering none, sm_90 as the GPU's): the native kernels count as available, and
+    every kernel of the shape loads from the disk, none compiled; a shape not warmed up is an error naming it."""
+    from ep_moe import native
+    from ep_moe.native.jit import expert_major_csrc, intranode
+
+    assert jit_cli.main(["warmup", "--shapes", "hidden=1024,topk=4,experts=8", "--arch", "sm_90"]) == 0
+    assert "14 of 14 kernels ready" in capsys.readouterr().out
+    compiled = fake_jit.compiles()
+    monkeypatch.setattr(jit, "_compiler_found", (None, "hidden by the test"))
+    monkeypatch.setattr(jit, "_cache", None)
+    monkeypatch.setattr(jit, "unavailable_reason", lambda: None)  # a GPU and the driver
+    monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(native, "_decided", False)
+    assert native.kernels_unavailable_reason() is None
+    assert jit.cached_archs() == {"sm_90"}
+    before = len(jit.history())
+    sources = intranode.specializations() + expert_major_csrc.specializations() + J.specializations(1024, 4, 8)
+    for source in sources:
+        jit.build(source, "sm_90")
+    assert [e.how for e in jit.history()[before:]] == ["disk"] * len(sources) and fake_jit.compiles() == compiled
+    with pytest.raises(jit.JitUnavailable, match=r"no cache entry of expert_layout.cu\[EP_EXPERTS=8,EP_TOPK=2\]"):
+        jit.build(J.specializations(1024, 2, 8)[0], "sm_90")
+
+
 def test_warmup_reports_a_failed_compile_and_bad_shapes(fake_jit, capsys):
     fake_jit.fail = True
     assert jit_cli.main(["warmup", "--shapes", "hidden=8,topk=1,experts=1,dtype=fp8", "--arch", "sm_90"]) == 1
@@ -397,25 +424,17 @@ def test_no_top_k_columns_ask_for_no_zero_width_kernel(recorder):
     assert all(dict(s.defines)["EP_TOPK"] != "0" for s in recorder.sources), recorder.sources
 
 
-@pytest.mark.parametrize("env, extension, jit_ok, triton, compiling, want", [
-    ("", True, True, True, False, "native"),     # the extension first by default
-    ("", False, True, True, False, "jit"),       # no extension: JIT before Triton
-    ("", False, False, True, False, "triton"),   # no compiler: Triton
-    ("", False, False, False, False, "torch"),
-    ("1", True, True, True, False, "jit"),       # EP_MOE_JIT=1 prefers JIT
-    ("1", True, False, True, False, "native"),   # ... but not when it cannot run
-    ("0", False, True, True, False, "triton"),   # EP_MOE_JIT=0 never
-    ("1", True, True, True, True, "native"),     # torch.compile traces the extension's ops
-    ("", False, True, True, True, "torch"),      # ... and the torch definitions otherwise
+@pytest.mark.parametrize("jit_ok, triton, compiling, want", [
+    (True, True, False, "jit"),       # JIT before Triton
+    (False, True, False, "triton"),   # no JIT kernels (no compiler, no cache): Triton
+    (False, False, False, "torch"),
+    (True, True, True, "torch"),      # torch.compile traces the torch definitions
 ])
-def test_the_implementation_choice(monkeypatch, env, extension, jit_ok, triton, compiling, want):
+def test_the_implementation_choice(monkeypatch, jit_ok, triton, compiling, want):
     from types import SimpleNamespace
 
-    from ep_moe import native
     from ep_moe import permute as P
 
-    monkeypatch.setenv("EP_MOE_JIT", env)
-    monkeypatch.setattr(native, "extension_available", lambda: extension)
     monkeypatch.setattr(jit, "available", lambda: jit_ok)
     monkeypatch.setattr(P.permute_triton, "available", lambda: triton)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)

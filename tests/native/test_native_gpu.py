@@ -9,9 +9,9 @@ one an exact-size dispatch makes by design (it reads the counts that size its ou
 next of ten input sets, its outputs fingerprinted on the device (`ep_moe.benchmarking.fingerprint`) and
 compared at the end with the torch backend's on that set; with pushers, then with the copy engine.
 
-Run on a machine with >= 2 NVLink-connected GPUs and the extension built: ``pytest -m gpu``.
-``EP_MOE_JIT=1`` runs every test on the JIT build of the same kernels (`ep_moe.native.jit.intranode`, its
-copy engine in Python over the driver API; the equality workers check that it is the one used).
+Run on a machine with >= 2 NVLink-connected GPUs and a CUDA compiler (or a cache that ``ep-moe jit warmup``
+filled): ``pytest -m gpu``. The kernels are `ep_moe.native.jit.intranode`'s (the copy engine in Python over the
+driver API; the equality workers check that calls went through it).
 ``EP_MOE_TEST_WORLD`` sets the ranks (GPUs) of every test: 1 runs on one GPU (tests that need a peer skip,
 saying why), 4 or 8 on more, e.g. ``EP_MOE_TEST_WORLD=8 pytest -m gpu tests/native/test_native_gpu.py``.
 """
@@ -38,22 +38,14 @@ WORLD = int(os.environ.get("EP_MOE_TEST_WORLD", "2"))  # ranks (GPUs) of every t
 def _need_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
-    if native.kernels_kind() is None:
+    if not native.kernels_available():
         pytest.skip(f"no native kernels ({native.kernels_unavailable_reason()})")
 
 
-def _jit_wanted() -> bool:
-    return os.environ.get("EP_MOE_JIT") == "1"
-
-
 def _check_kernels_used(before: dict | None = None) -> dict:
-    """Under EP_MOE_JIT=1 the backend runs the JIT module: asserts it and returns its launch counters (compare two
-    readings to see that calls went through it); {} otherwise."""
-    if not _jit_wanted():
-        return {}
+    """The JIT module's launch counters (compare two readings to see that calls went through it)."""
     from ep_moe.native.jit import intranode
 
-    assert native.kernels_kind() == "jit", native.kernels_kind()
     now = dict(intranode.LAUNCHES)
     if before is not None:
         assert now["notify"] > before["notify"] and now["dispatch"] > before["dispatch"], (before, now)
@@ -213,7 +205,7 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
         if not _all_ok(error is None, side_group):
             raise AssertionError(f"case {index} {make_case(index)} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
-    _check_kernels_used(launches or None)
+    _check_kernels_used(launches)
     nat.barrier()
     nat.destroy()
     ref.destroy()

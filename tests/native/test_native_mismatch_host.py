@@ -1,5 +1,5 @@
 """The native backend's host side of the rank-disagreement check, on CPU: a one-rank `NativeBackend` whose
-extension is a fake that plays the kernels' part (it compares the header it is given with the one it "sees",
+kernels module is a fake that plays the kernels' part (it compares the header it is given with the one it "sees",
 as the kernels do, and writes what they write), so the Python paths run without a GPU: an exact-size dispatch
 closes its notify's epoch and raises at once; a call without a host wait leaves a record that only a host wait
 raises (the end of the next exact-size dispatch, after its kernels are queued, or ``barrier()``), never a

@@ -109,7 +109,7 @@ def test_labels_group_like_ranks() -> None:
 
 def test_mirrors_match_kernels_h() -> None:
     """HEADER_WORDS, MAX_RANKS, MISMATCH_WORDS and the operation codes are those of csrc/kernels.h (the
-    backend also compares them with the built extension's)."""
+    backend also compares them with the kernels' constants)."""
     text = (CSRC / "kernels.h").read_text()
     assert int(re.search(r"constexpr int kHeaderLen = (\d+);", text).group(1)) == agreement.HEADER_LEN
     assert int(re.search(r"constexpr int kHeaderWords = (\d+);", text).group(1)) == HEADER_WORDS

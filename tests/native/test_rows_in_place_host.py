@@ -1,9 +1,9 @@
 """The native backend's host side of the expert-major paths (docs/native.md, "Expert-major rows in the dispatch and
-combine kernels"), on CPU: rank 1 of a two-rank `NativeBackend` built without a GPU, whose extension is a fake that
-plays the kernels' part (as in test_native_mismatch_host.py): its notify writes a count matrix and the send lists, its
+combine kernels"), on CPU: rank 1 of a two-rank `NativeBackend` built without a GPU, whose kernels module is a fake
+that plays the kernels' part (as in test_native_mismatch_host.py): its notify writes a count matrix and the send lists, its
 dispatch with ``rows_in_place`` (fresh or cached) writes the received rows' metadata and puts the peer's rows where the pushers would
 (rank-major, in this rank's data buffer; garbage where the own rows and the padding would be), and its combine
-records what it was given. Checked: the binding's argument counts and the in-place flag; `expert_major`'s consume
+records what it was given. Checked: the kernels' argument counts and the in-place flag; `expert_major`'s consume
 (layout, then `permute_received_rows` on the buffer view and the own input through the send list) gives the
 composed path's expert-major rows and weights bit for bit, exact and fixed size, bf16 and the FP8 pair, also for a
 cached dispatch with the handle of an in-place one (`_cached_dispatch_in_place`); the
@@ -168,7 +168,7 @@ def backend(monkeypatch):
     b.trace_kernels, b.last_trace, b.last_push_blocks, b.last_copy_engine_trace = False, {}, {}, {}
     b.test_header_perturbation = None
     b.in_place_dispatches = b.expert_row_combines = 0
-    monkeypatch.setattr(nb.native, "extension_available", lambda: True)
+    monkeypatch.setattr(nb.native, "kernels_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     return b
@@ -300,14 +300,13 @@ def test_combine_of_expert_rows_passes_them_to_the_kernel(backend, monkeypatch):
                         expert_rows=(layout.sorted_slots, expert_w))
 
 
-def test_both_modes_off_without_the_option_or_the_extension(backend, monkeypatch):
+def test_both_modes_off_without_the_option_or_the_kernels(backend, monkeypatch):
     assert backend.receives_in_place(H * 2, E) and backend.combines_expert_rows(H * 2)
     assert not backend.receives_in_place(H * 2 + 2, E), "rows the kernels do not take"
     backend.options = NativeOptions(expert_major_fused=False)
     assert not backend.receives_in_place(H * 2, E) and not backend.combines_expert_rows(H * 2)
     backend.options = NativeOptions()
-    monkeypatch.setattr(nb.native, "extension_available", lambda: False)  # neither the extension's ops ...
-    monkeypatch.setattr(nb.native, "_choices", {k: (None, "no kernels") for k in (None, "", "0", "1")})  # nor JIT's
+    monkeypatch.setattr(nb.native, "kernels_available", lambda: False)
     assert not backend.receives_in_place(H * 2, E) and not backend.combines_expert_rows(H * 2)
     with pytest.raises(ValueError, match="'consume'"):
         backend.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), None, torch.zeros(T, K, dtype=torch.int64),

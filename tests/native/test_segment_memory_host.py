@@ -1,6 +1,6 @@
 """The native backend's given data memory (`NativeBackend.use_data_memory`: an `ElasticBuffer`'s GPU segment), its
 host side on CPU: rank 1 of a two-rank backend built without a GPU (the fixture of test_rows_in_place_host.py,
-whose fake extension plays the kernels).
+whose fake kernels module plays the kernels).
 
 * `use_data_memory` builds the peers' mapping over the given bytes (`VmmSymmetricBuffer` with ``local``) and
   refuses a backend that has a data buffer already;

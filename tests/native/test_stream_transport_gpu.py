@@ -56,7 +56,7 @@ def _need_cuda():
 def _need_native(world: int):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPU(s)")
-    if native.kernels_kind() is None:  # the native transport comes with the native backend (extension or JIT)
+    if not native.kernels_available():  # the native transport comes with the native backend
         pytest.skip(f"no native kernels: {native.kernels_unavailable_reason()}")
 
 

@@ -237,16 +237,17 @@ def test_overwrite_removes_what_the_trainer_wrote_only(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- errors: one line each
-def test_native_backend_without_the_extension_is_one_line_before_any_rank(tmp_path, capfd):
+def test_native_backend_without_the_kernels_is_one_line_before_any_rank(tmp_path, capfd):
     from ep_moe import native
 
-    if native.kernels_kind() is not None:
-        pytest.skip("the native kernels (extension or JIT) can run here")
+    if native.kernels_available():
+        pytest.skip("the native kernels can run here")
     code, err = _main(capfd, *QUICK, f"checkpoint.save={tmp_path / 'run'}", "ep_moe.dispatcher_backend=native")
     assert code == 2
     [line] = _lines(err)
-    assert line.startswith("ep-moe train: ep_moe.dispatcher_backend: 'native' needs the native kernels (the CUDA "
-                           "extension ep_moe.native._C or their JIT build), which cannot run here ("), line
+    assert line.startswith("ep-moe train: ep_moe.dispatcher_backend: 'native' needs the native kernels (compiled on "
+                           "first use, or loaded from the cache that `ep-moe jit warmup` fills), which cannot run "
+                           "here ("), line
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -300,8 +301,8 @@ def test_an_error_inside_the_ranks_past_the_checks_is_one_line(tmp_path, monkeyp
     from ep_moe import native
     from ep_moe.train import launch
 
-    if native.extension_available():
-        pytest.skip("the CUDA extension is built here")
+    if native.kernels_available():
+        pytest.skip("the native kernels can run here")
     monkeypatch.setattr(launch, "preflight_backend", lambda recipe, device: None)
     run = str(tmp_path / "run")
     code = launch.main([TINY, *QUICK, f"checkpoint.save={run}", "train.train_iters=1",

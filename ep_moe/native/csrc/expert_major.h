@@ -1,6 +1,6 @@
-// Plain launch functions of the local expert-major kernels (ep_moe.permute's contract; raw pointers and
-// sizes, no torch). The torch ops of expert_major_ops.cpp convert tensors into these structs. Every function
-// enqueues on `stream` and returns the CUDA error of the launch.
+// The parameter structs of the generic expert-major kernels (expert_major.cu; ep_moe.permute's contract, raw
+// pointers and sizes). ep_moe/native/jit/params.py mirrors them in this order, and
+// ep_moe/native/jit/expert_major_csrc.py fills them and launches the kernels.
 //
 // Notation: N rows, K top-k columns, P = N * K pairs (flat index i * K + k), L experts of this rank, A the
 // alignment, M slots (expert-major rows), H the row width.
@@ -14,37 +14,6 @@
 #endif
 
 namespace ep_moe {
-
-constexpr int kLayoutTileThreads = 256;   // pairs per sub-tile = threads of a count / assign block
-constexpr int kMaxLayoutExperts = 1024;   // experts whose counters fit in those blocks' shared memory
-constexpr int kMaxLayoutBlocks = 256;     // count / assign blocks (each takes a run of consecutive pairs)
-
-struct ExpertLayoutParams {
-  const int64_t* topk_idx;     // [P]: expert ids in [0, L); anything else is not a pair
-  int64_t num_pairs;           // P
-  int num_topk;                // K
-  int num_experts;             // L <= kMaxLayoutExperts
-  int64_t alignment;           // A >= 1
-  int64_t capacity;            // C > 0: every expert owns exactly C slots (from e * C), its pairs past C have
-                               // none (A is 1 then); 0: each expert's pairs rounded up to A
-  int64_t num_slots;           // M (needed by the slots kernels only)
-  int num_blocks;              // blocks of the count and assign kernels, <= kMaxLayoutBlocks
-  int64_t pairs_per_block;     // a multiple of kLayoutTileThreads; block b takes pairs [b * this, ...)
-  int32_t* block_counts;       // [num_blocks, L] scratch: per block pairs per expert, then exclusive offsets
-  int64_t* first_slot;         // [L] scratch: each expert's first slot
-  int64_t* tokens_per_expert;  // [L] out: pairs rounded up to A
-  int64_t* pairs_per_expert;   // [L] out
-  int64_t* pair_of_slot;       // [M] out: each slot's pair, P for padding (launch_expert_slots writes every slot)
-  int64_t* slot_of_pair;       // [P] out: the slot of each pair, -1 for a non-pair or a pair past M
-  int64_t* sorted_slots;       // [P] out: per row its slots in increasing order, then -1
-};
-
-// Counts pairs per expert (per block, then exclusive offsets across blocks) and each expert's first slot;
-// writes tokens_per_expert and pairs_per_expert. P > 0.
-cudaError_t launch_expert_counts(const ExpertLayoutParams& p, cudaStream_t stream);
-// Places every pair in its slot (stable: by expert, then flat pair index), writes P into every padding slot
-// (reading first_slot and pairs_per_expert from launch_expert_counts), and sorts each row's slots.
-cudaError_t launch_expert_slots(const ExpertLayoutParams& p, cudaStream_t stream);
 
 // out[s] = x[pair_of_slot[s] / K] (bytes), zero for a padding slot (pair outside [0, P));
 // slot_values[s] = values[pair_of_slot[s]] or 0 when both are given.
@@ -67,7 +36,6 @@ struct PermuteRowsParams {
   int num_ranks, rank;
   int64_t num_own_rows;        // T: reads stay inside own_x and own_tokens whatever the prefix matrix holds
 };
-cudaError_t launch_permute_rows(const PermuteRowsParams& p, cudaStream_t stream);
 
 enum RowDtype { kRowBF16 = 0, kRowFP32 = 1 };
 
@@ -91,23 +59,6 @@ struct UnpermuteSumParams {
   const int32_t* rank_prefix_matrix;  // [R, R] on the device, or null
   int num_ranks, rank;
 };
-cudaError_t launch_unpermute_sum(const UnpermuteSumParams& p, cudaStream_t stream);
-
-// The gradients of unpermute_sum, slot by slot (r = pair_of_slot[s] / K, zero for padding):
-// grad_y[s] = (weights[s] * grad_out[r]).to(dtype) (a copy without weights);
-// grad_weights[s] = <grad_out[r], y[s]> in fp32, in a fixed order (per lane, then a butterfly over the warp).
-struct UnpermuteSumBackwardParams {
-  const void* grad_out;        // [N, H]
-  const void* y;               // [M, H] (for grad_weights)
-  int dtype;                   // RowDtype of grad_out, y and grad_y
-  int64_t hidden, num_slots, num_pairs;
-  int num_topk;
-  const float* weights;        // [M] or null
-  const int64_t* pair_of_slot; // [M]
-  void* grad_y;                // [M, H] or null
-  float* grad_weights;         // [M] or null
-};
-cudaError_t launch_unpermute_sum_backward(const UnpermuteSumBackwardParams& p, cudaStream_t stream);
 
 // Dense routing (Megatron's routing_map [T, E] bool and probs [T, E]) to top-k form: per token its first K selected
 // experts in increasing id, then -1; their probs as fp32 (0 for -1). And back (the gradient): grad_probs[t, e] =
@@ -122,7 +73,5 @@ struct RoutingMapParams {
   float* topk_weights;         // [T, K] (forward) / grad_weights (backward, read)
   void* grad_probs;            // [T, E] (backward, written), RowDtype of probs
 };
-cudaError_t launch_routing_map_to_topk(const RoutingMapParams& p, cudaStream_t stream);
-cudaError_t launch_routing_map_to_topk_backward(const RoutingMapParams& p, cudaStream_t stream);
 
 }  // namespace ep_moe

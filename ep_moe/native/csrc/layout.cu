@@ -48,16 +48,4 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) 
 
 }  // namespace
 
-#ifndef __CUDACC_RTC__  // host code: the JIT build launches from Python
-cudaError_t launch_layout(const LayoutParams& p, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(p.num_tokens_per_rank, 0, sizeof(int32_t) * p.num_ranks, stream);
-  if (err == cudaSuccess)
-    err = cudaMemsetAsync(p.num_tokens_per_expert, 0, sizeof(int32_t) * p.num_experts, stream);
-  if (err != cudaSuccess || p.num_tokens == 0) return err;
-  const int blocks = (p.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
-  layout_kernel<<<blocks, kLayoutThreads, 0, stream>>>(p);
-  return cudaGetLastError();
-}
-#endif  // __CUDACC_RTC__
-
 }  // namespace ep_moe

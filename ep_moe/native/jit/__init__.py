@@ -8,27 +8,28 @@ and the defines. `build` gives the CUBIN (memory, else disk, else the compiler: 
 `module` loads it on a device (`driver.Module`) and `Module.function(...).launch(...)` runs a kernel on a stream.
 
 Three groups of kernels use it: the single-rank expert-major kernels (`expert_major`, specialized per shape), the
-native backend's intranode kernels with their copy engine (`intranode`), and the extension's other expert-major ops
+native backend's intranode kernels with their copy engine (`intranode`), and the generic expert-major ops
 (`expert_major_csrc`: the permute of received rows, the own rows of a combine, the routing map); the last two are
-the extension's csrc sources in one generic build per architecture, launched from Python over ctypes mirrors of
-their parameter structs (`params`).
+csrc's sources in one generic build per architecture, launched from Python over ctypes mirrors of their parameter
+structs (`params`).
 
-`available` / `unavailable_reason` say whether JIT kernels can run here (CUDA torch, a GPU, a compiler, the
-driver; without a compiler, ``EP_MOE_JIT=1`` still runs the kernels a warm cache holds: `build` then takes any
-entry that matches in everything but the compiler); `mode` reads ``EP_MOE_JIT`` (``1``: prefer JIT kernels over the ahead-of-time
-extension, ``0``: never use them, unset: use them where the extension is absent). `history` lists what this
-process compiled or loaded, with times.
+`available` / `unavailable_reason` say whether JIT kernels can run here: CUDA torch, a GPU, the driver, and a
+compiler or, without one, a disk cache holding kernels for this GPU's architecture (filled by ``ep-moe jit warmup``
+where a compiler is). Without a compiler `build` takes any entry that matches in everything but the compiler
+(`in_cache`), and a kernel the cache lacks raises `JitUnavailable`. `history` lists what this process compiled or
+loaded, with times.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
 from typing import Any, NamedTuple
 
-from .cache import KernelCache, cache_key, default_cache_dir
+from .cache import ENTRY_SUFFIX, MAGIC, KernelCache, cache_key, default_cache_dir
 from .compilers import FLAGS, CompileError, Compiler, find_compiler
 from .source import KERNELS_DIR, KernelSource, included_headers, sha256_file
 
@@ -51,16 +52,6 @@ _cache: KernelCache | None = None
 _failures: dict[str, CompileError] = {}
 _modules: dict[tuple[KernelSource, int], Any] = {}
 _history: list[LoadEvent] = []
-
-
-def mode() -> str:
-    """``"force"`` (``EP_MOE_JIT=1``), ``"off"`` (``EP_MOE_JIT=0``) or ``"auto"`` (unset or empty)."""
-    value = os.environ.get("EP_MOE_JIT", "").strip()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("0", "1"):
-        return "force" if value == "1" else "off"
-    raise ValueError(f"EP_MOE_JIT={value!r}: expected 0, 1 or unset")
 
 
 def compiler() -> tuple[Compiler | None, str]:
@@ -96,6 +87,28 @@ def key_inputs(source: KernelSource, compiler_identity: str, arch: str,
     return {"source": source.file.name, "source_sha256": sha256_file(source.file),
             "headers": included_headers(source.file, [KERNELS_DIR]), "defines": [list(d) for d in source.defines],
             "compiler": compiler_identity, "flags": list(flags), "arch": arch}
+
+
+def in_cache(source: KernelSource, arch: str, store: KernelCache | None = None) -> bool:
+    """True when the disk cache (``store``, else `process_cache`) holds a build of ``source`` for ``arch`` by any
+    compiler: what `build` loads where no compiler is found."""
+    store = store if store is not None else process_cache()
+    return store.find_prebuilt(f"{source.label}-{arch}", key_inputs(source, "", arch)) is not None
+
+
+def cached_archs(store: KernelCache | None = None) -> set[str]:
+    """The architectures (``sm_90``, ...) that the disk cache (``store``, else `process_cache`) holds kernels for,
+    read from the entries' headers (an unreadable entry is skipped)."""
+    store = store if store is not None else process_cache()
+    found: set[str] = set()
+    for path in store.directory.glob(f"*{ENTRY_SUFFIX}") if store.directory.is_dir() else ():
+        try:
+            with open(path, "rb") as f:
+                head = f.readline()
+            found.add(json.loads(head.removeprefix(MAGIC))["inputs"]["arch"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def build(source: KernelSource, arch: str, compiler_: Compiler | None = None,
@@ -165,8 +178,9 @@ _available: str | None | bool = False  # False: not decided yet
 
 
 def unavailable_reason() -> str | None:
-    """Why JIT kernels cannot run in this process (one line), or None when they can: a CUDA torch with a GPU,
-    the driver library, and a compiler. Decided once per process."""
+    """Why JIT kernels cannot run in this process (one line), or None when they can: a CUDA torch with a GPU, the
+    driver library, and a compiler or a cache that holds kernels for the current GPU's architecture (`cached_archs`).
+    Decided once per process."""
     global _available
     if _available is not False:
         return _available
@@ -179,8 +193,10 @@ def unavailable_reason() -> str | None:
         reason = "no CUDA GPU is visible"
     else:
         found, why = compiler()
-        if found is None and mode() != "force":
-            reason = f"no CUDA compiler ({why}); `ep-moe jit warmup` on a machine with one fills the cache"
+        arch = device_arch(torch.cuda.current_device()) if found is None else None
+        if found is None and arch not in cached_archs():
+            reason = (f"no CUDA compiler ({why}) and no kernels for {arch} in the cache {process_cache().directory}; "
+                      "`ep-moe jit warmup` on a machine with a compiler fills it")
         else:
             try:
                 from .driver import driver
@@ -189,8 +205,8 @@ def unavailable_reason() -> str | None:
             except Exception as exc:  # noqa: BLE001 (any failure to load libcuda means no JIT)
                 reason = str(exc)
     if reason is not None and torch.version.cuda is not None:  # said once; CPU builds need no word
-        log.info("ep_moe.jit: JIT kernels cannot run here (%s); the expert-major kernels use the extension, "
-                 "Triton or torch, the native backend the extension (or the torch backend)", reason)
+        log.info("ep_moe.jit: JIT kernels cannot run here (%s); the expert-major kernels use Triton or torch, and "
+                 "the native backend is unavailable", reason)
     _available = reason
     return reason
 
@@ -225,5 +241,5 @@ def history() -> list[LoadEvent]:
 
 
 __all__ = ["FLAGS", "KERNELS_DIR", "CompileError", "Compiler", "JitUnavailable", "KernelCache", "KernelSource",
-           "LoadEvent", "PerDevice", "available", "build", "cache_key", "compiler", "default_cache_dir", "device_arch",
-           "history", "key_inputs", "mode", "module", "process_cache", "set_cache_dir", "unavailable_reason"]
+           "LoadEvent", "PerDevice", "available", "build", "cache_key", "cached_archs", "compiler", "default_cache_dir",
+           "device_arch", "history", "in_cache", "key_inputs", "module", "process_cache", "set_cache_dir", "unavailable_reason"]

@@ -1,7 +1,7 @@
-"""The copy-engine halves of a dispatch and a combine for the JIT module: the host code of ``csrc/copy_engine.cu``
-in Python over the CUDA driver API, queued after the kernel that the same parameter struct launched.
+"""The copy-engine halves of a dispatch and a combine for the JIT module, in Python over the CUDA driver API, queued
+after the kernel that the same parameter struct launched.
 
-What they queue (as the extension does): on every copy stream a wait until the kernel's go word reaches the call's
+What they queue: on every copy stream a wait until the kernel's go word reaches the call's
 sequence number (``cuStreamWaitValue64``: the kernel sets it once every peer entered the call); then, chunk by chunk
 and peer by peer, device-to-device copies into the peer's symmetric buffer (``cuMemcpyDtoDAsync``; chunk k on copy
 stream k % streams) and, per peer, the write of the sequence number into the peer's
@@ -125,7 +125,7 @@ def chunk_end(bounds: list[int], chunks: int, count: int, k: int) -> int:
 
 # ------------------------------------------------------------------------------------------ the schedule
 class _Streams:
-    """One call's streams (the `CopyStreams` of copy_engine.cu)."""
+    """One call's streams."""
 
     def __init__(self, ops: Ops, env: P.KernelEnv, ce: P.CopyEngineParams, copy_streams: list[int], flag_stream: int,
                  flags_offset: int) -> None:

@@ -208,8 +208,7 @@ def prepared_args(*params: ctypes.Structure | ctypes._SimpleCData) -> ctypes.Arr
 
 
 def memset_zero_async(address: int, words: int, stream: int, device: int) -> None:
-    """Zero ``words`` 32-bit words at device ``address`` on ``stream`` (``cuMemsetD32Async``: what the extension's
-    ``cudaMemsetAsync`` does, with no torch call; captured by a CUDA graph like a kernel)."""
+    """Zero ``words`` 32-bit words at device ``address`` on ``stream`` (``cuMemsetD32Async``, with no torch call; captured by a CUDA graph like a kernel)."""
     drv = driver()
     if getattr(_thread, "device", None) != device:
         drv.use_primary_context(device)

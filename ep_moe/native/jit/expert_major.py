@@ -1,8 +1,6 @@
-"""The single-rank expert-major kernels (layout, permute, weighted reduce and its gradients) as JIT kernels:
-the same contract and outputs as the extension's torch ops ``ep_moe_native::expert_layout``, ``permute_rows``,
-``unpermute_sum`` and ``unpermute_sum_backward`` (``csrc/expert_major_ops.cpp``), with the sources in
-``kernels/`` specialized per call on the row width (in words or 16-byte packs), the top-k, the expert count and
-which optional outputs are wanted.
+"""The single-rank expert-major kernels (layout, permute, weighted reduce and its gradients) as JIT kernels, the
+CUDA implementation of `ep_moe.permute`'s contract, with the sources in ``kernels/`` specialized per call on the
+row width (in words or 16-byte packs), the top-k, the expert count and which optional outputs are wanted.
 
 Every function takes contiguous CUDA tensors of one device (``ep_moe.permute`` checks shapes and dtypes
 before it calls), allocates its outputs and launches on that device's current stream; the first call of a
@@ -153,7 +151,7 @@ def _layout_functions(experts: int, topk: int, device: int) -> _LayoutKernels:
 
 def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int = 0
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``ep_moe_native::expert_layout``: ``(pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K],
+    """The layout of `ep_moe.permute.expert_layout`: ``(pair_of_slot [M], slot_of_pair [N, K], sorted_slots [N, K],
     tokens_per_expert [L], pairs_per_expert [L], tokens_per_expert on the host [L] (empty unless num_slots < 0,
     the exact size, which reads the counts once on the host, or a capacity))``. ``topk_idx [N, K]`` int64,
     ``1 <= num_experts <= MAX_EXPERTS``. ``capacity`` C > 0 (alignment 1; a run-time argument of the kernels):
@@ -217,7 +215,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
 # ------------------------------------------------------------------------------------------ rows
 def permute_rows(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None
                  ) -> tuple[Tensor, Tensor]:
-    """``ep_moe_native::permute_rows``: ``(rows [M, H] of x's dtype, slot_values [M] fp32, empty without
+    """The permute of `ep_moe.permute.permute_rows_and_values`: ``(rows [M, H] of x's dtype, slot_values [M] fp32, empty without
     values)``. ``x [N, H]`` any dtype, ``pair_of_slot [M]`` int64, ``values [N * K]`` fp32 or None."""
     slots, (num_rows, hidden) = pair_of_slot.numel(), x.shape
     out = x.new_empty((slots, hidden))  # new_empty: the cheapest allocation call from Python
@@ -252,7 +250,7 @@ def reduce_row_threads(packs: int) -> int:
 
 def unpermute_sum(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_values: Tensor | None,
                   slot_of_pair: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``ep_moe_native::unpermute_sum``: ``(out [N, H] of y's dtype, pair_values [N, K] fp32, empty without
+    """The weighted reduce of `ep_moe.permute.unpermute_sum`: ``(out [N, H] of y's dtype, pair_values [N, K] fp32, empty without
     slot_values)``. ``y [M, H]`` bf16/fp32, ``weights [M]`` fp32 or None, ``sorted_slots [N, K]`` int64;
     ``slot_values [M]`` fp32 with ``slot_of_pair [N, K]`` int64, or both None."""
     dtype = _row_dtype(y, "unpermute_sum")
@@ -278,7 +276,7 @@ def unpermute_sum(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_
 
 def unpermute_sum_backward(grad_out: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor,
                            num_topk: int, need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor, Tensor]:
-    """``ep_moe_native::unpermute_sum_backward``: ``(grad_y [M, H] (empty unless need_grad_y), grad_weights [M]
+    """The gradients of `ep_moe.permute.unpermute_sum`: ``(grad_y [M, H] (empty unless need_grad_y), grad_weights [M]
     fp32 (empty unless need_grad_weights))``. ``grad_out [N, H]`` and ``y [M, H]`` of one dtype (bf16/fp32)."""
     dtype = _row_dtype(y, "unpermute_sum_backward")
     slots, hidden = pair_of_slot.numel(), y.shape[1]
@@ -297,8 +295,6 @@ def unpermute_sum_backward(grad_out: Tensor, y: Tensor, weights: Tensor | None, 
             pair_of_slot.data_ptr(), slots, grad_out.shape[0] * num_topk,
             grad_y.data_ptr() if need_grad_y else 0, grad_w.data_ptr() if need_grad_weights else 0)
     return grad_y, grad_w
-
-
 
 
 # ------------------------------------------------------------------------------------------ ahead of time

@@ -1,13 +1,11 @@
-"""The extension's expert-major torch ops that the shape-specialized JIT kernels (`ep_moe.native.jit.expert_major`)
-do not cover, through the JIT layer: ``ep_moe_native::permute_received_rows``, ``unpermute_own_rows``,
-``routing_map_to_topk`` and ``routing_map_to_topk_backward`` (``csrc/expert_major_ops.cpp``), with the same
-arguments, checks and outputs, for an install that compiled nothing.
+"""The generic expert-major ops that the shape-specialized JIT kernels (`ep_moe.native.jit.expert_major`) do not
+cover: `permute_received_rows` (the permute of received rows left in place), `unpermute_own_rows` (the own rows of
+an expert-major combine), `routing_map_to_topk` and `routing_map_to_topk_backward` (dense routing to top-k form).
 
-The kernels are the extension's own source (``csrc/expert_major.cu``, included by ``kernels/expert_major_csrc.cu``),
-compiled once per architecture (generic, as the extension's); the host half of ``csrc/expert_major_ops.cpp`` (checks,
-outputs, filling the parameter structs, choosing the instantiation) is done here over the ctypes mirrors of
-`ep_moe.native.jit.params`, and every kernel is launched with the driver API on the current stream of the tensors'
-device. Before the first launch on a device (outside a CUDA graph capture, which a read-back would break) the
+The kernels are ``csrc/expert_major.cu`` (included by ``kernels/expert_major_csrc.cu``), compiled once per
+architecture (generic in the shape); the host half (checks, outputs, filling the parameter structs, choosing the
+instantiation) is done here over the ctypes mirrors of `ep_moe.native.jit.params`, and every kernel is launched
+with the driver API on the current stream of the tensors' device. Before the first launch on a device (outside a CUDA graph capture, which a read-back would break) the
 module checks that the mirrors and constants equal what the compiler sees (`JitLayoutError` otherwise).
 
 Every function takes CUDA tensors of one device and raises `ValueError` naming a bad argument before anything is
@@ -31,7 +29,7 @@ SOURCE = KernelSource.of("expert_major_csrc.cu")
 _K = dict(P.EXPERT_MAJOR_CONSTANTS)
 ROW_THREADS, ROWS_PER_BLOCK = _K["kRowThreads"], _K["kRowsPerBlock"]
 ROW_DTYPES = {torch.bfloat16: _K["kRowBF16"], torch.float32: _K["kRowFP32"]}
-TOKEN_THREADS = 128  # routing_map_to_topk's launch_per_token: one thread per token
+TOKEN_THREADS = 128  # routing_map_to_topk's blocks: one thread per token
 
 # The kernels' mangled-name fragments (cubin.find_kernel): the instantiations kernels/expert_major_csrc.cu makes.
 PERMUTE_KERNELS = {16: "19permute_rows_kernelI5uint4EE", 4: "19permute_rows_kernelIjEE",
@@ -174,7 +172,7 @@ def _blocks(n: int, per_block: int) -> int:
 
 def word_bytes(row_bytes: int, *addresses: int) -> int:
     """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every address (0 for a null one): the permute's
-    instantiation (``by_word`` of csrc/expert_major.cu)."""
+    instantiation (``permute_rows_kernel<Word>`` of csrc/expert_major.cu)."""
     return _word_of(_or_all(row_bytes, addresses))
 
 
@@ -191,7 +189,7 @@ def _word_of(bits: int) -> int:
 
 
 def pack_elements(element_size: int, hidden: int, *addresses: int) -> int:
-    """Elements per 16-byte pack when ``hidden`` and every (non-null) address allow it, else 1 (``by_pack``)."""
+    """Elements per 16-byte pack when ``hidden`` and every (non-null) address allow it, else 1 (the ``VEC`` of ``unpermute_sum_kernel``)."""
     vec = 16 // element_size
     return vec if hidden % vec == 0 and not _or_all(0, addresses) & 15 else 1
 
@@ -207,7 +205,7 @@ def _own_range_check(op: str, rank_prefix_matrix: Tensor, rank: int) -> int:
 def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor, rank_prefix_matrix: Tensor,
                           rank: int, pair_of_slot: Tensor, num_topk: int, values: Tensor | None
                           ) -> tuple[Tensor, Tensor]:
-    """``ep_moe_native::permute_received_rows``: ``(out [M, H] of rows' dtype, slot_values [M] fp32, empty without
+    """`ep_moe.permute.permute_received_rows` on CUDA: ``(out [M, H] of rows' dtype, slot_values [M] fp32, empty without
     values)``; received row i is ``own_x[own_tokens[i - first]]`` inside this rank's own range of
     ``rank_prefix_matrix [R, R]`` int32 (read on the device), else ``rows[i]``. ``rows [>= num_rows, H]`` and
     ``own_x [T, H]`` of one dtype, ``own_tokens [T]`` int32, ``pair_of_slot [M]`` int64, ``values [num_rows * K]``
@@ -261,7 +259,7 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
 
 def unpermute_own_rows(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, rank_prefix_matrix: Tensor,
                        rank: int) -> Tensor:
-    """``ep_moe_native::unpermute_own_rows``: ``out [N, H]`` of y's dtype whose rows in this rank's own range of
+    """The own rows of an expert-major combine: ``out [N, H]`` of y's dtype whose rows in this rank's own range of
     ``rank_prefix_matrix [R, R]`` int32 (read on the device) are `unpermute_sum`'s rows (the fp32 sum over each
     row's slots in order, weighted by ``weights [M]`` fp32 when given, rounded once); the other rows are left
     unwritten. ``y [M, H]`` bf16/fp32, ``sorted_slots [N, K]`` int64."""
@@ -302,7 +300,7 @@ def unpermute_own_rows(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, 
 
 
 def routing_map_to_topk(routing_map: Tensor, probs: Tensor, num_topk: int) -> tuple[Tensor, Tensor]:
-    """``ep_moe_native::routing_map_to_topk``: ``(topk_idx [T, K] int64: each token's first K selected experts in
+    """Dense routing to top-k form: ``(topk_idx [T, K] int64: each token's first K selected experts in
     increasing id, then -1; topk_weights [T, K] fp32: their probs, 0 for -1)``. ``routing_map [T, E]`` bool,
     ``probs [T, E]`` bf16/fp32."""
     op = "routing_map_to_topk"
@@ -330,7 +328,7 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, num_topk: int) -> tu
 
 def routing_map_to_topk_backward(grad_weights: Tensor, topk_idx: Tensor, num_experts: int, dtype: torch.dtype
                                  ) -> Tensor:
-    """``ep_moe_native::routing_map_to_topk_backward``: ``grad_probs [T, E]`` of ``dtype`` (bf16/fp32): each
+    """The gradient of `routing_map_to_topk`: ``grad_probs [T, E]`` of ``dtype`` (bf16/fp32): each
     ``grad_weights [T, K]`` fp32 value (plus 0, rounded to ``dtype``) at its expert ``topk_idx [T, K]`` int64, 0
     elsewhere."""
     op = "routing_map_to_topk_backward"

@@ -1,11 +1,10 @@
-// The expert-major kernels of the ahead-of-time extension that the shape-specialized JIT sources beside this file
-// do not cover (the permute of received rows left in place, the own rows of an expert-major combine, and the dense
-// routing map to top-k and back) as one JIT module: csrc/expert_major.cu itself, device code only (its host
-// launchers are left out under __CUDACC_RTC__; ep_moe/native/jit/expert_major_csrc.py fills the same parameter
-// structs and picks the same instantiation). One generic build per architecture, as the extension's.
+// The generic expert-major kernels that the shape-specialized JIT sources beside this file do not cover (the
+// permute of received rows left in place, the own rows of an expert-major combine, and the dense routing map to
+// top-k and back) as one JIT module: csrc/expert_major.cu (ep_moe/native/jit/expert_major_csrc.py fills the
+// parameter structs and picks the instantiation). One generic build per architecture.
 //
 // The kernels keep their C++ names (in an unnamed namespace); the launchers find them in the CUBIN's symbol table.
-// Every instantiation the extension's launchers make is made here.
+// Every instantiation the launchers pick is made here.
 #include "../../csrc/expert_major.cu"
 
 namespace ep_moe {
