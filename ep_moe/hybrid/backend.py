@@ -7,10 +7,19 @@ A group of R = S x G ranks (S nodes of G ranks, `LogicalTopology`). Rank (n, l) 
   it holds to the ranks of its node that own one of the row's experts. The receiver puts the rows in the flat
   order (source rank, then token), so the outputs and the handle are those of the flat `TorchBackend`, bit for
   bit, and everything above (`ep_moe.ops`, `ep_moe.expert_major`, `ep_moe.ElasticBuffer`) works unchanged.
-* Combine, the way back. Scale-up hop: every row returns to the forwarder it came from. Scale-out hop: the
-  forwarder relays each (token, destination rank) row to the source, unreduced, and the source sums them in fp32
-  in increasing rank and rounds once: the flat combine's order, hence its bits. Reducing inside the node first
-  would cut the network rows but change the rounding (an fp32 sum is not associative), so it is not done.
+* Combine, the way back. Scale-up hop: every row returns to the forwarder it came from. Scale-out hop, in one of
+  two modes (``allow_multiple_reduction``, equal on every rank):
+
+  - reduced (True, DeepEP V2's hybrid combine): the forwarder sums each token's rows of its node in fp32, in the
+    order of each rank's last position in the token's top-k list, rounds once to the row dtype and sends that one
+    partial row per (token, node) to the source; the source starts from ``fp32(bias[0]) + fp32(bias[1])`` (or the
+    one bias, or 0), adds the node partials in the order of each node's last top-k position and rounds once. Two
+    roundings per token; one network row per (token, node).
+  - flat (False): the forwarder relays each (token, destination rank) row unreduced and the source sums them as
+    the flat `TorchBackend` does (in fp32, in ``handle.summation_order``, increasing rank where it is None; the
+    biases where that backend adds them, `_BIASES_FIRST`), hence its bits; one network row per (token, rank).
+
+  ``combined_topk_weights`` take the same path in fp32 (the in-node rounding to fp32 is exact).
 
 Overlap. The scale-out hop runs in ``nc`` chunks of tokens (``num_chunks``): the tokens one source sends to one
 node are cut, in token order, into ``nc`` near-equal pieces (piece k of m tokens: positions
@@ -18,8 +27,7 @@ node are cut, in token order, into ``nc`` near-equal pieces (piece k of m tokens
 followed by an event; CPU: async work handles); the scale-up hop of chunk k runs as soon as chunk k has arrived,
 while the later chunks are still crossing the network. Combine mirrors it: the scale-up hop of chunk k, then its
 network exchange posted on the side stream while chunk k+1 goes through the node. Chunking changes where rows
-sit in the slots, never which rows arrive or the order of the final sum, so results are bit-equal for any
-``nc``.
+sit in the slots, never which rows arrive or the order of either sum, so results are bit-equal for any ``nc``.
 
 Scale-up transport (``scaleup``): ``"all_to_all"`` -- torch.distributed all-to-alls on the node's subgroup (NCCL
 on GPU, gloo on CPU); ``"native"`` -- ep_moe's native NVLink kernels (a `NativeBackend` on the node's subgroup,
@@ -60,7 +68,7 @@ from ..backends.base import CommBackend, DispatchResult
 from ..backends.torch_backend import TorchBackend, _counts_from_prefix, _source_ranks, as_bytes, from_bytes
 from ..config import Config, NativeOptions
 from ..handle import DispatchHandle
-from ..layout import aligned_expert_counts, local_topk
+from ..layout import aligned_expert_counts, local_topk, summation_order
 from .topology import LogicalTopology
 
 log = logging.getLogger("ep_moe")
@@ -178,7 +186,9 @@ class _Plan:
     (chunk k, node n, piece position p: ``k*S*cs + n*cs + p``), spare ``nc*S*cs``. slot2 [nc*S*cs, G]: each
     forwarded row's slot in its chunk's scale-up send buffer (``l' * c2[k] + j``), spare ``G*c2[k]``. perm [N]:
     each output row's place in the chunks' concatenated scale-up receive buffers, spare past them (padding).
-    net: exact mode, per chunk (`_ChunkNet`); None in fixed mode (every slot row crosses)."""
+    net: exact mode, per chunk (`_ChunkNet`); None in fixed mode (every slot row crosses). The reduced combine's
+    orders (`ep_moe.layout.summation_order` of the groups' last top-k positions): order1 [T, S], each token's
+    nodes; order2 [nc*S*cs, G], each forwarded row's ranks of this node (columns of slot2)."""
 
     nc: int
     cs: int
@@ -187,6 +197,8 @@ class _Plan:
     slot2: torch.Tensor
     perm: torch.Tensor
     net: list[_ChunkNet] | None = None
+    order1: torch.Tensor | None = None
+    order2: torch.Tensor | None = None
 
     def offsets2(self, G: int) -> list[int]:
         """Start of each chunk in the concatenated scale-up buffers (and their total, last)."""
@@ -225,6 +237,9 @@ class HybridBackend(TorchBackend):
         scaleup: the in-node transport, one of `SCALEUP_MODES` (None: ``EP_MOE_HYBRID_SCALEUP``, else "auto").
             "native" raises a RuntimeError where the node's subgroup cannot run the native kernels.
         native_options: the native scale-up's `NativeOptions` (None: from the environment).
+        allow_multiple_reduction: the combine's mode (module docstring): True, reduced inside the node first
+            (DeepEP V2's hybrid combine); False, the flat combine's bits. Equal on every rank (checked here, a
+            `ValueError` naming it).
 
     Uses two subgroups made with ``dist.new_group`` (only their members take part; made once per process,
     `_subgroup`): the scale-out group of this rank's local index and the scale-up group of its node.
@@ -235,8 +250,12 @@ class HybridBackend(TorchBackend):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float,
                  topology: LogicalTopology, *, num_chunks: int | None = None, scaleup: str | None = None,
-                 native_options: NativeOptions | None = None) -> None:
+                 native_options: NativeOptions | None = None, allow_multiple_reduction: bool = True) -> None:
         super().__init__(group, device, timeout_s)
+        if not isinstance(allow_multiple_reduction, bool):
+            raise ValueError(f"HybridBackend: argument 'allow_multiple_reduction' must be a bool, got "
+                             f"{allow_multiple_reduction!r}")
+        self.allow_multiple_reduction = allow_multiple_reduction
         if topology.num_ranks != self.num_ranks:
             raise ValueError(f"HybridBackend: argument 'topology' must have {self.num_ranks} ranks (the group's), "
                              f"got {topology.num_ranks}")
@@ -269,12 +288,16 @@ class HybridBackend(TorchBackend):
         self.traffic = HopTraffic()
         # Every rank must cut the same chunks (the count exchange's width depends on the most, and a planned count
         # must be planned everywhere): checked once, here.
-        mine = torch.tensor([self.max_chunks, int(self.chunks_fixed)], dtype=torch.int64, device=device)
+        mine = torch.tensor([self.max_chunks, int(self.chunks_fixed), int(allow_multiple_reduction)],
+                            dtype=torch.int64, device=device)
         agreed = [tuple(row) for row in self._all_gather_counts(mine, "init/chunks").tolist()]
+        if len({row[2] for row in agreed}) > 1:
+            raise ValueError(f"HybridBackend: argument 'allow_multiple_reduction' (ElasticBuffer's) must be equal on "
+                             f"every rank, got {[bool(row[2]) for row in agreed]} by rank")
         if len(set(agreed)) > 1:
             raise ValueError(f"HybridBackend: argument 'num_chunks' (ElasticBuffer's num_hybrid_chunks, or "
                              f"{ENV_CHUNKS}) must be equal on every rank (given, or left to the plan, everywhere), "
-                             f"got (chunks, given) {agreed} by rank")
+                             f"got (chunks, given) {[row[:2] for row in agreed]} by rank")
         self._inner: CommBackend | None = None
         self.scaleup_transport, self.scaleup_reason = self._make_scaleup(mode, native_options)
 
@@ -547,7 +570,8 @@ class HybridBackend(TorchBackend):
         else:
             values = [plan.nc, plan.cs] + plan.c2 + [v for chunk in plan.net for v in chunk.flat()]
             head = torch.tensor(values, dtype=torch.int64, device=self.device)
-        return torch.cat([head, plan.slot1.flatten(), plan.slot2.flatten(), plan.perm])
+        return torch.cat([head, plan.slot1.flatten(), plan.slot2.flatten(), plan.perm, plan.order1.flatten(),
+                          plan.order2.flatten()])
 
     def _plan_of(self, handle: DispatchHandle) -> _Plan:
         """The plan packed into ``handle.backend_state`` (by `dispatch`). Its sizes are known on the host for a
@@ -582,13 +606,14 @@ class HybridBackend(TorchBackend):
         """The plan whose tensors are views of ``state`` (its layout: `_state`)."""
         T, S, G, N = handle.num_tokens, self.num_nodes, self.per_node, handle.num_recv_rows
         head_len = 1 if net is None else 2 + nc + nc * _ChunkNet.size(S, G)
-        if state.numel() != head_len + T * S + nc * S * cs * G + N:
+        rows2 = nc * S * cs
+        if state.numel() != head_len + 2 * (T * S + rows2 * G) + N:
             raise ValueError("ep_moe.hybrid: argument 'handle' does not match this group's topology "
                              f"({S} x {G}) or its own sizes")
-        body = state[head_len:]
-        slot1, body = body[:T * S].view(T, S), body[T * S:]
-        slot2, perm = body[:nc * S * cs * G].view(nc * S * cs, G), body[nc * S * cs * G:]
-        return _Plan(nc, cs, c2, slot1, slot2, perm, net)
+        parts = torch.split(state[head_len:], [T * S, rows2 * G, N, T * S, rows2 * G])
+        slot1, slot2, perm, order1, order2 = parts[0].view(T, S), parts[1].view(rows2, G), parts[2], \
+            parts[3].view(T, S), parts[4].view(rows2, G)
+        return _Plan(nc, cs, c2, slot1, slot2, perm, net, order1, order2)
 
     def _remember(self, state: torch.Tensor, plan: _Plan) -> None:
         """Keep the plan's host values by the state's storage while the state lives (no reference to it)."""
@@ -667,7 +692,12 @@ class HybridBackend(TorchBackend):
         # the forwarder's view of chunk k: the rows of the sources of local index l, by node then token
         experts_per_rank = num_experts // R
         from_source_node = node_matrix[self._grid[:, self.local], self.node]  # [S] tokens each node's source sends
-        plan = _Plan(nc, cs, c2, slot1, slot1.new_empty(0), slot1.new_empty(0), net)
+        # the reduced combine's order of each token's nodes (by each node's last top-k position)
+        owner_node = torch.where(topk_idx >= 0, self._node_of[topk_idx.clamp(min=0) // experts_per_rank], -1)
+        order1 = summation_order(owner_node, S, S).to(torch.int64)                         # [T, S]
+        plan = _Plan(nc, cs, c2, slot1, slot1.new_empty(0), slot1.new_empty(0), net, order1)
+        local_of = torch.full((R,), -1, dtype=torch.int64, device=x.device)
+        local_of[self._grid[self.node]] = torch.arange(G, device=x.device)  # -1 outside this node
 
         def slot2_of(k: int, recv1: torch.Tensor) -> torch.Tensor:
             piece = (k + 1) * from_source_node // nc - k * from_source_node // nc
@@ -675,14 +705,19 @@ class HybridBackend(TorchBackend):
             idx1 = from_bytes(recv1[:, col_idx:col_w], torch.int64, K).masked_fill(~valid1[:, None], -1)
             owner = torch.where(idx1 >= 0, idx1 // experts_per_rank, -1)  # [S*cs, K] destination rank of each pair
             in_peer = (owner[:, :, None] == self._grid[self.node][None, None, :]).any(dim=1)  # [S*cs, G]
+            # the reduced combine's order of the row's ranks in this node (by each rank's last top-k position)
+            owner_local = torch.where(owner >= 0, local_of[owner.clamp(min=0)], -1)
+            order2_parts.append(summation_order(owner_local, G, G).to(torch.int64))
             return self._slots(in_peer, c2[k])
 
         tally = _Tally()
         slot2_parts: list[torch.Tensor] = []
+        order2_parts: list[torch.Tensor] = []
         recv2 = self._forward("dispatch", rows, plan, lambda k, r: slot2_parts.append(slot2_of(k, r)) or
                               slot2_parts[-1], tally, config)
         tally.commit(self.traffic, "dispatch")
         plan.slot2 = torch.cat(slot2_parts) if slot2_parts else torch.empty(0, G, dtype=torch.int64, device=x.device)
+        plan.order2 = torch.cat(order2_parts) if order2_parts else plan.slot2.clone()
 
         # the flat order: by source rank, then token (valid rows: the first of each forwarder's block per chunk)
         from_forwarder = chunk_table[:, :, me].index_select(0, self._grid.flatten()).view(S, G, MC).sum(dim=0)
@@ -738,9 +773,11 @@ class HybridBackend(TorchBackend):
                                 topk_weights.shape[1] if topk_weights is not None else -1)
         S, G, nc, cs = self.num_nodes, self.per_node, plan.nc, plan.cs
         T, hidden = handle.num_tokens, y.shape[1]
+        reduce = self.allow_multiple_reduction
         y_bytes = as_bytes(y)
         rows = y_bytes if topk_weights is None else torch.cat([y_bytes, as_bytes(topk_weights)], dim=1)
         row_bytes = rows.shape[1]
+        acc_dtype = torch.promote_types(y.dtype, torch.float32)  # fp32, or fp64 for fp64 input
         offsets = plan.offsets2(G)
         send2_all = torch.zeros(offsets[-1] + 1, row_bytes, dtype=torch.uint8, device=y.device)
         send2_all.index_copy_(0, plan.perm, rows)
@@ -758,10 +795,20 @@ class HybridBackend(TorchBackend):
                                   lambda f=from_peer: ((f < G) & (f != self.local)).sum(),
                                   None if plan.net is None else (plan.net[k].up_recv, plan.net[k].up_sent),
                                   tally, k, nc, config)
-            # scale-out hop back, on the side stream while the next chunk goes through the node: the forwarder
-            # relays every (token, rank) row, unreduced; block (n', l') of cs rows holds, in token order, the
-            # rows of rank (n, l') for source (n', l)
+            # scale-out hop back, on the side stream while the next chunk goes through the node
             slot2 = plan.slot2[k * S * cs:(k + 1) * S * cs]
+            if reduce:
+                # one partial row per forwarded row (token, node), in the dispatch's scale-out slots: block n of cs
+                # rows goes back to source (n, l)
+                order2 = plan.order2[k * S * cs:(k + 1) * S * cs]
+                send1 = self._node_partials(back2, slot2, order2, y.dtype, hidden, acc_dtype)
+                in_use = (slot2 < G * c2).any(dim=1).view(S, cs)
+                pending.append(self._post("combine", "scaleout", send1, S, cs, lambda u=in_use: u[others].sum(),
+                                          None if plan.net is None else (plan.net[k].out_recv, plan.net[k].out_sent),
+                                          tally, k, nc, side=True))
+                continue
+            # flat: the forwarder relays every (token, rank) row, unreduced; block (n', l') of cs rows holds, in
+            # token order, the rows of rank (n, l') for source (n', l)
             sent = (slot2 < G * c2).view(S, cs, G)
             place = torch.cumsum(sent.to(torch.int64), dim=1) - 1
             dest = torch.where(sent, block + place, S * G * cs).flatten()
@@ -777,34 +824,64 @@ class HybridBackend(TorchBackend):
             torch.zeros(0, row_bytes, dtype=torch.uint8, device=y.device)
         tally.commit(self.traffic, "combine")
 
-        # the source: sum over ranks in increasing order, in fp32 (fp64 for fp64), round once (the flat order)
-        acc_dtype = torch.promote_types(y.dtype, torch.float32)
-        acc = torch.zeros(T + 1, hidden, dtype=acc_dtype, device=y.device)
+        # the source: reduced, the node partials (slot1: token t's row from node n in back1) in order1; flat, the
+        # rank rows in the flat backend's order
+        slots, order = (plan.slot1, plan.order1) if reduce else (self._rank_rows(plan, handle),
+                                                                  getattr(handle, "summation_order", None))
+        biases = [b.to(acc_dtype) for b in bias if b is not None]
+        if reduce:  # DeepEP V2: the accumulator starts as the biases' fp32 sum
+            acc = biases[0] if biases else torch.zeros(T, hidden, dtype=acc_dtype, device=y.device)
+            biases = biases[1:]
+        else:
+            acc = torch.zeros(T, hidden, dtype=acc_dtype, device=y.device)
+        if reduce or _BIASES_FIRST:
+            for b in biases:
+                acc = acc + b
+            biases = []
+        acc = _ordered_sum(acc, from_bytes(back1[:, :y_bytes.shape[1]], y.dtype, hidden), slots, order)
+        for b in biases:  # flat, where the flat backend adds the biases after the rows
+            acc = acc + b
         acc_w = None
-        if topk_weights is not None:
-            acc_w = torch.zeros(T + 1, topk_weights.shape[1], dtype=torch.float32, device=y.device)
-        tokens = torch.arange(T, device=y.device)
-        spare1 = nc * S * cs
+        if topk_weights is not None:  # flat: in increasing rank, as the flat backend
+            acc_w = _ordered_sum(torch.zeros(T, topk_weights.shape[1], dtype=torch.float32, device=y.device),
+                                 from_bytes(back1[:, y_bytes.shape[1]:], torch.float32, topk_weights.shape[1]),
+                                 slots, order if reduce else None)
+        return acc.to(y.dtype), acc_w
+
+    @staticmethod
+    def _node_partials(back2: torch.Tensor, slot2: torch.Tensor, order2: torch.Tensor, dtype: torch.dtype,
+                       hidden: int, acc_dtype: torch.dtype) -> torch.Tensor:
+        """The reduced combine's in-node sum of one chunk, on the forwarder: for each forwarded row i, its ranks'
+        rows ``back2[slot2[i, g]]`` (``[G * c2, B]`` bytes: values of ``dtype``, then fp32 weights) summed in
+        ``order2[i]`` in ``acc_dtype`` and rounded once to ``dtype`` (the weights stay fp32); ``[S * cs, B]``
+        bytes, zeros for a row without any."""
+        num_w = (back2.shape[1] - hidden * dtype.itemsize) // 4
+        values = _ordered_sum(torch.zeros(slot2.shape[0], hidden, dtype=acc_dtype, device=back2.device),
+                              from_bytes(back2[:, :hidden * dtype.itemsize], dtype, hidden), slot2, order2)
+        parts = [as_bytes(values.to(dtype))]
+        if num_w:
+            weights = _ordered_sum(torch.zeros(slot2.shape[0], num_w, dtype=torch.float32, device=back2.device),
+                                   from_bytes(back2[:, hidden * dtype.itemsize:], torch.float32, num_w), slot2,
+                                   order2)
+            parts.append(as_bytes(weights))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _rank_rows(self, plan: _Plan, handle: DispatchHandle) -> torch.Tensor:
+        """The flat combine's ``[T, R]`` place of token t's row from rank q in the relayed rows (the chunks'
+        concatenated ``[S * G * cs]`` receive buffers), ``nc * S * G * cs`` (past them) where it has none."""
+        S, G, nc, cs = self.num_nodes, self.per_node, plan.nc, plan.cs
+        spare1, total = nc * S * cs, nc * S * G * cs
         chunk_of = torch.where(plan.slot1 < spare1, plan.slot1 // max(S * cs, 1), 0)  # [T, S]
-        chunk_ids = torch.arange(nc, device=y.device)[None, :]
+        chunk_ids = torch.arange(nc, device=plan.slot1.device)[None, :]
+        columns = []
         for q in range(self.num_ranks):
             n, lo = self.topology.node_of[q], self.topology.local_of[q]
             in_q = handle.is_token_in_rank[:, q]
             chunk_q = chunk_of[:, n]
             in_chunk = (chunk_q[:, None] == chunk_ids) & in_q[:, None]                    # [T, nc]
             place = torch.cumsum(in_chunk.to(torch.int64), dim=0).gather(1, chunk_q[:, None])[:, 0] - 1
-            where = chunk_q * (S * G * cs) + (n * G + lo) * cs + place
-            picked = back1.index_select(0, torch.where(in_q, where, 0)) if back1.shape[0] else \
-                back1.new_zeros(T, row_bytes)
-            target = torch.where(in_q, tokens, T)
-            acc.index_add_(0, target, from_bytes(picked[:, :y_bytes.shape[1]], y.dtype, hidden).to(acc_dtype))
-            if acc_w is not None:
-                acc_w.index_add_(0, target, from_bytes(picked[:, y_bytes.shape[1]:], torch.float32, acc_w.shape[1]))
-        acc = acc[:T]
-        for b in bias:
-            if b is not None:
-                acc = acc + b.to(acc_dtype)
-        return acc.to(y.dtype), (acc_w[:T] if acc_w is not None else None)
+            columns.append(torch.where(in_q, chunk_q * (S * G * cs) + (n * G + lo) * cs + place, total))
+        return torch.stack(columns, dim=1)
 
     def destroy(self) -> None:
         """Destroy the native scale-up backend, if any; the subgroups stay (shared by every buffer on the same
@@ -813,6 +890,36 @@ class HybridBackend(TorchBackend):
             self._inner.destroy()
             self._inner = None
         self.scaleout_group = self.scaleup_group = None
+
+
+_BIASES_FIRST = "summation_order" in DispatchHandle._fields
+"""Whether the flat combine (`ep_moe.backends.torch_backend.TorchBackend.combine`) adds the biases before the
+rows: where handles carry a summation order, it starts from the biases and adds the rows in that order; else it
+adds the rows in increasing rank, then the biases."""
+
+
+def _ordered_sum(acc: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                 order: torch.Tensor | None) -> torch.Tensor:
+    """``acc [N, C]`` plus, for each row i, the terms ``values[slots[i, order[i, j]]]`` for j = 0, 1, ... in turn
+    (one rounded add each, in ``acc``'s dtype), skipping a slot ``>= len(values)`` (no term).
+
+    Args:
+        acc: ``[N, C]`` fp32/fp64, the sums' start.
+        values: ``[V, C]`` the terms, converted to ``acc``'s dtype.
+        slots: ``[N, P]`` int64 rows of ``values``.
+        order: ``[N, P]`` int (each row a permutation of ``0..P-1``), or None: ``0..P-1``.
+
+    Returns:
+        ``[N, C]`` in ``acc``'s dtype.
+    """
+    spare = values.shape[0]
+    padded = torch.cat([values, values.new_zeros(1, values.shape[1])]).to(acc.dtype)
+    for j in range(slots.shape[1]):
+        slot = slots[:, j] if order is None else slots.gather(1, order[:, j:j + 1].to(torch.int64))[:, 0]
+        valid = slot < spare
+        picked = padded.index_select(0, torch.where(valid, slot, spare))
+        acc = torch.where(valid[:, None], acc + picked, acc)
+    return acc
 
 
 _SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}

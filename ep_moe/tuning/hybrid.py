@@ -7,17 +7,17 @@ rank, H hidden. Counts are rows a rank sends to *other* ranks per call, per hop;
   others NVLink.
 * Hybrid dispatch: a token crosses the network once per destination node (deduplicated), to the same-index GPU,
   which forwards it over NVLink to the node's destination ranks.
-* Hybrid combine, as `ep_moe.hybrid` does it: rows return over NVLink to the forwarder, which relays every
-  (token, rank) row unreduced over the network (the flat combine's fp32 order, hence its bits): as many network
-  rows as flat. ``node_reduced`` gives what a combine that sums inside the node first would move (one row per
-  token and node, DeepEP's way; it changes the rounding and is not implemented).
+* Hybrid combine: rows return over NVLink to the forwarder. With ``allow_multiple_reduction=True`` (DeepEP V2's
+  and `ep_moe.ElasticBuffer`'s default; ``node_reduced``) the forwarder sums them per token and sends one row per
+  (token, node) over the network, as many as the dispatch; with False it relays every (token, rank) row
+  unreduced (the flat combine's bits): as many network rows as flat.
 
 `exact_hop_rows` counts a given routing (what `ep_moe.hybrid.HopTraffic` measures); `expected_traffic` is
 the balanced-gate expectation with ``g(E, K, n) = n (1 - C(E - E/n, K) / C(E, K))`` distinct destination
 groups per token (`expected_groups`); `predict` turns bytes into time with the NIC and NVLink rates (the hops
 overlapped: the busier link bounds the call) and adds DeepEP V2's SM and QP counts (`ep_moe.tuning.theoretical`).
-`plan_hybrid` is the tuner's plan of a hybrid group (what `ep_moe.ElasticBuffer` runs with): the chunk count that
-minimizes the predicted two-hop pipeline (`pipeline_us`) and the SMs of each hop.
+`plan_hybrid` is the tuner's plan of a hybrid group (what `ep_moe.ElasticBuffer` runs with, in the buffer's combine
+mode): the chunk count that minimizes the predicted two-hop pipeline (`pipeline_us`) and the SMs of each hop.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class HopRows:
     dispatch_scaleout: int
     dispatch_scaleup: int
     combine_scaleup: int
-    combine_scaleout: int
+    combine_scaleout: int              # allow_multiple_reduction=False: one row per (token, rank)
+    combine_scaleout_node_reduced: int  # allow_multiple_reduction=True: one row per (token, node)
 
 
 def exact_hop_rows(topk_idxs: list[torch.Tensor], num_experts: int, num_nodes: int) -> list[HopRows]:
@@ -65,7 +66,7 @@ def exact_hop_rows(topk_idxs: list[torch.Tensor], num_experts: int, num_nodes: i
         raise ValueError(f"exact_hop_rows: argument 'num_nodes' must divide the {num_ranks} ranks (and the ranks "
                          f"the {num_experts} experts), got {num_nodes}")
     per_node, per_rank = num_ranks // num_nodes, num_experts // num_ranks
-    d_out, d_up, c_up, c_out = ([0] * num_ranks for _ in range(4))
+    d_out, d_up, c_up, c_out, c_out_reduced = ([0] * num_ranks for _ in range(5))
     for s, idx in enumerate(topk_idxs):
         node_s, local_s = divmod(s, per_node)
         for row in idx.tolist():
@@ -80,7 +81,8 @@ def exact_hop_rows(topk_idxs: list[torch.Tensor], num_experts: int, num_nodes: i
                     c_up[q] += q != forwarder
                 if n != node_s:
                     c_out[forwarder] += len(here)
-    return [HopRows(*v) for v in zip(d_out, d_up, c_up, c_out)]
+                    c_out_reduced[forwarder] += 1
+    return [HopRows(*v) for v in zip(d_out, d_up, c_up, c_out, c_out_reduced)]
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def expected_traffic(shape: LayerShape, num_nodes: int, per_node: int, hybrid: b
                      node_reduced: bool = False) -> Traffic:
     """Expected bytes per GPU and call under a balanced gate (rows as in the module docstring; dispatch rows
     ``shape.dispatch_row_bytes``, combine rows ``shape.combine_row_bytes``). ``node_reduced``: the hybrid
-    combine that sums inside the node first (not implemented; for comparison)."""
+    combine that sums inside the node first (``allow_multiple_reduction=True``); else the unreduced one."""
     if num_nodes < 1 or per_node < 1:
         raise ValueError(f"expected_traffic: arguments 'num_nodes' and 'per_node' must be >= 1, got {num_nodes}, "
                          f"{per_node}")
@@ -120,7 +122,7 @@ def expected_traffic(shape: LayerShape, num_nodes: int, per_node: int, hybrid: b
 class Prediction:
     """One configuration's predicted traffic and time per call."""
 
-    mode: str             # "flat", "hybrid" or "hybrid-node-reduced"
+    mode: str             # one of `MODES`
     num_nodes: int
     per_node: int
     traffic: Traffic
@@ -130,6 +132,16 @@ class Prediction:
     combine_bound: str
     num_sms: int          # DeepEP V2's analytic SM count for this mode
     num_qps: int          # and its queue pairs (capped by what V2 allocates)
+
+
+MODES = ("flat", "hybrid", "hybrid-node-reduced")
+"""`predict`'s modes: the flat path; the hybrid path with its combine unreduced (``allow_multiple_reduction=False``)
+or reduced inside the node (True, `ep_moe.ElasticBuffer`'s default)."""
+
+
+def hybrid_mode(allow_multiple_reduction: bool) -> str:
+    """The `MODES` entry of a hybrid buffer with this ``allow_multiple_reduction``."""
+    return "hybrid-node-reduced" if allow_multiple_reduction else "hybrid"
 
 
 def default_nvlink_gbs(gpu: str = DEFAULT_GPU) -> float:
@@ -142,8 +154,8 @@ def predict(shape: LayerShape, num_nodes: int, per_node: int, mode: str, nic_gbs
             nvlink_gbs: float | None = None, max_sms: int = 132) -> Prediction:
     """Predicted time of one dispatch and one combine: the larger of NIC bytes / ``nic_gbs`` and NVLink bytes /
     ``nvlink_gbs`` (GB/s per GPU; None: `default_nvlink_gbs`), the two hops overlapped chunk by chunk.
-    ``mode``: "flat", "hybrid" (as implemented) or "hybrid-node-reduced"."""
-    if mode not in ("flat", "hybrid", "hybrid-node-reduced"):
+    ``mode``: one of `MODES` ("flat"; "hybrid", the combine unreduced; "hybrid-node-reduced", reduced in the node)."""
+    if mode not in MODES:
         raise ValueError(f"predict: argument 'mode' must be 'flat', 'hybrid' or 'hybrid-node-reduced', got {mode!r}")
     if nic_gbs <= 0:
         raise ValueError(f"predict: argument 'nic_gbs' must be > 0, got {nic_gbs!r}")
@@ -195,6 +207,7 @@ class HybridPlan:
             which picks its own channels).
         dispatch_us, combine_us: predicted with the chunk pipeline; ``*_nic_us`` / ``*_nvlink_us``: each hop alone.
         traffic: the bytes per GPU (`expected_traffic`).
+        node_reduced: the combine mode planned for (``allow_multiple_reduction``).
     """
 
     num_nodes: int
@@ -209,21 +222,23 @@ class HybridPlan:
     combine_nic_us: float
     combine_nvlink_us: float
     traffic: Traffic
+    node_reduced: bool = True
 
     def describe(self) -> str:
         chunks = f"{self.num_chunks} chunk" + ("s" if self.num_chunks > 1 else "")
         return (f"hybrid {self.num_nodes} x {self.per_node}: {chunks}, {self.scaleup_sms} SMs in "
                 f"the node (native), {self.scaleout_sms} SMs by DeepEP V2's rule for the network hop (NCCL here); "
                 f"dispatch {self.dispatch_us:.0f} us (NIC {self.dispatch_nic_us:.0f}, NVLink "
-                f"{self.dispatch_nvlink_us:.0f}), combine {self.combine_us:.0f} us (NIC {self.combine_nic_us:.0f}, "
-                f"NVLink {self.combine_nvlink_us:.0f})")
+                f"{self.dispatch_nvlink_us:.0f}), combine {'reduced in the node' if self.node_reduced else 'unreduced'} "
+                f"{self.combine_us:.0f} us (NIC {self.combine_nic_us:.0f}, NVLink {self.combine_nvlink_us:.0f})")
 
 
 def plan_hybrid(shape: LayerShape, num_nodes: int, per_node: int, nic_gbs: float = DEFAULT_NIC_GBS,
                 nvlink_gbs: float | None = None, sm_peer_write_gbs: float | None = None,
                 max_chunks: int = MAX_PLANNED_CHUNKS, chunk_overhead_us: float = DEFAULT_CHUNK_OVERHEAD_US,
-                min_sms: int = 2, max_sms: int = 132) -> HybridPlan:
-    """The plan of a hybrid group from the model (`expected_traffic` of the hybrid path as implemented, NIC at
+                min_sms: int = 2, max_sms: int = 132, allow_multiple_reduction: bool = True) -> HybridPlan:
+    """The plan of a hybrid group from the model (`expected_traffic` of the hybrid path in the buffer's combine
+    mode, ``allow_multiple_reduction``: True, reduced in the node, as `ep_moe.ElasticBuffer` by default; NIC at
     ``nic_gbs``, NVLink at ``nvlink_gbs``, None: `default_nvlink_gbs`; one SM's peer stores at
     ``sm_peer_write_gbs``, None: `Rates`' default). Chunks: the count in ``1..max_chunks`` with the least
     predicted dispatch + combine (`pipeline_us`; ties: fewer). ValueError naming a bad argument."""
@@ -238,7 +253,7 @@ def plan_hybrid(shape: LayerShape, num_nodes: int, per_node: int, nic_gbs: float
     if nvlink <= 0:
         raise ValueError(f"plan_hybrid: argument 'nvlink_gbs' must be > 0, got {nvlink_gbs!r}")
     per_sm = Rates(nvlink_gbs=nvlink).sm_peer_write_gbs if sm_peer_write_gbs is None else sm_peer_write_gbs
-    traffic = expected_traffic(shape, num_nodes, per_node, hybrid=True)
+    traffic = expected_traffic(shape, num_nodes, per_node, hybrid=True, node_reduced=allow_multiple_reduction)
     d_nic, d_nvl = traffic.dispatch_nic / nic_gbs / 1e3, traffic.dispatch_nvlink / nvlink / 1e3
     c_nic, c_nvl = traffic.combine_nic / nic_gbs / 1e3, traffic.combine_nvlink / nvlink / 1e3
     chunks = min(range(1, max_chunks + 1), key=lambda n: (pipeline_us(d_nic, d_nvl, n, chunk_overhead_us)
@@ -255,22 +270,24 @@ def plan_hybrid(shape: LayerShape, num_nodes: int, per_node: int, nic_gbs: float
                                         max_sms=max_sms).num_sms
     return HybridPlan(num_nodes, per_node, chunks, sms, scaleout,
                       pipeline_us(d_nic, d_nvl, chunks, chunk_overhead_us),
-                      pipeline_us(c_nic, c_nvl, chunks, chunk_overhead_us), d_nic, d_nvl, c_nic, c_nvl, traffic)
+                      pipeline_us(c_nic, c_nvl, chunks, chunk_overhead_us), d_nic, d_nvl, c_nic, c_nvl, traffic,
+                      allow_multiple_reduction)
 
 
 def apply_hybrid_plan(backend, num_experts: int, topk: int, hidden: int, tokens: int, dtype_bytes: int
                       ) -> HybridPlan:
-    """The plan of this shape for a `ep_moe.hybrid.HybridBackend` (its S x G view and most chunks), whose chunk
-    count it then sets unless the buffer fixed one (``backend.chunks_fixed``). ``tokens``: the most any rank
+    """The plan of this shape for a `ep_moe.hybrid.HybridBackend` (its S x G view, most chunks and combine mode,
+    ``backend.allow_multiple_reduction``), whose chunk count it then sets unless the buffer fixed one (``backend.chunks_fixed``). ``tokens``: the most any rank
     holds (every rank must pass the same arguments, so that all cut the same chunks). Returns the plan (its
     ``scaleup_sms`` is the in-node hop's SM count)."""
     plan = plan_hybrid(LayerShape(num_experts, topk, hidden, tokens, min(dtype_bytes, 4)), backend.num_nodes,
-                       backend.per_node, max_chunks=backend.max_chunks)
+                       backend.per_node, max_chunks=backend.max_chunks,
+                       allow_multiple_reduction=backend.allow_multiple_reduction)
     if not backend.chunks_fixed:
         backend.set_num_chunks(plan.num_chunks)
     return plan
 
 
-__all__ = ["DEFAULT_CHUNK_OVERHEAD_US", "DEFAULT_NIC_GBS", "MAX_PLANNED_CHUNKS", "HopRows", "HybridPlan",
-           "Prediction", "Traffic", "apply_hybrid_plan", "default_nvlink_gbs", "exact_hop_rows", "expected_traffic", "hybrid_row_bytes",
+__all__ = ["DEFAULT_CHUNK_OVERHEAD_US", "DEFAULT_NIC_GBS", "MAX_PLANNED_CHUNKS", "MODES", "HopRows", "HybridPlan",
+           "Prediction", "Traffic", "apply_hybrid_plan", "hybrid_mode", "default_nvlink_gbs", "exact_hop_rows", "expected_traffic", "hybrid_row_bytes",
            "pipeline_us", "plan_hybrid", "predict"]

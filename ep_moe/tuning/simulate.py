@@ -1,9 +1,11 @@
 """``ep-moe simulate``: predicted dispatch/combine bytes per hop and time, flat vs hybrid, across nodes.
 
 Runs the model of `ep_moe.tuning.hybrid` (no GPU, no processes): for each node count, per GPU and call, the bytes
-over the NIC and over NVLink and the time the busier link takes, for the flat path, the hybrid path as
-implemented, and a hybrid combine that would reduce inside the node first; DeepEP V2's SM and QP counts. Default
-shape: DeepSeek-V3 (hidden 7168, top-8 of 256 experts, 4096 tokens per GPU, bf16).
+over the NIC and over NVLink and the time the busier link takes, for the flat path and the hybrid path with its
+combine unreduced (``hybrid``, ``allow_multiple_reduction=False``) or reduced inside the node (``hybrid-node-reduced``,
+True: `ep_moe.ElasticBuffer`'s default); the mode a buffer with ``--allow-multiple-reduction`` runs is marked ``*``.
+DeepEP V2's SM and QP counts. Default shape: DeepSeek-V3 (hidden 7168, top-8 of 256 experts, 4096 tokens per GPU,
+bf16).
 """
 
 from __future__ import annotations
@@ -11,10 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .hybrid import DEFAULT_NIC_GBS, Prediction, default_nvlink_gbs, predict
+from .hybrid import DEFAULT_NIC_GBS, MODES, Prediction, default_nvlink_gbs, hybrid_mode, predict
 from .model import LayerShape, dtype_bytes
-
-MODES = ("flat", "hybrid", "hybrid-node-reduced")
 
 
 def _node_list(text: str) -> list[int]:
@@ -40,18 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvlink-gbs", type=float, default=None,
                    help=f"NVLink GB/s per GPU (default {default_nvlink_gbs():.0f}: ep_moe's H200 rate; pass a "
                         "calibrated one from 'ep-moe tune --calibrate')")
+    p.add_argument("--allow-multiple-reduction", type=int, choices=(0, 1), default=1,
+                   help="the hybrid buffer's combine mode (ElasticBuffer's allow_multiple_reduction, default 1: "
+                        "reduced inside the node); its row is marked *")
     p.add_argument("--plot", default=None, help="write a plot of the predicted times to this PNG")
     return p
 
 
-def table(rows: list[Prediction]) -> str:
-    """The simulator's table (bytes in MB per GPU and call, times in microseconds)."""
+def table(rows: list[Prediction], runs: str | None = None) -> str:
+    """The simulator's table (bytes in MB per GPU and call, times in microseconds); the rows of mode ``runs``
+    (the hybrid buffer's) marked ``*``."""
     head = (f"{'nodes':>5} {'GPUs':>5} {'mode':<20} {'disp NIC MB':>11} {'disp NVL MB':>11} {'comb NIC MB':>11} "
             f"{'comb NVL MB':>11} {'dispatch us':>11} {'combine us':>11} {'bound d/c':>13} {'SMs':>4} {'QPs':>5}")
     lines = [head, "-" * len(head)]
     for p in rows:
         t = p.traffic
-        lines.append(f"{p.num_nodes:>5} {p.num_nodes * p.per_node:>5} {p.mode:<20} {t.dispatch_nic / 1e6:>11.1f} "
+        mode = p.mode + ("*" if p.mode == runs else "")
+        lines.append(f"{p.num_nodes:>5} {p.num_nodes * p.per_node:>5} {mode:<20} {t.dispatch_nic / 1e6:>11.1f} "
                      f"{t.dispatch_nvlink / 1e6:>11.1f} {t.combine_nic / 1e6:>11.1f} {t.combine_nvlink / 1e6:>11.1f} "
                      f"{p.dispatch_us:>11.0f} {p.combine_us:>11.0f} {p.dispatch_bound + '/' + p.combine_bound:>13} "
                      f"{p.num_sms:>4} {p.num_qps:>5}")
@@ -94,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     nvlink = args.nvlink_gbs or default_nvlink_gbs()
     title = (f"{shape.label()}, {args.gpus_per_node} GPUs/node, NIC {args.nic_gbs:g} GB/s, "
              f"NVLink {nvlink:.0f} GB/s per GPU")
+    runs = hybrid_mode(bool(args.allow_multiple_reduction))
     print(title)
-    print(table(rows))
-    print("hybrid: dispatch crosses the network once per destination node; its combine relays rows unreduced "
-          "(flat's bits). hybrid-node-reduced: a combine that sums inside the node first (not implemented).")
+    print(table(rows, runs))
+    print("hybrid: the dispatch crosses the network once per destination node; its combine relays every (token, rank) "
+          "row unreduced (allow_multiple_reduction=False: the flat combine's bits). hybrid-node-reduced: the combine "
+          "sums inside the node first and crosses once per (token, node) (allow_multiple_reduction=True, the "
+          f"default; two roundings). * = what ElasticBuffer(allow_multiple_reduction={bool(args.allow_multiple_reduction)}) "
+          "runs across nodes.")
     if args.plot:
         plot(rows, args.plot, title)
         print(f"plot: {args.plot}")

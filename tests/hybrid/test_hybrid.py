@@ -1,8 +1,10 @@
 """Hybrid mode (`ep_moe.hybrid`, docs/hybrid.md) on CPU with gloo: 4, 6 and 8 ranks viewed as 2 x 2, 2 x 3, 2 x 4
-and 4 x 2 give the flat path's outputs bit for bit (compact and expanded layouts, exact and fixed size, cached
-dispatch, combine with weights and bias, gradients) on random and adversarial routings (every token to one node,
+and 4 x 2 give, with ``allow_multiple_reduction=False`` (the combine unreduced in the node), the flat path's outputs
+bit for bit (compact and expanded layouts, exact and fixed size, cached dispatch, combine with weights and bias,
+gradients) on random and adversarial routings (every token to one node,
 a node receiving nothing, a rank without tokens); the bytes each hop carries, counted by the backend, equal the
 model's exact count (`ep_moe.tuning.hybrid.exact_hop_rows`; its expectation: tests/tuning/test_hybrid_model.py).
+The reduced combine (the default): tests/hybrid/test_hybrid_reduced.py.
 
 Every spawned rank regenerates all ranks' inputs from seeds. One spawned run of 8 ranks holds every case (4 and 6
 ranks on subgroups of it)."""
@@ -84,14 +86,14 @@ def _worker(rank: int, num_ranks: int, group) -> int:
 
     views = VIEWS[num_ranks]
     E = 4 * num_ranks  # every node holds >= TOPK experts (the one-node routing picks TOPK of them)
-    flat = ElasticBuffer(group, allow_hybrid_mode=False)
+    flat = ElasticBuffer(group, allow_hybrid_mode=False, allow_multiple_reduction=False)
     assert flat.get_logical_domain_size() == (1, num_ranks) and flat.buffer.backend_name == "torch"
     assert flat.get_physical_domain_size() == (1, num_ranks)  # one host
     checked = 0
     for num_nodes in views:
         per_node = num_ranks // num_nodes
-        eb = ElasticBuffer(group, num_scaleout_ranks=num_nodes)
-        assert eb.buffer.backend_name == "hybrid"
+        eb = ElasticBuffer(group, num_scaleout_ranks=num_nodes, allow_multiple_reduction=False)
+        assert eb.buffer.backend_name == "hybrid" and not eb.buffer.backend.allow_multiple_reduction
         assert eb.get_logical_domain_size() == (num_nodes, per_node)
         assert (eb.scaleout_rank_idx, eb.scaleup_rank_idx) == divmod(rank, per_node)
         traffic = eb.buffer.backend.traffic
@@ -145,7 +147,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
         import torch.distributed as dist
 
         # (the smallest size runs last in `run_world_sizes`: the hop that rank 1 left waiting is never used again)
-        eb = ElasticBuffer(group, num_scaleout_ranks=2, num_gpu_timeout_secs=2)
+        eb = ElasticBuffer(group, num_scaleout_ranks=2, num_gpu_timeout_secs=2, allow_multiple_reduction=False)
         if rank != 3:
             try:
                 eb.buffer.backend._hop("dispatch", "scaleout", torch.zeros(2, 4, dtype=torch.uint8), 2, 1, lambda: 1)
@@ -175,13 +177,15 @@ def test_hybrid_equals_flat_and_counts_match_the_model(checked_by_world_size, nu
 
 
 def test_one_rank_hybrid_backend_equals_flat(solo_group) -> None:
-    """The 1 x 1 view (both hops local: what one GPU runs in tests/hybrid/test_hybrid_gpu.py) on one gloo rank."""
+    """The 1 x 1 view (both hops local: what one GPU runs in tests/hybrid/test_hybrid_gpu.py) on one gloo rank,
+    unreduced (the flat bits)."""
     from ep_moe import ElasticBuffer
     from ep_moe.hybrid import HybridBackend
 
-    flat = ElasticBuffer(solo_group, allow_hybrid_mode=False)
-    hyb = ElasticBuffer(solo_group, allow_hybrid_mode=False)
-    hyb.buffer.backend = HybridBackend(solo_group, torch.device("cpu"), 10.0, LogicalTopology.blocks(1, 1))
+    flat = ElasticBuffer(solo_group, allow_hybrid_mode=False, allow_multiple_reduction=False)
+    hyb = ElasticBuffer(solo_group, allow_hybrid_mode=False, allow_multiple_reduction=False)
+    hyb.buffer.backend = HybridBackend(solo_group, torch.device("cpu"), 10.0, LogicalTopology.blocks(1, 1),
+                                       allow_multiple_reduction=False)
     xs, idxs, ws = _inputs("random", 1, 1, 4, torch.float32)
     bias = torch.randn(xs[0].shape[0], HIDDEN)
     for expand in (False, True):
@@ -210,8 +214,8 @@ def _uneven_groups_worker(rank: int, world_size: int) -> int:
     dist.all_gather(counts, held)
     assert len({int(c) for c in counts}) > 1, f"the ranks should hold different numbers of groups: {counts}"
     E = 4 * world_size
-    flat = ElasticBuffer(allow_hybrid_mode=False)
-    eb = ElasticBuffer(num_scaleout_ranks=2, num_gpu_timeout_secs=30)
+    flat = ElasticBuffer(allow_hybrid_mode=False, allow_multiple_reduction=False)
+    eb = ElasticBuffer(num_scaleout_ranks=2, num_gpu_timeout_secs=30, allow_multiple_reduction=False)
     assert eb.buffer.backend_name == "hybrid"
     xs, idxs, ws = _inputs("random", world_size, 2, E, torch.float32)
     bias = torch.randn(xs[rank].shape[0], HIDDEN)

@@ -1,9 +1,11 @@
 """Hybrid mode's chunked overlap, its scale-up transports and FP8 (docs/hybrid.md), on CPU with gloo: 4 ranks as
-2 x 2 and 6 ranks as 2 x 3 give the flat path's outputs bit for bit for chunk counts 1 to 5, the all-to-all and
+2 x 2 and 6 ranks as 2 x 3 give, with ``allow_multiple_reduction=False``, the flat path's outputs bit for bit for chunk counts 1 to 5, the all-to-all and
 the Buffer-dispatch ("torch", the native path's logic) scale-up hops, bf16/fp32 rows and FP8 pairs; the per-hop
 counters equal the model's counts (FP8 rows included); the scale-out chunks are all posted before the first
 scale-up hop runs, and chunk k's scale-up hop runs before chunk k+1 is waited for; a chunk count that differs
-between ranks raises before any row moves; a missing peer's timeout names the hop and the chunk.
+between ranks raises before any row moves; a missing peer's timeout names the hop and the chunk. With
+``allow_multiple_reduction=True`` (the reduced combine) the FP8 round trip's combine is the same for every chunk
+count and transport, within the reduced bound of the flat one; the mode must be equal on every rank.
 
 The bf16/fp32 round trip and the inputs are tests/hybrid/test_hybrid.py's."""
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_hybrid import HIDDEN, TOPK, _inputs, _round_trip, _routing, _same
+from test_hybrid_reduced import error_bound
 from world_sizes import run_world_sizes
 
 from ep_moe.tuning.hybrid import exact_hop_rows
@@ -31,12 +34,16 @@ def _fp8_inputs(kind: str, num_ranks: int, num_nodes: int, num_experts: int):
     return out
 
 
-def _fp8_round_trip(eb, x, scales, idx, w, E: int, expand: bool, sync: bool, bound: int) -> list:
-    """An FP8 dispatch (forward only), a cached FP8 dispatch and a bf16 combine on its handle."""
+def _fp8_round_trip(eb, x, scales, idx, w, E: int, expand: bool, sync: bool, bound: int,
+                    absolute: bool = False) -> list:
+    """An FP8 dispatch (forward only), a cached FP8 dispatch and a bf16 combine on its handle (``absolute``: of
+    the rows' absolute values, the reduced bound's ``A`` within bf16 rounding)."""
     (rx, rs), ri, rw, h, _ = eb.dispatch((x, scales), idx, w, num_experts=E, do_expand=expand, do_cpu_sync=sync,
                                          num_max_tokens_per_rank=bound)
     (cx, cs), _, _, _, _ = eb.dispatch((x, scales), handle=h)
     y = rx.to(torch.bfloat16) * rs.repeat_interleave(128, dim=1).to(torch.bfloat16)
+    if absolute:
+        y, rw = y.abs(), (rw.abs() if rw is not None else None)
     out = eb.combine(y, h, expert_weights=rw)[0] if expand else eb.combine(y, h)[0]
     return [rx, rs, ri, rw, cx, cs, out, h.psum_num_recv_tokens_per_expert]
 
@@ -93,10 +100,14 @@ def _worker(rank: int, num_ranks: int, group) -> int:
 
     configs = CONFIGS[num_ranks]
     E = 4 * num_ranks
-    flat = ElasticBuffer(group, allow_hybrid_mode=False)
+    flat = ElasticBuffer(group, allow_hybrid_mode=False, allow_multiple_reduction=False)
     checked = 0
+    reduced_out: dict[tuple, torch.Tensor] = {}  # the reduced combine's result of each FP8 case, first config's
     for num_nodes, chunks, scaleup in configs:
-        eb = ElasticBuffer(group, num_scaleout_ranks=num_nodes, num_hybrid_chunks=chunks, hybrid_scaleup=scaleup)
+        eb = ElasticBuffer(group, num_scaleout_ranks=num_nodes, num_hybrid_chunks=chunks, hybrid_scaleup=scaleup,
+                           allow_multiple_reduction=False)
+        ebr = ElasticBuffer(group, num_scaleout_ranks=num_nodes, num_hybrid_chunks=chunks, hybrid_scaleup=scaleup)
+        assert ebr.buffer.backend.allow_multiple_reduction
         backend = eb.buffer.backend
         assert backend.scaleup_transport == ("all_to_all" if scaleup == "auto" else scaleup), backend.scaleup_reason
         assert backend.max_chunks == backend.num_chunks == chunks
@@ -121,6 +132,17 @@ def _worker(rank: int, num_ranks: int, group) -> int:
                 got = _fp8_round_trip(eb, x, scales, idx, w, E, expand, sync, bound)
                 for i, (a, b) in enumerate(zip(got, want)):
                     _same(a, b, f"{where} {kind} fp8 expand={expand} sync={sync} output {i}")
+                # reduced: the dispatches' bits; a combine equal for every chunk count and transport, within the
+                # reduced and the flat bounds of each other
+                got = _fp8_round_trip(ebr, x, scales, idx, w, E, expand, sync, bound)
+                for i, (a, b) in enumerate(zip(got, want)):
+                    if i != 6:
+                        _same(a, b, f"{where} {kind} fp8 reduced expand={expand} sync={sync} output {i}")
+                _same(got[6], reduced_out.setdefault((kind, expand, sync), got[6]), f"{where} {kind} fp8 reduced")
+                size = _fp8_round_trip(flat, x, scales, idx, w, E, expand, sync, bound, absolute=True)[6].double()
+                limit = (error_bound(torch.bfloat16, num_ranks, num_nodes)
+                         + error_bound(torch.bfloat16, num_ranks, num_nodes, reduced=False)) * (1 + 2 ** -7) * size
+                assert bool(((got[6].double() - want[6].double()).abs() <= limit).all()), f"{where} {kind} fp8"
                 checked += 1
             # per-hop counts of an FP8 dispatch: the model's rows of FP8 rows (1 byte per value, fp32 scales)
             rows = exact_hop_rows([f[2] for f in fp8], E, num_nodes)[rank]
@@ -144,6 +166,12 @@ def _worker(rank: int, num_ranks: int, group) -> int:
             eb.combine(rx, h)
             _check_pipeline(log, chunks, f"{where} combine")
             del backend._post, backend._scaleup
+            log = _record_order(ebr.buffer.backend)  # the reduced combine keeps the pipeline's order
+            eb_out = ebr.dispatch(xs[rank], idxs[rank], ws[rank], num_experts=E)
+            log.clear()
+            ebr.combine(eb_out[0], eb_out[3])
+            _check_pipeline(log, chunks, f"{where} reduced combine")
+            del ebr.buffer.backend._post, ebr.buffer.backend._scaleup
             backend.set_num_chunks(2)
             bound = max(i.shape[0] for i in idxs)
             want = _round_trip(flat, xs[rank], idxs[rank], ws[rank], None, E, True, False, bound)
@@ -152,6 +180,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
                 _same(a, b, f"{where} set_num_chunks(2) output {i}")
             checked += 1
         eb.destroy()
+        ebr.destroy()
     if num_ranks == 4:
         import torch.distributed as dist
 
@@ -159,12 +188,12 @@ def _worker(rank: int, num_ranks: int, group) -> int:
         from ep_moe.tuning.hybrid import plan_hybrid
 
         # no chunk count given: the hybrid model's plan of the call's shape sets it (a tiny shape: one chunk)
-        eb = ElasticBuffer(group, num_scaleout_ranks=2)
+        eb = ElasticBuffer(group, num_scaleout_ranks=2, allow_multiple_reduction=False)
         assert not eb.buffer.backend.chunks_fixed and eb.buffer.backend.num_chunks == 4
         xs, idxs, ws = _inputs("random", num_ranks, 2, E, torch.bfloat16)
         bound = max(i.shape[0] for i in idxs)
         eb.dispatch(xs[rank], idxs[rank], ws[rank], num_experts=E, num_max_tokens_per_rank=bound)
-        plan = plan_hybrid(LayerShape(E, TOPK, HIDDEN, bound, 2), 2, 2, max_chunks=4)
+        plan = plan_hybrid(LayerShape(E, TOPK, HIDDEN, bound, 2), 2, 2, max_chunks=4, allow_multiple_reduction=False)
         assert eb.buffer.backend.num_chunks == plan.num_chunks == 1, (eb.buffer.backend.num_chunks, plan)
         # a TokenDispatcher on the hybrid buffer plans the same way and equals one on the flat buffer
         from ep_moe import TokenDispatcher
@@ -183,6 +212,11 @@ def _worker(rank: int, num_ranks: int, group) -> int:
             ElasticBuffer(group, num_scaleout_ranks=2, num_hybrid_chunks=1 + rank % 2)
         except ValueError as exc:
             assert "num_hybrid_chunks" in str(exc) and "equal on every rank" in str(exc), str(exc)
+            checked += 1
+        try:  # a combine mode that differs between ranks: likewise
+            ElasticBuffer(group, num_scaleout_ranks=2, allow_multiple_reduction=rank % 2 == 0)
+        except ValueError as exc:
+            assert "allow_multiple_reduction" in str(exc) and "equal on every rank" in str(exc), str(exc)
             checked += 1
         # a peer that never posts chunk 2 of the scale-out hop: the error names the hop and the chunk
         # (the smallest size runs last in `run_world_sizes`: the hop that rank 1 left waiting is never used again)
@@ -213,6 +247,6 @@ def test_chunked_overlap_scaleup_transports_and_fp8_equal_flat(checked_by_world_
     per_config = 2 * (4 + 4 + 2)  # kinds x (bf16/fp32 round trips + FP8 round trips + FP8 traffic checks)
     expected = [sum(per_config + (1 if c[1] >= 3 else 0) for c in configs)] * num_ranks
     if num_ranks == 4:
-        expected = [e + 2 for e in expected]  # the planned chunk count, the disagreeing chunk counts
+        expected = [e + 3 for e in expected]  # the planned chunk count, the disagreeing chunk counts and modes
         expected[1] += 1                      # the timeout
     assert checked_by_world_size[num_ranks] == expected

@@ -23,12 +23,14 @@ def test_expected_traffic_matches_monte_carlo(num_nodes: int, per_node: int) -> 
     rows = exact_hop_rows(idxs, E, num_nodes)
     shape = LayerShape(E, K, 128, T)
     hybrid = expected_traffic(shape, num_nodes, per_node, hybrid=True)
+    reduced = expected_traffic(shape, num_nodes, per_node, hybrid=True, node_reduced=True)
     flat = expected_traffic(shape, num_nodes, per_node, hybrid=False)
     d_row, c_row = shape.dispatch_row_bytes, shape.combine_row_bytes
     for measured, expected in ((sum(r.dispatch_scaleout for r in rows) / R, hybrid.dispatch_nic / d_row),
                                (sum(r.dispatch_scaleup for r in rows) / R, hybrid.dispatch_nvlink / d_row),
                                (sum(r.combine_scaleup for r in rows) / R, hybrid.combine_nvlink / c_row),
-                               (sum(r.combine_scaleout for r in rows) / R, hybrid.combine_nic / c_row)):
+                               (sum(r.combine_scaleout for r in rows) / R, hybrid.combine_nic / c_row),
+                               (sum(r.combine_scaleout_node_reduced for r in rows) / R, reduced.combine_nic / c_row)):
         assert math.isclose(measured, expected, rel_tol=0.03), (measured, expected)
     # the unreduced combine moves what the flat path moves over the network
     assert math.isclose(hybrid.combine_nic / c_row, flat.combine_nic / c_row)
@@ -50,7 +52,9 @@ def test_predict_and_simulate(tmp_path, capsys) -> None:
     png = tmp_path / "sim.png"
     assert main(["--nodes", "2,4", "--gpus-per-node", "8", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "hybrid-node-reduced" in out and png.stat().st_size > 0
+    assert "hybrid-node-reduced*" in out and png.stat().st_size > 0  # the mode ElasticBuffer runs by default
+    assert main(["--nodes", "2", "--allow-multiple-reduction", "0"]) == 0
+    assert " hybrid* " in capsys.readouterr().out
     assert main(["--nodes", "3"]) == 2  # 256 experts over 3 nodes: a clear error
 
 
@@ -72,7 +76,10 @@ def test_pipeline_and_plan_hybrid() -> None:
             assert plan.num_chunks == min(cost, key=lambda n: (cost[n], n))
             assert plan.dispatch_us + plan.combine_us == pytest.approx(cost[plan.num_chunks])
             assert plan.scaleup_sms % 2 == 0 and 2 <= plan.scaleup_sms <= 132 and plan.scaleout_sms >= 1
-            assert plan.traffic == expected_traffic(shape, nodes, 8, hybrid=True)
+            assert plan.traffic == expected_traffic(shape, nodes, 8, hybrid=True, node_reduced=True)
+            unreduced = plan_hybrid(shape, nodes, 8, allow_multiple_reduction=False)
+            assert unreduced.traffic == expected_traffic(shape, nodes, 8, hybrid=True)
+            assert unreduced.combine_nic_us > plan.combine_nic_us and not unreduced.node_reduced
     assert plan_hybrid(big, 2, 8).num_chunks > 1 and plan_hybrid(small, 2, 8).num_chunks == 1
     assert plan_hybrid(big, 2, 8, max_chunks=2).num_chunks <= 2
     assert plan_hybrid(big, 1, 8).num_chunks == 1  # one node (the two-hop code's 1 x G view): nothing to overlap
@@ -86,7 +93,7 @@ def test_pipeline_and_plan_hybrid() -> None:
     # the backend's chunk count follows the plan unless the buffer fixed one
     calls = []
     backend = SimpleNamespace(num_nodes=2, per_node=8, max_chunks=4, chunks_fixed=False,
-                              set_num_chunks=calls.append)
+                              allow_multiple_reduction=True, set_num_chunks=calls.append)
     plan = apply_hybrid_plan(backend, 256, 8, 7168, 4096, 2)
     assert calls == [plan.num_chunks] and plan == plan_hybrid(big, 2, 8, max_chunks=4)
     backend.chunks_fixed = True
