@@ -16,8 +16,9 @@ A group of R = S x G ranks (S nodes of G ranks, `LogicalTopology`). Rank (n, l) 
     one bias, or 0), adds the node partials in the order of each node's last top-k position and rounds once. Two
     roundings per token; one network row per (token, node).
   - flat (False): the forwarder relays each (token, destination rank) row unreduced and the source sums them as
-    the flat `TorchBackend` does (in fp32, in ``handle.summation_order``, increasing rank where it is None; the
-    biases where that backend adds them, `_BIASES_FIRST`), hence its bits; one network row per (token, rank).
+    the flat `TorchBackend` does (in fp32 from 0, the biases first, then the rows in ``handle.summation_order``,
+    increasing rank where it is None; weights in increasing rank), hence its bits; one network row per (token,
+    rank).
 
   ``combined_topk_weights`` take the same path in fp32 (the in-node rounding to fp32 is exact).
 
@@ -827,20 +828,16 @@ class HybridBackend(TorchBackend):
         # the source: reduced, the node partials (slot1: token t's row from node n in back1) in order1; flat, the
         # rank rows in the flat backend's order
         slots, order = (plan.slot1, plan.order1) if reduce else (self._rank_rows(plan, handle),
-                                                                  getattr(handle, "summation_order", None))
+                                                                  handle.summation_order)
+        # the biases first: reduced, DeepEP V2's start (their fp32 sum); flat, the flat backend's (0, then each)
         biases = [b.to(acc_dtype) for b in bias if b is not None]
-        if reduce:  # DeepEP V2: the accumulator starts as the biases' fp32 sum
-            acc = biases[0] if biases else torch.zeros(T, hidden, dtype=acc_dtype, device=y.device)
-            biases = biases[1:]
+        if reduce and biases:
+            acc, biases = biases[0], biases[1:]
         else:
             acc = torch.zeros(T, hidden, dtype=acc_dtype, device=y.device)
-        if reduce or _BIASES_FIRST:
-            for b in biases:
-                acc = acc + b
-            biases = []
-        acc = _ordered_sum(acc, from_bytes(back1[:, :y_bytes.shape[1]], y.dtype, hidden), slots, order)
-        for b in biases:  # flat, where the flat backend adds the biases after the rows
+        for b in biases:
             acc = acc + b
+        acc = _ordered_sum(acc, from_bytes(back1[:, :y_bytes.shape[1]], y.dtype, hidden), slots, order)
         acc_w = None
         if topk_weights is not None:  # flat: in increasing rank, as the flat backend
             acc_w = _ordered_sum(torch.zeros(T, topk_weights.shape[1], dtype=torch.float32, device=y.device),
@@ -890,12 +887,6 @@ class HybridBackend(TorchBackend):
             self._inner.destroy()
             self._inner = None
         self.scaleout_group = self.scaleup_group = None
-
-
-_BIASES_FIRST = "summation_order" in DispatchHandle._fields
-"""Whether the flat combine (`ep_moe.backends.torch_backend.TorchBackend.combine`) adds the biases before the
-rows: where handles carry a summation order, it starts from the biases and adds the rows in that order; else it
-adds the rows in increasing rank, then the biases."""
 
 
 def _ordered_sum(acc: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
