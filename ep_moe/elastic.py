@@ -232,7 +232,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             scale-out rank, False: the flat view (1 x R); with ``num_cpu_bytes > 0`` and several ranks on a node,
             also the hybrid memory type (every rank of the node maps every host segment).
             prefer_overlap_with_compute: recorded (the SM count comes from ep_moe's tuner). allow_multiple_reduction: the expanded combine's reduction mode
-            (`ep_moe.expert_major.expert_combine`). sl_idx, num_allocated_qps: recorded (no RDMA queue pairs).
+            (`ep_moe.expert_major.expert_combine`) and, in hybrid mode, whether the combine sums inside each node
+            first (docs/hybrid.md). sl_idx, num_allocated_qps: recorded (no RDMA queue pairs).
         num_cpu_timeout_secs: the deadline of each collective wait of `engram_fetch`. num_gpu_timeout_secs: the
             deadline of every wait for a peer (`ep_moe.Buffer`'s ``timeout_s``).
         explicitly_destroy: True: resources are freed by `destroy` only; False: also when the buffer is
@@ -311,7 +312,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         if self.topology.is_hybrid:
             flat_backend, self.buffer.backend = self.buffer.backend, HybridBackend(
                 self.group, self.buffer.device, float(num_gpu_timeout_secs), self.topology,
-                num_chunks=num_hybrid_chunks, scaleup=hybrid_scaleup, native_options=self.buffer.native_options)
+                num_chunks=num_hybrid_chunks, scaleup=hybrid_scaleup, native_options=self.buffer.native_options,
+                allow_multiple_reduction=allow_multiple_reduction)
             flat_backend.destroy()
             self.buffer.backend_reason = f"hybrid mode, {self.topology.num_scaleout_ranks} x " \
                                          f"{self.topology.num_scaleup_ranks} ({self.topology.source})"
@@ -681,7 +683,7 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             topk_weights: compact ``[N, K]`` / expanded ``[M]`` fp32 carried back alongside and summed per
                 (token, k) (not applied to ``x``, as in V2), or None. Expanded with weights needs
                 ``allow_multiple_reduction=True`` (as V2).
-            bias: ``[T, H]`` or a pair, added after the sum in fp32 before the one rounding.
+            bias: ``[T, H]`` or a pair: the fp32 sum starts from ``bias[0] + bias[1]`` (V2's order).
             num_sms: 0: the handle's. num_qps, events, async_with_compute_stream, allocate_on_comm_stream: as
                 in `dispatch`.
             expert_weights: (ep_moe, expanded only) ``[M]`` fp32 to weight each row before the sum
@@ -733,14 +735,15 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             combined, combined_w = ops.combine(self.buffer, rows, inner.dispatch, pair_w, bias, num_sms)
             return combined, combined_w, EventOverlap(None)
         biases = bias if isinstance(bias, tuple | list) else (bias, None)
-        if any(b is not None for b in biases):  # the one-rank combine: the same fp32 sum and one rounding
-            acc = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+        if any(b is not None for b in biases):  # the one-rank combine: the same fp32 sum (biases first), one rounding
+            acc = torch.zeros(rows.shape, dtype=torch.float64 if rows.dtype == torch.float64 else torch.float32,
+                              device=rows.device)
             for b in biases:
                 if b is not None:
                     check_tensor(op, "bias", b, dtypes=self.buffer.backend.supported_dtypes, ndim=2,
                                  device=x.device, shape=tuple(rows.shape))
                     acc = acc + b.to(acc.dtype)
-            rows = acc.to(x.dtype)
+            rows = (acc + rows.to(acc.dtype)).to(x.dtype)
         return rows, pair_w, EventOverlap(None)
 
     # ---------------------------------------------------------------- lifecycle

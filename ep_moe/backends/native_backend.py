@@ -70,7 +70,7 @@ STAGES = {
     9: "header exchange (before a host-side decision)",
 }
 
-# Mirrors of csrc/kernels.h (checked against the extension when a backend is built): the header's words
+# Mirrors of csrc/kernels.h (checked against the kernels' constants when a backend is built): the header's words
 # (`HeaderSlot`: agreement's HEADER_LEN, then the copy-engine sequence numbers), the mismatch record after the
 # error record (`MismatchWord`), and the most ranks.
 HEADER_WORDS = HEADER_LEN + 2
@@ -119,26 +119,23 @@ class NativeTimeoutError(TimeoutError, RuntimeError):
 
 
 def _c():
-    """The intranode kernels: the extension or the JIT module (`ep_moe.native.intranode_kernels`)."""
+    """The intranode kernels' module (`ep_moe.native.intranode_kernels`)."""
     return native.intranode_kernels()  # no import statement per call (a few µs on every operation)
 
 
 def _own_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor, prefix: torch.Tensor,
               rank: int) -> torch.Tensor:
-    """``ep_moe_native::unpermute_own_rows``: ``[N, H]``, this rank's own rows of ``unpermute_sum(y, weights)``
-    (the others unspecified); from the build the intranode kernels come from (`ep_moe.native.kernels_kind`)."""
-    if native.kernels_kind() == "jit":
-        from ..native.jit import expert_major_csrc
+    """`ep_moe.native.jit.expert_major_csrc.unpermute_own_rows`: ``[N, H]``, this rank's own rows of
+    ``unpermute_sum(y, weights)`` (the others unspecified)."""
+    from ..native.jit import expert_major_csrc
 
-        return expert_major_csrc.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
-    return torch.ops.ep_moe_native.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
+    return expert_major_csrc.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
 
 
 def _expert_major_ops() -> bool:
     """Whether the expert-major ops of the fused paths (permute of rows in place, own rows of a combine) exist
-    here: the extension's, or the JIT's (`ep_moe.native.jit.expert_major_csrc`) where the intranode kernels are
-    JIT-built (every rank agrees on that build)."""
-    return native.extension_available() or native.kernels_kind() == "jit"
+    here: `ep_moe.native.jit.expert_major_csrc`, which comes with the intranode kernels."""
+    return native.kernels_available()
 
 
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -171,8 +168,8 @@ class NativeBackend(CommBackend):
             raise ValueError(f"ep_moe.Buffer: argument 'group' must have at most {C.MAX_RANKS} ranks for the "
                              f"native backend, got {self.num_ranks}")
         if (C.HEADER_LEN, C.HEADER_WORDS, C.MISMATCH_WORDS) != (HEADER_LEN, HEADER_WORDS, MISMATCH_WORDS):
-            raise RuntimeError("ep_moe[native]: the extension's header layout differs from the Python side's; "
-                               "rebuild the extension")
+            raise RuntimeError("ep_moe[native]: the kernels' header layout (csrc/kernels.h) differs from the "
+                               "backend's mirror of it (ep_moe/backends/native_backend.py)")
         policy.check_same_on_every_rank(options, group)
         self.options = options
         self._fallback = TorchBackend(group, device, timeout_s)
@@ -205,7 +202,7 @@ class NativeBackend(CommBackend):
             # tensor lives (tensors cannot be weak dict keys: their == is elementwise): the rows its calls
             # need in a buffer, the [R][R] count matrix and every rank's tokens (shared by all ranks)
             self._route_layout: dict[int, tuple[int, list[list[int]], list[int]]] = {}
-            # copy-engine calls: their side streams, sequence number and go word (csrc/copy_engine.cu)
+            # copy-engine calls: their side streams, sequence number and go word (ep_moe/native/jit/copy_engine.py)
             self._copy_streams: list[torch.cuda.Stream] = []
             self._copy_flag_stream: torch.cuda.Stream | None = None
             self._copy_seq = 0
@@ -460,15 +457,13 @@ class NativeBackend(CommBackend):
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
     def combines_expert_rows(self, row_bytes: int) -> bool:
-        """At two or more ranks, rows the kernels take, with the expert-major ops (the extension's or the JIT's,
-        which form the own rows; see `CommBackend.combines_expert_rows`)."""
+        """At two or more ranks, rows the kernels take, with the expert-major ops (which form the own rows; see `CommBackend.combines_expert_rows`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused and self._kernels_take(row_bytes)
                 and _expert_major_ops())
 
     def receives_in_place(self, row_bytes: int, num_experts: int) -> bool:
         """A fresh or cached (``num_experts`` 0) dispatch the kernels take, at two or more ranks, with the
-        expert-major ops (the extension's or the JIT's, which permute the rows from where they landed; see
-        `CommBackend.receives_in_place`)."""
+        expert-major ops (which permute the rows from where they landed; see `CommBackend.receives_in_place`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused
                 and self._kernels_take(row_bytes, num_experts // self.num_ranks) and _expert_major_ops())
 
@@ -717,12 +712,13 @@ class NativeBackend(CommBackend):
         counts = None if expert_rows is not None else self._copy_engine_counts(options, route,
                                                                                 hidden * y.element_size())
         bulk = policy.bulk_reduce(options, copy_engine=counts is not None)
+        order = None if handle.summation_order is None else handle.summation_order.contiguous()
         if counts is None:
             C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk,
-                      header, perturb, *expert_args)
+                      header, perturb, *expert_args, order)
         else:  # the rows go back by the copy engine
             with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
-                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, header, perturb, *expert_args)
+                C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, header, perturb, *expert_args, order)
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine

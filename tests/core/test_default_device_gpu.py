@@ -78,7 +78,9 @@ def _check_same(got: list, want: list, variant: str) -> None:
 
 def test_native_path_ignores_the_callers_defaults():
     device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # NCCL, as DeepEP's programs: a gloo group runs ep_moe on the CPU (unless EP_MOE_SYMMETRIC_MEMORY=vmm)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=device)
     try:
         inp = _inputs(device)
         want = _run(inp)

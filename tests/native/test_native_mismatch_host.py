@@ -76,7 +76,7 @@ class FakeExtension:
         self._launch("dispatch")
 
     def combine(self, *args) -> None:
-        assert len(args) == 29, len(args)  # ..., header, test_perturb, expert_y, expert_weights, sorted_slots
+        assert len(args) == 30, len(args)  # ..., test_perturb, expert_y, expert_weights, sorted_slots, order
         self._record(args[24], digest=12345)
         self._launch("combine")
 

@@ -104,7 +104,9 @@ class FakeKernels:
         self.calls.append(("cached dispatch", args))
 
     def combine(self, *args) -> None:
-        assert len(args) == 29, len(args)
+        assert len(args) == 30, len(args)  # ..., expert_y, expert_weights, sorted_slots, summation_order
+        order = args[29]  # the handle's: [T, R] int32 per token, or None (increasing rank)
+        assert order is None or (order.dtype == torch.int32 and tuple(order.shape) == tuple(args[6].shape)), order
         args[12].zero_()  # out
         self.calls.append(("combine", args))
 
