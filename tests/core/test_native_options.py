@@ -9,9 +9,9 @@ import re
 import pytest
 from locations import REPO
 
-from ep_moe import Buffer, Config, NativeOptions
+from ep_moe import Buffer, Config
 from ep_moe import config as config_module
-from ep_moe.config import DEFAULT_NUM_SMS, NATIVE_OPTION_VARIABLES
+from ep_moe.config import DEFAULT_NUM_SMS, NATIVE_OPTION_VARIABLES, NativeOptions
 from ep_moe.distributed import run_distributed
 from ep_moe.native import policy
 
@@ -37,8 +37,8 @@ def test_bounds_are_the_kernels_constants():
     assert config_module.MAX_CHUNKS_PER_PAIR == constant["kMaxChunks"]
     assert config_module.MAX_COPY_ENGINE_CHUNKS == constant["kMaxCopyEngineChunks"]
     assert config_module.MAX_COPY_ENGINE_STREAMS == constant["kMaxCopyStreams"]
-    binding = (REPO / "ep_moe/native/csrc/binding.cpp").read_text()
-    assert f"shares[k] <= {config_module.MAX_COPY_ENGINE_SHARE}" in binding
+    launcher = (REPO / "ep_moe/native/jit/intranode.py").read_text()  # the copy-engine launch checks each share
+    assert f"1 <= share <= {config_module.MAX_COPY_ENGINE_SHARE}" in launcher
 
 
 # ------------------------------------------------------------------------------------------ validation

@@ -9,7 +9,7 @@ ranks viewed as 2 x 2, 2 x 3 and 4 x 2, compact and expanded layouts, exact and 
 * The same bits twice and for two chunk counts; within `error_bound` of the float64 sum (the flat combine
   within its own one-rounding bound).
 * Gradients (a cached dispatch of the output's gradient) equal the flat buffer's.
-* Network bytes of the combine equal the model's node-reduced count (`ep_moe.tuning.hybrid.exact_hop_rows`),
+* Network bytes of the combine equal the model's node-reduced count (`ep_moe.tuning.hybrid_model.exact_hop_rows`),
   below the unreduced mode's by the model's ratio; the in-node hop's bytes are the unreduced mode's.
 
 Every spawned rank regenerates all ranks' inputs from seeds; one spawned run of 8 ranks holds every case (4 and 6
@@ -21,7 +21,7 @@ import pytest
 import torch
 from world_sizes import run_world_sizes
 
-from ep_moe.tuning.hybrid import exact_hop_rows, hybrid_row_bytes
+from ep_moe.tuning.hybrid_model import exact_hop_rows, hybrid_row_bytes
 
 HIDDEN, TOPK = 16, 4
 # world size -> (nodes, the chunk counts of its two reduced buffers)
@@ -133,9 +133,11 @@ def _combine_rows(eb, rank, x, idx, w, bias, E, values, row_weights, expand: boo
     weights carried back). The tables on the buffer's device. Returns ``(combined, combined_weights)``."""
     rx, _, rw, h, _ = eb.dispatch(x, idx, w, num_experts=E, do_expand=expand, do_cpu_sync=sync,
                                   num_max_tokens_per_rank=bound)
-    inner = h.inner.dispatch if expand else h.inner
-    src, tok = inner.recv_src_rank.long(), inner.recv_src_idx.long()
-    valid = src >= 0
+    # each received row's source (V2's metadata: src_rank * bound + t; -1 past the received rows), which one
+    # rank's expanded dispatch has too (it has no rank-major dispatch to read it from)
+    source = h.recv_src_metadata[:, 0].long()
+    valid = source >= 0
+    src, tok = torch.where(valid, source // bound, -1), torch.where(valid, source % bound, -1)
     rows = torch.where(valid[:, None], values[rank, src.clamp(min=0), tok.clamp(min=0)], 0)
     if not expand:
         wts = torch.where(valid[:, None], row_weights[rank, src.clamp(min=0), tok.clamp(min=0)], 0.0)
