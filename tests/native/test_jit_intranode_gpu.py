@@ -19,6 +19,7 @@ from ep_moe.native import jit
 from ep_moe.native.jit import intranode as I
 from ep_moe.native.jit import params as P
 from ep_moe.native.jit.driver import PTR
+from ep_moe.native.jit.layout_probe import read_back
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -32,10 +33,10 @@ def test_struct_layout_probe_equals_the_mirrors():
     loaded = I.kernels(0)  # compiles, loads, and checks once
     assert set(loaded.fn) == set(I.KERNELS)
     probe = jit.module(jit.KernelSource.of(I.probe_file()), 0).function("ep_params_layout", (PTR,))
-    layout = I._read_back(probe, len(P.layout_of()), 0)
+    layout = read_back(probe, len(P.layout_of()), 0)
     assert layout == [value for _, value in P.layout_of()], P.layout_mismatches(layout)
-    constants = I._read_back(jit.module(I.SOURCE, 0).function("ep_intranode_constants", (PTR,)),
-                             len(P.CONSTANTS), 0)
+    constants = read_back(jit.module(I.SOURCE, 0).function("ep_intranode_constants", (PTR,)),
+                         len(P.CONSTANTS), 0)
     assert P.constant_mismatches(constants) == []
     print("compiled or loaded:", [(e.label, e.how, round(e.seconds, 3)) for e in jit.history()
                                   if "intranode" in e.label or "params_layout" in e.label])
@@ -44,7 +45,7 @@ def test_struct_layout_probe_equals_the_mirrors():
 @pytest.mark.parametrize("tokens, topk, experts, ranks", [(0, 8, 64, 8), (1, 1, 8, 1), (4097, 8, 256, 8),
                                                           (300, 6, 9000, 2), (129, 2, 8, 4)])
 def test_layout_kernel_equals_torch(tokens, topk, experts, ranks):
-    from ep_moe.layout import dispatch_layout
+    from ep_moe.buffer.routing_layout import dispatch_layout
 
     g = torch.Generator(device="cuda").manual_seed(tokens + experts)
     idx = torch.rand(tokens, experts, generator=g, device="cuda").topk(topk, dim=1).indices
@@ -56,7 +57,8 @@ def test_layout_kernel_equals_torch(tokens, topk, experts, ranks):
 
 
 def _one_rank_worker(rank: int, world: int) -> dict:
-    from ep_moe import Buffer, Config, NativeOptions
+    from ep_moe import Buffer, Config
+    from ep_moe.config import NativeOptions
 
     assert native.kernels_available(), native.kernels_unavailable_reason()
     before = dict(I.LAUNCHES)

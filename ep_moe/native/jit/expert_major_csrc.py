@@ -23,7 +23,7 @@ from . import KernelSource, PerDevice, module
 from . import params as P
 from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, prepared_args
-from .intranode import JitLayoutError, _read_back, probe_file
+from .layout_probe import JitLayoutError, probe_file, read_back
 
 SOURCE = KernelSource.of("expert_major_csrc.cu")
 _K = dict(P.EXPERT_MAJOR_CONSTANTS)
@@ -78,11 +78,11 @@ class _Kernels:
     def check(self) -> None:
         """Compare the mirrors and constants with the compiled sources' (a read-back: not during a capture)."""
         with torch.cuda.device(self.device):
-            constants = _read_back(self.loaded.function("ep_expert_major_constants", (PTR,)),
-                                   len(P.EXPERT_MAJOR_CONSTANTS), self.device)
+            constants = read_back(self.loaded.function("ep_expert_major_constants", (PTR,)),
+                                  len(P.EXPERT_MAJOR_CONSTANTS), self.device)
             probe = module(KernelSource.of(probe_file(text=probe_source())), self.device)
-            layout = _read_back(probe.function("ep_params_layout", (PTR,)),
-                                len(P.layout_of(P.EXPERT_MAJOR_MIRRORED)), self.device)
+            layout = read_back(probe.function("ep_params_layout", (PTR,)),
+                               len(P.layout_of(P.EXPERT_MAJOR_MIRRORED)), self.device)
         wrong = (P.constant_mismatches(constants, P.EXPERT_MAJOR_CONSTANTS)
                  + P.layout_mismatches(layout, P.EXPERT_MAJOR_MIRRORED))
         if wrong:

@@ -17,20 +17,17 @@ streams the backend passes, after the same checks as the extension's.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from . import KernelSource, PerDevice, module, process_cache
+from . import KernelSource, PerDevice, module
 from . import params as P
 from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
 from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, host_device_pointer, memset_zero_async, prepared_args
+from .layout_probe import JitLayoutError, probe_file, read_back
 
 KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
 
@@ -57,48 +54,14 @@ KERNELS = {"layout": "13layout_kernelE", "notify": "13notify_kernelE", "dispatch
            "close_epoch": "18close_epoch_kernelE"}
 
 
-class JitLayoutError(RuntimeError):
-    """The ctypes mirrors or constants of `ep_moe.native.jit.params` differ from what the compiler sees in the
-    CUDA sources (a field was added to ``kernels.h`` but not to the mirror): nothing is launched."""
-
-
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 # ------------------------------------------------------------------------------------------ loading and checks
-def probe_file(directory: Path | None = None, text: str | None = None) -> Path:
-    """`params.probe_source` (or ``text``, another probe) written (once, content-addressed) under ``<cache>/src`` (a
-    temporary folder where that cannot be written): what `ep-moe jit warmup` and the first use compile."""
-    text = P.probe_source() if text is None else text
-    name = f"params_layout-{hashlib.sha256(text.encode()).hexdigest()[:16]}.cu"
-    if directory is not None:
-        return _write_once(Path(directory) / name, text)
-    try:
-        return _write_once(process_cache().directory / "src" / name, text)
-    except OSError:
-        return _write_once(Path(tempfile.gettempdir()) / "ep_moe_jit_src" / name, text)
-
-
-def _write_once(path: Path, text: str) -> Path:
-    if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".cu")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)  # atomic: a concurrent process reads the old or the new whole file
-    return path
-
-
 def specializations() -> list[KernelSource]:
     """What the intranode kernels compile (one generic build per architecture, and the layout probe)."""
     return [SOURCE, KernelSource.of(probe_file())]
-
-
-def _read_back(fn: Function, count: int, device: int) -> list[int]:
-    out = torch.zeros(count, dtype=torch.int64, device=f"cuda:{device}")
-    fn.launch(1, 32, _raw_stream(device), out.data_ptr())
-    return out.tolist()  # synchronizes
 
 
 class _Kernels:
@@ -107,9 +70,9 @@ class _Kernels:
     def __init__(self, device: int) -> None:
         with torch.cuda.device(device):
             loaded = module(SOURCE, device)
-            constants = _read_back(loaded.function("ep_intranode_constants", (PTR,)), len(P.CONSTANTS), device)
+            constants = read_back(loaded.function("ep_intranode_constants", (PTR,)), len(P.CONSTANTS), device)
             probe = module(KernelSource.of(probe_file()), device)
-            layout = _read_back(probe.function("ep_params_layout", (PTR,)), len(P.layout_of()), device)
+            layout = read_back(probe.function("ep_params_layout", (PTR,)), len(P.layout_of()), device)
         wrong = P.constant_mismatches(constants) + P.layout_mismatches(layout)
         if wrong:
             raise JitLayoutError("ep_moe.native.jit: the parameter mirrors (ep_moe/native/jit/params.py) do not match "
