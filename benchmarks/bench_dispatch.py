@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's ep_moe, installed or not
 
-from ep_moe.benchmarking.cli import main  # noqa: E402
+from ep_moe.cli.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -184,7 +184,7 @@ class DroplessFloor:
     checked: the rows)."""
 
     def __init__(self, layer, xs: list[torch.Tensor], seed: int = 3):
-        from ep_moe.expert_major import local_expert_dispatch
+        from ep_moe.buffer.expert_major_ops import local_expert_dispatch
 
         self.layer, self.moe = layer, layer.deepspeed_moe
         self.prepared = {}

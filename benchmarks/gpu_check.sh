@@ -5,7 +5,7 @@
 #   STEPS="build bench" bash benchmarks/gpu_check.sh
 #
 # STEPS picks among: build test tune bench sweep (test: the native GPU suite, back-to-back soak included;
-# tune: the tuner's plans against a measured sweep). Multicast stays off in every process (ep_moe's import turns it off).
+# tune: the tuner's plans against a measured sweep). Multicast stays off in every process (ep_moe turns it off where a buffer is made or a rank joins its group).
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from ep_moe import Buffer, Config
 from ep_moe.distributed import init_from_torchrun
-from ep_moe.layout import dispatch_layout
+from ep_moe.buffer.routing_layout import dispatch_layout
 
 init_from_torchrun("cuda", timeout_s=600.0)
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -71,7 +71,7 @@ def bench_panel(data: dict, source: str, tokens: int | None = None, num_sms: int
     """The panel of an ``ep-moe bench --json`` file: per (op, dtype), torch's median over the other backend's.
 
     Args:
-        data: the parsed JSON (``meta``, ``rows``: `ep_moe.benchmarking.report.Row` as dicts).
+        data: the parsed JSON (``meta``, ``rows``: `ep_moe.benchmarking.results.Row` as dicts).
         tokens: the token count to plot (None: 4096 where measured, else the largest).
         num_sms: the SM count of backends that take one (None: 24 where measured, else the largest).
     Raises:

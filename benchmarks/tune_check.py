@@ -37,7 +37,7 @@ from ep_moe.benchmarking.verification import named_outputs
 from ep_moe.distributed import init_from_torchrun
 from ep_moe.tuning import LayerShape, PlanCache, refine
 from ep_moe.tuning.calibration import DispatchBench, calibrate
-from ep_moe.tuning.topology import detect_topology
+from ep_moe.tuning.machine_topology import detect_topology
 
 WORKLOADS = (
     ("DeepEP intranode: E256 K8 H7168 T4096", LayerShape(256, 8, 7168, 4096)),

@@ -1,51 +1,39 @@
 """ep_moe: expert-parallel token dispatch and combine for training Mixture-of-Experts models.
 
-Main entry points:
+The public surface, DeepEP-shaped:
 
-* `Buffer`: DeepEP-style ``get_dispatch_layout`` / ``dispatch`` / ``combine`` for one EP group,
-  on the ``native`` (NVLink kernels) or ``torch`` (torch.distributed) backend.
-* `dispatch` / `combine` / `cached_dispatch`: the same, differentiable (torch.library custom ops).
-* `expert_dispatch` / `expert_combine` / `expert_cached_dispatch`: the expert-major layout (rows grouped by local
-  expert for a grouped GEMM), the weighted combine and the cached dispatch, differentiable.
-* `ElasticBuffer`: DeepEP V2's buffer API (compact and expanded layouts, cached and fixed-size dispatch) on a
-  `Buffer`.
-* `TokenDispatcher`: what an MoE layer calls (the expert-major dispatch and combine, SM counts planned).
+* `Buffer` (V1: ``get_dispatch_layout`` / ``dispatch`` / ``combine`` for one EP group, on the ``native`` or
+  ``torch`` backend), its `DispatchHandle`, `Config` and `EventOverlap`;
+* `ElasticBuffer` (V2: compact and expanded layouts, Engram, PP, AGRS) and its `ElasticHandle`;
+* the differentiable ops: `dispatch` / `combine` / `cached_dispatch` and the expert-major `expert_dispatch` /
+  `expert_combine` / `expert_cached_dispatch`;
+* `TokenDispatcher` (what an MoE layer calls) and `MoELayer`.
+
+Everything else is imported from its module (`ep_moe.config.NativeOptions`, `ep_moe.buffer.autograd_ops`, ...;
+docs/architecture.md maps them). Importing this package changes no environment variable: NVLink multicast is
+switched off where a buffer is made or a rank joins its group (`ep_moe.distributed.disable_multicast`).
 """
 
-from .distributed import disable_multicast
-
-# Before anything of this package (or the caller) creates symmetric memory or an NCCL communicator.
-disable_multicast()
-
-from .buffer import Buffer  # noqa: E402
-from .config import Config, NativeOptions  # noqa: E402
-from .dispatcher import DispatchContext, TokenDispatcher  # noqa: E402
-from .elastic import ElasticBuffer, ElasticHandle  # noqa: E402
-from .event import EventOverlap  # noqa: E402
-from .expert_major import (  # noqa: E402
-    ExpertDispatchOutput,
-    ExpertHandle,
-    expert_cached_dispatch,
-    expert_combine,
-    expert_dispatch,
-)
-from .handle import DispatchHandle  # noqa: E402
-from .ops import DispatchOutput, cached_dispatch, combine, dispatch  # noqa: E402
+from .buffer.autograd_ops import cached_dispatch, combine, dispatch
+from .buffer.buffer_v1 import Buffer
+from .buffer.dispatch_handle import DispatchHandle
+from .buffer.event_overlap import EventOverlap
+from .buffer.expert_major_ops import expert_cached_dispatch, expert_combine, expert_dispatch
+from .config import Config
+from .elastic.elastic_buffer import ElasticBuffer, ElasticHandle
+from .layers.moe import MoELayer
+from .token_dispatcher import TokenDispatcher
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Buffer",
     "Config",
-    "DispatchContext",
     "DispatchHandle",
-    "DispatchOutput",
     "ElasticBuffer",
     "ElasticHandle",
     "EventOverlap",
-    "ExpertDispatchOutput",
-    "ExpertHandle",
-    "NativeOptions",
+    "MoELayer",
     "TokenDispatcher",
     "cached_dispatch",
     "combine",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 DEFAULT_NUM_SMS = 24
 """SMs of a dispatch or combine when nothing else decides: ``Buffer.num_sms`` (a call without a `Config`) and
-a layer whose backend takes no tuned count (`ep_moe.tuning.cache` has the whole order)."""
+a layer whose backend takes no tuned count (`ep_moe.tuning.layer_plans` has the whole order)."""
 
 # The bounds the kernels are compiled with (csrc/kernels.h, csrc/binding.cpp).
 MAX_CHUNKS_PER_PAIR = 256  # kMaxChunks: flag slots per source-destination pair

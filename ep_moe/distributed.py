@@ -7,8 +7,8 @@ Two ways in, one shape out (``fn(rank, world_size, *args)`` runs once per rank i
   rank; `init_from_torchrun` joins the group (NCCL on ``cuda:LOCAL_RANK``, gloo on the CPU);
 * otherwise `run_distributed` spawns the ranks on this host (gloo on the CPU, NCCL with one GPU per rank).
 
-`launch` picks between them. NVLink multicast is switched off here (`disable_multicast`), once, when
-``ep_moe`` is imported.
+`launch` picks between them. NVLink multicast is switched off by `disable_multicast`, which a rank calls before
+it joins its group here, and `ep_moe.Buffer` / `ep_moe.ElasticBuffer` call when they are made.
 
 Spawned ranks never outlive their launcher (`_die_with_parent`); a rank's exception reaches the launcher as
 a `RankFailure` (its type, message and traceback), a rank killed by a signal as a death, all in one
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import gc
+import logging
 import os
 import queue
 import signal
@@ -35,16 +36,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+log = logging.getLogger("ep_moe")
+
 # The native kernels use unicast peer stores and loads only; NVLink multicast must stay off on shared hosts.
 MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def disable_multicast() -> None:
+_multicast_logged = False  # the first call that set a variable has said so
+
+
+def disable_multicast() -> dict[str, str]:
     """Keep torch's symmetric memory, NCCL and NVSHMEM off NVLink multicast in this process and the ranks it
-    spawns, unless the user set these variables. Called when ``ep_moe`` is imported, before anything can
-    create symmetric memory or an NCCL communicator."""
-    for name, value in MULTICAST_OFF.items():
-        os.environ.setdefault(name, value)
+    spawns, unless the user set these variables (`MULTICAST_OFF`). Called where ep_moe makes what reads them: a
+    rank joining its group (`launch`, `init_process_group`) and a `Buffer` or `ElasticBuffer` being made; never at
+    import. The first call that sets a variable says so in one INFO line of the ``ep_moe`` logger.
+
+    Returns:
+        The variables this call set (name -> value); empty when every one was already set.
+    """
+    global _multicast_logged
+    changed = {name: value for name, value in MULTICAST_OFF.items() if name not in os.environ}
+    os.environ.update(changed)
+    if changed and not _multicast_logged:
+        _multicast_logged = True
+        log.info("ep_moe: NVLink multicast off in this process and the ranks it starts (%s); set them to "
+                 "override", ", ".join(f"{name}={value}" for name, value in changed.items()))
+    return changed
 
 
 class TorchrunEnv(NamedTuple):
@@ -68,6 +85,7 @@ def free_port() -> int:
 
 
 def _join(backend: str, rank: int, world_size: int, timeout_s: float, device: torch.device | None) -> None:
+    disable_multicast()  # before the communicator (NCCL reads NCCL_NVLS_ENABLE when it is made)
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         torch.cuda.set_device(device)

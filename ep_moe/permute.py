@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from . import permute_triton
-from .layout import count_values, round_up
+from .buffer.routing_layout import count_values, round_up
 from .native import jit
 from .native.jit import expert_major as jit_kernels
 

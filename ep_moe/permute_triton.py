@@ -46,7 +46,7 @@ import os
 
 import torch
 
-from .validation import HIDDEN_DTYPES, check_tensor
+from .buffer.argument_checks import HIDDEN_DTYPES, check_tensor
 
 try:  # CPU-only installs have no Triton: the module still imports, and available() says why not
     import triton

@@ -2,7 +2,7 @@
 once (`docs/semantics.md`).
 
 Plain loops over ranks, tokens and top-k entries, written from the stated semantics alone: nothing here is
-shared with the backends, the layers or `ep_moe.layout` (which the torch backend uses), so a mistake there
+shared with the backends, the layers or `ep_moe.buffer.routing_layout` (which the torch backend uses), so a mistake there
 cannot hide in the oracle too. Slow and obviously right; every backend and every shared helper is tested
 against it.
 

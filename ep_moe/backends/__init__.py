@@ -1,5 +1,5 @@
 """Communication backends behind `ep_moe.Buffer`: ``torch`` (torch.distributed) and ``native`` (NVLink kernels)."""
 
-from .base import CommBackend, DispatchResult
+from .comm_backend import CommBackend, DispatchResult
 
 __all__ = ["CommBackend", "DispatchResult"]

@@ -47,13 +47,13 @@ import torch
 import torch.distributed as dist
 
 from .. import native
+from ..buffer.dispatch_handle import DispatchHandle
 from ..config import Config, NativeOptions
-from ..handle import DispatchHandle
 from ..native import policy, sizing
 from ..native.symmetric import SymmetricBuffer, VmmSymmetricBuffer
 from . import agreement
 from .agreement import HEADER_LEN
-from .base import CommBackend, DispatchResult, ReceivedRows
+from .comm_backend import CommBackend, DispatchResult, ReceivedRows
 from .torch_backend import TorchBackend
 
 MAX_LOCAL_EXPERTS = 8192  # experts per rank the dispatch kernel counts in shared memory
@@ -359,7 +359,7 @@ class NativeBackend(CommBackend):
 
     def use_data_memory(self, local: torch.Tensor, local_fd: int, op: str, argument: str) -> None:
         """Collective over the group: make ``local`` this rank's data buffer instead of allocating one, e.g. the
-        GPU segment of an `ep_moe.ElasticBuffer`'s elastic or hybrid range (`ep_moe.memory.SymmetricMemory` with
+        GPU segment of an `ep_moe.ElasticBuffer`'s elastic or hybrid range (`ep_moe.elastic.memory.SymmetricMemory` with
         ``share_gpu``). ``local``: uint8 ``[nbytes]`` on this backend's device, ``nbytes`` a multiple of 2 MiB and
         equal on every rank, one VMM allocation exported as ``local_fd``; the peers map it through the fd
         (`VmmSymmetricBuffer` with ``local``, whatever ``EP_MOE_SYMMETRIC_MEMORY`` says). The caller keeps the
@@ -470,7 +470,7 @@ class NativeBackend(CommBackend):
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)``
-        by the layout kernel; equal to `ep_moe.layout.dispatch_layout`."""
+        by the layout kernel; equal to `ep_moe.buffer.routing_layout.dispatch_layout`."""
         per_rank, per_expert, in_rank = _c().layout(topk_idx.contiguous(), num_experts, self.num_ranks)
         return per_rank, per_expert, in_rank
 

@@ -26,11 +26,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..handle import DispatchHandle
-from ..layout import aligned_expert_counts, count_values, local_topk, round_up
+from ..buffer.dispatch_handle import DispatchHandle
+from ..buffer.routing_layout import aligned_expert_counts, count_values, local_topk, round_up
 from . import agreement
 from .agreement import HEADER_LEN
-from .base import CommBackend, DispatchResult
+from .comm_backend import CommBackend, DispatchResult
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@ import sys
 
 COMMANDS = {
     "train": ("ep_moe.train", "train an MoE model from a YAML recipe (ep-moe train RECIPE.yaml key=value ...)"),
-    "bench": ("ep_moe.benchmarking.cli", "benchmark dispatch/combine of every backend in one run"),
+    "bench": ("ep_moe.cli.bench", "benchmark dispatch/combine of every backend in one run"),
     "recipes": ("ep_moe.train.recipes", "list the built-in recipes (ep-moe train NAME runs one)"),
-    "tune": ("ep_moe.tuning.cli", "print the per-layer SM/QP plan of a recipe or of given shapes"),
-    "simulate": ("ep_moe.tuning.simulate", "predicted dispatch/combine bytes per hop and time across nodes, flat vs "
+    "tune": ("ep_moe.cli.tune", "print the per-layer SM/QP plan of a recipe or of given shapes"),
+    "simulate": ("ep_moe.cli.simulate", "predicted dispatch/combine bytes per hop and time across nodes, flat vs "
                                          "hybrid (ep-moe simulate --nodes 2,4,8,16 --gpus-per-node 8)"),
     "demo": ("ep_moe.cli.demo", "a small dispatch/combine round trip on spawned CPU ranks (checks an install)"),
     "jit": ("ep_moe.cli.jit", "compile JIT kernels ahead of time (ep-moe jit warmup [--shapes ...]), list the cache"),

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from ..buffer import Buffer
+from ..buffer.buffer_v1 import Buffer
 from ..distributed import run_distributed
 
 

@@ -54,16 +54,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..buffer import DEFAULT_TIMEOUT_S
-from ..buffer import Buffer as _CoreBuffer
+from ..backends.hybrid import host_topology, logical_topology
+from ..buffer.argument_checks import FP8_DTYPES, _fail
+from ..buffer.buffer_v1 import DEFAULT_TIMEOUT_S
+from ..buffer.buffer_v1 import Buffer as _CoreBuffer
+from ..buffer.event_overlap import EventOverlap as _CoreEventOverlap
+from ..buffer.routing_layout import round_up
 from ..config import DEFAULT_NUM_SMS, NativeOptions
 from ..config import Config as _CoreConfig
-from ..elastic import ElasticBuffer as _CoreElasticBuffer
-from ..elastic import ElasticHandle
-from ..event import EventOverlap as _CoreEventOverlap
-from ..hybrid import host_topology, logical_topology
-from ..layout import round_up
-from ..validation import FP8_DTYPES, _fail
+from ..elastic.elastic_buffer import ElasticBuffer as _CoreElasticBuffer
+from ..elastic.elastic_buffer import ElasticHandle
 
 log = logging.getLogger("ep_moe")
 
@@ -385,7 +385,7 @@ def get_physical_domain_size(group: dist.ProcessGroup | None = None) -> tuple[in
 def get_logical_domain_size(group: dist.ProcessGroup | None = None, allow_hybrid_mode: bool = True
                             ) -> tuple[int, int]:
     """V2's ``deep_ep.get_logical_domain_size``: ``(scale-out ranks, scale-up ranks)`` that an ``ElasticBuffer``
-    on ``group`` uses (`ep_moe.hybrid.logical_topology`; collective)."""
+    on ``group`` uses (`ep_moe.backends.hybrid.logical_topology`; collective)."""
     topology = logical_topology(host_topology(group), dist.get_world_size(group), allow_hybrid_mode)
     return topology.num_scaleout_ranks, topology.num_scaleup_ranks
 
@@ -623,7 +623,7 @@ def _physical_domain_size(comm: int) -> tuple[int, int]:
 def _logical_domain_size(comm: int, allow_hybrid_mode: bool = True) -> tuple[int, int]:
     """``_C.get_logical_domain_size``: ``(scale-out ranks, scale-up ranks)``: the ``EP_MOE_SCALEOUT_RANKS``
     split in hybrid mode where set (as ep_moe's buffers do), else ``(1, ranks)``."""
-    from ..hybrid.topology import LogicalTopology, logical_topology
+    from ..backends.hybrid.node_topology import LogicalTopology, logical_topology
 
     num_ranks = _comm_size(comm)
     topology = logical_topology(LogicalTopology.flat(num_ranks), num_ranks, allow_hybrid_mode)

@@ -58,9 +58,9 @@ except ImportError as _exc:  # pragma: no cover - exercised only without deepspe
         "ep_moe.integrations.deepspeed needs DeepSpeed: "
         "DS_BUILD_OPS=0 pip install torch==<your torch> deepspeed==0.19.8") from _exc
 
-from ep_moe.buffer import Buffer
-from ep_moe.dispatcher import TokenDispatcher
-from ep_moe.expert_major import local_expert_combine, local_expert_dispatch
+from ep_moe.buffer.buffer_v1 import Buffer
+from ep_moe.buffer.expert_major_ops import local_expert_combine, local_expert_dispatch
+from ep_moe.token_dispatcher import TokenDispatcher
 
 log = logging.getLogger("ep_moe")
 

@@ -8,9 +8,10 @@
 * `global_state_dict` / `load_global_state_dict`: checkpoints that load at any EP size.
 """
 
-from .checkpoint import global_state_dict, load_global_state_dict, to_global, to_local
 from .experts import GroupedExperts, SwiGLU, derive_seed, grouped_mm_available, is_expert_param
-from .model import ModelConfig, ModelOutput, MoETransformer
+from .global_state import global_state_dict, load_global_state_dict, to_global, to_local
+from .model import ModelOutput, MoETransformer
+from .model_config import ModelConfig
 from .moe import LocalTokenDispatcher, MoELayer
 from .router import TopKRouter, group_limited_topk
 

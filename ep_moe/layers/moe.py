@@ -7,26 +7,22 @@ the same row order and the same fp32 sums, so it gives the same numbers as a one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..buffer import Buffer
-from ..dispatcher import TokenDispatcher
-from ..expert_major import ExpertHandle, local_expert_combine, local_expert_dispatch
+from ..buffer.buffer_v1 import Buffer
+from ..buffer.expert_major_ops import ExpertHandle, local_expert_combine, local_expert_dispatch
+from ..token_dispatcher import TokenDispatcher
 from .experts import GroupedExperts, SwiGLU, scaled_output_std
+from .model_config import ModelConfig
 from .router import TopKRouter
-
-if TYPE_CHECKING:
-    from .model import ModelConfig
 
 
 class LocalTokenDispatcher:
     """`TokenDispatcher`'s interface for one process and all experts local: no communication
-    (`ep_moe.expert_major.local_expert_dispatch`). Rows, order and sums equal `TokenDispatcher` over a one-rank
+    (`ep_moe.buffer.expert_major_ops.local_expert_dispatch`). Rows, order and sums equal `TokenDispatcher` over a one-rank
     `Buffer` bit for bit."""
 
     def __init__(self, num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0) -> None:

@@ -15,7 +15,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..memory.cuda_vmm import vmm_unavailable_reason
+from ..elastic.memory.cuda_vmm import vmm_unavailable_reason
 from .sizing import buffer_size_hint
 from .symmetric import SYMMETRIC_MEMORY_ENV, agreed_symmetric_memory_provider, symmetric_memory_provider
 
@@ -134,7 +134,7 @@ def unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> str | 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layout kernel: same outputs as `ep_moe.layout.dispatch_layout` (``[R]`` int32 tokens per
+    """The layout kernel: same outputs as `ep_moe.buffer.routing_layout.dispatch_layout` (``[R]`` int32 tokens per
     rank, ``[E]`` int32 tokens per expert, ``[T, R]`` bool), on the current CUDA stream."""
     per_rank, per_expert, in_rank = intranode_kernels().layout(topk_idx.contiguous(), num_experts, num_ranks)
     return per_rank, per_expert, in_rank

@@ -20,7 +20,7 @@ import torch
 
 from .. import native
 from ..distributed import MULTICAST_OFF, nccl_version
-from ..memory.cuda_vmm import vmm_unavailable_reason
+from ..elastic.memory.cuda_vmm import vmm_unavailable_reason
 from . import jit
 
 Item = tuple[str, Callable[[], str]]

@@ -3,7 +3,7 @@
 
 * `StreamOps`: the CUDA driver's ``cuStreamWriteValue64`` / ``cuStreamWaitValue64`` (the CUDA 12 ABI, ``_v2``)
   and, where the driver has it (CUDA 13's ``cuMemcpyBatchAsync_v2``), one batched copy call, through ``ctypes``
-  on ``libcuda`` (`ep_moe.memory.cuda_vmm.driver`). Every return code is checked (`StreamOpError` names the call
+  on ``libcuda`` (`ep_moe.elastic.memory.cuda_vmm.driver`). Every return code is checked (`StreamOpError` names the call
   and the driver's error name).
 * `StreamPool`: the private streams of the waiters, created on demand and kept for the process's lifetime (torch
   may use a stream it has seen long after its user is done with it; see the class).
@@ -60,7 +60,7 @@ class StreamOps:
     """The driver entry points of the transport (load with `stream_ops`)."""
 
     def __init__(self) -> None:
-        from ..memory.cuda_vmm import CudaDriverError, driver
+        from ..elastic.memory.cuda_vmm import CudaDriverError, driver
 
         try:
             lib = driver()

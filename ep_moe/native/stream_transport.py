@@ -1,6 +1,6 @@
 """The native transport of `ElasticBuffer`'s PP send/recv and AGRS sessions on one NVLink node: copies by the copy
 engine into the peers' copies of a symmetric buffer, signals by stream memory operations, no kernel on the SMs
-(docs/native.md, "PP and AGRS on the native backend"). `ep_moe.pipeline_comm` and `ep_moe.agrs` keep the protocol
+(docs/native.md, "PP and AGRS on the native backend"). `ep_moe.elastic.pipeline_comm` and `ep_moe.elastic.agrs` keep the protocol
 (message numbers, headers and their checks, sessions); this module owns the memory layout and what moves.
 
 Memory: one `ep_moe.native.symmetric.SymmetricBuffer` per configuration (``pp_set_config``, ``agrs_set_config``,
@@ -8,12 +8,12 @@ collective), its signal words zeroed before any rank writes (a barrier of the gr
 and monotonic, so nothing is ever reset.
 
 PP (`PPLayout`, `PPStreamTransport`): per ring neighbour (channel) ``inflight`` receive slots, each a 128-byte
-header (the int64 header of `ep_moe.pipeline_comm`) followed by ``slot_bytes`` of payload, and two words per slot:
+header (the int64 header of `ep_moe.elastic.pipeline_comm`) followed by ``slot_bytes`` of payload, and two words per slot:
 "landed" (written by the sender: message number + 1, after its header and payload copies) and "freed" (in the
 sender's memory, written by the receiver: message number + 1, after it copied the payload out). Message ``seq``
 uses slot ``(seq - base) % inflight``, ``base`` being the channel's message count when the configuration was made.
 
-AGRS (`AGRSLayout`, `AGRSStreamTransport`): ``R x session_bytes`` of data (the chunks of ``ep_moe.agrs``); two rows
+AGRS (`AGRSLayout`, `AGRSStreamTransport`): ``R x session_bytes`` of data (the chunks of ``ep_moe.elastic.agrs``); two rows
 of headers per source rank (by the parity of the operation counter: a rank is at most one operation ahead of any
 peer), a header word per (parity, source), and a data word per (operation of the session, source) holding the
 session number: an all-gather or reduce-scatter writes its rows into the peers' chunks, then its data words.
@@ -265,7 +265,7 @@ def _pinned_int64(values: Sequence[int], length: int) -> torch.Tensor:
 class PPStreamTransport:
     """One rank's PP memory and its copies and signals (see the module's docstring). ``bases[peer] = (first message
     number sent to peer, first received from peer)`` under this configuration; every sent message of an earlier
-    configuration must have been received (`ep_moe.pipeline_comm` drains the channels first)."""
+    configuration must have been received (`ep_moe.elastic.pipeline_comm` drains the channels first)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, rank: int, num_ranks: int, slot_bytes: int,
                  inflight: int, bases: dict[int, tuple[int, int]], waiter: SignalWaiter) -> None:
@@ -348,7 +348,7 @@ class PPStreamTransport:
 class AGRSStreamTransport:
     """One rank's AGRS memory, header exchange, row copies and arrival waits (see the module's docstring).
 
-    ``data`` is this rank's ``R x session_bytes`` (uint8), the session memory of ``ep_moe.agrs``: a chunk offset
+    ``data`` is this rank's ``R x session_bytes`` (uint8), the session memory of ``ep_moe.elastic.agrs``: a chunk offset
     into it is the same offset into every peer's."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, rank: int, num_ranks: int, session_bytes: int,

@@ -9,7 +9,7 @@ this process (peer pointers), from one of three providers chosen by ``EP_MOE_SYM
   backend is process-wide and fixed by the first symmetric allocation, so a process uses one of ``torch`` and
   ``nccl``. Which of the two is faster is measured on two GPUs (the two-GPU issue).
 * ``vmm``: the CUDA driver's virtual-memory calls (`VmmSymmetricBuffer`): every rank exports a device allocation
-  as a POSIX file descriptor, the ranks of the node exchange them (`ep_moe.memory.fdshare.exchange_fds`), and each
+  as a POSIX file descriptor, the ranks of the node exchange them (`ep_moe.elastic.memory.fdshare.exchange_fds`), and each
   maps every rank's allocation, in rank order, into one reserved range. Works over any process group (gloo
   included) and for ranks that share one GPU, which is how the multi-rank kernels are tested on one GPU. With
   ``local`` it maps the peers around a copy that exists already (an `ep_moe.ElasticBuffer`'s GPU segment, which
@@ -27,8 +27,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..memory.cuda_vmm import CudaRange, DeviceAllocation
-from ..memory.fdshare import exchange_fds
+from ..elastic.memory.cuda_vmm import CudaRange, DeviceAllocation
+from ..elastic.memory.fdshare import exchange_fds
 from .sizing import align_up
 
 SYMMETRIC_MEMORY_ENV = "EP_MOE_SYMMETRIC_MEMORY"
@@ -239,7 +239,7 @@ class VmmSymmetricBuffer(SymmetricBuffer):
     mapping) raises a `RuntimeError` on every rank naming the ranks and their errors, so none is left waiting.
 
     ``local``: this rank's copy already exists (e.g. the GPU segment of an `ep_moe.ElasticBuffer`'s range,
-    `ep_moe.memory.SymmetricMemory` with ``share_gpu``): uint8 ``[nbytes]`` on ``device`` (``nbytes`` a multiple
+    `ep_moe.elastic.memory.SymmetricMemory` with ``share_gpu``): uint8 ``[nbytes]`` on ``device`` (``nbytes`` a multiple
     of 2 MiB) over one VMM allocation exported as ``local_fd``. Nothing is allocated then: the peers import
     ``local_fd`` and map it like any rank's allocation, ``tensor`` is ``local`` and ``ptrs[rank]`` its address
     (this rank's slot of the range stays unmapped); the caller keeps ``local``'s memory and ``local_fd`` (open

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_moe.layers.checkpoint import global_state_dict, load_global_state_dict, to_global, to_local
+from ep_moe.layers.global_state import global_state_dict, load_global_state_dict, to_global, to_local
 
 FORMAT_VERSION = 1
 LATEST = "latest"

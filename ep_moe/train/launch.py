@@ -1,6 +1,6 @@
 """``ep-moe train RECIPE.yaml [key=value ...]``: parse, check, then run the ranks.
 
-The recipe (overrides applied) is parsed by its engine's schema (`ep_moe.train.config`) and checked against
+The recipe (overrides applied) is parsed by its engine's schema (`ep_moe.train.recipe_schema`) and checked against
 this job's world size and device before any rank starts, with what else can be known there: the dispatcher
 backend can run, the checkpoint to load exists, the run folder can be written (`ep_moe.train.rundir`). Then
 the run folder is locked for this run (released at exit, errors and Ctrl-C included), and a fresh run into a
@@ -38,8 +38,8 @@ import torch
 
 from ep_moe.distributed import RankFailures, is_peer_lost, launch, torchrun_env
 
-from .config import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, validate
 from .failures import failure_lines, report_lost_peer, report_rank_error, write_error_log
+from .recipe_schema import AnyRecipe, Recipe, RecipeError, dump_yaml, load_recipe, validate
 from .rundir import RunDirError, RunDirLock, check_outputs, clear_earlier_run, refuse_earlier_run, run_dir
 
 EXTRAS = {"megatron": "megatron", "deepspeed": "deepspeed"}
@@ -120,7 +120,8 @@ def require_package(engine: str, package: str, install: str) -> None:
 # ---------------------------------------------------------------------------------------------- engine ep_moe
 def _ep_moe_rank(rank: int, world_size: int, recipe: Recipe, device_type: str) -> dict[str, Any]:
     """One rank of ``engine: ep_moe`` (module level so that spawn can import it)."""
-    from .loop import result_dict, train_rank
+    from .loop import result_dict
+    from .rank_entry import train_rank
 
     return result_dict(train_rank(recipe, rank_device(device_type)))
 
@@ -128,7 +129,7 @@ def _ep_moe_rank(rank: int, world_size: int, recipe: Recipe, device_type: str) -
 def preflight_ep_moe(recipe: Recipe) -> None:
     """``engine: ep_moe`` only: the model config is valid and the SM counts resolve (fail in the launcher;
     the ranks pick the tuner's counts, which need the backend, with the same checks)."""
-    from ep_moe.layers.model import ModelConfig
+    from ep_moe.layers.model_config import ModelConfig
 
     from .parallel import layer_num_sms
 

@@ -12,9 +12,7 @@ in row order, so it does not depend on how the batch was split over ranks.
 from __future__ import annotations
 
 import math
-import os
 import signal
-import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -23,22 +21,19 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ep_moe.distributed import torchrun_env
-
 from . import checkpoint as ckpt
-from .config import Recipe
 from .data import build_dataset, rank_slice
-from .failures import record_peers, set_stage
+from .failures import set_stage
 from .metrics import Progress, RunLog, Throughput, finish, report_eval, report_step, run_record
 from .parallel import (
     ParallelState,
     build_ep_buffer,
     build_parallel_state,
     clip_grad_norm,
-    enable_determinism,
     layer_num_sms,
     sync_gradients,
 )
+from .recipe_schema import Recipe
 from .schedule import begin_step
 from .zero import ZeroOne
 
@@ -99,7 +94,8 @@ class RunResult:
 def build_model(recipe: Recipe, ps: ParallelState) -> torch.nn.Module:
     """`MoETransformer` of the recipe on this rank's device: its EP `Buffer` and every MoE layer's SM count are
     decided first (`build_ep_buffer`, `layer_num_sms`) and passed in."""
-    from ep_moe.layers.model import ModelConfig, MoETransformer
+    from ep_moe.layers.model import MoETransformer
+    from ep_moe.layers.model_config import ModelConfig
 
     config = ModelConfig(**recipe.model.model_config_kwargs())
     e = recipe.ep_moe
@@ -316,32 +312,6 @@ class DataParallelSteps:
     def close(self) -> None:
         if self.zero is not None:
             self.zero.close()
-
-
-def train_rank(recipe: Recipe, device: torch.device) -> RunResult:
-    """Train on this rank (the process group is already initialised). Collective: every rank calls it."""
-    t0 = time.monotonic()
-    t = recipe.train
-    if t.deterministic:
-        enable_determinism()
-    torch.manual_seed(recipe.rng.seed)
-    if torchrun_env() is not None:  # under a launcher: who is where, for the line a lost peer prints
-        from ep_moe.hybrid.topology import node_key
-
-        peers: list = [None] * dist.get_world_size()
-        dist.all_gather_object(peers, {"node": node_key()[1], "host": socket.gethostname(), "pid": os.getpid()})
-        record_peers(peers)
-    set_stage("start-up (model, process groups)")
-    if t.pp_size > 1:
-        from .pipeline import PipelineSteps
-
-        steps: TrainSteps = PipelineSteps(recipe, device)
-    else:
-        steps = DataParallelSteps(recipe, device)
-    try:
-        return run_training(recipe, steps, t0)
-    finally:
-        steps.close()
 
 
 def run_training(recipe, steps: TrainSteps, t0: float) -> RunResult:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..buffer import Buffer
-from ..tuning.cache import PlanCache, recipe_layers
-from .config import Recipe
+from ..buffer.buffer_v1 import Buffer
+from ..tuning.layer_plans import PlanCache, recipe_layers
+from .recipe_schema import Recipe
 
 
 @dataclass
@@ -72,10 +72,10 @@ def build_ep_buffer(ps: ParallelState, backend: str, hybrid_mode: bool = False,
     experts in-process, with the same numbers). Collective over the EP group.
 
     ``hybrid_mode`` (``ep_moe.hybrid_mode``): where the EP group spans more than one node, dispatch and combine
-    go through `ep_moe.hybrid.HybridBackend` (two hops; the same numbers as the flat path). The nodes are the
-    launch's (`ep_moe.hybrid.topology.host_topology`: torchrun's agents, SLURM's nodes, else the hosts), unless
+    go through `ep_moe.backends.hybrid.HybridBackend` (two hops; the same numbers as the flat path). The nodes are the
+    launch's (`ep_moe.backends.hybrid.node_topology.host_topology`: torchrun's agents, SLURM's nodes, else the hosts), unless
     ``num_scaleout_ranks`` (``ep_moe.num_scaleout_ranks``) or ``EP_MOE_SCALEOUT_RANKS`` cuts the group into that
-    many nodes of consecutive ranks (`ep_moe.hybrid.logical_topology`). One node: the flat buffer, as without
+    many nodes of consecutive ranks (`ep_moe.backends.hybrid.logical_topology`). One node: the flat buffer, as without
     hybrid mode. ``buffer.backend_reason`` says which view was taken and from where."""
     if ps.ep_size == 1:
         return None
@@ -84,7 +84,7 @@ def build_ep_buffer(ps: ParallelState, backend: str, hybrid_mode: bool = False,
     buffer = Buffer(ps.ep_group, backend=backend, check_inputs=False)
     if not hybrid_mode:
         return buffer
-    from ..hybrid import HybridBackend, discover_topology
+    from ..backends.hybrid import HybridBackend, discover_topology
 
     topology = discover_topology(ps.ep_group, True, num_scaleout_ranks)
     if topology.is_hybrid:
@@ -101,7 +101,7 @@ def build_ep_buffer(ps: ParallelState, backend: str, hybrid_mode: bool = False,
 def layer_num_sms(recipe: Recipe, buffer: Buffer | None) -> list[int]:
     """The SM count of each MoE layer of ``recipe``: its ``ep_moe.num_sms`` (per layer or for all), else its
     ``ep_moe.tuning_plan``, else the tuner where the backend takes an SM count (native), else
-    `ep_moe.config.DEFAULT_NUM_SMS` (`ep_moe.tuning.cache` has the whole order; ``ep-moe tune RECIPE`` prints
+    `ep_moe.config.DEFAULT_NUM_SMS` (`ep_moe.tuning.layer_plans` has the whole order; ``ep-moe tune RECIPE`` prints
     the same plans). Raises `ValueError` for a bad count or plan file. Every rank computes the same counts."""
     data = recipe.to_dict()
     if recipe.ep_moe.tuning_plan is not None:

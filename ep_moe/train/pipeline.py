@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..elastic import ElasticBuffer
+from ..elastic.elastic_buffer import ElasticBuffer
 from ..layers.model import rotary_tables
 from . import checkpoint as ckpt
-from .config import Recipe
 from .data import build_dataset, rank_slice
 from .loop import StepOutcome, batch_line, build_model, build_optimizer, row_order_mean
 from .parallel import ParallelState, all_reduce_sum, build_parallel_state, sync_gradients
+from .recipe_schema import Recipe
 from .schedule import begin_step
 
 

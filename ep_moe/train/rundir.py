@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 
-from .config import AnyRecipe, RecipeError
+from .recipe_schema import AnyRecipe, RecipeError
 
 LOCK_NAME = "ep-moe.lock"
 ERROR_LOG = "error.log"

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..elastic import ElasticBuffer
+from ..elastic.elastic_buffer import ElasticBuffer
 from .parallel import ParallelState, all_reduce_sum
 
 

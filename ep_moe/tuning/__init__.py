@@ -7,7 +7,8 @@ one-call entry point for a token dispatcher. `get_theoretical_num_sms` / `get_th
 DeepEP V2's analytic counts, for comparison (`ep_moe.tuning.theoretical`).
 """
 
-from .cache import (
+from .bandwidth_model import LayerShape, RankLoad, dtype_bytes, expected_groups, rank_loads
+from .layer_plans import (
                     ENV_NUM_SMS,
                     ENV_PLAN,
                     RECIPE_KEYS,
@@ -19,7 +20,6 @@ from .cache import (
                     recipe_layers,
                     set_default_cache,
 )
-from .model import LayerShape, RankLoad, dtype_bytes, expected_groups, rank_loads
 from .plan import (
                     DEEPEP_V2_POLICY,
                     CommPlan,

@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .model import LayerShape
+from .bandwidth_model import LayerShape
+from .machine_topology import Topology, detect_topology
 from .plan import PlanPolicy, link_seconds, op_costs, sm_seconds
 from .rates import FitSample, Rates, fit_kernel
-from .topology import Topology, detect_topology
 
 log = logging.getLogger("ep_moe")
 

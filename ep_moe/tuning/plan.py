@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from ..config import NativeOptions
-from .model import (
+from .bandwidth_model import (
     SCHEMES,
     LayerShape,
     OpCost,
@@ -16,11 +16,9 @@ from .model import (
     rank_loads,
     split_sms,
 )
+from .machine_topology import FALLBACK_DEVICE_SMS, FALLBACK_GPU, Topology
 from .rates import Rates, smooth_max
-from .topology import Topology
-
-FALLBACK_GPU = "H200"  # planning on a machine without a GPU: assume this one (datasheet numbers)
-FALLBACK_DEVICE_SMS = 132
+from .theoretical import get_theoretical_num_sms
 
 
 @dataclass(frozen=True)
@@ -335,8 +333,6 @@ def deepep_v2_num_sms(shape: LayerShape, topology: Topology, nvlink_gbs: float |
                       rdma_gbs: float | None = None) -> int:
     """DeepEP V2's analytical SM count for this shape on ``topology`` (`theoretical.get_theoretical_num_sms`, with
     V2's rate assumptions for the topology's links unless rates are given)."""
-    from .theoretical import get_theoretical_num_sms  # it imports this module's constants
-
     rates = Rates.deepep_v2(topology)
     return get_theoretical_num_sms(
         shape.num_experts, shape.topk, rdma_gbs=rates.rdma_gbs if rdma_gbs is None else rdma_gbs,

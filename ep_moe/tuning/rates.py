@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from .topology import Topology
+from .machine_topology import Topology
 
 # Defaults, measured on H200 (CHANGELOG.md, baselines): a grid-stride 16-byte copy moves ~48 GB/s per SM
 # locally and pushes ~45 GB/s per SM into a peer; stores of 8 SMs saturate NVLink at ~360 of the raw

@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .model import expected_groups
-from .plan import FALLBACK_DEVICE_SMS, FALLBACK_GPU
+from .bandwidth_model import expected_groups
+from .machine_topology import FALLBACK_DEVICE_SMS, FALLBACK_GPU, Topology, detect_topology
 from .rates import DEEPEP_V2_NVLINK_FACTOR, DEEPEP_V2_SM_READ_GBS, DEEPEP_V2_SM_WRITE_GBS, DEFAULT_RDMA_GBS
-from .topology import Topology, detect_topology
 
 # V2's rule: this many times the SMs that keep the bottleneck link busy, at least MIN_SMS, even, and at least
 # NO_OVERLAP_MIN_SMS when the caller does not want to leave SMs to concurrent compute.

@@ -10,16 +10,16 @@ import math
 import pytest
 import torch
 
-from ep_moe.backends.base import DispatchResult
-from ep_moe.benchmarking import cli as bench
-from ep_moe.benchmarking import report
+from ep_moe.backends.comm_backend import DispatchResult
+from ep_moe.benchmarking import results as report
 from ep_moe.benchmarking.accounting import floor_fraction, floor_us, gbps, row_payload_bytes, traffic
 from ep_moe.benchmarking.checks import check_fixed, compare, round_trip_reference, same_bits
-from ep_moe.benchmarking.report import Row, finalize, table
+from ep_moe.benchmarking.results import Row, finalize, table
 from ep_moe.benchmarking.timing import percentile, slowest_rank_per_run, summarize, time_runs
 from ep_moe.benchmarking.verification import CallCheck, CheckedCalls, named_outputs
 from ep_moe.benchmarking.workload import num_input_sets, to_fp8_blocks
-from ep_moe.buffer import Buffer
+from ep_moe.buffer.buffer_v1 import Buffer
+from ep_moe.cli import bench
 
 TABLE_COLUMNS = ["backend", "dtype", "tokens", "SMs", "op", "median us", "p10-p90 us", "GB/s", "floor us",
                  "of floor", "vs torch", "check", "kernels"]
@@ -379,14 +379,14 @@ def test_a_stale_read_and_a_difference_on_one_input_set_are_caught(tmp_path, mon
 
 
 def test_backend_spec_factory():
-    assert bench.BACKENDS["torch"].factory == "ep_moe.buffer:Buffer"
-    for bad in ("Buffer", "ep_moe.buffer:", ":Buffer", None):
+    assert bench.BACKENDS["torch"].factory == "ep_moe.buffer.buffer_v1:Buffer"
+    for bad in ("Buffer", "ep_moe.buffer.buffer_v1:", ":Buffer", None):
         with pytest.raises(ValueError, match="argument 'factory' must be a string 'module:function'"):
             bench.BackendSpec("x", "torch", False, bad)
     with pytest.raises(ValueError, match="argument 'factory' must name an importable callable.*ModuleNotFound"):
         bench.BackendSpec("x", "torch", False, "ep_moe.no_such_module:make").build(None)
     with pytest.raises(ValueError, match="argument 'factory' must name an importable callable.*AttributeError"):
-        bench.BackendSpec("x", "torch", False, "ep_moe.buffer:NoSuchBuffer").build(None)
+        bench.BackendSpec("x", "torch", False, "ep_moe.buffer.buffer_v1:NoSuchBuffer").build(None)
     with pytest.raises(ValueError, match="argument 'factory' must return an ep_moe.Buffer.*returned object"):
         bench.BackendSpec("x", "torch", False, f"{__name__}:not_a_buffer").build(None)
 

@@ -1,6 +1,6 @@
 """benchmarks/plot_performance.py on small synthetic JSON files in the benchmarks' own formats (CPU).
 
-The ``ep-moe bench`` file is written by `ep_moe.benchmarking.report.write_json` from `Row` objects, the Megatron
+The ``ep-moe bench`` file is written by `ep_moe.benchmarking.results.write_json` from `Row` objects, the Megatron
 layer benchmark's by its own ``finish``; the DeepSpeed layer benchmark's has the structure its ``bench`` returns.
 Times are chosen so that every ratio is exact.
 """
@@ -13,7 +13,7 @@ import sys
 import locations
 import pytest
 
-from ep_moe.benchmarking.report import Row, write_json
+from ep_moe.benchmarking.results import Row, write_json
 
 sys.path.insert(0, str(locations.REPO / "benchmarks"))
 import plot_performance as plot  # noqa: E402

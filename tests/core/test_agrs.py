@@ -1,4 +1,4 @@
-"""AGRS sessions of `ElasticBuffer` (`ep_moe.agrs`) at 1 to 4 gloo ranks: ``all_gather`` equal to
+"""AGRS sessions of `ElasticBuffer` (`ep_moe.elastic.agrs`) at 1 to 4 gloo ranks: ``all_gather`` equal to
 torch.distributed's ``all_gather`` bit for bit (many dtypes and shapes, several tensors per call); in-place tensors
 gathered without a copy; ``reduce_scatter`` bit for bit equal to the stated order (fp32 sum in increasing rank
 order, rounded once; a case where another order rounds differently) and equal to torch.distributed's
@@ -18,7 +18,8 @@ from support_core import expect_raises
 from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
-from ep_moe.agrs import (
+from ep_moe.distributed import run_distributed
+from ep_moe.elastic.agrs import (
     AGRSCapacityError,
     AGRSConfigError,
     AGRSError,
@@ -27,7 +28,6 @@ from ep_moe.agrs import (
     AGRSTensorError,
     AGRSTimeoutError,
 )
-from ep_moe.distributed import run_distributed
 
 MiB = 1 << 20
 

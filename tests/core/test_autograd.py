@@ -258,7 +258,7 @@ def test_torch_compile_and_opcheck(solo_group) -> None:
     dispatch_args = (x, idx, w, buffer.buffer_id, 2, 1, 0, 0)
     torch.library.opcheck(torch.ops.ep_moe.dispatch.default, dispatch_args)
     handle = ep_moe.dispatch(buffer, x.detach(), idx, w.detach(), 2).handle
-    handle_args = (*ep_moe.ops._handle_args(handle), buffer.buffer_id, 0)
+    handle_args = (*ep_moe.buffer.autograd_ops._handle_args(handle), buffer.buffer_id, 0)
     y = torch.randn(handle.num_recv_tokens, 16, requires_grad=True)
     yw = torch.rand(handle.num_recv_tokens, 2, requires_grad=True)
     bias = torch.randn(5, 16, requires_grad=True)

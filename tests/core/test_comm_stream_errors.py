@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ep_moe.buffer import Buffer
+from ep_moe.buffer.buffer_v1 import Buffer
 
 
 class _Stream:

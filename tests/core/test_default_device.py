@@ -203,8 +203,8 @@ def _dispatcher(group, rank, num_ranks, inp) -> list:
 def _train(group, rank, num_ranks, inp) -> list:
     if group is not None:  # the trainer runs on the default group
         return []
-    from ep_moe.train.config import load_recipe
     from ep_moe.train.loop import DataParallelSteps
+    from ep_moe.train.recipe_schema import load_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
         recipe = load_recipe(str(locations.RECIPES / "tiny-cpu.yaml"), [

@@ -22,7 +22,7 @@ from support_core import (
 from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, DispatchHandle, EventOverlap
-from ep_moe.backends.base import DispatchResult
+from ep_moe.backends.comm_backend import DispatchResult
 from ep_moe.reference import reference_combine, reference_dispatch, reference_layout
 
 TOKENS = (33, 7, 1, 16, 0, 12, 5, 9)  # different T per rank, multiples of nothing

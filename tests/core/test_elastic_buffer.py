@@ -2,7 +2,7 @@
 to 4 gloo ranks: the compact layout (`reference_dispatch` / `reference_combine`) and the expanded one
 (`reference_expert_dispatch` / `reference_expert_combine`), each exact (``do_cpu_sync=True``) and fixed size
 (``do_cpu_sync=False``: the exact result plus padding), fresh and cached (``handle=``); the handle's fields; the
-gradients against `ep_moe.ops` / `ep_moe.expert_major` called directly; the errors and the lifecycle
+gradients against `ep_moe.buffer.autograd_ops` / `ep_moe.buffer.expert_major_ops` called directly; the errors and the lifecycle
 (docs/semantics.md, "ElasticBuffer")."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 from support_core import Case, check, check_bits, check_equal, make_inputs
 from world_sizes import run_world_sizes
 
-from ep_moe import Buffer, ElasticBuffer, EventOverlap, ops
-from ep_moe.buffer import buffer_by_id
-from ep_moe.expert_major import expert_combine, expert_dispatch
+from ep_moe import Buffer, ElasticBuffer, EventOverlap
+from ep_moe.buffer import autograd_ops as ops
+from ep_moe.buffer.buffer_v1 import buffer_by_id
+from ep_moe.buffer.expert_major_ops import expert_combine, expert_dispatch
 from ep_moe.permute import max_slots
 from ep_moe.reference import (
     reference_combine,
@@ -200,7 +201,7 @@ def _single_reduction(rank: int, num_ranks: int, group) -> None:
 
 
 def _gradients(eb: ElasticBuffer, rank: int, num_ranks: int) -> None:
-    """A backward through ElasticBuffer equals the same through `ep_moe.ops` / `ep_moe.expert_major`."""
+    """A backward through ElasticBuffer equals the same through `ep_moe.buffer.autograd_ops` / `ep_moe.buffer.expert_major_ops`."""
     where = f"grad R={rank}/{num_ranks}"
     case = Case("grad", tuple(7 + s for s in range(num_ranks)), 64, 3, 4 * num_ranks, "random", "fp32", 4)
     inp = make_inputs(case, num_ranks, 5)

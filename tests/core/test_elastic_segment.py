@@ -23,7 +23,7 @@ import torch.distributed as dist
 from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
-from ep_moe.memory import ALIGNMENT_BYTES, SymmetricMemory
+from ep_moe.elastic.memory import ALIGNMENT_BYTES, SymmetricMemory
 
 SIZES = dict(num_max_tokens_per_rank=1024, hidden=1024, num_topk=4)  # a hint of a few 2 MiB granules
 T, H, K, E = 8, 256, 2, 12  # the calls' shapes

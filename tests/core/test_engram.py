@@ -20,9 +20,16 @@ import torch.distributed as dist
 from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
-from ep_moe.memory import ALIGNMENT_BYTES, PeerFdError, align_up, choose_memory_type, fdshare, memory_layout
-from ep_moe.memory.fdshare import exchange_fds, pidfd_getfd
-from ep_moe.memory.host import create_shared_segment
+from ep_moe.elastic.memory import (
+    ALIGNMENT_BYTES,
+    PeerFdError,
+    align_up,
+    choose_memory_type,
+    fdshare,
+    memory_layout,
+)
+from ep_moe.elastic.memory.fdshare import exchange_fds, pidfd_getfd
+from ep_moe.elastic.memory.host_mapping import create_shared_segment
 
 N, H, S = 7, 12, 3  # entries per rank, hidden, scales per row
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
-from ep_moe.engram import EngramMixin
-from ep_moe.memory import ALIGNMENT_BYTES, SymmetricMemory, fdshare
+from ep_moe.elastic.engram import EngramMixin
+from ep_moe.elastic.memory import ALIGNMENT_BYTES, SymmetricMemory, fdshare
 
 pytestmark = pytest.mark.gpu
 N, H, S = 1000, 512, 4  # 1 KiB bf16 rows

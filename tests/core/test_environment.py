@@ -29,15 +29,34 @@ def _python(*args: str, env: dict[str, str] | None = None, cwd=None) -> subproce
 
 
 # ------------------------------------------------------------------------------------------ multicast
-def test_import_turns_multicast_off_but_keeps_a_users_value():
+def test_multicast_is_turned_off_when_a_buffer_is_made_not_at_import():
+    """``import ep_moe`` sets no variable; the first `Buffer` sets the unset ones (a user's value stays) and says so
+    in one log line; a second buffer sets nothing and logs nothing."""
     env = {k: v for k, v in os.environ.items() if k not in MULTICAST_OFF}
     env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "0"  # the user's choice; the other two are unset
-    code = ("import json, os; import ep_moe; "
-            f"print(json.dumps({{k: os.environ.get(k) for k in {sorted(MULTICAST_OFF)!r}}}))")
+    code = (
+        "import json, logging, os, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "import torch.distributed as dist\n"
+        "import ep_moe\n"
+        "from ep_moe.distributed import free_port\n"
+        f"names = {sorted(MULTICAST_OFF)!r}\n"
+        "seen = [{k: os.environ.get(k) for k in names}]\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "ep_moe.Buffer(backend='torch')\n"
+        "seen.append({k: os.environ.get(k) for k in names})\n"
+        "ep_moe.Buffer(backend='torch')\n"
+        "dist.destroy_process_group()\n"
+        "print(json.dumps(seen))\n")
     run = _python("-c", code, env=env)
     assert run.returncode == 0, run.stderr
-    seen = json.loads(run.stdout.strip().splitlines()[-1])
-    assert seen == {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+    at_import, after_buffer = json.loads(run.stdout.strip().splitlines()[-1])
+    assert at_import == {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NCCL_NVLS_ENABLE": None,
+                         "NVSHMEM_DISABLE_NVLS": None}
+    assert after_buffer == {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NCCL_NVLS_ENABLE": "0",
+                            "NVSHMEM_DISABLE_NVLS": "1"}
+    lines = [line for line in run.stderr.splitlines() if "NVLink multicast off" in line]
+    assert len(lines) == 1 and "NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1" in lines[0], run.stderr
 
 
 # ------------------------------------------------------------------------------------------ launcher

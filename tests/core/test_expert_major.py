@@ -1,4 +1,4 @@
-"""Expert-major dispatch and weighted combine (`ep_moe.expert_major`) against the loop reference
+"""Expert-major dispatch and weighted combine (`ep_moe.buffer.expert_major_ops`) against the loop reference
 (`ep_moe.reference.reference_expert_dispatch` / `reference_expert_combine`), bit for bit, at 1 to 4 gloo ranks,
 on random and adversarial routings, alignments 1/16/128, exact and fixed size (T = N and T < N), both combine
 modes, weighted and plain; gradients through autograd against the same expressions; gradcheck of the weights'
@@ -12,7 +12,7 @@ from support_core import Case, check, check_bits, check_equal, make_inputs
 from world_sizes import run_world_sizes
 
 from ep_moe import Buffer
-from ep_moe.expert_major import expert_combine, expert_dispatch
+from ep_moe.buffer.expert_major_ops import expert_combine, expert_dispatch
 from ep_moe.permute import max_slots
 from ep_moe.reference import reference_expert_combine, reference_expert_dispatch
 
@@ -155,7 +155,7 @@ def _k_combines(buffer: Buffer, y: torch.Tensor, handle, weights: torch.Tensor |
     """The exact combine (``allow_multiple_reduction=False``) as it was composed before one collective carried it:
     per k, a rank-major combine of ``[N, H]`` fp32 rows (pair (i, k)'s ``w * y``, 0 where it has none), then the
     source's sum over k in top-k order, from 0, in fp32, rounded once."""
-    from ep_moe.ops import combine
+    from ep_moe.buffer.autograd_ops import combine
 
     layout = handle.layout
     products = y.float() if weights is None else weights.unsqueeze(1) * y.float()
@@ -287,7 +287,7 @@ def test_torch_compile_traces_the_local_path() -> None:
     """torch.compile (aot_eager, fullgraph) of a fixed-size local dispatch -> row function -> weighted combine
     gives eager's values and gradients bit for bit (on CUDA the native ops' fakes are traced instead:
     tests/native/test_expert_major_kernels.py)."""
-    from ep_moe.expert_major import local_expert_combine, local_expert_dispatch
+    from ep_moe.buffer.expert_major_ops import local_expert_combine, local_expert_dispatch
 
     T, H, E, K = 32, 16, 8, 2
     gen = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""The shared torch-op helpers (`ep_moe.layout`, the dispatchers' expert grouping) against the independent
+"""The shared torch-op helpers (`ep_moe.buffer.routing_layout`, the dispatchers' expert grouping) against the independent
 loop reference (`ep_moe.reference`, which shares no code with them), on random and adversarial routings."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ep_moe.buffer.routing_layout import aligned_expert_counts, dispatch_layout, local_topk
 from ep_moe.layers import LocalTokenDispatcher
-from ep_moe.layout import aligned_expert_counts, dispatch_layout, local_topk
 from ep_moe.permute import expert_layout, pair_values, permute_rows, unpermute_sum
 from ep_moe.reference import reference_dispatch, reference_expert_groups, reference_layout
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_moe.ops import _fresh
+from ep_moe.buffer.autograd_ops import _fresh
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""`ElasticBuffer.pp_set_config` / `pp_send` / `pp_recv` (`ep_moe.pipeline_comm`) at 1 to 4 gloo ranks: ring
+"""`ElasticBuffer.pp_set_config` / `pp_send` / `pp_recv` (`ep_moe.elastic.pipeline_comm`) at 1 to 4 gloo ranks: ring
 transfers of many sizes, dtypes and shapes with 1 and several messages in flight, both directions, order kept and
 every byte equal; non-contiguous tensors; every misuse raises its named error (a mismatch names both sides and
 leaves later messages in order); a peer that never receives ends in a timeout naming rank and stage
@@ -16,7 +16,7 @@ from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
-from ep_moe.pipeline_comm import (
+from ep_moe.elastic.pipeline_comm import (
     PPConfigError,
     PPError,
     PPMismatchError,

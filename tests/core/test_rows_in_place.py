@@ -1,5 +1,5 @@
 """Expert-major dispatch with the received rows left in place, and its combine with the rank-major rows formed as
-they go out (`ep_moe.expert_major`, the native backend's paths at EP >= 2; docs/native.md, "Expert-major rows in
+they go out (`ep_moe.buffer.expert_major_ops`, the native backend's paths at EP >= 2; docs/native.md, "Expert-major rows in
 the dispatch and combine kernels"), on the CPU:
 
 * `ep_moe.permute.permute_received_rows` (the torch definition: own rows from the input through the send list,
@@ -25,9 +25,9 @@ from support_core import Case, check, check_bits, make_inputs
 from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, ElasticBuffer
-from ep_moe.backends.base import ReceivedRows
+from ep_moe.backends.comm_backend import ReceivedRows
 from ep_moe.backends.torch_backend import TorchBackend
-from ep_moe.expert_major import expert_cached_dispatch, expert_combine, expert_dispatch
+from ep_moe.buffer.expert_major_ops import expert_cached_dispatch, expert_combine, expert_dispatch
 from ep_moe.permute import expert_layout, max_slots, permute_received_rows, permute_rows_and_values
 
 GARBAGE = 0x5A  # byte pattern of rows the in-place path must not read

@@ -2,7 +2,7 @@
 
 Checked, per document and line:
 
-- a code span (`...`) naming a dotted path under ``ep_moe`` (``ep_moe.layout.summation_order``) resolves by
+- a code span (`...`) naming a dotted path under ``ep_moe`` (``ep_moe.buffer.routing_layout.summation_order``) resolves by
   import + getattr, or is a key of the recipe's ``ep_moe`` section (``ep_moe.num_sms``);
 - every ``EP_MOE_*`` environment variable named occurs in the code (``ep_moe/``, ``benchmarks/``, ``tests/``,
   ``setup.py``); ``EP_MOE_NATIVE_<FIELD>`` names a field of `ep_moe.NativeOptions`;
@@ -29,19 +29,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# Pending: (document, span) pairs that fail while the documents holding them are being rewritten. compat.md names
-# paths of DeepEP's repository, not of this one; native.md still describes the ahead-of-time extension.
-PENDING: set[tuple[str, str]] = {
-    ("docs/compat.md", "tests/legacy/test_intranode.py"),
-    ("docs/compat.md", "tests/elastic/test_ep.py"),
-    ("docs/native.md", "EP_MOE_JIT"),
-    ("docs/native.md", "ep_moe/native/copy_engine.py"),
-}
+# (document, span) pairs allowed to fail while a document is being rewritten: none now.
+PENDING: set[tuple[str, str]] = set()
 
 CODE_DIRS = ("ep_moe", "benchmarks", "tests")
 CODE_FILES = ("setup.py",)
-# A module built only on request (EP_MOE_BUILD_EXTENSION=1): setup.py must declare it instead.
-OPTIONAL_EXTENSIONS = {"ep_moe.native._C"}
 
 SPAN = re.compile(r"(`+)(.+?)\1")
 DOTTED = re.compile(r"(?<![\w.])ep_moe(?:\.[A-Za-z_]\w*)+")
@@ -85,10 +77,6 @@ def code_refs(doc: str, text: str) -> Iterator[Ref]:
 def resolve_dotted(name: str) -> str | None:
     """None when ``name`` is a module, or an attribute path of one, or a key of the recipe's ``ep_moe`` section;
     else why not."""
-    if name in OPTIONAL_EXTENSIONS:
-        leaf = name.rsplit(".", 1)[1]
-        declared = re.search(rf"[\"']{re.escape(name)}[\"']|{re.escape(leaf)}", (ROOT / "setup.py").read_text())
-        return None if declared else "an optional extension that setup.py does not declare"
     parts = name.split(".")
     error = "no such module"
     for cut in range(len(parts), 0, -1):
@@ -105,7 +93,7 @@ def resolve_dotted(name: str) -> str | None:
         else:
             return None
         break
-    from ep_moe.train.config import EpMoeSection
+    from ep_moe.train.recipe_schema import EpMoeSection
 
     if len(parts) == 2 and parts[1] in {f.name for f in dataclasses.fields(EpMoeSection)}:
         return None
@@ -121,7 +109,7 @@ def _code_text() -> str:
 def check_env(name: str, code: str) -> str | None:
     """None when the variable (or the prefix, for a name that ends in ``_``) occurs in ``code``; an
     ``EP_MOE_NATIVE_<FIELD>`` variable must name a field of `ep_moe.NativeOptions`."""
-    from ep_moe import NativeOptions
+    from ep_moe.config import NativeOptions
 
     prefix = "EP_MOE_NATIVE_"
     if name.startswith(prefix) and name != prefix:
@@ -272,8 +260,8 @@ def test_pending_entries_still_fail(found: dict[str, list[str]]) -> None:
 def test_planted_wrong_names_are_reported() -> None:
     """The checks fail, naming the document, line and span, on wrong names of every kind."""
     doc = "\n".join([
-        "Fine: `ep_moe.layout.summation_order`, `ep_moe.num_sms`, `EP_MOE_CACHE_DIR`, `ep-moe bench --tokens 8`.",
-        "`ep_moe.layout.no_such_function` and `ep_moe.no_such_module.x`",
+        "Fine: `ep_moe.buffer.routing_layout.summation_order`, `ep_moe.num_sms`, `EP_MOE_CACHE_DIR`, `ep-moe bench --tokens 8`.",
+        "`ep_moe.buffer.routing_layout.no_such_function` and `ep_moe.no_such_module.x`",
         "Set `EP_MOE_NO_SUCH_VARIABLE=1` or EP_MOE_NATIVE_NO_SUCH_FIELD.",
         "```bash",
         "ep-moe bench --tokens 8 \\",
@@ -284,7 +272,7 @@ def test_planted_wrong_names_are_reported() -> None:
     ])
     found = problems([("planted.md", doc)])
     assert found["dotted"] == [
-        "planted.md:2: `ep_moe.layout.no_such_function`: ep_moe.layout.no_such_function: ep_moe.layout has no "
+        "planted.md:2: `ep_moe.buffer.routing_layout.no_such_function`: ep_moe.buffer.routing_layout.no_such_function: ep_moe.buffer.routing_layout has no "
         "attribute 'no_such_function'",
         "planted.md:2: `ep_moe.no_such_module.x`: ep_moe.no_such_module.x: ep_moe has no attribute "
         "'no_such_module'"]

@@ -1,9 +1,9 @@
-"""Hybrid mode (`ep_moe.hybrid`, docs/hybrid.md) on CPU with gloo: 4, 6 and 8 ranks viewed as 2 x 2, 2 x 3, 2 x 4
+"""Hybrid mode (`ep_moe.backends.hybrid`, docs/hybrid.md) on CPU with gloo: 4, 6 and 8 ranks viewed as 2 x 2, 2 x 3, 2 x 4
 and 4 x 2 give, with ``allow_multiple_reduction=False`` (the combine unreduced in the node), the flat path's outputs
 bit for bit (compact and expanded layouts, exact and fixed size, cached dispatch, combine with weights and bias,
 gradients) on random and adversarial routings (every token to one node,
 a node receiving nothing, a rank without tokens); the bytes each hop carries, counted by the backend, equal the
-model's exact count (`ep_moe.tuning.hybrid.exact_hop_rows`; its expectation: tests/tuning/test_hybrid_model.py).
+model's exact count (`ep_moe.tuning.hybrid_model.exact_hop_rows`; its expectation: tests/tuning/test_hybrid_model.py).
 The reduced combine (the default): tests/hybrid/test_hybrid_reduced.py.
 
 Every spawned rank regenerates all ranks' inputs from seeds. One spawned run of 8 ranks holds every case (4 and 6
@@ -17,8 +17,8 @@ import pytest
 import torch
 from world_sizes import run_world_sizes
 
-from ep_moe.hybrid import ENV_SCALEOUT_RANKS, LogicalTopology, logical_topology
-from ep_moe.tuning.hybrid import exact_hop_rows, hybrid_row_bytes
+from ep_moe.backends.hybrid import ENV_SCALEOUT_RANKS, LogicalTopology, logical_topology
+from ep_moe.tuning.hybrid_model import exact_hop_rows, hybrid_row_bytes
 
 HIDDEN, TOPK = 16, 3
 
@@ -180,7 +180,7 @@ def test_one_rank_hybrid_backend_equals_flat(solo_group) -> None:
     """The 1 x 1 view (both hops local: what one GPU runs in tests/hybrid/test_hybrid_gpu.py) on one gloo rank,
     unreduced (the flat bits)."""
     from ep_moe import ElasticBuffer
-    from ep_moe.hybrid import HybridBackend
+    from ep_moe.backends.hybrid import HybridBackend
 
     flat = ElasticBuffer(solo_group, allow_hybrid_mode=False, allow_multiple_reduction=False)
     hyb = ElasticBuffer(solo_group, allow_hybrid_mode=False, allow_multiple_reduction=False)

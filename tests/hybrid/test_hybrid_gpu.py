@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 def _hybrid(eb, num_scaleout_ranks: int, scaleup: str, num_chunks: int, allow_multiple_reduction: bool = False):
     """Put the two-hop backend under ``eb`` with the S x (R/S) view, even for S = 1 (where ElasticBuffer keeps the
     flat backend), so that one GPU exercises the hybrid code."""
-    from ep_moe.hybrid import HybridBackend, LogicalTopology
+    from ep_moe.backends.hybrid import HybridBackend, LogicalTopology
 
     topology = LogicalTopology.blocks(eb.num_ranks, num_scaleout_ranks)
     eb.buffer.backend = HybridBackend(eb.group, eb.buffer.device, 60.0, topology, num_chunks=num_chunks,
@@ -204,7 +204,7 @@ def test_hybrid_one_gpu_equals_flat(scaleup: str, num_chunks: int):
                                                                 (4, 2, "all_to_all"), (4, 2, "torch")])
 def test_hybrid_processes_sharing_one_gpu(world: int, num_scaleout_ranks: int, scaleup: str):
     """2 to 4 processes on GPU 0 in one gloo group (CUDA tensors): both combine modes as on separate GPUs."""
-    from ep_moe.memory.cuda_vmm import vmm_unavailable_reason
+    from ep_moe.elastic.memory.cuda_vmm import vmm_unavailable_reason
 
     if not _native_built():
         pytest.skip("the native kernels cannot run here (ep-moe env says why)")

@@ -17,7 +17,7 @@ from test_hybrid import HIDDEN, TOPK, _inputs, _round_trip, _routing, _same
 from test_hybrid_reduced import error_bound
 from world_sizes import run_world_sizes
 
-from ep_moe.tuning.hybrid import exact_hop_rows
+from ep_moe.tuning.hybrid_model import exact_hop_rows
 
 FP8_HIDDEN = 128
 
@@ -96,7 +96,7 @@ CONFIGS = {4: [(2, 1, "auto"), (2, 3, "torch"), (2, 5, "all_to_all")], 6: [(2, 2
 
 def _worker(rank: int, num_ranks: int, group) -> int:
     from ep_moe import ElasticBuffer
-    from ep_moe.hybrid.backend import _Tally
+    from ep_moe.backends.hybrid.hybrid_backend import _Tally
 
     configs = CONFIGS[num_ranks]
     E = 4 * num_ranks
@@ -185,7 +185,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
         import torch.distributed as dist
 
         from ep_moe.tuning import LayerShape
-        from ep_moe.tuning.hybrid import plan_hybrid
+        from ep_moe.tuning.hybrid_model import plan_hybrid
 
         # no chunk count given: the hybrid model's plan of the call's shape sets it (a tiny shape: one chunk)
         eb = ElasticBuffer(group, num_scaleout_ranks=2, allow_multiple_reduction=False)

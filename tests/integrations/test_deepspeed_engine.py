@@ -3,7 +3,7 @@ convergence check against DeepSpeed's own MoE layer.
 
 One spawned group (DeepSpeed's first ``initialize`` imports torch._dynamo, ~15 s here, so it is paid once):
 
-* convergence: the recipe's tiny LM (`ep_moe.train.engines.deepspeed`) trained for 100 steps with
+* convergence: the recipe's tiny LM (`ep_moe.train.engines.deepspeed_engine`) trained for 100 steps with
   the same seed, data and DeepSpeed config, once with DeepSpeed's MoE layer and once with ours, in
   capacity mode (``drop_tokens=True`` with random token selection and 2nd-expert sampling, which draw
   from the same RNG state in both) and in dropless mode (ours vs DeepSpeed's ``drop_tokens=False``).
@@ -59,7 +59,7 @@ RECIPE = {
 
 
 def _recipe(tmp: str, name: str, **model):
-    from ep_moe.train.config import recipe_from_dict
+    from ep_moe.train.recipe_schema import recipe_from_dict
 
     r = copy.deepcopy(RECIPE)
     r["model"].update(model)
@@ -111,7 +111,7 @@ def _engine_checks(engine) -> dict:
 
 def _load_into(tmp: str, name: str, source: str, tag: str, want: dict) -> dict:
     """A fresh engine with ``moe_layer=name`` loads the checkpoint in ``source``: parameter difference."""
-    from ep_moe.train.engines.deepspeed import setup_engine
+    from ep_moe.train.engines.deepspeed_engine import setup_engine
 
     engine, _ = setup_engine(_recipe(tmp, f"load-{name}", moe_layer=name), _DEVICE)
     before = _param_diff(_params(engine.module), want)
@@ -123,7 +123,7 @@ def _engine_worker(rank: int, world_size: int, tmp: str, device_kind: str = "cpu
     global _DEVICE
     setup_deepspeed_env("cuda" if device_kind == "cuda" else "cpu")
     _DEVICE = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
-    from ep_moe.train.engines.deepspeed import train_rank
+    from ep_moe.train.engines.deepspeed_engine import train_rank
 
     out: dict = {}
     try:

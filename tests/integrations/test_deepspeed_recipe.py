@@ -14,8 +14,8 @@ from support_deepspeed import REPO, require_deepspeed
 
 require_deepspeed()
 
-from ep_moe.train.config import apply_overrides, recipe_from_dict  # noqa: E402
-from ep_moe.train.engines.deepspeed import deepspeed_config, lr_scheduler  # noqa: E402
+from ep_moe.train.engines.deepspeed_engine import deepspeed_config, lr_scheduler  # noqa: E402
+from ep_moe.train.recipe_schema import apply_overrides, recipe_from_dict  # noqa: E402
 from ep_moe.train.schedule import recipe_lr  # noqa: E402
 
 RECIPE_FILE = REPO / "recipes" / "deepspeed-moe-ep2.yaml"
@@ -57,7 +57,7 @@ def test_learning_rate_is_the_trainers_schedule():
 
 
 def test_cli_runs_a_deepspeed_recipe(tmp_path: Path, capfd):
-    """``ep-moe train`` hands the parsed recipe (overrides applied) to ``ep_moe.train.engines.deepspeed.train``;
+    """``ep-moe train`` hands the parsed recipe (overrides applied) to ``ep_moe.train.engines.deepspeed_engine.train``;
     a short run trains, writes the trainer's metrics records and a DeepSpeed MoE checkpoint with one file per
     expert in the trainer's ``step_<NNNNNNN>`` folder."""
     pytest.importorskip("ep_moe.train.launch", reason="the trainer (ep_moe.train) is not installed")

@@ -251,8 +251,8 @@ def _megatron_worker(rank: int, world: int, metrics_path: str) -> dict:
     results["flex_buffer"] = type(reloaded._buffer).__module__ + "." + type(reloaded._buffer).__name__
 
     # 5. The recipe's training loop (engine: megatron), a few steps in this process group.
-    from ep_moe.train.config import recipe_from_dict
-    from ep_moe.train.engines import megatron as megatron_engine
+    from ep_moe.train.engines import megatron_engine
+    from ep_moe.train.recipe_schema import recipe_from_dict
 
     recipe = recipe_from_dict({**_SMOKE_RECIPE, "logger": {"metrics_path": metrics_path}})
     summary = megatron_engine.train_rank(recipe, torch.device("cpu"))

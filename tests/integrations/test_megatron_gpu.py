@@ -120,7 +120,7 @@ def test_ours_and_flex_match_alltoall_on_gpu():
 def _recipe(dispatcher: str, metrics_path: str):
     import yaml
 
-    from ep_moe.train.config import recipe_from_dict
+    from ep_moe.train.recipe_schema import recipe_from_dict
 
     path = str(locations.RECIPES / "megatron-gpt-moe-ep2.yaml")
     with open(path, encoding="utf-8") as f:
@@ -134,7 +134,7 @@ def _recipe(dispatcher: str, metrics_path: str):
 
 
 def test_recipe_converges_like_alltoall(tmp_path):
-    from ep_moe.train.engines.megatron import run
+    from ep_moe.train.engines.megatron_engine import run
 
     ours = run(_recipe("ep_moe", str(tmp_path / "ours.jsonl")), "cuda")[0]
     theirs = run(_recipe("alltoall", str(tmp_path / "alltoall.jsonl")), "cuda")[0]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ep_moe.buffer import Buffer
+from ep_moe.buffer.buffer_v1 import Buffer
 from ep_moe.distributed import run_distributed
 from ep_moe.layers import (
     GroupedExperts,

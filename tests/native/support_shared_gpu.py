@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ep_moe import native
 from ep_moe.distributed import run_distributed
-from ep_moe.memory.cuda_vmm import vmm_unavailable_reason
+from ep_moe.elastic.memory.cuda_vmm import vmm_unavailable_reason
 from ep_moe.native.symmetric import SYMMETRIC_MEMORY_ENV
 
 DEVICE = torch.device("cuda", 0)

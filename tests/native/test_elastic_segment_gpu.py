@@ -28,7 +28,7 @@ from support_shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_ru
 from test_native_gpu import assert_bits_equal, on_device
 from test_native_shared_gpu import BUFFER_TIMEOUT_S, ELASTIC_CASE, _check_elastic
 
-from ep_moe.memory.cuda_vmm import vmm_unavailable_reason
+from ep_moe.elastic.memory.cuda_vmm import vmm_unavailable_reason
 
 pytestmark = pytest.mark.gpu
 

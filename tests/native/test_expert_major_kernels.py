@@ -236,7 +236,7 @@ def test_layer_path_captured_in_a_cuda_graph_replays_new_routings():
     """Fixed size end to end on one GPU: an `MoELayer` (router, expert-major dispatch, grouped experts, weighted
     combine) forward + backward captured by `torch.cuda.make_graphed_callables`, replayed on new inputs (so new
     routings): output and input gradient equal eager's on the same inputs."""
-    from ep_moe.layers.model import ModelConfig
+    from ep_moe.layers.model_config import ModelConfig
     from ep_moe.layers.moe import MoELayer
 
     torch.manual_seed(0)
@@ -271,7 +271,7 @@ def test_torch_compile_gives_eagers_values_and_gradients():
     """torch.compile (aot_eager, fullgraph) of a fixed-size local dispatch -> row function -> weighted combine traces
     the torch definitions and gives eager's (the kernels') values and gradients: bit for bit, the weights' gradient
     (a dot product in each implementation's own order) to fp32 rounding."""
-    from ep_moe.expert_major import local_expert_combine, local_expert_dispatch
+    from ep_moe.buffer.expert_major_ops import local_expert_combine, local_expert_dispatch
 
     T, H, E, K = 96, 64, 8, 2
     idx = routing("random", T, K, E, seed=21).cuda()

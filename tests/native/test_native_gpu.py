@@ -26,8 +26,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from ep_moe import Config, NativeOptions, native
+from ep_moe import Config, native
 from ep_moe.benchmarking.fingerprint import fingerprint_outputs
+from ep_moe.config import NativeOptions
 from ep_moe.distributed import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -227,7 +228,7 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
     config = Config(num_sms=case["num_sms"], native=options)  # the torch backend ignores the options
     label = f"case {index} {case}"
     # layout kernel equals the torch layout
-    from ep_moe.layout import dispatch_layout
+    from ep_moe.buffer.routing_layout import dispatch_layout
     lay_ref = dispatch_layout(idx, case["experts"], world)
     lay_nat = nat.backend.get_dispatch_layout(idx, case["experts"])
     for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), lay_nat, lay_ref):

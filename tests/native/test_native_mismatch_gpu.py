@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from support_shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_runs
 
-from ep_moe import Buffer, NativeOptions, native
+from ep_moe import Buffer, native
+from ep_moe.config import NativeOptions
 from ep_moe.distributed import run_distributed
 from ep_moe.reference import reference_combine, reference_dispatch
 

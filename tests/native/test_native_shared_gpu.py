@@ -218,7 +218,8 @@ NUM_EXPERT_MAJOR_CASES = 12
 
 
 def _expert_major_worker(rank: int, world: int) -> int:
-    from ep_moe import Buffer, NativeOptions
+    from ep_moe import Buffer
+    from ep_moe.config import NativeOptions
 
     nat = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S)
     # the composed path on the same kernels (expert_major_fused=False): every third case

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_moe import expert_major
 from ep_moe.backends import native_backend as nb
-from ep_moe.backends.base import DispatchResult
+from ep_moe.backends.comm_backend import DispatchResult
+from ep_moe.buffer import expert_major_ops as expert_major
+from ep_moe.buffer.routing_layout import dispatch_layout
 from ep_moe.config import Config, NativeOptions
-from ep_moe.layout import dispatch_layout
 from ep_moe.permute import (
     _unpermute_sum_torch,
     expert_layout,

@@ -199,7 +199,7 @@ def test_vmm_buffer_maps_the_peers_around_the_given_copy(monkeypatch):
 def test_segment_is_one_exportable_allocation(monkeypatch):
     """`SymmetricMemory` with ``share_gpu``: the GPU segment is one exportable allocation the range takes over;
     its descriptor stays with the memory until `close_gpu_fd`."""
-    from ep_moe.memory import symmetric as memory_symmetric
+    from ep_moe.elastic.memory import symmetric_memory as memory_symmetric
 
     class _Allocation:
         def __init__(self, device, size) -> None:

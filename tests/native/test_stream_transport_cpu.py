@@ -1,5 +1,5 @@
 """The CPU-visible parts of the native PP/AGRS transport (`ep_moe.native.stream_transport`): the choice of transport
-(`ep_moe.wire.choose_transport`, ``pp_transport`` / ``agrs_transport``), the PP and AGRS memory layouts (offsets
+(`ep_moe.elastic.transport_choice.choose_transport`, ``pp_transport`` / ``agrs_transport``), the PP and AGRS memory layouts (offsets
 disjoint, aligned, inside the buffer, the same on every rank; a message's slot cycles with the configuration's
 base), a simulation of the PP protocol over those offsets at 1..5 ranks (every sender writes exactly where its
 receiver reads and frees exactly what the sender waits on), and the config errors a CPU buffer raises for the
@@ -12,9 +12,12 @@ import itertools
 
 import pytest
 
-from ep_moe.agrs import HEADER_LEN as AGRS_HEADER_LEN
-from ep_moe.agrs import AGRSConfigError, agrs_transport
 from ep_moe.distributed import run_distributed
+from ep_moe.elastic.agrs import HEADER_LEN as AGRS_HEADER_LEN
+from ep_moe.elastic.agrs import AGRSConfigError, agrs_transport
+from ep_moe.elastic.pipeline_comm import HEADER_LEN as PP_HEADER_LEN
+from ep_moe.elastic.pipeline_comm import PPConfigError, pp_transport
+from ep_moe.elastic.transport_choice import TRANSPORT_ENV, choose_transport
 from ep_moe.native.stream_transport import (
     PP_HEADER_BYTES,
     AGRSLayout,
@@ -22,9 +25,6 @@ from ep_moe.native.stream_transport import (
     batch_copy_enabled,
     ring_neighbours,
 )
-from ep_moe.pipeline_comm import HEADER_LEN as PP_HEADER_LEN
-from ep_moe.pipeline_comm import PPConfigError, pp_transport
-from ep_moe.wire import TRANSPORT_ENV, choose_transport
 
 
 # ------------------------------------------------------------------------------------------ transport choice
@@ -99,7 +99,7 @@ def _assert_disjoint_inside(regions: list[tuple[int, int, str]], total: int) -> 
 def test_pp_layout_is_disjoint_aligned_and_inside(num_ranks, slot_bytes, inflight):
     layout = PPLayout(num_ranks, slot_bytes, inflight)
     assert layout.channels == len(ring_neighbours(0, num_ranks))
-    assert PP_HEADER_BYTES == PP_HEADER_LEN * 8  # the header of ep_moe.pipeline_comm fills the slot's first bytes
+    assert PP_HEADER_BYTES == PP_HEADER_LEN * 8  # the header of ep_moe.elastic.pipeline_comm fills the slot's first bytes
     regions = _pp_regions(layout)
     _assert_disjoint_inside(regions, layout.total_bytes)
     for offset, size, name in regions:

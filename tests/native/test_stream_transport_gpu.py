@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ep_moe import ElasticBuffer, native
-from ep_moe.agrs import AGRSCapacityError, AGRSSessionError, AGRSTimeoutError
 from ep_moe.distributed import run_distributed
-from ep_moe.pipeline_comm import PPConfigError, PPMismatchError, PPSlotsFullError, PPTimeoutError
+from ep_moe.elastic.agrs import AGRSCapacityError, AGRSSessionError, AGRSTimeoutError
+from ep_moe.elastic.pipeline_comm import PPConfigError, PPMismatchError, PPSlotsFullError, PPTimeoutError
 
 pytestmark = pytest.mark.gpu
 

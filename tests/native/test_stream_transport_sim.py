@@ -1,4 +1,4 @@
-"""The native PP/AGRS transport's protocol on CPU: `ep_moe.pipeline_comm` and `ep_moe.agrs` with the native
+"""The native PP/AGRS transport's protocol on CPU: `ep_moe.elastic.pipeline_comm` and `ep_moe.elastic.agrs` with the native
 transport (`ep_moe.native.stream_transport`) run at 1 to 4 ranks as threads of this process, over a stand-in of
 the GPU parts:
 
@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 import ep_moe.native.stream_transport as transport
 import ep_moe.native.symmetric as symmetric
-from ep_moe.agrs import AGRSCapacityError, AGRSMismatchError, AGRSMixin, AGRSTimeoutError
+from ep_moe.elastic.agrs import AGRSCapacityError, AGRSMismatchError, AGRSMixin, AGRSTimeoutError
+from ep_moe.elastic.pipeline_comm import PipelineCommMixin, PPConfigError, PPMismatchError, PPTimeoutError
 from ep_moe.native.sizing import align_up
 from ep_moe.native.stream_ops import SignalWaiter
-from ep_moe.pipeline_comm import PipelineCommMixin, PPConfigError, PPMismatchError, PPTimeoutError
 
 _local = threading.local()
 

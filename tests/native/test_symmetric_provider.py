@@ -5,7 +5,7 @@ VMM provider's uniform failure where it cannot map, and a gloo `Buffer` that sta
 
 The VMM provider's own logic (descriptor exchange, every rank's allocation mapped in rank order, ``ptrs``,
 ``peer_tensor``, a failure on one rank raised on every rank) runs on its CPU model: the device allocation and the
-CUDA range replaced by a ``memfd`` segment and a reserved host range (`ep_moe.memory.host`), shared between the
+CUDA range replaced by a ``memfd`` segment and a reserved host range (`ep_moe.elastic.memory.host_mapping`), shared between the
 processes the same way. The CUDA mapping itself is tested on a GPU (`test_native_shared_gpu.py`)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from support_shared_gpu import check_symmetric_buffer
 
 from ep_moe.distributed import run_distributed
-from ep_moe.memory.host import HostRange, create_shared_segment
+from ep_moe.elastic.memory.host_mapping import HostRange, create_shared_segment
 from ep_moe.native.symmetric import SYMMETRIC_MEMORY_ENV, symmetric_memory_provider
 
 
@@ -48,7 +48,7 @@ def test_env_report_names_the_provider(monkeypatch):
 
 
 def test_vmm_memory_needs_a_cuda_device():
-    from ep_moe.memory.cuda_vmm import CudaDriverError, CudaRange, DeviceAllocation
+    from ep_moe.elastic.memory.cuda_vmm import CudaDriverError, CudaRange, DeviceAllocation
 
     with pytest.raises(CudaDriverError, match="device memory cannot be shared: cpu is not a CUDA device"):
         DeviceAllocation(torch.device("cpu"), 2 << 20)
@@ -121,7 +121,7 @@ def _provider_worker(rank: int, world: int) -> list[str]:
     buffer.destroy()
     # 8) with a GPU (as the choice sees it), the device of a gloo Buffer follows the agreed provider: the GPU for
     # vmm unless the torch backend is asked for; ranks that disagree all raise before choosing
-    from ep_moe.buffer import _device_of
+    from ep_moe.buffer.buffer_v1 import _device_of
 
     available, torch.cuda.is_available = torch.cuda.is_available, lambda: True
     current_device, torch.cuda.current_device = torch.cuda.current_device, lambda: 0

@@ -13,7 +13,8 @@ import yaml
 
 from ep_moe.config import DEFAULT_NUM_SMS
 from ep_moe.train import main
-from ep_moe.train.config import (
+from ep_moe.train.parallel import layer_num_sms
+from ep_moe.train.recipe_schema import (
     DeepSpeedModelSection,
     DeepSpeedRecipe,
     MegatronRecipe,
@@ -27,7 +28,6 @@ from ep_moe.train.config import (
     recipe_from_dict,
     validate,
 )
-from ep_moe.train.parallel import layer_num_sms
 from ep_moe.train.schedule import lr_at
 
 ROOT = str(locations.REPO)
@@ -171,7 +171,7 @@ def test_print_config_applies_overrides(capsys):
 def test_other_engine_import_failure_names_the_engine_and_the_extra(tmp_path, capsys, monkeypatch):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("engine: megatron\ntrain: {device: cpu}\n")
-    monkeypatch.setitem(sys.modules, "ep_moe.train.engines.megatron", None)  # import fails
+    monkeypatch.setitem(sys.modules, "ep_moe.train.engines.megatron_engine", None)  # import fails
     assert main([str(recipe)]) == 2
     err = capsys.readouterr().err
     assert "engine: 'megatron'" in err and "pip install 'ep_moe[megatron]'" in err
@@ -183,14 +183,14 @@ def test_other_engine_gets_the_parsed_recipe_with_overrides(tmp_path, monkeypatc
     import types
 
     seen = {}
-    fake = types.ModuleType("ep_moe.train.engines.deepspeed")
+    fake = types.ModuleType("ep_moe.train.engines.deepspeed_engine")
 
     def train(recipe, device_type: str) -> int:
         seen["recipe"], seen["device"] = recipe, device_type
         return 0
 
     fake.train = train
-    monkeypatch.setitem(sys.modules, "ep_moe.train.engines.deepspeed", fake)
+    monkeypatch.setitem(sys.modules, "ep_moe.train.engines.deepspeed_engine", fake)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("engine: deepspeed\nmodel: {moe_min_capacity: 1}\ntrain: {device: cpu}\n")
     assert main([str(recipe), "model.moe_min_capacity=5", "deepspeed.zero_stage=1"]) == 0
@@ -254,7 +254,7 @@ def test_every_engine_takes_the_trainers_checkpoint_and_logging_keys(engine):
 
 
 def test_tensorboard_dir_without_tensorboard_is_a_recipe_error_at_launch(monkeypatch):
-    from ep_moe.train import config
+    from ep_moe.train import recipe_schema as config
 
     recipe = recipe_from_dict(apply_overrides({}, ["logger.tensorboard_dir=tb"]))  # parsing does not need it
     monkeypatch.setattr(config, "_importable", lambda package: package != "tensorboard")
@@ -341,7 +341,7 @@ def test_world_size_rules_use_the_job_world():
 
 
 def test_cli_rejects_a_bad_recipe_of_another_engine_before_importing_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ep_moe.train.engines.deepspeed", None)  # never imported
+    monkeypatch.setitem(sys.modules, "ep_moe.train.engines.deepspeed_engine", None)  # never imported
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"engine": "deepspeed", "model": {"num_moe_experts": 0}}))
     assert main([str(recipe)]) == 2

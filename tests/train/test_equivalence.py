@@ -46,7 +46,7 @@ LEARNED = ["model.moe_router_enable_expert_bias=true", "model.moe_router_bias_up
 
 
 def _recipe(tmp: str, name: str, world: int, extra: list[str]):
-    from ep_moe.train.config import load_recipe
+    from ep_moe.train.recipe_schema import load_recipe
 
     return load_recipe(TINY, BASE + [f"train.nproc={world}", f"checkpoint.save={os.path.join(tmp, name)}"] + extra)
 
@@ -54,7 +54,7 @@ def _recipe(tmp: str, name: str, world: int, extra: list[str]):
 def _check_resharded_load(recipe, ckpt_dir: str) -> bool:
     """Load a checkpoint into a model of another EP size; its global model and optimizer state must equal
     the saved ones exactly (collective)."""
-    from ep_moe.layers.checkpoint import global_state_dict
+    from ep_moe.layers.global_state import global_state_dict
     from ep_moe.train.checkpoint import load_checkpoint, optimizer_global_state
     from ep_moe.train.loop import build_model, build_optimizer
     from ep_moe.train.parallel import build_parallel_state
@@ -81,7 +81,7 @@ def _check_resharded_load(recipe, ckpt_dir: str) -> bool:
 
 
 def _four_ranks(rank: int, world: int, tmp: str) -> dict:
-    from ep_moe.train.loop import train_rank
+    from ep_moe.train.rank_entry import train_rank
 
     cpu = torch.device("cpu")
     out = {}
@@ -103,7 +103,7 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict:
 
 
 def _one_rank(rank: int, world: int, tmp: str) -> dict:
-    from ep_moe.train.loop import train_rank
+    from ep_moe.train.rank_entry import train_rank
 
     return {name: train_rank(_recipe(tmp, name, 1, ["model.expert_model_parallel_size=1"] + extra),
                              torch.device("cpu")).losses

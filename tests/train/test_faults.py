@@ -218,7 +218,7 @@ def test_a_fresh_run_does_not_reuse_a_folder_with_an_earlier_run(tmp_path, capfd
 
 
 def test_overwrite_removes_what_the_trainer_wrote_only(tmp_path):
-    from ep_moe.train.config import load_recipe
+    from ep_moe.train.recipe_schema import load_recipe
 
     run = tmp_path / "run"
     (run / "step_0000005").mkdir(parents=True)

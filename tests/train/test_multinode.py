@@ -243,7 +243,7 @@ def test_the_other_engines_run_on_two_torchrun_agents_with_the_one_launcher_runs
 
 # ---------------------------------------------------------------------------------------------- in process
 def test_under_a_launcher_its_world_decides_and_train_nproc_is_no_constraint(monkeypatch):
-    from ep_moe.train.config import RecipeError, load_recipe
+    from ep_moe.train.recipe_schema import RecipeError, load_recipe
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -259,7 +259,7 @@ def test_under_a_launcher_its_world_decides_and_train_nproc_is_no_constraint(mon
 
 @pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
 def test_hybrid_mode_is_a_named_error_for_the_other_engines(engine):
-    from ep_moe.train.config import RecipeError, load_recipe
+    from ep_moe.train.recipe_schema import RecipeError, load_recipe
 
     name = {"megatron": "megatron-gpt-moe-ep2", "deepspeed": "deepspeed-moe-ep2"}[engine]
     for override in ("ep_moe.hybrid_mode=true", "ep_moe.num_scaleout_ranks=2"):
@@ -269,7 +269,7 @@ def test_hybrid_mode_is_a_named_error_for_the_other_engines(engine):
 
 
 def test_the_nodes_come_from_the_launch_before_the_host_names(monkeypatch):
-    from ep_moe.hybrid.topology import LogicalTopology, node_key
+    from ep_moe.backends.hybrid.node_topology import LogicalTopology, node_key
 
     for key in ("GROUP_RANK", "SLURM_NODEID"):
         monkeypatch.delenv(key, raising=False)

@@ -42,7 +42,7 @@ BASE = ["model.vocab_size=32", "model.seq_length=32", "model.num_layers=4",
 
 
 def _recipe(tmp: str, name: str, world: int, extra: list[str]):
-    from ep_moe.train.config import load_recipe, validate
+    from ep_moe.train.recipe_schema import load_recipe, validate
 
     recipe = load_recipe(TINY, BASE + [f"train.nproc={world}", f"logger.metrics_path={tmp}/{name}.jsonl"] + extra)
     validate(recipe, world, "cpu")
@@ -50,7 +50,7 @@ def _recipe(tmp: str, name: str, world: int, extra: list[str]):
 
 
 def _converge(rank: int, world: int, tmp: str) -> dict:
-    from ep_moe.train.loop import train_rank
+    from ep_moe.train.rank_entry import train_rank
 
     cpu = torch.device("cpu")
     pp = train_rank(_recipe(tmp, "pp2", world, ["train.pp_size=2"]), cpu)
@@ -78,7 +78,7 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict:
 
 
 def _one_rank(rank: int, world: int, tmp: str) -> dict:
-    from ep_moe.train.loop import train_rank
+    from ep_moe.train.rank_entry import train_rank
 
     result = train_rank(_recipe(tmp, "pp1", 1, []), torch.device("cpu"))
     return {"pp1": result.losses, "pp1_eval": result.eval_loss}
@@ -109,7 +109,7 @@ def test_pipeline_converges_like_one_stage_and_zero1_equals_all_reduce(two_ranks
 
 
 def _pipeline_with_data_parallel(rank: int, world: int, tmp: str, steps: int, ep: int) -> list[float]:
-    from ep_moe.train.loop import train_rank
+    from ep_moe.train.rank_entry import train_rank
 
     extra = [f"train.train_iters={steps}", f"model.expert_model_parallel_size={ep}", "ep_moe.dispatcher_backend=torch"]
     extra += ["train.pp_size=2"] if world == 4 else []
@@ -142,7 +142,7 @@ def test_pipeline_with_two_data_parallel_ranks_per_stage(two_ranks, four_ranks, 
 
 
 def test_pipeline_recipe_rules():
-    from ep_moe.train.config import RecipeError
+    from ep_moe.train.recipe_schema import RecipeError
 
     with pytest.raises(RecipeError, match="train.pp_size"):
         _recipe("/tmp", "x", 2, ["train.pp_size=3"])
@@ -172,7 +172,7 @@ class _StopAtSecondStep:
 
 def _checkpoints(rank: int, world: int, tmp: str) -> dict:
     from ep_moe.train import loop
-    from ep_moe.train.loop import train_rank
+    from ep_moe.train.rank_entry import train_rank
 
     cpu, out = torch.device("cpu"), {}
     six, three = ["train.train_iters=6"], ["train.train_iters=3"]

@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from ep_moe.train.config import RecipeError, apply_overrides, recipe_from_dict, validate
 from ep_moe.train.metrics import RunLog, TensorBoardLog
+from ep_moe.train.recipe_schema import RecipeError, apply_overrides, recipe_from_dict, validate
 
 
 class FakeRun:
@@ -65,7 +65,7 @@ def test_wandb_gets_the_tensorboard_scalars_and_resume_continues_the_run(tmp_pat
 
 
 def test_wandb_project_without_wandb_is_a_recipe_error_at_launch(tmp_path, monkeypatch):
-    from ep_moe.train import config
+    from ep_moe.train import recipe_schema as config
 
     recipe = _recipe(tmp_path)  # parsing does not need the package
     monkeypatch.setattr(config, "_importable", lambda package: package != "wandb")

@@ -17,9 +17,8 @@ import pytest
 from locations import RECIPES
 
 from ep_moe.train import parallel
-from ep_moe.train.config import load_recipe
+from ep_moe.train.recipe_schema import load_recipe
 from ep_moe.tuning import plan_layer
-from ep_moe.tuning.cache import recipe_layers
 from ep_moe.tuning.calibration import (
     CACHE_VERSION,
     CalibrationFileError,
@@ -28,8 +27,9 @@ from ep_moe.tuning.calibration import (
     load_rates,
     save_rates,
 )
+from ep_moe.tuning.layer_plans import recipe_layers
+from ep_moe.tuning.machine_topology import detect_topology
 from ep_moe.tuning.rates import KernelFit, Rates
-from ep_moe.tuning.topology import detect_topology
 
 RECIPE = RECIPES / "small-gpu-ep2.yaml"
 # The trainer consults the tuner only for a backend that takes an SM count (the native one); a stand-in

@@ -1,4 +1,4 @@
-"""The flat vs hybrid traffic and time model (`ep_moe.tuning.hybrid`) and `ep-moe simulate`: the balanced-gate
+"""The flat vs hybrid traffic and time model (`ep_moe.tuning.hybrid_model`) and `ep-moe simulate`: the balanced-gate
 expectation against Monte-Carlo over the exact per-hop counts (which tests/hybrid/test_hybrid.py checks against the
 backend's counters), predictions, and the command."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from ep_moe.tuning.hybrid import exact_hop_rows, expected_traffic, predict
-from ep_moe.tuning.model import LayerShape, expected_groups
+from ep_moe.tuning.bandwidth_model import LayerShape, expected_groups
+from ep_moe.tuning.hybrid_model import exact_hop_rows, expected_traffic, predict
 
 
 @pytest.mark.parametrize("num_nodes, per_node", [(2, 4), (4, 2), (4, 8)])
@@ -40,7 +40,7 @@ def test_expected_traffic_matches_monte_carlo(num_nodes: int, per_node: int) -> 
 
 
 def test_predict_and_simulate(tmp_path, capsys) -> None:
-    from ep_moe.tuning.simulate import main
+    from ep_moe.cli.simulate import main
 
     shape = LayerShape(256, 8, 7168, 4096)
     flat, hybrid = predict(shape, 4, 8, "flat"), predict(shape, 4, 8, "hybrid")
@@ -61,7 +61,7 @@ def test_predict_and_simulate(tmp_path, capsys) -> None:
 def test_pipeline_and_plan_hybrid() -> None:
     from types import SimpleNamespace
 
-    from ep_moe.tuning.hybrid import apply_hybrid_plan, pipeline_us, plan_hybrid
+    from ep_moe.tuning.hybrid_model import apply_hybrid_plan, pipeline_us, plan_hybrid
 
     assert pipeline_us(100.0, 40.0, 1, 5.0) == 145.0          # one chunk: the hops one after the other
     assert pipeline_us(100.0, 40.0, 4, 5.0) == 100 + 10 + 20  # the slower hop + one piece of the faster + launches
@@ -103,7 +103,7 @@ def test_pipeline_and_plan_hybrid() -> None:
 
 def test_tune_prints_the_hybrid_plan(capsys) -> None:
     from ep_moe.cli import main
-    from ep_moe.tuning.hybrid import plan_hybrid
+    from ep_moe.tuning.hybrid_model import plan_hybrid
 
     assert main(["tune", "--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "4096", "--ranks", "32",
                  "--ranks-per-node", "8", "--gpu", "H200", "--nic-gbps", "400"]) == 0

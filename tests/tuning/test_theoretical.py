@@ -16,8 +16,8 @@ from ep_moe.tuning import (
     get_theoretical_num_sms,
     theoretical,
 )
+from ep_moe.tuning.machine_topology import Topology
 from ep_moe.tuning.theoretical import estimate_theoretical_sms, v2_allocated_qps
-from ep_moe.tuning.topology import Topology
 
 H100_NVLINK = 18 * 26.5625 * 0.9  # V2's NVLink rate: 0.9 x the links `nvidia-smi nvlink -s` lists (430.3 GB/s)
 B200_NVLINK = 18 * 50.0 * 0.9  # 810 GB/s

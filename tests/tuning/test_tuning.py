@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import pytest
 
-from ep_moe import NativeOptions
+from ep_moe.config import NativeOptions
 from ep_moe.tuning import (
     DEEPEP_V2_POLICY,
     FitSample,
@@ -33,9 +33,9 @@ from ep_moe.tuning import (
     refine,
     smooth_max,
 )
+from ep_moe.tuning.bandwidth_model import intranode_cost
 from ep_moe.tuning.calibration import calibrate, load_rates, save_rates
-from ep_moe.tuning.model import intranode_cost
-from ep_moe.tuning.topology import (
+from ep_moe.tuning.machine_topology import (
     Topology,
     detect_topology,
     parse_ib_rate,
@@ -309,7 +309,7 @@ def test_layer_num_sms_one_source(tmp_path, monkeypatch):
         PlanCache.from_recipe({"tuning_plan": str(trainer_plan)}, H200X2, rates, num_moe_layers=3)
     assert PlanCache.from_recipe({"num_sms": 16}, H200X2, rates).num_sms_per_layer(V3, 2, 2, use_model=False) == [16, 16]
     # Nothing given and a backend without SM counts: the default, without detecting the machine.
-    monkeypatch.setattr("ep_moe.tuning.cache.detect_topology", lambda *a, **k: pytest.fail("detected"))
+    monkeypatch.setattr("ep_moe.tuning.layer_plans.detect_topology", lambda *a, **k: pytest.fail("detected"))
     assert PlanCache.from_recipe({}, rates=rates).num_sms_per_layer(V3, 2, 2, use_model=False) == [DEFAULT_NUM_SMS] * 2
 
 
@@ -459,7 +459,7 @@ def test_fit_kernel_recovers_a_synthetic_kernel():
 def test_push_local_split_follows_the_native_backend(monkeypatch):
     """The planner models the native kernels' options: the policy's, else the environment's (what a Buffer
     made without options runs with), read through the same validated parser."""
-    from ep_moe.tuning.model import intranode_cost, split_sms
+    from ep_moe.tuning.bandwidth_model import intranode_cost, split_sms
 
     pools = intranode_cost(V3, rank_loads(V3, 2)[0], "dispatch", "push_local", native=NativeOptions()).pools
     assert [p.name for p in pools] == ["push", "local"]
@@ -487,7 +487,7 @@ def test_pusher_chunks_come_in_rounds():
     """The native pushers take a pair's chunks in turn: n pushers take ceil(chunks / n) rounds, so pusher
     counts between two round counts buy nothing (2 x H200, 512 tokens: 30 SMs = 10 pushers, 4 rounds of
     32 chunks, 130 us; 32 SMs = 11 pushers, 3 rounds, 123 us)."""
-    from ep_moe.tuning.model import SmPool, intranode_cost, split_sms
+    from ep_moe.tuning.bandwidth_model import SmPool, intranode_cost, split_sms
     from ep_moe.tuning.plan import sm_seconds
 
     pool = SmPool("push", 1 / 3, 1.0, 0.0, 1.0, items=32)

@@ -38,8 +38,8 @@ def test_tune_prints_a_table_for_shapes(capsys, tmp_path):
 
 @pytest.mark.parametrize("links", [0, 18])
 def test_tune_says_a_plan_is_the_model_only_without_nvlink(capsys, monkeypatch, links):
-    from ep_moe.tuning import cli as tune_cli
-    from ep_moe.tuning.topology import Topology
+    from ep_moe.cli import tune as tune_cli
+    from ep_moe.tuning.machine_topology import Topology
 
     gpu = Topology.preset("H200", 2, 2)
     monkeypatch.setattr(tune_cli, "detect_topology", lambda **_: Topology(**{**gpu.__dict__, "nvlink_links": links}))
@@ -135,7 +135,7 @@ def _bench_worker(rank, world_size):
     from ep_moe import Buffer
     from ep_moe.tuning import LayerShape, PlanCache, Rates
     from ep_moe.tuning.calibration import DispatchBench, buffer_measure_fn
-    from ep_moe.tuning.topology import Topology
+    from ep_moe.tuning.machine_topology import Topology
 
     buffer = Buffer(backend="torch")
     shape = LayerShape(8, 2, 256, 24 + rank)  # uneven token counts across ranks on purpose

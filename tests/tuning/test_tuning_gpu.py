@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 def _calibrate_worker(rank, world_size, path):
     from ep_moe.tuning.calibration import calibrate, load_rates
-    from ep_moe.tuning.topology import detect_topology
+    from ep_moe.tuning.machine_topology import detect_topology
 
     topo = detect_topology(world_size=world_size, local_world_size=world_size)
     rates = calibrate(topology=topo, path=path, force=True, say=lambda line: None)

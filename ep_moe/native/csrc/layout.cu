@@ -1,5 +1,5 @@
 // Dispatch layout: which ranks and experts each token goes to. Must equal
-// `ep_moe.layout.dispatch_layout` exactly (integer counts, so any summation order does).
+// `ep_moe.buffer.routing_layout.dispatch_layout` exactly (integer counts, so any summation order does).
 #include "common.cuh"
 
 namespace ep_moe {

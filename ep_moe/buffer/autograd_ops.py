@@ -1,0 +1,266 @@
+"""Differentiable dispatch and combine, registered as ``torch.library`` custom ops.
+
+* ``ep_moe::dispatch``: backward = a combine of the gradients (``topk_weights`` too, masked to the
+  entries that were local on the receiving rank, the only ones that carry the weight).
+* ``ep_moe::combine``: backward = a cached dispatch of the gradient (and of the weights' gradient).
+* ``ep_moe::cached_dispatch``: backward = a combine.
+
+Each op has a fake (meta) implementation, so ``torch.compile`` traces through them, and selective
+activation checkpointing can name them (``torch.ops.ep_moe.dispatch.default``). The buffer is passed by
+its integer id; a dispatch handle travels flattened (`_handle_args`: its six tensors, then its
+``num_worst_tokens``) and is rebuilt by `_handle`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..config import Config
+from .buffer_v1 import Buffer, buffer_by_id
+from .dispatch_handle import DispatchHandle
+
+
+class DispatchOutput(NamedTuple):
+    """Result of `dispatch` (N received rows, K top-k, L local experts)."""
+
+    recv_x: Tensor                      # [N, H], x's dtype
+    recv_topk_idx: Tensor               # [N, K] int64 local expert ids, -1 elsewhere
+    recv_topk_weights: Tensor           # [N, K] fp32, 0 where not local
+    num_recv_tokens_per_expert: Tensor  # [L] int64 on the device, aligned
+    handle: DispatchHandle
+    # The same counts as a CPU tensor when the backend knows them without waiting for the GPU (exact-size
+    # dispatch on a backend with `host_expert_counts`: torch and native), else an empty CPU tensor.
+    num_recv_tokens_per_expert_host: Tensor
+
+
+def _handle(rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
+            backend_state: Tensor, summation_order: Tensor, num_worst_tokens: int) -> DispatchHandle:
+    """The `DispatchHandle` flattened by `_handle_args` (an empty tensor stands for None)."""
+    num_recv = -1 if num_worst_tokens else recv_src_idx.shape[0]
+    state = backend_state if backend_state.numel() else None
+    order = summation_order if summation_order.numel() else None
+    return DispatchHandle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, num_recv,
+                          num_worst_tokens, state, order)
+
+
+def _handle_args(handle: DispatchHandle) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """A handle as custom-op arguments: its tensors (an empty one for no backend state), then
+    ``num_worst_tokens``, which says how to read them (``num_recv_tokens`` follows from both)."""
+    device = handle.is_token_in_rank.device
+    state = handle.backend_state
+    if state is None:
+        state = torch.empty(0, dtype=torch.uint8, device=device)
+    order = handle.summation_order
+    if order is None:
+        order = torch.empty(0, handle.num_ranks, dtype=torch.int32, device=device)
+    return (handle.rank_prefix_matrix, handle.recv_src_idx, handle.recv_src_rank, handle.is_token_in_rank, state,
+            order, handle.num_worst_tokens)
+
+
+def _config(num_sms: int) -> Config | None:
+    """The ops carry only the SM count of a `Config`; 0 means the buffer's default."""
+    return Config(num_sms=num_sms) if num_sms > 0 else None
+
+
+def _fresh(outputs: tuple, inputs: tuple) -> tuple:
+    """``outputs`` with a copy wherever one shares memory with an input or an earlier output (torch refuses such
+    outputs of a custom op): a view (it shows in ``_base``, except under inference mode) or the same storage (a
+    one-rank backend may hand an input back, or two outputs out of one allocation)."""
+    def storage(t) -> int:
+        return t.untyped_storage().data_ptr() if isinstance(t, Tensor) and t.numel() else 0
+
+    taken = {storage(t) for t in inputs} - {0}
+    fresh = []
+    for t in outputs:
+        if t.numel() and (t._base is not None or storage(t) in taken):
+            t = t.clone()
+        taken.add(storage(t))
+        fresh.append(t)
+    return tuple(fresh)
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+@torch.library.custom_op("ep_moe::dispatch", mutates_args=())
+def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: int, num_experts: int,
+                 expert_alignment: int, num_worst_tokens: int, num_sms: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    buffer = buffer_by_id(buffer_id)
+    result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                                       expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                       config=_config(num_sms))
+    host = torch.empty(0, dtype=torch.int64, device="cpu")
+    if _has_host_counts(buffer, num_worst_tokens):
+        listed = result.num_recv_tokens_per_expert_list
+        host = (torch.tensor(listed, dtype=torch.int64, device="cpu") if listed is not None
+                else result.num_recv_tokens_per_expert.cpu())
+    outs = (result.recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert,
+            *_handle_args(result.handle)[:6])
+    return (*_fresh(outs, (x, topk_idx, topk_weights)), host)
+
+
+def _has_host_counts(buffer: Buffer, num_worst_tokens: int) -> bool:
+    """Whether the dispatch op returns the per-expert counts on the host (decided from the backend and the
+    mode alone, so that the fake implementation agrees)."""
+    return buffer.backend.host_expert_counts and not num_worst_tokens
+
+
+@_dispatch_op.register_fake
+def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_worst_tokens, num_sms):
+    buffer = buffer_by_id(buffer_id)
+    num_ranks = buffer.group_size
+    rows = num_worst_tokens or torch.library.get_ctx().new_dynamic_size()
+    num_topk = topk_idx.shape[1]
+    int32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty(rows, x.shape[1]), topk_idx.new_empty(rows, num_topk), topk_weights.new_empty(rows, num_topk),
+            topk_idx.new_empty(num_experts // num_ranks), torch.empty(num_ranks, num_ranks, **int32),
+            torch.empty(rows, **int32), torch.empty(rows, **int32),
+            torch.empty(x.shape[0], num_ranks, dtype=torch.bool, device=x.device),
+            torch.empty(0, dtype=torch.uint8, device=x.device),
+            torch.empty(x.shape[0] if num_ranks > 1 else 0, num_ranks, **int32),
+            torch.empty(num_experts // num_ranks if _has_host_counts(buffer, num_worst_tokens) else 0,
+                        dtype=torch.int64, device="cpu"))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = inputs[3], inputs[6], inputs[7]
+    ctx.hidden, ctx.x_dtype = inputs[0].shape[1], inputs[0].dtype
+    ctx.save_for_backward(output[1], *output[4:10])  # the received top-k ids and the handle's tensors
+
+
+def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *_):
+    recv_idx, *handle_tensors = ctx.saved_tensors
+    rows = recv_idx.shape[0]
+    if grad_x is None:
+        grad_x = torch.zeros(rows, ctx.hidden, dtype=ctx.x_dtype, device=recv_idx.device)
+    if grad_w is None:
+        grad_w = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device)
+    # Only the entries local to this rank were copied from the input weights; the others are constant 0.
+    grad_w = torch.where(recv_idx >= 0, grad_w, torch.zeros_like(grad_w))
+    combined, combined_w = torch.ops.ep_moe.combine(grad_x.contiguous(), grad_w, None, None, *handle_tensors,
+                                                    ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms)
+    return combined, None, combined_w, None, None, None, None, None
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# ------------------------------------------------------------------------------------------ combine
+@torch.library.custom_op("ep_moe::combine", mutates_args=())
+def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, bias_1: Tensor | None,
+                rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
+                backend_state: Tensor, summation_order: Tensor, num_worst_tokens: int, buffer_id: int, num_sms: int
+                ) -> tuple[Tensor, Tensor]:
+    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
+                     summation_order, num_worst_tokens)
+    combined, combined_w, _ = buffer_by_id(buffer_id).combine(x, handle, topk_weights, (bias_0, bias_1),
+                                                              config=_config(num_sms))
+    if combined_w is None:
+        combined_w = torch.zeros(is_token_in_rank.shape[0], 0, dtype=torch.float32, device=x.device)
+    return _fresh((combined, combined_w), (x, topk_weights, bias_0, bias_1))
+
+
+@_combine_op.register_fake
+def _(x, topk_weights, bias_0, bias_1, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
+      backend_state, summation_order, num_worst_tokens, buffer_id, num_sms):
+    num_tokens = is_token_in_rank.shape[0]
+    num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+    return x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens, num_topk, dtype=torch.float32)
+
+
+def _combine_setup(ctx, inputs, output):
+    x, topk_weights, bias_0, bias_1, *handle_tensors, num_worst_tokens, buffer_id, num_sms = inputs
+    ctx.buffer_id, ctx.num_worst_tokens, ctx.num_sms = buffer_id, num_worst_tokens, num_sms
+    ctx.has_weights = topk_weights is not None
+    ctx.bias_dtypes = tuple(b.dtype if b is not None else None for b in (bias_0, bias_1))
+    ctx.save_for_backward(*handle_tensors)
+
+
+def _combine_backward(ctx, grad_out, grad_w):
+    handle_tensors = ctx.saved_tensors
+    grad_x = torch.ops.ep_moe.cached_dispatch(grad_out.contiguous(), *handle_tensors, ctx.num_worst_tokens,
+                                              ctx.buffer_id, ctx.num_sms)
+    grad_weights = None
+    if ctx.has_weights and grad_w is not None:
+        num_topk = grad_w.shape[1]
+        padded = torch.nn.functional.pad(grad_w, (0, -num_topk % 4))  # 16-byte rows for every backend
+        grad_weights = torch.ops.ep_moe.cached_dispatch(padded.contiguous(), *handle_tensors, ctx.num_worst_tokens,
+                                                        ctx.buffer_id, ctx.num_sms)[:, :num_topk]
+    grad_bias = [grad_out.to(d) if d is not None else None for d in ctx.bias_dtypes]
+    return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None, None, None)
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# ------------------------------------------------------------------------------------------ cached dispatch
+@torch.library.custom_op("ep_moe::cached_dispatch", mutates_args=())
+def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor,
+                        is_token_in_rank: Tensor, backend_state: Tensor, summation_order: Tensor,
+                        num_worst_tokens: int, buffer_id: int, num_sms: int) -> Tensor:
+    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
+                     summation_order, num_worst_tokens)
+    recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle, config=_config(num_sms))
+    return _fresh((recv_x,), (x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
+                              backend_state, summation_order))[0]
+
+
+@_cached_dispatch_op.register_fake
+def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, summation_order,
+      num_worst_tokens, buffer_id, num_sms):
+    return x.new_empty(recv_src_idx.shape[0], x.shape[1])
+
+
+def _cached_dispatch_setup(ctx, inputs, output):
+    ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms = inputs[7], inputs[8], inputs[9]
+    ctx.save_for_backward(*inputs[1:7])
+
+
+def _cached_dispatch_backward(ctx, grad):
+    combined, _ = torch.ops.ep_moe.combine(grad.contiguous(), None, None, None, *ctx.saved_tensors,
+                                           ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms)
+    return (combined, None, None, None, None, None, None, None, None, None)
+
+
+_cached_dispatch_op.register_autograd(_cached_dispatch_backward, setup_context=_cached_dispatch_setup)
+
+
+# ------------------------------------------------------------------------------------------ public API
+def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
+             expert_alignment: int = 1, num_worst_tokens: int = 0, num_sms: int = 0) -> DispatchOutput:
+    """Differentiable dispatch of ``x [T, H]`` (bf16/fp32) by ``topk_idx [T, K]`` int64 and
+    ``topk_weights [T, K]`` fp32 (see `Buffer.dispatch`). Gradients flow to ``x`` and ``topk_weights``.
+    ``num_sms`` > 0 overrides the buffer's SM budget for this call and its backward."""
+    (recv_x, recv_idx, recv_w, counts, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
+     state, order, host_counts) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
+                                                     expert_alignment, num_worst_tokens, num_sms)
+    handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, state, order,
+                     num_worst_tokens)
+    return DispatchOutput(recv_x, recv_idx, recv_w, counts, handle, host_counts)
+
+
+def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Tensor | None = None,
+            bias: Tensor | tuple[Tensor | None, Tensor | None] | None = None, num_sms: int = 0
+            ) -> tuple[Tensor, Tensor | None]:
+    """Differentiable combine of ``x [N, H]`` (see `Buffer.combine`). Returns ``(combined [T, H],
+    combined_topk_weights [T, K] or None)``; gradients flow to ``x``, ``topk_weights`` and the biases."""
+    bias_0, bias_1 = bias if isinstance(bias, tuple | list) else (bias, None)
+    combined, combined_w = torch.ops.ep_moe.combine(x, topk_weights, bias_0, bias_1, *_handle_args(handle),
+                                                    buffer.buffer_id, num_sms)
+    return combined, (combined_w if topk_weights is not None else None)
+
+
+def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:
+    """Differentiable re-dispatch of ``x [T, H]`` with an earlier dispatch's layout: ``[N, H]``."""
+    return torch.ops.ep_moe.cached_dispatch(x, *_handle_args(handle), buffer.buffer_id, num_sms)
+
+
+def cached_dispatch_weights(buffer: Buffer, weights: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:
+    """Differentiable re-dispatch of ``weights [T, K]`` fp32 with an earlier dispatch's layout: ``[N, K]``, each
+    received row the source token's K weights (also those of experts on other ranks). They travel as 16-byte rows
+    (K padded to a multiple of 4), as the ops' own backward sends them, so that every backend takes them."""
+    num_topk = weights.shape[1]
+    padded = torch.nn.functional.pad(weights, (0, -num_topk % 4)).contiguous()
+    return cached_dispatch(buffer, padded, handle, num_sms)[:, :num_topk]
