@@ -19,7 +19,7 @@ peer and the stage (`ep_moe.train.failures.report_lost_peer`), exit status 1.
 
 ``engine: ep_moe`` runs `ep_moe.train.loop` on each rank: Ctrl-C reaches every rank (and is forwarded to
 them), each finishes its step, a checkpoint is saved, and the command exits with status 130.
-``engine: megatron`` / ``engine: deepspeed``: ``ep_moe.train.engines.<engine>.train(recipe, device)`` runs it.
+``engine: megatron`` / ``engine: deepspeed``: ``ep_moe.train.engines.<engine>_engine.train(recipe, device)`` runs it.
 
 When spawned ranks fail, each distinct error is printed once, on one line with its ranks, and every traceback
 goes to ``error.log`` in the run folder (`ep_moe.train.failures`); a rank killed by a signal is one line too.
@@ -189,8 +189,8 @@ def run_ep_moe(recipe: Recipe, device_type: str) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------- other engines
 def engine_module(engine: str):
-    """``ep_moe.train.engines.<engine>``; `RecipeError` naming the extra to install when it fails to import."""
-    module_name = f"ep_moe.train.engines.{engine}"
+    """``ep_moe.train.engines.<engine>_engine``; `RecipeError` naming the extra to install when it fails to import."""
+    module_name = f"ep_moe.train.engines.{engine}_engine"
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:
