@@ -1,7 +1,8 @@
-"""What one SM can copy: plain copy kernels, local and over NVLink, by SMs, threads and loads in flight.
+"""What one GPU can copy: plain copy kernels by SMs, threads and loads in flight, and the copy engine's push.
 
     torchrun --nproc-per-node 2 benchmarks/copy_rates.py            # local, push (store into the peer), pull
     python3 benchmarks/copy_rates.py                                 # one GPU: local only
+    torchrun --nproc-per-node 2 benchmarks/copy_rates.py --copy-engine [--mbytes 58.7]   # the copy engine's push
 
 The native dispatch/combine kernels move rows one warp per row; they were measured at about 65 % of the
 per-SM rate of a plain grid-stride copy kernel (CHANGELOG.md). This measures
@@ -26,16 +27,31 @@ push and pull show whose rows landed: push writes the next rank's buffer, which 
 pull reads it) or, for ``reduce``, torch's fp32 sum of the two halves rounded to bf16 (the kernel's arithmetic).
 Each row ends with ``check ok`` or ``check DIFF``; a mismatch is printed (op, shape, SMs, first differing
 element) and the exit status is 1.
+
+``--copy-engine``: how fast the copy engine pushes one rank's combine rows into the peer's symmetric buffer (2 or
+more GPUs). First the one copy that ``ep-moe bench --measure-link`` times
+(`ep_moe.benchmarking.link.measure_peer_copy_gbps`, the slowest rank of each run). Both ranks push at once
+(``copy_`` of contiguous views is one ``cudaMemcpyAsync``): the bytes as one copy and in 8 / 16 / 64 pieces, with a
+``cuStreamWriteValue64`` flag after each piece (what the native backend's copy-engine calls queue), split over two
+streams, with the flags on a stream of their own (each after an event behind its copy), and beside a local copy on
+another stream (SM and HBM traffic, as the reducers make). A device sleep first lets the host queue everything, so
+the times are the GPU's. Results: docs/native.md. Checked after the runs of every case, on every rank (the
+receiving buffer and flags zeroed before them): the bytes the previous rank pushed into this rank's buffer, bit for
+bit against that rank's source (each rank's differs), the flags against the sequence numbers the last run wrote,
+and the local copy beside it. Each line ends with ``check ok`` or ``check DIFF``; a mismatch is printed (case,
+rank, first differing element) and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 from _checked import gather_problems, mismatch, report, verdict
 
 from ep_moe.distributed import TorchrunEnv, init_from_torchrun, torchrun_env
@@ -260,13 +276,139 @@ def written(shape: str) -> int:
     return {"grid": NBYTES // 2, "reduce": rows // 2 * (ROW_BYTES // 2)}.get(shape, rows * (ROW_BYTES // 2))
 
 
+HEAD_START_CYCLES = 4_000_000  # ~2 ms at ~2 GHz: longer than the host needs to queue one run
+
+
+def push_source(rank: int, nbytes: int) -> torch.Tensor:
+    """Rank ``rank``'s bytes to push: random, from a seed of its own, so a receiver can make the sender's."""
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    return torch.randint(0, 255, (nbytes,), generator=gen, dtype=torch.uint8, device="cuda")
+
+
+def copy_engine_main(args: argparse.Namespace) -> int:
+    """The copy engine's push cases (``--copy-engine``); the exit status."""
+    from ep_moe.benchmarking.link import measure_peer_copy_gbps
+    from ep_moe.benchmarking.timing import CudaEventTimer
+
+    if (torchrun_env() or TorchrunEnv(rank=0, world_size=1, local_rank=0)).world_size < 2:
+        raise SystemExit("--copy-engine needs 2 or more GPUs (torchrun --nproc-per-node 2 ...)")
+    device = init_from_torchrun("cuda", timeout_s=600.0)
+    rank = dist.get_rank()
+    peer = (rank + 1) % dist.get_world_size()
+    nbytes = int(args.mbytes * 1e6) // 16 * 16
+    buf = symm_mem.empty(nbytes + 8192, dtype=torch.uint8, device="cuda")
+    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+    dst = handle.get_buffer(peer, (nbytes,), torch.uint8)
+    flags = handle.get_buffer(peer, (1024,), torch.uint64, storage_offset=nbytes // 8)
+    src = push_source(rank, nbytes)
+    received = buf[:nbytes]  # where the previous rank pushes, and its flags (int64: small values)
+    received_flags = buf[nbytes:nbytes + 8192].view(torch.int64)
+    expected = push_source((rank - 1) % dist.get_world_size(), nbytes)
+    local_src = torch.randint(0, 255, (2 * nbytes,), dtype=torch.uint8, device="cuda")
+    local_dst = torch.empty_like(local_src)
+    # the CUDA 12 ABI of the stream memory operations (the unversioned symbol is the old, optional one)
+    write_value = ctypes.CDLL("libcuda.so.1").cuStreamWriteValue64_v2
+    write_value.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    flag_stream = torch.cuda.Stream()
+    events = [torch.cuda.Event() for _ in range(1024)]
+    busy_stream = torch.cuda.Stream()
+    seq = 0
+
+    def timed(pieces: int, with_flags: bool = False, two_streams: bool = False, busy: bool = False,
+              flags_apart: bool = False) -> tuple[float, list[str]]:
+        """The median run's microseconds, and this rank's check problems after the runs."""
+        nonlocal seq
+        received.zero_()
+        received_flags.zero_()
+        local_dst.zero_()
+        torch.cuda.synchronize()  # before the first run's barrier: no peer pushes into this buffer before
+        times = []
+        for _ in range(args.runs + 3):
+            dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if busy:
+                with torch.cuda.stream(busy_stream):
+                    torch.cuda._sleep(HEAD_START_CYCLES)
+                    local_dst.copy_(local_src)
+            with torch.cuda.stream(streams[0]):
+                torch.cuda._sleep(HEAD_START_CYCLES)
+                start.record()
+            streams[1].wait_stream(streams[0])
+            step = -(-nbytes // pieces) // 16 * 16 or 16
+            for i, at in enumerate(range(0, nbytes, step)):
+                stream = streams[i % 2] if two_streams else streams[0]
+                with torch.cuda.stream(stream):
+                    dst[at:at + step].copy_(src[at:at + step], non_blocking=True)
+                if with_flags:
+                    seq += 1
+                    writer = stream
+                    if flags_apart:  # the flag waits for an event behind the copy, on a stream of its own
+                        events[i % 1024].record(stream)
+                        flag_stream.wait_event(events[i % 1024])
+                        writer = flag_stream
+                    err = write_value(writer.cuda_stream, flags.data_ptr() + 8 * (i % 1024), seq, 0)
+                    if err:
+                        raise RuntimeError(f"cuStreamWriteValue64 failed: CUresult {err}")
+            streams[0].wait_stream(streams[1])
+            streams[0].wait_stream(flag_stream)
+            with torch.cuda.stream(streams[0]):
+                end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        dist.barrier()  # every rank's pushes into its peer are done
+        found = [mismatch("bytes pushed by the previous rank", received, expected, None)]
+        if with_flags:  # the last run's pieces wrote seq - count + 1 ... seq, the same on every rank
+            count = len(range(0, nbytes, step))
+            want = torch.zeros(1024, dtype=torch.int64, device="cuda")
+            want[:count] = torch.arange(seq - count + 1, seq + 1, device="cuda")
+            found.append(mismatch("flags written by the previous rank", received_flags, want, None))
+        if busy:
+            found.append(mismatch("local copy", local_dst, local_src, None))
+        return sorted(times[3:])[args.runs // 2], [p for p in found if p]
+
+    cases = [(1, False, False, False, False), (8, False, False, False, False), (16, False, False, False, False),
+             (64, False, False, False, False), (4, True, False, False, False), (8, True, False, False, False),
+             (16, True, False, False, False), (8, False, True, False, False), (4, True, True, False, False),
+             (8, True, True, False, False), (16, True, True, False, False), (4, True, False, False, True),
+             (8, True, False, False, True), (16, True, False, False, True), (1, False, False, True, False),
+             (8, True, False, True, False), (8, True, True, True, False), (8, True, False, True, True)]
+    gbps = measure_peer_copy_gbps(dist.group.WORLD, device, CudaEventTimer(), nbytes=nbytes, runs=args.runs)
+    if rank == 0:
+        print(f"copy engine push of {nbytes / 1e6:.1f} MB, one copy, slowest rank per run "
+              f"(ep-moe bench --measure-link) {nbytes / gbps / 1e3:8.1f} us {gbps:7.1f} GB/s", flush=True)
+    problems = []
+    for pieces, with_flags, two_streams, busy, flags_apart in cases:
+        what = (f"{pieces:3d} piece(s)" + (" + flags" if with_flags else "") + (" on 2 streams" if two_streams else "")
+                + (" (flags on their own stream)" if flags_apart else "")
+                + (f" + local copy of {2 * nbytes / 1e6:.0f} MB" if busy else ""))
+        us, found = timed(pieces, with_flags, two_streams, busy, flags_apart)
+        found = gather_problems([f"{what.strip()}: {p}" for p in found])
+        problems += found
+        if rank == 0:
+            print(f"copy engine push of {nbytes / 1e6:.1f} MB, {what:45s} {us:8.1f} us {nbytes / us / 1e3:7.1f} GB/s  "
+                  f"check {verdict(found)}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return report("copy_rates --copy-engine", problems) if rank == 0 else (1 if problems else 0)
+
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sms", nargs="+", type=int, default=[1, 2, 4, 8, 16, 24, 32])
     parser.add_argument("--unroll", nargs="+", type=int, default=[1, 4, 8, 16], choices=[1, 4, 8, 16])
     parser.add_argument("--threads", nargs="+", type=int, default=[512, 1024])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--copy-engine", action="store_true",
+                        help="time the copy engine's push into the peer instead of the copy kernels (2+ GPUs)")
+    parser.add_argument("--mbytes", type=float, default=4096 * 14336 / 1e6,
+                        help="--copy-engine: MB per rank (DeepEP's workload)")
+    parser.add_argument("--runs", type=int, default=20, help="--copy-engine: timed runs per case")
     args = parser.parse_args()
+    if args.copy_engine:
+        return copy_engine_main(args)
 
     rank, world, local_rank = torchrun_env() or TorchrunEnv(rank=0, world_size=1, local_rank=0)
     if world > 1:
