@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from support.bits import bits_equal
 
 from ep_moe.distributed import run_distributed
 
@@ -134,7 +135,7 @@ def _compat_worker(rank: int, world: int) -> dict:
                         w_data = w_x[0] if isinstance(w_x, tuple) else w_x
                         data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
                         _expect(empty == [] and w_data.shape[0] == T * world, f"{where} num_worst_tokens shape")
-                        _expect(torch.equal(w_data[:recv_rows].view(torch.uint8), data.view(torch.uint8))
+                        _expect(bits_equal(w_data[:recv_rows], data)
                                 and torch.equal(w_idx[:recv_rows], recv_idx) and torch.equal(w_w[:recv_rows], recv_w)
                                 and bool((w_idx[recv_rows:] == -1).all()), f"{where} num_worst_tokens rows")
                     else:

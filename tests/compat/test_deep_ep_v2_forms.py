@@ -4,16 +4,13 @@ the legacy ``Buffer``'s low-latency calls refused by name, at 1 and 2 gloo ranks
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.world_sizes import run_world_sizes
 
 import ep_moe.compat.deep_ep as deep_ep
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from world_sizes import run_world_sizes  # noqa: E402
 
 
 def _worker(rank: int, num_ranks: int, group) -> int:

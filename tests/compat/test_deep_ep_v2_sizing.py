@@ -1,21 +1,17 @@
 """The V2 sizing helpers of ``deep_ep.ElasticBuffer`` (`get_pp_buffer_size_hint`, `get_agrs_num_max_session_bytes`,
 `get_agrs_buffer_size_hint`, `get_engram_storage_size_hint`) used as DeepEP's programs use them, and V2's Engram
 forms (``num_bytes`` counting the CPU bytes, replicated FP8 scales, ``[T, P * H]`` rows, the TMA scale layout), at
-1 and 2 gloo ranks (`tests/world_sizes.py` is on the path)."""
+1 and 2 gloo ranks (`tests/support/world_sizes.py`)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from support.bits import assert_bits_equal
+from support.world_sizes import run_world_sizes
 
 from ep_moe.compat.deep_ep import ElasticBuffer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from world_sizes import run_world_sizes  # noqa: E402
 
 MiB = 1 << 20
 
@@ -94,7 +90,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
     for tma in (False, True):
         data, fetched_sf = eb.engram_fetch(indices, use_tma_aligned_col_major_sf=tma)()
         want = table[indices.view(-1).long()].view(T, -1)
-        assert data.shape == (T, P * hidden) and torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+        assert_bits_equal(data, want, f"engram_fetch (use_tma_aligned_col_major_sf={tma})")
         assert torch.equal(fetched_sf, sf[indices.view(-1).long()].view(T, -1))
         if tma:  # column-major, each column starting 16 bytes apart
             assert fetched_sf.stride() == (1, _round(T, 4))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from support.bits import bit_difference
 
 FP8 = torch.float8_e4m3fn
 
@@ -36,19 +37,10 @@ def expect_raises(seen: list[str], rank: int, base: type, error: type, fn, *word
     raise AssertionError(f"rank {rank}: expected {error.__name__}")
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of ``t`` (so that comparisons are bit for bit, whatever the dtype)."""
-    t = t.contiguous()
-    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def check_bits(got: object, want: torch.Tensor, where: str, what: str) -> None:
-    """``got`` has ``want``'s type, dtype and shape and the very same bits."""
-    check(isinstance(got, torch.Tensor), where, f"{what}: expected a tensor, got {type(got).__name__}")
-    check(got.dtype == want.dtype, where, f"{what}: dtype {got.dtype}, expected {want.dtype}")
-    check(tuple(got.shape) == tuple(want.shape), where,
-          f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-    check(torch.equal(bits(got), bits(want)), where, f"{what}: values differ from the reference")
+def check_bits(got: object, want: torch.Tensor | None, where: str, what: str) -> None:
+    """``got`` has ``want``'s type, dtype, shape and device kind and the very same bits (`support.bits`)."""
+    difference = bit_difference(got, want)
+    check(difference is None, where, f"{what}: {difference}")
 
 
 def check_equal(got: torch.Tensor, want: torch.Tensor, where: str, what: str) -> None:

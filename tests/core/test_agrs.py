@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.bits import assert_bits_equal, bits, bits_equal
+from support.world_sizes import run_world_sizes
 from support_core import expect_raises
-from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
@@ -48,14 +49,10 @@ def _tensor(dtype: torch.dtype, shape: tuple, rank: int, salt: int) -> torch.Ten
     return raw[: n * dtype.itemsize].view(dtype).reshape(shape).clone()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
 def _torch_all_gather(t: torch.Tensor, num_ranks: int, group) -> torch.Tensor:
     """torch.distributed's all-gather of ``t`` as bytes (so every dtype goes through gloo)."""
-    parts = [torch.empty_like(_bits(t)) for _ in range(num_ranks)]
-    dist.all_gather(parts, _bits(t).clone(), group=group)
+    parts = [torch.empty_like(bits(t)) for _ in range(num_ranks)]
+    dist.all_gather(parts, bits(t).clone(), group=group)
     return torch.stack(parts)
 
 
@@ -98,7 +95,7 @@ def _sessions(rank: int, num_ranks: int, group) -> dict:
         for t, g in zip(tensors, gathered):
             assert g.shape == (num_ranks, *t.shape) and g.dtype == t.dtype, (g.shape, t.shape)
             want = _torch_all_gather(t, num_ranks, group)
-            assert all(torch.equal(_bits(g[i]), want[i]) for i in range(num_ranks)), f"{t.dtype}{tuple(t.shape)}"
+            assert all(torch.equal(bits(g[i]), want[i]) for i in range(num_ranks)), f"{t.dtype}{tuple(t.shape)}"
             checked += 1
         # In-place: written in this rank's slot, gathered with no copy.
         a = eb.agrs_get_inplace_tensor((4, 5), torch.bfloat16)
@@ -111,7 +108,7 @@ def _sessions(rank: int, num_ranks: int, group) -> dict:
         assert ga[rank].data_ptr() == a.data_ptr() and gb[rank].data_ptr() == b.data_ptr(), "in-place slot"
         handle.wait()
         for i in range(num_ranks):
-            assert torch.equal(_bits(ga[i]), _bits(_tensor(torch.bfloat16, (4, 5), i, 100 + session)))
+            assert_bits_equal(ga[i], _tensor(torch.bfloat16, (4, 5), i, 100 + session), f"in-place slot {i}")
             assert torch.equal(gb[i], torch.tensor([i, session, 7], dtype=torch.int32))
             assert torch.equal(gplain[i], _tensor(torch.float32, (6,), i, 200 + session))
         checked += 3
@@ -135,9 +132,9 @@ def _sessions(rank: int, num_ranks: int, group) -> dict:
             parts = [_adversarial(dtype, num_ranks, shape, i, session) for i in range(num_ranks)]
             want = _rank_order_sum(parts, rank)
             assert shard.dtype == dtype and shard.shape == shape
-            assert torch.equal(_bits(shard), _bits(want)), f"reduce_scatter {dtype}{shape}"
+            assert_bits_equal(shard, want, f"reduce_scatter {dtype}{shape}")
             backwards = _rank_order_sum(parts[::-1], rank)
-            order_sensitive += int(not torch.equal(_bits(backwards), _bits(want)))
+            order_sensitive += int(not bits_equal(backwards, want))
             checked += 1
         # Reduce-scatter of exactly representable values equals torch.distributed's reduce_scatter_tensor.
         x = torch.randint(-1000, 1000, (num_ranks, 6), generator=torch.Generator().manual_seed(rank)).float()

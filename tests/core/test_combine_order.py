@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.world_sizes import run_world_sizes
 from support_core import check, check_bits
-from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 

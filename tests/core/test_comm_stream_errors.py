@@ -1,7 +1,7 @@
 """`Buffer`'s communication stream when a backend call raises (CPU, with fake streams): a call may raise after it
 queued kernels (the native backend raises a rank disagreement after its launches), so the current stream still
 waits for the communication stream, as after a call that returned; otherwise a `barrier()` on the current stream
-could run beside those kernels (tests/native/test_native_mismatch_host.py shows what that does to the epochs)."""
+could run beside those kernels (tests/native/test_native_mismatch_host_paths.py shows what that does to the epochs)."""
 
 from __future__ import annotations
 

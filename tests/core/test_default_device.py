@@ -22,7 +22,8 @@ import tempfile
 
 import locations
 import torch
-from world_sizes import run_world_sizes
+from support.bits import bit_difference
+from support.world_sizes import run_world_sizes
 
 from ep_moe import Buffer, ElasticBuffer, TokenDispatcher
 
@@ -67,11 +68,9 @@ def _same(got, want) -> str | None:
         return f"{len(a)} outputs, expected {len(b)}"
     for i, (x, y) in enumerate(zip(a, b)):
         if isinstance(y, torch.Tensor):
-            if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != y.dtype or x.shape != y.shape:
-                what = f"{x.device} {x.dtype}{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-                return f"output {i}: {what}, expected cpu {y.dtype}{tuple(y.shape)}"
-            if x.numel() and not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
-                return f"output {i}: values differ"
+            difference = bit_difference(x, y)
+            if difference is not None:
+                return f"output {i}: {difference}"
         elif x != y:
             return f"output {i}: {x!r}, expected {y!r}"
     return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support.bits import assert_bits_equal
 from test_default_device import _defaults, _leaves
 
 from ep_moe import Buffer, ElasticBuffer, TokenDispatcher
@@ -67,11 +68,8 @@ def _check_same(got: list, want: list, variant: str) -> None:
     assert len(a) == len(b), (variant, len(a), len(b))
     for i, (x, y) in enumerate(zip(a, b)):
         if isinstance(y, torch.Tensor):
-            assert isinstance(x, torch.Tensor) and (x.device, x.dtype, x.shape) == (y.device, y.dtype, y.shape), \
-                f"under {variant}: output {i} is {x.device} {x.dtype}{tuple(x.shape)}, expected " \
-                f"{y.device} {y.dtype}{tuple(y.shape)}"
-            assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), \
-                f"under {variant}: output {i} differs"
+            assert_bits_equal(x, y, f"under {variant}: output {i}")
+            assert x.device == y.device, f"under {variant}: output {i} is on {x.device}, expected {y.device}"
         else:
             assert x == y, (variant, i, x, y)
 

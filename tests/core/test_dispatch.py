@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support.world_sizes import run_world_sizes
 from support_core import (
     Case,
     check,
@@ -19,7 +20,6 @@ from support_core import (
     make_inputs,
     small_ints,
 )
-from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, DispatchHandle, EventOverlap
 from ep_moe.backends.comm_backend import DispatchResult

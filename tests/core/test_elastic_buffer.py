@@ -11,8 +11,8 @@ import gc
 
 import pytest
 import torch
+from support.world_sizes import run_world_sizes
 from support_core import Case, check, check_bits, check_equal, make_inputs
-from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, ElasticBuffer, EventOverlap
 from ep_moe.buffer import autograd_ops as ops

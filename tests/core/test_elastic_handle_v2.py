@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.world_sizes import run_world_sizes
 from support_core import Case, check, make_inputs
-from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from world_sizes import run_world_sizes
+from support.world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 from ep_moe.elastic.memory import ALIGNMENT_BYTES, SymmetricMemory

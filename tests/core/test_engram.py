@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from world_sizes import run_world_sizes
+from support.bits import assert_bits_equal
+from support.world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 from ep_moe.elastic.memory import (
@@ -81,10 +82,6 @@ def _index_cases(num_ranks: int, rank: int, seed: int) -> list[tuple[str, torch.
     ]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
 def _check_memory(eb: ElasticBuffer, rank: int, num_ranks: int) -> None:
     memory = eb.memory
     gpu, host = memory.layout.segments[0], memory.layout.segments[1]
@@ -134,9 +131,9 @@ def _check_engram(eb: ElasticBuffer, rank: int, num_ranks: int) -> int:
             hook = eb.engram_fetch(indices)
             fetched, fetched_sf = hook()
             assert fetched.shape == (*indices.shape, hidden) and fetched.dtype == dtype, (name, fetched.shape)
-            assert torch.equal(_bits(fetched), _bits(everything[indices.long()])), (name, dtype)
+            assert_bits_equal(fetched, everything[indices.long()], f"{name} {dtype}")
             if with_sf:
-                assert torch.equal(_bits(fetched_sf), _bits(every_sf[indices.long()])), (name, "sf")
+                assert_bits_equal(fetched_sf, every_sf[indices.long()], f"{name} sf")
             else:
                 assert fetched_sf is None
             checked += 1

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.world_sizes import run_world_sizes
 from support_core import Case, check, check_bits, check_equal, make_inputs
-from world_sizes import run_world_sizes
 
 from ep_moe import Buffer
 from ep_moe.buffer.expert_major_ops import expert_combine, expert_dispatch

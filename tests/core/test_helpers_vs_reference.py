@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.bits import assert_bits_equal
 
 from ep_moe.buffer.routing_layout import aligned_expert_counts, dispatch_layout, local_topk
 from ep_moe.layers import LocalTokenDispatcher
@@ -139,7 +140,7 @@ def test_permute_and_weighted_unpermute_equal_loops(kind):
         got = permute_rows(x, layout)
         for slot, pair in enumerate(layout.pair_of_slot.tolist()):
             want = x[pair // 3] if pair < idx.numel() else torch.zeros(8).to(dtype)
-            assert torch.equal(got[slot].view(torch.uint8), want.view(torch.uint8)), (dtype, slot)
+            assert_bits_equal(got[slot], want, f"{dtype} slot {slot}")
     y = (torch.randn(layout.num_slots, 8, generator=gen) * 10.0 ** torch.randint(-4, 5, (layout.num_slots, 1),
                                                                                  generator=gen)).bfloat16()
     w = pair_values(torch.rand(tokens, 3, generator=gen), layout)

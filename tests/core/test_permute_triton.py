@@ -22,6 +22,7 @@ import tempfile
 
 import pytest
 import torch
+from support.bits import assert_bits_equal, bits_equal
 
 from ep_moe import permute_triton as pt
 
@@ -66,7 +67,8 @@ def test_child_process_runs_the_interpreted_cases():
 
 
 # ------------------------------------------------------------------------------------------ the definitions
-def bits(t: torch.Tensor) -> torch.Tensor:
+def row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[N, H]`` of any dtype as ``[N, H * itemsize]`` uint8 (each row's bytes)."""
     return t.contiguous().view(torch.uint8)
 
 
@@ -74,8 +76,8 @@ def ref_permute_rows(x: torch.Tensor, pair_of_slot: torch.Tensor, K: int) -> tor
     """out[s] = x[pair_of_slot[s] // K], all-zero bytes for padding (on the bytes: any dtype)."""
     N = x.shape[0]
     valid = pair_of_slot < N * K
-    out = bits(x)[(pair_of_slot.clamp(max=max(N * K - 1, 0)) // K)] if N else \
-        torch.zeros(len(pair_of_slot), bits(x).shape[1], dtype=torch.uint8)
+    out = row_bytes(x)[(pair_of_slot.clamp(max=max(N * K - 1, 0)) // K)] if N else \
+        torch.zeros(len(pair_of_slot), row_bytes(x).shape[1], dtype=torch.uint8)
     return torch.where(valid[:, None], out, 0).view(x.dtype)
 
 
@@ -189,12 +191,6 @@ def on(device: str, *tensors):
     return [t.to(device) if t is not None else None for t in tensors]
 
 
-def assert_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
-    assert torch.equal(bits(got), bits(want)), f"{int((bits(got) != bits(want)).sum())} bytes differ"
-
-
 # ------------------------------------------------------------------------------------------ bit for bit
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -208,7 +204,7 @@ def test_permute_rows(device, small_tiles, case, dtype):
         out = garbage((len(pair_of_slot), src.shape[1]), src.dtype, device)
         got = pt.permute_rows(*on(device, src, pair_of_slot), K, out)
         assert got is out
-        assert_bits(got, ref_permute_rows(src, pair_of_slot, K))
+        assert_bits_equal(got, ref_permute_rows(src, pair_of_slot, K), on_host=True)
 
 
 @needs_triton
@@ -222,7 +218,7 @@ def test_permute_rows_byte_widths(device, small_tiles, H, offset, width):
     x = base[offset:offset + 8 * H].view(8, H)
     out = torch.empty(len(pair_of_slot), H, dtype=FP8, device=device)
     assert pt._byte_width(x, out, row_bytes=H) == width
-    assert_bits(pt.permute_rows(x, pair_of_slot.to(device), 2, out), ref_permute_rows(x.cpu(), pair_of_slot, 2))
+    assert_bits_equal(pt.permute_rows(x, pair_of_slot.to(device), 2, out), ref_permute_rows(x.cpu(), pair_of_slot, 2), on_host=True)
 
 
 @weighted_float_cases
@@ -234,7 +230,7 @@ def test_unpermute_sum(device, small_tiles, case, dtype, weighted):
     out = garbage((N, H), dtype, device)
     got = pt.unpermute_sum(*on(device, y, weights, sorted_slots), out)
     assert got is out
-    assert_bits(got, ref_unpermute_sum(y, weights, sorted_slots))
+    assert_bits_equal(got, ref_unpermute_sum(y, weights, sorted_slots), on_host=True)
 
 
 @weighted_float_cases
@@ -248,7 +244,7 @@ def test_scale_permute(device, small_tiles, case, dtype, weighted):
     out = garbage((M, H), dtype, device)
     got = pt.scale_permute(*on(device, grad_out, weights, pair_of_slot), K, out)
     assert got is out
-    assert_bits(got, ref_scale_permute(grad_out, weights, pair_of_slot, K))
+    assert_bits_equal(got, ref_scale_permute(grad_out, weights, pair_of_slot, K), on_host=True)
 
 
 @needs_triton
@@ -261,14 +257,14 @@ def test_default_tiles_ragged_hidden(device, dtype):
         M = len(pair_of_slot)
         x, y = random_rows((N, H), dtype, gen), random_rows((M, H), dtype, gen)
         weights = torch.rand(M, generator=gen)
-        assert_bits(pt.permute_rows(*on(device, x, pair_of_slot), K, torch.empty(M, H, dtype=dtype, device=device)),
-                    ref_permute_rows(x, pair_of_slot, K))
-        assert_bits(pt.unpermute_sum(*on(device, y, weights, sorted_slots),
+        assert_bits_equal(pt.permute_rows(*on(device, x, pair_of_slot), K, torch.empty(M, H, dtype=dtype, device=device)),
+                    ref_permute_rows(x, pair_of_slot, K), on_host=True)
+        assert_bits_equal(pt.unpermute_sum(*on(device, y, weights, sorted_slots),
                                      torch.empty(N, H, dtype=dtype, device=device)),
-                    ref_unpermute_sum(y, weights, sorted_slots))
-        assert_bits(pt.scale_permute(*on(device, x, weights, pair_of_slot), K,
+                    ref_unpermute_sum(y, weights, sorted_slots), on_host=True)
+        assert_bits_equal(pt.scale_permute(*on(device, x, weights, pair_of_slot), K,
                                      torch.empty(M, H, dtype=dtype, device=device)),
-                    ref_scale_permute(x, weights, pair_of_slot, K))
+                    ref_scale_permute(x, weights, pair_of_slot, K), on_host=True)
 
 
 def fma_sensitive_case(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -292,9 +288,9 @@ def test_unpermute_sum_does_not_fuse_multiply_add(device, dtype):
     want = ref_unpermute_sum(y, weights, sorted_slots)
     acc = (weights[0].double() * y[0].double()).float()  # exact
     fused = (acc.double() + weights[1].double() * y[1].double()).float().to(dtype)  # exact in float64, rounded once
-    assert not torch.equal(bits(fused), bits(want)), "the case must tell a fused multiply-add apart"
+    assert not bits_equal(fused, want), "the case must tell a fused multiply-add apart"
     got = pt.unpermute_sum(*on(device, y, weights, sorted_slots), torch.empty(1, 1, dtype=dtype, device=device))
-    assert_bits(got, want[:, :1])
+    assert_bits_equal(got, want[:, :1], on_host=True)
     # the same rows among others (a wide row, several blocks, several rows per program)
     H = 40
     y_wide = random_rows((6, H), dtype, torch.Generator().manual_seed(5))
@@ -302,8 +298,8 @@ def test_unpermute_sum_does_not_fuse_multiply_add(device, dtype):
     w_wide = torch.cat([weights, torch.rand(4)])
     slots = torch.tensor([[2, 3, -1], [0, 1, -1], [4, -1, -1], [5, 0, 1]])
     out = pt.unpermute_sum(*on(device, y_wide, w_wide, slots), torch.empty(4, H, dtype=dtype, device=device))
-    assert_bits(out, ref_unpermute_sum(y_wide, w_wide, slots))
-    assert_bits(out[1, 17:18].cpu(), want[0])
+    assert_bits_equal(out, ref_unpermute_sum(y_wide, w_wide, slots), on_host=True)
+    assert_bits_equal(out[1, 17:18].cpu(), want[0], on_host=True)
 
 
 # fp32 bits -> the bf16 bits torch's .to gives (round to nearest even): ties both ways, either side of a tie,
@@ -349,7 +345,7 @@ def test_pair_dot(device, small_tiles, case, dtype):
     assert torch.all((got.cpu().double() - want).abs() <= 1e-6 * scale + 1e-30)
     assert torch.all(got.cpu()[pair_of_slot == N * K] == 0)
     again = pt.pair_dot(*on(device, grad_out, y, pair_of_slot), K, torch.empty(M, device=device))
-    assert_bits(again, got.cpu())
+    assert_bits_equal(again, got.cpu(), on_host=True)
 
 
 # ------------------------------------------------------------------------------------------ empty inputs
@@ -479,7 +475,7 @@ def test_offsets_past_two_to_the_31():
     pair_of_slot[:2] = torch.tensor([2, 6])
     out = pt.permute_rows(x, pair_of_slot, 2, torch.empty(M, H, dtype=FP8, device="cuda"))
     want = ref_permute_rows(x.cpu(), torch.tensor([2, 6, 8, 7, 0, 5]), 2)
-    assert_bits(torch.cat([out[:3], out[-3:]]), want)
+    assert_bits_equal(torch.cat([out[:3], out[-3:]]), want, on_host=True)
     del out
     y = torch.zeros(M, H, dtype=BF16, device="cuda")
     y[-2:] = random_rows((2, H), BF16, torch.Generator().manual_seed(8)).cuda()
@@ -487,7 +483,7 @@ def test_offsets_past_two_to_the_31():
     weights = torch.rand(M, device="cuda")
     got = pt.unpermute_sum(y, weights, slots, torch.empty(2, H, dtype=BF16, device="cuda"))
     small = torch.tensor([[0, 1], [1, -1]])
-    assert_bits(got, ref_unpermute_sum(y[-2:].cpu(), weights[-2:].cpu(), small))
+    assert_bits_equal(got, ref_unpermute_sum(y[-2:].cpu(), weights[-2:].cpu(), small), on_host=True)
 
 
 @needs_triton
@@ -500,8 +496,8 @@ def test_tensors_on_another_device_than_the_current_one():
     with torch.cuda.device(0):
         got = pt.permute_rows(*on("cuda:1", x, pair_of_slot), K, torch.empty(M, H, dtype=BF16, device="cuda:1"))
         summed = pt.unpermute_sum(*on("cuda:1", y, weights, sorted_slots), torch.empty(N, H, dtype=BF16, device="cuda:1"))
-    assert_bits(got, ref_permute_rows(x, pair_of_slot, K))
-    assert_bits(summed, ref_unpermute_sum(y, weights, sorted_slots))
+    assert_bits_equal(got, ref_permute_rows(x, pair_of_slot, K), on_host=True)
+    assert_bits_equal(summed, ref_unpermute_sum(y, weights, sorted_slots), on_host=True)
 
 
 # ------------------------------------------------------------------------------------------ through ep_moe.permute
@@ -537,5 +533,5 @@ def test_permute_module_on_the_triton_kernels_equals_its_torch_definitions(devic
     names = ("rows", "slot values", "reduce", "grad x", "grad values", "grad y")
     for name, a, b in zip(names, got[:6], want[:6]):
         a, b = a.detach().cpu(), b.detach()
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b)), name
+        assert_bits_equal(a, b, name)
     torch.testing.assert_close(got[6].cpu(), want[6], rtol=1e-5, atol=1e-5)

@@ -11,8 +11,9 @@ import time
 
 import pytest
 import torch
+from support.bits import assert_bits_equal
+from support.world_sizes import run_world_sizes
 from support_core import expect_raises
-from world_sizes import run_world_sizes
 
 from ep_moe import ElasticBuffer
 from ep_moe.distributed import run_distributed
@@ -48,14 +49,6 @@ def _payload(dtype: torch.dtype, shape: tuple, src: int, seq: int) -> torch.Tens
     return raw[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).reshape(shape).clone()
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.numel():
-        return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
 def _ring(rank: int, num_ranks: int, group) -> dict:
     eb = ElasticBuffer(group, num_bytes=2 * MiB, explicitly_destroy=True, num_gpu_timeout_secs=30)
     prev, nxt = (rank - 1) % num_ranks, (rank + 1) % num_ranks
@@ -72,7 +65,7 @@ def _ring(rank: int, num_ranks: int, group) -> dict:
         send(_payload(dtype, shape, rank, i), nxt, "next")
         out = torch.empty(shape, dtype=dtype)
         eb.pp_recv(out, prev)
-        assert _same_bits(out, _payload(dtype, shape, prev, i)), f"rank {rank}: case {i} {dtype}{shape}"
+        assert_bits_equal(out, _payload(dtype, shape, prev, i), f"rank {rank}: case {i} {dtype}{shape}")
         checked += 1
 
     # Several in flight, both directions: 4 to next and 3 to prev before any receive; order must hold (at R = 2
@@ -98,7 +91,7 @@ def _ring(rank: int, num_ranks: int, group) -> dict:
             out = torch.empty(shape, dtype=dtype)
         eb.pp_recv(out, src)
         want = _payload(dtype, shape, src, (100 if kind == "fwd" else 200) + k)
-        assert _same_bits(out, want), f"rank {rank}: {kind} message {k} from rank {src}"
+        assert_bits_equal(out, want, f"rank {rank}: {kind} message {k} from rank {src}")
         checked += 1
 
     # Many rounds through 2 slots: the sender waits for slots as the receiver drains them.

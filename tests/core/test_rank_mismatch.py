@@ -1,7 +1,7 @@
 """Ranks that disagree on a call's shape, dtype, top-k, experts, fixed size or handle: every rank raises the same
 ValueError naming the field and the ranks' values, before any row moves (no gloo abort, no hang), and the
 group stays usable (docs/semantics.md, Errors). At 2, 3 and 4 ranks (one spawned job of 4 ranks, the smaller
-sizes on its first ranks: tests/world_sizes.py), the last rank is the odd one out."""
+sizes on its first ranks: tests/support/world_sizes.py), the last rank is the odd one out."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
+from support.world_sizes import run_world_sizes
 from support_core import Case, check_bits, make_inputs
-from world_sizes import run_world_sizes
 
 from ep_moe import Buffer
 from ep_moe.reference import reference_combine, reference_dispatch

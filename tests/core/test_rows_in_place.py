@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.world_sizes import run_world_sizes
 from support_core import Case, check, check_bits, make_inputs
-from world_sizes import run_world_sizes
 
 from ep_moe import Buffer, ElasticBuffer
 from ep_moe.backends.comm_backend import ReceivedRows

@@ -15,7 +15,8 @@ import socket
 
 import pytest
 import torch
-from world_sizes import run_world_sizes
+from support.bits import assert_bits_equal
+from support.world_sizes import run_world_sizes
 
 from ep_moe.backends.hybrid import ENV_SCALEOUT_RANKS, LogicalTopology, logical_topology
 from ep_moe.tuning.hybrid_model import exact_hop_rows, hybrid_row_bytes
@@ -50,14 +51,6 @@ def _inputs(kind: str, num_ranks: int, num_nodes: int, num_experts: int, dtype: 
         idxs.append(idx)
         ws.append(torch.rand(T, TOPK, generator=gen))
     return xs, idxs, ws
-
-
-def _same(a, b, what: str) -> None:
-    if a is None or b is None:
-        assert a is None and b is None, what
-        return
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what}: bits differ"
 
 
 def _round_trip(eb, x, idx, w, bias, E: int, expand: bool, sync: bool, bound: int):
@@ -114,7 +107,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
                         traffic.reset()
                         got = _round_trip(eb, x, idx, w, bias, E, expand, sync, bound)
                         for i, (a, b) in enumerate(zip(got, want)):
-                            _same(a, b, f"{where} expand={expand} sync={sync} output {i}")
+                            assert_bits_equal(a, b, f"{where} expand={expand} sync={sync} output {i}")
                         checked += 1
                 if dtype != torch.bfloat16:
                     continue
@@ -193,7 +186,7 @@ def test_one_rank_hybrid_backend_equals_flat(solo_group) -> None:
             want = _round_trip(flat, xs[0], idxs[0], ws[0], bias, 4, expand, sync, xs[0].shape[0])
             got = _round_trip(hyb, xs[0], idxs[0], ws[0], bias, 4, expand, sync, xs[0].shape[0])
             for i, (a, b) in enumerate(zip(got, want)):
-                _same(a, b, f"1x1 expand={expand} sync={sync} output {i}")
+                assert_bits_equal(a, b, f"1x1 expand={expand} sync={sync} output {i}")
     hyb.destroy()
     flat.destroy()
     with pytest.raises(ValueError, match="argument 'num_scaleout_ranks'"):
@@ -223,7 +216,7 @@ def _uneven_groups_worker(rank: int, world_size: int) -> int:
     want = _round_trip(flat, xs[rank], idxs[rank], ws[rank], bias, E, False, True, bound)
     got = _round_trip(eb, xs[rank], idxs[rank], ws[rank], bias, E, False, True, bound)
     for i, (a, b) in enumerate(zip(got, want)):
-        _same(a, b, f"uneven groups, output {i}")
+        assert_bits_equal(a, b, f"uneven groups, output {i}")
     eb.destroy()
     flat.destroy()
     return 1

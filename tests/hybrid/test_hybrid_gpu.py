@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hybrid_reduced import KINDS, _combine_rows, _expected, _inputs, _same
+from support.bits import assert_bits_equal, bits_equal
+from test_hybrid_reduced import KINDS, _combine_rows, _expected, _inputs
 
 from ep_moe.distributed import run_distributed
 
@@ -54,13 +55,10 @@ def _run_fp8(eb, x8, scales, idx, w, E: int, expand: bool, sync: bool, bound: in
     return [rx, rs, ri, rw, cx, cs, out]
 
 
-def _bits_equal(got, want) -> bool:
+def _all_bits_equal(got: list, want: list) -> bool:
     """Equal bits, position by position; an output the layout does not return (None, e.g. the expanded layout's
     top-k ids) must be None on both sides."""
-    return len(got) == len(want) and all(
-        (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape and torch.equal(
-            a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-        for a, b in zip(got, want))
+    return len(got) == len(want) and all(bits_equal(a, b) for a, b in zip(got, want))
 
 
 def _no_sync_and_graph(step, what: str) -> dict[str, bool]:
@@ -115,8 +113,8 @@ def _reduced(rank: int, world: int, num_scaleout_ranks: int, scaleup: str, num_c
                         out, out_w = _combine_rows(eb, rank, x, idx, w, b, E, *tables, expand, sync, bound)
                         name = f"reduced {kind} {dtype} expand={expand} sync={sync} chunks={eb.buffer.backend.num_chunks}"
                         try:
-                            _same(out.cpu(), want, name)
-                            _same(out_w.cpu(), want_w, name + " weights")
+                            assert_bits_equal(out.cpu(), want, name)
+                            assert_bits_equal(out_w.cpu(), want_w, name + " weights")
                             ok[name] = True
                         except AssertionError:
                             ok[name] = False
@@ -163,11 +161,11 @@ def _worker(rank: int, world: int, num_scaleout_ranks: int, scaleup: str, num_ch
     for dtype in (torch.bfloat16, torch.float32):
         for expand in (False, True):
             for sync in (True, False):
-                ok &= _bits_equal(_run(hyb, x.to(dtype), idx, w, E, expand, sync, bound),
+                ok &= _all_bits_equal(_run(hyb, x.to(dtype), idx, w, E, expand, sync, bound),
                                   _run(flat, x.to(dtype), idx, w, E, expand, sync, bound))
     for expand in (False, True):
         for sync in (True, False):
-            ok &= _bits_equal(_run_fp8(hyb, x8, scales, idx, w, E, expand, sync, bound),
+            ok &= _all_bits_equal(_run_fp8(hyb, x8, scales, idx, w, E, expand, sync, bound),
                               _run_fp8(flat, x8, scales, idx, w, E, expand, sync, bound))
     results = {"unreduced equals flat": bool(ok)}
     if not shared:  # gloo's collectives wait on the host and cannot be captured

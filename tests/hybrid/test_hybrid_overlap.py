@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hybrid import HIDDEN, TOPK, _inputs, _round_trip, _routing, _same
+from support.bits import assert_bits_equal
+from support.world_sizes import run_world_sizes
+from test_hybrid import HIDDEN, TOPK, _inputs, _round_trip, _routing
 from test_hybrid_reduced import error_bound
-from world_sizes import run_world_sizes
 
 from ep_moe.tuning.hybrid_model import exact_hop_rows
 
@@ -122,7 +123,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
                     want = _round_trip(flat, xs[rank], idxs[rank], ws[rank], bias, E, expand, sync, bound)
                     got = _round_trip(eb, xs[rank], idxs[rank], ws[rank], bias, E, expand, sync, bound)
                     for i, (a, b) in enumerate(zip(got, want)):
-                        _same(a, b, f"{where} {kind} {dtype} expand={expand} sync={sync} output {i}")
+                        assert_bits_equal(a, b, f"{where} {kind} {dtype} expand={expand} sync={sync} output {i}")
                     checked += 1
             fp8 = _fp8_inputs(kind, num_ranks, num_nodes, E)
             x, scales, idx, w = fp8[rank]
@@ -131,14 +132,14 @@ def _worker(rank: int, num_ranks: int, group) -> int:
                 want = _fp8_round_trip(flat, x, scales, idx, w, E, expand, sync, bound)
                 got = _fp8_round_trip(eb, x, scales, idx, w, E, expand, sync, bound)
                 for i, (a, b) in enumerate(zip(got, want)):
-                    _same(a, b, f"{where} {kind} fp8 expand={expand} sync={sync} output {i}")
+                    assert_bits_equal(a, b, f"{where} {kind} fp8 expand={expand} sync={sync} output {i}")
                 # reduced: the dispatches' bits; a combine equal for every chunk count and transport, within the
                 # reduced and the flat bounds of each other
                 got = _fp8_round_trip(ebr, x, scales, idx, w, E, expand, sync, bound)
                 for i, (a, b) in enumerate(zip(got, want)):
                     if i != 6:
-                        _same(a, b, f"{where} {kind} fp8 reduced expand={expand} sync={sync} output {i}")
-                _same(got[6], reduced_out.setdefault((kind, expand, sync), got[6]), f"{where} {kind} fp8 reduced")
+                        assert_bits_equal(a, b, f"{where} {kind} fp8 reduced expand={expand} sync={sync} output {i}")
+                assert_bits_equal(got[6], reduced_out.setdefault((kind, expand, sync), got[6]), f"{where} {kind} fp8 reduced")
                 size = _fp8_round_trip(flat, x, scales, idx, w, E, expand, sync, bound, absolute=True)[6].double()
                 limit = (error_bound(torch.bfloat16, num_ranks, num_nodes)
                          + error_bound(torch.bfloat16, num_ranks, num_nodes, reduced=False)) * (1 + 2 ** -7) * size
@@ -177,7 +178,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
             want = _round_trip(flat, xs[rank], idxs[rank], ws[rank], None, E, True, False, bound)
             got = _round_trip(eb, xs[rank], idxs[rank], ws[rank], None, E, True, False, bound)
             for i, (a, b) in enumerate(zip(got, want)):
-                _same(a, b, f"{where} set_num_chunks(2) output {i}")
+                assert_bits_equal(a, b, f"{where} set_num_chunks(2) output {i}")
             checked += 1
         eb.destroy()
         ebr.destroy()
@@ -203,8 +204,8 @@ def _worker(rank: int, num_ranks: int, group) -> int:
         got, want = (layer.dispatch(xs[rank], idxs[rank], ws[rank]) for layer in (hybrid_layer, flat_layer))
         assert eb.buffer.backend.num_chunks == hybrid_layer.plan.num_chunks == 1
         for i, (a, b) in enumerate(zip(got[:3], want[:3])):
-            _same(a, b, f"TokenDispatcher output {i}")
-        _same(hybrid_layer.combine(got[0] * 2, got[3]), flat_layer.combine(want[0] * 2, want[3]), "TokenDispatcher")
+            assert_bits_equal(a, b, f"TokenDispatcher output {i}")
+        assert_bits_equal(hybrid_layer.combine(got[0] * 2, got[3]), flat_layer.combine(want[0] * 2, want[3]), "TokenDispatcher")
         eb.destroy()
         checked += 1
 

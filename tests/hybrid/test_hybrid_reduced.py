@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from world_sizes import run_world_sizes
+from support.bits import assert_bits_equal
+from support.world_sizes import run_world_sizes
 
 from ep_moe.tuning.hybrid_model import exact_hop_rows, hybrid_row_bytes
 
@@ -118,14 +119,6 @@ def error_bound(dtype: torch.dtype, num_ranks: int, num_nodes: int, reduced: boo
     return ((2 * u + (num_ranks + num_nodes + 2) * v) if reduced else (u + (num_ranks + 2) * v)) * (1 + 2 * u)
 
 
-def _same(a, b, what: str) -> None:
-    if a is None or b is None:
-        assert a is None and b is None, what
-        return
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{what}: bits differ"
-
-
 def _combine_rows(eb, rank, x, idx, w, bias, E, values, row_weights, expand: bool, sync: bool, bound: int):
     """One dispatch and the combine of rows taken from the tables (compact: received row of (s, t) is
     ``values[rank, s, t]`` with weights ``row_weights[rank, s, t]``; expanded: the row of the first local pair of
@@ -207,8 +200,8 @@ def _worker(rank: int, num_ranks: int, group) -> int:
                     runs = [_combine_rows(eb, rank, x, idx, w, bias, E, values, row_weights, expand, sync, bound)
                             for eb in (reduced[0], reduced[0], reduced[1])]
                     for i, (out, out_w) in enumerate(runs):  # twice on one buffer, then another chunk count
-                        _same(out, want, f"{where} run {i}: combined vs the reference")
-                        _same(out_w, want_w, f"{where} run {i}: combined weights vs the reference")
+                        assert_bits_equal(out, want, f"{where} run {i}: combined vs the reference")
+                        assert_bits_equal(out_w, want_w, f"{where} run {i}: combined weights vs the reference")
                     err = (runs[0][0].double() - exact).abs()
                     assert bool((err <= error_bound(dtype, R, S) * size).all()), \
                         f"{where}: {float((err / size.clamp(min=1e-30)).max())} x A past the bound"
@@ -242,7 +235,7 @@ def _worker(rank: int, num_ranks: int, group) -> int:
                     torch.autograd.backward([out, out_w], [grad, grad_w])
                 got.append((y.grad, rw.grad, b.grad))
             for i in range(3):
-                _same(got[0][i], got[1][i], f"{S}x{R // S} {kind} expand={expand} gradient {i}")
+                assert_bits_equal(got[0][i], got[1][i], f"{S}x{R // S} {kind} expand={expand} gradient {i}")
             checked += 1
         # network bytes: one dispatch + combine on each mode, against the model's exact counts
         rows = exact_hop_rows(idxs, E, S)[rank]

@@ -1,5 +1,5 @@
 """`ElasticBuffer`'s GPU segment as the native backend's dispatch/combine memory, on ONE GPU shared by 2-4 processes
-(`support_shared_gpu`: gloo, ``cuda:0``, ``EP_MOE_SYMMETRIC_MEMORY=vmm``; docs/semantics.md, "ElasticBuffer: memory
+(`support.shared_gpu`: gloo, ``cuda:0``, ``EP_MOE_SYMMETRIC_MEMORY=vmm``; docs/semantics.md, "ElasticBuffer: memory
 types and Engram"):
 
 * elastic (``allow_hybrid_mode=False``) and hybrid memory: the native backend's data buffer is the segment (its
@@ -24,8 +24,9 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-from support_shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_runs
-from test_native_gpu import assert_bits_equal, on_device
+from support.bits import assert_bits_equal
+from support.shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_runs
+from test_native_gpu import on_device
 from test_native_shared_gpu import BUFFER_TIMEOUT_S, ELASTIC_CASE, _check_elastic
 
 from ep_moe.elastic.memory.cuda_vmm import vmm_unavailable_reason
@@ -156,10 +157,9 @@ def _too_small_worker(rank: int, world: int) -> int:
                            do_cpu_sync=False, num_max_tokens_per_rank=16) for b in (nat, ref)]
         for name, got, want in zip(("recv_x", "recv_topk_idx", "recv_topk_weights"), outs[0][:3], outs[1][:3],
                                    strict=True):
-            assert_bits_equal(f"after {kwargs}: {name}", got, want)
+            assert_bits_equal(got, want, f"after {kwargs}: {name}", on_host=True)
         y = outs[1][0]
-        assert_bits_equal(f"after {kwargs}: combined", nat.combine(on_device(DEVICE, y), outs[0][3])[0],
-                          ref.combine(y, outs[1][3])[0])
+        assert_bits_equal(nat.combine(on_device(DEVICE, y), outs[0][3])[0], ref.combine(y, outs[1][3])[0], f"after {kwargs}: combined", on_host=True)
     assert nat.buffer.backend.data_allocations == 0
     nat.barrier()
     nat.destroy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.bits import assert_bits_equal
 from support_jit import GPU_JIT_MARKS, jit_taken  # noqa: F401 (an autouse fixture)
 
 from ep_moe import permute as P
@@ -47,17 +48,6 @@ def rows(shape: tuple, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * scale).to(dtype)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    return t.view(torch.uint8) if t.numel() else t.reshape(-1).view(torch.uint8)
-
-
-def assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), \
-        f"{what}: {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}"
-    assert torch.equal(bits(got), bits(want)), f"{what}: {int((bits(got) != bits(want)).sum())} bytes differ"
-
-
 LAYOUTS = [  # (routing, N, K, L, A)
     ("random", 37, 4, 16, 1), ("random", 300, 8, 3, 16), ("random", 5, 1, 1, 1), ("random", 2000, 8, 256, 128),
     ("random", 4096, 4, 16, 1), ("random", 70000, 8, 32, 1),  # ~560k pairs: many sub-tiles per block
@@ -78,7 +68,7 @@ def test_layout_equals_the_torch_definition(case, bound):
     want = exact if num_slots is None else P._expert_layout_torch(idx, L, A, num_slots)
     got = P.expert_layout(idx.cuda(), L, A, num_slots)
     for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
-        assert_bits(getattr(got, name), getattr(want, name), f"{name} ({bound})")
+        assert_bits_equal(getattr(got, name), getattr(want, name), f"{name} ({bound})", on_host=True)
     if num_slots is None:
         assert torch.equal(got.tokens_per_expert_host, want.tokens_per_expert_host)
         assert not got.tokens_per_expert_host.is_cuda
@@ -96,14 +86,14 @@ def test_layout_with_a_capacity_equals_the_torch_definition(case, capacity):
     want = P._expert_layout_torch(idx, L, 1, None, C)
     got = P.expert_layout(idx.cuda(), L, capacity=C)
     for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
-        assert_bits(getattr(got, name), getattr(want, name), f"{name} (capacity {C})")
+        assert_bits_equal(getattr(got, name), getattr(want, name), f"{name} (capacity {C})", on_host=True)
     assert got.tokens_per_expert_host.tolist() == [C] * L and not got.tokens_per_expert_host.is_cuda
 
 
 def test_layout_of_more_experts_than_the_kernels_hold_uses_torch():
     idx = routing("random", 50, 4, 3000, seed=1)
     got = P.expert_layout(idx.cuda(), 3000, 1)
-    assert_bits(got.pair_of_slot, P._expert_layout_torch(idx, 3000, 1, None).pair_of_slot, "pair_of_slot")
+    assert_bits_equal(got.pair_of_slot, P._expert_layout_torch(idx, 3000, 1, None).pair_of_slot, "pair_of_slot", on_host=True)
 
 
 ROWS = [  # (N, K, L, A, H, dtype, misaligned): H chosen so rows take 16-, 4-, 2- and 1-byte words
@@ -134,16 +124,16 @@ def test_permute_and_reduce_equal_the_torch_definitions(case):
     values = torch.rand(N, K, generator=torch.Generator().manual_seed(2))
     got_rows, got_values = P.permute_rows_and_values(_on_gpu(x, misaligned), values.cuda(), gpu_layout)
     want_rows, want_values = P.permute_rows_and_values(x, values, layout)
-    assert_bits(got_rows, want_rows, "rows")
-    assert_bits(got_values, want_values, "slot values")
-    assert_bits(P.permute_rows(_on_gpu(x, misaligned), gpu_layout), want_rows, "rows without values")
+    assert_bits_equal(got_rows, want_rows, "rows", on_host=True)
+    assert_bits_equal(got_values, want_values, "slot values", on_host=True)
+    assert_bits_equal(P.permute_rows(_on_gpu(x, misaligned), gpu_layout), want_rows, "rows without values", on_host=True)
     if dtype == FP8:
         return
     y = rows((layout.num_slots, H), dtype, seed=3)
     w = torch.rand(layout.num_slots, generator=torch.Generator().manual_seed(4))
     for weights in (w, None):
         got = P.unpermute_sum(_on_gpu(y, misaligned), gpu_layout, None if weights is None else weights.cuda())
-        assert_bits(got, P.unpermute_sum(y, layout, weights), f"unpermute_sum (weighted={weights is not None})")
+        assert_bits_equal(got, P.unpermute_sum(y, layout, weights), f"unpermute_sum (weighted={weights is not None})", on_host=True)
 
 
 @pytest.mark.parametrize("case", ROWS, ids=ROW_IDS)
@@ -174,11 +164,11 @@ def test_permute_received_rows_equals_the_torch_definition(case, rank):
     got_rows, got_values = P.permute_received_rows(
         buffer.cuda(), N, _on_gpu(own_x, misaligned), own_tokens.cuda(), prefix.cuda(), rank, gpu_layout,
         values.cuda())
-    assert_bits(got_rows, want_rows, "rows")
-    assert_bits(got_values, want_values, "slot values")
+    assert_bits_equal(got_rows, want_rows, "rows", on_host=True)
+    assert_bits_equal(got_values, want_values, "slot values", on_host=True)
     alone, none = P.permute_received_rows(buffer.cuda(), N, own_x.cuda(), own_tokens.cuda(), prefix.cuda(), rank,
                                           gpu_layout)
-    assert_bits(alone, want_rows, "rows without values")
+    assert_bits_equal(alone, want_rows, "rows without values", on_host=True)
     assert none is None
 
 
@@ -196,7 +186,7 @@ def test_permute_received_rows_stays_in_range_on_garbage_routes():
     want, _ = P.permute_received_rows(buffer, N, own_x, own_tokens, prefix, 1, layout)
     got, _ = P.permute_received_rows(buffer.cuda(), N, own_x.cuda(), own_tokens.cuda(), prefix.cuda(), 1, gpu_layout)
     torch.cuda.synchronize()
-    assert_bits(got, want, "rows")
+    assert_bits_equal(got, want, "rows", on_host=True)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32])
@@ -222,7 +212,7 @@ def test_gradients_equal_the_torch_definitions(dtype, H):
 
     got, want = run(gpu_layout, "cuda"), run(layout, "cpu")
     for name, a, b in zip(("grad x", "grad values", "grad y"), got[:3], want[:3]):
-        assert_bits(a, b, name)
+        assert_bits_equal(a, b, name, on_host=True)
     # the weights' gradient: within float64's answer by the sum of |terms|, and the same on a second run
     rows_of = (layout.pair_of_slot.clamp(max=N * K - 1) // K)
     valid = layout.pair_of_slot < N * K
@@ -291,5 +281,5 @@ def test_torch_compile_gives_eagers_values_and_gradients():
         out.float().square().sum().backward()
         results.append((out.detach(), x.grad, w.grad))
     for name, got, want in zip(("output", "grad x"), results[1], results[0]):
-        assert_bits(got, want, f"compiled {name}")
+        assert_bits_equal(got, want, f"compiled {name}", on_host=True)
     torch.testing.assert_close(results[1][2], results[0][2], rtol=1e-5, atol=1e-6)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.bits import assert_bits_equal
 from support_jit import GPU_JIT_MARKS, jit_taken  # noqa: F401 (an autouse fixture)
-from test_expert_major_kernels import BF16, FP32, assert_bits, routing, rows
+from test_expert_major_kernels import BF16, FP32, routing, rows
 
 from ep_moe import permute as P
 from ep_moe.native.jit import expert_major_csrc as E
@@ -43,7 +44,7 @@ def test_unpermute_own_rows_equals_unpermute_sum_on_the_own_rows(dtype, H, rank)
         got = E.unpermute_own_rows(y.cuda(), None if weights is None else weights.cuda(), layout.sorted_slots.cuda(),
                                    prefix.cuda(), rank)
         assert got.shape == want.shape and end > first
-        assert_bits(got[first:end], want[first:end], f"own rows (weighted={weights is not None})")
+        assert_bits_equal(got[first:end], want[first:end], f"own rows (weighted={weights is not None})", on_host=True)
 
 
 def _routing_case(dtype, shape):
@@ -72,7 +73,7 @@ def test_routing_map_to_topk_equals_the_torch_ops(dtype, shape):
         results.append((idx.cpu(), w.detach().cpu(), p.grad.cpu()))
     for other in results[1:]:
         for name, a, b in zip(("topk_idx", "topk_weights", "grad probs"), results[0], other):
-            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+            assert_bits_equal(a, b, name)
 
 
 def test_first_use_inside_a_cuda_graph_capture():
@@ -96,4 +97,4 @@ def test_first_use_inside_a_cuda_graph_capture():
     first, end = int(prefix[0, 1]), int(prefix[1, 1])
     eager = E.unpermute_own_rows(y, w, slots, prefix, 1)
     assert E._kernels[torch.cuda.current_device()].checked, "checked at the first use outside the capture"
-    assert_bits(static_out[first:end], eager[first:end], "replay")
+    assert_bits_equal(static_out[first:end], eager[first:end], "replay", on_host=True)

@@ -17,8 +17,9 @@ import textwrap
 import locations
 import pytest
 import torch
+from support.bits import assert_bits_equal
 from support_jit import GPU_JIT_MARKS, jit_taken  # noqa: F401 (an autouse fixture)
-from test_expert_major_kernels import BF16, assert_bits, routing, rows
+from test_expert_major_kernels import BF16, routing, rows
 
 from ep_moe import permute as P
 from ep_moe.native.jit import expert_major as J
@@ -32,11 +33,11 @@ def test_rows_routed_nowhere():
     want = P._expert_layout_torch(idx, 4, 4, 12)
     got = P.expert_layout(idx.cuda(), 4, 4, 12)
     for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
-        assert_bits(getattr(got, name), getattr(want, name), name)
+        assert_bits_equal(getattr(got, name), getattr(want, name), name, on_host=True)
     x = rows((5, 8), BF16, seed=1)
-    assert_bits(P.permute_rows(x.cuda(), got), P.permute_rows(x, want), "rows")
+    assert_bits_equal(P.permute_rows(x.cuda(), got), P.permute_rows(x, want), "rows", on_host=True)
     y = rows((12, 8), BF16, seed=2)
-    assert_bits(P.unpermute_sum(y.cuda(), got), P.unpermute_sum(y, want), "reduce")
+    assert_bits_equal(P.unpermute_sum(y.cuda(), got), P.unpermute_sum(y, want), "reduce", on_host=True)
 
 
 def test_captured_in_a_cuda_graph_and_replayed_on_new_routings():
@@ -65,7 +66,7 @@ def test_captured_in_a_cuda_graph_and_replayed_on_new_routings():
         static_x.copy_(rows((N, H), BF16, seed=seed + 10).cuda())
         graph.replay()
         torch.cuda.synchronize()
-        assert_bits(static_out, step(), f"replay {seed}")
+        assert_bits_equal(static_out, step(), f"replay {seed}", on_host=True)
 
 
 def test_first_use_inside_a_cuda_graph_capture():
@@ -87,7 +88,7 @@ def test_first_use_inside_a_cuda_graph_capture():
     static_x.copy_(rows((N, H), BF16, seed=53).cuda())
     graph.replay()
     torch.cuda.synchronize()
-    assert_bits(static_out, P.permute_rows(static_x, layout), "replay")
+    assert_bits_equal(static_out, P.permute_rows(static_x, layout), "replay", on_host=True)
 
 
 # ------------------------------------------------------------------------------------------ the layout's launches
@@ -114,9 +115,9 @@ def test_the_cooperative_layout_equals_the_four_kernels_bit_for_bit(monkeypatch,
     plain = _layout_outputs(idx, L, A, num_slots, capacity)
     torch.cuda.synchronize()
     for i, (a, b) in enumerate(zip(fused, plain)):
-        assert_bits(a, b, f"output {i}")
+        assert_bits_equal(a, b, f"output {i}", on_host=True)
     want = P._expert_layout_torch(idx.cpu(), L, A, None if num_slots < 0 else num_slots, capacity)
-    assert_bits(fused[0], want.pair_of_slot, "pair_of_slot against the torch definition")
+    assert_bits_equal(fused[0], want.pair_of_slot, "pair_of_slot against the torch definition", on_host=True)
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 5])
@@ -140,8 +141,8 @@ def test_a_grid_below_the_tile_count_gives_the_same_layout(monkeypatch, blocks, 
         for num_slots, capacity, want in cases:
             got = P.expert_layout(idx.cuda(), L, 1 if capacity else A, num_slots, capacity)
             for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
-                assert_bits(getattr(got, name), getattr(want, name),
-                            f"{name} ({blocks} blocks, num_slots {num_slots}, capacity {capacity}, plain {plain})")
+                assert_bits_equal(getattr(got, name), getattr(want, name),
+                            f"{name} ({blocks} blocks, num_slots {num_slots}, capacity {capacity}, plain {plain})", on_host=True)
 
 
 def test_layouts_on_two_streams_at_once():
@@ -165,7 +166,7 @@ def test_layouts_on_two_streams_at_once():
     torch.cuda.synchronize()
     for i, got in together:
         for j, (a, b) in enumerate(zip(got[:5], alone[i][:5])):
-            assert_bits(a, b, f"routing {i} output {j}")
+            assert_bits_equal(a, b, f"routing {i} output {j}", on_host=True)
 
 
 def test_a_capacity_layout_captured_and_replayed():
@@ -188,7 +189,7 @@ def test_a_capacity_layout_captured_and_replayed():
         torch.cuda.synchronize()
         eager = P.expert_layout(static_idx, L, capacity=C)
         for name in ("pair_of_slot", "slot_of_pair", "sorted_slots", "tokens_per_expert", "pairs_per_expert"):
-            assert_bits(getattr(static, name), getattr(eager, name), f"{name} (replay {seed})")
+            assert_bits_equal(getattr(static, name), getattr(eager, name), f"{name} (replay {seed})", on_host=True)
     from ep_moe.native import jit
 
     before = len(jit.history())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.bits import assert_bits_equal
 
 from ep_moe import native
 from ep_moe.distributed import run_distributed
@@ -88,9 +89,7 @@ def _one_rank_worker(rank: int, world: int) -> dict:
             outs.append((recv_x, recv_idx, recv_w, cached, combined, combined_w, handle.rank_prefix_matrix))
         for name, a, b in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "cached recv_x", "combined",
                                "combined weights", "rank_prefix_matrix"), *outs):
-            assert a.shape == b.shape and a.dtype == b.dtype, name
-            assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
-                               b.view(torch.uint8) if b.is_floating_point() else b), f"{name} (tokens {tokens})"
+            assert_bits_equal(a, b, f"{name} (tokens {tokens})")
         checked += 1
     nat.barrier()
     nat.destroy()

@@ -41,6 +41,7 @@ _CHILD = textwrap.dedent(f"""
     from ep_moe import Buffer, native
     from ep_moe import permute as P
     from ep_moe.native.jit import expert_major_csrc
+    from support.bits import assert_bits_equal, bits
 
     assert native.kernels_unavailable_reason() is None, native.kernels_unavailable_reason()
     torch.cuda.set_device(0)
@@ -63,13 +64,8 @@ _CHILD = textwrap.dedent(f"""
         outs[backend] = [per_rank, per_expert, in_rank, recv_x, recv_idx, recv_w, combined, combined_w]
         buf.destroy()
 
-    def same(a, b):
-        a, b = a.contiguous(), b.contiguous()
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-            a.view(torch.uint8) if a.is_floating_point() else a, b.view(torch.uint8) if b.is_floating_point() else b)
-
     for i, (a, b) in enumerate(zip(outs["native"], outs["torch"])):
-        assert same(a, b), f"native output {{i}} differs from the torch backend's"
+        assert_bits_equal(a, b, f"native output {{i}} against the torch backend's")
     # the expert-major ops of the shape: the layout, the permute with values, the weighted reduce, the own rows
     P.reset_implementations_run()
     layout = P.expert_layout(idx, E, 16)
@@ -83,11 +79,11 @@ _CHILD = textwrap.dedent(f"""
     ref_out = P.unpermute_sum(ref_rows, ref, ref_w)
     for name, a, b in (("layout", layout.pair_of_slot, ref.pair_of_slot), ("rows", rows, ref_rows),
                        ("slot weights", slot_w, ref_w), ("reduce", out, ref_out), ("own rows", own, ref_out)):
-        assert same(a.cpu(), b), name
+        assert_bits_equal(a.cpu(), b, name)
     torch.cuda.synchronize()
     digest = hashlib.sha256()
     for t in outs["native"] + [layout.pair_of_slot, rows, slot_w, out, own]:
-        digest.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        digest.update(bits(t).cpu().numpy().tobytes())
     dist.destroy_process_group()
     print(json.dumps({{"history": [list(e) for e in jit.history()], "builds": jit.process_cache().builds,
                       "digest": digest.hexdigest()}}))
@@ -95,7 +91,8 @@ _CHILD = textwrap.dedent(f"""
 
 
 def _env(cache: str, compiler: bool = True) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(locations.REPO), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(locations.REPO), str(locations.REPO / "tests"),
+                                       os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, EP_MOE_CACHE_DIR=cache, PYTHONPATH=path)
     if not compiler:  # no nvcc to find: PATH without it, no toolkit named
         for name in ("CUDA_HOME", "CUDA_PATH", "EP_MOE_JIT_COMPILER"):

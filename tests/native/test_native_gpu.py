@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from support.bits import assert_bits_equal
 
 from ep_moe import Config, native
 from ep_moe.benchmarking.fingerprint import fingerprint_outputs
@@ -136,25 +137,6 @@ def on_device(device: torch.device, value):
     return value
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """A view whose equality is bit equality (NaN-safe)."""
-    if t.dtype in (torch.int32, torch.int64, torch.bool, torch.uint8):
-        return t
-    return t.contiguous().view(torch.uint8)
-
-
-def assert_bits_equal(name: str, a, b) -> None:
-    if a is None or b is None:
-        assert a is None and b is None, f"{name}: one side is None"
-        return
-    assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != {b.dtype}"
-    b = b.to(a.device)  # a reference computed on another device (the CPU) is compared where a lives
-    if not torch.equal(bits(a), bits(b)):
-        diff = (bits(a) != bits(b)).nonzero()
-        raise AssertionError(f"{name}: differs at {diff.shape[0]} places, first {diff[:3].tolist()}")
-
-
 # ------------------------------------------------------------------------------------------ workers
 def _all_ok(ok: bool, side_group) -> bool:
     """Whether every rank's case passed (over gloo, so that it never mixes with a pending NCCL call)."""
@@ -232,7 +214,7 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
     lay_ref = dispatch_layout(idx, case["experts"], world)
     lay_nat = nat.backend.get_dispatch_layout(idx, case["experts"])
     for name, a, b in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), lay_nat, lay_ref):
-        assert_bits_equal(f"{label} layout {name}", a, b)
+        assert_bits_equal(a, b, f"{label} layout {name}", on_host=True)
     per_rank, _, per_expert, in_rank, _ = nat.get_dispatch_layout(idx, case["experts"])
     outs = []
     for buf in (nat, ref):
@@ -243,16 +225,16 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
                                  expert_alignment=case["alignment"], num_worst_tokens=worst, config=config))
     (rx_n, ri_n, rw_n, cnt_n, h_n, _), (rx_r, ri_r, rw_r, cnt_r, h_r, _) = outs
     if isinstance(rx_n, tuple):
-        assert_bits_equal(f"{label} recv_x", rx_n[0], rx_r[0])
-        assert_bits_equal(f"{label} recv_scales", rx_n[1], rx_r[1])
+        assert_bits_equal(rx_n[0], rx_r[0], f"{label} recv_x", on_host=True)
+        assert_bits_equal(rx_n[1], rx_r[1], f"{label} recv_scales", on_host=True)
     else:
-        assert_bits_equal(f"{label} recv_x", rx_n, rx_r)
-    assert_bits_equal(f"{label} recv_topk_idx", ri_n, ri_r)
-    assert_bits_equal(f"{label} recv_topk_weights", rw_n, rw_r)
+        assert_bits_equal(rx_n, rx_r, f"{label} recv_x", on_host=True)
+    assert_bits_equal(ri_n, ri_r, f"{label} recv_topk_idx", on_host=True)
+    assert_bits_equal(rw_n, rw_r, f"{label} recv_topk_weights", on_host=True)
     assert cnt_n == cnt_r, f"{label} counts {cnt_n} != {cnt_r}"
-    assert_bits_equal(f"{label} rank_prefix_matrix", h_n.rank_prefix_matrix, h_r.rank_prefix_matrix)
-    assert_bits_equal(f"{label} recv_src_idx", h_n.recv_src_idx, h_r.recv_src_idx)
-    assert_bits_equal(f"{label} recv_src_rank", h_n.recv_src_rank, h_r.recv_src_rank)
+    assert_bits_equal(h_n.rank_prefix_matrix, h_r.rank_prefix_matrix, f"{label} rank_prefix_matrix", on_host=True)
+    assert_bits_equal(h_n.recv_src_idx, h_r.recv_src_idx, f"{label} recv_src_idx", on_host=True)
+    assert_bits_equal(h_n.recv_src_rank, h_r.recv_src_rank, f"{label} recv_src_rank", on_host=True)
     assert h_n.num_recv_tokens == h_r.num_recv_tokens
 
     # combine: y in the dispatch dtype (bf16 for FP8), weights, optional biases of either dtype
@@ -261,8 +243,8 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
     c_n, cw_n, _ = nat.combine(y, h_n, topk_weights=rw_n, bias=bias, config=config)
     c_r, cw_r, _ = ref.combine(on_device(ref.device, y), h_r, topk_weights=rw_r, bias=on_device(ref.device, bias),
                                config=config)
-    assert_bits_equal(f"{label} combined", c_n, c_r)
-    assert_bits_equal(f"{label} combined_weights", cw_n, cw_r)
+    assert_bits_equal(c_n, c_r, f"{label} combined", on_host=True)
+    assert_bits_equal(cw_n, cw_r, f"{label} combined_weights", on_host=True)
 
     # cached dispatch of fresh data with the same layout
     if index % 3 == 0:
@@ -270,10 +252,10 @@ def _check_case(rank: int, world: int, index: int, nat, ref, options: NativeOpti
         cx_n = nat.dispatch(data2, handle=h_n, config=config)[0]
         cx_r = ref.dispatch(on_device(ref.device, data2), handle=h_r, config=config)[0]
         if isinstance(cx_n, tuple):
-            assert_bits_equal(f"{label} cached recv_x", cx_n[0], cx_r[0])
-            assert_bits_equal(f"{label} cached recv_scales", cx_n[1], cx_r[1])
+            assert_bits_equal(cx_n[0], cx_r[0], f"{label} cached recv_x", on_host=True)
+            assert_bits_equal(cx_n[1], cx_r[1], f"{label} cached recv_scales", on_host=True)
         else:
-            assert_bits_equal(f"{label} cached recv_x", cx_n, cx_r)
+            assert_bits_equal(cx_n, cx_r, f"{label} cached recv_x", on_host=True)
 
 
 GRAPH_EXPERTS, GRAPH_TOPK = 64, 4
@@ -324,11 +306,11 @@ def check_graph_replays(buf, ref, rank: int, world: int, hidden: int = 2048, tok
         r_x, r_idx, r_w, _, r_h, _ = ref.dispatch(on_device(ref.device, x), topk_idx=on_device(ref.device, idx),
                                                   topk_weights=on_device(ref.device, w), num_worst_tokens=worst,
                                                   num_experts=experts)
-        assert_bits_equal(f"graph replay {seed} recv_x", g_recv_x, r_x)
-        assert_bits_equal(f"graph replay {seed} recv_topk_idx", g_recv_idx, r_idx)
+        assert_bits_equal(g_recv_x, r_x, f"graph replay {seed} recv_x", on_host=True)
+        assert_bits_equal(g_recv_idx, r_idx, f"graph replay {seed} recv_topk_idx", on_host=True)
         r_c, r_cw, _ = ref.combine(r_x, r_h, topk_weights=r_w)
-        assert_bits_equal(f"graph replay {seed} combined", g_combined, r_c)
-        assert_bits_equal(f"graph replay {seed} combined_weights", g_combined_w, r_cw)
+        assert_bits_equal(g_combined, r_c, f"graph replay {seed} combined", on_host=True)
+        assert_bits_equal(g_combined_w, r_cw, f"graph replay {seed} combined_weights", on_host=True)
     del graph
 
 
@@ -367,7 +349,7 @@ def _graph_and_soak_worker(rank: int, world: int, iterations: int) -> float:
                                  f"(copy engine {copy_engine})")
     r_x, _, r_w, _, r_h, _ = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
     r_c, _, _ = ref.combine(r_x, r_h, topk_weights=r_w)
-    assert_bits_equal("soak combined", combined, r_c)
+    assert_bits_equal(combined, r_c, "soak combined", on_host=True)
     buf.destroy()
     ref.destroy()
     return elapsed / iterations

@@ -12,7 +12,7 @@ disagree on a call's hidden size, dtype, top-k, experts, fixed size or handle ra
   with the copy engine off and forced on; then the knob on every rank with the copy engine forced on (the
   copy-engine copies of a disagreeing call are waited for before its epoch closes) and a combine that only some
   ranks take by the copy engine. On ``EP_MOE_TEST_WORLD`` GPUs (default 2; NCCL), and on ONE GPU shared by 2 and
-  3 processes (`support_shared_gpu`: gloo, ``EP_MOE_SYMMETRIC_MEMORY=vmm``). The session functions take the
+  3 processes (`support.shared_gpu`: gloo, ``EP_MOE_SYMMETRIC_MEMORY=vmm``). The session functions take the
   group, the device and the buffer's timeout from their caller.
 
 Run: ``pytest -m gpu tests/native/test_native_mismatch_gpu.py`` (the one-rank and shared-GPU tests on one GPU;
@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from support_shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_runs
+from support.bits import bit_difference, bits_equal
+from support.shared_gpu import DEVICE, run_on_one_gpu, skip_unless_shared_gpu_runs
 
 from ep_moe import Buffer, native
 from ep_moe.config import NativeOptions
@@ -78,11 +79,6 @@ def _call_then_barrier(buffer: Buffer, call) -> str:
     return after if outcome == "no error" else outcome
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
 def _set(knob: torch.Tensor, values: tuple[int, int, int]) -> None:
     """The knob's values, in place (a captured graph keeps reading this tensor)."""
     knob.copy_(torch.tensor(values, dtype=torch.int32))
@@ -110,8 +106,9 @@ def _one_rank_worker(rank: int, world: int, copy_engine: bool) -> list[str]:
             failures.append(f"{what}: expected a ValueError with {needles}, got {outcome!r}")
 
     def same(what: str, got, want) -> None:
-        if not _bits_equal(got, want):
-            failures.append(f"{what}: differs from the torch backend")
+        difference = bit_difference(got, want)
+        if difference is not None:
+            failures.append(f"{what}: differs from the torch backend: {difference}")
 
     def fresh(worst: int = 0):
         return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, num_worst_tokens=worst)
@@ -194,7 +191,7 @@ def _graph_case(buf, ref, knob, x, idx, w, E: int, W: int) -> list[str]:
     def replay_equals(what: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
-        if not (_bits_equal(g_rx, r_x) and _bits_equal(g_combined, r_c)):
+        if not (bits_equal(g_rx, r_x) and bits_equal(g_combined, r_c)):
             failures.append(f"graph replay {what}: differs from the torch backend")
 
     replay_equals("before the mismatch")

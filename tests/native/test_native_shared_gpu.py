@@ -1,4 +1,4 @@
-"""The native backend's multi-rank kernels at 2, 3 and 4 processes sharing ONE GPU (`support_shared_gpu`: gloo,
+"""The native backend's multi-rank kernels at 2, 3 and 4 processes sharing ONE GPU (`support.shared_gpu`: gloo,
 ``cuda:0``, ``EP_MOE_SYMMETRIC_MEMORY=vmm``), against the torch backend on CPU copies of the same inputs over the
 same gloo group:
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support_shared_gpu import DEVICE, check_symmetric_buffer, run_on_one_gpu, skip_unless_shared_gpu_runs
+from support.bits import assert_bits_equal
+from support.shared_gpu import DEVICE, check_symmetric_buffer, run_on_one_gpu, skip_unless_shared_gpu_runs
 from test_native_gpu import (
     GRAPH_EXPERTS,
     ROUTINGS,
@@ -36,7 +37,6 @@ from test_native_gpu import (
     _rank0_notify_times_out,
     _rank0_times_out_alone,
     _routed_inputs,
-    assert_bits_equal,
     check_graph_replays,
     make_inputs,
     on_device,
@@ -94,17 +94,17 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
         f"{label}: rows_in_place {got.handle.rows_in_place}"
     assert not want.handle.rows_in_place, label
     for name, a, b in zip(("grad x", "grad weights"), *grads) if grads else ():
-        assert_bits_equal(f"{label} {name}", a, b)
+        assert_bits_equal(a, b, f"{label} {name}", on_host=True)
     got = got._replace(expert_weights=got.expert_weights.detach())
     want = want._replace(expert_weights=want.expert_weights.detach())
     if isinstance(got.expert_x, tuple):
-        assert_bits_equal(f"{label} expert_x", got.expert_x[0], want.expert_x[0])
-        assert_bits_equal(f"{label} expert_scales", got.expert_x[1], want.expert_x[1])
+        assert_bits_equal(got.expert_x[0], want.expert_x[0], f"{label} expert_x", on_host=True)
+        assert_bits_equal(got.expert_x[1], want.expert_x[1], f"{label} expert_scales", on_host=True)
     else:
-        assert_bits_equal(f"{label} expert_x", got.expert_x, want.expert_x)
-    assert_bits_equal(f"{label} expert_weights", got.expert_weights, want.expert_weights)
-    assert_bits_equal(f"{label} tokens_per_expert", got.tokens_per_expert, want.tokens_per_expert)
-    assert_bits_equal(f"{label} pairs_per_expert", got.pairs_per_expert, want.pairs_per_expert)
+        assert_bits_equal(got.expert_x, want.expert_x, f"{label} expert_x", on_host=True)
+    assert_bits_equal(got.expert_weights, want.expert_weights, f"{label} expert_weights", on_host=True)
+    assert_bits_equal(got.tokens_per_expert, want.tokens_per_expert, f"{label} tokens_per_expert", on_host=True)
+    assert_bits_equal(got.pairs_per_expert, want.pairs_per_expert, f"{label} pairs_per_expert", on_host=True)
     if got.tokens_per_expert_list is not None and want.tokens_per_expert_list is not None:
         assert got.tokens_per_expert_list == want.tokens_per_expert_list, label
     _check_expert_cached_dispatch(rank, world, index, nat, ref, case, got.handle, want.handle, weights, label)
@@ -117,7 +117,7 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
         combined = expert_combine(nat, y, got.handle, got.expert_weights, allow_multiple_reduction=multiple)
         expected = expert_combine(ref, on_device(ref.device, y), want.handle, want.expert_weights,
                                   allow_multiple_reduction=multiple)
-        assert_bits_equal(f"{label} expert_combine (multiple reduction {multiple})", combined, expected)
+        assert_bits_equal(combined, expected, f"{label} expert_combine (multiple reduction {multiple})", on_host=True)
         assert nat.backend.expert_row_combines - before == int(fused and multiple), label
     # the combine's gradients (multiple reduction): y's and the expert weights'
     g_out = torch.randn(combined.shape, generator=g, device=device).to(y_dtype)
@@ -127,7 +127,7 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
         w_in = out.expert_weights.clone().requires_grad_(True)
         combined = expert_combine(buf, y_in, out.handle, w_in)
         grads.append(torch.autograd.grad(combined, [y_in, w_in], on_device(buf.device, g_out)))
-    assert_bits_equal(f"{label} expert_combine grad y", grads[0][0], grads[1][0])
+    assert_bits_equal(grads[0][0], grads[1][0], f"{label} expert_combine grad y", on_host=True)
     # grad_w[slot] = <grad_out[t], y[slot]> in fp32: a dot product over H whose summation order the semantics leave
     # to the device (the GPU kernel's warp reduction vs the CPU reference's vectorized sum), so equal to rounding
     # (measured on the H200: 74 of 128 weights differ in the last bits at H = 256)
@@ -141,7 +141,7 @@ def _check_expert_major(rank: int, world: int, index: int, nat, ref, case: dict)
         w_in = out.expert_weights.clone().requires_grad_(True)
         combined = expert_combine(buf, y_in, out.handle, w_in, allow_multiple_reduction=False)
         grads.append(torch.autograd.grad(combined, [y_in, w_in], on_device(buf.device, g_out)))
-    assert_bits_equal(f"{label} exact expert_combine grad y", grads[0][0], grads[1][0])
+    assert_bits_equal(grads[0][0], grads[1][0], f"{label} exact expert_combine grad y", on_host=True)
     torch.testing.assert_close(grads[0][1].cpu(), grads[1][1].cpu(), rtol=1e-5, atol=1e-4,
                                msg=lambda m: f"{label} exact expert_combine grad expert weights: {m}")
 
@@ -172,7 +172,7 @@ def _check_expert_cached_dispatch(rank: int, world: int, index: int, nat, ref, c
                                                                                  on_device(buf.device, g_w)])]
         results.append(out)
     for i, (a, b) in enumerate(zip(*results, strict=True)):
-        assert_bits_equal(f"{label} expert_cached_dispatch output {i}", a, b)
+        assert_bits_equal(a, b, f"{label} expert_cached_dispatch output {i}", on_host=True)
 
 
 def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
@@ -266,22 +266,21 @@ def _check_elastic(nat, ref, rank: int, world: int) -> int:
                              expert_alignment=case["alignment"], num_sms=num_sms, do_expand=do_expand,
                              do_cpu_sync=sync) for buf in (nat, ref)]
         (rx_n, ri_n, rw_n, h_n, _), (rx_r, ri_r, rw_r, h_r, _) = outs
-        assert_bits_equal(f"{where} recv_x", rx_n, rx_r)
-        assert_bits_equal(f"{where} recv_topk_idx", ri_n, ri_r)
-        assert_bits_equal(f"{where} recv_topk_weights", rw_n, rw_r)
-        assert_bits_equal(f"{where} psum per expert", h_n.psum_num_recv_tokens_per_expert,
-                          h_r.psum_num_recv_tokens_per_expert)
+        assert_bits_equal(rx_n, rx_r, f"{where} recv_x", on_host=True)
+        assert_bits_equal(ri_n, ri_r, f"{where} recv_topk_idx", on_host=True)
+        assert_bits_equal(rw_n, rw_r, f"{where} recv_topk_weights", on_host=True)
+        assert_bits_equal(h_n.psum_num_recv_tokens_per_expert, h_r.psum_num_recv_tokens_per_expert, f"{where} psum per expert", on_host=True)
         y = torch.randn(rx_n.shape[0], case["hidden"], generator=g, device=nat.buffer.device).to(torch.bfloat16)
         weighted = dict(expert_weights=rw_n) if do_expand else dict(topk_weights=rw_n * 3)
         weighted_ref = dict(expert_weights=rw_r) if do_expand else dict(topk_weights=rw_r * 3)
         got, want = nat.combine(y, h_n, **weighted), ref.combine(on_device(ref.buffer.device, y), h_r, **weighted_ref)
-        assert_bits_equal(f"{where} combined", got[0], want[0])
-        assert_bits_equal(f"{where} combined weights", got[1], want[1])
+        assert_bits_equal(got[0], want[0], f"{where} combined", on_host=True)
+        assert_bits_equal(got[1], want[1], f"{where} combined weights", on_host=True)
         cached_n = nat.dispatch(x2, topk_weights=w, handle=h_n, do_expand=do_expand)
         cached_r = ref.dispatch(on_device(ref.buffer.device, x2), topk_weights=on_device(ref.buffer.device, w),
                                 handle=h_r, do_expand=do_expand)
-        assert_bits_equal(f"{where} cached recv_x", cached_n[0], cached_r[0])
-        assert_bits_equal(f"{where} cached recv_topk_weights", cached_n[2], cached_r[2])
+        assert_bits_equal(cached_n[0], cached_r[0], f"{where} cached recv_x", on_host=True)
+        assert_bits_equal(cached_n[2], cached_r[2], f"{where} cached recv_topk_weights", on_host=True)
         checked += 1
     return checked
 
@@ -349,10 +348,10 @@ def _expert_major_graph_worker(rank: int, world: int) -> int:
         graph.replay()
         torch.cuda.synchronize()
         r_out, r_combined = layer(ref, *(on_device(ref.device, t) for t in static))
-        assert_bits_equal(f"graph replay {seed} expert_x", g_out.expert_x, r_out.expert_x)
-        assert_bits_equal(f"graph replay {seed} expert_weights", g_out.expert_weights, r_out.expert_weights)
-        assert_bits_equal(f"graph replay {seed} tokens_per_expert", g_out.tokens_per_expert, r_out.tokens_per_expert)
-        assert_bits_equal(f"graph replay {seed} combined", g_combined, r_combined)
+        assert_bits_equal(g_out.expert_x, r_out.expert_x, f"graph replay {seed} expert_x", on_host=True)
+        assert_bits_equal(g_out.expert_weights, r_out.expert_weights, f"graph replay {seed} expert_weights", on_host=True)
+        assert_bits_equal(g_out.tokens_per_expert, r_out.tokens_per_expert, f"graph replay {seed} tokens_per_expert", on_host=True)
+        assert_bits_equal(g_combined, r_combined, f"graph replay {seed} combined", on_host=True)
     del graph
     nat.barrier()
     nat.destroy()

@@ -11,7 +11,7 @@ session reuse and every misuse error. The guarded-wait and batched-copy checks r
 Several ranks: the workers `pp_ring_worker`, `agrs_worker` and `timeout_worker` are functions of (rank, world)
 that build an `ElasticBuffer` on the default group, so they run on real GPUs with NCCL (``EP_MOE_TEST_WORLD``
 ranks, default 2, one GPU each) and under the one-GPU harness of several processes (``EP_MOE_SYMMETRIC_MEMORY=vmm``,
-tests/native/support_shared_gpu.py, once that provider exists). Expected values are computed directly (every
+tests/support/shared_gpu.py). Expected values are computed directly (every
 rank generates every rank's inputs from seeds); over NCCL they are also compared with the torch transport's.
 """
 
@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from support.bits import assert_bits_equal, bits
+from support.shared_gpu import run_on_one_gpu, skip_unless_shared_gpu_runs
 
 from ep_moe import ElasticBuffer, native
 from ep_moe.distributed import run_distributed
@@ -76,7 +78,8 @@ def _values(dtype: torch.dtype, shape: tuple, seed: int, device: torch.device) -
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8).cpu() if t.numel() else torch.empty(0, dtype=torch.uint8)
+    """``t``'s bytes on the host (what a worker returns for the transports to be compared)."""
+    return bits(t).cpu()
 
 
 def _strided(t: torch.Tensor, contiguous: bool) -> torch.Tensor:
@@ -248,7 +251,7 @@ def _one_rank_sequence(eb: ElasticBuffer, transport: str, stream: torch.cuda.Str
                 for (dtype, shape, contiguous), want in zip(batch, sent):
                     got = _strided(torch.empty(shape, dtype=dtype, device=dev), not contiguous)
                     eb.pp_recv(got, 0)
-                    assert torch.equal(_bits(got), _bits(want)), (transport, rnd, dtype, shape)
+                    assert_bits_equal(got, want, f"{transport} round {rnd} {dtype}{shape}")
                     out.append(_bits(got))
         for session in range(2):
             eb.create_agrs_session()
@@ -365,13 +368,13 @@ def _pp_ring(eb: ElasticBuffer, rank: int, world: int, transport: str) -> list[t
                 got = _strided(torch.empty(shape, dtype=dtype, device=dev), not contiguous)
                 eb.pp_recv(got, prev)
                 want = _values(dtype, shape, 7919 * prev + 100 * rnd + first + k, dev)
-                assert torch.equal(_bits(got), _bits(want)), (transport, rank, rnd, dtype, shape)
+                assert_bits_equal(got, want, f"{transport} rank {rank} round {rnd} {dtype}{shape}")
                 received.append(_bits(got))
                 if world > 2:
                     back = torch.empty(shape, dtype=dtype, device=dev)
                     eb.pp_recv(back, nxt)
-                    assert torch.equal(_bits(back), _bits(_values(dtype, shape, 31 * nxt + 100 * rnd + first + k,
-                                                                  dev)))
+                    assert_bits_equal(back, _values(dtype, shape, 31 * nxt + 100 * rnd + first + k, dev),
+                                      f"{transport} rank {rank} round {rnd} {dtype}{shape} from the next rank")
                     received.append(_bits(back))
     torch.cuda.synchronize(dev)
     return received
@@ -523,13 +526,9 @@ def test_a_missing_peer_times_out_with_rank_and_stage():
 
 # ------------------------------------------------------------------------------------------ ranks sharing one GPU
 def _run_on_one_gpu():
-    """The harness of several processes on GPU 0 (``EP_MOE_SYMMETRIC_MEMORY=vmm``, branch ``shared-gpu``)."""
-    try:
-        import support_shared_gpu
-    except ImportError:
-        pytest.skip("tests/native/support_shared_gpu.py (ranks sharing one GPU through VMM memory) is not here")
-    support_shared_gpu.skip_unless_shared_gpu_runs()
-    return support_shared_gpu.run_on_one_gpu
+    """The harness of several processes on GPU 0 (``EP_MOE_SYMMETRIC_MEMORY=vmm``)."""
+    skip_unless_shared_gpu_runs()
+    return run_on_one_gpu
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from support_shared_gpu import check_symmetric_buffer
+from support.shared_gpu import check_symmetric_buffer
 
 from ep_moe.distributed import run_distributed
 from ep_moe.elastic.memory.host_mapping import HostRange, create_shared_segment
@@ -228,7 +228,7 @@ def test_nccl_provider_is_a_value_and_names_itself(monkeypatch):
 def test_nccl_provider_one_rank_buffer_equals_torch_backend(monkeypatch):
     """EP 1 on one GPU with the native backend's memory from torch's NCCL symmetric memory backend: the buffer's
     own copy is addressable, and dispatch / combine equal the torch backend bit for bit (the speed against the
-    `torch` provider is measured on two GPUs: `benchmarks/scaling_check.sh`)."""
+    `torch` provider is measured by the `providers` step of `benchmarks/gpu_check.sh`)."""
     from ep_moe import native
 
     if not native.kernels_available():

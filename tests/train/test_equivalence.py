@@ -28,7 +28,7 @@ import os
 
 import locations
 import torch
-from world_sizes import continue_alone
+from support.world_sizes import continue_alone
 
 from ep_moe.distributed import run_distributed
 

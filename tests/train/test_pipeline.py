@@ -25,7 +25,7 @@ import os
 import locations
 import pytest
 import torch
-from world_sizes import continue_alone
+from support.world_sizes import continue_alone
 
 from ep_moe.distributed import run_distributed
 

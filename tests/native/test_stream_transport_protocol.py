@@ -28,6 +28,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from support.bits import assert_bits_equal
 
 import ep_moe.native.stream_transport as transport
 import ep_moe.native.symmetric as symmetric
@@ -214,10 +215,6 @@ def _values(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
     return raw[: n * dtype.itemsize].view(dtype).reshape(shape).clone()
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
 CASES = [(torch.bfloat16, (16, 33)), (torch.float32, (7,)), (torch.int64, (3, 5)), (torch.float16, ()),
          (torch.uint8, (0,)), (torch.float64, (9, 3)), (torch.bool, (10,)), (torch.int8, (4099,))]
 
@@ -243,13 +240,14 @@ def _ring(rank: int, num_ranks: int, inflight: int) -> int:
                 got = torch.empty(sent_shape, dtype=dtype)
                 host.pp_recv(got, prev)
                 want = _values(dtype, shape, 7919 * prev + 100 * rnd + first + k)
-                assert torch.equal(_bits(got), _bits(want.t() if want.dim() == 2 else want)), (rank, rnd, dtype)
+                assert_bits_equal(got, want.t() if want.dim() == 2 else want, f"rank {rank} round {rnd} {dtype}")
                 checked += 1
                 if num_ranks > 2:
                     back = (torch.empty(shape[::-1], dtype=dtype).t() if len(shape) == 2  # a non-contiguous receiver
                             else torch.empty(shape, dtype=dtype))
                     host.pp_recv(back, nxt)
-                    assert torch.equal(_bits(back), _bits(_values(dtype, shape, 31 * nxt + 100 * rnd + first + k)))
+                    assert_bits_equal(back, _values(dtype, shape, 31 * nxt + 100 * rnd + first + k),
+                                      f"rank {rank} round {rnd} {dtype} from the next rank")
                     checked += 1
         if rnd == 1:  # a new configuration in the middle: message numbers carry on
             host.pp_set_config(4096 * (rnd + 2), inflight)
@@ -378,8 +376,8 @@ def _sessions(rank: int, num_ranks: int) -> int:
         handle()
         assert g_in[rank].data_ptr() == inplace.data_ptr() and g_empty.shape == (num_ranks, 0, 4)
         for i in range(num_ranks):
-            assert torch.equal(_bits(g_in[i]), _bits(_values(torch.bfloat16, (8, 33), 100 * i + session)))
-            assert torch.equal(_bits(g_plain[i]), _bits(_values(torch.float32, (7,), 200 * i + session)))
+            assert_bits_equal(g_in[i], _values(torch.bfloat16, (8, 33), 100 * i + session), f"in-place slot {i}")
+            assert_bits_equal(g_plain[i], _values(torch.float32, (7,), 200 * i + session), f"gathered slot {i}")
             assert torch.equal(g_odd[i], _values(torch.int64, (5, 3), 300 * i + session).t())
             checked += 3
         single, handle = host.all_gather(torch.full((3,), float(rank)))
@@ -389,7 +387,7 @@ def _sessions(rank: int, num_ranks: int) -> int:
             shard, handle = host.reduce_scatter(_scaled(dtype, (num_ranks, 5, 7), 400 * rank + session))
             handle()
             parts = [_scaled(dtype, (num_ranks, 5, 7), 400 * i + session) for i in range(num_ranks)]
-            assert torch.equal(_bits(shard), _bits(_rank_order_sum(parts, rank))), (dtype, session)
+            assert_bits_equal(shard, _rank_order_sum(parts, rank), f"reduce_scatter {dtype} session {session}")
             checked += 1
         host.destroy_agrs_session()
         if session == 0:  # a new configuration (new memory, exchange counter from 0); session numbers carry on

@@ -19,6 +19,7 @@ import re
 
 import pytest
 import torch
+from support.bits import assert_bits_equal
 from support_jit import NVCC, header_fields, host_program, needs_nvcc
 
 from ep_moe import permute as P
@@ -204,10 +205,6 @@ def launched(monkeypatch):
     return calls
 
 
-def _bits(t):
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def _received_case(rank, H, dtype, misaligned, seed=0):
     gen = torch.Generator().manual_seed(seed + rank)
     N, K, L, A, T = 21, 3, 5, 4, 9
@@ -242,7 +239,7 @@ def test_permute_received_rows_equals_the_torch_definition(launched, rank, H, dt
         fragment, grid, block, p = launched[-1]
         assert fragment == E.PERMUTE_KERNELS[word] and (grid, block) == ((layout.num_slots + 7) // 8, 256)
         assert (p.num_pairs, p.num_topk, p.num_ranks, p.rank, p.num_own_rows) == (N * 3, 3, 3, rank, own_x.shape[0])
-        assert torch.equal(_bits(got), _bits(P._permute_torch(received, layout.pair_of_slot, 3)))
+        assert_bits_equal(got, P._permute_torch(received, layout.pair_of_slot, 3), "permuted rows")
         if vals is None:
             assert got_values.numel() == 0 and p.values == 0 and p.slot_values == 0
         else:
@@ -293,7 +290,8 @@ def test_unpermute_own_rows_equals_unpermute_sum_on_the_own_rows(launched, rank,
             N, layout.num_slots, K, H, 3, rank)
         assert p.slot_values == 0 and p.pair_values == 0 and (p.weights != 0) == (weights is not None)
         want = P._unpermute_sum_torch(y, weights, layout.sorted_slots)
-        assert got.shape == want.shape and torch.equal(_bits(got[first:end]), _bits(want[first:end]))
+        assert got.shape == want.shape, (got.shape, want.shape)
+        assert_bits_equal(got[first:end], want[first:end], f"reduced rows [{first}, {end})")
     for change, match in (({"y": y.double()}, "'y' must be bfloat16 or float32"),
                           ({"weights": w[1:]}, "'weights' must be \\[M="),
                           ({"sorted_slots": layout.sorted_slots.int()}, "'sorted_slots' must be torch.int64"),
@@ -321,7 +319,8 @@ def test_routing_map_to_topk_and_back_equal_the_torch_ops(launched, dtype, T, E_
     p_ = probs.clone().requires_grad_()
     _, w_ = _routing_torch_definition(routing_map, p_, K)
     w_.backward(grad)
-    assert got.dtype == dtype and torch.equal(_bits(got), _bits(p_.grad)), "0 + g, rounded to the probs' dtype"
+    assert got.dtype == dtype
+    assert_bits_equal(got, p_.grad, "0 + g, rounded to the probs' dtype")
     if T:
         assert [c[0] for c in launched[-2:]] == [E.ROUTING_KERNELS[dtype], E.ROUTING_BACKWARD_KERNELS[dtype]]
         assert launched[-1][1:3] == ((T + 127) // 128, 128)
@@ -359,7 +358,8 @@ def test_permute_received_rows_takes_the_jit_op_when_the_jit_is_chosen(launched,
     received = P._received_rows_torch(buffer, N, own_x, own_tokens, prefix, 1)
     want = P._permute_torch(received, layout.pair_of_slot, layout.num_topk)
     want_values = P._slot_values_torch(values, layout.pair_of_slot)
-    assert torch.equal(_bits(got), _bits(want)) and torch.equal(got_values, want_values)
+    assert_bits_equal(got, want, "permuted rows")
+    assert torch.equal(got_values, want_values)
     monkeypatch.setattr(P, "kernel_implementation", lambda t: "torch")
     P.permute_received_rows(buffer, N, own_x, own_tokens, prefix, 1, layout, values)
     assert len(launched) == 1, "the torch definitions elsewhere"

@@ -19,6 +19,7 @@ import re
 
 import pytest
 import torch
+from support.bits import assert_bits_equal, bits
 from support_jit import NVCC, header_fields, host_program, needs_nvcc
 
 from ep_moe import native
@@ -668,9 +669,9 @@ def test_copy_engine_combine_lands_every_row_and_flag(recorded, monkeypatch, num
             base = sum(counts[q][p] for p in range(s) if p != q)
             n = counts[q][s]
             got = ranks[q].data[base * y_bytes:(base + n) * y_bytes]
-            assert torch.equal(got, ys[s][first:first + n].contiguous().view(torch.uint8).flatten())
+            assert_bits_equal(got, bits(ys[s][first:first + n]), f"rows {q} sent rank {s}, back in rank {q}")
             got_w = ranks[q].data[rows_cap * y_bytes + base * w_bytes:][:n * w_bytes]
-            assert torch.equal(got_w, ws[s][first:first + n].contiguous().view(torch.uint8).flatten())
+            assert_bits_equal(got_w, bits(ws[s][first:first + n]), f"weights {q} sent rank {s}, back in rank {q}")
             bounds = [0, 1, 3, 4]  # the cumulative shares [1, 2, 1]
             chunks = [k for k in range(3) if n * bounds[k + 1] // 4 > n * bounds[k] // 4]
             assert [ranks[q].flag(s, k) for k in chunks] == [7 + s] * len(chunks)
@@ -726,17 +727,18 @@ def test_copy_engine_dispatch_lands_every_token_and_flag(recorded, monkeypatch, 
             x, scales, idx, w, send = inputs[s]
             T, slot = tokens[s], s * slot_rows
             region = ranks[d].data[offsets[0] + slot * x_bytes:][:T * x_bytes]
-            assert torch.equal(region, x.contiguous().view(torch.uint8).flatten())
+            where = f"rank {s}'s slot in rank {d}"
+            assert_bits_equal(region, bits(x), f"{where}: x")
             if fp8_scales:
-                assert torch.equal(ranks[d].data[offsets[1] + slot * 4 * num_scales:][:T * 4 * num_scales],
-                                   scales.contiguous().view(torch.uint8).flatten())
+                assert_bits_equal(ranks[d].data[offsets[1] + slot * 4 * num_scales:][:T * 4 * num_scales],
+                                  bits(scales), f"{where}: scales")
             if not cached:
                 n = counts[s][d]
-                assert torch.equal(ranks[d].data[offsets[4] + slot * 4:][:n * 4], send[d, :n].view(torch.uint8))
-                assert torch.equal(ranks[d].data[offsets[2] + slot * topk * 8:][:T * topk * 8],
-                                   idx.view(torch.uint8).flatten())
-                assert torch.equal(ranks[d].data[offsets[3] + slot * topk * 4:][:T * topk * 4],
-                                   w.view(torch.uint8).flatten())
+                assert_bits_equal(ranks[d].data[offsets[4] + slot * 4:][:n * 4], bits(send[d, :n]), f"{where}: send list")
+                assert_bits_equal(ranks[d].data[offsets[2] + slot * topk * 8:][:T * topk * 8], bits(idx),
+                                  f"{where}: topk_idx")
+                assert_bits_equal(ranks[d].data[offsets[3] + slot * topk * 4:][:T * topk * 4], bits(w),
+                                  f"{where}: topk_weights")
             assert [ranks[d].flag(s, k) for k in range(2)] == [3, 3]
 
 

@@ -1,5 +1,5 @@
 """The native backend's given data memory (`NativeBackend.use_data_memory`: an `ElasticBuffer`'s GPU segment), its
-host side on CPU: rank 1 of a two-rank backend built without a GPU (the fixture of test_rows_in_place_host.py,
+host side on CPU: rank 1 of a two-rank backend built without a GPU (the fixture of test_rows_in_place_host_paths.py,
 whose fake kernels module plays the kernels).
 
 * `use_data_memory` builds the peers' mapping over the given bytes (`VmmSymmetricBuffer` with ``local``) and
@@ -23,8 +23,8 @@ import os
 
 import pytest
 import torch
-from test_rows_in_place_host import ME, E, FakeKernels, _Data, _scenario
-from test_rows_in_place_host import backend as _backend  # noqa: F401  (the fixture, used by name below)
+from test_rows_in_place_host_paths import ME, E, FakeKernels, _Data, _scenario
+from test_rows_in_place_host_paths import backend as _backend  # noqa: F401  (the fixture, used by name below)
 
 from ep_moe.backends import native_backend as nb
 from ep_moe.config import Config
