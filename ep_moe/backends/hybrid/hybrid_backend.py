@@ -1,53 +1,15 @@
-"""The ``hybrid`` backend: dispatch and combine in two hops over torch.distributed (docs/hybrid.md).
+"""The ``hybrid`` backend: dispatch and combine in two hops over torch.distributed.
 
-A group of R = S x G ranks (S nodes of G ranks, `LogicalTopology`). Rank (n, l) is node n's rank of local index l.
-
-* Dispatch. Scale-out hop: a token of rank (n_s, l) crosses to each node n it has an expert on, once, to the
-  forwarder (n, l) (an all-to-all among the S ranks of local index l). Scale-up hop: the forwarder sends each row
-  it holds to the ranks of its node that own one of the row's experts. The receiver puts the rows in the flat
-  order (source rank, then token), so the outputs and the handle are those of the flat `TorchBackend`, bit for
-  bit, and everything above (`ep_moe.buffer.autograd_ops`, `ep_moe.buffer.expert_major_ops`, `ep_moe.ElasticBuffer`) works unchanged.
-* Combine, the way back. Scale-up hop: every row returns to the forwarder it came from. Scale-out hop, in one of
-  two modes (``allow_multiple_reduction``, equal on every rank):
-
-  - reduced (True, DeepEP V2's hybrid combine): the forwarder sums each token's rows of its node in fp32, in the
-    order of each rank's last position in the token's top-k list, rounds once to the row dtype and sends that one
-    partial row per (token, node) to the source; the source starts from ``fp32(bias[0]) + fp32(bias[1])`` (or the
-    one bias, or 0), adds the node partials in the order of each node's last top-k position and rounds once. Two
-    roundings per token; one network row per (token, node).
-  - flat (False): the forwarder relays each (token, destination rank) row unreduced and the source sums them as
-    the flat `TorchBackend` does (in fp32 from 0, the biases first, then the rows in ``handle.summation_order``,
-    increasing rank where it is None; weights in increasing rank), hence its bits; one network row per (token,
-    rank).
-
-  ``combined_topk_weights`` take the same path in fp32 (the in-node rounding to fp32 is exact).
-
-Overlap. The scale-out hop runs in ``nc`` chunks of tokens (``num_chunks``): the tokens one source sends to one
-node are cut, in token order, into ``nc`` near-equal pieces (piece k of m tokens: positions
-``[k m // nc, (k+1) m // nc)``). Every chunk's network exchange is posted at once (CUDA: on a side stream, each
-followed by an event; CPU: async work handles); the scale-up hop of chunk k runs as soon as chunk k has arrived,
-while the later chunks are still crossing the network. Combine mirrors it: the scale-up hop of chunk k, then its
-network exchange posted on the side stream while chunk k+1 goes through the node. Chunking changes where rows
-sit in the slots, never which rows arrive or the order of either sum, so results are bit-equal for any ``nc``.
-
-Scale-up transport (``scaleup``): ``"all_to_all"`` -- torch.distributed all-to-alls on the node's subgroup (NCCL
-on GPU, gloo on CPU); ``"native"`` -- ep_moe's native NVLink kernels (a `NativeBackend` on the node's subgroup,
-each chunk one fixed-size native dispatch whose "experts" are the node's ranks); ``"torch"`` -- that same path
-through a `TorchBackend` (the native path's logic on any machine; what the CPU tests run); ``"auto"`` -- native
-where the node's subgroup qualifies (`ep_moe.native.unavailable_reason` is None on every rank of the node), else
-all-to-all. The scale-out hop is always torch.distributed (NCCL across nodes).
-
-Rows sit in fixed slots per peer: in fixed mode (``num_worst_tokens`` W) every slot crosses (equal splits: no
-host read anywhere, CUDA-graph capturable), ``ceil(W / nc)`` rows per (node, chunk) on the network and
-``min(W, S ceil(W / nc))`` per (peer, chunk) inside the node. In exact mode the one host read of the count
-exchange (as the flat backend) also brings every source's rows per (chunk, destination rank), so every exchange
-sends only the rows in use (variable splits). Every wait has the backend's deadline and its error names the hop
-and the chunk.
-
-`HopTraffic` counts what each rank sends to other ranks per operation and hop: the exchanges' wire bytes
-everywhere, the payload rows and bytes on CPU (on GPU where they are known on the host: exact mode; elsewhere
-counting them would read the device, so they are -1 there).
-"""
+A group of R = S x G ranks (S nodes of G ranks, `LogicalTopology`); rank (n, l) is node n's rank of local index l.
+Dispatch: a token crosses the network once per node it has an expert on, to the rank of its local index there
+(scale-out hop), which forwards it to the node's ranks owning its experts (scale-up hop); the receiver orders the
+rows as the flat `TorchBackend` does, so every output and the handle are the flat path's, bit for bit. Combine:
+the way back, either reduced inside the node first (``allow_multiple_reduction=True``, DeepEP V2's hybrid order,
+one network row per (token, node)) or relayed unreduced and summed as the flat backend does (False, its bits).
+The network hop runs in ``num_chunks`` chunks overlapped with the scale-up hop (results bit-equal for any count);
+the scale-up transport is an all-to-all, the native kernels, or their torch twin (``scaleup``); `HopTraffic`
+counts the bytes of each hop. The contract, the rounding bound, the chunking and the transports:
+docs/hybrid.md."""
 
 from __future__ import annotations
 
