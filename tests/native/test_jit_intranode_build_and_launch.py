@@ -948,3 +948,23 @@ def test_the_inline_checks_name_the_first_bad_tensor():
         I._ptr(t, "bias0")
     with pytest.raises(ValueError, match="argument 'y' must be a contiguous CUDA tensor"):
         I._check_all(("y", "out"), t, t)
+
+
+def test_structs_come_from_the_header_and_bad_declarations_are_named(tmp_path):
+    """The ctypes structs are read from the header (a field added there appears, in place, with C's layout); a
+    declaration the reader does not know raises naming the header, the struct and the line."""
+    header = tmp_path / "h.h"
+    header.write_text("struct Inner {\n  int a;  // a comment\n  bool b;\n};\nstruct Outer {\n  Inner inner;\n"
+                      "  const float* p, *q;\n  int64_t n[kMaxRanks + 1];\n  int x, y;\n};\n")
+    inner = P.struct_from_header(header, "Inner")
+    outer = P.struct_from_header(header, "Outer", {"Inner": inner})
+    assert outer.field_names() == ["inner", "p", "q", "n", "x", "y"]
+    assert (ctypes.sizeof(inner), outer.p.offset, outer.n.offset, outer.x.offset) == (8, 8, 24, 24 + 8 * 9)
+    assert ctypes.sizeof(outer) == 24 + 8 * 9 + 8
+    for body, words in (("  double d;", "unknown type 'double'"), ("  int m[kNoSuch];", "'kNoSuch'"),
+                        ("  int f(int);", "cannot read")):
+        header.write_text(f"struct Bad {{\n{body}\n}};\n")
+        with pytest.raises(ValueError, match=rf"h\.h: struct Bad: .*{re.escape(words)}"):
+            P.struct_from_header(header, "Bad")
+    with pytest.raises(ValueError, match="no 'struct Missing"):
+        P.struct_from_header(header, "Missing")

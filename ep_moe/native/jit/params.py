@@ -1,14 +1,14 @@
 """The parameter structs of ``csrc/kernels.h`` (and of ``csrc/expert_major.h``) as ctypes structures, for launching
-the intranode kernels (`ep_moe.native.jit.intranode`) and the extension's generic expert-major kernels
+the intranode kernels (`ep_moe.native.jit.intranode`) and the generic expert-major kernels
 (`ep_moe.native.jit.expert_major_csrc`) from Python, and the probe that checks them against the compiler's layout.
 
-Each mirror lists the header's fields in the header's order, one ``(name, type)`` line per field; ctypes lays them
-out as C does (natural alignment, ``bool`` one byte), so a field added to a struct in ``kernels.h`` is one line added
-here, at the same place. Nothing is trusted blindly: `probe_source` generates a kernel that writes ``sizeof`` of every
-mirrored struct and ``offsetof`` of every field as the CUDA compiler sees them, and `layout_mismatches` compares those
-numbers with ctypes' (the JIT module runs the probe once per process before its first launch; a CPU test compiles the
-same source as a host program where a compiler is found). The constants the launchers need (`CONSTANTS`) are checked
-the same way by ``ep_intranode_constants`` in ``kernels/intranode.cu``.
+The structs are defined once, in the headers: `struct_from_header` reads each one at import (fields in the header's
+order; ctypes lays them out as C does: natural alignment, ``bool`` one byte), so a field added to a struct in
+``kernels.h`` needs nothing here. `probe_source` generates a kernel that writes ``sizeof`` of every struct and
+``offsetof`` of every field as the CUDA compiler sees them, and `layout_mismatches` compares those numbers with
+ctypes' (the JIT module runs the probe once per process before its first launch; a CPU test compiles the same source
+as a host program where a compiler is found). The constants the launchers need (`CONSTANTS`) are checked the same
+way by ``ep_intranode_constants`` in ``kernels/intranode.cu``.
 
 No CUDA and no torch here.
 """
@@ -16,6 +16,7 @@ No CUDA and no torch here.
 from __future__ import annotations
 
 import ctypes
+import re
 import struct as _struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,160 +55,76 @@ class Params(ctypes.Structure):
         return [name for name, _ in cls._fields_]
 
 
-class KernelEnv(Params):
-    _fields_ = [
-        ("rank", I32),
-        ("num_ranks", I32),
-        ("ctrl", PTR * MAX_RANKS),
-        ("state", PTR),
-        ("error", PTR),
-        ("timeout_ns", U64),
-        ("chunks_per_pair", I32),
-        ("min_chunk_rows", I32),
-    ]
+# ------------------------------------------------------------------------------------------ the structs
+# Generated from the headers at import: one definition per struct (the header's), read by a small parser of the
+# declarations the headers use (``[const] type[*] name[, name...][[N]];`` with ``//`` comments; N a constant of
+# `CONSTANTS` or a sum of them and numbers). The probe still checks the compiler's sizes and offsets.
+_SCALARS: dict[str, type] = {"int": I32, "int32_t": I32, "int64_t": I64, "uint64_t": U64, "bool": BOOL}
+_DECLARATION = re.compile(r"(?:const\s+)?(\w+)\s*(\*?)\s*(.+);")
+_DECLARATOR = re.compile(r"(\*?)\s*(\w+)(?:\[(.+)\])?")
 
 
-class LayoutParams(Params):
-    _fields_ = [
-        ("topk_idx", PTR),
-        ("num_tokens", I32),
-        ("num_topk", I32),
-        ("num_experts", I32),
-        ("num_ranks", I32),
-        ("num_tokens_per_rank", PTR),
-        ("num_tokens_per_expert", PTR),
-        ("is_token_in_rank", PTR),
-    ]
+def _count(expr: str, where: str) -> int:
+    """An array length: a sum of numbers and `CONSTANTS` names."""
+    total = 0
+    for term in (t.strip() for t in expr.split("+")):
+        if term.isdigit():
+            total += int(term)
+        elif term in _C:
+            total += _C[term]
+        else:
+            raise ValueError(f"{where}: array length {expr!r}: {term!r} is not a number or a known constant")
+    return total
 
 
-class HeaderCheck(Params):
-    _fields_ = [
-        ("header", I32 * HEADER_WORDS),
-        ("digest_from_prefix", BOOL),
-        ("test_perturb", PTR),
-    ]
+def struct_from_header(header: Path, name: str, known: dict[str, type[Params]] | None = None) -> type[Params]:
+    """The ctypes structure of ``struct name`` in ``header``: its fields in order, pointers as `PTR`, the scalar
+    types of `_SCALARS`, and structs of ``known`` (by name) as members. Raises ``ValueError`` naming the header,
+    the struct and the line it cannot read."""
+    known = known or {}
+    match = re.search(rf"^struct {name} \{{\n(.*?)^\}};", header.read_text(), re.S | re.M)
+    if match is None:
+        raise ValueError(f"{header.name}: no 'struct {name} {{ ... }};'")
+    fields: list[tuple[str, type]] = []
+    for line in match.group(1).splitlines():
+        code = line.split("//")[0].strip()
+        if not code:
+            continue
+        where = f"{header.name}: struct {name}: {code!r}"
+        declaration = _DECLARATION.fullmatch(code)
+        if declaration is None:
+            raise ValueError(f"{where}: not a field declaration")
+        base, star, declarators = declaration.groups()
+        for text in declarators.split(","):
+            declarator = _DECLARATOR.fullmatch(text.strip())
+            if declarator is None:
+                raise ValueError(f"{where}: cannot read {text.strip()!r}")
+            pointer, field, count = declarator.groups()
+            if star or pointer:
+                kind: type = PTR
+            elif base in known:
+                kind = known[base]
+            elif base in _SCALARS:
+                kind = _SCALARS[base]
+            else:
+                raise ValueError(f"{where}: unknown type {base!r}")
+            fields.append((field, kind * _count(count, where) if count else kind))
+    return type(name, (Params,), {"_fields_": fields, "__doc__": f"``{name}`` of ``{header.name}``."})
 
 
-class NotifyParams(Params):
-    _fields_ = [
-        ("env", KernelEnv),
-        ("is_token_in_rank", PTR),
-        ("num_tokens_per_rank", PTR),
-        ("counts_int64", BOOL),
-        ("num_tokens", I32),
-        ("rank_prefix_matrix", PTR),
-        ("pos", PTR),
-        ("send_list", PTR),
-        ("host_counts", PTR),
-        ("num_worst_tokens", I32),
-        ("rows_capacity", I64),
-        ("topk_idx", PTR),
-        ("num_topk", I32),
-        ("experts_per_rank", I32),
-        ("expert_alignment", I32),
-        ("host_expert_counts", PTR),
-        ("check", HeaderCheck),
-    ]
+def _structs(header: Path, names: Sequence[str], known: dict[str, type[Params]]) -> tuple[type[Params], ...]:
+    out = []
+    for name in names:
+        known[name] = struct_from_header(header, name, known)
+        out.append(known[name])
+    return tuple(out)
 
 
-class CopyEngineParams(Params):
-    _fields_ = [
-        ("seq", U64),
-        ("go", PTR),
-        ("chunks", I32),
-        ("bounds", I32 * (MAX_COPY_ENGINE_CHUNKS + 1)),
-        ("trace", PTR),
-    ]
-
-
-class DispatchParams(Params):
-    _fields_ = [
-        ("env", KernelEnv),
-        ("data", PTR * MAX_RANKS),
-        ("off_x", I64),
-        ("off_scales", I64),
-        ("off_idx", I64),
-        ("off_weights", I64),
-        ("off_src", I64),
-        ("rank_prefix_matrix", PTR),
-        ("send_list", PTR),
-        ("num_tokens", I32),
-        ("x", PTR),
-        ("x_bytes", I32),
-        ("scales", PTR),
-        ("num_scales", I32),
-        ("has_scales", BOOL),
-        ("has_topk", BOOL),
-        ("topk_idx", PTR),
-        ("topk_weights", PTR),
-        ("num_topk", I32),
-        ("experts_per_rank", I32),
-        ("recv_x", PTR),
-        ("recv_scales", PTR),
-        ("recv_topk_idx", PTR),
-        ("recv_topk_weights", PTR),
-        ("recv_src_idx", PTR),
-        ("recv_src_rank", PTR),
-        ("num_recv_rows", I32),
-        ("rows_capacity", I64),
-        ("expert_scratch", PTR),
-        ("num_recv_per_expert", PTR),
-        ("expert_alignment", I32),
-        ("write_arrival", BOOL),
-        ("num_blocks", I32),
-        ("num_push_blocks", I32),
-        ("trace", PTR),
-        ("copy_engine", CopyEngineParams),
-        ("copy_engine_tokens", I32 * MAX_RANKS),
-        ("copy_engine_slot_rows", I64),
-        ("cached_src_idx", PTR),
-        ("check", HeaderCheck),
-        ("rows_in_place", BOOL),
-    ]
-
-
-class CombineParams(Params):
-    _fields_ = [
-        ("env", KernelEnv),
-        ("data", PTR * MAX_RANKS),
-        ("off_y", I64),
-        ("off_weights", I64),
-        ("rows_capacity", I64),
-        ("rank_prefix_matrix", PTR),
-        ("is_token_in_rank", PTR),
-        ("pos", PTR),
-        ("num_tokens", I32),
-        ("y", PTR),
-        ("y_type", I32),
-        ("hidden", I32),
-        ("has_weights", BOOL),
-        ("weights", PTR),
-        ("num_topk", I32),
-        ("bias0", PTR),
-        ("bias1", PTR),
-        ("bias0_type", I32),
-        ("bias1_type", I32),
-        ("out", PTR),
-        ("out_weights", PTR),
-        ("num_blocks", I32),
-        ("num_push_blocks", I32),
-        ("trace", PTR),
-        ("copy_engine", CopyEngineParams),
-        ("bulk_reduce", BOOL),
-        ("bulk_piece16", I32),
-        ("check", HeaderCheck),
-        ("expert_y", PTR),
-        ("expert_weights", PTR),
-        ("sorted_slots", PTR),
-        ("expert_topk", I32),
-        ("expert_slots", I64),
-        ("summation_order", PTR),
-    ]
-
-
-MIRRORED: tuple[type[Params], ...] = (KernelEnv, LayoutParams, HeaderCheck, NotifyParams, CopyEngineParams,
-                                      DispatchParams, CombineParams)
-
+_KNOWN: dict[str, type[Params]] = {}
+MIRRORED: tuple[type[Params], ...] = _structs(KERNELS_H, (
+    "KernelEnv", "LayoutParams", "HeaderCheck", "NotifyParams", "CopyEngineParams", "DispatchParams",
+    "CombineParams"), _KNOWN)
+KernelEnv, LayoutParams, HeaderCheck, NotifyParams, CopyEngineParams, DispatchParams, CombineParams = MIRRORED
 
 # ------------------------------------------------------------------------------------------ csrc/expert_major.h
 # The constants of expert_major.cu / expert_major.h that its launchers use, in the order
@@ -217,62 +134,10 @@ EXPERT_MAJOR_CONSTANTS: tuple[tuple[str, int], ...] = (
 )
 
 
-class PermuteRowsParams(Params):
-    _fields_ = [
-        ("x", PTR),
-        ("out", PTR),
-        ("row_bytes", I64),
-        ("pair_of_slot", PTR),
-        ("num_slots", I64),
-        ("num_pairs", I64),
-        ("num_topk", I32),
-        ("values", PTR),
-        ("slot_values", PTR),
-        ("own_x", PTR),
-        ("own_tokens", PTR),
-        ("rank_prefix_matrix", PTR),
-        ("num_ranks", I32),
-        ("rank", I32),
-        ("num_own_rows", I64),
-    ]
 
-
-class UnpermuteSumParams(Params):
-    _fields_ = [
-        ("y", PTR),
-        ("out", PTR),
-        ("dtype", I32),
-        ("hidden", I64),
-        ("num_rows", I64),
-        ("num_slots", I64),
-        ("num_topk", I32),
-        ("weights", PTR),
-        ("sorted_slots", PTR),
-        ("slot_values", PTR),
-        ("slot_of_pair", PTR),
-        ("pair_values", PTR),
-        ("rank_prefix_matrix", PTR),
-        ("num_ranks", I32),
-        ("rank", I32),
-    ]
-
-
-class RoutingMapParams(Params):
-    _fields_ = [
-        ("routing_map", PTR),
-        ("probs", PTR),
-        ("probs_dtype", I32),
-        ("num_tokens", I64),
-        ("num_experts", I32),
-        ("num_topk", I32),
-        ("topk_idx", PTR),
-        ("topk_weights", PTR),
-        ("grad_probs", PTR),
-    ]
-
-
-EXPERT_MAJOR_MIRRORED: tuple[type[Params], ...] = (PermuteRowsParams, UnpermuteSumParams, RoutingMapParams)
-
+EXPERT_MAJOR_MIRRORED: tuple[type[Params], ...] = _structs(EXPERT_MAJOR_H, (
+    "PermuteRowsParams", "UnpermuteSumParams", "RoutingMapParams"), _KNOWN)
+PermuteRowsParams, UnpermuteSumParams, RoutingMapParams = EXPERT_MAJOR_MIRRORED
 
 _PACK_CODES = {PTR: "Q", I64: "q", I32: "i", BOOL: "?"}  # (U64 is PTR's type: both c_uint64)
 
