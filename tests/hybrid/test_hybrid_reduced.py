@@ -136,7 +136,7 @@ def _combine_rows(eb, rank, x, idx, w, bias, E, values, row_weights, expand: boo
         wts = torch.where(valid[:, None], row_weights[rank, src.clamp(min=0), tok.clamp(min=0)], 0.0)
         out, out_w, _ = eb.combine(rows, h, topk_weights=wts, bias=bias)
         return out, out_w
-    slots = h.inner.layout.slot_of_pair                                   # [N, K]
+    slots = h.recv_src_metadata[:, 2:].long()  # [N, K]: each received row's expanded row per k (-1: none)
     first = torch.where(slots >= 0, torch.arange(TOPK, device=slots.device), TOPK).argmin(dim=1)
     first_slot = slots.gather(1, first[:, None])[:, 0]
     y = torch.zeros(rx.shape[0] + 1, rx.shape[1], dtype=rx.dtype, device=rx.device)  # row M: the spare
@@ -291,3 +291,28 @@ def test_reference_combine_follows_v2s_order() -> None:
     assert got.tolist() == [[1.0]]
     flat = ((torch.tensor(-256.0) + 1 + 2.0 ** -9 + 256 + 1).to(torch.bfloat16)).item()
     assert flat == 2.0  # the flat order rounds once: another result, inside the bound
+
+
+def test_one_rank_view_runs_the_reduced_combine(solo_group) -> None:
+    """The 1 x 1 view (what one GPU runs in tests/hybrid/test_hybrid_gpu.py) on one gloo rank, reduced mode:
+    compact and expanded (whose one-rank dispatch has no rank-major dispatch), exact and fixed size, against the
+    reference."""
+    from ep_moe import ElasticBuffer
+    from ep_moe.backends.hybrid import HybridBackend, LogicalTopology
+
+    eb = ElasticBuffer(solo_group, allow_hybrid_mode=False, allow_multiple_reduction=True)
+    eb.buffer.backend = HybridBackend(solo_group, torch.device("cpu"), 10.0, LogicalTopology.blocks(1, 1),
+                                      num_chunks=2, allow_multiple_reduction=True)
+    E = 4
+    for dtype in (torch.bfloat16, torch.float32):
+        xs, idxs, ws, biases, values, row_weights = _inputs("random", 1, 1, E, dtype)
+        bound = max(1, xs[0].shape[0])
+        for expand in (False, True):
+            want, want_w, _, _ = _expected(0, idxs, ws, (biases[0],), E, 1, 1, values, row_weights, expand, dtype)
+            for sync in (True, False):
+                out, out_w = _combine_rows(eb, 0, xs[0], idxs[0], ws[0], biases[0], E, values, row_weights, expand,
+                                           sync, bound)
+                where = f"1x1 {dtype} expand={expand} sync={sync}"
+                assert_bits_equal(out, want, f"{where}: combined vs the reference")
+                assert_bits_equal(out_w, want_w, f"{where}: combined weights vs the reference")
+    eb.destroy()
