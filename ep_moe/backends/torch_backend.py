@@ -334,36 +334,54 @@ class TorchBackend(CommBackend):
         w_chunks = self._return_rows(as_bytes(topk_weights), route, "combine/weights") if topk_weights is not None \
             else [None] * len(chunks)
         acc_dtype = torch.promote_types(y.dtype, torch.float32)  # fp32, or fp64 for fp64 input
-        acc = torch.zeros(num_tokens + 1, hidden, dtype=acc_dtype, device=y.device)  # row T: the spare
+        acc = torch.zeros(num_tokens, hidden, dtype=acc_dtype, device=y.device)
         for b in bias:  # the biases first, then the rows (DeepEP V2's order)
             if b is not None:
-                acc[:num_tokens] += b.to(acc_dtype)
+                acc += b.to(acc_dtype)
+        # slots[t, r]: token t's row from rank r among the returned rows, every rank's one after the other (past
+        # them where there is none; row T takes the unsent rows of a fixed-size layout)
+        total = sum(tokens.numel() for tokens, _ in chunks)
+        slots = torch.full((num_tokens + 1, self.num_ranks), total, dtype=torch.int64, device=y.device)
+        start = 0
+        for rank, (tokens, _) in enumerate(chunks):
+            slots[:, rank].index_copy_(0, tokens, torch.arange(start, start + tokens.numel(), device=y.device))
+            start += tokens.numel()
+        slots = slots[:num_tokens]
+        rows = torch.cat([from_bytes(r, y.dtype, hidden) for _, r in chunks])
+        acc = ordered_sum(acc, rows, slots, handle.summation_order)
         acc_w = None
-        if topk_weights is not None:
-            acc_w = torch.zeros(num_tokens + 1, topk_weights.shape[1], dtype=torch.float32, device=y.device)
-        rows = [from_bytes(r, y.dtype, hidden).to(acc_dtype) for _, r in chunks]
-        order = handle.summation_order
-        if order is None or num_tokens == 0:  # increasing rank
-            for (tokens, _), r in zip(chunks, rows):
-                acc.index_add_(0, tokens, r)
-        else:  # pass j adds each token's j-th rank's row (at most one per token: a fixed order)
-            steps = [_step_of_rank(order, rank).index_select(0, tokens.clamp(max=num_tokens - 1))
-                     for rank, (tokens, _) in enumerate(chunks)]
-            for step in range(len(chunks)):
-                for (tokens, _), r, step_of_row in zip(chunks, rows, steps):
-                    acc.index_add_(0, torch.where(step_of_row == step, tokens, num_tokens), r)  # others: spare
-        for (tokens, _), w_chunk in zip(chunks, w_chunks):  # one nonzero weight per (token, k): any order
-            if w_chunk is not None:
-                acc_w.index_add_(0, tokens, from_bytes(w_chunk[1], torch.float32, acc_w.shape[1]))
-        return acc[:num_tokens].to(y.dtype), (acc_w[:num_tokens] if acc_w is not None else None)
+        if topk_weights is not None:  # one nonzero weight per (token, k): increasing rank
+            acc_w = ordered_sum(torch.zeros(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=y.device),
+                                torch.cat([from_bytes(w[1], torch.float32, topk_weights.shape[1]) for w in w_chunks]),
+                                slots, None)
+        return acc.to(y.dtype), acc_w
 
     def barrier(self) -> None:
         self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
 
 
-def _step_of_rank(order: torch.Tensor, rank: int) -> torch.Tensor:
-    """``[T]`` int64: the place of ``rank`` in each token's summation order (``order`` ``[T, R]``)."""
-    return (order == rank).to(torch.int64).argmax(dim=1)
+def ordered_sum(acc: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                 order: torch.Tensor | None) -> torch.Tensor:
+    """``acc [N, C]`` plus, for each row i, the terms ``values[slots[i, order[i, j]]]`` for j = 0, 1, ... in turn
+    (one rounded add each, in ``acc``'s dtype), skipping a slot ``>= len(values)`` (no term).
+
+    Args:
+        acc: ``[N, C]`` fp32/fp64, the sums' start.
+        values: ``[V, C]`` the terms, converted to ``acc``'s dtype.
+        slots: ``[N, P]`` int64 rows of ``values``.
+        order: ``[N, P]`` int (each row a permutation of ``0..P-1``), or None: ``0..P-1``.
+
+    Returns:
+        ``[N, C]`` in ``acc``'s dtype.
+    """
+    spare = values.shape[0]
+    padded = torch.cat([values, values.new_zeros(1, values.shape[1])]).to(acc.dtype)
+    for j in range(slots.shape[1]):
+        slot = slots[:, j] if order is None else slots.gather(1, order[:, j:j + 1].to(torch.int64))[:, 0]
+        valid = slot < spare
+        picked = padded.index_select(0, torch.where(valid, slot, spare))
+        acc = torch.where(valid[:, None], acc + picked, acc)
+    return acc
 
 
 def _counts_from_prefix(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,14 @@ from ...config import Config, NativeOptions
 from .. import agreement
 from ..agreement import HEADER_LEN
 from ..comm_backend import CommBackend, DispatchResult
-from ..torch_backend import TorchBackend, _counts_from_prefix, _source_ranks, as_bytes, from_bytes
+from ..torch_backend import (
+    TorchBackend,
+    _counts_from_prefix,
+    _source_ranks,
+    as_bytes,
+    from_bytes,
+    ordered_sum,
+)
 from .node_topology import LogicalTopology
 
 log = logging.getLogger("ep_moe")
@@ -799,10 +806,10 @@ class HybridBackend(TorchBackend):
             acc = torch.zeros(T, hidden, dtype=acc_dtype, device=y.device)
         for b in biases:
             acc = acc + b
-        acc = _ordered_sum(acc, from_bytes(back1[:, :y_bytes.shape[1]], y.dtype, hidden), slots, order)
+        acc = ordered_sum(acc, from_bytes(back1[:, :y_bytes.shape[1]], y.dtype, hidden), slots, order)
         acc_w = None
         if topk_weights is not None:  # flat: in increasing rank, as the flat backend
-            acc_w = _ordered_sum(torch.zeros(T, topk_weights.shape[1], dtype=torch.float32, device=y.device),
+            acc_w = ordered_sum(torch.zeros(T, topk_weights.shape[1], dtype=torch.float32, device=y.device),
                                  from_bytes(back1[:, y_bytes.shape[1]:], torch.float32, topk_weights.shape[1]),
                                  slots, order if reduce else None)
         return acc.to(y.dtype), acc_w
@@ -815,11 +822,11 @@ class HybridBackend(TorchBackend):
         ``order2[i]`` in ``acc_dtype`` and rounded once to ``dtype`` (the weights stay fp32); ``[S * cs, B]``
         bytes, zeros for a row without any."""
         num_w = (back2.shape[1] - hidden * dtype.itemsize) // 4
-        values = _ordered_sum(torch.zeros(slot2.shape[0], hidden, dtype=acc_dtype, device=back2.device),
+        values = ordered_sum(torch.zeros(slot2.shape[0], hidden, dtype=acc_dtype, device=back2.device),
                               from_bytes(back2[:, :hidden * dtype.itemsize], dtype, hidden), slot2, order2)
         parts = [as_bytes(values.to(dtype))]
         if num_w:
-            weights = _ordered_sum(torch.zeros(slot2.shape[0], num_w, dtype=torch.float32, device=back2.device),
+            weights = ordered_sum(torch.zeros(slot2.shape[0], num_w, dtype=torch.float32, device=back2.device),
                                    from_bytes(back2[:, hidden * dtype.itemsize:], torch.float32, num_w), slot2,
                                    order2)
             parts.append(as_bytes(weights))
@@ -849,30 +856,6 @@ class HybridBackend(TorchBackend):
             self._inner.destroy()
             self._inner = None
         self.scaleout_group = self.scaleup_group = None
-
-
-def _ordered_sum(acc: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                 order: torch.Tensor | None) -> torch.Tensor:
-    """``acc [N, C]`` plus, for each row i, the terms ``values[slots[i, order[i, j]]]`` for j = 0, 1, ... in turn
-    (one rounded add each, in ``acc``'s dtype), skipping a slot ``>= len(values)`` (no term).
-
-    Args:
-        acc: ``[N, C]`` fp32/fp64, the sums' start.
-        values: ``[V, C]`` the terms, converted to ``acc``'s dtype.
-        slots: ``[N, P]`` int64 rows of ``values``.
-        order: ``[N, P]`` int (each row a permutation of ``0..P-1``), or None: ``0..P-1``.
-
-    Returns:
-        ``[N, C]`` in ``acc``'s dtype.
-    """
-    spare = values.shape[0]
-    padded = torch.cat([values, values.new_zeros(1, values.shape[1])]).to(acc.dtype)
-    for j in range(slots.shape[1]):
-        slot = slots[:, j] if order is None else slots.gather(1, order[:, j:j + 1].to(torch.int64))[:, 0]
-        valid = slot < spare
-        picked = padded.index_select(0, torch.where(valid, slot, spare))
-        acc = torch.where(valid[:, None], acc + picked, acc)
-    return acc
 
 
 _SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
