@@ -25,11 +25,13 @@ On CPU (gloo, the torch backend, small default sizes) the GPU columns read n/a.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import importlib
 import json
 import math
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -74,6 +76,7 @@ reset_implementations_run = _optional("reset_implementations_run", "ep_moe.permu
 MEGATRON_MODULE = "ep_moe.integrations.megatron"
 
 TOOL = "host_overhead"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ep_moe.__file__)))  # for short names in --profile
 GPU_DEFAULTS = {"tokens": "128,4096", "hidden": 7168, "experts": 256, "topk": 8}  # DeepEP's intranode workload
 CPU_DEFAULTS = {"tokens": "32,128", "hidden": 256, "experts": 16, "topk": 4}
 OPS = ("layout", "dispatch", "dispatch_cached", "dispatch_fixed", "combine", "expert_dispatch", "expert_combine",
@@ -167,6 +170,7 @@ class Row:
     kernels: str = ""
     note: str = ""
     gpu_rounds: int = 0
+    profile: str = ""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -186,7 +190,7 @@ class Row:
                 "host_p10_us": self.host_p10_us, "host_p90_us": self.host_p90_us, "gpu_p10_us": self.gpu_p10_us,
                 "gpu_p90_us": self.gpu_p90_us, "gpu_rounds": self.gpu_rounds, "floor_us": self.floor_us,
                 "above_floor": self.above_floor, "sync": self.sync, "check": self.check, "kernels": self.kernels,
-                "note": self.note, "problems": self.problems}
+                "note": self.note, "profile": self.profile, "problems": self.problems}
 
 
 def _bits(what: str, got, want) -> list[str]:
@@ -534,12 +538,39 @@ class Measurer:
         i, outputs = last
         row.problems += [f"last timed call (set {i}): {p}" for name, value in reference[i].items()
                          for p in _bits(name, outputs.get(name), value)]
+        if args.profile:
+            row.profile = self.profile(op, num_sets, check)
+            settle()
         row.gpu_rounds = len(gpu)
         if self.cuda and not gpu:
             row.note = "the GPU caught up with the host in every round: no GPU time"
         if implementations_run is not None and op.expert:
             row.kernels = "permute " + ("+".join(implementations_run()) or "none")
         return row, host, gpu
+
+
+    def profile(self, op: Op, num_sets: int, check: Callable) -> str:
+        """The ``--profile`` functions with the most own time over ``--rounds`` more rounds of ``op`` under cProfile
+        (untimed, every call checked). cProfile's own cost inflates each function's time about alike, so the
+        shares are what to read, not the microseconds."""
+        calls = [n % num_sets for n in range(self.args.rounds * self.args.calls)]
+        self.gate()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        results = [op.call(i) for i in calls]
+        profiler.disable()
+        for j, (i, result) in enumerate(zip(calls, results)):
+            check(f"profiled call {j + 1}", i, result)
+        stats = pstats.Stats(profiler).stats  # (file, line, function) -> (primitive calls, calls, own s, cum s, ..)
+        top = sorted(stats.items(), key=lambda item: -item[1][2])[:self.args.profile]
+        per_call = 1e6 / len(calls)
+        lines = [f"{len(calls)} calls, under cProfile; per call: own us, cumulative us, calls, function"]
+        for (path, line, function), (_, ncalls, own, cumulative, _) in top:
+            where = (f"{os.path.relpath(path, ROOT)}:{line}" if path.startswith(ROOT) else
+                     "built-in" if path == "~" else f"{path}:{line}")
+            lines.append(f"{own * per_call:9.1f} {cumulative * per_call:9.1f} {ncalls / len(calls):6.1f}  "
+                         f"{function} ({where})")
+        return "\n".join(lines)
 
 
 def _percentiles(values: list[float]) -> tuple[float | None, float | None, float | None]:
@@ -681,11 +712,10 @@ def _measure_checked(measurer: Measurer, op: Op, num_sets: int, tokens: int) -> 
 
 def _commit() -> str:
     """The ep_moe checkout's commit (with ``+dirty`` when ep_moe/ has changes), or ``unknown``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(ep_moe.__file__)))
     try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "ep_moe"], capture_output=True,
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "ep_moe"], capture_output=True,
                                text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -748,6 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--nproc", type=int, default=1, help="ranks to spawn when not under torchrun")
     p.add_argument("--json", default=None, metavar="FILE", help="write the header and one object per row here")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each row, N functions with the most own time over --rounds more rounds under "
+                        "cProfile (printed after the table, in the JSON as 'profile')")
     return p
 
 
@@ -774,7 +807,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--ops: unknown {unknown}; choose from {','.join(OPS)}")
     for name, value, low in (("tokens", min(tokens), 1), ("hidden", args.hidden, 1), ("topk", args.topk, 1),
                              ("calls", args.calls, 1), ("rounds", args.rounds, 1), ("warmup", args.warmup, 0),
-                             ("sets", args.sets, 0), ("nproc", args.nproc, 1)):
+                             ("sets", args.sets, 0), ("nproc", args.nproc, 1), ("profile", args.profile, 0)):
         if value < low:
             parser.error(f"--{name} must be >= {low}, got {value}")
     if args.topk > args.experts:
@@ -802,6 +835,9 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:  # a rank of torchrun other than 0
         return 0
     print(table(result), flush=True)
+    for row in result["rows"]:
+        if row["profile"]:
+            print(f"\n--- profile: {row['op']}, {row['tokens']} tokens\n{row['profile']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
