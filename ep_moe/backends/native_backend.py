@@ -1,41 +1,23 @@
 """The ``native`` backend: intranode dispatch and combine kernels over symmetric memory (NVLink).
 
-Each rank owns two symmetric buffers: a small control block (count exchange, arrival and chunk
-flags) and a data buffer that receives rows (allocated and grown here, or given: `use_data_memory`, an
-`ElasticBuffer`'s GPU segment, which never grows). A dispatch runs
+Each rank owns a small control block (count exchange, arrival and chunk flags) and a data buffer that receives
+rows (grown here, or given by `use_data_memory`: an `ElasticBuffer`'s GPU segment, which never grows). A
+dispatch runs ``notify`` (every rank writes its per-destination counts into every peer's control block and lists
+the tokens it sends, kept in the handle), then, in exact mode only, a host wait for the counts, then
+``dispatch`` (pusher blocks store rows straight to their place in each receiver's buffer; local blocks copy the
+own rows and drain the peers' chunks). A combine sends every received row back to its source and sums per token
+in fp32 in the handle's ``summation_order`` (DeepEP V2's), by the reducers or, where `ep_moe.native.policy`
+says so, with the rows moved by the copy engine. Results equal the ``torch`` backend's bit for bit; shapes the
+kernels do not take (rows not a multiple of 16 bytes, too many local experts) go to an internal `TorchBackend`,
+decided from shapes alone so every rank takes the same path.
 
-1. ``notify``: every rank writes its per-destination row counts into every peer's control block and
-   lists, per destination, the tokens it sends there (``pos``/``send_list``, kept in the handle);
-2. (exact mode only) the host waits for the counts to size the outputs (``num_worst_tokens`` skips
-   this wait, so the call can be captured in a CUDA graph);
-3. ``dispatch``: pusher blocks store rows straight to their final place in each receiver's buffer,
-   local blocks copy the own rank's rows and drain the peers' chunks into the outputs.
+Why the calls are safe across ranks (docs/native.md has the details):
 
-A combine sends every received row back to its source's buffer and sums per token in increasing
-rank order in fp32: by pusher blocks, or, after an exact-size dispatch whose pairs are large (2 ranks,
-`ep_moe.native.policy`), by the copy engine on a side stream while every block reduces. Likewise a
-cached dispatch where nearly every token goes to every peer (or, when forced, an exact-size one) sends each
-rank's whole x by the copy engine, and every block copies the received rows out of the buffer. Results
-equal the ``torch`` backend bit for bit. Shapes the kernels do not take
-(rows that are not a multiple of 16 bytes, more than 8192 local experts) go to an internal `TorchBackend`
-on the same group; every rank decides that from shapes alone, so all ranks take the same path.
-
-The kernels' settings are a `NativeOptions`: the buffer's, or a call's ``config.native``. Every rank decides
-from them, so they must be equal on every rank: the buffer's options are checked once at construction, a
-call's the first time the buffer sees that value (one collective each).
-
-Every wait in a kernel has a deadline (``timeout_s``). A kernel that misses it writes an error record
-into pinned host memory and returns; the backend raises `NativeTimeoutError` naming the rank, stage
-and channel (at once where the host waits, else at the next call) and refuses further work.
-
-Ranks that disagree on a call (the values of `ep_moe.backends.agreement`'s header) get the torch backend's
-`ValueError` instead of a timeout: every operation's kernels announce the header in every rank's control block
-and compare all of them before any row moves (a fresh dispatch in its notify, a cached dispatch and a combine
-in every warp), so every rank reaches the same verdict; on a disagreement nothing moves and the epoch closes.
-An exact-size dispatch raises at its host wait; the calls that do not wait on the host leave a mismatch
-record, raised after the next host wait (the end of the next exact-size dispatch, or ``barrier()``). A call
-about to take a host-side decision that must be the same on every rank (the torch fallback, the first or a
-larger data buffer, options not used yet) first exchanges the header on its own and waits for it.
+* options (`NativeOptions`) are checked equal on every rank the first time the buffer sees them;
+* every wait has a deadline (``timeout_s``); a kernel that misses it writes an error record to pinned host
+  memory and `NativeTimeoutError` names the rank, stage and channel;
+* ranks that disagree on a call (`ep_moe.backends.agreement`'s header) get the torch backend's ValueError,
+  not a hang: the kernels compare every rank's header before any row moves.
 """
 
 from __future__ import annotations
