@@ -116,6 +116,10 @@ class Buffer:
         self.check_inputs = check_inputs
         self.explicitly_destroy = explicitly_destroy
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Whether the communication stream may hold work the current stream has not waited for: an asynchronous
+        # call's, or anyone's once the stream was handed out (`get_comm_stream`). See `_run`.
+        self._comm_pending = False
+        self._comm_shared = False
         self.backend: CommBackend = self._make_backend(backend)
         self.buffer_id = next(_buffer_ids)
         _live_buffers[self.buffer_id] = self
@@ -181,20 +185,36 @@ class Buffer:
         return EventOverlap(None)
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """The stream asynchronous calls (``async_finish=True``) run on; None on CPU. Work a caller queues there
+        is waited for by every later call of this buffer."""
+        self._comm_shared = True
         return self._comm_stream
 
     # ---------------------------------------------------------------- streams and events
     def _run(self, fn, tensors_in: list, previous_event: EventOverlap | None, async_finish: bool):
-        """Run ``fn()`` on the communication stream after ``previous_event`` (or the current stream),
-        then either join the current stream (sync) or return an `EventOverlap` (async)."""
-        if self._comm_stream is None:
+        """Run ``fn()`` after ``previous_event`` (or the current stream's work) and the communication stream's.
+
+        A synchronous call (the caller waits for it anyway) runs on the current stream: the same order as
+        DeepEP's run on the communication stream joined at once, without a stream switch or marking every tensor
+        in use by a second stream. An asynchronous one runs on the communication stream and returns an
+        `EventOverlap` holding its tensors; until the current stream waits for that stream again, later calls
+        queue behind it (they share the symmetric buffer)."""
+        comm = self._comm_stream
+        if comm is None:
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self.device)  # with the device given: no current-device lookup
-        comm = self._comm_stream
+        if not async_finish:
+            if previous_event is not None and previous_event.event is not None:
+                compute.wait_event(previous_event.event)
+            if self._comm_pending or self._comm_shared:
+                compute.wait_stream(comm)
+                self._comm_pending = False
+            return fn(), EventOverlap(None)
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:
             comm.wait_stream(compute)
+        self._comm_pending = True
         with torch.cuda.stream(comm):
             try:
                 out = fn()
@@ -204,22 +224,20 @@ class Buffer:
                 # barrier) must follow them, as after a call that returned
                 _record_use(tensors_in, comm)
                 compute.wait_stream(comm)
+                self._comm_pending = False
                 raise
         outputs = _cuda_tensors(out, [])
         _record_use(tensors_in, comm)
         for t in outputs:
             t.record_stream(compute)
-        if async_finish:
-            event = torch.cuda.Event()
-            event.record(comm)
-            return out, EventOverlap(event, tensors_in + outputs)
-        compute.wait_stream(comm)
-        return out, EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record(comm)
+        return out, EventOverlap(event, tensors_in + outputs)
 
-    def _to_host_list(self, t: torch.Tensor) -> list:
-        """``t.tolist()`` after the communication stream produced it: with ``async_finish`` the current
-        stream has not waited for that stream yet, so the copy is queued behind the kernel that writes ``t``."""
-        if self._comm_stream is None:
+    def _to_host_list(self, t: torch.Tensor, async_finish: bool) -> list:
+        """``t.tolist()`` after the stream that produced it: with ``async_finish`` the communication stream, which
+        the current stream has not waited for yet, so the copy is queued behind the kernel that writes ``t``."""
+        if not async_finish or self._comm_stream is None:
             return t.tolist()
         with torch.cuda.stream(self._comm_stream):
             return t.tolist()
@@ -290,7 +308,7 @@ class Buffer:
             return recv_x, None, None, None, None, event
         counts_list = [] if num_worst_tokens else result.num_recv_tokens_per_expert_list
         if counts_list is None:
-            counts_list = self._to_host_list(result.num_recv_tokens_per_expert)
+            counts_list = self._to_host_list(result.num_recv_tokens_per_expert, async_finish)
         return recv_x, result.recv_topk_idx, result.recv_topk_weights, counts_list, result.handle, event
 
     def dispatch_result(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
