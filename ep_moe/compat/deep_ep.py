@@ -1,41 +1,25 @@
-"""DeepEP's normal-mode Python API on top of `ep_moe.Buffer`, so code written for DeepEP runs on ep_moe.
+"""DeepEP's Python API on top of ep_moe, so that code written for DeepEP runs unchanged (``import deep_ep``).
 
-Provided: ``ElasticBuffer`` (DeepEP V2's buffer: `ep_moe.ElasticBuffer`, compact and expanded dispatch/combine,
-cached and no-host-sync dispatch; its handle is ``EPHandle`` = `ep_moe.ElasticHandle`), ``Buffer`` (DeepEP's constructor signature; ``get_dispatch_layout``, ``dispatch`` -- fresh,
-cached, without top-k, ``num_worst_tokens`` --, ``combine``, ``capture``, ``set_num_sms``,
-``get_dispatch_config``/``get_combine_config``, ``is_sm90_compiled``, ``get_comm_stream``, ``destroy``),
-``Config`` (DeepEP's five-number constructor, ``get_nvl_buffer_size_hint``/``get_rdma_buffer_size_hint``),
-``EventHandle``, ``EventOverlap`` and ``topk_idx_t`` (``torch.int64``). The dispatch handle is
-`ep_moe.DispatchHandle`, a tuple whose first element is ``rank_prefix_matrix`` as in DeepEP; treat the
-rest as opaque. Not provided: low-latency mode, internode (RDMA) kernels, ``get_local_buffer_tensor``;
-they raise with a message saying so. ``num_nvl_bytes``/``num_rdma_bytes`` are recorded (callers compare
-them) but ep_moe sizes its own memory.
+Provided: ``ElasticBuffer`` (DeepEP V2's buffer over `ep_moe.ElasticBuffer`; its handle ``EPHandle`` is
+`ep_moe.ElasticHandle`), ``Buffer`` (DeepEP's legacy normal-mode buffer over `ep_moe.Buffer`: layout, fresh and
+cached dispatch, combine), ``Config``, ``EventHandle``, ``EventOverlap``, ``topk_idx_t`` (``torch.int64``), the
+domain-size helpers, and the stand-ins ``deep_ep._C`` and ``deep_ep.utils``. Not provided: low-latency mode, the
+internode (RDMA) kernels and ``get_local_buffer_tensor``, which raise with a message saying so.
+``num_nvl_bytes`` / ``num_rdma_bytes`` are recorded but ep_moe sizes its own memory.
 
 Making ``import deep_ep`` resolve to this module:
 
-* in this process: ``import ep_moe.compat.deep_ep as m; m.install()`` -- before ``deep_ep`` is imported;
-  if Megatron's ``fused_a2a`` was already imported without DeepEP, it is re-bound so the flex
-  dispatcher's ``deepep`` backend works;
-* a program, unmodified, with every process it spawns: ``python -m ep_moe.compat.deep_ep program.py ARGS``
+* in this process: `install` (before anything imports ``deep_ep``);
+* a program and every process it spawns: ``python -m ep_moe.compat.deep_ep [--deep-ep PATH] program.py ARGS``
   (or ``-m module ARGS``);
-* by hand (e.g. for ``torchrun``): ``export PYTHONPATH=$(python -m ep_moe.compat.deep_ep --shim-dir)``,
-  a folder holding a two-line ``deep_ep.py`` that calls `install`.
+* by hand, e.g. for ``torchrun``: ``export PYTHONPATH=$(python -m ep_moe.compat.deep_ep --shim-dir)``.
 
-``deep_ep.utils`` from a DeepEP checkout (DeepEP's test programs import ``deep_ep.utils.envs``, ``.refs``,
-``.testing``, ``.math``, ``.gate``): name the checkout (or its ``deep_ep`` folder) with
-``install(utils_from=PATH)``, the ``EP_MOE_DEEP_EP_PATH`` variable (read when `install` runs: the ``--shim-dir``
-route and spawned processes use it) or ``python -m ep_moe.compat.deep_ep --deep-ep PATH program.py ARGS``
-(which sets the variable for the processes the program spawns). ``deep_ep`` then has a ``__path__`` through which
-only ``deep_ep.utils`` and its submodules load from that folder; ``deep_ep`` itself, ``deep_ep.buffers.*`` and
-``deep_ep._C`` stay ep_moe's (DeepEP's buffers need its compiled extension). Without a folder ``deep_ep.utils``
-is this module. ``deep_ep._C`` is a stand-in for the compiled extension as far as DeepEP's utils use it:
-``EventHandle``, ``Config``, ``topk_idx_t``, and the NCCL-communicator calls, which create no NCCL communicator
-(ep_moe's buffers use the torch.distributed group) and report the group as one NVLink domain on one node
-(``get_physical_domain_size`` gives ``(1, ranks)``; ``get_logical_domain_size`` the same, or the
-``EP_MOE_SCALEOUT_RANKS`` split in hybrid mode); other names raise an AttributeError saying so.
+``deep_ep.utils`` loads from a DeepEP checkout named by ``install(utils_from=PATH)``, ``EP_MOE_DEEP_EP_PATH`` or
+``--deep-ep PATH``; everything else stays ep_moe's. The backend is ep_moe's ``"auto"``
+(``EP_MOE_BACKEND`` or ``backend=`` chooses).
 
-The backend is ep_moe's ``"auto"`` (native NVLink kernels where built, else torch.distributed);
-``EP_MOE_BACKEND=torch|native`` or ``Buffer(..., backend=...)`` chooses.
+Every DeepEP name, argument and default with what ep_moe does with it: docs/compat.md (sections "Module
+`deep_ep`", "ElasticBuffer", "Legacy Buffer", "Config", "deep_ep._C and deep_ep.utils", "Gaps").
 """
 
 from __future__ import annotations
