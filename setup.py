@@ -37,11 +37,10 @@ setup(
         "megatron": ["megatron-core>=0.13"],  # 0.13.1-0.16.1 tested on CPU, 0.19.2 on GPU
         "deepspeed": ["deepspeed>=0.16"],
         "test-integrations": ["megatron-core==0.16.1", "deepspeed==0.19.8"],
-        # What the kernel tests need on a CPU: Triton (its kernels run in the interpreter) and NVRTC (every CUDA
-        # source compiles for sm_90), at the versions that CUDA torch 2.13 depends on (triton==3.7.1; cuda-toolkit
-        # 13.0.3 gives nvidia-cuda-nvrtc 13.0.88), so this extra never conflicts with a CUDA torch 2.13 install.
-        "test-kernels": ['triton==3.7.1; platform_system == "Linux"',
-                         'nvidia-cuda-nvrtc==13.0.88; platform_system == "Linux"'],
+        # What the kernel tests need on a CPU: NVRTC (every CUDA source compiles for sm_90), at the version that
+        # CUDA torch 2.13 depends on (cuda-toolkit 13.0.3 gives nvidia-cuda-nvrtc 13.0.88), so this extra never
+        # conflicts with a CUDA torch 2.13 install.
+        "test-kernels": ['nvidia-cuda-nvrtc==13.0.88; platform_system == "Linux"'],
     },
     entry_points={"console_scripts": ["ep-moe = ep_moe.cli:main"]},
 )

@@ -1,13 +1,14 @@
-"""The single-rank expert-major kernels two ways in one run: the JIT kernels (specialized per shape,
-`ep_moe.native.jit.expert_major`) and Triton (`ep_moe.permute_triton`), on one GPU.
+"""The single-rank expert-major kernels on one GPU: the JIT kernels (specialized per shape,
+`ep_moe.native.jit.expert_major`) against the torch definitions of `ep_moe.permute` on the same GPU (the baseline).
 
     python3 benchmarks/jit_bench.py                       # DeepEP-like: 4096 tokens, hidden 7168, top-8 of 32
     python3 benchmarks/jit_bench.py --tokens 4096 --hidden 2048 4096 7168 --topk 8 --experts 32 --cold
 
-Per shape it first checks that every implementation gives the same bits as the JIT kernels (the weights'
-gradient: Triton's summation order differs, so within 1e-4), then times each operation:
+Per shape it first checks that the torch definitions give the same bits as the JIT kernels (every output; the
+weights' gradient, a dot product in each implementation's own summation order, within 1e-4), then times each
+operation:
 
-* ``layout``: the expert-major layout at a fixed size (``num_slots = max_slots``; Triton has none: torch's);
+* ``layout``: the expert-major layout at a fixed size (``num_slots = max_slots``);
 * ``permute``: rows and values into slots; ``reduce``: the weighted sum back; ``backward``: the reduce's
   gradients (rows and weights);
 * ``gpu``: CUDA events around ``--iters`` back-to-back calls, per call (host time hidden when the GPU is busy);
@@ -47,7 +48,7 @@ import time
 
 import torch
 
-from ep_moe import native, permute_triton
+from ep_moe import native
 from ep_moe import permute as P
 from ep_moe.native import jit
 from ep_moe.native.jit import expert_major as J
@@ -66,27 +67,12 @@ def implementations() -> dict[str, dict]:
         }
     else:
         print(f"jit: unavailable ({jit.unavailable_reason()})")
-    if permute_triton.available():
-        def triton_permute(x, pos, K, v):
-            out = permute_triton.run_permute_rows(x, pos, K, torch.empty(pos.shape[0], x.shape[1], dtype=x.dtype,
-                                                                          device=x.device))
-            return out, P._slot_values_torch(v, pos)
-
-        def triton_backward(g, y, w, pos, K):
-            M = pos.shape[0]
-            return (permute_triton.run_scale_permute(g, w, pos, K, torch.empty(M, g.shape[1], dtype=g.dtype,
-                                                                               device=g.device)),
-                    permute_triton.run_pair_dot(g, y, pos, K, torch.empty(M, dtype=torch.float32, device=g.device)))
-
-        impls["triton"] = {
-            "layout": lambda idx, L, A, M: P._expert_layout_torch(idx, L, A, M),
-            "permute": triton_permute,
-            "reduce": lambda y, w, srt: permute_triton.run_unpermute_sum(
-                y, w, srt, torch.empty(srt.shape[0], y.shape[1], dtype=y.dtype, device=y.device)),
-            "backward": triton_backward,
-        }
-    else:
-        print("triton: unavailable")
+    impls["torch"] = {
+        "layout": lambda idx, L, A, M: P._expert_layout_torch(idx, L, A, M),
+        "permute": lambda x, pos, K, v: (P._permute_torch(x, pos, K), P._slot_values_torch(v, pos)),
+        "reduce": lambda y, w, srt: P._unpermute_sum_torch(y, w, srt),
+        "backward": lambda g, y, w, pos, K: (P._scale_permute_torch(g, w, pos, K), P._pair_dot_torch(g, y, pos, K)),
+    }
     return impls
 
 
@@ -157,7 +143,7 @@ def run_shape(impls: dict, T: int, H: int, K: int, L: int, A: int, dtype: torch.
                          *impl["backward"](grad, y, w, pos, K))
     for name, outs in outputs.items():
         for i, (a, b) in enumerate(zip(outs, outputs[ref])):
-            if i == len(outs) - 1 and name == "triton":  # the weights' gradient: Triton's own summation order
+            if i == len(outs) - 1 and name != ref:  # the weights' gradient: each implementation's summation order
                 ok = torch.allclose(a, b, rtol=1e-4, atol=1e-4)
             else:
                 ok = same(a, b)

@@ -19,8 +19,8 @@ A, then expert 1's, and so on; slots past the used total (a bound given for a fi
 Where the work runs (the same bits everywhere; the weights' gradient is a dot product whose summation order is
 each implementation's own, fixed): on CUDA, the JIT kernels of `ep_moe.native.jit.expert_major` (compiled on
 first use per shape, or loaded from the cache ``ep-moe jit warmup`` filled; the permute of received rows in place
-from `ep_moe.native.jit.expert_major_csrc`, csrc's generic build), else the Triton kernels of
-`ep_moe.permute_triton`; on CPU (and for float64, e.g. gradcheck) the torch definitions here. The public
+from `ep_moe.native.jit.expert_major_csrc`, csrc's generic build); on CPU, for float64 (e.g. gradcheck) and where
+the JIT kernels cannot run, the torch definitions here. The public
 functions check their arguments once; the kernels' entry points do not check again.
 """
 
@@ -33,7 +33,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import permute_triton
 from .buffer.routing_layout import count_values, round_up
 from .native import jit
 from .native.jit import expert_major as jit_kernels
@@ -100,9 +99,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
         raise ValueError(f"expert_layout: argument 'num_slots' must be None or num_experts * capacity = "
                          f"{num_experts * capacity} with a capacity, got {num_slots}")
     how, why = kernel_implementation(topk_idx), None
-    if how == "triton":
-        how, why = "torch", "the layout has no Triton kernel"
-    elif how != "torch" and num_experts > NATIVE_MAX_EXPERTS:
+    if how != "torch" and num_experts > NATIVE_MAX_EXPERTS:
         how, why = "torch", f"{num_experts} experts: the layout kernels count at most {NATIVE_MAX_EXPERTS}"
     _note_ran(how, topk_idx, why)
     slots = -1 if num_slots is None else num_slots
@@ -232,25 +229,21 @@ def _pair_dot_torch(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int
 
 
 # ------------------------------------------------------------------------------------------ implementations
-# Three implementations of the same contract, chosen per call by where the tensors are (`kernel_implementation`):
-# the JIT kernels (`ep_moe.native.jit.expert_major`, specialized per shape, launched from Python), the Triton
-# kernels of `ep_moe.permute_triton` (CUDA where the JIT kernels cannot run), and the torch definitions above (CPU,
-# float64, and the kernels' place while torch.compile traces).
+# Two implementations of the same contract, chosen per call by where the tensors are (`kernel_implementation`):
+# the JIT kernels (`ep_moe.native.jit.expert_major`, specialized per shape, launched from Python) and the torch
+# definitions above (CPU, float64, CUDA where the JIT kernels cannot run, and the kernels' place while
+# torch.compile traces).
 NATIVE_MAX_EXPERTS = 1024  # experts the JIT layout kernels count in shared memory; beyond, torch
 assert NATIVE_MAX_EXPERTS == jit_kernels.MAX_EXPERTS
 
 
 def kernel_implementation(t: Tensor) -> str:
     """Which implementation the kernels of tensors like ``t`` come from: ``"jit"`` (`ep_moe.native.jit`),
-    ``"triton"`` or ``"torch"`` (see above; also for other callers of the generic expert-major ops, e.g. the
+    or ``"torch"`` (see above; also for other callers of the generic expert-major ops, e.g. the
     Megatron integration's routing map)."""
     if not t.is_cuda or t.dtype == torch.float64 or torch.compiler.is_compiling():
         return "torch"
-    if jit.available():
-        return "jit"
-    if permute_triton.available():
-        return "triton"
-    return "torch"
+    return "jit" if jit.available() else "torch"
 
 
 # Which implementations ran in this process (`implementations_run`), and whether the torch fallback on a GPU has
@@ -266,9 +259,7 @@ def torch_fallback_reason(t: Tensor) -> str:
         return "float64 has no kernel"
     if torch.compiler.is_compiling():
         return "torch.compile traces the torch definitions"
-    reasons = [f"JIT: {jit.unavailable_reason() or 'not chosen'}",
-               f"Triton: {permute_triton.unavailable_reason() or 'not chosen'}"]
-    return "; ".join(reasons)
+    return f"JIT: {jit.unavailable_reason() or 'not chosen'}"
 
 
 def _note_ran(how: str, t: Tensor, why: str | None = None) -> str:
@@ -289,7 +280,7 @@ def _note_ran(how: str, t: Tensor, why: str | None = None) -> str:
 
 
 def implementations_run() -> tuple[str, ...]:
-    """The implementations (``"jit"``, ``"triton"``, ``"torch"``; sorted) that ran an
+    """The implementations (``"jit"``, ``"torch"``; sorted) that ran an
     expert-major call in this process since it started or since `reset_implementations_run`."""
     with _ran_lock:
         return tuple(sorted(_ran))
@@ -313,17 +304,12 @@ def _slot_values_torch(values: Tensor, pair_of_slot: Tensor) -> Tensor:
 def _permute(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """(rows [M, H], slot_values [M] or None)."""
     how = _note_ran(kernel_implementation(x), x)
-    kernel = jit_kernels.permute_rows if how == "jit" else None
-    if kernel is not None and (values is None or values.dtype == torch.float32):
-        rows, slot_values = kernel(x.contiguous(), pair_of_slot, num_topk,
-                                   None if values is None else values.contiguous())
-        return rows, None if values is None else slot_values
-    if how != "torch":  # Triton (or JIT with values of another dtype)
-        rows = torch.empty(pair_of_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-        if how == "triton":
-            permute_triton.run_permute_rows(x.contiguous(), pair_of_slot, num_topk, rows)
-        else:
-            rows = kernel(x.contiguous(), pair_of_slot, num_topk, None)[0]
+    if how == "jit":
+        fp32_values = values is None or values.dtype == torch.float32  # other values: the rows here, the values below
+        rows, slot_values = jit_kernels.permute_rows(x.contiguous(), pair_of_slot, num_topk,
+                                                     values.contiguous() if values is not None and fp32_values else None)
+        if values is None or fp32_values:
+            return rows, None if values is None else slot_values
     else:
         rows = _permute_torch(x, pair_of_slot, num_topk)
     return rows, None if values is None else _slot_values_torch(values, pair_of_slot)
@@ -338,12 +324,7 @@ def _unpermute(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_val
             y.contiguous(), None if weights is None else weights.contiguous(), sorted_slots,
             None if slot_values is None else slot_values.contiguous(), slot_of_pair)
         return out, None if slot_values is None else pair_values
-    if how == "triton":
-        out = torch.empty(sorted_slots.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-        permute_triton.run_unpermute_sum(y.contiguous(), None if weights is None else weights.contiguous(),
-                                         sorted_slots, out)
-    else:
-        out = _unpermute_sum_torch(y, weights, sorted_slots)
+    out = _unpermute_sum_torch(y, weights, sorted_slots)
     if slot_values is None:
         return out, None
     safe = slot_of_pair.clamp(min=0)
@@ -362,15 +343,6 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
             need_grad_y, need_grad_weights)
         return (grad_y if need_grad_y else None), (grad_w if need_grad_weights else None)
     grad_y = grad_w = None
-    M = pair_of_slot.shape[0]
-    if how == "triton":
-        if need_grad_y:
-            grad_y = permute_triton.run_scale_permute(grad, weights, pair_of_slot, num_topk, torch.empty(
-                M, grad.shape[1], dtype=grad.dtype, device=grad.device))
-        if need_grad_weights:
-            grad_w = permute_triton.run_pair_dot(grad, y.contiguous(), pair_of_slot, num_topk, torch.empty(
-                M, dtype=torch.float32, device=grad.device))
-        return grad_y, grad_w
     if need_grad_y:
         grad_y = _scale_permute_torch(grad, weights, pair_of_slot, num_topk)
     if need_grad_weights:

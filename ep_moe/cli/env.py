@@ -2,9 +2,9 @@
 
 Prints one ``name: value`` line per item: ep_moe's version and location, what ``python -m ep_moe.native``
 reports (`ep_moe.native.report`: interpreter, torch, CUDA and the GPUs, NCCL, symmetric memory, the JIT
-kernels, their compiler and cache, the multicast variables), the implementation of the expert-major kernels (jit, triton or
-torch, and why torch), and the calibration cache. An item that
-cannot be found out says why instead; the exit status is 0 whenever the report is printed.
+kernels, their compiler and cache, the multicast variables), the implementation of the expert-major kernels (jit
+or torch, and why torch), and the calibration cache. An item that cannot be found out says why instead; the exit
+status is 0 whenever the report is printed.
 """
 
 from __future__ import annotations

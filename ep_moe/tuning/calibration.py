@@ -2,7 +2,7 @@
 
 What is measured (on GPU; `calibrate` is collective over the EP group):
 
-* per-SM local rates: a Triton grid-stride kernel on k SMs (one program per SM) that reads, writes or
+* per-SM local rates: a JIT grid-stride kernel on k SMs (one program per SM) that reads, writes or
   copies 256 MiB; the per-SM rate is the throughput on 2 and 4 SMs divided by k;
 * peer rates: every rank stores into the next rank's buffer at once (`torch.distributed._symmetric_memory`
   peer tensors, NVLink multicast off) with k SMs, and with ``copy_`` (the copy engine);
@@ -48,33 +48,19 @@ PEER_PROBE_SMS = (2, 4, 8, 16, 32)
 PROBE_SHAPES = (LayerShape(128, 8, 6144, 1024), LayerShape(128, 8, 6144, 4096))
 PROBE_SMS = (8, 16, 32, 64)
 
-try:  # Triton gives a copy kernel whose grid (one program per SM) we choose
-    import triton
-    import triton.language as tl
-    _TRITON_ERROR: str | None = None
-except Exception as exc:  # CPU installs have no Triton
-    triton = None
-    _TRITON_ERROR = f"Triton is not importable ({type(exc).__name__}: {exc})"
+STREAM_THREADS = 512  # threads of one program (block) of the stream kernel
 
-if triton is not None:
-    @triton.jit
-    def _stream_kernel(src_ptr, dst_ptr, n_elements, BLOCK: tl.constexpr, MODE: tl.constexpr):
-        """Grid-stride over int32 elements: MODE 0 copies src -> dst, 1 reads src (one sum per program
-        lands in dst), 2 writes dst."""
-        pid = tl.program_id(0)
-        step = tl.num_programs(0) * BLOCK
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(pid * BLOCK, n_elements, step):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n_elements
-            if MODE == 0:
-                tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
-            elif MODE == 1:
-                acc += tl.load(src_ptr + offs, mask=mask, other=0)
-            else:
-                tl.store(dst_ptr + offs, offs, mask=mask)
-        if MODE == 1:
-            tl.store(dst_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+def _stream_function(mode: int, device: int):
+    """The JIT stream kernel ``ep_stream`` of ``kernels/stream_probe.cu`` for ``mode`` (0 copy, 1 read, 2 write) on
+    ``device``, built at first use. Raises `ep_moe.native.jit.JitUnavailable` where JIT kernels cannot run."""
+    from ..native import jit
+    from ..native.jit.driver import I64, PTR
+
+    if not jit.available():
+        raise jit.JitUnavailable(jit.unavailable_reason())
+    source = jit.KernelSource.of("stream_probe.cu", {"EP_MODE": mode})
+    return jit.module(source, device).function("ep_stream", (PTR, PTR, I64))
 
 
 # ------------------------------------------------------------------------------------------ cache file
@@ -230,14 +216,17 @@ def _loop_us(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float
 
 
 def _stream(src: torch.Tensor, dst: torch.Tensor, programs: int, mode: int) -> None:
-    _stream_kernel[(programs,)](src, dst, src.numel(), BLOCK=4096, MODE=mode, num_warps=16)
+    """``programs`` blocks of the stream kernel over ``src``'s int32 elements (16-byte aligned, as torch allocates)
+    on the current stream of ``src``'s device; ``dst`` holds at least as many (read mode: programs * 512)."""
+    device = src.get_device()
+    fn = _stream_function(mode, device)
+    fn.launch(programs, STREAM_THREADS, torch.cuda.current_stream(device).cuda_stream, src.data_ptr(), dst.data_ptr(),
+              src.numel())
 
 
 # ------------------------------------------------------------------------------------------ measurements
 def measure_local_sm_rates(device: torch.device, sms: tuple[int, ...] = LOCAL_PROBE_SMS) -> dict[str, float]:
     """Per-SM GB/s of local reads, writes and copies (bytes read per second for a copy), one GPU."""
-    if triton is None:
-        raise RuntimeError(_TRITON_ERROR)
     n = STREAM_BYTES // 4
     src = torch.randint(0, 1 << 20, (n,), dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
@@ -257,8 +246,6 @@ def measure_peer_rates(group: dist.ProcessGroup, device: torch.device,
     """Every rank stores into the next rank's symmetric buffer at once. Returns GB/s per direction:
     ``push_<k>`` with k SMs, ``copy_engine`` with ``copy_``, ``per_sm`` (push on few SMs / k), ``link``
     (the best push). Collective; multicast stays off (``import ep_moe`` turned it off)."""
-    if triton is None:
-        raise RuntimeError(_TRITON_ERROR)
     import torch.distributed._symmetric_memory as symm_mem
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -424,19 +424,17 @@ def test_no_top_k_columns_ask_for_no_zero_width_kernel(recorder):
     assert all(dict(s.defines)["EP_TOPK"] != "0" for s in recorder.sources), recorder.sources
 
 
-@pytest.mark.parametrize("jit_ok, triton, compiling, want", [
-    (True, True, False, "jit"),       # JIT before Triton
-    (False, True, False, "triton"),   # no JIT kernels (no compiler, no cache): Triton
-    (False, False, False, "torch"),
-    (True, True, True, "torch"),      # torch.compile traces the torch definitions
+@pytest.mark.parametrize("jit_ok, compiling, want", [
+    (True, False, "jit"),
+    (False, False, "torch"),  # no JIT kernels (no compiler, no cache)
+    (True, True, "torch"),    # torch.compile traces the torch definitions
 ])
-def test_the_implementation_choice(monkeypatch, jit_ok, triton, compiling, want):
+def test_the_implementation_choice(monkeypatch, jit_ok, compiling, want):
     from types import SimpleNamespace
 
     from ep_moe import permute as P
 
     monkeypatch.setattr(jit, "available", lambda: jit_ok)
-    monkeypatch.setattr(P.permute_triton, "available", lambda: triton)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     assert P.kernel_implementation(SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) == want
     assert P.kernel_implementation(SimpleNamespace(is_cuda=True, dtype=torch.float64)) == "torch"

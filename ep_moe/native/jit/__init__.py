@@ -205,7 +205,7 @@ def unavailable_reason() -> str | None:
             except Exception as exc:  # noqa: BLE001 (any failure to load libcuda means no JIT)
                 reason = str(exc)
     if reason is not None and torch.version.cuda is not None:  # said once; CPU builds need no word
-        log.info("ep_moe.jit: JIT kernels cannot run here (%s); the expert-major kernels use Triton or torch, and "
+        log.info("ep_moe.jit: JIT kernels cannot run here (%s); the expert-major kernels run as torch code, and "
                  "the native backend is unavailable", reason)
     _available = reason
     return reason
