@@ -1,37 +1,27 @@
-"""All-gather / reduce-scatter sessions (AGRS): the session methods of `ep_moe.ElasticBuffer` (DeepEP V2's API),
-as the mixin `AGRSMixin`.
+"""All-gather / reduce-scatter sessions (AGRS) of `ep_moe.ElasticBuffer` (DeepEP V2's API), as the mixin `AGRSMixin`.
 
-Session memory (DeepEP V2's accounting). `AGRSMixin.agrs_set_config` allocates, on the buffer's device,
-``num_max_session_bytes`` bytes rounded up to 32: the gathered bytes of a whole session. A session
-(`create_agrs_session` .. `destroy_agrs_session`) hands out chunks of it in call order: a tensor of ``n`` bytes
-takes a chunk of ``round_up(R x n, 32)`` bytes (R ranks), rank ``j``'s slot at ``j x n``; the chunks of a session
-fit ``num_max_session_bytes`` (`ElasticBuffer.get_agrs_num_max_session_bytes` adds them up for given shapes) and
-its operations (each `all_gather` or `reduce_scatter` call, with any number of tensors) are at most
-``num_max_all_gathers_per_session``.
+`AGRSMixin.agrs_set_config` allocates ``num_max_session_bytes`` (rounded up to 32) on the device, with room for at
+most ``num_max_all_gathers_per_session`` operations per session (`create_agrs_session` .. `destroy_agrs_session`).
+Each operation takes ``round_up(R x n, 32)`` bytes per ``n``-byte tensor, rank ``j``'s slot at ``j x n``.
 
-* `agrs_get_inplace_tensor(shape, dtype)` takes a chunk now and returns this rank's slot of it as a tensor: write
-  into it, then pass it to `all_gather`, which gathers it with no local copy.
-* `all_gather(tensors)` returns ``gathered[j]``, ``[R, *tensors[j].shape]``, a view of the session memory
-  (valid until the session is destroyed), and ``handle``: ``handle()`` waits until every peer's data has arrived.
-* `reduce_scatter(tensor)` (``[R, *S]``) returns ``shard`` (``[*S]``, rank r's: ``sum over j of tensor_j[r]``),
-  filled by ``handle()``: the rows from every rank land in the session memory, then are summed in fp32 (fp64 for
-  fp64) in increasing rank order, ``((t_0 + t_1) + t_2) + ...``, and rounded once to the input's dtype.
-* `destroy_agrs_session()` waits for the session's operations and tells every peer this rank is done (a group
-  barrier), so the memory can be reused by the next session.
+* `agrs_get_inplace_tensor(shape, dtype)`: this rank's slot of a new chunk; `all_gather` gathers it without a copy.
+* `all_gather(tensors)`: ``gathered[j] [R, *tensors[j].shape]``, a view of the session memory valid until the
+  session is destroyed, and ``handle``; ``handle()`` waits until every peer's data has arrived.
+* `reduce_scatter(tensor [R, *S])`: ``shard [*S]``, filled by ``handle()`` with ``((t_0[r] + t_1[r]) + ...)``,
+  summed in fp32 (fp64 for fp64) in increasing rank order and rounded once to the input's dtype.
+* `destroy_agrs_session()`: waits for the session's operations, then a group barrier; the memory is reused.
 
-Before anything moves, every operation all-gathers a header of `HEADER_LEN` int64 (operation, session and
-operation numbers, the tensors' count, bytes, first dtype and shape, a digest of all dtypes and shapes, and whether
-the session has room), so that a disagreement or a full session raises the same named error on every rank.
+Every operation first all-gathers a header of `HEADER_LEN` int64 (numbers, tensor count, bytes, dtypes, shapes,
+room left), so a disagreement or a full session raises the same named error on every rank before anything moves.
 
-Transports (`agrs_transport`): ``"torch"``, torch.distributed collectives over the buffer's group
-(``all_gather_into_tensor`` into the chunk, ``all_to_all_single`` into the chunk); ``"native"`` (the native
-backend's default), the session memory is a symmetric buffer, every rank's copy engine writes its rows into the
-peers' chunks and stream memory operations signal their arrival, no kernel on the SMs but the reduce-scatter's sum
-(`ep_moe.native.stream_transport`, docs/native.md); its headers travel the same way, and the chunk each tensor
-takes is part of the header (the sender places rows in the peers' memory, so the ranks must agree on it). On a GPU
-the header check reads the headers on the host (one host wait per operation; native: for the peers' headers
-only, not for the work queued before on the stream); ``handle()`` waits on the host for the peers' rows (native)
-or makes the stream wait for the collective (torch).
+Transports (`agrs_transport`): with ``"torch"`` the rows move by torch.distributed collectives into the chunk
+(``all_gather_into_tensor``, ``all_to_all_single``) and ``handle()`` makes the stream wait for them. With ``"native"``
+(the native backend's default) each rank's copy engine writes into the peers' symmetric session memory
+(`ep_moe.native.stream_transport`), the header also names each tensor's chunk, and ``handle()`` waits on the host
+for the peers' rows. On a GPU the headers are read on the host (one wait per operation).
+
+Contract and errors: docs/semantics.md, section "ElasticBuffer: PP and AGRS" (the native transport: docs/native.md;
+V2's differences: docs/compat.md, section "All-gather / reduce-scatter sessions (AGRS)").
 """
 
 from __future__ import annotations
@@ -99,9 +89,10 @@ class AGRSTimeoutError(AGRSError, TimeoutError):
 
 
 def agrs_transport(backend_name: str, requested: str | None = None) -> str:
-    """The transport AGRS uses on a buffer of ``backend_name`` (`ep_moe.elastic.transport_choice.choose_transport`): ``"native"`` (copy
-    engine + stream memory operations) on the native backend, ``"torch"`` elsewhere or when ``requested`` (else
-    ``$EP_MOE_PPAGRS_TRANSPORT``) is ``"torch"``. Raises `AGRSConfigError` for a bad ``requested``."""
+    """The transport AGRS uses on a buffer of ``backend_name`` (`ep_moe.elastic.transport_choice.choose_transport`):
+    ``"native"`` (copy engine + stream memory operations) on the native backend, ``"torch"`` elsewhere or when
+    ``requested`` (else ``$EP_MOE_PPAGRS_TRANSPORT``) is ``"torch"``. Raises `AGRSConfigError` for a bad
+    ``requested``."""
     try:
         return choose_transport(backend_name, requested, "agrs_set_config")
     except ValueError as exc:
@@ -508,7 +499,8 @@ class AGRSMixin:
         if len({(*row[_H_COUNT:_H_PLACE], *row[_H_DIMS:]) for row in rows}) > 1:
             described = "; ".join(
                 f"rank {i}: {row[_H_COUNT]} tensor(s), {row[_H_BYTES]} bytes, first "
-                f"{dtype_name(row[_H_DTYPE])}{tuple(row[_H_DIMS:_H_DIMS + row[_H_NDIM]])}" for i, row in enumerate(rows))
+                f"{dtype_name(row[_H_DTYPE])}{tuple(row[_H_DIMS:_H_DIMS + row[_H_NDIM]])}"
+                for i, row in enumerate(rows))
             raise AGRSMismatchError(f"{where}: the ranks pass different tensors ({described})")
         if state.native is not None and len({row[_H_PLACE] for row in rows}) > 1:
             raise AGRSMismatchError(f"{where}: the ranks place the tensors at different chunks of the session memory "
