@@ -770,11 +770,9 @@ class NativeBackend(CommBackend):
         """Every rank's arrival (raises after ``timeout_s``); then a disagreement an earlier call recorded (every
         call of this rank before the barrier has run: the device is synchronized) raises its ValueError.
 
-        The barrier kernel runs only after every kernel this rank queued before, on any stream: the calls run on
-        the Buffer's communication stream, the barrier on the current one, which does not wait for that stream
-        after a call that raised (an exact-size dispatch queues ``close_epoch``, or its own kernels before it
-        raises an earlier record) or with ``async_finish``. A kernel takes its epoch from the device state when
-        it starts, so a barrier beside such a kernel would take the same epoch, and this rank would stay one
+        The barrier kernel runs only after every kernel this rank queued before, on any stream (an asynchronous
+        call's run on the Buffer's communication stream): a kernel takes its epoch from the device state when it
+        starts, so a barrier beside another kernel would take the same epoch, and this rank would stay one
         operation behind its peers (docs/native.md, "Rank agreement")."""
         self._raise_if_failed()
         torch.cuda.synchronize(self.device)
