@@ -1,34 +1,22 @@
 """DeepSpeed integration: `MoE`, a drop-in for ``deepspeed.moe.layer.MoE`` whose tokens travel through ep_moe.
 
-What stays DeepSpeed's: the constructor and ``forward`` contract (``(out, l_aux, exp_counts)``), the gate
-(DeepSpeed's own ``TopKGate``, so routing, capacity, dropped tokens, ``l_aux`` and ``exp_counts`` are
-DeepSpeed's), the expert modules and their parameter names and flags (``deepspeed_moe.gate.wg.weight``,
-``deepspeed_moe.experts.deepspeed_experts.N.*`` with ``allreduce=False`` and ``group_name``), the
-expert/data-parallel groups of ``deepspeed.utils.groups``, and ``isinstance(layer,
-deepspeed.moe.layer.MoE)``, so that ``deepspeed.initialize``, the MoE-aware optimizer grouping and the
-per-expert checkpoint files treat the layer exactly as they treat DeepSpeed's.
-
-One shortcut in the gate: at top-2 without capacity (the dropless mode below) the layer computes the gate's routing
-itself (`dropless_top2_routes`: the same weights, routes, ``l_aux``, ``exp_counts`` and draws from the RNG, bit for
-bit), leaving out the capacity-buffer positions that DeepSpeed's gate also computes and a dropless layer never reads.
-
-What changes: the token movement. DeepSpeed packs an ``[E, C, H]`` capacity-padded tensor and moves it
-with two equal-split all-to-alls; this layer sends each token once to each rank that holds one of its
-experts, through ep_moe's `TokenDispatcher`, and runs each local expert on exactly its tokens.
+What stays DeepSpeed's: the constructor and ``forward`` contract (``(out, l_aux, exp_counts)``), the gate (its own
+``TopKGate``: routing, capacity, dropped tokens, ``l_aux``, ``exp_counts``), the expert modules with their
+parameter names and flags, the groups of ``deepspeed.utils.groups``, and ``isinstance(layer,
+deepspeed.moe.layer.MoE)``, so that ``deepspeed.initialize``, the MoE-aware optimizer grouping and the per-expert
+checkpoint files treat the layer as DeepSpeed's. What changes is the token movement: each token goes once to each
+rank that holds one of its experts (ep_moe's `TokenDispatcher`) instead of an ``[E, C, H]`` capacity-padded
+all-to-all, and each local expert runs on exactly its tokens.
 
 Two modes, chosen by DeepSpeed's own ``drop_tokens`` argument:
 
-* ``drop_tokens=True`` (DeepSpeed's default): DeepSpeed's capacity semantics. The same tokens are
-  dropped and the outputs, ``l_aux``, ``exp_counts`` and gradients equal DeepSpeed's MoE.
-* ``drop_tokens=False`` (recommended): dropless. Every token reaches its experts; equal to DeepSpeed's
-  ``drop_tokens=False`` ("infinite capacity") without padding every expert to the largest one.
+* ``drop_tokens=True`` (DeepSpeed's default): DeepSpeed's capacity semantics, the same dropped tokens, and
+  outputs, ``l_aux``, ``exp_counts`` and gradients equal to DeepSpeed's.
+* ``drop_tokens=False`` (recommended): dropless, DeepSpeed's "infinite capacity" without the padding. At top-2 the
+  gate's routing is computed here (`dropless_top2_routes`, bit for bit DeepSpeed's gate).
 
-Not supported (clear errors): tensor-parallel non-expert layers (``groups.mpu`` with TP > 1) and
-expert tensor parallelism. ``use_tutel=True`` is accepted and ignored (the movement is ep_moe's).
-
-Tested with DeepSpeed 0.19.8 (per-route gate output) and 0.16.9 (dense ``[S, E, C]`` gate output,
-converted here); on 0.16.9 DeepSpeed's own gate fails for ``k >= 3`` with ``drop_tokens=False``, so
-dropless top-3+ needs a newer DeepSpeed.
+Not supported (clear errors): tensor-parallel non-expert layers and expert tensor parallelism. ``use_tutel=True``
+is accepted and ignored. Versions, parameter names and the CPU setup: docs/training.md, section "DeepSpeed".
 """
 
 from __future__ import annotations
