@@ -137,6 +137,14 @@ def _run(args: argparse.Namespace) -> int:
         if not topology.has_gpu:
             say(f"(no GPU here: planning for the {FALLBACK_GPU} datasheet; --gpu picks another)")
             topology = Topology.preset(FALLBACK_GPU, ranks, per_node, nic_gbps=args.nic_gbps)
+    if args.calibration and not args.calibrate:  # a file the user names must be used, not quietly replaced
+        from ..tuning.calibration import CalibrationFileError, load_rates
+
+        try:
+            load_rates(topology, path=args.calibration)
+        except CalibrationFileError as exc:
+            print(f"ep-moe tune: --calibration: {exc}", file=sys.stderr)
+            return 2
 
     buffer = None
     if on_device:

@@ -130,6 +130,20 @@ def test_tune_errors_are_clear(capsys, tmp_path):
     assert "divisible" in capsys.readouterr().err
 
 
+def test_tune_refuses_a_calibration_file_it_cannot_use(capsys, tmp_path):
+    """A file named by --calibration is what the user asked for: missing or damaged, the command stops naming
+    it (a file the environment points at is only a default, replaced by the datasheet with a warning)."""
+    shape = ["--experts", "256", "--topk", "8", "--hidden", "7168", "--tokens", "512", "--ranks", "2", "--gpu", "H200"]
+    missing = tmp_path / "missing.json"
+    assert ep_moe_main(["tune", *shape, "--calibration", str(missing)]) == 2
+    assert f"--calibration: calibration {missing}: does not exist" in capsys.readouterr().err
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text("{not json")
+    assert ep_moe_main(["tune", *shape, "--calibration", str(damaged)]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err
+    assert ep_moe_main(["tune", *shape]) == 0  # $EP_MOE_CALIBRATION names a file that does not exist: defaults
+
+
 def _bench_worker(rank, world_size):
     """Time dispatch/combine on the torch backend and refine a plan with it (every rank the same answer)."""
     from ep_moe import Buffer
