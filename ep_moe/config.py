@@ -26,52 +26,50 @@ RENAMED_VARIABLES = {"EP_MOE_DISPATCH_PUSH_FRACTION": "EP_MOE_NATIVE_DISPATCH_PU
 
 @dataclass(frozen=True)
 class NativeOptions:
-    """Settings of the native kernels (the torch backend ignores them). Every rank of a group must hold
-    equal options: every rank decides its path from them and from the counts all ranks share; the native
-    backend checks that once per distinct value (a `ValueError` naming the field and the ranks).
+    """Settings of the native kernels (the torch backend ignores them), frozen and checked on construction.
+
+    Every rank of a group must hold equal options: every rank decides its path from them and from the counts all
+    ranks share. The native backend checks that once per distinct value (a `ValueError` naming the field and the
+    ranks). `from_env` fills the fields from ``EP_MOE_NATIVE_<FIELD>`` variables.
 
     Attributes:
-        dispatch_chunks, combine_chunks: most flag-published chunks the rows of one source-destination
-            pair are cut into (more start the receiver sooner, fewer cost fewer handshakes);
-            ints in [1, `MAX_CHUNKS_PER_PAIR`].
-        min_chunk_rows: rows a chunk holds at least, unless the pair has fewer (int >= 1).
-        dispatch_push_fraction, combine_push_fraction: share of the call's SMs that push rows over NVLink
-            (at least one block, and one left for the others); in (0, 1).
-        dispatch_copy_engine, combine_copy_engine: ``"auto"``, ``"on"`` (whenever the host knows the
-            layout) or ``"off"``: whether rows travel by the copy engine instead of pusher blocks
-            (`ep_moe.native.policy`).
-        dispatch_copy_engine_shares, combine_copy_engine_shares: relative sizes of the chunks a copy-engine
-            call cuts each pair's rows into: 1 to `MAX_COPY_ENGINE_CHUNKS` ints in [1, 1024] (a list is
-            taken as a tuple). ``dispatch_copy_engine_fp8_shares``: the same for a dispatch of FP8 rows.
-        dispatch_copy_engine_streams, combine_copy_engine_streams: side streams a copy-engine call spreads
-            its chunks over, round robin; ints in [1, `MAX_COPY_ENGINE_STREAMS`].
-        dispatch_copy_engine_flag_stream, combine_copy_engine_flag_stream: whether a copy-engine call writes
-            its chunks' flags on a stream of their own (bool).
-        combine_bulk_reduce: ``"auto"`` (when the copy engine carries the combine), ``"on"`` or ``"off"``:
-            whether the combine's reducers load rows by bulk copies into shared memory.
-        expert_major_fused: whether the expert-major dispatch and combine at EP >= 2 fold their permute and
-            reduce into the kernels (rows left in the receive buffer, rows summed as they go out; the same
-            results); False: the rank-major kernels with a separate permute and reduce (bool). Read from the
-            buffer's options (the expert-major calls pass no ``config.native``).
+        One comment per field below; each field's values, default and variable are in docs/configuration.md,
+        section "Native kernel options", and what each does inside the kernels in docs/native.md.
 
-    Bad values raise `ValueError` naming the field. `from_env` fills the fields from environment variables.
+    Raises:
+        ValueError: naming the field and what it must be, for a bad value.
     """
 
+    # Most flag-published chunks the rows of one source-destination pair are cut into (more start the receiver
+    # sooner, fewer cost fewer handshakes); ints in [1, MAX_CHUNKS_PER_PAIR].
     dispatch_chunks: int = 64
     combine_chunks: int = 128
+    # Rows a chunk holds at least, unless the pair has fewer (int >= 1).
     min_chunk_rows: int = 16
+    # Share of the call's SMs that push rows over NVLink (at least one block, and one left for the others); in (0, 1).
     dispatch_push_fraction: float = 1 / 3
     combine_push_fraction: float = 1 / 3
+    # "auto", "on" (whenever the host knows the layout) or "off": whether rows travel by the copy engine instead of
+    # pusher blocks (ep_moe.native.policy).
     dispatch_copy_engine: str = "auto"
     combine_copy_engine: str = "auto"
+    # Relative sizes of the chunks a copy-engine call cuts each pair's rows into: 1 to MAX_COPY_ENGINE_CHUNKS ints
+    # in [1, MAX_COPY_ENGINE_SHARE] (a list is taken as a tuple). The fp8 field: a dispatch of FP8 rows.
     dispatch_copy_engine_shares: tuple[int, ...] = (6, 5, 4, 3, 2, 1)
     dispatch_copy_engine_fp8_shares: tuple[int, ...] = (3, 2, 1)
     combine_copy_engine_shares: tuple[int, ...] = (2, 5, 6, 5, 3, 2, 1)
+    # Side streams a copy-engine call spreads its chunks over, round robin; ints in [1, MAX_COPY_ENGINE_STREAMS].
     dispatch_copy_engine_streams: int = 1
     combine_copy_engine_streams: int = 1
+    # Whether a copy-engine call writes its chunks' flags on a stream of their own (bool).
     dispatch_copy_engine_flag_stream: bool = True
     combine_copy_engine_flag_stream: bool = False
+    # "auto" (when the copy engine carries the combine), "on" or "off": whether the combine's reducers load rows by
+    # bulk copies into shared memory.
     combine_bulk_reduce: str = "auto"
+    # Whether the expert-major dispatch and combine at EP >= 2 fold their permute and reduce into the kernels (rows
+    # left in the receive buffer, rows summed as they go out; the same results); False: the rank-major kernels with
+    # a separate permute and reduce. Read from the buffer's options (the expert-major calls pass no config.native).
     expert_major_fused: bool = True
 
     def __post_init__(self) -> None:
