@@ -1,23 +1,24 @@
 """`ElasticBuffer`: DeepEP V2's buffer API (``deep_ep.ElasticBuffer``) over an `ep_moe.Buffer`.
 
-One class, two layouts chosen per call (docs/semantics.md, "ElasticBuffer"):
+One class, two layouts chosen per call (docs/semantics.md, section "ElasticBuffer (DeepEP V2's buffer)"):
 
-* ``do_expand=False``, the compact layout: the rank-major dispatch (`ep_moe.buffer.autograd_ops.dispatch`: one row per token and
-  receiving rank, by source rank then token) and its combine, which sums the rows per token and carries
-  ``topk_weights`` back alongside;
-* ``do_expand=True``, the expanded layout: the expert-major dispatch (`ep_moe.buffer.expert_major_ops`: one row per (token,
-  local expert) pair, grouped by expert, each group padded to ``expert_alignment``) and its combine, a plain sum
-  per token (as in V2 the weights are not applied; they travel back alongside).
+* ``do_expand=False``, the compact layout: the rank-major dispatch (`ep_moe.buffer.autograd_ops.dispatch`: one row
+  per token and receiving rank, by source rank then token) and its combine, which sums the rows per token and
+  carries ``topk_weights`` back alongside;
+* ``do_expand=True``, the expanded layout: the expert-major dispatch (`ep_moe.buffer.expert_major_ops`: one row per
+  (token, local expert) pair, grouped by expert, each group padded to ``expert_alignment``) and its combine, a
+  plain sum per token (as in V2 the weights are not applied; they travel back alongside).
 
 Both are differentiable end to end. ``do_cpu_sync=False`` gives fixed-size outputs sized from
 ``num_max_tokens_per_rank`` and no host read; a ``handle`` repeats a dispatch's layout (cached dispatch).
 
-Memory types (``.memory_type``) and Engram (`engram_write` / `engram_fetch`) come from `ep_moe.elastic.engram.EngramMixin`
-over `ep_moe.elastic.memory`; with the elastic and hybrid types the range's GPU segment is the native backend's
-dispatch/combine memory (``comm_memory_in_segment``; docs/semantics.md); pipeline-parallel send/recv (``pp_*``,
-`ep_moe.elastic.pipeline_comm`) and all-gather / reduce-scatter sessions (AGRS, `ep_moe.elastic.agrs`) from their mixins, over torch.distributed on both backends. Not
-provided yet: the native (copy-engine) PP and AGRS, RDMA queue pairs (``sl_idx``,
-``num_allocated_qps``, ``num_qps`` are recorded only).
+Memory types (``.memory_type``) and Engram (`engram_write` / `engram_fetch`) come from
+`ep_moe.elastic.engram.EngramMixin` over `ep_moe.elastic.memory`. With the elastic and hybrid types the range's
+GPU segment is the native backend's dispatch/combine memory (``comm_memory_in_segment``; docs/semantics.md, section
+"ElasticBuffer: memory types and Engram"). Pipeline-parallel send/recv (``pp_*``, `ep_moe.elastic.pipeline_comm`)
+and all-gather / reduce-scatter sessions (AGRS, `ep_moe.elastic.agrs`) come from their mixins: the copy engine on
+the native backend by default, torch.distributed otherwise. RDMA queue pairs are not provided (``sl_idx``,
+``num_allocated_qps`` and ``num_qps`` are recorded only).
 """
 
 from __future__ import annotations
@@ -208,46 +209,30 @@ def _destroy_quietly(buffer: Buffer) -> None:
 
 
 class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
-    """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout; PP send/recv
-    and AGRS sessions (the mixins).
+    """DeepEP V2's ``ElasticBuffer`` on ep_moe: dispatch and combine in the compact or expanded layout, PP, AGRS.
+
+    DeepEP's arguments keep V2's names, order and defaults; each one's status is in docs/compat.md, section
+    "ElasticBuffer", and sizes, memory types and hybrid mode in docs/semantics.md, sections "ElasticBuffer ...".
 
     Args:
         group: the EP process group (None: the world group).
-        num_bytes: bytes of communication memory (a multiple of 2 MiB); None: `get_buffer_size_hint` of the MoE
-            settings below. GPU memory type: the native backend starts with this much and grows when a call needs
-            more; the torch backend records it. Elastic and hybrid types: the size of the range's GPU segment,
-            which is the native backend's dispatch/combine memory (it does not grow; docs/semantics.md); at
-            least `get_buffer_size_hint` of the MoE settings where they are given (ValueError naming
-            ``num_bytes`` otherwise), and a call that needs more raises ValueError naming it before any row
-            moves.
-        num_cpu_bytes: host bytes per rank (rounded up to 2 MiB). 0: the GPU memory type; > 0: the elastic or
-            hybrid type (``.memory_type``, `ep_moe.elastic.memory.choose_memory_type`), whose host segments hold Engram
-            tables (`engram_write`, `engram_fetch`).
-        num_max_tokens_per_rank: the default bound on tokens per rank (the same on every rank); sizes the
-            fixed-size outputs of ``do_cpu_sync=False``. hidden, num_topk, use_fp8_dispatch: the MoE settings
-            that size ``num_bytes`` (an FP8 pair may be dispatched whatever ``use_fp8_dispatch`` says).
-        deterministic: accepted; ep_moe's orders are deterministic in every mode (rows by source rank and token,
-            expanded rows by expert, source rank, token, top-k slot; sums in a fixed order), so there is nothing
-            to sort.
-        allow_hybrid_mode: two hops (`ep_moe.backends.hybrid`, docs/hybrid.md) when the logical topology has more than one
-            scale-out rank, False: the flat view (1 x R); with ``num_cpu_bytes > 0`` and several ranks on a node,
-            also the hybrid memory type (every rank of the node maps every host segment).
-            prefer_overlap_with_compute: recorded (the SM count comes from ep_moe's tuner). allow_multiple_reduction: the expanded combine's reduction mode
-            (`ep_moe.buffer.expert_major_ops.expert_combine`) and, in hybrid mode, whether the combine sums inside each node
-            first (docs/hybrid.md). sl_idx, num_allocated_qps: recorded (no RDMA queue pairs).
-        num_cpu_timeout_secs: the deadline of each collective wait of `engram_fetch`. num_gpu_timeout_secs: the
-            deadline of every wait for a peer (`ep_moe.Buffer`'s ``timeout_s``).
-        explicitly_destroy: True: resources are freed by `destroy` only; False: also when the buffer is
-            collected or the interpreter exits.
-        backend: ``"auto"``, ``"native"`` or ``"torch"`` (as `ep_moe.Buffer`). check_inputs: also check expert
-            ids' range (a host read; `ep_moe.Buffer`). num_scaleout_ranks: view the group as that many nodes of
-            consecutive ranks (else ``EP_MOE_SCALEOUT_RANKS``, else the ranks' hosts; `ep_moe.backends.hybrid.node_topology`).
-            num_hybrid_chunks: hybrid mode: the scale-out hop's chunk count, fixed for every call (else
-            ``EP_MOE_HYBRID_CHUNKS``; else each shape's from the hybrid model, `ep_moe.tuning.hybrid_model.plan_hybrid`,
-            at most 4). hybrid_scaleup: the in-node transport, "auto", "native", "torch" or "all_to_all" (else
-            ``EP_MOE_HYBRID_SCALEUP``, else "auto"; docs/hybrid.md).
+        num_bytes: GPU bytes, a multiple of 2 MiB (None: `get_buffer_size_hint` of the MoE settings). GPU memory
+            type: where the native backend starts (it grows); elastic and hybrid types: the fixed GPU segment.
+        num_cpu_bytes: host bytes per rank for Engram tables (0: the GPU memory type; > 0: elastic or hybrid).
+        num_max_tokens_per_rank: the bound on every rank's tokens; sizes the outputs of ``do_cpu_sync=False``.
+        hidden, num_topk, use_fp8_dispatch: the MoE settings that size ``num_bytes`` (FP8 may be sent either way).
+        deterministic, sl_idx, num_allocated_qps: recorded (every order is fixed; there are no RDMA queue pairs).
+        allow_hybrid_mode: two hops (docs/hybrid.md) when the logical topology has more than one scale-out rank.
+        allow_multiple_reduction: the expanded and the hybrid combine sum a token's rows per rank / node first.
+        prefer_overlap_with_compute: enters `get_theoretical_num_sms` (the SM count comes from ep_moe's tuner).
+        num_cpu_timeout_secs, num_gpu_timeout_secs: deadlines of `engram_fetch`'s waits, of every wait for a peer.
+        explicitly_destroy: True: freed by `destroy` only; False: also when collected or at interpreter exit.
+        backend, check_inputs: as `ep_moe.Buffer` (``"auto"``, ``"native"`` or ``"torch"``; range-check expert ids).
+        num_scaleout_ranks, num_hybrid_chunks, hybrid_scaleup: hybrid mode's view, chunk count and in-node
+            transport (docs/configuration.md, section "Hybrid mode: `ElasticBuffer` across nodes").
 
-    Construction ends with a barrier of the group.
+    Raises:
+        ValueError: naming the argument. RuntimeError: torch.distributed is not initialized.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, num_bytes: int | None = None, num_cpu_bytes: int = 0,
@@ -371,8 +356,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """``(scale-out ranks, scale-up ranks)``: the view dispatch and combine use (`ep_moe.backends.hybrid.node_topology`);
-        ``(1, R)`` with ``allow_hybrid_mode=False``."""
+        """``(scale-out ranks, scale-up ranks)``: the view dispatch and combine use
+        (`ep_moe.backends.hybrid.node_topology`); ``(1, R)`` with ``allow_hybrid_mode=False``."""
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
@@ -448,8 +433,8 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
         return self._plans[key]
 
     def _hybrid_plan(self, num_sms: int, num_experts: int, num_topk: int, x: Tensor, bound: int) -> int:
-        """Hybrid backend: the hybrid model's plan of this shape (`ep_moe.tuning.hybrid_model.plan_hybrid`, made once per
-        shape, for the largest token count of any rank) sets the chunk count of the call (unless fixed by
+        """Hybrid backend: the hybrid model's plan of this shape (`ep_moe.tuning.hybrid_model.plan_hybrid`, made once
+        per shape, for the largest token count of any rank) sets the chunk count of the call (unless fixed by
         ``num_hybrid_chunks`` / ``EP_MOE_HYBRID_CHUNKS``) and, without an explicit ``num_sms``, the SMs of the
         in-node hop."""
         from ..tuning.hybrid_model import apply_hybrid_plan
@@ -494,38 +479,28 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                  do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
         """Send each token to the ranks of its experts (DeepEP V2's argument order and names).
 
+        Each argument's status: docs/compat.md, section "dispatch"; the layouts: docs/semantics.md, "ElasticBuffer".
+
         Args:
-            x: ``[T, H]`` bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)`` (forward only,
-                as DeepEP's FP8 dispatch: ``recv_x`` is then the pair of rows and scales). topk_idx: ``[T, K]`` int64 global expert ids
-                (-1 none); None with ``handle``. topk_weights: ``[T, K]`` fp32 or None.
-            cumulative_local_expert_recv_stats: ``[L]`` int32/int64, incremented in place by the received (token,
-                local expert) pairs per expert (load statistics), or None.
+            x: ``[T, H]`` bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)`` (forward only).
+            topk_idx: ``[T, K]`` int64 global expert ids, -1: none (None with ``handle``). topk_weights: ``[T, K]``
+                fp32 or None.
+            cumulative_local_expert_recv_stats: ``[L]`` int32/int64, incremented by the received pairs, or None.
             num_experts: E (from the handle on a cached dispatch). expert_alignment: A (default 1).
-            num_max_tokens_per_rank: the bound on ``T`` of every rank for ``do_cpu_sync=False`` (default: the
-                buffer's).
-            num_sms: SMs of the dispatch (kept in the handle for its combine); 0: the tuner's plan on the native
-                backend, else `ep_moe.Buffer.num_sms`. num_qps: accepted (no queue pairs).
-            previous_event, previous_event_before_epilogue: the current stream waits for them first.
-            async_with_compute_stream, allocate_on_comm_stream: accepted; every call joins the current stream
-                before it returns, so the returned event is empty and waiting on it is free.
-            handle: an earlier dispatch's handle: repeat its layout (cached dispatch); ``topk_idx`` must be None,
-                ``topk_weights`` may be given (they travel the same way), ``do_cpu_sync`` None or False.
-            do_handle_copy: keep a copy of ``topk_idx`` in the handle (else the tensor itself).
-            do_cpu_sync: None: True for a fresh dispatch, False for a cached one. True: exact sizes (one host
-                read, in the count exchange). False: no host read; the rank-major dispatch has
-                ``W = num_max_tokens_per_rank * R`` rows and the expanded layout ``W * min(K, L) + L * (A - 1)``;
-                the rows past the used ones are zero with index -1 / weight 0.
-            do_expand: the expanded (expert-major) layout instead of the compact (rank-major) one; on a cached
-                dispatch the handle's layout is used (True with a compact handle is refused).
-            do_zero_padding: accepted; padding rows are always zero. use_tma_aligned_col_major_sf: accepted (FP8).
+            num_max_tokens_per_rank: the bound on every rank's ``T`` for ``do_cpu_sync=False`` (default: the buffer's).
+            num_sms: SMs, kept in the handle; 0: the tuner's plan on the native backend, else `ep_moe.Buffer.num_sms`.
+            previous_event, previous_event_before_epilogue: waited for first. do_handle_copy: copy ``topk_idx``.
+            handle: repeat this earlier dispatch's layout (``topk_idx`` None, ``do_cpu_sync`` None or False).
+            do_cpu_sync: None: True fresh, False cached. False: no host read, ``W = num_max_tokens_per_rank * R``
+                compact rows or ``W * min(K, L) + L * (A - 1)`` expanded ones, zero (index -1) past the used ones.
+            do_expand: the expanded (expert-major) layout instead of the compact (rank-major) one.
+            num_qps, async_with_compute_stream, allocate_on_comm_stream, do_zero_padding, use_tma_aligned_col_major_sf:
+                accepted (every call joins the current stream; padding is zero; FP8 scales come back row-major).
 
         Returns:
-            ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``. Compact: ``recv_x [N, H]``,
-            ``recv_topk_idx [N, K]`` local expert ids or -1, ``recv_topk_weights [N, K]`` fp32 (0 where not local;
-            None without ``topk_weights``). Expanded: ``recv_x [M, H]`` grouped by local expert, ``recv_topk_idx``
-            None, ``recv_topk_weights [M]`` fp32 (each row's weight, 0 on padding; None without
-            ``topk_weights``). ``handle``: an `ElasticHandle` (the same object on a cached dispatch).
-            ``event``: an `ep_moe.EventOverlap`.
+            ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: compact ``[N, H]``, ``[N, K]`` local ids
+            or -1, ``[N, K]`` fp32 (0 where not local); expanded ``[M, H]`` by local expert, None, ``[M]`` fp32. FP8
+            input gives a pair as ``recv_x``; weights are None without ``topk_weights``; ``handle``: an `ElasticHandle`.
         """
         op = "ElasticBuffer.dispatch"
         self._check_live("dispatch")
@@ -693,9 +668,9 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
 
         Returns:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] fp32 or None, event)``. Compact: the
-            sums of `ep_moe.buffer.autograd_ops.combine`. Expanded: `ep_moe.buffer.expert_major_ops.expert_combine` with the buffer's
-            ``allow_multiple_reduction``; ``combined_topk_weights[t, k]`` is the weight of the row of pair (t, k),
-            0 where ``topk_idx`` is -1.
+            sums of `ep_moe.buffer.autograd_ops.combine`. Expanded: `ep_moe.buffer.expert_major_ops.expert_combine`
+            with the buffer's ``allow_multiple_reduction``; ``combined_topk_weights[t, k]`` is the weight of the row
+            of pair (t, k), 0 where ``topk_idx`` is -1.
         """
         op = "ElasticBuffer.combine"
         self._check_live("combine")
