@@ -1,28 +1,21 @@
 """``ep-moe train RECIPE.yaml [key=value ...]``: parse, check, then run the ranks.
 
-The recipe (overrides applied) is parsed by its engine's schema (`ep_moe.train.recipe_schema`) and checked against
-this job's world size and device before any rank starts, with what else can be known there: the dispatcher
-backend can run, the checkpoint to load exists, the run folder can be written (`ep_moe.train.rundir`). Then
-the run folder is locked for this run (released at exit, errors and Ctrl-C included), and a fresh run into a
-folder that holds an earlier one is refused unless ``--resume`` or ``--overwrite`` says what to do with it.
-Ranks start through `ep_moe.distributed.launch`, for every engine:
+Before any rank starts, the recipe (overrides applied) is parsed by its engine's schema
+(`ep_moe.train.recipe_schema`) and checked against this job's world size and device, with what else can be known
+there: the dispatcher backend can run, the checkpoint to load exists, the run folder can be written
+(`ep_moe.train.rundir`). The run folder is then locked for this run, and a fresh run into a folder that holds an
+earlier one is refused unless ``--resume`` or ``--overwrite`` says what to do with it.
 
-* under ``torchrun``: this process is one rank; NCCL on ``cuda:LOCAL_RANK`` (gloo when the device is the
-  CPU);
-* otherwise ``train.nproc`` ranks are spawned (gloo on the CPU, NCCL on ``cuda:<rank>`` when the device is
-  CUDA).
+Ranks start through `ep_moe.distributed.launch` for every engine: under ``torchrun`` this process is one rank
+(the launcher's world size decides; ``--max-restarts`` > 0 resumes each attempt, `elastic_max_restarts`),
+otherwise ``train.nproc`` ranks are spawned. ``engine: ep_moe`` runs `ep_moe.train.loop` on each rank;
+``engine: megatron`` / ``engine: deepspeed`` run ``ep_moe.train.engines.<engine>_engine.train(recipe, device)``.
+Ctrl-C finishes the step, saves a checkpoint and exits with status 130. A failing rank's error is printed once,
+on one line with its ranks, its traceback in ``error.log`` (`ep_moe.train.failures`); a lost peer ends each
+surviving rank with one line naming the peer and the stage (`ep_moe.train.failures.report_lost_peer`).
 
-Under torchrun the launcher's world size decides (``train.nproc`` is no constraint there). Under torchrun
-``--max-restarts`` > 0 (`elastic_max_restarts`) every attempt resumes from the latest checkpoint in
-``checkpoint.save`` by itself, so a restarted group continues the run. A lost peer (a node gone) ends each surviving rank with one line naming the
-peer and the stage (`ep_moe.train.failures.report_lost_peer`), exit status 1.
-
-``engine: ep_moe`` runs `ep_moe.train.loop` on each rank: Ctrl-C reaches every rank (and is forwarded to
-them), each finishes its step, a checkpoint is saved, and the command exits with status 130.
-``engine: megatron`` / ``engine: deepspeed``: ``ep_moe.train.engines.<engine>_engine.train(recipe, device)`` runs it.
-
-When spawned ranks fail, each distinct error is printed once, on one line with its ranks, and every traceback
-goes to ``error.log`` in the run folder (`ep_moe.train.failures`); a rank killed by a signal is one line too.
+What a user sees, exit statuses included: docs/training.md, sections "Train an MoE model" and "When things go
+wrong"; torchrun, SLURM, lost nodes and restarts: docs/multinode.md.
 """
 
 from __future__ import annotations

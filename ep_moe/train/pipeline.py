@@ -4,26 +4,21 @@ Ranks: ``W`` ranks, ``D = W / 2`` data-parallel ranks per stage. Ranks ``[0, D)`
 layers ``[0, L/2)``), ranks ``[D, W)`` stage 1 (layers ``[L/2, L)``, the final norm, the output layer and the
 loss). Rank ``j`` and rank ``j + D`` form a pipeline; they share an `ep_moe.ElasticBuffer` over their pair group,
 whose `pp_send` / `pp_recv` carry the activations forward and their gradients back (fp32, ``[m, S, H]``). Every
-rank builds the whole model from the same seed and keeps (and optimizes) only its stage's parameters; with tied
-embeddings both stages hold the embedding and sum its gradient over the pair, as Megatron does.
+rank builds the whole model from the same seed and keeps (and optimizes) only its stage's parameters.
 
-Schedule, per optimizer step (GPipe: all forwards, then all backwards): stage 0 runs the ``accum`` micro-batches
-of its data-parallel rank (`ep_moe.train.data.rank_slice` over ``D`` ranks) forward and sends each activation;
-stage 1 receives each, runs the rest forward and backward, and sends the input's gradient back; stage 0 then
-receives the gradients in order and back-propagates them (with its layers' aux loss). The buffer has ``accum``
-slots per direction, so no send waits. Gradients are then summed over each stage's data-parallel group
-(`ep_moe.train.parallel.sync_gradients`), clipped by the global norm over both stages, and AdamW steps; the
-routers' expert bias is updated per stage. The logged loss is the same row-order mean as the default loop's.
-
-Mirrors `ep_moe.layers.model.MoETransformer.forward` split at ``L/2`` (the test against ``pp_size: 1`` guards
-this). With dropout each stage draws its masks from its own RNG, in another order than one process would, so
-the losses then match ``pp_size: 1`` statistically, not per step.
+Schedule, per optimizer step (GPipe: all forwards, then all backwards): stage 0 sends each of its ``accum``
+micro-batches' activations, stage 1 runs the rest forward and backward and sends each input's gradient back,
+and stage 0 back-propagates them. Gradients are then summed per stage over its data-parallel group, clipped by
+the global norm over both stages, and AdamW steps. `stage0_forward` / `stage1_forward` mirror
+`ep_moe.layers.model.MoETransformer.forward` split at ``L/2`` (`split_layer`).
 
 The loop itself (resume, Ctrl-C at a step boundary, evaluation, checkpoints, metrics) is the default trainer's
-(`ep_moe.train.loop.run_training`); this module provides its steps (`PipelineSteps`). A checkpoint has the default
-trainer's format: before a save each rank takes the other stage's current values and optimizer state over its
-pair, so rank 0 writes the whole model, loadable with ``pp_size`` 1 or 2. Expert parallelism works inside each
-stage (`build_pipeline_state`). Not provided with ``pp_size: 2``: the routing statistics of the progress line.
+(`ep_moe.train.loop.run_training`); this module provides its steps (`PipelineSteps`). Checkpoints have the default
+trainer's format (loadable with ``pp_size`` 1 or 2). Expert parallelism works inside each stage
+(`build_pipeline_state`).
+
+The full description (tied embeddings, dropout, what is not provided): docs/training.md, section "Pipeline
+parallel: `train.pp_size: 2`"; the recipe key: docs/configuration.md, section "Training recipes".
 """
 
 from __future__ import annotations

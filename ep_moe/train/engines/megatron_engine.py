@@ -1,28 +1,23 @@
 """``engine: megatron`` recipes: a Megatron-core ``GPTModel`` trained with ep_moe as its token dispatcher.
 
 The recipe is a `MegatronRecipe` (`ep_moe.train.recipe_schema`); ``ep-moe train recipes/megatron-gpt-moe-ep2.yaml
-[key=value ...]`` parses and checks it, then calls `train`. The model is Megatron's ``GPTModel`` from the
-local layer spec (no TransformerEngine): every layer is an MoE layer (SequentialMLP experts,
-`PortableTopKRouter`), attention is `SdpaCoreAttention` (torch's ``scaled_dot_product_attention``;
-Megatron's ``DotProductAttention`` needs CUDA). ``model.moe_token_dispatcher`` picks the dispatcher:
-``ep_moe`` (`EpMoELayer`), ``alltoall`` (Megatron's own; CUDA only), or ``flex_deepep`` (Megatron's flex
-dispatcher on ``ep_moe.compat.deep_ep``).
+[key=value ...]`` parses and checks it, then calls `train`. The model is Megatron's ``GPTModel`` from the local
+layer spec (no TransformerEngine): every layer is an MoE layer (SequentialMLP experts, `PortableTopKRouter`), and
+attention is `SdpaCoreAttention` (torch's ``scaled_dot_product_attention``). ``model.moe_token_dispatcher`` picks
+the dispatcher: ``ep_moe`` (`EpMoELayer`), ``alltoall`` (Megatron's own, CUDA only) or ``flex_deepep`` (Megatron's
+flex dispatcher on ``ep_moe.compat.deep_ep``).
 
-Ranks: `ep_moe.distributed.launch` (``train.nproc`` spawned ranks, gloo on CPU, NCCL with one GPU per rank;
-or the ``torchrun`` job). Data parallel over all ranks, expert parallel over groups of
-``model.expert_model_parallel_size``; dense gradients are averaged over the world, expert gradients summed
-over the expert-data-parallel group and divided by the world size (what Megatron's DDP does), clipped by
-the global norm, then AdamW with the trainer's learning-rate schedule (`ep_moe.train.schedule`).
-Initialisation is independent of the dispatcher and of the EP size (every expert's weights come from
-``(seed, layer, expert)``), so runs that differ only in the dispatcher start identical. Data: the trainer's
-datasets (`ep_moe.train.data`), so the synthetic corpus' entropy floor is known.
+Ranks start through `ep_moe.distributed.launch`. Data parallel runs over all ranks, expert parallel over groups of
+``model.expert_model_parallel_size``, with Megatron DDP's gradient reduction, the global-norm clip and AdamW on
+the trainer's schedule (`ep_moe.train.schedule`). Every expert's initial weights come from ``(seed, layer,
+expert)``, so runs that differ only in the dispatcher start identical. Data: the trainer's datasets
+(`ep_moe.train.data`).
 
-What a user sees and gets is the trainer's, as for ``engine: ep_moe``: progress lines, the metrics records
-(`ep_moe.train.metrics`, ``<checkpoint.save or runs/<recipe name>>/metrics.jsonl``), TensorBoard scalars
-(``logger.tensorboard_dir``), the loss plot, the summary and exit status, checkpoints in
-``<checkpoint.save>/step_<NNNNNNN>/`` (here one file per rank with its model and optimizer ``state_dict``;
-they load at the same world and EP size), ``--resume`` / ``checkpoint.load``, and Ctrl-C (finish the step,
-save, exit 130).
+Progress lines, metrics, TensorBoard scalars, the loss plot, the summary, exit statuses, ``--resume`` and Ctrl-C
+are the trainer's. A checkpoint ``<checkpoint.save>/step_<NNNNNNN>/`` holds one file per rank (model and
+optimizer ``state_dict``) and loads at the same world and EP size.
+
+The full description: docs/training.md, section "Megatron-core", subsection "`engine: megatron`".
 """
 
 from __future__ import annotations
