@@ -1,7 +1,7 @@
 """Expert-major rows on one rank: the permute of (received) rows into one group per local expert, padded to an
 alignment, for a grouped GEMM, and the weighted reduce of the experts' output rows back to one row per (received)
-row. Differentiable (autograd functions; while ``torch.compile`` traces, the torch definitions run and inductor
-compiles them).
+row. Differentiable. Each step is a torch.library custom op (``ep_moe::``), so ``torch.compile`` captures it whole
+and the compiled graph runs its implementation (the kernels below).
 
 Notation: N rows, K top-k columns, L experts of this rank, A alignment, M slots (expert-major rows), H hidden.
 A *pair* ``(i, k)`` is row ``i``'s ``k``-th top-k entry when it names an expert of this rank; its flat index is
@@ -16,12 +16,12 @@ A, then expert 1's, and so on; slots past the used total (a bound given for a fi
   y's dtype; rows without a pair get zeros. Gradients: ``y[slot]`` gets ``weight * grad[row]``, the weight
   ``<grad[row], y[slot]>`` in fp32.
 
-Where the work runs (the same bits everywhere; the weights' gradient is a dot product whose summation order is
-each implementation's own, fixed): on CUDA, the JIT kernels of `ep_moe.native.jit.expert_major` (compiled on
-first use per shape, or loaded from the cache ``ep-moe jit warmup`` filled; the permute of received rows in place
-from `ep_moe.native.jit.expert_major_csrc`, csrc's generic build); on CPU, for float64 (e.g. gradcheck) and where
-the JIT kernels cannot run, the torch definitions here. The public
-functions check their arguments once; the kernels' entry points do not check again.
+Where the work runs, eagerly and in compiled graphs alike (the same bits everywhere; the weights' gradient is a
+dot product whose summation order is each implementation's own, fixed): on CUDA, the JIT kernels of
+`ep_moe.native.jit.expert_major` (compiled on first use per shape, or loaded from the cache ``ep-moe jit warmup``
+filled; the permute of received rows in place from `ep_moe.native.jit.expert_major_csrc`); on CPU, for float64
+(e.g. gradcheck) and where the JIT kernels cannot run, the torch definitions here. The public functions check
+their arguments once; the kernels' entry points do not check again.
 """
 
 from __future__ import annotations
@@ -98,15 +98,17 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
     if capacity and num_slots not in (None, num_experts * capacity):
         raise ValueError(f"expert_layout: argument 'num_slots' must be None or num_experts * capacity = "
                          f"{num_experts * capacity} with a capacity, got {num_slots}")
-    how, why = kernel_implementation(topk_idx), None
-    if how != "torch" and num_experts > NATIVE_MAX_EXPERTS:
-        how, why = "torch", f"{num_experts} experts: the layout kernels count at most {NATIVE_MAX_EXPERTS}"
-    _note_ran(how, topk_idx, why)
-    slots = -1 if num_slots is None else num_slots
-    if how == "jit":
-        *tensors, host = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, slots, capacity)
-        return ExpertLayout(*tensors, host if num_slots is None or capacity else None)
-    return _expert_layout_torch(topk_idx, num_experts, alignment, num_slots, capacity)
+    exact = num_slots is None and not capacity
+    packed, exact_pair_of_slot, host = torch.ops.ep_moe.expert_layout(
+        topk_idx, num_experts, alignment, -1 if num_slots is None else num_slots, capacity)
+    head = 0 if exact else (num_experts * capacity if capacity else num_slots)
+    rows, topk = topk_idx.shape
+    pairs = rows * topk
+    pair_of_slot = exact_pair_of_slot if exact else packed[:head]
+    slot_of_pair, sorted_slots, tokens, counts = packed[head:].split_with_sizes(
+        (pairs, pairs, num_experts, num_experts))
+    return ExpertLayout(pair_of_slot, slot_of_pair.view(rows, topk), sorted_slots.view(rows, topk), tokens, counts,
+                        host if exact or capacity else None)
 
 
 def _expert_layout_torch(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int | None,
@@ -231,8 +233,7 @@ def _pair_dot_torch(grad: Tensor, y: Tensor, pair_of_slot: Tensor, num_topk: int
 # ------------------------------------------------------------------------------------------ implementations
 # Two implementations of the same contract, chosen per call by where the tensors are (`kernel_implementation`):
 # the JIT kernels (`ep_moe.native.jit.expert_major`, specialized per shape, launched from Python) and the torch
-# definitions above (CPU, float64, CUDA where the JIT kernels cannot run, and the kernels' place while
-# torch.compile traces).
+# definitions above (CPU, float64, and CUDA where the JIT kernels cannot run).
 NATIVE_MAX_EXPERTS = 1024  # experts the JIT layout kernels count in shared memory; beyond, torch
 assert NATIVE_MAX_EXPERTS == jit_kernels.MAX_EXPERTS
 
@@ -241,7 +242,7 @@ def kernel_implementation(t: Tensor) -> str:
     """Which implementation the kernels of tensors like ``t`` come from: ``"jit"`` (`ep_moe.native.jit`),
     or ``"torch"`` (see above; also for other callers of the generic expert-major ops, e.g. the
     Megatron integration's routing map)."""
-    if not t.is_cuda or t.dtype == torch.float64 or torch.compiler.is_compiling():
+    if not t.is_cuda or t.dtype == torch.float64:
         return "torch"
     return "jit" if jit.available() else "torch"
 
@@ -257,18 +258,14 @@ def torch_fallback_reason(t: Tensor) -> str:
     """Why CUDA tensors like ``t`` run as torch code, in one line."""
     if t.dtype == torch.float64:
         return "float64 has no kernel"
-    if torch.compiler.is_compiling():
-        return "torch.compile traces the torch definitions"
     return f"JIT: {jit.unavailable_reason() or 'not chosen'}"
 
 
 def _note_ran(how: str, t: Tensor, why: str | None = None) -> str:
     """Record that implementation ``how`` runs a call on tensors like ``t`` and return ``how``. The first torch
-    run on a GPU in the process is logged once, with ``why`` (or the reason none of the kernels could run).
-    Calls traced by torch.compile are not recorded (the compiled graph runs what inductor generates)."""
+    run on a GPU in the process is logged once, with ``why`` (or the reason the kernels could not run). Called by
+    the custom ops' implementations: eagerly, and when a compiled graph runs them."""
     global _fallback_said
-    if torch.compiler.is_compiling():
-        return how
     if how not in _ran:
         with _ran_lock:
             _ran.add(how)
@@ -350,53 +347,203 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
     return grad_y, grad_w
 
 
-# ------------------------------------------------------------------------------------------ autograd
-class _PermuteRows(torch.autograd.Function):
-    """(x [N, H], values [N, K] or None) -> (rows [M, H], slot_values [M] (empty without values)); the backward
-    is the plain reduce of the rows' gradients and the gather of the slot values' gradients, in one call."""
-
-    @staticmethod
-    def forward(ctx, x, values, pair_of_slot, slot_of_pair, sorted_slots):
-        rows, slot_values = _permute(x, pair_of_slot, slot_of_pair.shape[1], values)
-        ctx.save_for_backward(slot_of_pair, sorted_slots)
-        ctx.values_shape = None if values is None else values.shape
-        ctx.values_dtype = None if values is None else values.dtype
-        ctx.rows_shape, ctx.rows_dtype = rows.shape, rows.dtype
-        return rows, slot_values if slot_values is not None else x.new_empty(0, dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_slot_values):
-        slot_of_pair, sorted_slots = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[0]
-        want_values = ctx.values_shape is not None and ctx.needs_input_grad[1]
-        if not (need_x or want_values):
-            return None, None, None, None, None
-        if grad_rows is None:  # only the slot values were used
-            grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=sorted_slots.device)
-        if want_values and grad_slot_values is None:  # only the rows were used
-            grad_slot_values = torch.zeros(ctx.rows_shape[0], dtype=ctx.values_dtype, device=sorted_slots.device)
-        out, pair_values = _unpermute(grad_rows.contiguous(), None, sorted_slots,
-                                      grad_slot_values if want_values else None, slot_of_pair)
-        return (out if need_x else None), (pair_values.view(ctx.values_shape) if want_values else None), None, None, None
+# ------------------------------------------------------------------------------------------ custom ops
+# The family as torch.library custom ops (namespace ``ep_moe``), eager and under torch.compile alike: an op's
+# implementation picks the JIT kernels or the torch definitions when it runs (in a compiled graph too, so the JIT
+# kernels run there on CUDA); its fake implementation gives the output shapes while torch.compile traces; the
+# forward ops' autograd formulas call the backward ops. Outputs never alias inputs or each other (a custom op's
+# rule): the layout comes back packed in one tensor, which `expert_layout` splits into views.
+_EMPTY_F32 = dict(dtype=torch.float32)
 
 
-class _UnpermuteSum(torch.autograd.Function):
-    """(y [M, H], weights [M] or None) -> out [N, H]; the backward gives both gradients in one call."""
+def _layout_sizes(topk_idx: Tensor, num_experts: int, num_slots: int, capacity: int) -> tuple[int, int]:
+    """(slots at the head of the packed layout: M, or 0 at the exact size; pairs N * K)."""
+    head = num_experts * capacity if capacity else max(num_slots, 0)
+    return head, topk_idx.shape[0] * topk_idx.shape[1]
 
-    @staticmethod
-    def forward(ctx, y, weights, pair_of_slot, sorted_slots):
-        out, _ = _unpermute(y, weights, sorted_slots)
-        ctx.save_for_backward(y, weights, pair_of_slot)
-        ctx.num_topk = sorted_slots.shape[1]
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        y, weights, pair_of_slot = ctx.saved_tensors
-        need_w = weights is not None and ctx.needs_input_grad[1]
-        grad_y, grad_w = _unpermute_backward(grad.contiguous(), y, weights, pair_of_slot, ctx.num_topk,
-                                             ctx.needs_input_grad[0], need_w)
-        return grad_y, grad_w, None, None
+@torch.library.custom_op("ep_moe::expert_layout", mutates_args=())
+def _expert_layout_op(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """`expert_layout` (``num_slots`` -1: the exact size) as ``(packed [head + 2 N K + 2 L] int64: pair_of_slot
+    (its [M] unless at the exact size), slot_of_pair, sorted_slots, tokens_per_expert, pairs_per_expert;
+    pair_of_slot [M] at the exact size, else [0]; the host counts [L] on the CPU at the exact size or with a
+    capacity, else [0])``."""
+    how, why = kernel_implementation(topk_idx), None
+    if how != "torch" and num_experts > NATIVE_MAX_EXPERTS:
+        how, why = "torch", f"{num_experts} experts: the layout kernels count at most {NATIVE_MAX_EXPERTS}"
+    _note_ran(how, topk_idx, why)
+    exact = num_slots < 0 and not capacity
+    head, pairs = _layout_sizes(topk_idx, num_experts, num_slots, capacity)
+    if how == "jit":
+        parts = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, num_slots, capacity)
+        host = parts[5] if (exact or capacity) else None
+    else:
+        layout = _expert_layout_torch(topk_idx, num_experts, alignment, None if num_slots < 0 else num_slots, capacity)
+        parts, host = tuple(layout[:5]), layout.tokens_per_expert_host
+    pieces = [t.reshape(-1) for t in ((() if exact else (parts[0],)) + tuple(parts[1:5]))]
+    packed = _one_piece(pieces)
+    exact_pair_of_slot = parts[0] if exact else topk_idx.new_empty(0)
+    host = torch.empty(0, dtype=torch.int64) if host is None else host
+    return packed, exact_pair_of_slot, host
+
+
+def _one_piece(pieces: list[Tensor]) -> Tensor:
+    """``pieces`` (1-D, one dtype) as one tensor: the view that spans them where they lie back to back in one
+    allocation (the JIT layout's outputs), else their concatenation."""
+    first, total = pieces[0], sum(t.shape[0] for t in pieces)
+    size = first.element_size()
+    at = first.data_ptr()
+    for t in pieces:
+        if t.data_ptr() != at or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(pieces)
+        at += t.shape[0] * size
+    return first.as_strided((total,), (1,))
+
+
+@_expert_layout_op.register_fake
+def _(topk_idx, num_experts, alignment, num_slots, capacity):
+    exact = num_slots < 0 and not capacity
+    head, pairs = _layout_sizes(topk_idx, num_experts, num_slots, capacity)
+    packed = topk_idx.new_empty(head + 2 * pairs + 2 * num_experts)
+    slots = torch.library.get_ctx().new_dynamic_size() if exact else 0
+    host = torch.empty(num_experts if exact or capacity else 0, dtype=torch.int64, device="cpu")
+    return packed, topk_idx.new_empty(slots), host
+
+
+@torch.library.custom_op("ep_moe::permute_rows", mutates_args=())
+def _permute_rows_op(x: Tensor, values: Tensor | None, pair_of_slot: Tensor, slot_of_pair: Tensor,
+                     sorted_slots: Tensor) -> tuple[Tensor, Tensor]:
+    """`permute_rows_and_values`: ``(rows [M, H] of x's dtype, slot_values [M] of values' dtype, [0] fp32 without
+    values)``; ``sorted_slots`` is the backward's."""
+    rows, slot_values = _permute(x, pair_of_slot, slot_of_pair.shape[1], values)
+    return rows, slot_values if slot_values is not None else x.new_empty(0, **_EMPTY_F32)
+
+
+@_permute_rows_op.register_fake
+def _(x, values, pair_of_slot, slot_of_pair, sorted_slots):
+    slots = pair_of_slot.shape[0]
+    return x.new_empty(slots, x.shape[1]), (x.new_empty(0, **_EMPTY_F32) if values is None else
+                                            values.new_empty(slots))
+
+
+def _permute_rows_setup(ctx, inputs, output) -> None:
+    x, values, _, slot_of_pair, sorted_slots = inputs
+    ctx.save_for_backward(slot_of_pair, sorted_slots)
+    ctx.values_shape = None if values is None else values.shape
+    ctx.values_dtype = None if values is None else values.dtype
+    ctx.rows_shape, ctx.rows_dtype = output[0].shape, output[0].dtype
+
+
+def _permute_rows_grad(ctx, grad_rows, grad_slot_values):
+    """The plain reduce of the rows' gradients and the gather of the slot values' gradients, in one call."""
+    slot_of_pair, sorted_slots = ctx.saved_tensors
+    need_x = ctx.needs_input_grad[0]
+    want_values = ctx.values_shape is not None and ctx.needs_input_grad[1]
+    if not (need_x or want_values):
+        return None, None, None, None, None
+    if grad_rows is None:  # only the slot values were used
+        grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=sorted_slots.device)
+    if want_values and grad_slot_values is None:  # only the rows were used
+        grad_slot_values = torch.zeros(ctx.rows_shape[0], dtype=ctx.values_dtype, device=sorted_slots.device)
+    grad_x, grad_values = torch.ops.ep_moe.permute_rows_backward(
+        grad_rows, grad_slot_values if want_values else None, sorted_slots, slot_of_pair)
+    return (grad_x if need_x else None), (grad_values.view(ctx.values_shape) if want_values else None), None, None, None
+
+
+_permute_rows_op.register_autograd(_permute_rows_grad, setup_context=_permute_rows_setup)
+
+
+@torch.library.custom_op("ep_moe::permute_rows_backward", mutates_args=())
+def _permute_rows_backward_op(grad_rows: Tensor, grad_slot_values: Tensor | None, sorted_slots: Tensor,
+                              slot_of_pair: Tensor) -> tuple[Tensor, Tensor]:
+    """`permute_rows_backward`: ``(grad_x [N, H], grad_values [N, K] of grad_slot_values' dtype, [0] fp32 without
+    them)``."""
+    out, pair_values = _unpermute(grad_rows.contiguous(), None, sorted_slots, grad_slot_values, slot_of_pair)
+    return out, pair_values if pair_values is not None else grad_rows.new_empty(0, **_EMPTY_F32)
+
+
+@_permute_rows_backward_op.register_fake
+def _(grad_rows, grad_slot_values, sorted_slots, slot_of_pair):
+    return (grad_rows.new_empty(sorted_slots.shape[0], grad_rows.shape[1]),
+            grad_rows.new_empty(0, **_EMPTY_F32) if grad_slot_values is None else
+            grad_slot_values.new_empty(slot_of_pair.shape))
+
+
+@torch.library.custom_op("ep_moe::unpermute_sum", mutates_args=())
+def _unpermute_sum_op(y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, slot_order: Tensor) -> Tensor:
+    """`unpermute_sum`: ``out [N, H]`` of y's dtype, each row's pairs summed in ``slot_order [N, K]``'s order;
+    ``pair_of_slot`` is the backward's."""
+    return _unpermute(y, weights, slot_order)[0]
+
+
+@_unpermute_sum_op.register_fake
+def _(y, weights, pair_of_slot, slot_order):
+    return y.new_empty(slot_order.shape[0], y.shape[1])
+
+
+def _unpermute_sum_setup(ctx, inputs, output) -> None:
+    y, weights, pair_of_slot, slot_order = inputs
+    ctx.save_for_backward(y, weights, pair_of_slot)
+    ctx.num_topk = slot_order.shape[1]
+
+
+def _unpermute_sum_grad(ctx, grad):
+    """Both gradients in one call."""
+    y, weights, pair_of_slot = ctx.saved_tensors
+    need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
+    if not (need_y or need_w):
+        return None, None, None, None
+    grad_y, grad_w = torch.ops.ep_moe.unpermute_sum_backward(grad, y, weights, pair_of_slot, ctx.num_topk, need_y,
+                                                             need_w)
+    return (grad_y if need_y else None), (grad_w if need_w else None), None, None
+
+
+_unpermute_sum_op.register_autograd(_unpermute_sum_grad, setup_context=_unpermute_sum_setup)
+
+
+@torch.library.custom_op("ep_moe::unpermute_sum_backward", mutates_args=())
+def _unpermute_sum_backward_op(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int,
+                               need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor, Tensor]:
+    """`unpermute_sum_backward`: ``(grad_y [M, H] of y's dtype, [0] unless need_grad_y; grad_weights [M] fp32
+    (fp64 for fp64), [0] unless need_grad_weights)``."""
+    grad_y, grad_w = _unpermute_backward(grad.contiguous(), y, weights, pair_of_slot, num_topk, need_grad_y,
+                                         need_grad_weights)
+    return (grad_y if grad_y is not None else y.new_empty(0),
+            grad_w if grad_w is not None else y.new_empty(0, dtype=_acc_dtype(y)))
+
+
+@_unpermute_sum_backward_op.register_fake
+def _(grad, y, weights, pair_of_slot, num_topk, need_grad_y, need_grad_weights):
+    slots = pair_of_slot.shape[0]
+    return (y.new_empty((slots, y.shape[1]) if need_grad_y else (0,)),
+            y.new_empty(slots if need_grad_weights else 0, dtype=_acc_dtype(y)))
+
+
+@torch.library.custom_op("ep_moe::permute_received_rows", mutates_args=())
+def _permute_received_rows_op(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor,
+                              rank_prefix_matrix: Tensor, rank: int, pair_of_slot: Tensor, num_topk: int,
+                              values: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`permute_received_rows`: ``(rows [M, H] of rows' dtype, slot_values [M] fp32, [0] without values)``."""
+    how = _note_ran(kernel_implementation(rows), rows)
+    if how == "jit":
+        # imported here: the intranode JIT module it comes with is not needed before
+        from .native.jit import expert_major_csrc
+
+        out, slot_values = expert_major_csrc.permute_received_rows(
+            rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
+            rank_prefix_matrix.to(torch.int32).contiguous(), rank, pair_of_slot, num_topk,
+            None if values is None else values.contiguous())
+        return out, slot_values if values is not None else rows.new_empty(0, **_EMPTY_F32)
+    received = _received_rows_torch(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank)
+    out = _permute_torch(received, pair_of_slot, num_topk)
+    return out, (_slot_values_torch(values, pair_of_slot) if values is not None else rows.new_empty(0, **_EMPTY_F32))
+
+
+@_permute_received_rows_op.register_fake
+def _(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank, pair_of_slot, num_topk, values):
+    slots = pair_of_slot.shape[0]
+    return rows.new_empty(slots, rows.shape[1]), rows.new_empty(slots if values is not None else 0, **_EMPTY_F32)
 
 
 # ------------------------------------------------------------------------------------------ public API
@@ -404,7 +551,7 @@ def permute_rows(x: Tensor, layout: ExpertLayout) -> Tensor:
     """``x [N, H]`` (any dtype) into ``[M, H]`` expert-major rows, zero on padding. Differentiable: the
     gradient of a row is the fp32 sum of its slots' gradients, rounded once."""
     _check_rows(x, layout)
-    return _PermuteRows.apply(x, None, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)[0]
+    return torch.ops.ep_moe.permute_rows(x, None, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)[0]
 
 
 def permute_rows_and_values(x: Tensor, values: Tensor, layout: ExpertLayout) -> tuple[Tensor, Tensor]:
@@ -415,7 +562,7 @@ def permute_rows_and_values(x: Tensor, values: Tensor, layout: ExpertLayout) -> 
     if values.shape != layout.slot_of_pair.shape or values.dtype != dtype:
         raise ValueError(f"permute_rows_and_values: argument 'values' must be [N={layout.num_rows}, "
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
-    return _PermuteRows.apply(x, values, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)
+    return torch.ops.ep_moe.permute_rows(x, values, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)
 
 
 def _check_rows(x: Tensor, layout: ExpertLayout) -> None:
@@ -431,7 +578,7 @@ def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None
     check_unpermute_args(y, layout, weights)
     # slot_of_pair lists each row's slots in top-k order, -1 where entry k is no pair: every implementation
     # skips those entries, so it serves as the order of the sum
-    return _UnpermuteSum.apply(y, weights, layout.pair_of_slot, layout.slot_of_pair)
+    return torch.ops.ep_moe.unpermute_sum(y, weights, layout.pair_of_slot, layout.slot_of_pair)
 
 
 def check_unpermute_args(y: Tensor, layout: ExpertLayout, weights: Tensor | None) -> None:
@@ -450,8 +597,9 @@ def unpermute_sum_backward(grad: Tensor, y: Tensor, layout: ExpertLayout, weight
                            need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """What `unpermute_sum`'s autograd backward computes for ``grad [N, H]``: ``(grad_y [M, H] or None,
     grad_weights [M] fp32 or None)``."""
-    return _unpermute_backward(grad.contiguous(), y, weights, layout.pair_of_slot, layout.num_topk, need_grad_y,
-                               need_grad_weights)
+    grad_y, grad_w = torch.ops.ep_moe.unpermute_sum_backward(grad, y, weights, layout.pair_of_slot, layout.num_topk,
+                                                             need_grad_y, need_grad_weights)
+    return (grad_y if need_grad_y else None), (grad_w if need_grad_weights else None)
 
 
 def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor,
@@ -483,19 +631,9 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     if values is not None and (values.shape != layout.slot_of_pair.shape or values.dtype != torch.float32):
         raise ValueError(f"permute_received_rows: argument 'values' must be [N={layout.num_rows}, "
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
-    how = kernel_implementation(rows)
-    if how == "jit":
-        _note_ran(how, rows)
-        # imported here: the intranode JIT module it comes with is not needed before
-        from .native.jit import expert_major_csrc
-
-        out, slot_values = expert_major_csrc.permute_received_rows(
-            rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
-            rank_prefix_matrix.to(torch.int32).contiguous(), rank, layout.pair_of_slot, layout.num_topk,
-            None if values is None else values.contiguous())
-        return out, None if values is None else slot_values
-    received = _received_rows_torch(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank)
-    return _permute(received, layout.pair_of_slot, layout.num_topk, values)
+    out, slot_values = torch.ops.ep_moe.permute_received_rows(rows, num_rows, own_x, own_tokens, rank_prefix_matrix,
+                                                               rank, layout.pair_of_slot, layout.num_topk, values)
+    return out, None if values is None else slot_values
 
 
 def permute_rows_backward(grad_rows: Tensor, grad_slot_values: Tensor | None, layout: ExpertLayout
@@ -503,9 +641,9 @@ def permute_rows_backward(grad_rows: Tensor, grad_slot_values: Tensor | None, la
     """The gradient of `permute_rows_and_values` (what its autograd backward computes): ``(grad_x [N, H], the fp32
     sum of each row's slots' gradients rounded once; grad_values [N, K] or None: each pair's slot's gradient, 0
     where it has none)``. ``grad_slot_values [M]`` or None."""
-    out, pair_values = _unpermute(grad_rows.contiguous(), None, layout.sorted_slots, grad_slot_values,
-                                  layout.slot_of_pair)
-    return out, None if pair_values is None else pair_values.view(layout.slot_of_pair.shape)
+    out, pair_values = torch.ops.ep_moe.permute_rows_backward(grad_rows, grad_slot_values, layout.sorted_slots,
+                                                              layout.slot_of_pair)
+    return out, None if grad_slot_values is None else pair_values
 
 
 def pair_values(values: Tensor, layout: ExpertLayout) -> Tensor:

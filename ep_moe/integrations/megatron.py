@@ -180,8 +180,8 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, topk: int, check: bo
         raise ValueError(f"probs must have routing_map's shape {tuple(routing_map.shape)}, got {tuple(probs.shape)}")
     if check and routing_map.numel() and int(routing_map.sum(dim=1).max()) > topk:
         raise ValueError(f"routing_map selects more than moe_router_topk={topk} experts for some token")
-    how = permute.kernel_implementation(routing_map)
-    if how == "jit" and probs.device == routing_map.device and probs.dtype in (torch.float32, torch.bfloat16):
+    how = permute.kernel_implementation(routing_map)  # while torch.compile traces: the torch ops
+    if how == "jit" and not torch.compiler.is_compiling() and probs.device == routing_map.device and probs.dtype in (torch.float32, torch.bfloat16):
         return _RoutingMapToTopk.apply(routing_map.contiguous(), probs.contiguous(), topk)
     return _routing_map_to_topk_torch(routing_map, probs, topk)
 
