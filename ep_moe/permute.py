@@ -99,8 +99,11 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
         raise ValueError(f"expert_layout: argument 'num_slots' must be None or num_experts * capacity = "
                          f"{num_experts * capacity} with a capacity, got {num_slots}")
     exact = num_slots is None and not capacity
-    packed, exact_pair_of_slot, host = torch.ops.ep_moe.expert_layout(
-        topk_idx, num_experts, alignment, -1 if num_slots is None else num_slots, capacity)
+    bound = -1 if num_slots is None else num_slots
+    if not torch.compiler.is_compiling():  # eager: the parts as they come (see `_Op`)
+        parts, host = _expert_layout_parts(topk_idx, num_experts, alignment, bound, capacity)
+        return ExpertLayout(*parts, host)
+    packed, exact_pair_of_slot, host = _EXPERT_LAYOUT(topk_idx, num_experts, alignment, bound, capacity)
     head = 0 if exact else (num_experts * capacity if capacity else num_slots)
     rows, topk = topk_idx.shape
     pairs = rows * topk
@@ -348,11 +351,40 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
 
 
 # ------------------------------------------------------------------------------------------ custom ops
-# The family as torch.library custom ops (namespace ``ep_moe``), eager and under torch.compile alike: an op's
-# implementation picks the JIT kernels or the torch definitions when it runs (in a compiled graph too, so the JIT
-# kernels run there on CUDA); its fake implementation gives the output shapes while torch.compile traces; the
-# forward ops' autograd formulas call the backward ops. Outputs never alias inputs or each other (a custom op's
-# rule): the layout comes back packed in one tensor, which `expert_layout` splits into views.
+# The family as torch.library custom ops (namespace ``ep_moe``): an op's implementation picks the JIT kernels or the
+# torch definitions when it runs (in a compiled graph too, so the JIT kernels run there on CUDA); its fake
+# implementation gives the output shapes while torch.compile traces; the forward ops' autograd formulas call the
+# backward ops. Outputs never alias inputs or each other (a custom op's rule): the layout comes back packed in one
+# tensor, which `expert_layout` splits into views. In eager mode `_Op` calls the same implementation and autograd
+# formula without the dispatcher, whose Python custom-op path costs more host time per call than a kernel launch.
+class _Op:
+    """A custom op ``ep_moe::<name>`` of ``impl`` (with an autograd formula: ``setup`` and ``backward`` as
+    ``register_autograd`` takes them). Calling it runs the op while torch.compile traces; in eager mode ``impl``
+    itself, through an autograd Function of the same formula when an input needs a gradient."""
+
+    def __init__(self, name: str, impl, setup=None, backward=None) -> None:
+        self.impl = impl
+        self.op = torch.library.custom_op(f"ep_moe::{name}", impl, mutates_args=())
+        self.function = None
+        if backward is not None:
+            self.op.register_autograd(backward, setup_context=setup)
+            def forward(ctx, *args):  # ctx-style: a Function with setup_context binds its arguments per call
+                output = impl(*args)
+                setup(ctx, args, output)
+                return output
+
+            self.function = type(f"_{name}_function", (torch.autograd.Function,), {
+                "forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        if self.function is not None and torch.is_grad_enabled() and any(
+                isinstance(a, Tensor) and a.requires_grad for a in args):
+            return self.function.apply(*args)
+        return self.impl(*args)
+
+
 _EMPTY_F32 = dict(dtype=torch.float32)
 
 
@@ -362,30 +394,37 @@ def _layout_sizes(topk_idx: Tensor, num_experts: int, num_slots: int, capacity: 
     return head, topk_idx.shape[0] * topk_idx.shape[1]
 
 
-@torch.library.custom_op("ep_moe::expert_layout", mutates_args=())
-def _expert_layout_op(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-    """`expert_layout` (``num_slots`` -1: the exact size) as ``(packed [head + 2 N K + 2 L] int64: pair_of_slot
-    (its [M] unless at the exact size), slot_of_pair, sorted_slots, tokens_per_expert, pairs_per_expert;
-    pair_of_slot [M] at the exact size, else [0]; the host counts [L] on the CPU at the exact size or with a
-    capacity, else [0])``."""
+def _expert_layout_parts(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int
+                         ) -> tuple[tuple[Tensor, ...], Tensor | None]:
+    """``((pair_of_slot, slot_of_pair, sorted_slots, tokens_per_expert, pairs_per_expert), host counts or None)`` of
+    `expert_layout` (``num_slots`` -1: the exact size) by the JIT kernels or the torch definitions."""
     how, why = kernel_implementation(topk_idx), None
     if how != "torch" and num_experts > NATIVE_MAX_EXPERTS:
         how, why = "torch", f"{num_experts} experts: the layout kernels count at most {NATIVE_MAX_EXPERTS}"
     _note_ran(how, topk_idx, why)
-    exact = num_slots < 0 and not capacity
-    head, pairs = _layout_sizes(topk_idx, num_experts, num_slots, capacity)
     if how == "jit":
         parts = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, num_slots, capacity)
-        host = parts[5] if (exact or capacity) else None
-    else:
-        layout = _expert_layout_torch(topk_idx, num_experts, alignment, None if num_slots < 0 else num_slots, capacity)
-        parts, host = tuple(layout[:5]), layout.tokens_per_expert_host
+        return tuple(parts[:5]), parts[5] if ((num_slots < 0 and not capacity) or capacity) else None
+    layout = _expert_layout_torch(topk_idx, num_experts, alignment, None if num_slots < 0 else num_slots, capacity)
+    return tuple(layout[:5]), layout.tokens_per_expert_host
+
+
+def _expert_layout_impl(topk_idx: Tensor, num_experts: int, alignment: int, num_slots: int, capacity: int
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """`expert_layout` (``num_slots`` -1: the exact size) as ``(packed [head + 2 N K + 2 L] int64: pair_of_slot
+    (its [M] unless at the exact size), slot_of_pair, sorted_slots, tokens_per_expert, pairs_per_expert;
+    pair_of_slot [M] at the exact size, else [0]; the host counts [L] on the CPU at the exact size or with a
+    capacity, else [0])``."""
+    exact = num_slots < 0 and not capacity
+    parts, host = _expert_layout_parts(topk_idx, num_experts, alignment, num_slots, capacity)
     pieces = [t.reshape(-1) for t in ((() if exact else (parts[0],)) + tuple(parts[1:5]))]
     packed = _one_piece(pieces)
     exact_pair_of_slot = parts[0] if exact else topk_idx.new_empty(0)
     host = torch.empty(0, dtype=torch.int64) if host is None else host
     return packed, exact_pair_of_slot, host
+
+
+_EXPERT_LAYOUT = _Op("expert_layout", _expert_layout_impl)
 
 
 def _one_piece(pieces: list[Tensor]) -> Tensor:
@@ -401,7 +440,7 @@ def _one_piece(pieces: list[Tensor]) -> Tensor:
     return first.as_strided((total,), (1,))
 
 
-@_expert_layout_op.register_fake
+@_EXPERT_LAYOUT.op.register_fake
 def _(topk_idx, num_experts, alignment, num_slots, capacity):
     exact = num_slots < 0 and not capacity
     head, pairs = _layout_sizes(topk_idx, num_experts, num_slots, capacity)
@@ -411,8 +450,7 @@ def _(topk_idx, num_experts, alignment, num_slots, capacity):
     return packed, topk_idx.new_empty(slots), host
 
 
-@torch.library.custom_op("ep_moe::permute_rows", mutates_args=())
-def _permute_rows_op(x: Tensor, values: Tensor | None, pair_of_slot: Tensor, slot_of_pair: Tensor,
+def _permute_rows_impl(x: Tensor, values: Tensor | None, pair_of_slot: Tensor, slot_of_pair: Tensor,
                      sorted_slots: Tensor) -> tuple[Tensor, Tensor]:
     """`permute_rows_and_values`: ``(rows [M, H] of x's dtype, slot_values [M] of values' dtype, [0] fp32 without
     values)``; ``sorted_slots`` is the backward's."""
@@ -420,8 +458,7 @@ def _permute_rows_op(x: Tensor, values: Tensor | None, pair_of_slot: Tensor, slo
     return rows, slot_values if slot_values is not None else x.new_empty(0, **_EMPTY_F32)
 
 
-@_permute_rows_op.register_fake
-def _(x, values, pair_of_slot, slot_of_pair, sorted_slots):
+def _permute_rows_fake(x, values, pair_of_slot, slot_of_pair, sorted_slots):
     slots = pair_of_slot.shape[0]
     return x.new_empty(slots, x.shape[1]), (x.new_empty(0, **_EMPTY_F32) if values is None else
                                             values.new_empty(slots))
@@ -446,16 +483,16 @@ def _permute_rows_grad(ctx, grad_rows, grad_slot_values):
         grad_rows = torch.zeros(ctx.rows_shape, dtype=ctx.rows_dtype, device=sorted_slots.device)
     if want_values and grad_slot_values is None:  # only the rows were used
         grad_slot_values = torch.zeros(ctx.rows_shape[0], dtype=ctx.values_dtype, device=sorted_slots.device)
-    grad_x, grad_values = torch.ops.ep_moe.permute_rows_backward(
+    grad_x, grad_values = _PERMUTE_ROWS_BACKWARD(
         grad_rows, grad_slot_values if want_values else None, sorted_slots, slot_of_pair)
     return (grad_x if need_x else None), (grad_values.view(ctx.values_shape) if want_values else None), None, None, None
 
 
-_permute_rows_op.register_autograd(_permute_rows_grad, setup_context=_permute_rows_setup)
+_PERMUTE_ROWS = _Op("permute_rows", _permute_rows_impl, _permute_rows_setup, _permute_rows_grad)
+_PERMUTE_ROWS.op.register_fake(_permute_rows_fake)
 
 
-@torch.library.custom_op("ep_moe::permute_rows_backward", mutates_args=())
-def _permute_rows_backward_op(grad_rows: Tensor, grad_slot_values: Tensor | None, sorted_slots: Tensor,
+def _permute_rows_backward_impl(grad_rows: Tensor, grad_slot_values: Tensor | None, sorted_slots: Tensor,
                               slot_of_pair: Tensor) -> tuple[Tensor, Tensor]:
     """`permute_rows_backward`: ``(grad_x [N, H], grad_values [N, K] of grad_slot_values' dtype, [0] fp32 without
     them)``."""
@@ -463,22 +500,23 @@ def _permute_rows_backward_op(grad_rows: Tensor, grad_slot_values: Tensor | None
     return out, pair_values if pair_values is not None else grad_rows.new_empty(0, **_EMPTY_F32)
 
 
-@_permute_rows_backward_op.register_fake
+_PERMUTE_ROWS_BACKWARD = _Op("permute_rows_backward", _permute_rows_backward_impl)
+
+
+@_PERMUTE_ROWS_BACKWARD.op.register_fake
 def _(grad_rows, grad_slot_values, sorted_slots, slot_of_pair):
     return (grad_rows.new_empty(sorted_slots.shape[0], grad_rows.shape[1]),
             grad_rows.new_empty(0, **_EMPTY_F32) if grad_slot_values is None else
             grad_slot_values.new_empty(slot_of_pair.shape))
 
 
-@torch.library.custom_op("ep_moe::unpermute_sum", mutates_args=())
-def _unpermute_sum_op(y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, slot_order: Tensor) -> Tensor:
+def _unpermute_sum_impl(y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, slot_order: Tensor) -> Tensor:
     """`unpermute_sum`: ``out [N, H]`` of y's dtype, each row's pairs summed in ``slot_order [N, K]``'s order;
     ``pair_of_slot`` is the backward's."""
     return _unpermute(y, weights, slot_order)[0]
 
 
-@_unpermute_sum_op.register_fake
-def _(y, weights, pair_of_slot, slot_order):
+def _unpermute_sum_fake(y, weights, pair_of_slot, slot_order):
     return y.new_empty(slot_order.shape[0], y.shape[1])
 
 
@@ -494,16 +532,15 @@ def _unpermute_sum_grad(ctx, grad):
     need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
     if not (need_y or need_w):
         return None, None, None, None
-    grad_y, grad_w = torch.ops.ep_moe.unpermute_sum_backward(grad, y, weights, pair_of_slot, ctx.num_topk, need_y,
-                                                             need_w)
+    grad_y, grad_w = _UNPERMUTE_SUM_BACKWARD(grad, y, weights, pair_of_slot, ctx.num_topk, need_y, need_w)
     return (grad_y if need_y else None), (grad_w if need_w else None), None, None
 
 
-_unpermute_sum_op.register_autograd(_unpermute_sum_grad, setup_context=_unpermute_sum_setup)
+_UNPERMUTE_SUM = _Op("unpermute_sum", _unpermute_sum_impl, _unpermute_sum_setup, _unpermute_sum_grad)
+_UNPERMUTE_SUM.op.register_fake(_unpermute_sum_fake)
 
 
-@torch.library.custom_op("ep_moe::unpermute_sum_backward", mutates_args=())
-def _unpermute_sum_backward_op(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int,
+def _unpermute_sum_backward_impl(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of_slot: Tensor, num_topk: int,
                                need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor, Tensor]:
     """`unpermute_sum_backward`: ``(grad_y [M, H] of y's dtype, [0] unless need_grad_y; grad_weights [M] fp32
     (fp64 for fp64), [0] unless need_grad_weights)``."""
@@ -513,15 +550,17 @@ def _unpermute_sum_backward_op(grad: Tensor, y: Tensor, weights: Tensor | None, 
             grad_w if grad_w is not None else y.new_empty(0, dtype=_acc_dtype(y)))
 
 
-@_unpermute_sum_backward_op.register_fake
+_UNPERMUTE_SUM_BACKWARD = _Op("unpermute_sum_backward", _unpermute_sum_backward_impl)
+
+
+@_UNPERMUTE_SUM_BACKWARD.op.register_fake
 def _(grad, y, weights, pair_of_slot, num_topk, need_grad_y, need_grad_weights):
     slots = pair_of_slot.shape[0]
     return (y.new_empty((slots, y.shape[1]) if need_grad_y else (0,)),
             y.new_empty(slots if need_grad_weights else 0, dtype=_acc_dtype(y)))
 
 
-@torch.library.custom_op("ep_moe::permute_received_rows", mutates_args=())
-def _permute_received_rows_op(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor,
+def _permute_received_rows_impl(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens: Tensor,
                               rank_prefix_matrix: Tensor, rank: int, pair_of_slot: Tensor, num_topk: int,
                               values: Tensor | None) -> tuple[Tensor, Tensor]:
     """`permute_received_rows`: ``(rows [M, H] of rows' dtype, slot_values [M] fp32, [0] without values)``."""
@@ -540,7 +579,10 @@ def _permute_received_rows_op(rows: Tensor, num_rows: int, own_x: Tensor, own_to
     return out, (_slot_values_torch(values, pair_of_slot) if values is not None else rows.new_empty(0, **_EMPTY_F32))
 
 
-@_permute_received_rows_op.register_fake
+_PERMUTE_RECEIVED_ROWS = _Op("permute_received_rows", _permute_received_rows_impl)
+
+
+@_PERMUTE_RECEIVED_ROWS.op.register_fake
 def _(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank, pair_of_slot, num_topk, values):
     slots = pair_of_slot.shape[0]
     return rows.new_empty(slots, rows.shape[1]), rows.new_empty(slots if values is not None else 0, **_EMPTY_F32)
@@ -551,7 +593,7 @@ def permute_rows(x: Tensor, layout: ExpertLayout) -> Tensor:
     """``x [N, H]`` (any dtype) into ``[M, H]`` expert-major rows, zero on padding. Differentiable: the
     gradient of a row is the fp32 sum of its slots' gradients, rounded once."""
     _check_rows(x, layout)
-    return torch.ops.ep_moe.permute_rows(x, None, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)[0]
+    return _PERMUTE_ROWS(x, None, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)[0]
 
 
 def permute_rows_and_values(x: Tensor, values: Tensor, layout: ExpertLayout) -> tuple[Tensor, Tensor]:
@@ -562,7 +604,7 @@ def permute_rows_and_values(x: Tensor, values: Tensor, layout: ExpertLayout) -> 
     if values.shape != layout.slot_of_pair.shape or values.dtype != dtype:
         raise ValueError(f"permute_rows_and_values: argument 'values' must be [N={layout.num_rows}, "
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
-    return torch.ops.ep_moe.permute_rows(x, values, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)
+    return _PERMUTE_ROWS(x, values, layout.pair_of_slot, layout.slot_of_pair, layout.sorted_slots)
 
 
 def _check_rows(x: Tensor, layout: ExpertLayout) -> None:
@@ -578,7 +620,7 @@ def unpermute_sum(y: Tensor, layout: ExpertLayout, weights: Tensor | None = None
     check_unpermute_args(y, layout, weights)
     # slot_of_pair lists each row's slots in top-k order, -1 where entry k is no pair: every implementation
     # skips those entries, so it serves as the order of the sum
-    return torch.ops.ep_moe.unpermute_sum(y, weights, layout.pair_of_slot, layout.slot_of_pair)
+    return _UNPERMUTE_SUM(y, weights, layout.pair_of_slot, layout.slot_of_pair)
 
 
 def check_unpermute_args(y: Tensor, layout: ExpertLayout, weights: Tensor | None) -> None:
@@ -597,8 +639,8 @@ def unpermute_sum_backward(grad: Tensor, y: Tensor, layout: ExpertLayout, weight
                            need_grad_y: bool, need_grad_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """What `unpermute_sum`'s autograd backward computes for ``grad [N, H]``: ``(grad_y [M, H] or None,
     grad_weights [M] fp32 or None)``."""
-    grad_y, grad_w = torch.ops.ep_moe.unpermute_sum_backward(grad, y, weights, layout.pair_of_slot, layout.num_topk,
-                                                             need_grad_y, need_grad_weights)
+    grad_y, grad_w = _UNPERMUTE_SUM_BACKWARD(grad, y, weights, layout.pair_of_slot, layout.num_topk, need_grad_y,
+                                             need_grad_weights)
     return (grad_y if need_grad_y else None), (grad_w if need_grad_weights else None)
 
 
@@ -631,8 +673,8 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     if values is not None and (values.shape != layout.slot_of_pair.shape or values.dtype != torch.float32):
         raise ValueError(f"permute_received_rows: argument 'values' must be [N={layout.num_rows}, "
                          f"K={layout.num_topk}] float32, got {tuple(values.shape)} {values.dtype}")
-    out, slot_values = torch.ops.ep_moe.permute_received_rows(rows, num_rows, own_x, own_tokens, rank_prefix_matrix,
-                                                               rank, layout.pair_of_slot, layout.num_topk, values)
+    out, slot_values = _PERMUTE_RECEIVED_ROWS(rows, num_rows, own_x, own_tokens, rank_prefix_matrix, rank,
+                                              layout.pair_of_slot, layout.num_topk, values)
     return out, None if values is None else slot_values
 
 
@@ -641,8 +683,8 @@ def permute_rows_backward(grad_rows: Tensor, grad_slot_values: Tensor | None, la
     """The gradient of `permute_rows_and_values` (what its autograd backward computes): ``(grad_x [N, H], the fp32
     sum of each row's slots' gradients rounded once; grad_values [N, K] or None: each pair's slot's gradient, 0
     where it has none)``. ``grad_slot_values [M]`` or None."""
-    out, pair_values = torch.ops.ep_moe.permute_rows_backward(grad_rows, grad_slot_values, layout.sorted_slots,
-                                                              layout.slot_of_pair)
+    out, pair_values = _PERMUTE_ROWS_BACKWARD(grad_rows, grad_slot_values, layout.sorted_slots,
+                                              layout.slot_of_pair)
     return out, None if grad_slot_values is None else pair_values
 
 

@@ -183,3 +183,35 @@ def test_errors_name_the_argument_under_compile():
 
     with pytest.raises(Exception, match="argument 'x'"):
         torch.compile(bad, backend="aot_eager", fullgraph=True)(idx)
+
+
+def test_eager_calls_skip_the_dispatcher_with_its_bits(monkeypatch):
+    """Eager calls run the ops' implementations and autograd formulas without the dispatcher (its Python
+    custom-op path costs host time per call): with every op's dispatcher entry made to fail, `_model` and its
+    backward still run, and give the bits the dispatcher path gives (each `_Op` called as the op)."""
+    gen = torch.Generator().manual_seed(5)
+    N, K, H = 10, 3, 8
+    idx = torch.randint(-1, 4, (N, K), generator=gen)
+
+    def run():
+        x = torch.randn(N, H, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        values = torch.rand(N, K, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        scale = torch.tensor(0.5, requires_grad=True)
+        out, plain, loss = _model(idx, x, values, scale, None, 2)
+        loss.backward()
+        return [out, plain, loss, x.grad, values.grad, scale.grad]
+
+    ops = [value for value in vars(P).values() if isinstance(value, P._Op)]
+    assert len(ops) == len(OPS)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)  # every _Op through the dispatcher
+        want = run()
+
+    def refuse(*args):
+        raise AssertionError("an eager call went through the dispatcher")
+
+    for op in ops:
+        monkeypatch.setattr(op, "op", refuse)
+    got = run()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i} differs"
