@@ -1,4 +1,4 @@
-"""GPU checks of the tuner (2 GPUs, NCCL): calibration gives plausible rates, the same on every rank, and the
+"""GPU checks of the tuner: the calibration's stream kernel and local rates (one GPU); (2 GPUs, NCCL) calibration gives plausible rates, the same on every rank, and the
 cache file round-trips them; and the README's claim, measured: on each of the three check workloads the
 calibrated plan's dispatch + combine time is within 10 % of the best of a sweep of SM counts
 (benchmarks/tune_check.py, run here with the native backend)."""
@@ -57,3 +57,26 @@ def test_plans_are_within_10_percent_of_a_measured_sweep(tmp_path):
     for row in result["rows"]:
         assert row["within_10pct"], (row["workload"], row["planned_sms"], row["measured_us"], row["best_sms"],
                                      row["best_us"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_stream_kernel_copies_reads_and_writes_and_local_rates_are_plausible():
+    """The calibration's JIT stream kernel on one GPU: a copy gives the source, a write gives each index, the read
+    mode's per-thread sums add up to the source's sum (n not a multiple of 4: the tail loop runs too); then the
+    per-SM local rates it measures lie in a plausible range."""
+    from ep_moe.tuning.calibration import STREAM_THREADS, _stream, measure_local_sm_rates
+
+    n, programs = (1 << 20) + 3, 4
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    src = torch.randint(-1000, 1000, (n,), dtype=torch.int32, device="cuda", generator=gen)
+    dst = torch.zeros_like(src)
+    _stream(src, dst, programs, 0)
+    assert torch.equal(dst, src)
+    _stream(src, dst, programs, 2)
+    assert torch.equal(dst, torch.arange(n, dtype=torch.int32, device="cuda"))
+    sums = torch.zeros(programs * STREAM_THREADS, dtype=torch.int32, device="cuda")
+    _stream(src, sums, programs, 1)
+    assert int(sums.sum()) == int(src.sum())
+    rates = measure_local_sm_rates(torch.device("cuda", torch.cuda.current_device()))
+    assert set(rates) == {"copy", "read", "write"}
+    assert all(5 < gbs < 2000 for gbs in rates.values()), rates
