@@ -1,7 +1,7 @@
-"""GPU checks of the tuner: the calibration's stream kernel and local rates (one GPU); (2 GPUs, NCCL) calibration gives plausible rates, the same on every rank, and the
-cache file round-trips them; and the README's claim, measured: on each of the three check workloads the
-calibrated plan's dispatch + combine time is within 10 % of the best of a sweep of SM counts
-(benchmarks/tune_check.py, run here with the native backend)."""
+"""GPU checks of the tuner. One GPU: the calibration's stream kernel and the local rates it measures. Two GPUs
+(NCCL): calibration gives plausible rates, the same on every rank, and the cache file round-trips them; and the
+README's claim, measured: on each of the three check workloads the calibrated plan's dispatch + combine time is
+within 10 % of the best of a sweep of SM counts (benchmarks/tune_check.py, run here with the native backend)."""
 
 from __future__ import annotations
 
