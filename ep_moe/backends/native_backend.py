@@ -23,6 +23,7 @@ Why the calls are safe across ranks (docs/native.md has the details):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 
 import torch
@@ -163,10 +164,8 @@ class NativeBackend(CommBackend):
             self._state = torch.zeros(8, dtype=torch.int64, device=device)  # LocalState (64 bytes)
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
             # the error record, then the mismatch record (csrc/kernels.h)
-            self._error = torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, device="cpu",
-                                      pin_memory=True)
-            self._error_record = self._error[:C.ERROR_WORDS]  # read at every call's start
-            self._mismatch_record = self._error[C.ERROR_WORDS:]
+            self._use_error_words(torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, device="cpu",
+                                              pin_memory=True))
             # [R * R] rows s sends r, then [R] tokens of every rank (written by notify), then the header check's
             # words: [R][HEADER_WORDS] every rank's header as seen, this rank's, the verdict (notify, exchange)
             self._host_counts = torch.zeros(C.MAX_RANKS * (C.MAX_RANKS + 1) + C.MAX_RANKS * HEADER_WORDS + HEADER_LEN + 1,
@@ -213,14 +212,23 @@ class NativeBackend(CommBackend):
         dist.barrier(group=group)  # every control block is zero before any peer writes into it
 
     # ---------------------------------------------------------------- health and errors
+    def _use_error_words(self, words: torch.Tensor) -> None:
+        """``words``: int32 ``[ERROR_WORDS + MISMATCH_WORDS]`` pinned host memory the kernels write, the error record
+        then the mismatch record (csrc/kernels.h); the one word of each read at every call is read in place."""
+        self._error = words
+        error_words = words.numel() - MISMATCH_WORDS
+        self._error_record, self._mismatch_record = words[:error_words], words[error_words:]
+        self._error_code = ctypes.c_int32.from_address(self._error_record.data_ptr())
+        self._mismatch_found = ctypes.c_int32.from_address(self._mismatch_record.data_ptr() + 4 * _FOUND)
+
     def _raise_if_failed(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f"ep_moe[native]: the buffer is unusable after an earlier failure: {self._broken}")
         if self._destroyed:
             raise RuntimeError("ep_moe[native]: the buffer was destroyed")
-        record = self._error_record.tolist()
-        if record[0] == 0:
+        if self._error_code.value == 0:  # the common case: one word, read without a tensor op
             return
+        record = self._error_record.tolist()
         code, rank, stage, channel, peer, detail = record[:6]
         value = (record[7] << 32) | (record[6] & 0xFFFFFFFF)
         where = STAGES.get(stage, f"stage {stage}")
@@ -249,7 +257,7 @@ class NativeBackend(CommBackend):
         that covers that call: every rank's kernels found the same disagreements, so every rank has the same
         record there and raises at the same point (a check at a call's start could see it on one rank and not
         yet on another, and put the ranks out of step)."""
-        if int(self._mismatch_record[_FOUND]) == 0:  # the common case: one word
+        if self._mismatch_found.value == 0:  # the common case: one word
             return
         error = parse_mismatch_record(self._mismatch_record.tolist())
         self._mismatch_record[_FOUND] = 0

@@ -171,9 +171,7 @@ def backend(monkeypatch):
     b.group, b.rank, b.num_ranks, b.device, b.timeout_s = None, 0, 1, torch.device("cpu"), 10.0
     b.options = NativeOptions()
     b._fallback, b._broken, b._destroyed = _Fallback(), None, False
-    b._error = torch.zeros(ERROR_WORDS + nb.MISMATCH_WORDS, dtype=torch.int32)
-    b._error_record = b._error[:ERROR_WORDS]
-    b._mismatch_record = b._error[ERROR_WORDS:]
+    b._use_error_words(torch.zeros(ERROR_WORDS + nb.MISMATCH_WORDS, dtype=torch.int32))
     b._host_counts = torch.zeros(8 * 9 + 8 * nb.HEADER_WORDS + nb.HEADER_LEN + 1, dtype=torch.int32)
     b._host_expert_counts = torch.zeros(1024, dtype=torch.int64)
     b._scratch = torch.zeros(64, dtype=torch.int32)
@@ -333,3 +331,18 @@ def test_a_barrier_after_a_dispatch_raised_an_earlier_record_takes_the_next_epoc
     model.stream = "compute"
     b.barrier()
     assert model.closed_epochs() == [1, 2, 3, 4]
+
+
+def test_an_error_record_written_by_a_kernel_is_raised_at_the_next_call(backend):
+    """The error code is read in place at every call's start: a timeout record (code 1; rank, stage, channel,
+    peer, chunk, then the waited ns in two words) raises NativeTimeoutError naming them, and the buffer stays
+    unusable after it."""
+    backend, _ = backend
+    backend._raise_if_failed()  # a zero record: nothing
+    backend._error[:8] = torch.tensor([1, 0, 0, 3, 1, 7, 2_000_000_000, 0], dtype=torch.int32)
+    with pytest.raises(nb.NativeTimeoutError, match=r"rank 0 of 1 timed out after 2 s in stage .*channel 3, "
+                                                    r"waiting for rank 1 \(chunk 7\)"):
+        backend._raise_if_failed()
+    backend._error.zero_()
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure"):
+        backend._raise_if_failed()

@@ -158,8 +158,7 @@ def backend(monkeypatch):
     b.group, b.rank, b.num_ranks, b.device, b.timeout_s = None, ME, R, torch.device("cpu"), 10.0
     b.options = NativeOptions()
     b._fallback, b._broken, b._destroyed = None, None, False
-    b._error = torch.zeros(ERROR_WORDS + nb.MISMATCH_WORDS, dtype=torch.int32)
-    b._error_record, b._mismatch_record = b._error[:ERROR_WORDS], b._error[ERROR_WORDS:]
+    b._use_error_words(torch.zeros(ERROR_WORDS + nb.MISMATCH_WORDS, dtype=torch.int32))
     b._host_counts = torch.zeros(8 * 9 + 8 * nb.HEADER_WORDS + nb.HEADER_LEN + 1, dtype=torch.int32)
     b._host_expert_counts = torch.zeros(1024, dtype=torch.int64)
     b._scratch = torch.zeros(64, dtype=torch.int32)
