@@ -22,10 +22,9 @@ setup(
     # The top-level recipes/ folder (the one copy) ships as ep_moe/recipes/ (`ep_moe.train.recipes`).
     packages=find_packages(include=["ep_moe", "ep_moe.*"]) + ["ep_moe.recipes"],
     package_dir={"ep_moe.recipes": "recipes"},
-    # the kernels' sources ship with the package: they are compiled on first use (ep_moe.native.jit); the
-    # intranode ones are csrc's own (kernels/intranode.cu includes them)
-    package_data={"ep_moe.native": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.h"],
-                  "ep_moe.native.jit": ["kernels/*.cu", "kernels/*.cuh"],
+    # the kernels' sources and headers ship with the package, in one folder: they are compiled on first use
+    # (ep_moe.native.jit)
+    package_data={"ep_moe.native": ["kernels/*.cu", "kernels/*.cuh", "kernels/*.h"],
                   "ep_moe.recipes": ["*.yaml"]},
     install_requires=["torch>=2.5", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={

@@ -34,7 +34,7 @@ from ep_moe.distributed import init_from_torchrun
 SLEEP_CYCLES = 4_000_000  # ~2 ms at H200 clocks: longer than the host needs to queue any call
 
 
-WARPS_PER_BLOCK = 16  # csrc/kernels.h kThreads / 32
+WARPS_PER_BLOCK = 16  # ep_moe/native/kernels/kernels.h kThreads / 32
 
 
 def kernel_phases(trace: torch.Tensor, num_push: int) -> tuple[float, ...]:

@@ -12,7 +12,7 @@ DEFAULT_NUM_SMS = 24
 """SMs of a dispatch or combine when nothing else decides: ``Buffer.num_sms`` (a call without a `Config`) and
 a layer whose backend takes no tuned count (`ep_moe.tuning.layer_plans` has the whole order)."""
 
-# The bounds the kernels are compiled with (csrc/kernels.h, csrc/binding.cpp).
+# The bounds the kernels are compiled with (ep_moe/native/kernels/kernels.h).
 MAX_CHUNKS_PER_PAIR = 256  # kMaxChunks: flag slots per source-destination pair
 MAX_COPY_ENGINE_CHUNKS = 16  # kMaxCopyEngineChunks: chunks per pair of a copy-engine call
 MAX_COPY_ENGINE_SHARE = 1024  # the binding's bound on one relative chunk size

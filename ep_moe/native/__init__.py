@@ -64,7 +64,7 @@ def kernels_available() -> bool:
 
 def intranode_kernels():
     """The intranode kernels' module, `ep_moe.native.jit.intranode` (``Env``, ``layout``, ``notify``,
-    ``dispatch``, ``combine``, ``barrier`` and the constants of ``csrc/kernels.h``). Raises `RuntimeError` saying
+    ``dispatch``, ``combine``, ``barrier`` and the constants of ``kernels/kernels.h``). Raises `RuntimeError` saying
     why when they cannot run here (`kernels_unavailable_reason`)."""
     if _jit_intranode is not None:
         return _jit_intranode

@@ -1,6 +1,6 @@
 """The host-side rules of the native kernels, from a `NativeOptions` and what every rank knows alike.
 
-* Chunking (mirrored from ``csrc/common.cuh``: ``chunk_rows``, ``num_chunks``): the rows of one
+* Chunking (mirrored from ``kernels/common.cuh``: ``chunk_rows``, ``num_chunks``): the rows of one
   source-destination pair are cut into at most ``<op>_chunks`` flag-published chunks of at least
   ``min_chunk_rows`` rows each (`num_chunks`); the planner counts the pushers' rounds with the same rule.
 * Copy engine: a combine's rows for one source are contiguous on both sides, so each chunk can be one

@@ -32,7 +32,7 @@ def test_defaults_are_the_kernels_tuned_values():
 
 
 def test_bounds_are_the_kernels_constants():
-    kernels = (REPO / "ep_moe/native/csrc/kernels.h").read_text()
+    kernels = (REPO / "ep_moe/native/kernels/kernels.h").read_text()
     constant = {name: int(value) for name, value in re.findall(r"constexpr int (\w+) = (\d+);", kernels)}
     assert config_module.MAX_CHUNKS_PER_PAIR == constant["kMaxChunks"]
     assert config_module.MAX_COPY_ENGINE_CHUNKS == constant["kMaxCopyEngineChunks"]

@@ -12,6 +12,9 @@ deterministic blob derived from the source, the defines, the flags, the architec
 - a failing compile raises `CompileError` with the compiler's log and the source, publishes nothing, and a second
   build of that key raises again without compiling;
 - a prebuilt entry is found without a compiler (a cache warmed elsewhere);
+- in a copy of the package's kernel folder, every file is an entry (``.cu``) or a header some entry includes, each
+  entry's key lists exactly the headers it includes (written out here), and an edit of any header changes the key
+  of every entry that includes it, and of no other;
 - the launch-argument packing of `driver.Function` puts every argument at the address the kernel reads.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import multiprocessing as mp
+import shutil
 from pathlib import Path
 
 import pytest
@@ -74,6 +78,36 @@ def test_key_changes_with_every_input_and_nothing_else(tree):
 def test_headers_are_found_recursively(tree):
     headers = jit.included_headers(tree / "kernel.cu")
     assert sorted(headers) == ["a.cuh", "sub/b.cuh"]  # <cuda_bf16.h> is the compiler's (its identity keys it)
+
+
+# Every entry file of ep_moe/native/kernels and the headers it includes, directly or through another header.
+INTRANODE = {"dispatch_layout.cuh", "intranode_kernels.cuh", "common.cuh", "kernels.h", "rtc_prelude.h"}
+EXPERT_MAJOR_EXCHANGE = {"expert_major_kernels.cuh", "expert_major.h", "rtc_prelude.h"}
+SPECIALIZED = {"ep_jit.cuh"}
+ENTRIES = {"intranode.cu": INTRANODE, "expert_major_csrc.cu": EXPERT_MAJOR_EXCHANGE,
+           **{name: SPECIALIZED for name in ("expert_layout.cu", "permute_rows.cu", "stream_probe.cu",
+                                             "unpermute_sum.cu", "unpermute_sum_backward.cu")}}
+
+
+def test_every_header_of_the_kernel_folder_keys_the_entries_that_include_it(tmp_path):
+    folder = tmp_path / "kernels"
+    shutil.copytree(jit.KERNELS_DIR, folder)
+    headers = set().union(*ENTRIES.values())
+    assert {p.name for p in folder.iterdir()} == set(ENTRIES) | headers, "a file no entry includes, or a new entry"
+
+    def keys() -> dict[str, str]:
+        return {name: cache_key(jit.key_inputs(KernelSource.of(folder / name), "c 1", "sm_90")) for name in ENTRIES}
+
+    for name, included in ENTRIES.items():
+        assert set(jit.key_inputs(KernelSource.of(folder / name), "c 1", "sm_90")["headers"]) == included, name
+    before = keys()
+    for header in sorted(headers):
+        with (folder / header).open("a") as f:
+            f.write("// edited\n")
+        after = keys()
+        changed = {name for name in ENTRIES if after[name] != before[name]}
+        assert changed == {name for name, included in ENTRIES.items() if header in included}, header
+        before = after
 
 
 def test_kernel_source_checks_its_defines(tree):

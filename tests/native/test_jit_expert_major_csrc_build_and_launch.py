@@ -1,10 +1,10 @@
 """The generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`:
 ``permute_received_rows``, ``unpermute_own_rows``, ``routing_map_to_topk`` and its backward) on CPU:
 
-* the ctypes mirrors of ``csrc/expert_major.h``: field names and order parsed from the header, and (where nvcc is
+* the ctypes mirrors of ``kernels/expert_major.h``: field names and order parsed from the header, and (where nvcc is
   installed) every size and offset and the launchers' constants as the compiler sees them;
 * the JIT source compiles with nvcc (and NVRTC where a libnvrtc is found) and holds every instantiation the
-  launchers look up, exactly once; its cache key covers the csrc files it includes;
+  launchers look up, exactly once; its cache key covers every header it includes;
 * the launchers, end to end on CPU tensors: a fake launch runs each kernel's contract in Python on the memory the
   parameter struct points at (so every pointer, size and the chosen instantiation are checked) and the results
   equal the torch definitions bit for bit; arguments checked (errors name them) before anything is launched;
@@ -43,7 +43,8 @@ def test_mirror_layout_and_constants_equal_the_compilers(tmp_path):
     wrapper = E.SOURCE.file.read_text()
     listed = re.search(r"const long long values\[\] = \{(.*?)\};", wrapper, re.S).group(1)
     assert [v.strip() for v in listed.split(",")] == [name for name, _ in M.EXPERT_MAJOR_CONSTANTS]
-    source = (f'#include "{(M.CSRC_DIR / "expert_major.cu").as_posix()}"\n#include <cstdio>\nint main() {{\n'
+    source = (f'#include "{(jit.KERNELS_DIR / "expert_major_kernels.cuh").as_posix()}"\n'
+              "#include <cstdio>\nint main() {\n"
               f"  using namespace ep_moe;\n  const long long values[] = {{{listed}}};\n"
               "  for (long long v : values) std::printf(\"%lld\\n\", v);\n}\n")
     compiled = host_program(NVCC, tmp_path, source, "constants")
@@ -74,8 +75,8 @@ def test_the_source_and_probe_compile_and_hold_every_kernel(tmp_path, compiler):
     probe = jit.build(jit.KernelSource.of(probe_file(tmp_path / "src", E.probe_source())), "sm_90", compiler, store)
     assert "ep_params_layout" in cubin.function_symbols(probe)
     assert set(jit.key_inputs(E.SOURCE, compiler.identity, "sm_90")["headers"]) == {
-        f"ep_moe/native/csrc/{name}" for name in ("expert_major.cu", "expert_major.h", "rtc_prelude.h")}, \
-        "the cache key covers the csrc sources the JIT build includes"
+        f"ep_moe/native/kernels/{name}" for name in ("expert_major_kernels.cuh", "expert_major.h", "rtc_prelude.h")}, \
+        "the cache key covers every header the JIT build includes"
 
 
 def test_specializations_are_the_build_and_its_probe():
@@ -94,7 +95,7 @@ def _view(address: int, count: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _permute(p, word):
-    """permute_rows_kernel's contract (csrc/expert_major.cu) on the memory ``p`` points at."""
+    """permute_rows_kernel's contract (kernels/expert_major_kernels.cuh) on the memory ``p`` points at."""
     assert p.row_bytes % word == 0 and p.x % word == 0 and p.out % word == 0 and p.own_x % word == 0
     pos = _view(p.pair_of_slot, p.num_slots, torch.int64)
     R = p.num_ranks

@@ -1,6 +1,6 @@
 """The JIT intranode module's host side on CPU (`ep_moe.native.jit.intranode`, `params`, `cubin`):
 
-* the ctypes mirrors of ``csrc/kernels.h``: field names and order parsed from the header, and (where nvcc is
+* the ctypes mirrors of ``kernels/kernels.h``: field names and order parsed from the header, and (where nvcc is
   installed) every size and offset as the compiler lays them out, from the generated probe compiled as a host
   program; the launchers' constants likewise, from the CUDA sources themselves;
 * the JIT source compiles with nvcc (and NVRTC where a libnvrtc is found), the layout probe too, and every kernel the
@@ -51,7 +51,8 @@ def test_constants_equal_the_sources(tmp_path):
     listed = re.search(r"const long long values\[\] = \{(.*?)\};", wrapper, re.S).group(1)
     assert [v.strip() for v in re.split(r",(?![^()]*\))", listed)] == [name for name, _ in P.CONSTANTS]
     offset_of = re.search(r"^#define EP_OFFSET_OF.*$", wrapper, re.M).group(0)
-    source = (f'#include "{(P.CSRC_DIR / "layout.cu").as_posix()}"\n#include "{(P.CSRC_DIR / "intranode.cu").as_posix()}"\n'
+    source = (f'#include "{(jit.KERNELS_DIR / "dispatch_layout.cuh").as_posix()}"\n'
+              f'#include "{(jit.KERNELS_DIR / "intranode_kernels.cuh").as_posix()}"\n'
               f"#include <cstdio>\n{offset_of}\nint main() {{\n  using namespace ep_moe;\n  const long long values[] = {{"
               + listed + "};\n  for (long long v : values) std::printf(\"%lld\\n\", v);\n}\n")
     compiled = host_program(NVCC, tmp_path, source, "constants")
@@ -97,9 +98,9 @@ def test_the_intranode_source_and_probe_compile_and_hold_every_kernel(tmp_path, 
     probe = jit.build(jit.KernelSource.of(I.probe_file(tmp_path / "src")), "sm_90", compiler, store)
     assert "ep_params_layout" in cubin.function_symbols(probe)
     inputs = jit.key_inputs(I.SOURCE, compiler.identity, "sm_90")
-    assert {f"ep_moe/native/csrc/{name}" for name in ("layout.cu", "intranode.cu", "common.cuh", "kernels.h",
-                                                       "rtc_prelude.h")} == set(inputs["headers"]), \
-        "the cache key covers the csrc sources the JIT build includes"
+    assert {f"ep_moe/native/kernels/{name}" for name in ("dispatch_layout.cuh", "intranode_kernels.cuh", "common.cuh",
+                                                         "kernels.h", "rtc_prelude.h")} == set(inputs["headers"]), \
+        "the cache key covers every header the JIT build includes"
 
 
 def test_the_probe_keys_alike_wherever_it_is_written(tmp_path):
@@ -109,7 +110,7 @@ def test_the_probe_keys_alike_wherever_it_is_written(tmp_path):
             for d in ("a", "b/c")]
     assert keys[0] == keys[1]
     assert set(jit.key_inputs(jit.KernelSource.of(I.probe_file(tmp_path / "a")), "c 1", "sm_90")["headers"]) == {
-        "ep_moe/native/csrc/kernels.h", "ep_moe/native/csrc/rtc_prelude.h"}
+        "ep_moe/native/kernels/kernels.h", "ep_moe/native/kernels/rtc_prelude.h"}
 
 
 def test_cubin_errors():
@@ -420,7 +421,7 @@ def test_combine_launch_and_checks(recorded):
 
 
 def test_bulk_piece16_follows_the_kernels_rule():
-    """As csrc/intranode.cu's bulk_piece16: the most words per warp pass that fit the budget, rows cut evenly."""
+    """As kernels/intranode_kernels.cuh's bulk_piece16: the most words per warp pass that fit the budget, rows cut evenly."""
     header, budget = dict(P.CONSTANTS)["kBulkHeaderBytes"], dict(P.CONSTANTS)["kBulkSmemBudget"]
     for ranks in range(1, 9):
         for n16 in (0, 1, 31, 32, 448, 896, 1792, 4096):
@@ -822,7 +823,7 @@ def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):
 
 
 def _reference_struct(kind: str, env, a: dict):
-    """The parameter struct of a call without a copy engine, filled field by field as ``csrc/binding.cpp`` fills it
+    """The parameter struct of a call without a copy engine, filled field by field
     (the launchers' first, attribute-by-attribute version): the oracle of the launchers' batched field writes."""
     def ptr(t):
         return 0 if t is None else t.data_ptr()

@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -340,7 +339,7 @@ def test_layout_signature_matches_the_kernels_parameters():
 
     from ep_moe.native.jit.driver import I32, I64, PTR
 
-    text = (Path(jit.__file__).parent / "kernels" / "expert_layout.cu").read_text()
+    text = (jit.KERNELS_DIR / "expert_layout.cu").read_text()
     body = re.search(r"#define EP_LAYOUT_PARAMS(.*?)\n#define", text, re.S).group(1).replace("\\", " ")
     kinds = []
     for param in body.split(","):
@@ -399,7 +398,7 @@ def test_the_layout_compiles_for_every_expert_count(tmp_path):
         experts, topk = experts_topk
         out = tmp_path / f"layout_{experts}_{topk}.cubin"
         subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-cubin", f"-DEP_EXPERTS={experts}", f"-DEP_TOPK={topk}",
-                        str(Path(jit.__file__).parent / "kernels" / "expert_layout.cu"), "-o", str(out)],
+                        str(jit.KERNELS_DIR / "expert_layout.cu"), "-o", str(out)],
                        check=True, capture_output=True, timeout=600)
         return out.read_bytes()
 

@@ -4,7 +4,7 @@ as the kernels do, and writes what they write), so the Python paths run without 
 closes its notify's epoch and raises at once; a call without a host wait leaves a record that only a host wait
 raises (the end of the next exact-size dispatch, after its kernels are queued, or ``barrier()``), never a
 call's start; a call about to fall back to the torch backend or to grow the buffer exchanges its header first.
-The fake also checks the argument counts of the binding's functions (csrc/binding.cpp)."""
+The fake also checks the argument counts of the launch functions it stands in for (`ep_moe.native.jit.intranode`'s)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class FakeExtension:
         self._launch("notify")
 
     def dispatch(self, *args) -> None:
-        assert len(args) == 35, len(args)  # binding.cpp: ..., header, test_perturb, rows_in_place
+        assert len(args) == 35, len(args)  # ..., header, test_perturb, rows_in_place
         write_arrival, header = args[20], args[32]
         if write_arrival:  # cached: the kernel checks, with the handle's digest
             self._record(header, digest=12345)
@@ -92,7 +92,7 @@ class FakeExtension:
 
 
 class DeviceModel:
-    """The epoch bookkeeping of one rank's device, with streams (csrc/intranode.cu): every collective kernel
+    """The epoch bookkeeping of one rank's device, with streams (kernels/intranode_kernels.cuh): every collective kernel
     takes its epoch as the rank's ``seq + 1`` when it starts; a notify leaves the epoch open, every other kernel
     (dispatch, combine, barrier, exchange, close_epoch) closes it (``seq = epoch``). Kernels queued on one
     stream run in order; kernels on different streams that nothing orders may run side by side, and this model

@@ -1,6 +1,6 @@
 """CPU side of the native backend's rank-disagreement check (docs/native.md, "Rank agreement"): the records
 its kernels write are turned into the torch backend's `ValueError` wording, and the Python mirrors of the
-record layout match csrc/kernels.h. The kernels themselves run in tests/native/test_native_mismatch_gpu.py."""
+record layout match kernels/kernels.h. The kernels themselves run in tests/native/test_native_mismatch_gpu.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ep_moe.backends.native_backend import (
     parse_mismatch_record,
 )
 
-CSRC = Path(__file__).parents[2] / "ep_moe" / "native" / "csrc"
+KERNELS = Path(__file__).parents[2] / "ep_moe" / "native" / "kernels"
 
 
 def _header(op=agreement.OP_DISPATCH, hidden=128, dtype=torch.bfloat16, scales=0, topk=2, experts=8, worst=0,
@@ -29,7 +29,7 @@ def _header(op=agreement.OP_DISPATCH, hidden=128, dtype=torch.bfloat16, scales=0
 
 
 def _record(rank: int, own: list[int], seen: list[list[int]]) -> list[int]:
-    """A mismatch record as the kernels write it (csrc/kernels.h, MismatchWord)."""
+    """A mismatch record as the kernels write it (kernels/kernels.h, MismatchWord)."""
     words = [0] * MISMATCH_WORDS
     words[0], words[1], words[2] = own[0], rank, len(seen)
     words[3:3 + 8] = own
@@ -108,9 +108,9 @@ def test_labels_group_like_ranks() -> None:
 
 
 def test_mirrors_match_kernels_h() -> None:
-    """HEADER_WORDS, MAX_RANKS, MISMATCH_WORDS and the operation codes are those of csrc/kernels.h (the
+    """HEADER_WORDS, MAX_RANKS, MISMATCH_WORDS and the operation codes are those of kernels/kernels.h (the
     backend also compares them with the kernels' constants)."""
-    text = (CSRC / "kernels.h").read_text()
+    text = (KERNELS / "kernels.h").read_text()
     assert int(re.search(r"constexpr int kHeaderLen = (\d+);", text).group(1)) == agreement.HEADER_LEN
     assert int(re.search(r"constexpr int kHeaderWords = (\d+);", text).group(1)) == HEADER_WORDS
     assert int(re.search(r"constexpr int kMaxRanks = (\d+);", text).group(1)) == MAX_RANKS

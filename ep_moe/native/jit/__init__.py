@@ -1,17 +1,18 @@
 """JIT kernels: CUDA sources compiled on first use for the exact specialization a call needs, cached on disk, and
 loaded with the driver API, so that no kernel needs an ahead-of-time build.
 
-A kernel is a `KernelSource` (a ``.cu`` file under ``kernels/`` and its defines, e.g. the row width in 16-byte
-words and the top-k) compiled for one architecture. Its cache key (`key_inputs`, `cache.cache_key`) hashes the
-source, every header it includes (recursively), the compiler's identity and version, the flags, the architecture
-and the defines. `build` gives the CUBIN (memory, else disk, else the compiler: `compilers.find_compiler`);
-`module` loads it on a device (`driver.Module`) and `Module.function(...).launch(...)` runs a kernel on a stream.
+A kernel is a `KernelSource` (a ``.cu`` entry file under ``ep_moe/native/kernels/``, the one folder of kernel
+sources and headers, and its defines, e.g. the row width in 16-byte words and the top-k) compiled for one
+architecture. Its cache key (`key_inputs`, `cache.cache_key`) hashes the source, every header it includes
+(recursively), the compiler's identity and version, the flags, the architecture and the defines. `build` gives the
+CUBIN (memory, else disk, else the compiler: `compilers.find_compiler`); `module` loads it on a device
+(`driver.Module`) and `Module.function(...).launch(...)` runs a kernel on a stream.
 
 Three groups of kernels use it: the single-rank expert-major kernels (`expert_major`, specialized per shape), the
 native backend's intranode kernels with their copy engine (`intranode`), and the generic expert-major ops
 (`expert_major_csrc`: the permute of received rows, the own rows of a combine, the routing map); the last two are
-csrc's sources in one generic build per architecture, launched from Python over ctypes mirrors of their parameter
-structs (`params`).
+one generic build per architecture each, launched from Python over ctypes mirrors of their parameter structs
+(`params`).
 
 `available` / `unavailable_reason` say whether JIT kernels can run here: CUDA torch, a GPU, the driver, and a
 compiler or, without one, a disk cache holding kernels for this GPU's architecture (filled by ``ep-moe jit warmup``

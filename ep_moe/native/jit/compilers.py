@@ -24,7 +24,7 @@ from .source import Define
 
 # The compile flags every compiler applies (part of the cache key); each compiler spells them its own way.
 # -default-device (NVRTC only): functions without an execution space are device functions, so that the host
-# declarations of csrc/kernels.h (the launchers, never defined in a JIT build) are legal in JIT mode.
+# declarations of kernels/kernels.h (the launchers, never defined in a JIT build) are legal in JIT mode.
 FLAGS: tuple[str, ...] = ("-std=c++17", "-O3", "-lineinfo", "-default-device")
 NVRTC_ONLY_FLAGS = ("-default-device",)
 

@@ -2,15 +2,15 @@
 ahead-of-time extension ``ep_moe.native._C`` that `ep_moe.backends.native_backend` calls, with the same arguments,
 the same checks and the same launches, for an install that compiled nothing.
 
-The kernels are the extension's own sources (``csrc/layout.cu``, ``csrc/intranode.cu``, included by
+The kernels are ``kernels/dispatch_layout.cuh`` and ``kernels/intranode_kernels.cuh`` (included by
 ``kernels/intranode.cu``), compiled once per architecture (nothing is specialized: they take ranks, rows and types
-at run time); the host half of ``csrc/binding.cpp`` (checks, filling the parameter structs) is done here over the
+at run time); the host half (checks, filling the parameter structs) is done here over the
 ctypes mirrors of `ep_moe.native.jit.params`, and every kernel is launched with the driver API on the current
 stream of the tensors' device. Before the first launch on a device the module checks that the mirrors and the
 constants it uses equal what the compiler sees (`JitLayoutError` otherwise).
 
 A call with the copy engine (``copy_engine_seq > 0``) launches its kernel, then queues the copy-engine half
-(``csrc/copy_engine.cu``'s host code, here in `ep_moe.native.jit.copy_engine` over the driver API) on the side
+(`ep_moe.native.jit.copy_engine`, over the driver API) on the side
 streams the backend passes, after the same checks as the extension's.
 """
 
@@ -604,7 +604,7 @@ def _dispatch_template(env: Env, data_ptrs: list[int], offsets: list[int]) -> P.
 
 # ------------------------------------------------------------------------------------------ combine
 def bulk_piece16(num_ranks: int, n16: int) -> int:
-    """16-byte words per source and stage of a bulk-copy combine (``bulk_piece16`` of csrc/intranode.cu)."""
+    """16-byte words per source and stage of a bulk-copy combine (``bulk_piece16`` of kernels/intranode_kernels.cuh)."""
     most = ((_K["kBulkSmemBudget"] - _K["kBulkHeaderBytes"])
             // (_K["kReduceWarps"] * _K["kBulkStages"] * num_ranks * 16) // 32 * 32)
     if most < 32 or n16 <= 0:
@@ -614,7 +614,7 @@ def bulk_piece16(num_ranks: int, n16: int) -> int:
 
 
 def bulk_smem_bytes(num_ranks: int, piece16: int) -> int:
-    """Dynamic shared memory of a bulk-copy combine (``bulk_smem_bytes`` of csrc/intranode.cu)."""
+    """Dynamic shared memory of a bulk-copy combine (``bulk_smem_bytes`` of kernels/intranode_kernels.cuh)."""
     return _K["kBulkHeaderBytes"] + _K["kReduceWarps"] * _K["kBulkStages"] * num_ranks * piece16 * 16
 
 

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-KERNELS_DIR = Path(__file__).with_name("kernels")  # the package's kernel sources and their device headers
+# ep_moe/native/kernels: every kernel source and header (thin entry files, the headers they include)
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 _DEFINE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -62,7 +63,7 @@ class KernelSource:
         return f"{self.file.name}[{','.join(f'{k}={v}' for k, v in self.defines)}]"
 
 
-PACKAGE_NATIVE_DIR = KERNELS_DIR.resolve().parent.parent  # ep_moe/native: the JIT sources' and csrc's root
+PACKAGE_NATIVE_DIR = KERNELS_DIR.parent  # ep_moe/native: the root of the kernel sources' key paths
 
 
 def _key_path(header: Path, source: Path) -> str:

@@ -1,5 +1,7 @@
 // Dispatch layout: which ranks and experts each token goes to. Must equal
 // `ep_moe.buffer.routing_layout.dispatch_layout` exactly (integer counts, so any summation order does).
+#pragma once
+
 #include "common.cuh"
 
 namespace ep_moe {

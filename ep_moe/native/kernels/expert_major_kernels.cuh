@@ -3,6 +3,8 @@
 // expert-major combine's own rows included), and dense routing to top-k form and back. Bit for bit the torch
 // definitions of ep_moe/permute.py and ep_moe/integrations/megatron.py (copies, and fp32 sums in a stated order
 // without fused multiply-adds).
+#pragma once
+
 #ifndef __CUDACC_RTC__  // NVRTC: rtc_prelude.h (through expert_major.h) has the bf16 conversions used here
 #include <cuda_bf16.h>
 #endif

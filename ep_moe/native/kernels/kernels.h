@@ -1,6 +1,6 @@
-// Plain launch functions of the intranode kernels (raw pointers and sizes; no torch). The binding
-// (binding.cpp) converts tensors into these structs. Every function enqueues on `stream` and returns
-// the CUDA error of the launch.
+// The parameter structs and constants of the intranode kernels (raw pointers and sizes; no torch), and each
+// operation's contract as a launch function's declaration (never defined: ep_moe/native/jit/intranode.py fills
+// the structs and launches the kernels, ep_moe/native/jit/copy_engine.py queues the copy-engine halves).
 #pragma once
 
 #ifdef __CUDACC_RTC__

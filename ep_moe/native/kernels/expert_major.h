@@ -1,4 +1,4 @@
-// The parameter structs of the generic expert-major kernels (expert_major.cu; ep_moe.permute's contract, raw
+// The parameter structs of the generic expert-major kernels (expert_major_kernels.cuh; ep_moe.permute's contract, raw
 // pointers and sizes). ep_moe/native/jit/params.py mirrors them in this order, and
 // ep_moe/native/jit/expert_major_csrc.py fills them and launches the kernels.
 //
@@ -7,7 +7,7 @@
 #pragma once
 
 #ifdef __CUDACC_RTC__
-#include "rtc_prelude.h"  // NVRTC (the JIT build, jit/kernels/expert_major_csrc.cu) has no toolkit headers
+#include "rtc_prelude.h"  // NVRTC (the JIT build, expert_major_csrc.cu) has no toolkit headers
 #else
 #include <cstdint>
 #include <cuda_runtime.h>

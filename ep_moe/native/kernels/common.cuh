@@ -28,7 +28,7 @@ struct Control {
   // its arrive (so an acquired arrive covers it); the parity keeps epoch e's readable while e + 1's arrive.
   int32_t header[2][kMaxRanks][kHeaderWords];
   // [source]: the last epoch the source closed after a disagreement, once its own copy-engine copies landed
-  // (see close_after_disagreement in intranode.cu).
+  // (see close_after_disagreement in intranode_kernels.cuh).
   uint64_t closed[kMaxRanks];
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");

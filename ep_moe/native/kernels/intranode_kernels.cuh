@@ -16,10 +16,12 @@
 // Combine reverses it: pushers send each received row back to its source's buffer (contiguous per
 // source), and reducer warps (striding over all tokens) sum, per token, the rows of the ranks it went
 // to in increasing rank order in fp32 (the own rank's rows read in place), add the biases and round once.
-// In a copy-engine combine (copy_engine.cu) there are no pushers: every block reduces, and block 0 tells
+// In a copy-engine combine (ep_moe/native/jit/copy_engine.py) there are no pushers: every block reduces, and block 0 tells
 // the copy stream when every peer entered the combine. Reducers launched with p.bulk_reduce (by default
 // those of a copy-engine combine) read the rows through shared memory by bulk copies (bulk_reduce), which
 // keeps far more bytes in flight per SM than loads into registers.
+#pragma once
+
 #ifndef __CUDACC_RTC__  // NVRTC: rtc_prelude.h has the bf16 conversions used here
 #include <cuda_bf16.h>
 #endif

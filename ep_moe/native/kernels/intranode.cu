@@ -1,12 +1,12 @@
-// The intranode kernels (layout, notify, dispatch, combine, barrier) as one JIT module: the sources of
-// ep_moe/native/csrc, device code only (ep_moe/native/jit/intranode.py fills the parameter structs and launches
+// The intranode kernels (layout, notify, dispatch, combine, barrier) as one JIT module: dispatch_layout.cuh and
+// intranode_kernels.cuh, device code only (ep_moe/native/jit/intranode.py fills the parameter structs and launches
 // from Python).
 // One generic build per architecture: nothing is specialized (the kernels take ranks, rows and types at run time).
 //
 // The kernels keep their C++ names (in an unnamed namespace); intranode.py finds them in the CUBIN's symbol table.
 // The combine's two instantiations (bf16 and fp32 rows) are made here.
-#include "../../csrc/layout.cu"
-#include "../../csrc/intranode.cu"
+#include "dispatch_layout.cuh"
+#include "intranode_kernels.cuh"
 
 namespace ep_moe {
 namespace {
