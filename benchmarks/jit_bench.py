@@ -27,8 +27,8 @@ GPU and host time as above:
 
     python3 benchmarks/jit_bench.py --intranode --tokens 128 4096 --hidden 7168 --topk 8 --experts 256
 
-``--csrc-ops`` adds the generic expert-major ops built from ``csrc/expert_major.cu``
-(`ep_moe.native.jit.expert_major_csrc`), called directly:
+``--csrc-ops`` adds the generic expert-major ops built from ``ep_moe/native/kernels/expert_major_kernels.cuh``
+(`ep_moe.native.jit.expert_major_exchange`), called directly:
 ``received`` (permute_received_rows: N = 2 T received rows, half of them this rank's own rows from its input, with
 values), ``own_rows`` (unpermute_own_rows, weighted), ``routing`` (routing_map_to_topk over ``--experts`` experts) and
 ``routing_bwd`` (its backward), GPU and host time as above:
@@ -200,7 +200,7 @@ def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int
 def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int, rounds: int
                  ) -> dict:
     """The generic expert-major ops (see the module docstring)."""
-    from ep_moe.native.jit import expert_major_csrc as E
+    from ep_moe.native.jit import expert_major_exchange as E
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     N, rank = 2 * T, 1  # two ranks; this is rank 1

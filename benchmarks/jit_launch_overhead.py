@@ -18,7 +18,7 @@ pinned-memory mapping and stream lookup replaced by CPU stand-ins of the same sh
 each kernel a `driver.Function` whose launch is the same no-op C call, and the layout's ``cuMemsetD32Async`` a call of libc's
 ``llabs`` (its host path through `driver.memset_zero_async` is timed).
 
-``--csrc-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_csrc` (received rows with
+``--csrc-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_exchange` (received rows with
 values, own rows weighted, routing map to top-k and its backward) on CPU tensors, the device check replaced by a
 contiguity check and every kernel a `driver.Function` with the no-op launch; timed as ``--intranode``.
 """
@@ -72,10 +72,10 @@ def per_call_us(fn, calls: int, best: bool = False) -> float:
 
 def intranode(calls: int, launch) -> None:
     """Host time per call of the intranode launchers on CPU tensors (see the module docstring)."""
-    from ep_moe.native.jit import expert_major_csrc
+    from ep_moe.native.jit import expert_major_exchange
     from ep_moe.native.jit import intranode as I
 
-    expert_major_csrc.kernels = lambda device: None  # what the Env loads for the fused paths (not timed)
+    expert_major_exchange.kernels = lambda device: None  # what the Env loads for the fused paths (not timed)
 
     class _Kernels:
         fn = {name: Function(0, name, (), launch_fn=launch) for name in I.KERNELS}
@@ -152,8 +152,8 @@ def intranode(calls: int, launch) -> None:
 
 
 def csrc_ops(calls: int, launch) -> None:
-    """Host time per call of `expert_major_csrc`'s ops on CPU tensors (see the module docstring)."""
-    from ep_moe.native.jit import expert_major_csrc as E
+    """Host time per call of `expert_major_exchange`'s ops on CPU tensors (see the module docstring)."""
+    from ep_moe.native.jit import expert_major_exchange as E
 
     class _Kernels:
         fn = {fragment: Function(0, fragment, (), launch_fn=launch) for fragment in E.KERNELS.values()}
@@ -192,7 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--intranode", action="store_true", help="the intranode launchers instead")
-    parser.add_argument("--csrc-ops", action="store_true", help="expert_major_csrc's four ops instead")
+    parser.add_argument("--csrc-ops", action="store_true", help="expert_major_exchange's four ops instead")
     args = parser.parse_args()
     launch = no_op_launch()
     if args.csrc_ops:

@@ -19,7 +19,7 @@ A, then expert 1's, and so on; slots past the used total (a bound given for a fi
 Where the work runs, eagerly and in compiled graphs alike (the same bits everywhere; the weights' gradient is a
 dot product whose summation order is each implementation's own, fixed): on CUDA, the JIT kernels of
 `ep_moe.native.jit.expert_major` (compiled on first use per shape, or loaded from the cache ``ep-moe jit warmup``
-filled; the permute of received rows in place from `ep_moe.native.jit.expert_major_csrc`); on CPU, for float64
+filled; the permute of received rows in place from `ep_moe.native.jit.expert_major_exchange`); on CPU, for float64
 (e.g. gradcheck) and where the JIT kernels cannot run, the torch definitions here. The public functions check
 their arguments once; the kernels' entry points do not check again.
 """
@@ -567,9 +567,9 @@ def _permute_received_rows_impl(rows: Tensor, num_rows: int, own_x: Tensor, own_
     how = _note_ran(kernel_implementation(rows), rows)
     if how == "jit":
         # imported here: the intranode JIT module it comes with is not needed before
-        from .native.jit import expert_major_csrc
+        from .native.jit import expert_major_exchange
 
-        out, slot_values = expert_major_csrc.permute_received_rows(
+        out, slot_values = expert_major_exchange.permute_received_rows(
             rows, num_rows, own_x.contiguous(), own_tokens.contiguous(),
             rank_prefix_matrix.to(torch.int32).contiguous(), rank, pair_of_slot, num_topk,
             None if values is None else values.contiguous())

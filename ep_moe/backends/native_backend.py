@@ -108,16 +108,16 @@ def _c():
 
 def _own_rows(y: torch.Tensor, weights: torch.Tensor | None, sorted_slots: torch.Tensor, prefix: torch.Tensor,
               rank: int) -> torch.Tensor:
-    """`ep_moe.native.jit.expert_major_csrc.unpermute_own_rows`: ``[N, H]``, this rank's own rows of
+    """`ep_moe.native.jit.expert_major_exchange.unpermute_own_rows`: ``[N, H]``, this rank's own rows of
     ``unpermute_sum(y, weights)`` (the others unspecified)."""
-    from ..native.jit import expert_major_csrc
+    from ..native.jit import expert_major_exchange
 
-    return expert_major_csrc.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
+    return expert_major_exchange.unpermute_own_rows(y, weights, sorted_slots, prefix, rank)
 
 
 def _expert_major_ops() -> bool:
     """Whether the expert-major ops of the fused paths (permute of rows in place, own rows of a combine) exist
-    here: `ep_moe.native.jit.expert_major_csrc`, which comes with the intranode kernels."""
+    here: `ep_moe.native.jit.expert_major_exchange`, which comes with the intranode kernels."""
     return native.kernels_available()
 
 

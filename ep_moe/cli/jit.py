@@ -2,7 +2,7 @@
 
 ``ep-moe jit warmup [--shapes hidden=7168,topk=8,experts=32[,dtype=bf16] ...] [--arch sm_90]`` compiles the
 intranode kernels and the generic expert-major ops (one build each with its layout probe,
-`ep_moe.native.jit.intranode.specializations`, `ep_moe.native.jit.expert_major_csrc.specializations`) and every
+`ep_moe.native.jit.intranode.specializations`, `ep_moe.native.jit.expert_major_exchange.specializations`) and every
 expert-major specialization those shapes take (`ep_moe.native.jit.expert_major.specializations`) into the cache
 (``--cache-dir``, else ``$EP_MOE_CACHE_DIR/jit``, else ``~/.cache/ep_moe/jit``), one line per kernel with how long it took: run it where a CUDA
 compiler is (a login node, a container build) for compute nodes that lack one: there the kernels load from the cache
@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..native import jit
-from ..native.jit import expert_major, expert_major_csrc, intranode
+from ..native.jit import expert_major, expert_major_exchange, intranode
 
 SHAPE_KEYS = {"hidden": int, "topk": int, "experts": int, "dtype": str}
 
@@ -60,7 +60,7 @@ def _warmup(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     try:
-        sources = list(dict.fromkeys(intranode.specializations() + expert_major_csrc.specializations() + [
+        sources = list(dict.fromkeys(intranode.specializations() + expert_major_exchange.specializations() + [
             s for shape in args.shapes for s in expert_major.specializations(**shape)]))
     except ValueError as exc:
         print(f"ep-moe jit warmup: {exc}", file=sys.stderr)

@@ -209,7 +209,7 @@ class _RoutingMapToTopk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, routing_map: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor]:
-        topk_idx, topk_weights = _jit_csrc().routing_map_to_topk(routing_map, probs, topk)
+        topk_idx, topk_weights = _exchange_ops().routing_map_to_topk(routing_map, probs, topk)
         ctx.mark_non_differentiable(topk_idx)
         ctx.save_for_backward(topk_idx)
         ctx.num_experts, ctx.dtype = probs.shape[1], probs.dtype
@@ -220,16 +220,16 @@ class _RoutingMapToTopk(torch.autograd.Function):
         (topk_idx,) = ctx.saved_tensors
         if grad_weights is None or not ctx.needs_input_grad[1]:
             return None, None, None
-        grad = _jit_csrc().routing_map_to_topk_backward(grad_weights.float().contiguous(), topk_idx,
-                                                        ctx.num_experts, ctx.dtype)
+        grad = _exchange_ops().routing_map_to_topk_backward(grad_weights.float().contiguous(), topk_idx,
+                                                            ctx.num_experts, ctx.dtype)
         return None, grad, None
 
 
-def _jit_csrc():
-    """The generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`)."""
-    from ep_moe.native.jit import expert_major_csrc
+def _exchange_ops():
+    """The generic expert-major ops (`ep_moe.native.jit.expert_major_exchange`)."""
+    from ep_moe.native.jit import expert_major_exchange
 
-    return expert_major_csrc
+    return expert_major_exchange
 
 
 # ------------------------------------------------------------------------------------------ dispatcher

@@ -46,10 +46,10 @@ def _decide_kernels() -> str | None:
     compiler, how = jit.compiler()
     if compiler is not None:
         return None
-    from .jit import expert_major_csrc, intranode
+    from .jit import expert_major_exchange, intranode
 
     arch = jit.device_arch(torch.cuda.current_device())
-    missing = [s.label for s in intranode.specializations() + expert_major_csrc.specializations()
+    missing = [s.label for s in intranode.specializations() + expert_major_exchange.specializations()
                if not jit.in_cache(s, arch)]
     if not missing:
         return None

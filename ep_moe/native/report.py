@@ -77,7 +77,7 @@ def _intranode_kernels() -> str:
     reason = native.kernels_unavailable_reason()
     if reason is not None:
         return f"unavailable, and so is the native backend ({reason})"
-    return "available: csrc's kernels, one build per architecture (ep_moe.native.jit.intranode)"
+    return "available: JIT kernels, one build per architecture (ep_moe.native.jit.intranode)"
 
 
 def _jit_compiler() -> str:

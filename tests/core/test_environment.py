@@ -97,7 +97,7 @@ def _check_report(text: str, calibration: str | None = None) -> None:
     assert found, text
     why = native.kernels_unavailable_reason()
     assert found.group(1).strip() == (f"unavailable, and so is the native backend ({why})" if why else
-                                      "available: csrc's kernels, one build per architecture "
+                                      "available: JIT kernels, one build per architecture "
                                       "(ep_moe.native.jit.intranode)")
     for name in NATIVE_ITEMS + (("ep_moe", "calibration cache") if calibration else ()):
         assert re.search(rf"^{name}:\s+\S", text, re.MULTILINE), name

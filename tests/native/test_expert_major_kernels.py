@@ -1,5 +1,5 @@
 """The expert-major kernels behind `ep_moe.permute` on CUDA (`ep_moe.native.jit.expert_major`, and the permute of
-received rows of `ep_moe.native.jit.expert_major_csrc`) against the torch definitions of `ep_moe.permute` run on
+received rows of `ep_moe.native.jit.expert_major_exchange`) against the torch definitions of `ep_moe.permute` run on
 the CPU, bit for bit: the layout (exact size, and bounds equal to, above and below the total), the permute of rows and values, the (weighted) reduce, and their gradients (the
 weights' gradient, a dot product in the kernel's own order, within a tolerance of float64 and repeatable). Random
 and adversarial routings (every pair to one expert, no pairs, ids out of range, thousands of pairs per block),

@@ -84,7 +84,7 @@ def test_headers_are_found_recursively(tree):
 INTRANODE = {"dispatch_layout.cuh", "intranode_kernels.cuh", "common.cuh", "kernels.h", "rtc_prelude.h"}
 EXPERT_MAJOR_EXCHANGE = {"expert_major_kernels.cuh", "expert_major.h", "rtc_prelude.h"}
 SPECIALIZED = {"ep_jit.cuh"}
-ENTRIES = {"intranode.cu": INTRANODE, "expert_major_csrc.cu": EXPERT_MAJOR_EXCHANGE,
+ENTRIES = {"intranode.cu": INTRANODE, "expert_major_exchange.cu": EXPERT_MAJOR_EXCHANGE,
            **{name: SPECIALIZED for name in ("expert_layout.cu", "permute_rows.cu", "stream_probe.cu",
                                              "unpermute_sum.cu", "unpermute_sum_backward.cu")}}
 

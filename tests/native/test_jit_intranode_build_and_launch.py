@@ -24,7 +24,7 @@ from support_jit import NVCC, header_fields, host_program, needs_nvcc
 
 from ep_moe import native
 from ep_moe.native import jit
-from ep_moe.native.jit import cubin, expert_major_csrc
+from ep_moe.native.jit import cubin, expert_major_exchange
 from ep_moe.native.jit import intranode as I
 from ep_moe.native.jit import params as P
 from ep_moe.native.jit.compilers import NvccCompiler, find_nvrtc
@@ -162,7 +162,7 @@ def recorded(monkeypatch):
             raise I._fail(f"argument '{name}' must be a contiguous CUDA tensor")
 
     monkeypatch.setattr(I, "kernels", lambda device: _Fake)
-    monkeypatch.setattr(expert_major_csrc, "kernels", lambda device: loaded.append(device))  # Env loads them early
+    monkeypatch.setattr(expert_major_exchange, "kernels", lambda device: loaded.append(device))  # Env loads them early
     monkeypatch.setattr(I, "_check_cuda", check)
     monkeypatch.setattr(I, "_is_pinned", lambda t: not t.is_cuda)
     monkeypatch.setattr(I, "_device", lambda t: 0)
@@ -179,7 +179,7 @@ def _env(ranks=2, rank=1):
 
 def test_env_fills_the_kernel_env_and_checks_its_arguments(recorded, monkeypatch):
     loaded = []
-    monkeypatch.setattr(expert_major_csrc, "kernels", lambda device: loaded.append(device))
+    monkeypatch.setattr(expert_major_exchange, "kernels", lambda device: loaded.append(device))
     _env(1, 0)
     assert loaded == [], "one rank: no fused expert-major path, nothing more to load"
     env = _env(3, 2)
@@ -517,7 +517,7 @@ def test_without_a_compiler_the_kernels_run_from_a_warm_cache_only(warm_store, m
     from support_jit import FakeCompiler
 
     _as_if_on_a_gpu(monkeypatch, None)
-    sources = I.specializations() + expert_major_csrc.specializations()
+    sources = I.specializations() + expert_major_exchange.specializations()
     why = native.kernels_unavailable_reason()
     assert why.startswith("no CUDA compiler (hidden by the test) and the cache ") and "ep-moe jit warmup --arch sm_90" \
         in why and all(s.label in why for s in sources), why
@@ -555,7 +555,7 @@ def test_env_reports_the_kernels(monkeypatch):
     monkeypatch.setattr(native, "_decided", None)
     assert format_report(items).splitlines() == [
         "JIT kernels:       available: loaded from the cache only (no compiler), launched from Python (ep_moe.native.jit)",
-        "intranode kernels: available: csrc's kernels, one build per architecture (ep_moe.native.jit.intranode)"]
+        "intranode kernels: available: JIT kernels, one build per architecture (ep_moe.native.jit.intranode)"]
     monkeypatch.setattr(jit, "unavailable_reason", lambda: "no CUDA GPU is visible")
     monkeypatch.setattr(native, "_decided", "no CUDA GPU is visible")
     assert format_report(items).splitlines() == [

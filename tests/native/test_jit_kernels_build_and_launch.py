@@ -55,7 +55,7 @@ def test_warmup_compiles_then_reads_from_disk(fake_jit, capsys, monkeypatch, tmp
     assert jit_cli.main(["list"]) == 0
     listing = capsys.readouterr().out
     assert "17 cached kernels" in listing and "intranode.cu[]-sm_90" in listing and \
-        "expert_major_csrc.cu[]-sm_90" in listing and "expert_layout.cu[EP_EXPERTS=32,EP_TOPK=8]-sm_90" in listing
+        "expert_major_exchange.cu[]-sm_90" in listing and "expert_layout.cu[EP_EXPERTS=32,EP_TOPK=8]-sm_90" in listing
     assert listing.startswith(str(tmp_path / "cache" / "jit")), "the JIT cache is $EP_MOE_CACHE_DIR/jit"
     assert jit_cli.main(["list", "--cache-dir", str(tmp_path / "elsewhere")]) == 0
     assert "0 cached kernels" in capsys.readouterr().out
@@ -66,7 +66,7 @@ def test_after_warmup_a_process_without_a_compiler_loads_every_kernel_of_the_sha
     object, the compiler search answering none, sm_90 as the GPU's): the native kernels count as available, and
     every kernel of the shape loads from the disk, none compiled; a shape not warmed up is an error naming it."""
     from ep_moe import native
-    from ep_moe.native.jit import expert_major_csrc, intranode
+    from ep_moe.native.jit import expert_major_exchange, intranode
 
     assert jit_cli.main(["warmup", "--shapes", "hidden=1024,topk=4,experts=8", "--arch", "sm_90"]) == 0
     assert "14 of 14 kernels ready" in capsys.readouterr().out
@@ -80,7 +80,7 @@ def test_after_warmup_a_process_without_a_compiler_loads_every_kernel_of_the_sha
     assert native.kernels_unavailable_reason() is None
     assert jit.cached_archs() == {"sm_90"}
     before = len(jit.history())
-    sources = intranode.specializations() + expert_major_csrc.specializations() + J.specializations(1024, 4, 8)
+    sources = intranode.specializations() + expert_major_exchange.specializations() + J.specializations(1024, 4, 8)
     for source in sources:
         jit.build(source, "sm_90")
     assert [e.how for e in jit.history()[before:]] == ["disk"] * len(sources) and fake_jit.compiles() == compiled

@@ -40,7 +40,7 @@ _CHILD = textwrap.dedent(f"""
         compilers.NvrtcCompiler.compile = compilers.NvccCompiler.compile = refuse
     from ep_moe import Buffer, native
     from ep_moe import permute as P
-    from ep_moe.native.jit import expert_major_csrc
+    from ep_moe.native.jit import expert_major_exchange
     from support.bits import assert_bits_equal, bits
 
     assert native.kernels_unavailable_reason() is None, native.kernels_unavailable_reason()
@@ -72,7 +72,7 @@ _CHILD = textwrap.dedent(f"""
     rows, slot_w = P.permute_rows_and_values(x, w, layout)
     out = P.unpermute_sum(rows, layout, slot_w)
     prefix = torch.tensor([[T]], dtype=torch.int32, device=dev)
-    own = expert_major_csrc.unpermute_own_rows(rows, slot_w, layout.sorted_slots, prefix, 0)
+    own = expert_major_exchange.unpermute_own_rows(rows, slot_w, layout.sorted_slots, prefix, 0)
     assert P.implementations_run() == ("jit",), P.implementations_run()
     ref = P.expert_layout(idx.cpu(), E, 16)
     ref_rows, ref_w = P.permute_rows_and_values(x.cpu(), w.cpu(), ref)
@@ -119,7 +119,7 @@ def test_a_fresh_process_loads_every_kernel_from_the_disk_cache(tmp_path):
     first, second = _child(env), _child(env)
     assert first["builds"] > 0 and "compiled" in _loads(first).values(), first
     assert any(label.startswith("intranode") for label in _loads(first)), _loads(first)
-    assert any(label.startswith("expert_major_csrc") for label in _loads(first)), _loads(first)
+    assert any(label.startswith("expert_major_exchange") for label in _loads(first)), _loads(first)
     assert second["builds"] == 0, second
     assert set(_loads(second).values()) == {"disk"}, _loads(second)
     assert set(_loads(second)) == set(_loads(first)), "every kernel of the first process is loaded by the second"

@@ -10,7 +10,7 @@ CUBIN (memory, else disk, else the compiler: `compilers.find_compiler`); `module
 
 Three groups of kernels use it: the single-rank expert-major kernels (`expert_major`, specialized per shape), the
 native backend's intranode kernels with their copy engine (`intranode`), and the generic expert-major ops
-(`expert_major_csrc`: the permute of received rows, the own rows of a combine, the routing map); the last two are
+(`expert_major_exchange`: the permute of received rows, the own rows of a combine, the routing map); the last two are
 one generic build per architecture each, launched from Python over ctypes mirrors of their parameter structs
 (`params`).
 

@@ -296,9 +296,9 @@ class Env:
         # expert-major ops of the fused paths (permute of rows in place, own rows of a combine).
         self.functions: dict[str, Function] = kernels(self.device).fn  # looked up once, not per call
         if num_ranks > 1:
-            from . import expert_major_csrc
+            from . import expert_major_exchange
 
-            expert_major_csrc.kernels(self.device)
+            expert_major_exchange.kernels(self.device)
 
     def prepared(self, key: tuple, make) -> _Prepared:
         """The parameter struct this Env reuses for calls of ``key`` (a kind and its fixed inputs), made by

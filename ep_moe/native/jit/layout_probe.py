@@ -1,6 +1,6 @@
 """The check that the ctypes mirrors of `ep_moe.native.jit.params` equal what the compiler sees, shared by the
 intranode kernels (`ep_moe.native.jit.intranode`) and the generic expert-major ops
-(`ep_moe.native.jit.expert_major_csrc`): the probe source written to the cache, the read-back of a probe kernel's
+(`ep_moe.native.jit.expert_major_exchange`): the probe source written to the cache, the read-back of a probe kernel's
 words, and the error raised when they differ."""
 
 from __future__ import annotations

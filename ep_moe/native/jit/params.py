@@ -1,6 +1,6 @@
 """The parameter structs of ``kernels/kernels.h`` (and of ``kernels/expert_major.h``) as ctypes structures, for
 launching the intranode kernels (`ep_moe.native.jit.intranode`) and the generic expert-major kernels
-(`ep_moe.native.jit.expert_major_csrc`) from Python, and the probe that checks them against the compiler's layout.
+(`ep_moe.native.jit.expert_major_exchange`) from Python, and the probe that checks them against the compiler's layout.
 
 The structs are defined once, in the headers: `struct_from_header` reads each one at import (fields in the header's
 order; ctypes lays them out as C does: natural alignment, ``bool`` one byte), so a field added to a struct in
@@ -129,7 +129,7 @@ KernelEnv, LayoutParams, HeaderCheck, NotifyParams, CopyEngineParams, DispatchPa
 
 # --------------------------------------------------------------------------------------- kernels/expert_major.h
 # The constants of expert_major.cu / expert_major.h that its launchers use, in the order
-# ``ep_expert_major_constants`` (kernels/expert_major_csrc.cu) writes them.
+# ``ep_expert_major_constants`` (kernels/expert_major_exchange.cu) writes them.
 EXPERT_MAJOR_CONSTANTS: tuple[tuple[str, int], ...] = (
     ("kRowThreads", 256), ("kRowsPerBlock", 8), ("kRowBF16", 0), ("kRowFP32", 1),
 )

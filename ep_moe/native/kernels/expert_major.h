@@ -1,13 +1,13 @@
 // The parameter structs of the generic expert-major kernels (expert_major_kernels.cuh; ep_moe.permute's contract, raw
 // pointers and sizes). ep_moe/native/jit/params.py mirrors them in this order, and
-// ep_moe/native/jit/expert_major_csrc.py fills them and launches the kernels.
+// ep_moe/native/jit/expert_major_exchange.py fills them and launches the kernels.
 //
 // Notation: N rows, K top-k columns, P = N * K pairs (flat index i * K + k), L experts of this rank, A the
 // alignment, M slots (expert-major rows), H the row width.
 #pragma once
 
 #ifdef __CUDACC_RTC__
-#include "rtc_prelude.h"  // NVRTC (the JIT build, expert_major_csrc.cu) has no toolkit headers
+#include "rtc_prelude.h"  // NVRTC (the JIT build, expert_major_exchange.cu) has no toolkit headers
 #else
 #include <cstdint>
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-// The generic expert-major kernels (ep_moe/native/jit/expert_major_csrc.py launches them): the permute of rows
+// The generic expert-major kernels (ep_moe/native/jit/expert_major_exchange.py launches them): the permute of rows
 // into per-expert slots (received rows left in place included), the (weighted) reduce of slots back to rows (an
 // expert-major combine's own rows included), and dense routing to top-k form and back. Bit for bit the torch
 // definitions of ep_moe/permute.py and ep_moe/integrations/megatron.py (copies, and fp32 sums in a stated order

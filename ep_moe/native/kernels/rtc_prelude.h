@@ -1,5 +1,5 @@
 // What the intranode sources take from the CUDA toolkit's headers, for NVRTC (the JIT build,
-// intranode.cu and expert_major_csrc.cu), which has none: the fixed-width integers (as glibc's LP64 types, so
+// intranode.cu and expert_major_exchange.cu), which has none: the fixed-width integers (as glibc's LP64 types, so
 // that both builds lay the parameter structs out alike) and the bf16 conversions the combine uses (round to
 // nearest even, as cuda_bf16.h's on sm_80 and later).
 #pragma once

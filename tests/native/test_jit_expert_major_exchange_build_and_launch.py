@@ -1,4 +1,4 @@
-"""The generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`:
+"""The generic expert-major ops (`ep_moe.native.jit.expert_major_exchange`:
 ``permute_received_rows``, ``unpermute_own_rows``, ``routing_map_to_topk`` and its backward) on CPU:
 
 * the ctypes mirrors of ``kernels/expert_major.h``: field names and order parsed from the header, and (where nvcc is
@@ -25,7 +25,7 @@ from support_jit import NVCC, header_fields, host_program, needs_nvcc
 from ep_moe import permute as P
 from ep_moe.native import jit
 from ep_moe.native.jit import cubin
-from ep_moe.native.jit import expert_major_csrc as E
+from ep_moe.native.jit import expert_major_exchange as E
 from ep_moe.native.jit import params as M
 from ep_moe.native.jit.compilers import NvccCompiler, find_nvrtc
 

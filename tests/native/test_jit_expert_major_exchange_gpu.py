@@ -1,8 +1,9 @@
-"""The generic expert-major ops (`ep_moe.native.jit.expert_major_csrc`) on one GPU: the own rows of an expert-major
-combine and Megatron's routing map to top-k and back, each bit for bit the torch definitions (the permute of
-received rows left in place is in test_expert_major_kernels.py); the mirrors' check at first use; a first use
-inside a CUDA graph capture replays like eager.
-Needs one GPU and a CUDA compiler (NVRTC or nvcc): ``pytest -m gpu tests/native/test_jit_expert_major_csrc_gpu.py``."""
+"""The expert-major ops of the exchange (`ep_moe.native.jit.expert_major_exchange`) on one GPU: the own rows of an
+expert-major combine and Megatron's routing map to top-k and back, each bit for bit the torch definitions (the
+permute of received rows left in place is in test_expert_major_kernels.py); the mirrors' check at first use; a first
+use inside a CUDA graph capture replays like eager.
+Needs one GPU and a CUDA compiler (NVRTC or nvcc):
+``pytest -m gpu tests/native/test_jit_expert_major_exchange_gpu.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from support_jit import GPU_JIT_MARKS, jit_taken  # noqa: F401 (an autouse fixtu
 from test_expert_major_kernels import BF16, FP32, routing, rows
 
 from ep_moe import permute as P
-from ep_moe.native.jit import expert_major_csrc as E
+from ep_moe.native.jit import expert_major_exchange as E
 
 pytestmark = GPU_JIT_MARKS
 

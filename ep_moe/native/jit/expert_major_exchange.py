@@ -1,12 +1,14 @@
-"""The generic expert-major ops that the shape-specialized JIT kernels (`ep_moe.native.jit.expert_major`) do not
-cover: `permute_received_rows` (the permute of received rows left in place), `unpermute_own_rows` (the own rows of
-an expert-major combine), `routing_map_to_topk` and `routing_map_to_topk_backward` (dense routing to top-k form).
+"""The expert-major ops of the exchange (the dispatch and combine kernels), generic in the shape where the
+shape-specialized JIT kernels (`ep_moe.native.jit.expert_major`) are not: `permute_received_rows` (the permute of
+received rows left in place), `unpermute_own_rows` (the own rows of an expert-major combine), `routing_map_to_topk`
+and `routing_map_to_topk_backward` (Megatron's dense routing map to top-k form and back).
 
-The kernels are ``csrc/expert_major.cu`` (included by ``kernels/expert_major_csrc.cu``), compiled once per
-architecture (generic in the shape); the host half (checks, outputs, filling the parameter structs, choosing the
-instantiation) is done here over the ctypes mirrors of `ep_moe.native.jit.params`, and every kernel is launched
-with the driver API on the current stream of the tensors' device. Before the first launch on a device (outside a CUDA graph capture, which a read-back would break) the
-module checks that the mirrors and constants equal what the compiler sees (`JitLayoutError` otherwise).
+The kernels are ``kernels/expert_major_kernels.cuh`` (included by ``kernels/expert_major_exchange.cu``), compiled
+once per architecture (generic in the shape); the host half (checks, outputs, filling the parameter structs,
+choosing the instantiation) is done here over the ctypes mirrors of `ep_moe.native.jit.params`, and every kernel is
+launched with the driver API on the current stream of the tensors' device. Before the first launch on a device
+(outside a CUDA graph capture, which a read-back would break) the module checks that the mirrors and constants equal
+what the compiler sees (`JitLayoutError` otherwise).
 
 Every function takes CUDA tensors of one device and raises `ValueError` naming a bad argument before anything is
 launched.
@@ -25,13 +27,13 @@ from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, prepared_args
 from .layout_probe import JitLayoutError, probe_file, read_back
 
-SOURCE = KernelSource.of("expert_major_csrc.cu")
+SOURCE = KernelSource.of("expert_major_exchange.cu")
 _K = dict(P.EXPERT_MAJOR_CONSTANTS)
 ROW_THREADS, ROWS_PER_BLOCK = _K["kRowThreads"], _K["kRowsPerBlock"]
 ROW_DTYPES = {torch.bfloat16: _K["kRowBF16"], torch.float32: _K["kRowFP32"]}
 TOKEN_THREADS = 128  # routing_map_to_topk's blocks: one thread per token
 
-# The kernels' mangled-name fragments (cubin.find_kernel): the instantiations kernels/expert_major_csrc.cu makes.
+# The kernels' mangled-name fragments (cubin.find_kernel): the instantiations kernels/expert_major_exchange.cu makes.
 PERMUTE_KERNELS = {16: "19permute_rows_kernelI5uint4EE", 4: "19permute_rows_kernelIjEE",
                    2: "19permute_rows_kernelItEE", 1: "19permute_rows_kernelIhEE"}  # by word bytes
 UNPERMUTE_KERNELS = {(torch.bfloat16, 8): "20unpermute_sum_kernelI13__nv_bfloat16Li8EEE",
@@ -87,7 +89,8 @@ class _Kernels:
                  + P.layout_mismatches(layout, P.EXPERT_MAJOR_MIRRORED))
         if wrong:
             raise JitLayoutError("ep_moe.native.jit: the parameter mirrors (ep_moe/native/jit/params.py) do not match "
-                                 "csrc/expert_major.h; add the new fields to the mirror in the header's order:\n  "
+                                 "ep_moe/native/kernels/expert_major.h; add the new fields to the mirror in the "
+                                 "header's order:\n  "
                                  + "\n  ".join(wrong))
         self.checked = True
 
@@ -172,7 +175,7 @@ def _blocks(n: int, per_block: int) -> int:
 
 def word_bytes(row_bytes: int, *addresses: int) -> int:
     """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every address (0 for a null one): the permute's
-    instantiation (``permute_rows_kernel<Word>`` of csrc/expert_major.cu)."""
+    instantiation (``permute_rows_kernel<Word>`` of kernels/expert_major_kernels.cuh)."""
     return _word_of(_or_all(row_bytes, addresses))
 
 

@@ -1,6 +1,6 @@
 // The generic expert-major kernels that the shape-specialized JIT sources beside this file do not cover (the
 // permute of received rows left in place, the own rows of an expert-major combine, and the dense routing map to
-// top-k and back) as one JIT module: expert_major_kernels.cuh (ep_moe/native/jit/expert_major_csrc.py fills the
+// top-k and back) as one JIT module: expert_major_kernels.cuh (ep_moe/native/jit/expert_major_exchange.py fills the
 // parameter structs and picks the instantiation). One generic build per architecture.
 //
 // The kernels keep their C++ names (in an unnamed namespace); the launchers find them in the CUBIN's symbol table.
