@@ -230,9 +230,28 @@ _cached_dispatch_op.register_autograd(_cached_dispatch_backward, setup_context=_
 # ------------------------------------------------------------------------------------------ public API
 def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
              expert_alignment: int = 1, num_worst_tokens: int = 0, num_sms: int = 0) -> DispatchOutput:
-    """Differentiable dispatch of ``x [T, H]`` (bf16/fp32) by ``topk_idx [T, K]`` int64 and
-    ``topk_weights [T, K]`` fp32 (see `Buffer.dispatch`). Gradients flow to ``x`` and ``topk_weights``.
-    ``num_sms`` > 0 overrides the buffer's SM budget for this call and its backward."""
+    """Send each token to the ranks of its experts, differentiably (docs/semantics.md, "Differentiable ops").
+
+    Args:
+        buffer: the EP group's `Buffer`.
+        x: ``[T, H]`` bf16/fp32 (fp64 too on the torch backend), the tokens; gradients flow to it.
+        topk_idx: ``[T, K]`` int64 global expert ids, -1 for none.
+        topk_weights: ``[T, K]`` fp32 routing weights; gradients flow to them.
+        num_experts: E, divisible by the group size R.
+        expert_alignment: round each local expert's received count up to a multiple of this.
+        num_worst_tokens: > 0: every output has exactly this many rows and nothing waits on the host.
+        num_sms: > 0: the SM budget of this call and of its backward; 0: the buffer's default.
+
+    Returns:
+        A `DispatchOutput`: ``recv_x [N, H]`` in x's dtype, ``recv_topk_idx [N, K]`` int64 local ids or -1,
+        ``recv_topk_weights [N, K]`` fp32 (0 where not local), ``num_recv_tokens_per_expert [L]`` int64 on the
+        device (aligned), the `DispatchHandle`, and ``num_recv_tokens_per_expert_host``, the same counts as a
+        CPU tensor when the backend knows them without waiting for the GPU, else empty.
+
+    Raises:
+        ValueError: a bad argument, named (as `Buffer.dispatch`).
+        RuntimeError: ``buffer`` was destroyed.
+    """
     (recv_x, recv_idx, recv_w, counts, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
      state, order, host_counts) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
                                                      expert_alignment, num_worst_tokens, num_sms)
@@ -244,8 +263,24 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, 
 def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Tensor | None = None,
             bias: Tensor | tuple[Tensor | None, Tensor | None] | None = None, num_sms: int = 0
             ) -> tuple[Tensor, Tensor | None]:
-    """Differentiable combine of ``x [N, H]`` (see `Buffer.combine`). Returns ``(combined [T, H],
-    combined_topk_weights [T, K] or None)``; gradients flow to ``x``, ``topk_weights`` and the biases."""
+    """Return each received row to its source and sum per token, differentiably (see `Buffer.combine`).
+
+    Args:
+        buffer: the EP group's `Buffer`.
+        x: ``[N, H]`` bf16/fp32 (fp64 too on the torch backend), one row per received row of the dispatch
+            that made ``handle``; gradients flow to it.
+        handle: the `DispatchHandle` of that dispatch.
+        topk_weights: ``[N, K]`` fp32 summed the same way, or None; gradients flow to them.
+        bias: ``[T, H]`` or a pair of them (either may be None), where the fp32 sum starts; gradients flow to them.
+        num_sms: > 0: the SM budget of this call and of its backward; 0: the buffer's default.
+
+    Returns:
+        ``(combined [T, H] in x's dtype, combined_topk_weights [T, K] fp32 or None)``.
+
+    Raises:
+        ValueError: a bad argument, named (as `Buffer.combine`).
+        RuntimeError: ``buffer`` was destroyed.
+    """
     bias_0, bias_1 = bias if isinstance(bias, tuple | list) else (bias, None)
     combined, combined_w = torch.ops.ep_moe.combine(x, topk_weights, bias_0, bias_1, *_handle_args(handle),
                                                     buffer.buffer_id, num_sms)
@@ -253,7 +288,23 @@ def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Ten
 
 
 def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:
-    """Differentiable re-dispatch of ``x [T, H]`` with an earlier dispatch's layout: ``[N, H]``."""
+    """Re-dispatch new rows with an earlier dispatch's layout, differentiably (a cached dispatch).
+
+    Args:
+        buffer: the EP group's `Buffer`.
+        x: ``[T, H]`` bf16/fp32 (fp64 too on the torch backend), T the token count of the dispatch that made
+            ``handle``; gradients flow to it (the backward is a combine).
+        handle: the `DispatchHandle` of that dispatch.
+        num_sms: > 0: the SM budget of this call and of its backward; 0: the buffer's default.
+
+    Returns:
+        ``recv_x [N, H]`` in x's dtype, the rows in the order of that dispatch (zero padding rows for a fixed-size
+        handle).
+
+    Raises:
+        ValueError: a bad argument, named (as `Buffer.dispatch` with ``handle``).
+        RuntimeError: ``buffer`` was destroyed.
+    """
     return torch.ops.ep_moe.cached_dispatch(x, *_handle_args(handle), buffer.buffer_id, num_sms)
 
 

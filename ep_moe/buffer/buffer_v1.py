@@ -82,8 +82,12 @@ class Buffer:
             then the caller's responsibility.
         native_options: the native kernels' settings (kept as ``native_options``; a call's
             ``config.native`` overrides them for that call); None: `NativeOptions.from_env`. They must be
-            equal on every rank: the native backend checks that here (a `ValueError` naming the field and
-            the ranks). The torch backend ignores them.
+            equal on every rank: the native backend checks that here. The torch backend ignores them.
+
+    Raises:
+        ValueError: a bad ``backend`` or ``native_options``, ``low_latency_mode=True``, or options unequal across
+            the ranks (naming the field and the ranks).
+        RuntimeError: torch.distributed is not initialized, or ``backend="native"`` cannot run here (the reason).
     """
 
     num_sms: int = DEFAULT_NUM_SMS  # the SM budget of calls without a Config (`set_num_sms`)
@@ -150,11 +154,19 @@ class Buffer:
 
     @property
     def backend_name(self) -> str:
+        """The backend's name: ``"native"``, ``"torch"`` or ``"hybrid"`` (an `ElasticBuffer` across nodes)."""
         return self.backend.name
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Set the SM budget used when a call passes no `Config` (even, as in DeepEP)."""
+        """Set the SM budget of the calls that pass no `Config`, for every buffer of the process.
+
+        Args:
+            new_num_sms: the SM count, an even int >= 2 (even, as in DeepEP).
+
+        Raises:
+            ValueError: ``new_num_sms`` is not an even int >= 2.
+        """
         check_positive_int("Buffer.set_num_sms", "new_num_sms", new_num_sms, 2)
         if new_num_sms % 2:
             raise _fail("Buffer.set_num_sms", "new_num_sms", "even", new_num_sms)
@@ -162,22 +174,55 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
+        """The `Config` of a dispatch that passes none.
+
+        Args:
+            num_ranks: the group size, taken as DeepEP takes it; every size gets the same config.
+
+        Returns:
+            ``Config(num_sms=Buffer.num_sms)``.
+        """
         return Config(num_sms=Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
+        """The `Config` of a combine that passes none.
+
+        Args:
+            num_ranks: the group size, taken as DeepEP takes it; every size gets the same config.
+
+        Returns:
+            ``Config(num_sms=Buffer.num_sms)``.
+        """
         return Config(num_sms=Buffer.num_sms)
 
     @staticmethod
     def get_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,
                              dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> int:
-        """Bytes of symmetric memory the native backend needs for these sizes (2 MiB aligned)."""
+        """Bytes of symmetric memory in which the native backend can receive every token of every rank.
+
+        Args:
+            num_max_tokens_per_rank: the most tokens any rank dispatches in one call.
+            hidden: H, elements per row.
+            num_ranks: R, the group size.
+            num_topk: K, top-k entries per token.
+            dtype: the rows' dtype (its item size; combine rows are at least 2 bytes an element).
+            fp8: FP8 rows (1 byte an element) with their fp32 scales, one per 128 elements.
+
+        Returns:
+            The byte count, a multiple of 2 MiB: every rank's rows, each as wide as the wider of a dispatch row
+            and a combine row, plus the control bytes.
+        """
         elem = 1 if fp8 else dtype.itemsize
         return native.buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, elem, fp8)
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event on the current stream, to pass as ``previous_event`` (empty on CPU)."""
+        """Record an event on the current stream, to pass as ``previous_event``.
+
+        Returns:
+            An `EventOverlap` holding that event; an empty one on CPU (or before CUDA is initialized).
+        """
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())
@@ -185,8 +230,12 @@ class Buffer:
         return EventOverlap(None)
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
-        """The stream asynchronous calls (``async_finish=True``) run on; None on CPU. Work a caller queues there
-        is waited for by every later call of this buffer."""
+        """The communication stream, on which asynchronous calls (``async_finish=True``) run.
+
+        Returns:
+            The ``torch.cuda.Stream``, or None on CPU. Work a caller queues there is waited for by every later
+            call of this buffer.
+        """
         self._comm_shared = True
         return self._comm_stream
 
@@ -256,10 +305,16 @@ class Buffer:
         Args:
             topk_idx: ``[T, K]`` int64 expert ids, -1 for none.
             num_experts: E, divisible by the group size.
+            previous_event: an `EventOverlap` to wait for first, or None (the current stream's work).
+            async_finish: run on the communication stream and return an event to wait on.
+            allocate_on_comm_stream: accepted for DeepEP, ignored.
 
         Returns:
             ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None,
             num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)``.
+
+        Raises:
+            ValueError: a bad argument, named (expert ids out of range when ``check_inputs`` is on).
         """
         check_num_experts("get_dispatch_layout", num_experts, self.group_size)
         check_tensor("get_dispatch_layout", "topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2,
@@ -282,22 +337,27 @@ class Buffer:
         """Send each token to every rank that holds one of its experts (once per rank).
 
         Args:
-            x: ``[T, H]`` bf16/fp32 (fp64 too on the torch backend), or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``.
-            handle: from an earlier dispatch: repeat its layout (cached dispatch; no top-k arguments).
-            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`
-                (computed here from ``topk_idx`` when omitted; then pass ``num_experts``).
+            x: ``[T, H]`` bf16/fp32 (fp64 on the torch backend) or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128])``.
+            handle: an earlier dispatch's `DispatchHandle`: repeat its layout (cached dispatch, no top-k arguments).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: ``[R]``, ``[T, R]`` bool and ``[E]`` from
+                `get_dispatch_layout`; computed here from ``topk_idx`` when omitted (then pass ``num_experts``).
+            num_tokens_per_rdma_rank: None (there are no RDMA ranks).
             topk_idx: ``[T, K]`` int64 expert ids (-1 for none). topk_weights: ``[T, K]`` fp32.
             expert_alignment: round each local expert's received count up to a multiple of this.
             num_worst_tokens: if > 0, received tensors have exactly this many rows (padding rows have
                 ``topk_idx`` -1) and nothing waits on the host; an upper bound on rows received.
+            config: this call's `Config` (None: `get_dispatch_config`). num_experts: E (keyword only).
+            previous_event, async_finish: as `get_dispatch_layout`. allocate_on_comm_stream: accepted, ignored.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
-            ``recv_x`` ``[N, H]`` (or the FP8 pair), rows by source rank then token index;
-            ``recv_topk_idx`` ``[N, K]`` int64 local expert ids or -1; ``recv_topk_weights`` ``[N, K]``
-            fp32 (0 where not local); the list of ``L`` aligned counts (empty with
-            ``num_worst_tokens``; the device tensor is ``handle``-independent, see `ep_moe.dispatch`).
+            ``recv_x [N, H]`` (or the FP8 pair), rows by source rank then token index (docs/semantics.md,
+            "Dispatch"); ``recv_topk_idx [N, K]`` int64 local expert ids or -1; ``recv_topk_weights [N, K]`` fp32
+            (0 where not local); the list of L aligned counts (empty with ``num_worst_tokens``).
             A cached dispatch returns ``(recv_x, None, None, None, None, event)``.
+
+        Raises:
+            ValueError: a bad argument, named (docs/semantics.md, "Errors").
         """
         result, event = self.dispatch_result(
             x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
@@ -318,11 +378,24 @@ class Buffer:
                         num_experts: int | None = None, consume_in_place=None) -> tuple[DispatchResult, EventOverlap]:
         """`dispatch` with its result as a `DispatchResult` (device counts kept, nothing read on the host).
 
-        ``consume_in_place`` (a fresh dispatch for which ``receives_in_place(x, num_experts)`` is True, or a
-        cached one for which ``receives_in_place(x, 0)`` is): the received rows stay where they landed
-        (``recv_x`` and ``recv_scales`` are None) and ``consume_in_place(result, ReceivedRows)`` runs on the
-        communication stream right after the dispatch (the rows are valid only there); its return value is
-        ``result.consumed``."""
+        Args:
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
+                async_finish, num_experts: as `dispatch`.
+            consume_in_place: None, or ``fn(result, ReceivedRows)`` for a fresh dispatch for which
+                ``receives_in_place(x, num_experts)`` is True, or a cached one for which ``receives_in_place(x, 0)``
+                is: the received rows stay where they landed and ``fn`` runs on the communication stream right
+                after the dispatch (the rows are valid only there).
+
+        Returns:
+            ``(result, event)``: the `DispatchResult` (``recv_x [N, H]``, ``recv_scales [N, H/128]`` fp32 or None,
+            ``recv_topk_idx [N, K]`` int64, ``recv_topk_weights [N, K]`` fp32, ``num_recv_tokens_per_expert [L]``
+            int64 on the device, the handle, the counts' host list or None; with ``consume_in_place``, ``recv_x``
+            and ``recv_scales`` are None and ``result.consumed`` is fn's return value) and the `EventOverlap`.
+
+        Raises:
+            ValueError: a bad argument, named; ``consume_in_place`` where the backend cannot leave the rows.
+        """
         op = "dispatch"
         data, scales = split_hidden(op, x, self.device, self.backend.supported_dtypes)
         config = config or self.get_dispatch_config(self.group_size)
@@ -398,9 +471,15 @@ class Buffer:
                          async_finish)
 
     def receives_in_place(self, x, num_experts: int) -> bool:
-        """Whether a fresh dispatch of ``x`` (``[T, H]`` or the FP8 pair) to ``num_experts`` experts (0: a cached
-        dispatch, with a handle) can leave its received rows in place (``dispatch_result(...,
-        consume_in_place=fn)``); the same on every rank."""
+        """Whether a dispatch of ``x`` can leave its received rows in place (`dispatch_result`'s ``consume_in_place``).
+
+        Args:
+            x: ``[T, H]`` or the FP8 pair; only its row width in bytes counts.
+            num_experts: E of a fresh dispatch; 0: a cached dispatch (with a handle).
+
+        Returns:
+            True where the backend can; the same answer on every rank.
+        """
         data = x[0] if isinstance(x, tuple | list) else x
         return self.backend.receives_in_place(data.shape[1] * data.element_size(), num_experts)
 
@@ -415,12 +494,17 @@ class Buffer:
             x: ``[N, H]`` bf16/fp32, one row per received row of the dispatch that made ``handle``.
             handle: from that dispatch.
             topk_weights: ``[N, K]`` fp32 to combine the same way, or None.
-            bias: ``[T, H]`` tensor or a pair of them (either may be None), added after the sum.
+            bias: ``[T, H]`` tensor or a pair of them (either may be None), where the sum starts.
+            config: this call's `Config` (None: `get_combine_config`).
+            previous_event, async_finish: as `get_dispatch_layout`. allocate_on_comm_stream: accepted, ignored.
 
         Returns:
             ``(combined_x [T, H] x.dtype, combined_topk_weights [T, K] fp32 or None, event)``; the sum runs in
             fp32 from ``bias[0] + bias[1]``, adding the token's rows in ``handle.summation_order`` (DeepEP V2's
-            order), then the cast.
+            order), then the cast (docs/semantics.md, "Combine").
+
+        Raises:
+            ValueError: a bad argument, named (docs/semantics.md, "Errors").
         """
         op = "combine"
         check_handle(op, handle, self.group_size, self.device)
@@ -444,23 +528,36 @@ class Buffer:
         return combined, combined_w, event
 
     def combines_expert_rows(self, y: torch.Tensor) -> bool:
-        """Whether `combine_expert_rows` takes ``y`` (``[M, H]``) on this buffer's backend; the same on every rank."""
+        """Whether `combine_expert_rows` takes ``y`` on this buffer's backend.
+
+        Args:
+            y: ``[M, H]`` expert-major rows; only their width in bytes counts.
+
+        Returns:
+            True where the backend can; the same answer on every rank.
+        """
         return self.backend.combines_expert_rows(y.shape[1] * y.element_size())
 
     def combine_expert_rows(self, y: torch.Tensor, handle: DispatchHandle, sorted_slots: torch.Tensor,
                             weights: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
-        """`combine` of the rank-major rows ``ep_moe.permute.unpermute_sum(y, layout, weights)`` without forming
-        them first: the backend sums each row's expert-major rows as it sends the row back (`combines_expert_rows`).
+        """`combine` of ``unpermute_sum(y, layout, weights)`` without forming those rank-major rows first.
+
+        The backend sums each row's expert-major rows as it sends the row back (`combines_expert_rows`).
 
         Args:
             y: ``[M, H]`` bf16/fp32 expert-major rows. handle: the rank-major dispatch's.
             sorted_slots: ``[N, K]`` int64, each received row's slots in the order of the sum; entries < 0
                 are skipped (the layout's ``slot_of_pair``: top-k order).
             weights: ``[M]`` fp32 or None (plain sums).
+            config: this call's `Config` (None: `get_combine_config`).
 
         Returns:
-            ``combined [T, H]`` in y's dtype, equal bit for bit to ``combine(unpermute_sum(y, layout, weights),
-            handle)``."""
+            ``combined [T, H]`` in y's dtype, equal bit for bit to ``combine(ep_moe.permute.unpermute_sum(y,
+            layout, weights), handle)``.
+
+        Raises:
+            ValueError: a bad argument, named; ``y`` rows this backend does not combine (`combines_expert_rows`).
+        """
         op = "combine"
         check_handle(op, handle, self.group_size, self.device)
         rows = handle.num_recv_rows

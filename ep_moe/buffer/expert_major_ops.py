@@ -81,17 +81,31 @@ class ExpertDispatchOutput(NamedTuple):
 
 def expert_dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num_experts: int,
                     expert_alignment: int = 1, num_worst_tokens: int = 0, num_sms: int = 0) -> ExpertDispatchOutput:
-    """Expert-major dispatch of ``x [T, H]`` (bf16/fp32) by ``topk_idx [T, K]`` int64 (global expert ids, -1 =
-    none) and ``topk_weights [T, K]`` fp32 (see the module docstring). Differentiable in ``x`` and
-    ``topk_weights``.
+    """Send each token to the ranks of its experts, one row per (token, local expert) pair, grouped by expert.
 
-    ``x`` may be the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``: ``expert_x`` is then the pair of
-    expert-major rows and scales (bit-equal copies, zero on padding). Forward only, as DeepEP's FP8 dispatch: no
-    gradient reaches ``x`` or ``topk_weights`` (the combine of bf16/fp32 expert outputs stays differentiable).
+    The layout, its sizes and gradients: docs/semantics.md, section "Expert-major layout".
 
-    ``num_worst_tokens`` > 0: fixed size, a bound on the rows any rank receives (one rank: ``T`` at most), and
-    ``M = num_worst_tokens * min(K, L) + L * (expert_alignment - 1)``. ``num_sms`` > 0: the SM budget of this
-    dispatch, its combine and their backward."""
+    Args:
+        buffer: the EP group's `Buffer`.
+        x: ``[T, H]`` bf16/fp32 (differentiable), or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``
+            (forward only, as DeepEP's FP8 dispatch: no gradient reaches ``x`` or ``topk_weights``).
+        topk_idx: ``[T, K]`` int64 global expert ids, -1 for none.
+        topk_weights: ``[T, K]`` fp32 routing weights (differentiable for a bf16/fp32 ``x``).
+        num_experts: E, divisible by the group size R; L = E / R are local.
+        expert_alignment: pad each local expert's rows with zero rows to a multiple of this (A).
+        num_worst_tokens: > 0: fixed size, a bound on the rows any rank receives (one rank: ``T`` at most);
+            ``M = num_worst_tokens * min(K, L) + L * (A - 1)`` and nothing waits on the host.
+        num_sms: > 0: the SM budget of this dispatch, its combine and their backward.
+
+    Returns:
+        An `ExpertDispatchOutput`: ``expert_x [M, H]`` (bit-equal copies of the source rows, zero on padding; the
+        pair of rows and scales for FP8), ``expert_weights [M]`` fp32 (0 on padding), ``tokens_per_expert [L]``
+        and ``pairs_per_expert [L]`` int64 on the device (aligned, unaligned), the `ExpertHandle`, and
+        ``tokens_per_expert_list``, the aligned counts on the host when known without a sync, else None.
+
+    Raises:
+        ValueError: a bad argument, named.
+    """
     op = "expert_dispatch"
     check_positive_int(op, "expert_alignment", expert_alignment, 1)
     check_positive_int(op, "num_worst_tokens", num_worst_tokens, 0)
@@ -251,16 +265,26 @@ class _ExpertDispatchInPlace(torch.autograd.Function):
 
 def expert_cached_dispatch(buffer: Buffer, x, handle: ExpertHandle, topk_weights: Tensor | None = None,
                            num_sms: int = 0) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor | None]:
-    """The expert-major dispatch of ``x [T, H]`` (bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128]
-    fp32)``) with the layout of the `expert_dispatch` that made ``handle`` (a cached dispatch: no routing is sent
-    again). ``topk_weights [T, K]`` fp32 or None. ``num_sms``: 0 = the handle's.
+    """Dispatch new rows with the routing and layout of an earlier `expert_dispatch` (no routing is sent again).
 
-    Returns ``(expert_x [M, H] (the FP8 pair of rows and scales), expert_weights [M] fp32 or None)``: bit for bit
-    what `expert_dispatch` returns for these ``x`` and ``topk_weights`` with the handle's routing. Differentiable
-    in ``x`` and ``topk_weights`` (the backward is the unweighted expert-major combine, as the fresh dispatch's);
-    the FP8 pair is forward only. Where the backend leaves received rows in place (`Buffer.receives_in_place`
-    of a cached dispatch: the native kernels at two or more ranks), no rank-major copy is made: one permute reads
-    the rows from the receive buffer and from ``x``; else the rank-major cached dispatch, then the permute."""
+    Where the rows travel (in place or by the rank-major cached dispatch): docs/semantics.md, "Expert-major layout".
+
+    Args:
+        buffer: the EP group's `Buffer`.
+        x: ``[T, H]`` bf16/fp32 (differentiable), or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)``
+            (forward only); T the token count of the dispatch that made ``handle``.
+        handle: the `ExpertHandle` of that dispatch.
+        topk_weights: ``[T, K]`` fp32 (differentiable), or None.
+        num_sms: > 0: the SM budget of this call and its backward; 0: the handle's.
+
+    Returns:
+        ``(expert_x [M, H] (the pair of rows and scales for FP8), expert_weights [M] fp32 or None)``: bit for bit
+        what `expert_dispatch` returns for these ``x`` and ``topk_weights`` with the handle's routing, gradients
+        included (the backward is the unweighted expert-major combine, as the fresh dispatch's).
+
+    Raises:
+        ValueError: a bad argument, named (``handle``, ``num_sms``, ``x``, ``topk_weights``).
+    """
     op = "expert_cached_dispatch"
     if not isinstance(handle, ExpertHandle):
         raise _fail(op, "handle", "the ExpertHandle of expert_dispatch", type(handle).__name__)
@@ -409,16 +433,26 @@ def local_expert_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, num
 
 def expert_combine(buffer: Buffer, y: Tensor, handle: ExpertHandle, weights: Tensor | None = None,
                    allow_multiple_reduction: bool = True) -> Tensor:
-    """Return the expert-major rows ``y [M, H]`` (bf16/fp32) of the dispatch that made ``handle`` to their
-    tokens: ``[T, H]`` in y's dtype, weighted by ``weights [M]`` fp32 (None = plain sums). Differentiable in
-    ``y`` and ``weights``.
+    """Return the expert-major rows of an `expert_dispatch` to their tokens and sum them, weighted.
 
-    ``allow_multiple_reduction``: every rank sums, per token, ``w * y`` over its rows of that token in top-k
-    order (fp32, products rounded first: no fused multiply-add), rounds to y's dtype and sends one row back; the
-    source sums those rows in fp32 in the order of each rank's last top-k entry and rounds once (the bytes of a
-    rank-major combine; DeepEP V2's order). False: the source sums ``w * y`` over all of the token's rows in top-k
-    order, in fp32, and rounds once (each row crosses as fp32: ``2 K``-fold the bytes for bf16, in one rank-major combine of
-    ``[N, K * H]`` fp32 rows, so the native buffer must hold those wider rows)."""
+    Both summation orders: docs/semantics.md, section "Expert-major layout", paragraph "Combine".
+
+    Args:
+        buffer: the EP group's `Buffer`.
+        y: ``[M, H]`` bf16/fp32, the expert-major rows of the dispatch that made ``handle``; differentiable.
+        handle: the `ExpertHandle` of that dispatch.
+        weights: ``[M]`` fp32 to weight each row by (differentiable), or None for plain sums.
+        allow_multiple_reduction: True: every rank sums ``w * y`` over its rows of a token in top-k order in fp32,
+            rounds to y's dtype and sends one row back; the source sums those rows in fp32 in DeepEP V2's order
+            and rounds once. False: the source sums ``w * y`` over all of the token's rows in top-k order in fp32
+            and rounds once (each row crosses as fp32: ``[N, K * H]`` rows, which the native buffer must hold).
+
+    Returns:
+        ``[T, H]`` in y's dtype, T the tokens of the dispatch on this rank.
+
+    Raises:
+        ValueError: ``handle`` is not an `ExpertHandle`, or ``y`` is not ``[M, H]`` with the handle's M.
+    """
     op = "expert_combine"
     if not isinstance(handle, ExpertHandle):
         raise _fail(op, "handle", "the ExpertHandle of expert_dispatch", type(handle).__name__)
