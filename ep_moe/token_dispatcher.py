@@ -35,6 +35,9 @@ class TokenDispatcher:
             overrides); on the hybrid backend, the in-node SMs of the hybrid model's plan (which also sets the
             chunk count, `ep_moe.tuning.hybrid_model.apply_hybrid_plan`); elsewhere the buffer's default.
         layer: this layer's name or index among the MoE layers (how plan overrides address it).
+
+    Raises:
+        ValueError: ``num_experts`` is not divisible by the group size.
     """
 
     def __init__(self, buffer: Buffer, num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0,
@@ -64,6 +67,9 @@ class TokenDispatcher:
             ``expert_alignment``), ``expert_probs [M]`` fp32 (the routing weight of each row, 0 for
             padding), ``tokens_per_expert [L]`` int64 on the device (padded group sizes), and the
             context for `combine`.
+
+        Raises:
+            ValueError: a bad argument, named (as `ep_moe.buffer.expert_major_ops.expert_dispatch`).
         """
         num_sms = self._num_sms(hidden, topk_idx)
         out = expert_dispatch(self.buffer, hidden, topk_idx, topk_weights, self.num_experts, self.expert_alignment,
@@ -111,10 +117,14 @@ class TokenDispatcher:
 
         Args:
             expert_output: ``[M, H]`` bf16/fp32 in the dispatch's expert-major order.
+            ctx: the `DispatchContext` the matching `dispatch` returned.
             weights: ``[M]`` fp32 to weight each row by (e.g. ``expert_probs``; the sum is then ``sum w * y``
                 in fp32), or None when the experts already applied them.
 
         Returns:
             ``[T, H]`` in ``expert_output``'s dtype.
+
+        Raises:
+            ValueError: ``expert_output`` does not match ``ctx`` (as `ep_moe.buffer.expert_major_ops.expert_combine`).
         """
         return expert_combine(self.buffer, expert_output, ctx.handle, weights)

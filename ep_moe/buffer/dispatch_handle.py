@@ -8,11 +8,22 @@ import torch
 
 
 class DispatchHandle(NamedTuple):
-    """Returned by `Buffer.dispatch`; pass it to `Buffer.combine` or to a cached `Buffer.dispatch`.
+    """The layout of one dispatch, from `Buffer.dispatch`: pass it to `Buffer.combine` or a cached dispatch.
 
-    The first element is the `rank_prefix_matrix`, as in DeepEP, so code that reads ``handle[0]``
-    keeps working. R is the group size, T the sender's token count, N the received row count
-    (``num_worst_tokens`` when that was given, padding rows included).
+    As in DeepEP the first element is ``rank_prefix_matrix``, so code that reads ``handle[0]`` keeps working.
+    R is the group size, T the sender's token count, N the received row count (``num_worst_tokens`` when that
+    was given, padding rows included).
+
+    Args:
+        rank_prefix_matrix: ``[R, R]`` int32, ``[s, r]`` the rows that ranks ``0..s`` send to rank ``r``.
+        recv_src_idx: ``[N]`` int32, each received row's token index on its source rank (-1 for padding).
+        recv_src_rank: ``[N]`` int32, each received row's source rank (-1 for padding).
+        is_token_in_rank: ``[T, R]`` bool, the sender's layout: which rows went where.
+        num_recv_tokens: the received rows, or -1 when the host does not know them (``num_worst_tokens`` mode).
+        num_worst_tokens: 0, or the fixed row count of the received tensors.
+        backend_state: backend-specific device data (e.g. where each token landed in a peer's buffer), or None.
+        summation_order: ``[T, R]`` int32, per token the ranks in the order a combine adds their rows, or None
+            for increasing rank (one rank, or a dispatch without top-k).
     """
 
     rank_prefix_matrix: torch.Tensor
@@ -40,6 +51,7 @@ class DispatchHandle(NamedTuple):
 
     @property
     def num_ranks(self) -> int:
+        """R: the group size of the dispatch that made this handle."""
         return self.rank_prefix_matrix.shape[0]
 
     @property

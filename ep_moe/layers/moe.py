@@ -61,6 +61,9 @@ class MoELayer(nn.Module):
             be captured in a CUDA graph; the experts skip the padding rows. 0: exact sizes (host syncs).
 
     After each forward, ``aux_loss`` is this layer's coefficient-scaled load-balancing + z-loss (0-dim fp32).
+
+    Raises:
+        ValueError: ``num_worst_tokens`` < 0, or ``num_moe_experts`` not divisible by the EP size.
     """
 
     def __init__(self, config: ModelConfig, buffer: Buffer | None = None, dp_group: dist.ProcessGroup | None = None,
@@ -102,14 +105,25 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Initialise the shared-expert gate (the submodules have their own ``reset_parameters``)."""
+        """Initialise the shared-expert gate (the submodules have their own ``reset_parameters``).
+
+        Args:
+            generator: the ``torch.Generator`` of the normal draw (std ``init_method_std``, on the CPU), or None.
+        """
         if self.shared_expert_gate is not None:
             w = torch.empty(self.shared_expert_gate.shape, dtype=torch.float32, device="cpu").normal_(
                 0.0, self.init_method_std, generator=generator)
             self.shared_expert_gate.copy_(w)
 
     def dispatcher(self, expert_alignment: int) -> TokenDispatcher | LocalTokenDispatcher:
-        """The dispatcher for this alignment (made once, then cached)."""
+        """The dispatcher for this alignment (made once, then cached).
+
+        Args:
+            expert_alignment: the row alignment of each expert's group (what the experts' GEMM wants).
+
+        Returns:
+            A `TokenDispatcher` over the layer's buffer, or a `LocalTokenDispatcher` without one.
+        """
         if expert_alignment not in self._dispatchers:
             if self.buffer is None:
                 self._dispatchers[expert_alignment] = LocalTokenDispatcher(self.num_experts, expert_alignment,
@@ -126,6 +140,14 @@ class MoELayer(nn.Module):
         return self.router.aux_loss + self.router.z_loss
 
     def forward(self, x: Tensor) -> Tensor:
+        """Route, dispatch, run the experts, combine weighted by the routing weights, add the shared expert.
+
+        Args:
+            x: ``[B, S, H]`` or ``[T, H]`` hidden states (under autocast sent in the autocast dtype).
+
+        Returns:
+            ``x``'s shape; this layer's ``aux_loss`` is set for the step.
+        """
         shape = x.shape
         seq_length = shape[1] if x.ndim == 3 else None
         hidden = x.reshape(-1, shape[-1])
