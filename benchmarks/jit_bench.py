@@ -27,13 +27,13 @@ GPU and host time as above:
 
     python3 benchmarks/jit_bench.py --intranode --tokens 128 4096 --hidden 7168 --topk 8 --experts 256
 
-``--csrc-ops`` adds the generic expert-major ops built from ``ep_moe/native/kernels/expert_major_kernels.cuh``
+``--exchange-ops`` adds the generic expert-major ops built from ``ep_moe/native/kernels/expert_major_kernels.cuh``
 (`ep_moe.native.jit.expert_major_exchange`), called directly:
 ``received`` (permute_received_rows: N = 2 T received rows, half of them this rank's own rows from its input, with
 values), ``own_rows`` (unpermute_own_rows, weighted), ``routing`` (routing_map_to_topk over ``--experts`` experts) and
 ``routing_bwd`` (its backward), GPU and host time as above:
 
-    python3 benchmarks/jit_bench.py --csrc-ops --tokens 128 4096 --hidden 7168 --topk 8 --experts 32
+    python3 benchmarks/jit_bench.py --exchange-ops --tokens 128 4096 --hidden 7168 --topk 8 --experts 32
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def run_intranode(T: int, H: int, K: int, E: int, dtype: torch.dtype, iters: int
     return result
 
 
-def run_csrc_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int, rounds: int
+def run_exchange_ops(T: int, H: int, K: int, L: int, A: int, dtype: torch.dtype, iters: int, rounds: int
                  ) -> dict:
     """The generic expert-major ops (see the module docstring)."""
     from ep_moe.native.jit import expert_major_exchange as E
@@ -259,7 +259,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--intranode", action="store_true",
                         help="also the intranode dispatch/combine at EP 1 (--experts: all)")
-    parser.add_argument("--csrc-ops", action="store_true",
+    parser.add_argument("--exchange-ops", action="store_true",
                         help="also the generic expert-major ops (received rows, own rows, routing map)")
     args = parser.parse_args()
     if args.cold:
@@ -293,13 +293,13 @@ def main() -> None:
                 _print_timing(f"intranode at EP 1, T={T} H={H} K={args.topk} E={args.experts} {args.dtype}",
                                   timing, ("layout", "dispatch", "cached", "combine"))
         dist.destroy_process_group()
-    if args.csrc_ops:
+    if args.exchange_ops:
         for T in args.tokens:
             for H in args.hidden:
-                timing = run_csrc_ops(T, H, args.topk, args.experts, args.alignment, dtype, args.iters, args.rounds)
-                results.append({"csrc_ops": dict(T=T, H=H, K=args.topk, L=args.experts, dtype=args.dtype),
+                timing = run_exchange_ops(T, H, args.topk, args.experts, args.alignment, dtype, args.iters, args.rounds)
+                results.append({"exchange_ops": dict(T=T, H=H, K=args.topk, L=args.experts, dtype=args.dtype),
                                 "timing": timing})
-                _print_timing(f"csrc ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}", timing,
+                _print_timing(f"exchange ops, T={T} H={H} K={args.topk} L={args.experts} {args.dtype}", timing,
                                   ("received", "own_rows", "routing", "routing_bwd"))
     print("\nJIT kernels this process built or loaded:")
     for event in jit.history():

@@ -6,9 +6,9 @@
 
     python3 benchmarks/jit_launch_overhead.py [--calls 20000]
     python3 benchmarks/jit_launch_overhead.py --intranode [--calls 20000]
-    python3 benchmarks/jit_launch_overhead.py --csrc-ops [--calls 20000]
+    python3 benchmarks/jit_launch_overhead.py --exchange-ops [--calls 20000]
 
-Prints microseconds per call, the median of 5 rounds (``--intranode``, ``--csrc-ops``: the fastest of 9, in CPU time
+Prints microseconds per call, the median of 5 rounds (``--intranode``, ``--exchange-ops``: the fastest of 9, in CPU time
 of the thread). What it leaves out: the driver's own launch cost, the CUDA queries (``Tensor.is_pinned``) and the
 CUDA caching allocator (CPU tensors here); `benchmarks/jit_bench.py` measures the whole host time on a GPU.
 
@@ -18,7 +18,7 @@ pinned-memory mapping and stream lookup replaced by CPU stand-ins of the same sh
 each kernel a `driver.Function` whose launch is the same no-op C call, and the layout's ``cuMemsetD32Async`` a call of libc's
 ``llabs`` (its host path through `driver.memset_zero_async` is timed).
 
-``--csrc-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_exchange` (received rows with
+``--exchange-ops``: the four generic expert-major ops of `ep_moe.native.jit.expert_major_exchange` (received rows with
 values, own rows weighted, routing map to top-k and its backward) on CPU tensors, the device check replaced by a
 contiguity check and every kernel a `driver.Function` with the no-op launch; timed as ``--intranode``.
 """
@@ -151,7 +151,7 @@ def intranode(calls: int, launch) -> None:
         print(f"intranode {name + ':':<30}{per_call_us(fn, max(calls // 10, 100), best=True):6.2f} us (CPU tensors)")
 
 
-def csrc_ops(calls: int, launch) -> None:
+def exchange_ops(calls: int, launch) -> None:
     """Host time per call of `expert_major_exchange`'s ops on CPU tensors (see the module docstring)."""
     from ep_moe.native.jit import expert_major_exchange as E
 
@@ -185,18 +185,18 @@ def csrc_ops(calls: int, launch) -> None:
     }
     for name, fn in runs.items():
         fn()
-        print(f"csrc {name + ':':<32}{per_call_us(fn, max(calls // 10, 100), best=True):6.2f} us (CPU tensors)")
+        print(f"exchange {name + ':':<32}{per_call_us(fn, max(calls // 10, 100), best=True):6.2f} us (CPU tensors)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--intranode", action="store_true", help="the intranode launchers instead")
-    parser.add_argument("--csrc-ops", action="store_true", help="expert_major_exchange's four ops instead")
+    parser.add_argument("--exchange-ops", action="store_true", help="expert_major_exchange's four ops instead")
     args = parser.parse_args()
     launch = no_op_launch()
-    if args.csrc_ops:
-        csrc_ops(args.calls, launch)
+    if args.exchange_ops:
+        exchange_ops(args.calls, launch)
         return
     if args.intranode:
         intranode(args.calls, launch)
