@@ -54,11 +54,27 @@ log = logging.getLogger("ep_moe")
 
 @dataclass
 class ElasticHandle:
-    """The handle of an `ElasticBuffer.dispatch` (DeepEP V2's ``EPHandle``): pass it to `ElasticBuffer.combine`
-    or back to `ElasticBuffer.dispatch` for a cached dispatch. L local experts, R ranks.
+    """The handle of an `ElasticBuffer.dispatch` (DeepEP V2's ``EPHandle``), for its combine or a cached dispatch.
 
-    The fields V2 clients read come first; ``inner`` is ep_moe's own handle (a `DispatchHandle` for the compact
-    layout, an `ExpertHandle` for the expanded one).
+    The fields V2 clients read come first (their status: docs/compat.md, section "EPHandle"). L local experts,
+    R ranks, T this rank's tokens, N the rank-major rows received.
+
+    Args:
+        do_expand: the layout: True expanded (expert-major), False compact (rank-major).
+        num_experts, expert_alignment, num_max_tokens_per_rank: E, A and the token bound of the dispatch.
+        num_sms: the dispatch's SM count; its combine and a cached dispatch use it unless given another.
+        topk_idx: ``[T, K]`` int64, the dispatch's routing (a copy unless ``do_handle_copy=False``).
+        num_recv_tokens: N (compact rows, or the rank-major rows behind the expanded ones); -1 without a host sync.
+        num_expanded_tokens: the sum of the aligned per-expert counts; -1 without a host sync.
+        num_recv_tokens_per_expert_list: the L aligned counts on the host; ``[]`` without a host sync.
+        psum_num_recv_tokens_per_scaleup_rank: ``[R]`` int32 on the device, inclusive prefix sum of rows per source.
+        psum_num_recv_tokens_per_expert: ``[L]`` int32 on the device (compact: inclusive prefix sum of the aligned
+            counts; expanded: expert e's first row plus its unaligned count).
+        num_unaligned_recv_tokens_per_expert: ``[L]`` int32, (token, expert) pairs per local expert; expanded only.
+        inner: ep_moe's handle: a `DispatchHandle` (compact) or an `ExpertHandle` (expanded).
+        num_worst_tokens: 0 (exact size, after a host sync) or the fixed row bound of the rank-major dispatch.
+        recv_topk_idx: compact: the dispatch's ``[N, K]`` int64 ``recv_topk_idx``; else None.
+        rank: the dispatching rank (the handle's metadata is computed from it).
     """
 
     do_expand: bool
@@ -94,12 +110,13 @@ class ElasticHandle:
 
     @property
     def recv_src_metadata(self) -> Tensor | None:
-        """``[N, 2 + K]`` int32 on the device, one row per rank-major received row (V2's layout; computed on first
-        read): column 0 the source token's global index ``src_rank * num_max_tokens_per_rank + t``; column 1
-        ``src_rank * K + k`` with k the first top-k entry of the token whose expert is local; columns ``2 + k``
-        the expanded row of pair (token, k) in the expanded layout, -1 where entry k is not local and always -1 in
-        the compact layout. Rows past the received ones (fixed size) are -1. None when ``num_max_tokens_per_rank``
-        is 0 (V2 requires it)."""
+        """V2's source metadata of the received rows, ``[N, 2 + K]`` int32 on the device (computed on first read).
+
+        One row per rank-major received row: column 0 the source token's global index
+        ``src_rank * num_max_tokens_per_rank + t``; column 1 ``src_rank * K + k`` with k the first top-k entry of
+        the token whose expert is local; columns ``2 + k`` the expanded row of pair (token, k) in the expanded
+        layout, -1 where entry k is not local and always -1 in the compact layout. Rows past the received ones
+        (fixed size) are -1. None when ``num_max_tokens_per_rank`` is 0 (V2 requires it)."""
         if self._recv_src_metadata is None and self.num_max_tokens_per_rank > 0:
             self._recv_src_metadata = _source_metadata(self)
         return self._recv_src_metadata
@@ -110,9 +127,10 @@ class ElasticHandle:
 
     @property
     def dst_buffer_slot_idx(self) -> Tensor:
-        """``[T, K]`` int32 on the device (computed on first read): for each top-k entry of this rank's tokens,
-        the rank-major row that the token lands in on the entry's rank (the same row for every entry of a token
-        on one rank), -1 where ``topk_idx`` is -1."""
+        """Each top-k entry's destination row, ``[T, K]`` int32 on the device (computed on first read).
+
+        For each top-k entry of this rank's tokens, the rank-major row that the token lands in on the entry's
+        rank (the same row for every entry of a token on one rank), -1 where ``topk_idx`` is -1."""
         if self._dst_buffer_slot_idx is None:
             self._dst_buffer_slot_idx = _destination_rows(self)
         return self._dst_buffer_slot_idx
@@ -122,7 +140,9 @@ class ElasticHandle:
         self._dst_buffer_slot_idx = value
 
     def deterministic_sort(self, *args, **kwargs) -> None:
-        """V2 sorts a dispatch's outputs by source token (expanded: by expert, then source token) when
+        """Do nothing: the dispatch's outputs are in V2's deterministic order already.
+
+        V2 sorts a dispatch's outputs by source token (expanded: by expert, then source token) when
         ``deterministic=True``; ep_moe's dispatch returns them in that order already (rows by source rank, then
         token; expanded rows by expert, source rank, token), so there is nothing to do."""
 
@@ -331,10 +351,22 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
     def get_buffer_size_hint(group: dist.ProcessGroup | None, num_max_tokens_per_rank: int, hidden: int,
                              num_topk: int = 0, use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
-        """Bytes (2 MiB aligned) in which one rank can receive every token of every rank: the larger of what the
-        dispatch (bf16 rows, or FP8 rows and scales) and the combine (bf16 rows; with
-        ``allow_multiple_reduction=False`` the expanded combine's rows, ``num_topk`` fp32 blocks of ``hidden``
-        each) need (`Buffer.get_buffer_size_hint`)."""
+        """Bytes of GPU memory in which one rank can receive every token of every rank.
+
+        Args:
+            group: the EP group (None: the world group); only its size counts.
+            num_max_tokens_per_rank: the most tokens any rank dispatches in one call.
+            hidden: H, elements per row.
+            num_topk: K, top-k entries per token.
+            use_fp8_dispatch: size the dispatch for FP8 rows and their scales instead of bf16 rows.
+            allow_hybrid_mode: accepted as V2's, unused.
+            allow_multiple_reduction: False: also fit the expanded combine's rows, ``num_topk`` fp32 blocks of
+                ``hidden`` each.
+
+        Returns:
+            The byte count, a multiple of 2 MiB: the larger of what the dispatch and the combine (bf16 rows)
+            need (`Buffer.get_buffer_size_hint`).
+        """
         num_ranks = dist.get_world_size(group if group is not None else dist.group.WORLD)
         size = Buffer.get_buffer_size_hint(num_max_tokens_per_rank, hidden, num_ranks, num_topk, torch.bfloat16,
                                            use_fp8_dispatch)
@@ -345,28 +377,56 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event on the current stream (empty on CPU)."""
+        """Record an event on the current stream.
+
+        Returns:
+            An `EventOverlap` holding that event; an empty one on CPU.
+        """
         return Buffer.capture()
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """The buffer's communication stream (`Buffer.get_comm_stream`).
+
+        Returns:
+            The ``torch.cuda.Stream``, or None on CPU; every call has joined the current stream when it returns.
+        """
         return self.buffer.get_comm_stream()
 
     def get_physical_domain_size(self) -> tuple[int, int]:
-        """``(RDMA ranks, NVLink ranks)``: hosts of the group, ranks per host (from the ranks' host names)."""
+        """The group's physical topology, from the ranks' host names.
+
+        Returns:
+            ``(RDMA ranks, NVLink ranks)``: the hosts of the group and the ranks per host.
+        """
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """``(scale-out ranks, scale-up ranks)``: the view dispatch and combine use
-        (`ep_moe.backends.hybrid.node_topology`); ``(1, R)`` with ``allow_hybrid_mode=False``."""
+        """The logical topology dispatch and combine use (`ep_moe.backends.hybrid.node_topology`).
+
+        Returns:
+            ``(scale-out ranks, scale-up ranks)``; ``(1, R)`` with ``allow_hybrid_mode=False``.
+        """
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
-        """DeepEP V2's analytic SM count for this group (`ep_moe.tuning.get_theoretical_num_sms`; NVLink domains of
-        the logical scale-up ranks in hybrid mode, else the hosts'; 0 rates are detected). A dispatch with
-        ``num_sms=0`` does not use it: it takes ep_moe's calibrated plan (`ep_moe.tuning.plan_for_layer`) on the
-        native backend."""
+        """DeepEP V2's analytic SM count for this group (`ep_moe.tuning.get_theoretical_num_sms`).
+
+        A dispatch with ``num_sms=0`` does not use it: it takes ep_moe's calibrated plan
+        (`ep_moe.tuning.plan_for_layer`) on the native backend.
+
+        Args:
+            num_experts: E. num_topk: K.
+            num_scaleout_topk: reserved (0; a group-limited gate is not modelled).
+            rdma_gbs: NIC rate per GPU in GB/s (0: detected).
+            nvlink_gbs: NVLink rate per GPU in GB/s (0: detected).
+            sm_read_gbs: what one SM reads per second, GB/s. sm_write_gbs: what it writes.
+
+        Returns:
+            The SM count (an even int); NVLink domains are the logical scale-up ranks' in hybrid mode, else the
+            hosts'; ``prefer_overlap_with_compute=False`` asks for at least 64.
+        """
         from ..tuning import get_theoretical_num_sms
 
         return get_theoretical_num_sms(num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs,
@@ -376,9 +436,20 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                                        prefer_overlap_with_compute=self.prefer_overlap_with_compute)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """DeepEP V2's queue-pair count for ``num_sms`` (`ep_moe.tuning.get_theoretical_num_qps`), hybrid when the
-        logical topology has scale-out ranks, at most ``num_allocated_qps`` when it is set. ep_moe's network hop is
-        NCCL (no queue pairs of its own): the count is reported, not used."""
+        """DeepEP V2's queue-pair count for a kernel (`ep_moe.tuning.get_theoretical_num_qps`), reported, not used.
+
+        ep_moe's network hop is NCCL (no queue pairs of its own).
+
+        Args:
+            num_sms: the kernel's SM count, an int >= 1.
+
+        Returns:
+            The count: hybrid when the logical topology has scale-out ranks, at most ``num_allocated_qps`` when
+            that is set.
+
+        Raises:
+            ValueError: ``num_sms`` is not a positive int.
+        """
         from ..tuning import get_theoretical_num_qps
 
         return get_theoretical_num_qps(num_sms, self.num_scaleout_ranks > 1, self.num_allocated_qps)
@@ -479,29 +550,28 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                  do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
         """Send each token to the ranks of its experts (DeepEP V2's argument order and names).
 
-        Each argument's status: docs/compat.md, section "dispatch"; the layouts: docs/semantics.md, "ElasticBuffer".
-
         Args:
             x: ``[T, H]`` bf16/fp32, or the FP8 pair ``(x_e4m3 [T, H], scales [T, H/128] fp32)`` (forward only).
-            topk_idx: ``[T, K]`` int64 global expert ids, -1: none (None with ``handle``). topk_weights: ``[T, K]``
-                fp32 or None.
+            topk_idx: ``[T, K]`` int64 global expert ids or -1 (None with ``handle``). topk_weights: ``[T, K]`` fp32.
             cumulative_local_expert_recv_stats: ``[L]`` int32/int64, incremented by the received pairs, or None.
             num_experts: E (from the handle on a cached dispatch). expert_alignment: A (default 1).
             num_max_tokens_per_rank: the bound on every rank's ``T`` for ``do_cpu_sync=False`` (default: the buffer's).
             num_sms: SMs, kept in the handle; 0: the tuner's plan on the native backend, else `ep_moe.Buffer.num_sms`.
             previous_event, previous_event_before_epilogue: waited for first. do_handle_copy: copy ``topk_idx``.
             handle: repeat this earlier dispatch's layout (``topk_idx`` None, ``do_cpu_sync`` None or False).
-            do_cpu_sync: None: True fresh, False cached. False: no host read, ``W = num_max_tokens_per_rank * R``
-                compact rows or ``W * min(K, L) + L * (A - 1)`` expanded ones, zero (index -1) past the used ones.
+            do_cpu_sync: None: True fresh, False cached. False: fixed size, ``W = num_max_tokens_per_rank * R``, no
+                host read, zero (index -1) past the used rows (the layouts' sizes: docs/semantics.md, "ElasticBuffer").
             do_expand: the expanded (expert-major) layout instead of the compact (rank-major) one.
             num_qps, async_with_compute_stream, allocate_on_comm_stream, do_zero_padding, use_tma_aligned_col_major_sf:
-                accepted (every call joins the current stream; padding is zero; FP8 scales come back row-major).
+                accepted, ignored (each argument's status: docs/compat.md, section "dispatch").
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``: compact ``[N, H]``, ``[N, K]`` local ids
             or -1, ``[N, K]`` fp32 (0 where not local); expanded ``[M, H]`` by local expert, None, ``[M]`` fp32. FP8
             input gives a pair as ``recv_x``; weights are None without ``topk_weights``; ``handle``: an `ElasticHandle`.
-        """
+
+        Raises:
+            ValueError: a bad argument, named. RuntimeError: the buffer was destroyed."""
         op = "ElasticBuffer.dispatch"
         self._check_live("dispatch")
         data, scales = split_hidden(op, x, self.buffer.device, self.buffer.backend.supported_dtypes)
@@ -661,16 +731,19 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
                 (token, k) (not applied to ``x``, as in V2), or None. Expanded with weights needs
                 ``allow_multiple_reduction=True`` (as V2).
             bias: ``[T, H]`` or a pair: the fp32 sum starts from ``bias[0] + bias[1]`` (V2's order).
-            num_sms: 0: the handle's. num_qps, events, async_with_compute_stream, allocate_on_comm_stream: as
-                in `dispatch`.
-            expert_weights: (ep_moe, expanded only) ``[M]`` fp32 to weight each row before the sum
-                (`ep_moe.buffer.expert_major_ops.expert_combine`), or None.
+            num_sms: 0: the handle's.
+            num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+                allocate_on_comm_stream: as in `dispatch`.
+            expert_weights: (ep_moe, expanded only) ``[M]`` fp32 to weight each row before the sum, or None.
 
         Returns:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] fp32 or None, event)``. Compact: the
             sums of `ep_moe.buffer.autograd_ops.combine`. Expanded: `ep_moe.buffer.expert_major_ops.expert_combine`
             with the buffer's ``allow_multiple_reduction``; ``combined_topk_weights[t, k]`` is the weight of the row
             of pair (t, k), 0 where ``topk_idx`` is -1.
+
+        Raises:
+            ValueError: a bad argument, named. RuntimeError: the buffer was destroyed.
         """
         op = "ElasticBuffer.combine"
         self._check_live("combine")
@@ -725,8 +798,16 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
-        """Wait for every rank of the group (raises after ``num_gpu_timeout_secs``); ``with_cpu_sync`` also
-        synchronizes the device before and after. ``use_comm_stream`` and ``sequential`` are accepted."""
+        """Wait for every rank of the group (raises after ``num_gpu_timeout_secs``, naming the rank and stage).
+
+        Args:
+            use_comm_stream: accepted as V2's, ignored (the barrier is one collective of the group).
+            with_cpu_sync: also synchronize the device before and after.
+            sequential: accepted as V2's, ignored.
+
+        Raises:
+            RuntimeError: the buffer was destroyed.
+        """
         self._check_live("barrier")
         cuda = with_cpu_sync and self.buffer.device.type == "cuda"
         if cuda:
@@ -736,8 +817,10 @@ class ElasticBuffer(EngramMixin, PipelineCommMixin, AGRSMixin):
             torch.cuda.synchronize(self.buffer.device)
 
     def destroy(self) -> None:
-        """Free the buffer's resources (required with ``explicitly_destroy=True``; idempotent). The buffer is
-        unusable afterwards."""
+        """Free the buffer's resources (required with ``explicitly_destroy=True``; idempotent).
+
+        PP and AGRS memory first, then the backend, then the memory; the buffer is unusable afterwards.
+        """
         if self._destroyed:
             return
         self._destroyed = True
