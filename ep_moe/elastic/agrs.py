@@ -169,9 +169,16 @@ class AGRSMixin:
     # ---------------------------------------------------------------- public API
     @staticmethod
     def get_agrs_num_max_session_bytes(group: dist.ProcessGroup | None, shapes, dtype: torch.dtype) -> int:
-        """The session bytes that gathering tensors of ``shapes`` (one shape, or a sequence of shapes) of ``dtype``
-        takes on ``group`` (None: the world): the sum of ``round_up(R x bytes, 32)`` (DeepEP V2's formula, and
-        the chunks this session memory hands out)."""
+        """The session bytes that gathering tensors of these shapes takes on a group (DeepEP V2's formula).
+
+        Args:
+            group: the group (None: the world); only its size R counts.
+            shapes: one shape, or a sequence of shapes.
+            dtype: the tensors' dtype.
+
+        Returns:
+            The sum over the shapes of ``round_up(R x bytes, 32)``: the chunks this session memory hands out.
+        """
         if isinstance(shapes, tuple | list | torch.Size) and shapes and isinstance(shapes[0], int):
             shapes = (shapes,)
         num_ranks = dist.get_world_size(group)
@@ -179,24 +186,41 @@ class AGRSMixin:
 
     @staticmethod
     def get_agrs_buffer_size_hint(group: dist.ProcessGroup | None, num_max_session_bytes: int) -> int:
-        """The ``num_bytes`` a buffer needs for sessions of ``num_max_session_bytes``: that, rounded up to 2 MiB
-        (V2's; the session memory is separate here, so only the check against ``num_bytes`` reads it)."""
+        """The ``num_bytes`` a buffer needs for AGRS sessions of this size (V2's).
+
+        Args:
+            group: accepted as V2's, unused.
+            num_max_session_bytes: a session's bytes (`get_agrs_num_max_session_bytes`), an int >= 0.
+
+        Returns:
+            ``num_max_session_bytes`` rounded up to 2 MiB (the session memory is separate here, so only the check
+            against ``num_bytes`` reads it).
+
+        Raises:
+            ValueError: ``num_max_session_bytes`` is not an int >= 0.
+        """
         check_positive_int("ElasticBuffer.get_agrs_buffer_size_hint", "num_max_session_bytes",
                            num_max_session_bytes, 0)
         return round_up(num_max_session_bytes, ALIGNMENT_BYTES)
 
     def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int, *,
                         transport: str | None = None) -> None:
-        """Allocate the session memory: ``round_up(num_max_session_bytes, 32)`` bytes on the buffer's device, the
-        gathered bytes of one session as V2 counts them (`get_agrs_num_max_session_bytes`); a session may then run
-        ``num_max_all_gathers_per_session`` operations. Not while a session is open
-        (`AGRSSessionError`). Raises `AGRSConfigError` for a value below 1 or when the memory exceeds the
-        buffer's ``num_bytes``. Every rank should call it with the same values (a full session on one rank
-        raises on all).
+        """Allocate the AGRS session memory on the buffer's device.
 
-        ``transport`` (an ep_moe extension; None: ``$EP_MOE_PPAGRS_TRANSPORT``, else ``"auto"``): ``"auto"``,
-        ``"torch"`` or ``"native"`` (`agrs_transport`), the same on every rank. The native transport allocates a
-        symmetric buffer (of the largest of the ranks' values), so there the call is collective."""
+        Every rank should call it with the same values (a full session on one rank raises on all).
+
+        Args:
+            num_max_session_bytes: the gathered bytes of one session as V2 counts them
+                (`get_agrs_num_max_session_bytes`); ``round_up(num_max_session_bytes, 32)`` bytes are allocated.
+            num_max_all_gathers_per_session: the operations a session may run (int >= 1).
+            transport: (ep_moe, keyword only) ``"auto"``, ``"torch"`` or ``"native"`` (`agrs_transport`), the same
+                on every rank; None: ``$EP_MOE_PPAGRS_TRANSPORT``, else ``"auto"``. The native transport allocates
+                a symmetric buffer (of the largest of the ranks' values), so there the call is collective.
+
+        Raises:
+            AGRSConfigError: a value below 1, or the memory over the buffer's ``num_bytes``.
+            AGRSSessionError: a session is open.
+        """
         op = "agrs_set_config"
         self._check_live(op)
         try:
@@ -235,8 +259,14 @@ class AGRSMixin:
         self._agrs = _AGRSState(chosen, total, num_max_all_gathers_per_session, memory, session, native=native)
 
     def create_agrs_session(self) -> int:
-        """Open a session (its number, 1, 2, ...). Raises `AGRSConfigError` before `agrs_set_config`,
-        `AGRSSessionError` while one is open. Local (no communication)."""
+        """Open an AGRS session; local (no communication).
+
+        Returns:
+            The session's number, 1, 2, ...
+
+        Raises:
+            AGRSConfigError: before `agrs_set_config`. AGRSSessionError: while one is open.
+        """
         state = self._agrs_state("create_agrs_session", want_open=False)
         state.session += 1
         state.open, state.used, state.ops, state.inplace, state.handles = True, 0, 0, [], []
@@ -244,9 +274,16 @@ class AGRSMixin:
 
     @contextlib.contextmanager
     def agrs_new_session(self, enabled: bool = True):
-        """``with buffer.agrs_new_session(): ...``: `create_agrs_session` on entry and `destroy_agrs_session` on a
-        normal exit (DeepEP V2's context manager; ``enabled=False``: nothing). An exception inside leaves the
-        session open (destroying it is collective, and the peers may not get there)."""
+        """A session for a ``with`` block (DeepEP V2's context manager): ``with buffer.agrs_new_session(): ...``.
+
+        An exception inside leaves the session open (destroying it is collective, and the peers may not get there).
+
+        Args:
+            enabled: True: `create_agrs_session` on entry and `destroy_agrs_session` on a normal exit; False: nothing.
+
+        Returns:
+            The context manager; ``as`` gives the session's number (None when not ``enabled``).
+        """
         if not enabled:
             yield None
             return
@@ -255,10 +292,22 @@ class AGRSMixin:
         self.destroy_agrs_session()
 
     def agrs_get_inplace_tensor(self, shape, dtype: torch.dtype):
-        """A contiguous ``shape`` tensor of ``dtype`` in this rank's slot of a new chunk of the session memory;
-        passing it to `all_gather` (once, in this session) gathers it without a local copy. Takes its bytes of
-        the session now (`AGRSCapacityError` when they are not there). Its content is undefined until written.
-        ``shape`` may also be a list of shapes (DeepEP V2's batched form): a tuple of such tensors, in order."""
+        """A tensor in this rank's slot of a new chunk of the session memory, for `all_gather` without a copy.
+
+        Passing it to `all_gather` (once, in this session) gathers it without a local copy. It takes its bytes of
+        the session now. Its content is undefined until written.
+
+        Args:
+            shape: a sequence of ints >= 0 (at most 8), or a list of shapes (DeepEP V2's batched form).
+            dtype: a torch dtype AGRS carries.
+
+        Returns:
+            A contiguous ``shape`` tensor of ``dtype``; for a list of shapes, a tuple of such tensors, in order.
+
+        Raises:
+            AGRSCapacityError: the session's bytes are not there. AGRSTensorError: a bad ``shape`` or ``dtype``.
+            AGRSSessionError: no session is open.
+        """
         if isinstance(shape, list | tuple) and shape and all(isinstance(s, list | tuple | torch.Size) for s in shape):
             return tuple(self.agrs_get_inplace_tensor(s, dtype) for s in shape)
         op = "agrs_get_inplace_tensor"
@@ -290,13 +339,24 @@ class AGRSMixin:
 
     def all_gather(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...] | torch.Tensor
                    ) -> tuple[list[torch.Tensor] | torch.Tensor, AGRSHandle]:
-        """Gather each of ``tensors`` from every rank: ``gathered[j]`` is ``[R, *tensors[j].shape]`` of its dtype,
-        ``gathered[j][i]`` rank i's tensor, a view of the session memory. One tensor (not in a list) gives
-        ``(gathered tensor, handle)``, as DeepEP V2's single-tensor call. In-place tensors
-        (`agrs_get_inplace_tensor`) are not copied; others are copied into this rank's slot. One operation of
-        the session. Every rank passes the same count, dtypes and shapes (`AGRSMismatchError` on every rank
-        otherwise); over the session's bytes or operations on any rank: `AGRSCapacityError` on every rank, before
-        anything is sent. Read ``gathered`` after ``handle()``; it stays valid until `destroy_agrs_session`."""
+        """Gather each of ``tensors`` from every rank, in one operation of the session.
+
+        Args:
+            tensors: a list or tuple of tensors, or one tensor (then ``(gathered tensor, handle)`` is returned, as
+                DeepEP V2's single-tensor call). In-place tensors (`agrs_get_inplace_tensor`) are not copied;
+                others are copied into this rank's slot. Every rank passes the same count, dtypes and shapes.
+
+        Returns:
+            ``(gathered, handle)``: ``gathered[j]`` is ``[R, *tensors[j].shape]`` of its dtype, ``gathered[j][i]``
+            rank i's tensor, a view of the session memory. Read ``gathered`` after ``handle()``; it stays valid
+            until `destroy_agrs_session`.
+
+        Raises:
+            AGRSMismatchError: the ranks' counts, dtypes or shapes differ (on every rank).
+            AGRSCapacityError: over the session's bytes or operations on any rank (on every rank, before anything
+                is sent).
+            AGRSSessionError, AGRSTensorError: no open session; a bad tensor.
+        """
         if isinstance(tensors, torch.Tensor):
             (gathered,), handle = self._all_gather([tensors])
             return gathered, handle
@@ -350,10 +410,21 @@ class AGRSMixin:
         return gathered, handle
 
     def reduce_scatter(self, tensor: torch.Tensor) -> tuple[torch.Tensor, AGRSHandle]:
-        """Sum ``tensor`` (``[R, *S]``, bf16/fp16/fp32/fp64) over ranks and scatter it: rank r's ``shard``
-        (``[*S]``, the input's dtype) is ``sum over ranks j of tensor_j[r]``, added in fp32 (fp64 for fp64) in
-        increasing rank order and rounded once, filled by ``handle()``. The rows from every rank land in the
-        session memory (one operation, ``round_up(R x bytes of [*S], 32)`` bytes of it). Errors as `all_gather`."""
+        """Sum a tensor over the ranks and scatter it: one operation of the session.
+
+        The rows from every rank land in the session memory (``round_up(R x bytes of [*S], 32)`` bytes of it).
+
+        Args:
+            tensor: ``[R, *S]`` bf16/fp16/fp32/fp64.
+
+        Returns:
+            ``(shard, handle)``: rank r's ``shard`` (``[*S]``, the input's dtype) is ``sum over ranks j of
+            tensor_j[r]``, added in fp32 (fp64 for fp64) in increasing rank order and rounded once, filled by
+            ``handle()``.
+
+        Raises:
+            AGRSMismatchError, AGRSCapacityError, AGRSSessionError, AGRSTensorError: as `all_gather`.
+        """
         op = "reduce_scatter"
         state = self._agrs_state(op, want_open=True)
         self._agrs_check_tensor(op, "tensor", tensor)
@@ -400,10 +471,15 @@ class AGRSMixin:
         return shard, handle
 
     def destroy_agrs_session(self) -> None:
-        """Close the open session: wait for its operations (as their handles would), then tell every peer that
-        this rank is done with the session memory (a barrier of the group, checked: every rank closes the same
-        session). Its gathered views and in-place tensors are then invalid; the next session reuses the memory.
-        Raises `AGRSSessionError` when no session is open."""
+        """Close the open session; its gathered views and in-place tensors are then invalid.
+
+        Waits for its operations (as their handles would), then tells every peer that this rank is done with the
+        session memory (a barrier of the group, checked: every rank closes the same session). The next session
+        reuses the memory.
+
+        Raises:
+            AGRSSessionError: no session is open.
+        """
         op = "destroy_agrs_session"
         state = self._agrs_state(op, want_open=True)
         for handle in state.handles:

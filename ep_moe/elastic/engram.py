@@ -131,12 +131,24 @@ class EngramMixin:
     @staticmethod
     def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
                                      dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
-        """``(num_gpu_bytes, num_cpu_bytes)``, each rounded up to 2 MiB, for a table of ``num_entries`` rows of
-        ``hidden`` elements of ``dtype`` per rank: ``num_cpu_bytes`` holds it in the host segment as
-        `engram_write` lays it out (the rows; for a one-byte float dtype also per-row fp32 scales of
-        ``ceil(hidden / 128)`` columns at the next 4 KiB); ``num_gpu_bytes`` is V2's receive area of
-        ``num_max_tokens_per_rank`` fetched rows of ``round_up(hidden x itemsize, 32)`` bytes (ep_moe returns
-        fetched rows as new tensors, so only V2's sum ``num_bytes = gpu + cpu`` reads it)."""
+        """The GPU and host bytes for an Engram table of this shape on every rank.
+
+        Args:
+            num_entries: rows of the table per rank (int >= 0).
+            hidden: elements per row (int >= 0).
+            num_max_tokens_per_rank: the most rows one fetch returns (int >= 0).
+            dtype: the rows' dtype; a one-byte float dtype also stores per-row fp32 scales.
+
+        Returns:
+            ``(num_gpu_bytes, num_cpu_bytes)``, each rounded up to 2 MiB. ``num_cpu_bytes`` holds the table in the
+            host segment as `engram_write` lays it out (the rows; for a one-byte float dtype also per-row fp32
+            scales of ``ceil(hidden / 128)`` columns at the next 4 KiB); ``num_gpu_bytes`` is V2's receive area of
+            ``num_max_tokens_per_rank`` fetched rows of ``round_up(hidden x itemsize, 32)`` bytes (ep_moe returns
+            fetched rows as new tensors, so only V2's sum ``num_bytes = gpu + cpu`` reads it).
+
+        Raises:
+            ValueError: a count that is not an int >= 0, named.
+        """
         op = "ElasticBuffer.get_engram_storage_size_hint"
         for name, value in (("num_entries", num_entries), ("hidden", hidden),
                             ("num_max_tokens_per_rank", num_max_tokens_per_rank)):

@@ -137,23 +137,34 @@ class PipelineCommMixin:
     # ---------------------------------------------------------------- public API
     @staticmethod
     def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
-        """The ``num_bytes`` a buffer needs for `pp_set_config` with these values: the slots (see there) rounded up
-        to 2 MiB, as V2."""
+        """The ``num_bytes`` a buffer needs for `pp_set_config` with these values.
+
+        Args:
+            num_max_tensor_bytes: the largest message, in bytes.
+            num_max_inflight_tensors: the slots per direction and neighbour.
+
+        Returns:
+            The slots' bytes (see `pp_set_config`) rounded up to 2 MiB, as V2.
+        """
         return round_up(_pp_slot_bytes(num_max_tensor_bytes, num_max_inflight_tensors), ALIGNMENT_BYTES)
 
     def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int, *,
                       transport: str | None = None) -> None:
-        """Reserve PP slots: per direction (send, recv) and per neighbour (prev, next), ``num_max_inflight_tensors``
-        slots of ``num_max_tensor_bytes`` rounded up to 32 bytes (real memory on the buffer's device).
+        """Reserve PP slots per direction (send, recv) and per neighbour (prev, next), on the buffer's device.
 
         Every rank of the group should call it with the same values (a message carries the sender's config and
-        the receiver refuses a different one). Outstanding sends are waited for first. Raises `PPConfigError`
-        for a value below 1 or when ``slot bytes x inflight x 2 x 2`` exceeds the buffer's ``num_bytes``.
+        the receiver refuses a different one). Outstanding sends are waited for first.
 
-        ``transport`` (an ep_moe extension; None: ``$EP_MOE_PPAGRS_TRANSPORT``, else ``"auto"``): ``"auto"``,
-        ``"torch"`` or ``"native"`` (`pp_transport`), the same on every rank. The native transport allocates a
-        symmetric buffer, so there the call is collective (every rank of the group calls it) and the ranks'
-        values must be equal (`PPConfigError` on every rank otherwise, before any message moves).
+        Args:
+            num_max_tensor_bytes: the slot size, rounded up to 32 bytes (int >= 1).
+            num_max_inflight_tensors: slots per direction and neighbour (int >= 1).
+            transport: (ep_moe, keyword only) ``"auto"``, ``"torch"`` or ``"native"`` (`pp_transport`), the same on
+                every rank; None: ``$EP_MOE_PPAGRS_TRANSPORT``, else ``"auto"``. The native transport allocates a
+                symmetric buffer, so there the call is collective (every rank of the group calls it) and the
+                ranks' values must be equal (`PPConfigError` on every rank otherwise, before any message moves).
+
+        Raises:
+            PPConfigError: a value below 1, or ``slot bytes x inflight x 2 x 2`` over the buffer's ``num_bytes``.
         """
         op = "pp_set_config"
         self._check_live(op)
@@ -205,16 +216,21 @@ class PipelineCommMixin:
         self._pp = state
 
     def pp_send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
-        """Send ``x`` to the neighbour ``dst_rank_idx`` (a rank index in the group: ``(r + 1) % R`` or
-        ``(r - 1) % R``). ``x`` (any shape up to 8 dims, any dtype with a header code, on the buffer's device, at
-        most the slot's bytes) is copied into a send slot; the call returns once the message is posted, and
-        ``x`` may be changed at once. When all ``num_max_inflight_tensors`` slots to that peer hold messages it
-        has not received, waits for the oldest to be received: `PPTimeoutError` (naming rank and stage) after
-        the buffer's ``num_gpu_timeout_secs``. ``num_sms`` is accepted (the native transport takes no SMs;
-        torch's uses its group's own).
+        """Send ``x`` to a neighbour; returns once the message is posted, and ``x`` may be changed at once.
 
-        Raises `PPConfigError` (no ``pp_set_config``), `PPPeerError` (not a neighbour), `PPTensorError` (bad x),
-        before anything is sent.
+        When all ``num_max_inflight_tensors`` slots to that peer hold messages it has not received, waits for the
+        oldest to be received.
+
+        Args:
+            x: any shape up to 8 dims, any dtype with a header code, on the buffer's device, at most the slot's
+                bytes; copied into a send slot.
+            dst_rank_idx: the neighbour, a rank index in the group: ``(r + 1) % R`` or ``(r - 1) % R``.
+            num_sms: accepted (the native transport takes no SMs; torch's uses its group's own).
+
+        Raises:
+            PPConfigError: no ``pp_set_config``. PPPeerError: not a neighbour. PPTensorError: a bad ``x``.
+                All before anything is sent.
+            PPTimeoutError: the wait for a slot past ``num_gpu_timeout_secs`` (naming rank and stage).
         """
         op = "pp_send"
         state, channel = self._pp_prepare(op, x, dst_rank_idx, "dst_rank_idx", num_sms)
@@ -249,13 +265,18 @@ class PipelineCommMixin:
         channel.in_flight.append(_Outgoing(seq, slot, works, header))
 
     def pp_recv(self, x: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
-        """Receive the next message from the neighbour ``src_rank_idx`` into ``x`` (in place). ``x`` must have the
-        sender's dtype and shape: otherwise `PPMismatchError` naming both sides (the message is taken and
-        dropped, so the order of later messages holds). Waits up to ``num_gpu_timeout_secs`` for the message
-        (`PPTimeoutError` naming rank and stage). ``num_sms`` is accepted (the native transport takes no SMs;
-        torch's uses its group's own).
+        """Receive the next message from a neighbour into ``x`` (in place).
 
-        Raises `PPConfigError`, `PPPeerError`, `PPTensorError` as `pp_send`.
+        Args:
+            x: the sender's dtype and shape (any strides), on the buffer's device.
+            src_rank_idx: the neighbour, a rank index in the group: ``(r + 1) % R`` or ``(r - 1) % R``.
+            num_sms: accepted (the native transport takes no SMs; torch's uses its group's own).
+
+        Raises:
+            PPConfigError, PPPeerError, PPTensorError: as `pp_send`.
+            PPMismatchError: ``x``'s dtype or shape is not the sender's, naming both sides (the message is taken
+                and dropped, so the order of later messages holds).
+            PPTimeoutError: no message within ``num_gpu_timeout_secs`` (naming rank and stage).
         """
         op = "pp_recv"
         state, channel = self._pp_prepare(op, x, src_rank_idx, "src_rank_idx", num_sms)
