@@ -201,6 +201,9 @@ class Config:
         native: the native kernels' settings for this call; None: the buffer's (`Buffer.native_options`).
             Every rank must pass equal values in the same call; a value new to the buffer is checked across
             the ranks on its first use (which must not be inside a CUDA-graph capture).
+
+    Raises:
+        ValueError: ``num_sms`` is not an int >= 1, or ``native`` is not a `NativeOptions` or None.
     """
 
     num_sms: int = DEFAULT_NUM_SMS
