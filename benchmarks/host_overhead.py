@@ -539,8 +539,7 @@ class Measurer:
         row.problems += [f"last timed call (set {i}): {p}" for name, value in reference[i].items()
                          for p in _bits(name, outputs.get(name), value)]
         if args.profile:
-            row.profile = self.profile(op, num_sets, check)
-            settle()
+            row.profile = self.profile(op, num_sets, check, settle)
         row.gpu_rounds = len(gpu)
         if self.cuda and not gpu:
             row.note = "the GPU caught up with the host in every round: no GPU time"
@@ -549,26 +548,30 @@ class Measurer:
         return row, host, gpu
 
 
-    def profile(self, op: Op, num_sets: int, check: Callable) -> str:
+    def profile(self, op: Op, num_sets: int, check: Callable, settle: Callable) -> str:
         """The ``--profile`` functions with the most own time over ``--rounds`` more rounds of ``op`` under cProfile
         (untimed, every call checked). cProfile's own cost inflates each function's time about alike, so the
         shares are what to read, not the microseconds."""
-        calls = [n % num_sets for n in range(self.args.rounds * self.args.calls)]
-        self.gate()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        results = [op.call(i) for i in calls]
-        profiler.disable()
-        for j, (i, result) in enumerate(zip(calls, results)):
-            check(f"profiled call {j + 1}", i, result)
+        profiler, calls = cProfile.Profile(), 0
+        for r in range(self.args.rounds):  # a round at a time: outputs are checked and freed between rounds
+            sets = [(r * self.args.calls + j) % num_sets for j in range(self.args.calls)]
+            self.gate()
+            profiler.enable()
+            results = [op.call(i) for i in sets]
+            profiler.disable()
+            for j, (i, result) in enumerate(zip(sets, results)):
+                check(f"profiled round {r + 1} call {j + 1}", i, result)
+            calls += len(sets)
+            del results
+            settle()
         stats = pstats.Stats(profiler).stats  # (file, line, function) -> (primitive calls, calls, own s, cum s, ..)
         top = sorted(stats.items(), key=lambda item: -item[1][2])[:self.args.profile]
-        per_call = 1e6 / len(calls)
-        lines = [f"{len(calls)} calls, under cProfile; per call: own us, cumulative us, calls, function"]
+        per_call = 1e6 / calls
+        lines = [f"{calls} calls, under cProfile; per call: own us, cumulative us, calls, function"]
         for (path, line, function), (_, ncalls, own, cumulative, _) in top:
             where = (f"{os.path.relpath(path, ROOT)}:{line}" if path.startswith(ROOT) else
                      "built-in" if path == "~" else f"{path}:{line}")
-            lines.append(f"{own * per_call:9.1f} {cumulative * per_call:9.1f} {ncalls / len(calls):6.1f}  "
+            lines.append(f"{own * per_call:9.1f} {cumulative * per_call:9.1f} {ncalls / calls:6.1f}  "
                          f"{function} ({where})")
         return "\n".join(lines)
 

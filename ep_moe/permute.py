@@ -100,7 +100,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
                          f"{num_experts * capacity} with a capacity, got {num_slots}")
     exact = num_slots is None and not capacity
     bound = -1 if num_slots is None else num_slots
-    if not torch.compiler.is_compiling():  # eager: the parts as they come (see `_Op`)
+    if not _traced((topk_idx,)):  # eager: the parts as they come (see `_Op`)
         parts, host = _expert_layout_parts(topk_idx, num_experts, alignment, bound, capacity)
         return ExpertLayout(*parts, host)
     packed, exact_pair_of_slot, host = _EXPERT_LAYOUT(topk_idx, num_experts, alignment, bound, capacity)
@@ -357,6 +357,15 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
 # backward ops. Outputs never alias inputs or each other (a custom op's rule): the layout comes back packed in one
 # tensor, which `expert_layout` splits into views. In eager mode `_Op` calls the same implementation and autograd
 # formula without the dispatcher, whose Python custom-op path costs more host time per call than a kernel launch.
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _traced(args) -> bool:
+    """Whether these arguments are being traced (torch.compile, or its AOT autograd tracing the backward with fake
+    or functional tensors, where `torch.compiler.is_compiling` is False): then only the op may see them."""
+    return torch.compiler.is_compiling() or any(type(a) not in _PLAIN_TENSORS for a in args if isinstance(a, Tensor))
+
+
 class _Op:
     """A custom op ``ep_moe::<name>`` of ``impl`` (with an autograd formula: ``setup`` and ``backward`` as
     ``register_autograd`` takes them). Calling it runs the op while torch.compile traces; in eager mode ``impl``
@@ -377,7 +386,7 @@ class _Op:
                 "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
+        if _traced(args):
             return self.op(*args)
         if self.function is not None and torch.is_grad_enabled() and any(
                 isinstance(a, Tensor) and a.requires_grad for a in args):

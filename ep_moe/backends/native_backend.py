@@ -53,9 +53,9 @@ STAGES = {
     9: "header exchange (before a host-side decision)",
 }
 
-# Mirrors of csrc/kernels.h (checked against the kernels' constants when a backend is built): the header's words
-# (`HeaderSlot`: agreement's HEADER_LEN, then the copy-engine sequence numbers), the mismatch record after the
-# error record (`MismatchWord`), and the most ranks.
+# Mirrors of native/kernels/kernels.h (checked against the kernels' constants when a backend is built): the
+# header's words (`HeaderSlot`: agreement's HEADER_LEN, then the copy-engine sequence numbers), the mismatch record
+# after the error record (`MismatchWord`), and the most ranks.
 HEADER_WORDS = HEADER_LEN + 2
 _COPY_SEQ, _LAST_SEQ = HEADER_LEN, HEADER_LEN + 1
 MAX_RANKS = 8
@@ -69,7 +69,8 @@ def mismatch_error(rank: int, own: list[int], seen: list[list[int]]) -> ValueErr
     ``seen[r]`` rank ``r``'s as its kernel saw it (the same on every rank), worded by
     `agreement.mismatch_message`. Where every rank's header as seen is the same and only differs from ``own``
     (which only the test-only `NativeBackend.test_header_perturbation` causes), both are named apart; where all
-    are the same, the ranks disagreed on taking the copy engine (csrc/intranode.cu, check_headers_warp)."""
+    are the same, the ranks disagreed on taking the copy engine (native/kernels/intranode_kernels.cuh,
+    check_headers_warp)."""
     op_name = {agreement.OP_COMBINE: "combine", agreement.OP_BARRIER: "barrier"}.get(own[0], "dispatch")
     message = agreement.mismatch_message(op_name, seen)
     if message is None:
@@ -151,7 +152,7 @@ class NativeBackend(CommBackend):
             raise ValueError(f"ep_moe.Buffer: argument 'group' must have at most {C.MAX_RANKS} ranks for the "
                              f"native backend, got {self.num_ranks}")
         if (C.HEADER_LEN, C.HEADER_WORDS, C.MISMATCH_WORDS) != (HEADER_LEN, HEADER_WORDS, MISMATCH_WORDS):
-            raise RuntimeError("ep_moe[native]: the kernels' header layout (csrc/kernels.h) differs from the "
+            raise RuntimeError("ep_moe[native]: the kernels' header layout (native/kernels/kernels.h) differs from the "
                                "backend's mirror of it (ep_moe/backends/native_backend.py)")
         policy.check_same_on_every_rank(options, group)
         self.options = options
@@ -163,7 +164,7 @@ class NativeBackend(CommBackend):
             self._control.tensor.zero_()
             self._state = torch.zeros(8, dtype=torch.int64, device=device)  # LocalState (64 bytes)
             self._scratch = torch.zeros(64, dtype=torch.int32, device=device)  # expert counts, zero between calls
-            # the error record, then the mismatch record (csrc/kernels.h)
+            # the error record, then the mismatch record (native/kernels/kernels.h)
             self._use_error_words(torch.zeros(C.ERROR_WORDS + C.MISMATCH_WORDS, dtype=torch.int32, device="cpu",
                                               pin_memory=True))
             # [R * R] rows s sends r, then [R] tokens of every rank (written by notify), then the header check's
@@ -194,7 +195,7 @@ class NativeBackend(CommBackend):
             self._notify_done = torch.cuda.Event()
             torch.cuda.synchronize(device)
         # Diagnostics: when True, every dispatch/combine kernel stamps each block's timeline (the slots of
-        # `TraceSlot` in csrc/kernels.h) into `last_trace[op]`, an int64 [blocks, TRACE_SLOTS] tensor of
+        # `TraceSlot` in native/kernels/kernels.h) into `last_trace[op]`, an int64 [blocks, TRACE_SLOTS] tensor of
         # global-timer ns (read by benchmarks/profile_native.py).
         self.trace_kernels = False
         self.last_trace: dict[str, torch.Tensor] = {}
@@ -214,7 +215,8 @@ class NativeBackend(CommBackend):
     # ---------------------------------------------------------------- health and errors
     def _use_error_words(self, words: torch.Tensor) -> None:
         """``words``: int32 ``[ERROR_WORDS + MISMATCH_WORDS]`` pinned host memory the kernels write, the error record
-        then the mismatch record (csrc/kernels.h); the one word of each read at every call is read in place."""
+        then the mismatch record (native/kernels/kernels.h); the one word of each read at every call is read in
+        place."""
         self._error = words
         error_words = words.numel() - MISMATCH_WORDS
         self._error_record, self._mismatch_record = words[:error_words], words[error_words:]
@@ -432,7 +434,7 @@ class NativeBackend(CommBackend):
 
     def _trace(self, op: str, blocks: int, pushers: int) -> torch.Tensor | None:
         """The trace buffer of a traced call (None when tracing is off): the blocks' slots, then the
-        copy-engine timeline (INT64_MAX until stamped; see `CopyEngineParams::trace` in csrc/kernels.h)."""
+        copy-engine timeline (INT64_MAX until stamped; see `CopyEngineParams::trace` in native/kernels/kernels.h)."""
         if not self.trace_kernels:
             return None
         C = _c()
@@ -447,7 +449,8 @@ class NativeBackend(CommBackend):
         return row_bytes % 16 == 0 and num_local_experts <= MAX_LOCAL_EXPERTS
 
     def combines_expert_rows(self, row_bytes: int) -> bool:
-        """At two or more ranks, rows the kernels take, with the expert-major ops (which form the own rows; see `CommBackend.combines_expert_rows`)."""
+        """At two or more ranks, rows the kernels take, with the expert-major ops (which form the own rows; see
+        `CommBackend.combines_expert_rows`)."""
         return (self.num_ranks > 1 and self.options.expert_major_fused and self._kernels_take(row_bytes)
                 and _expert_major_ops())
 

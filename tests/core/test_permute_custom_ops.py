@@ -215,3 +215,31 @@ def test_eager_calls_skip_the_dispatcher_with_its_bits(monkeypatch):
     got = run()
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"output {i} differs"
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_traced_calls_never_reach_the_implementations_with_fake_tensors(monkeypatch, fullgraph):
+    """While torch.compile traces (its AOT autograd traces the backward formulas with fake or functional tensors;
+    some torch versions do it outside `torch.compiler.is_compiling`, e.g. a backward compiled when it first runs),
+    every `_Op` call goes to the op: an implementation reached directly with such tensors would hand them to a
+    kernel launcher, which reads data pointers."""
+    torch._dynamo.reset()
+
+    def plain_only(impl):
+        def call(*args):
+            bad = [type(a).__name__ for a in args if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor]
+            assert not bad, f"an implementation was called with {bad} while tracing"
+            return impl(*args)
+        return call
+
+    for op in (value for value in vars(P).values() if isinstance(value, P._Op)):
+        monkeypatch.setattr(op, "impl", plain_only(op.impl))
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(-1, 4, (9, 2), generator=gen)
+    x = torch.randn(9, 8, generator=gen).requires_grad_()
+    values = torch.rand(9, 2, generator=gen).requires_grad_()
+    scale = torch.tensor(0.5, requires_grad=True)
+    compiled = torch.compile(_model, backend="aot_eager", fullgraph=fullgraph)
+    out, plain, loss = compiled(idx, x, values, scale, None, 4)  # the exact size: a data-dependent slot count
+    loss.backward()
+    assert x.grad is not None and values.grad is not None and scale.grad is not None
