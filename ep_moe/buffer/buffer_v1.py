@@ -251,15 +251,18 @@ class Buffer:
         comm = self._comm_stream
         if comm is None:
             return fn(), EventOverlap(None)
-        compute = torch.cuda.current_stream(self.device)  # with the device given: no current-device lookup
+        waits = previous_event is not None and previous_event.event is not None
         if not async_finish:
-            if previous_event is not None and previous_event.event is not None:
-                compute.wait_event(previous_event.event)
-            if self._comm_pending or self._comm_shared:
-                compute.wait_stream(comm)
-                self._comm_pending = False
+            if waits or self._comm_pending or self._comm_shared:  # else no stream object is needed
+                compute = torch.cuda.current_stream(self.device)
+                if waits:
+                    compute.wait_event(previous_event.event)
+                if self._comm_pending or self._comm_shared:
+                    compute.wait_stream(comm)
+                    self._comm_pending = False
             return fn(), EventOverlap(None)
-        if previous_event is not None and previous_event.event is not None:
+        compute = torch.cuda.current_stream(self.device)  # with the device given: no current-device lookup
+        if waits:
             comm.wait_event(previous_event.event)
         else:
             comm.wait_stream(compute)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 ALIGNMENT = 2 << 20  # symmetric allocations are made in 2 MiB granules
@@ -51,6 +52,7 @@ class CombineRegions(NamedTuple):
     weights: int
 
 
+@functools.lru_cache(maxsize=256)  # pure in its ints, asked on every call
 def dispatch_regions(data_bytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> DispatchRegions:
     """Regions of a dispatch whose rows carry ``x_bytes`` of data, ``scale_bytes`` of FP8 scales and
     ``num_topk`` local expert ids (int64) and weights (fp32), plus the source token index (int32)."""
@@ -65,6 +67,7 @@ def dispatch_regions(data_bytes: int, x_bytes: int, scale_bytes: int, num_topk: 
     return DispatchRegions(rows, x, scales, idx, weights, src)
 
 
+@functools.lru_cache(maxsize=256)  # pure in its ints, asked on every call
 def combine_regions(data_bytes: int, y_bytes: int, num_topk: int) -> CombineRegions:
     """Regions of a combine whose rows carry ``y_bytes`` of data and ``num_topk`` fp32 weights."""
     per_row = y_bytes + 4 * num_topk
@@ -74,6 +77,7 @@ def combine_regions(data_bytes: int, y_bytes: int, num_topk: int) -> CombineRegi
     return CombineRegions(rows, 0, weights)
 
 
+@functools.lru_cache(maxsize=256)  # pure in its ints, asked on every call
 def data_bytes_for(rows: int, hidden: int, elem_size: int, num_scales: int, num_topk: int) -> int:
     """Data-buffer bytes (2 MiB aligned) for ``rows`` rows both of a dispatch of this shape and of the
     combine that follows it (whose rows are at least bf16: FP8 dispatches come back in bf16)."""
