@@ -41,8 +41,9 @@ def test_unpermute_own_rows_equals_unpermute_sum_on_the_own_rows(dtype, H, rank)
     layout, y, w, prefix = _own_rows_case(dtype, H, rank)
     first, end = (int(prefix[rank - 1, rank]) if rank else 0), int(prefix[rank, rank])
     for weights in (w, None):
-        want = P.unpermute_sum(y, layout, weights)
-        got = E.unpermute_own_rows(y.cuda(), None if weights is None else weights.cuda(), layout.sorted_slots.cuda(),
+        want = P.unpermute_sum(y, layout, weights)  # each row's slots summed in top-k order
+        # the order the combine passes (`expert_combine`: the layout's slot_of_pair); the fp32 sums show it
+        got = E.unpermute_own_rows(y.cuda(), None if weights is None else weights.cuda(), layout.slot_of_pair.cuda(),
                                    prefix.cuda(), rank)
         assert got.shape == want.shape and end > first
         assert_bits_equal(got[first:end], want[first:end], f"own rows (weighted={weights is not None})", on_host=True)

@@ -173,18 +173,21 @@ def _graph_case(buf, ref, knob, x, idx, w, E: int, W: int) -> list[str]:
     static_x, static_idx, static_w = x.clone(), idx.clone(), w.clone()
 
     def step():
+        # Every output is kept until the capture ends: a tensor freed inside the graph gives its memory to a later
+        # allocation of the graph (here the combine's output), whose kernel would then see another kernel's
+        # writes in a replay where it moves nothing itself.
         per_rank, per_expert, in_rank = buf.backend.get_dispatch_layout(static_idx, E)
-        rx, _, rw, _, h, _ = buf.dispatch(static_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                          num_tokens_per_expert=per_expert, topk_idx=static_idx,
-                                          topk_weights=static_w, num_worst_tokens=W)
-        combined, _, _ = buf.combine(rx, h, topk_weights=rw)
-        return rx, combined
+        result, _ = buf.dispatch_result(static_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                        num_tokens_per_expert=per_expert, topk_idx=static_idx, topk_weights=static_w,
+                                        num_worst_tokens=W)
+        combined = buf.combine(result.recv_x, result.handle, topk_weights=result.recv_topk_weights)
+        return result.recv_x, combined[0], (per_rank, per_expert, in_rank, result, combined)
 
     step()  # outside the graph first (sizes the buffer)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_rx, g_combined = step()
+        g_rx, g_combined, _kept = step()
     r_x, _, r_w, _, r_h, _ = ref.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, num_worst_tokens=W)
     r_c, _, _ = ref.combine(r_x, r_h, topk_weights=r_w)
 
