@@ -361,9 +361,10 @@ _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 def _traced(args) -> bool:
-    """Whether these arguments are being traced (torch.compile, or its AOT autograd tracing the backward with fake
-    or functional tensors, where `torch.compiler.is_compiling` is False): then only the op may see them."""
-    return torch.compiler.is_compiling() or any(type(a) not in _PLAIN_TENSORS for a in args if isinstance(a, Tensor))
+    """Whether these arguments (an op's, whose first is always a tensor) are being traced (torch.compile, or its AOT
+    autograd tracing the backward with fake or functional tensors, where `torch.compiler.is_compiling` is False):
+    then only the op may see them. A traced call's tensors are all traced, so the first tells."""
+    return torch.compiler.is_compiling() or type(args[0]) not in _PLAIN_TENSORS
 
 
 class _Op:
