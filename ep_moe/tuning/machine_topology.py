@@ -33,6 +33,7 @@ DATASHEET: dict[str, tuple[int, int, float]] = {
 }
 NVLINK_GBS_BY_VERSION = {2: 25.0, 3: 25.0, 4: 26.5625, 5: 50.0}
 FALLBACK_GPU = "H200"  # planning on a machine without a GPU: assume this one (datasheet numbers)
+DEFAULT_RANKS_PER_DOMAIN = 8  # GPUs of one NVLink domain where nothing says otherwise (an HGX node)
 FALLBACK_DEVICE_SMS = 132
 
 
@@ -107,8 +108,11 @@ class Topology:
         return cls(**known)
 
     def with_group(self, world_size: int, ranks_per_domain: int | None = None) -> Topology:
-        """The same hardware for a group of ``world_size`` ranks (``ranks_per_domain`` ranks per node)."""
-        per_domain = min(ranks_per_domain or self.ranks_per_domain, world_size)
+        """The same hardware for a group of ``world_size`` ranks (``ranks_per_domain`` ranks per node). By default
+        the group keeps this topology's ranks per domain; a topology of one rank, which says nothing of how ranks
+        share nodes, gives domains of `DEFAULT_RANKS_PER_DOMAIN` (an HGX node)."""
+        default = DEFAULT_RANKS_PER_DOMAIN if self.world_size == 1 else self.ranks_per_domain
+        per_domain = min(ranks_per_domain or default, world_size)
         return replace(self, world_size=world_size, ranks_per_domain=per_domain,
                        num_nodes=max(1, math.ceil(world_size / per_domain)))
 
@@ -339,5 +343,5 @@ def detect_topology(world_size: int | None = None, local_world_size: int | None 
                    nic_gbs=nic, driver=driver, source=source)
 
 
-__all__ = ["DATASHEET", "Topology", "datasheet", "detect_nic_gbs", "detect_topology", "parse_ib_rate",
+__all__ = ["DATASHEET", "DEFAULT_RANKS_PER_DOMAIN", "Topology", "datasheet", "detect_nic_gbs", "detect_topology", "parse_ib_rate",
            "parse_nvlink_status", "parse_topo_matrix"]

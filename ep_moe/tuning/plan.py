@@ -17,7 +17,7 @@ from .bandwidth_model import (
     split_sms,
 )
 from .machine_topology import FALLBACK_DEVICE_SMS, FALLBACK_GPU, Topology
-from .rates import Rates, smooth_max
+from .rates import DEFAULT_RDMA_EFFICIENCY, DEFAULT_RDMA_GBS, Rates, smooth_max
 from .theoretical import get_theoretical_num_sms
 
 
@@ -319,14 +319,18 @@ def planning_target(topology: Topology, rates: Rates | None) -> tuple[Topology, 
     """The topology and rates to plan with: ``topology`` itself, or a `FALLBACK_GPU` node of the same group
     shape when it has no GPU (a CPU machine planning for GPUs). The flag says which."""
     if topology.has_gpu:
-        return topology, rates or Rates.defaults(topology), False
-    target = Topology.preset(FALLBACK_GPU, topology.world_size, topology.ranks_per_domain,
-                             nic_gbps=topology.nic_gbs * 8 if topology.nic_gbs else None)
-    if rates is None or not rates.measured:
-        rates = Rates.defaults(target) if rates is None else replace(
-            rates, nvlink_gbs=rates.nvlink_gbs or Rates.defaults(target).nvlink_gbs,
-            rdma_gbs=rates.rdma_gbs or Rates.defaults(target).rdma_gbs)
-    return target, rates, True
+        target, rates, fallback = topology, rates or Rates.defaults(topology), False
+    else:
+        target, fallback = Topology.preset(FALLBACK_GPU, topology.world_size, topology.ranks_per_domain,
+                                           nic_gbps=topology.nic_gbs * 8 if topology.nic_gbs else None), True
+        if rates is None or not rates.measured:
+            rates = Rates.defaults(target) if rates is None else replace(
+                rates, nvlink_gbs=rates.nvlink_gbs or Rates.defaults(target).nvlink_gbs,
+                rdma_gbs=rates.rdma_gbs or Rates.defaults(target).rdma_gbs)
+    if not target.intranode and rates.rdma_gbs <= 0:  # across nodes, and no NIC was found here
+        rates = replace(rates, rdma_gbs=DEFAULT_RDMA_GBS * DEFAULT_RDMA_EFFICIENCY,
+                        notes=rates.notes + (f"no NIC found: {DEFAULT_RDMA_GBS:g} GB/s per GPU assumed",))
+    return target, rates, fallback
 
 
 def deepep_v2_num_sms(shape: LayerShape, topology: Topology, nvlink_gbs: float | None = None,

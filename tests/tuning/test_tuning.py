@@ -42,6 +42,7 @@ from ep_moe.tuning.machine_topology import (
     parse_nvlink_status,
     parse_topo_matrix,
 )
+from ep_moe.tuning.plan import planning_target
 
 V3 = LayerShape(256, 8, 7168, 4096)  # DeepSeek-V3's shape, the one DeepEP publishes SM counts for
 H200X2 = Topology.preset("H200", world_size=2, ranks_per_domain=2)
@@ -356,6 +357,26 @@ def test_plan_for_layer_and_table():
     assert plan is cache.plan(V3)
     table = cache.table()
     assert "E256 K8 H7168 T4096 bf16" in table and str(plan.num_sms) in table.splitlines()[2]
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_a_plan_for_another_group_size_from_a_one_rank_topology_is_sound(gpu):
+    """A process that described itself alone (world 1: nothing known of how ranks share nodes, no NIC found) asked
+    for larger groups: one HGX domain up to 8 ranks, then nodes of 8 with an assumed NIC rate (said in the rates'
+    notes), and finite predictions; with or without a GPU here."""
+    one = dataclasses.replace(Topology.preset("H200", world_size=1, ranks_per_domain=1), nic_gbs=None)
+    if not gpu:
+        one = Topology(world_size=1, ranks_per_domain=1, num_nodes=1, source="cpu")
+    cache = PlanCache(one, None if not gpu else Rates.defaults(one))
+    assert one.with_group(8).intranode and one.with_group(16).num_nodes == 2 and one.with_group(16, 4).num_nodes == 4
+    for ranks, mode in ((8, "intranode"), (16, "hybrid"), (64, "hybrid")):
+        plan = plan_for_layer(256, 8, 7168, 4096, "bf16", num_ranks=ranks, cache=cache)
+        assert plan.mode == mode and plan.num_ranks == ranks, (ranks, plan)
+        assert math.isfinite(plan.predicted_dispatch_us) and math.isfinite(plan.predicted_combine_us), plan
+        assert plan.predicted_dispatch_us > 0 and plan.num_sms >= 2
+    _, rates, _ = planning_target(one.with_group(16), cache.rates)
+    assert rates.rdma_gbs > 0 and any("no NIC found" in note for note in rates.notes)
+    assert H200X2.with_group(16).ranks_per_domain == 2  # a known group keeps its ranks per domain
 
 
 # ------------------------------------------------------------------------------------------ refine
