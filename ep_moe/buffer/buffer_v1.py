@@ -124,6 +124,7 @@ class Buffer:
         # call's, or anyone's once the stream was handed out (`get_comm_stream`). See `_run`.
         self._comm_pending = False
         self._comm_shared = False
+        self._compute_pending = False  # a synchronous call ran on the current stream since the last asynchronous one
         self.backend: CommBackend = self._make_backend(backend)
         self.buffer_id = next(_buffer_ids)
         _live_buffers[self.buffer_id] = self
@@ -245,9 +246,10 @@ class Buffer:
 
         A synchronous call (the caller waits for it anyway) runs on the current stream: the same order as
         DeepEP's run on the communication stream joined at once, without a stream switch or marking every tensor
-        in use by a second stream. An asynchronous one runs on the communication stream and returns an
-        `EventOverlap` holding its tensors; until the current stream waits for that stream again, later calls
-        queue behind it (they share the symmetric buffer)."""
+        in use by a second stream. An asynchronous one runs on the communication stream, after ``previous_event``
+        and any synchronous call of this buffer before it, and returns an `EventOverlap` holding its tensors; until
+        the current stream waits for that stream again, later calls queue behind it. Calls of one buffer never run
+        side by side: they share the symmetric buffer."""
         comm = self._comm_stream
         if comm is None:
             return fn(), EventOverlap(None)
@@ -260,13 +262,16 @@ class Buffer:
                 if self._comm_pending or self._comm_shared:
                     compute.wait_stream(comm)
                     self._comm_pending = False
+            self._compute_pending = True
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self.device)  # with the device given: no current-device lookup
         if waits:
             comm.wait_event(previous_event.event)
+            if self._compute_pending:  # a synchronous call queued after that event must not run beside this one
+                comm.wait_stream(compute)
         else:
             comm.wait_stream(compute)
-        self._comm_pending = True
+        self._comm_pending, self._compute_pending = True, False
         with torch.cuda.stream(comm):
             try:
                 out = fn()

@@ -57,7 +57,7 @@ def streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     buffer = SimpleNamespace(_comm_stream=comm, device=torch.device("cuda", 0), _comm_pending=False,
-                             _comm_shared=False)
+                             _comm_shared=False, _compute_pending=False)
     return buffer, log, current
 
 
@@ -98,6 +98,20 @@ def test_an_asynchronous_call_after_previous_event_waits_for_it_not_for_the_curr
     buffer, log, current = streams
     Buffer._run(buffer, _queue_then(log, current), [], EventOverlap(_Event("before")), True)
     assert log[:2] == ["comm waits for event before", "kernels queued on comm"]
+
+
+def test_an_asynchronous_call_after_previous_event_also_follows_an_earlier_synchronous_call(streams) -> None:
+    """``previous_event`` may have been recorded before a synchronous call of the buffer that now runs on the
+    current stream: the asynchronous call waits for that stream too, once."""
+    buffer, log, current = streams
+    before = EventOverlap(_Event("before"))
+    Buffer._run(buffer, _queue_then(log, current), [], None, False)
+    Buffer._run(buffer, _queue_then(log, current), [], before, True)
+    Buffer._run(buffer, _queue_then(log, current), [], before, True)  # nothing synchronous in between
+    assert log == ["kernels queued on compute",
+                   "comm waits for event before", "comm waits for compute", "kernels queued on comm",
+                   "event recorded on comm",
+                   "comm waits for event before", "kernels queued on comm", "event recorded on comm"]
 
 
 def test_work_on_the_handed_out_communication_stream_is_waited_for(streams) -> None:
