@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.native_backend_fakes import ERROR_WORDS, FakeData, fake_native_backend
 
 from ep_moe.backends import agreement
 from ep_moe.backends import native_backend as nb
-from ep_moe.config import Config, NativeOptions
+from ep_moe.config import Config
 
-ERROR_WORDS = 16
 HIDDEN, TOKENS, TOPK, EXPERTS = 64, 5, 2, 4
 
 
@@ -143,19 +143,6 @@ class _ModelEvent:
         self.device.run_stream(self.stream)
 
 
-class _Event:
-    def record(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Data:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes, self.ptrs = nbytes, [0]
-
-
 class _Fallback:
     def __init__(self) -> None:
         self.calls = 0
@@ -167,21 +154,7 @@ class _Fallback:
 
 @pytest.fixture
 def backend(monkeypatch):
-    b = nb.NativeBackend.__new__(nb.NativeBackend)
-    b.group, b.rank, b.num_ranks, b.device, b.timeout_s = None, 0, 1, torch.device("cpu"), 10.0
-    b.options = NativeOptions()
-    b._fallback, b._broken, b._destroyed = _Fallback(), None, False
-    b._use_error_words(torch.zeros(ERROR_WORDS + nb.MISMATCH_WORDS, dtype=torch.int32))
-    b._host_counts = torch.zeros(8 * 9 + 8 * nb.HEADER_WORDS + nb.HEADER_LEN + 1, dtype=torch.int32)
-    b._host_expert_counts = torch.zeros(1024, dtype=torch.int64)
-    b._scratch = torch.zeros(64, dtype=torch.int32)
-    b._buffer_env, b._envs = "env", {}
-    b._envs[b.options] = b._buffer_env
-    b._data, b._retired, b._route_layout = _Data(64 << 20), [], {}
-    b._copy_streams, b._copy_flag_stream, b._copy_seq, b._copy_go = [], None, 0, None
-    b._notify_done = _Event()
-    b.trace_kernels, b.last_trace, b.last_push_blocks, b.last_copy_engine_trace = False, {}, {}, {}
-    b.test_header_perturbation = None
+    b = fake_native_backend(0, 1, _Fallback(), 64 << 20)
     fake = FakeExtension(b)
     monkeypatch.setattr(nb, "_c", lambda: fake)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -262,7 +235,7 @@ def test_exchange_before_the_fallback_and_before_growth(backend) -> None:
     assert fake.calls == ["exchange"] and b._fallback.calls == 0
     fake.seen = None
     assert _dispatch(b, hidden=60) == "fallback" and fake.calls == ["exchange", "exchange"]
-    b._data = _Data(2 << 20)  # too small for the fixed size below: it grows, after an exchange
+    b._data = FakeData(2 << 20)  # too small for the fixed size below: it grows, after an exchange
     fake.seen = (6, 1)
     with pytest.raises(ValueError, match="num_worst_tokens"):
         _dispatch(b, worst=100_000)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.bits import assert_bits_equal
+from support.native_backend_fakes import ERROR_WORDS, fake_native_backend
 
 from ep_moe.backends import native_backend as nb
 from ep_moe.backends.comm_backend import DispatchResult
@@ -29,7 +30,7 @@ from ep_moe.permute import (
     permute_rows_and_values,
 )
 
-ERROR_WORDS, GARBAGE = 16, 0x5A
+GARBAGE = 0x5A
 R, ME, T, H, K, E = 2, 1, 7, 256, 3, 8  # two ranks, this is rank 1; four local experts
 L = E // R
 PEER_ROWS = 5  # rows rank 0 sends rank 1
@@ -112,20 +113,6 @@ class FakeKernels:
         self.calls.append(("combine", args))
 
 
-class _Data:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes, self.ptrs = nbytes, [0, 0]
-        self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
-
-
-class _Event:
-    def record(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 def _scenario(fp8: bool, alignment: int) -> dict:
     """Rank 1's tokens and routing, and what rank 0 sends it (rows, local top-k, weights)."""
     gen = torch.Generator().manual_seed(7 + alignment + fp8)
@@ -154,22 +141,7 @@ def _scenario(fp8: bool, alignment: int) -> dict:
 
 @pytest.fixture
 def backend(monkeypatch):
-    b = nb.NativeBackend.__new__(nb.NativeBackend)
-    b.group, b.rank, b.num_ranks, b.device, b.timeout_s = None, ME, R, torch.device("cpu"), 10.0
-    b.options = NativeOptions()
-    b._fallback, b._broken, b._destroyed = None, None, False
-    b._use_error_words(torch.zeros(ERROR_WORDS + nb.MISMATCH_WORDS, dtype=torch.int32))
-    b._host_counts = torch.zeros(8 * 9 + 8 * nb.HEADER_WORDS + nb.HEADER_LEN + 1, dtype=torch.int32)
-    b._host_expert_counts = torch.zeros(1024, dtype=torch.int64)
-    b._scratch = torch.zeros(64, dtype=torch.int32)
-    b._buffer_env, b._envs = "env", {}
-    b._envs[b.options] = b._buffer_env
-    b._data, b._retired, b._route_layout = _Data(4 << 20), [], {}
-    b._copy_streams, b._copy_flag_stream, b._copy_seq, b._copy_go = [], None, 0, None
-    b._notify_done = _Event()
-    b.trace_kernels, b.last_trace, b.last_push_blocks, b.last_copy_engine_trace = False, {}, {}, {}
-    b.test_header_perturbation = None
-    b.in_place_dispatches = b.expert_row_combines = 0
+    b = fake_native_backend(ME, R, None, 4 << 20)
     monkeypatch.setattr(nb.native, "kernels_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
