@@ -137,11 +137,12 @@ def _run(args: argparse.Namespace) -> int:
         if not topology.has_gpu:
             say(f"(no GPU here: planning for the {FALLBACK_GPU} datasheet; --gpu picks another)")
             topology = Topology.preset(FALLBACK_GPU, ranks, per_node, nic_gbps=args.nic_gbps)
+    rates = None
     if args.calibration and not args.calibrate:  # a file the user names must be used, not quietly replaced
         from ..tuning.calibration import CalibrationFileError, load_rates
 
         try:
-            load_rates(topology, path=args.calibration)
+            rates = load_rates(topology, path=args.calibration)  # what the plans are made with
         except CalibrationFileError as exc:
             print(f"ep-moe tune: --calibration: {exc}", file=sys.stderr)
             return 2
@@ -156,7 +157,6 @@ def _run(args: argparse.Namespace) -> int:
         buffer = Buffer(num_nvl_bytes=nvl_bytes, backend=args.backend)
         if buffer.backend_name != "native":
             say(f"note: backend {buffer.backend_name!r} ignores the SM count: measured times will not depend on it")
-    rates = None
     if args.calibrate:
         from ..tuning.calibration import calibrate
 
