@@ -104,9 +104,8 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
         parts, host = _expert_layout_parts(topk_idx, num_experts, alignment, bound, capacity)
         return ExpertLayout(*parts, host)
     packed, exact_pair_of_slot, host = _EXPERT_LAYOUT(topk_idx, num_experts, alignment, bound, capacity)
-    head = 0 if exact else (num_experts * capacity if capacity else num_slots)
+    head, pairs = _layout_sizes(topk_idx, num_experts, bound, capacity)
     rows, topk = topk_idx.shape
-    pairs = rows * topk
     pair_of_slot = exact_pair_of_slot if exact else packed[:head]
     slot_of_pair, sorted_slots, tokens, counts = packed[head:].split_with_sizes(
         (pairs, pairs, num_experts, num_experts))
@@ -378,6 +377,7 @@ class _Op:
         self.function = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup)
+
             def forward(ctx, *args):  # ctx-style: a Function with setup_context binds its arguments per call
                 output = impl(*args)
                 setup(ctx, args, output)
@@ -399,7 +399,7 @@ _EMPTY_F32 = dict(dtype=torch.float32)
 
 
 def _layout_sizes(topk_idx: Tensor, num_experts: int, num_slots: int, capacity: int) -> tuple[int, int]:
-    """(slots at the head of the packed layout: M, or 0 at the exact size; pairs N * K)."""
+    """(slots at the head of the packed layout: M, or 0 at the exact size, ``num_slots`` -1; pairs N * K)."""
     head = num_experts * capacity if capacity else max(num_slots, 0)
     return head, topk_idx.shape[0] * topk_idx.shape[1]
 
@@ -414,7 +414,7 @@ def _expert_layout_parts(topk_idx: Tensor, num_experts: int, alignment: int, num
     _note_ran(how, topk_idx, why)
     if how == "jit":
         parts = jit_kernels.expert_layout(topk_idx.contiguous(), num_experts, alignment, num_slots, capacity)
-        return tuple(parts[:5]), parts[5] if ((num_slots < 0 and not capacity) or capacity) else None
+        return tuple(parts[:5]), parts[5] if num_slots < 0 or capacity else None  # exact size or capacity
     layout = _expert_layout_torch(topk_idx, num_experts, alignment, None if num_slots < 0 else num_slots, capacity)
     return tuple(layout[:5]), layout.tokens_per_expert_host
 
