@@ -23,7 +23,8 @@ import os
 
 import pytest
 import torch
-from test_rows_in_place_host_paths import ME, E, FakeKernels, _Data, _scenario
+from support.native_backend_fakes import FakeData
+from test_rows_in_place_host_paths import ME, E, FakeKernels, R, _scenario
 from test_rows_in_place_host_paths import backend as _backend  # noqa: F401  (the fixture, used by name below)
 
 from ep_moe.backends import native_backend as nb
@@ -85,7 +86,7 @@ def test_given_memory_never_grows(fixed):
 def test_own_memory_grows_and_counts(request, monkeypatch):
     b = request.getfixturevalue("_backend")
     made = []
-    monkeypatch.setattr(nb, "SymmetricBuffer", lambda group, device, nbytes: made.append(nbytes) or _Data(nbytes))
+    monkeypatch.setattr(nb, "SymmetricBuffer", lambda group, device, nbytes: made.append(nbytes) or FakeData(nbytes, R))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"synchronize": staticmethod(lambda: None)})())
     before = b._data
     b._fit(10_000, 1024, 2, 0, 4)
@@ -108,7 +109,7 @@ def test_exact_dispatch_that_does_not_fit_closes_its_epoch(fixed, monkeypatch):
     s = _scenario(False, 1)
     fake = _ClosingKernels(fixed, s)
     monkeypatch.setattr(nb, "_c", lambda: fake)
-    fixed._data = _Data(4096)  # given memory too small for the scenario's rows
+    fixed._data = FakeData(4096, R)  # given memory too small for the scenario's rows
     with pytest.raises(ValueError, match="argument 'num_bytes'"):
         fixed.dispatch(s["x"], None, s["idx"], s["w"], s["in_rank"], s["per_rank"], None, E, 1, 0, Config())
     assert [name for name, _ in fake.calls] == ["notify", "close_epoch"]  # counts exchanged, no row sent
