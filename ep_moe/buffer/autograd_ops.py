@@ -68,16 +68,20 @@ def _config(num_sms: int) -> Config | None:
 def _fresh(outputs: tuple, inputs: tuple) -> tuple:
     """``outputs`` with a copy wherever one shares memory with an input or an earlier output (torch refuses such
     outputs of a custom op): a view (it shows in ``_base``, except under inference mode) or the same storage (a
-    one-rank backend may hand an input back, or two outputs out of one allocation)."""
-    def storage(t) -> int:
-        return t.untyped_storage().data_ptr() if isinstance(t, Tensor) and t.numel() else 0
+    one-rank backend may hand an input back, or two outputs out of one allocation). Empty tensors count too: torch
+    compares the storages themselves, so two empty views of one allocation alias."""
+    def keys(t) -> set[int]:
+        if not isinstance(t, Tensor):
+            return set()
+        storage = t.untyped_storage()
+        return {storage._cdata, storage.data_ptr()} if storage.nbytes() else {storage._cdata}
 
-    taken = {storage(t) for t in inputs} - {0}
+    taken = set().union(*map(keys, inputs))
     fresh = []
     for t in outputs:
-        if t.numel() and (t._base is not None or storage(t) in taken):
+        if t._base is not None or not keys(t).isdisjoint(taken):
             t = t.clone()
-        taken.add(storage(t))
+        taken |= keys(t)
         fresh.append(t)
     return tuple(fresh)
 
