@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
+import traceback
 from typing import NamedTuple
 
 import pytest
@@ -138,9 +140,13 @@ def on_device(device: torch.device, value):
 
 
 # ------------------------------------------------------------------------------------------ workers
-def _all_ok(ok: bool, side_group) -> bool:
-    """Whether every rank's case passed (over gloo, so that it never mixes with a pending NCCL call)."""
-    flag = torch.tensor([0 if ok else 1])
+def _all_ok(error: BaseException | None, side_group, rank: int, label: str) -> bool:
+    """Whether every rank's case passed (over ``side_group``: gloo, apart from the buffers' own collectives, so that
+    it never pairs with a call a failing rank skipped). This rank's ``error`` goes to stderr at once: a peer left
+    waiting in a collective the failing rank skipped only gives up at its timeout."""
+    if error is not None:
+        print(f"[rank {rank}] {label}:\n{''.join(traceback.format_exception(error))}", file=sys.stderr, flush=True)
+    flag = torch.tensor([0 if error is None else 1])
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=side_group)
     return int(flag) == 0
 
@@ -185,7 +191,7 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
             _check_case(rank, world, index, nat, ref, options)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
-        if not _all_ok(error is None, side_group):
+        if not _all_ok(error, side_group, rank, f"case {index}"):
             raise AssertionError(f"case {index} {make_case(index)} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
     _check_kernels_used(launches)

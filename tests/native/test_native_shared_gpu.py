@@ -180,6 +180,7 @@ def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
 
     nat = Buffer(backend="auto", timeout_s=BUFFER_TIMEOUT_S)
     ref = Buffer(backend="torch")
+    side_group = dist.new_group(backend="gloo")  # apart from the reference's collectives on the world group
     assert nat.backend_name == "native", (nat.backend_name, nat.backend_reason)
     assert nat.device == DEVICE and ref.device == torch.device("cpu"), (nat.device, ref.device)
     # each options value's first use is a collective check: all of them now, so that a case failing on one
@@ -194,7 +195,7 @@ def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
                 _check_expert_major(rank, world, index, nat, ref, case)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
-        if not _all_ok(error is None, dist.group.WORLD):
+        if not _all_ok(error, side_group, rank, f"case {index}"):
             raise AssertionError(f"case {index} {case} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
     nat.barrier()
@@ -226,6 +227,7 @@ def _expert_major_worker(rank: int, world: int) -> int:
     composed = Buffer(backend="native", timeout_s=BUFFER_TIMEOUT_S,
                       native_options=NativeOptions(expert_major_fused=False))
     ref = Buffer(backend="torch")
+    side_group = dist.new_group(backend="gloo")  # apart from the reference's collectives on the world group
     for index in range(NUM_EXPERT_MAJOR_CASES):
         case, error = expert_major_case(index), None
         try:
@@ -234,7 +236,7 @@ def _expert_major_worker(rank: int, world: int) -> int:
                 _check_expert_major(rank, world, 100 + index, composed, ref, case)
         except Exception as exc:  # every rank stops at the same case, with this rank's reason
             error = exc
-        if not _all_ok(error is None, dist.group.WORLD):
+        if not _all_ok(error, side_group, rank, f"expert-major case {index}"):
             raise AssertionError(f"expert-major case {index} {case} failed on "
                                  f"{'this rank' if error is not None else 'another rank'}") from error
     assert composed.backend.in_place_dispatches == composed.backend.expert_row_combines == 0

@@ -211,8 +211,9 @@ def _isolated(child: str, timeout_s: float = 120.0) -> dict:
     """Run ``child()`` (a function of this module returning a JSON-able dict) in a fresh Python process; its
     dict. Fails the test, with the child's output, when the child dies (a signal, e.g. SIGABRT), exits non-zero
     (also at its exit, after reporting), reports nothing, or runs past ``timeout_s``."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    tests = Path(__file__).resolve().parents[1]  # the module imports the test-support package from there
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tests.parent), str(tests),
+                                                                    os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run([sys.executable, str(Path(__file__).resolve()), child], env=env, capture_output=True,
                               text=True, timeout=timeout_s)
