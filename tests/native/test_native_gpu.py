@@ -23,6 +23,8 @@ import random
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import pytest
@@ -140,15 +142,21 @@ def on_device(device: torch.device, value):
 
 
 # ------------------------------------------------------------------------------------------ workers
-def _all_ok(error: BaseException | None, side_group, rank: int, label: str) -> bool:
-    """Whether every rank's case passed (over ``side_group``: gloo, apart from the buffers' own collectives, so that
-    it never pairs with a call a failing rank skipped). This rank's ``error`` goes to stderr at once: a peer left
-    waiting in a collective the failing rank skipped only gives up at its timeout."""
-    if error is not None:
-        print(f"[rank {rank}] {label}:\n{''.join(traceback.format_exception(error))}", file=sys.stderr, flush=True)
+def check_in_step(check: Callable[[], object], side_group, rank: int, label: str) -> None:
+    """Run ``check()`` on every rank, which then all stop at the same case: raises on every rank when it failed on
+    any, with this rank's reason. The verdict travels over ``side_group`` (gloo, apart from the buffers' own
+    collectives, so that it never pairs with a call a failing rank skipped); a failure goes to stderr at once, since
+    a peer left waiting in a collective that the failing rank skipped only gives up at its timeout."""
+    error = None
+    try:
+        check()
+    except Exception as exc:
+        error = exc
+        print(f"[rank {rank}] {label}:\n{''.join(traceback.format_exception(exc))}", file=sys.stderr, flush=True)
     flag = torch.tensor([0 if error is None else 1])
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=side_group)
-    return int(flag) == 0
+    if int(flag):
+        raise AssertionError(f"{label} failed on {'this rank' if error is not None else 'another rank'}") from error
 
 
 def _copy_engine_options(forced: bool, streams: int = 1, flag_stream: bool = False, bulk: str = "auto"
@@ -185,15 +193,9 @@ def _equality_worker(rank: int, world: int, num_cases: int) -> int:
     for options in dict.fromkeys(_case_options(index) for index in range(num_cases)):
         nat.backend._env_for(options)
     for index in range(num_cases):
-        error = None
         options = _case_options(index)
-        try:
-            _check_case(rank, world, index, nat, ref, options)
-        except Exception as exc:  # every rank stops at the same case, with this rank's reason
-            error = exc
-        if not _all_ok(error, side_group, rank, f"case {index}"):
-            raise AssertionError(f"case {index} {make_case(index)} failed on "
-                                 f"{'this rank' if error is not None else 'another rank'}") from error
+        check_in_step(partial(_check_case, rank, world, index, nat, ref, options), side_group, rank,
+                      f"case {index} {make_case(index)}")
     _check_kernels_used(launches)
     nat.barrier()
     nat.destroy()

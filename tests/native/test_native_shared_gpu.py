@@ -22,6 +22,8 @@ peer may cost a scheduler time slice. Run: ``pytest -m gpu tests/native/test_nat
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,7 +32,6 @@ from support.shared_gpu import DEVICE, check_symmetric_buffer, run_on_one_gpu, s
 from test_native_gpu import (
     GRAPH_EXPERTS,
     ROUTINGS,
-    _all_ok,
     _case_options,
     _check_case,
     _copy_engine_options,
@@ -38,6 +39,7 @@ from test_native_gpu import (
     _rank0_times_out_alone,
     _routed_inputs,
     check_graph_replays,
+    check_in_step,
     make_inputs,
     on_device,
     timeout_inputs,
@@ -175,6 +177,17 @@ def _check_expert_cached_dispatch(rank: int, world: int, index: int, nat, ref, c
         assert_bits_equal(a, b, f"{label} expert_cached_dispatch output {i}", on_host=True)
 
 
+def _check_small_case(rank: int, world: int, index: int, nat, ref, case: dict) -> None:
+    _check_case(rank, world, index, nat, ref, _case_options(index), case)
+    if index % 3 != 2:  # expert-major on two cases of three (FP8 and fixed size among them)
+        _check_expert_major(rank, world, index, nat, ref, case)
+
+
+def _check_expert_major_on(buffers: tuple, rank: int, world: int, index: int, ref, case: dict) -> None:
+    for buffer in buffers:
+        _check_expert_major(rank, world, index, buffer, ref, case)
+
+
 def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
     from ep_moe import Buffer
 
@@ -188,16 +201,9 @@ def _shared_equality_worker(rank: int, world: int, indices: list[int]) -> int:
     for options in dict.fromkeys(_case_options(index) for index in indices):
         nat.backend._env_for(options)
     for index in indices:
-        case, error = small_case(index), None
-        try:
-            _check_case(rank, world, index, nat, ref, _case_options(index), case)
-            if index % 3 != 2:  # expert-major on two cases of three (FP8 and fixed size among them)
-                _check_expert_major(rank, world, index, nat, ref, case)
-        except Exception as exc:  # every rank stops at the same case, with this rank's reason
-            error = exc
-        if not _all_ok(error, side_group, rank, f"case {index}"):
-            raise AssertionError(f"case {index} {case} failed on "
-                                 f"{'this rank' if error is not None else 'another rank'}") from error
+        case = small_case(index)
+        check_in_step(partial(_check_small_case, rank, world, index, nat, ref, case), side_group, rank,
+                      f"case {index} {case}")
     nat.barrier()
     nat.destroy()
     ref.destroy()
@@ -229,16 +235,11 @@ def _expert_major_worker(rank: int, world: int) -> int:
     ref = Buffer(backend="torch")
     side_group = dist.new_group(backend="gloo")  # apart from the reference's collectives on the world group
     for index in range(NUM_EXPERT_MAJOR_CASES):
-        case, error = expert_major_case(index), None
-        try:
-            _check_expert_major(rank, world, 100 + index, nat, ref, case)
-            if index % 3 == 0:
-                _check_expert_major(rank, world, 100 + index, composed, ref, case)
-        except Exception as exc:  # every rank stops at the same case, with this rank's reason
-            error = exc
-        if not _all_ok(error, side_group, rank, f"expert-major case {index}"):
-            raise AssertionError(f"expert-major case {index} {case} failed on "
-                                 f"{'this rank' if error is not None else 'another rank'}") from error
+        case = expert_major_case(index)
+        # the composed path on every third case
+        buffers = (nat, composed) if index % 3 == 0 else (nat,)
+        check_in_step(partial(_check_expert_major_on, buffers, rank, world, 100 + index, ref, case), side_group,
+                      rank, f"expert-major case {index} {case}")
     assert composed.backend.in_place_dispatches == composed.backend.expert_row_combines == 0
     nat.barrier()
     nat.destroy()
