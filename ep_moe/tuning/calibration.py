@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..distributed import disable_multicast
 from .bandwidth_model import LayerShape
 from .machine_topology import Topology, detect_topology
 from .plan import PlanPolicy, link_seconds, op_costs, sm_seconds
@@ -245,8 +246,10 @@ def measure_peer_rates(group: dist.ProcessGroup, device: torch.device,
                        sms: tuple[int, ...] = PEER_PROBE_SMS) -> dict[str, float]:
     """Every rank stores into the next rank's symmetric buffer at once. Returns GB/s per direction:
     ``push_<k>`` with k SMs, ``copy_engine`` with ``copy_``, ``per_sm`` (push on few SMs / k), ``link``
-    (the best push). Collective; multicast stays off (``import ep_moe`` turned it off)."""
+    (the best push). Collective; NVLink multicast stays off (`ep_moe.distributed.disable_multicast`)."""
     import torch.distributed._symmetric_memory as symm_mem
+
+    disable_multicast()  # before the rendezvous that would read the variables
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n = STREAM_BYTES // 4

@@ -250,11 +250,6 @@ class KernelCache:
                          f"compiled in {meta.get('compile_s', '?')} s, {meta['size']} bytes)")
         return lines
 
-    def forget_memory(self) -> None:
-        """Drop the in-process level (the disk level stays)."""
-        with self._mutex:
-            self._memory.clear()
-
 
 __all__ = ["ENTRY_SUFFIX", "KEY_FORMAT", "Entry", "KernelCache", "cache_key", "decode_entry", "default_cache_dir",
            "encode_entry"]
