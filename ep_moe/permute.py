@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .buffer.routing_layout import count_values, round_up
+from .custom_op import CustomOp, needs_dispatcher
 from .native import jit
 from .native.jit import expert_major as jit_kernels
 
@@ -100,7 +101,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int = 1, num_sl
                          f"{num_experts * capacity} with a capacity, got {num_slots}")
     exact = num_slots is None and not capacity
     bound = -1 if num_slots is None else num_slots
-    if not _traced((topk_idx,)):  # eager: the parts as they come (see `_Op`)
+    if not needs_dispatcher((topk_idx,)):  # eager: the parts as they come (see `CustomOp`)
         parts, host = _expert_layout_parts(topk_idx, num_experts, alignment, bound, capacity)
         return ExpertLayout(*parts, host)
     packed, exact_pair_of_slot, host = _EXPERT_LAYOUT(topk_idx, num_experts, alignment, bound, capacity)
@@ -354,47 +355,8 @@ def _unpermute_backward(grad: Tensor, y: Tensor, weights: Tensor | None, pair_of
 # torch definitions when it runs (in a compiled graph too, so the JIT kernels run there on CUDA); its fake
 # implementation gives the output shapes while torch.compile traces; the forward ops' autograd formulas call the
 # backward ops. Outputs never alias inputs or each other (a custom op's rule): the layout comes back packed in one
-# tensor, which `expert_layout` splits into views. In eager mode `_Op` calls the same implementation and autograd
-# formula without the dispatcher, whose Python custom-op path costs more host time per call than a kernel launch.
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-
-
-def _traced(args) -> bool:
-    """Whether these arguments (an op's, whose first is always a tensor) are being traced (torch.compile, or its AOT
-    autograd tracing the backward with fake or functional tensors, where `torch.compiler.is_compiling` is False):
-    then only the op may see them. A traced call's tensors are all traced, so the first tells."""
-    return torch.compiler.is_compiling() or type(args[0]) not in _PLAIN_TENSORS
-
-
-class _Op:
-    """A custom op ``ep_moe::<name>`` of ``impl`` (with an autograd formula: ``setup`` and ``backward`` as
-    ``register_autograd`` takes them). Calling it runs the op while torch.compile traces; in eager mode ``impl``
-    itself, through an autograd Function of the same formula when an input needs a gradient."""
-
-    def __init__(self, name: str, impl, setup=None, backward=None) -> None:
-        self.impl = impl
-        self.op = torch.library.custom_op(f"ep_moe::{name}", impl, mutates_args=())
-        self.function = None
-        if backward is not None:
-            self.op.register_autograd(backward, setup_context=setup)
-
-            def forward(ctx, *args):  # ctx-style: a Function with setup_context binds its arguments per call
-                output = impl(*args)
-                setup(ctx, args, output)
-                return output
-
-            self.function = type(f"_{name}_function", (torch.autograd.Function,), {
-                "forward": staticmethod(forward), "backward": staticmethod(backward)})
-
-    def __call__(self, *args):
-        if _traced(args):
-            return self.op(*args)
-        if self.function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, Tensor) and a.requires_grad for a in args):
-            return self.function.apply(*args)
-        return self.impl(*args)
-
-
+# tensor, which `expert_layout` splits into views. In eager mode each op runs without the dispatcher
+# (`ep_moe.custom_op.CustomOp`).
 _EMPTY_F32 = dict(dtype=torch.float32)
 
 
@@ -434,7 +396,7 @@ def _expert_layout_impl(topk_idx: Tensor, num_experts: int, alignment: int, num_
     return packed, exact_pair_of_slot, host
 
 
-_EXPERT_LAYOUT = _Op("expert_layout", _expert_layout_impl)
+_EXPERT_LAYOUT = CustomOp("expert_layout", _expert_layout_impl)
 
 
 def _one_piece(pieces: list[Tensor]) -> Tensor:
@@ -498,7 +460,7 @@ def _permute_rows_grad(ctx, grad_rows, grad_slot_values):
     return (grad_x if need_x else None), (grad_values.view(ctx.values_shape) if want_values else None), None, None, None
 
 
-_PERMUTE_ROWS = _Op("permute_rows", _permute_rows_impl, _permute_rows_setup, _permute_rows_grad)
+_PERMUTE_ROWS = CustomOp("permute_rows", _permute_rows_impl, _permute_rows_setup, _permute_rows_grad)
 _PERMUTE_ROWS.op.register_fake(_permute_rows_fake)
 
 
@@ -510,7 +472,7 @@ def _permute_rows_backward_impl(grad_rows: Tensor, grad_slot_values: Tensor | No
     return out, pair_values if pair_values is not None else grad_rows.new_empty(0, **_EMPTY_F32)
 
 
-_PERMUTE_ROWS_BACKWARD = _Op("permute_rows_backward", _permute_rows_backward_impl)
+_PERMUTE_ROWS_BACKWARD = CustomOp("permute_rows_backward", _permute_rows_backward_impl)
 
 
 @_PERMUTE_ROWS_BACKWARD.op.register_fake
@@ -546,7 +508,7 @@ def _unpermute_sum_grad(ctx, grad):
     return (grad_y if need_y else None), (grad_w if need_w else None), None, None
 
 
-_UNPERMUTE_SUM = _Op("unpermute_sum", _unpermute_sum_impl, _unpermute_sum_setup, _unpermute_sum_grad)
+_UNPERMUTE_SUM = CustomOp("unpermute_sum", _unpermute_sum_impl, _unpermute_sum_setup, _unpermute_sum_grad)
 _UNPERMUTE_SUM.op.register_fake(_unpermute_sum_fake)
 
 
@@ -560,7 +522,7 @@ def _unpermute_sum_backward_impl(grad: Tensor, y: Tensor, weights: Tensor | None
             grad_w if grad_w is not None else y.new_empty(0, dtype=_acc_dtype(y)))
 
 
-_UNPERMUTE_SUM_BACKWARD = _Op("unpermute_sum_backward", _unpermute_sum_backward_impl)
+_UNPERMUTE_SUM_BACKWARD = CustomOp("unpermute_sum_backward", _unpermute_sum_backward_impl)
 
 
 @_UNPERMUTE_SUM_BACKWARD.op.register_fake
@@ -589,7 +551,7 @@ def _permute_received_rows_impl(rows: Tensor, num_rows: int, own_x: Tensor, own_
     return out, (_slot_values_torch(values, pair_of_slot) if values is not None else rows.new_empty(0, **_EMPTY_F32))
 
 
-_PERMUTE_RECEIVED_ROWS = _Op("permute_received_rows", _permute_received_rows_impl)
+_PERMUTE_RECEIVED_ROWS = CustomOp("permute_received_rows", _permute_received_rows_impl)
 
 
 @_PERMUTE_RECEIVED_ROWS.op.register_fake

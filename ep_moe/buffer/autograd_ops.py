@@ -1,4 +1,5 @@
-"""Differentiable dispatch and combine, registered as ``torch.library`` custom ops.
+"""Differentiable dispatch and combine, registered as ``torch.library`` custom ops (`ep_moe.custom_op.CustomOp`:
+eager calls skip the dispatcher).
 
 * ``ep_moe::dispatch``: backward = a combine of the gradients (``topk_weights`` too, masked to the
   entries that were local on the receiving rank, the only ones that carry the weight).
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..config import Config
+from ..custom_op import CustomOp
 from .buffer_v1 import Buffer, buffer_by_id
 from .dispatch_handle import DispatchHandle
 
@@ -87,10 +89,9 @@ def _fresh(outputs: tuple, inputs: tuple) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------ dispatch
-@torch.library.custom_op("ep_moe::dispatch", mutates_args=())
-def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: int, num_experts: int,
-                 expert_alignment: int, num_worst_tokens: int, num_sms: int
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _dispatch_impl(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, buffer_id: int, num_experts: int,
+                   expert_alignment: int, num_worst_tokens: int, num_sms: int
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     buffer = buffer_by_id(buffer_id)
     result, _ = buffer.dispatch_result(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
@@ -111,8 +112,7 @@ def _has_host_counts(buffer: Buffer, num_worst_tokens: int) -> bool:
     return buffer.backend.host_expert_counts and not num_worst_tokens
 
 
-@_dispatch_op.register_fake
-def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_worst_tokens, num_sms):
+def _dispatch_fake(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, num_worst_tokens, num_sms):
     buffer = buffer_by_id(buffer_id)
     num_ranks = buffer.group_size
     rows = num_worst_tokens or torch.library.get_ctx().new_dynamic_size()
@@ -143,20 +143,20 @@ def _dispatch_backward(ctx, grad_x, grad_idx, grad_w, *_):
         grad_w = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device)
     # Only the entries local to this rank were copied from the input weights; the others are constant 0.
     grad_w = torch.where(recv_idx >= 0, grad_w, torch.zeros_like(grad_w))
-    combined, combined_w = torch.ops.ep_moe.combine(grad_x.contiguous(), grad_w, None, None, *handle_tensors,
-                                                    ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms)
+    combined, combined_w = _COMBINE(grad_x.contiguous(), grad_w, None, None, *handle_tensors, ctx.num_worst_tokens,
+                                    ctx.buffer_id, ctx.num_sms)
     return combined, None, combined_w, None, None, None, None, None
 
 
-_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_DISPATCH = CustomOp("dispatch", _dispatch_impl, _dispatch_setup, _dispatch_backward)
+_DISPATCH.op.register_fake(_dispatch_fake)
 
 
 # ------------------------------------------------------------------------------------------ combine
-@torch.library.custom_op("ep_moe::combine", mutates_args=())
-def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, bias_1: Tensor | None,
-                rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
-                backend_state: Tensor, summation_order: Tensor, num_worst_tokens: int, buffer_id: int, num_sms: int
-                ) -> tuple[Tensor, Tensor]:
+def _combine_impl(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, bias_1: Tensor | None,
+                  rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor, is_token_in_rank: Tensor,
+                  backend_state: Tensor, summation_order: Tensor, num_worst_tokens: int, buffer_id: int, num_sms: int
+                  ) -> tuple[Tensor, Tensor]:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
                      summation_order, num_worst_tokens)
     combined, combined_w, _ = buffer_by_id(buffer_id).combine(x, handle, topk_weights, (bias_0, bias_1),
@@ -166,9 +166,8 @@ def _combine_op(x: Tensor, topk_weights: Tensor | None, bias_0: Tensor | None, b
     return _fresh((combined, combined_w), (x, topk_weights, bias_0, bias_1))
 
 
-@_combine_op.register_fake
-def _(x, topk_weights, bias_0, bias_1, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-      backend_state, summation_order, num_worst_tokens, buffer_id, num_sms):
+def _combine_fake(x, topk_weights, bias_0, bias_1, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
+                  backend_state, summation_order, num_worst_tokens, buffer_id, num_sms):
     num_tokens = is_token_in_rank.shape[0]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     return x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens, num_topk, dtype=torch.float32)
@@ -184,26 +183,26 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, grad_out, grad_w):
     handle_tensors = ctx.saved_tensors
-    grad_x = torch.ops.ep_moe.cached_dispatch(grad_out.contiguous(), *handle_tensors, ctx.num_worst_tokens,
-                                              ctx.buffer_id, ctx.num_sms)
+    grad_x = _CACHED_DISPATCH(grad_out.contiguous(), *handle_tensors, ctx.num_worst_tokens, ctx.buffer_id,
+                              ctx.num_sms)
     grad_weights = None
     if ctx.has_weights and grad_w is not None:
         num_topk = grad_w.shape[1]
         padded = torch.nn.functional.pad(grad_w, (0, -num_topk % 4))  # 16-byte rows for every backend
-        grad_weights = torch.ops.ep_moe.cached_dispatch(padded.contiguous(), *handle_tensors, ctx.num_worst_tokens,
-                                                        ctx.buffer_id, ctx.num_sms)[:, :num_topk]
+        grad_weights = _CACHED_DISPATCH(padded.contiguous(), *handle_tensors, ctx.num_worst_tokens, ctx.buffer_id,
+                                        ctx.num_sms)[:, :num_topk]
     grad_bias = [grad_out.to(d) if d is not None else None for d in ctx.bias_dtypes]
     return (grad_x, grad_weights, *grad_bias, None, None, None, None, None, None, None, None, None)
 
 
-_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_COMBINE = CustomOp("combine", _combine_impl, _combine_setup, _combine_backward)
+_COMBINE.op.register_fake(_combine_fake)
 
 
 # ------------------------------------------------------------------------------------------ cached dispatch
-@torch.library.custom_op("ep_moe::cached_dispatch", mutates_args=())
-def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor,
-                        is_token_in_rank: Tensor, backend_state: Tensor, summation_order: Tensor,
-                        num_worst_tokens: int, buffer_id: int, num_sms: int) -> Tensor:
+def _cached_dispatch_impl(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Tensor, recv_src_rank: Tensor,
+                          is_token_in_rank: Tensor, backend_state: Tensor, summation_order: Tensor,
+                          num_worst_tokens: int, buffer_id: int, num_sms: int) -> Tensor:
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
                      summation_order, num_worst_tokens)
     recv_x, *_ = buffer_by_id(buffer_id).dispatch(x, handle=handle, config=_config(num_sms))
@@ -211,9 +210,8 @@ def _cached_dispatch_op(x: Tensor, rank_prefix_matrix: Tensor, recv_src_idx: Ten
                               backend_state, summation_order))[0]
 
 
-@_cached_dispatch_op.register_fake
-def _(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state, summation_order,
-      num_worst_tokens, buffer_id, num_sms):
+def _cached_dispatch_fake(x, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, backend_state,
+                          summation_order, num_worst_tokens, buffer_id, num_sms):
     return x.new_empty(recv_src_idx.shape[0], x.shape[1])
 
 
@@ -223,12 +221,14 @@ def _cached_dispatch_setup(ctx, inputs, output):
 
 
 def _cached_dispatch_backward(ctx, grad):
-    combined, _ = torch.ops.ep_moe.combine(grad.contiguous(), None, None, None, *ctx.saved_tensors,
-                                           ctx.num_worst_tokens, ctx.buffer_id, ctx.num_sms)
+    combined, _ = _COMBINE(grad.contiguous(), None, None, None, *ctx.saved_tensors, ctx.num_worst_tokens,
+                           ctx.buffer_id, ctx.num_sms)
     return (combined, None, None, None, None, None, None, None, None, None)
 
 
-_cached_dispatch_op.register_autograd(_cached_dispatch_backward, setup_context=_cached_dispatch_setup)
+_CACHED_DISPATCH = CustomOp("cached_dispatch", _cached_dispatch_impl, _cached_dispatch_setup,
+                            _cached_dispatch_backward)
+_CACHED_DISPATCH.op.register_fake(_cached_dispatch_fake)
 
 
 # ------------------------------------------------------------------------------------------ public API
@@ -257,8 +257,8 @@ def dispatch(buffer: Buffer, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, 
         RuntimeError: ``buffer`` was destroyed.
     """
     (recv_x, recv_idx, recv_w, counts, rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank,
-     state, order, host_counts) = torch.ops.ep_moe.dispatch(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
-                                                     expert_alignment, num_worst_tokens, num_sms)
+     state, order, host_counts) = _DISPATCH(x, topk_idx, topk_weights, buffer.buffer_id, num_experts,
+                                            expert_alignment, num_worst_tokens, num_sms)
     handle = _handle(rank_prefix_matrix, recv_src_idx, recv_src_rank, is_token_in_rank, state, order,
                      num_worst_tokens)
     return DispatchOutput(recv_x, recv_idx, recv_w, counts, handle, host_counts)
@@ -286,7 +286,7 @@ def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Ten
         RuntimeError: ``buffer`` was destroyed.
     """
     bias_0, bias_1 = bias if isinstance(bias, tuple | list) else (bias, None)
-    combined, combined_w = torch.ops.ep_moe.combine(x, topk_weights, bias_0, bias_1, *_handle_args(handle),
+    combined, combined_w = _COMBINE(x, topk_weights, bias_0, bias_1, *_handle_args(handle),
                                                     buffer.buffer_id, num_sms)
     return combined, (combined_w if topk_weights is not None else None)
 
@@ -309,7 +309,7 @@ def cached_dispatch(buffer: Buffer, x: Tensor, handle: DispatchHandle, num_sms: 
         ValueError: a bad argument, named (as `Buffer.dispatch` with ``handle``).
         RuntimeError: ``buffer`` was destroyed.
     """
-    return torch.ops.ep_moe.cached_dispatch(x, *_handle_args(handle), buffer.buffer_id, num_sms)
+    return _CACHED_DISPATCH(x, *_handle_args(handle), buffer.buffer_id, num_sms)
 
 
 def cached_dispatch_weights(buffer: Buffer, weights: Tensor, handle: DispatchHandle, num_sms: int = 0) -> Tensor:

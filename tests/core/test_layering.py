@@ -11,7 +11,7 @@ from support_imports import PACKAGE, import_graph
 
 # Bottom to top. `__init__` is the public API (it re-exports up to the layers' MoELayer).
 LEVELS = {
-    "config": 0, "distributed": 0, "reference": 0,
+    "config": 0, "distributed": 0, "reference": 0, "custom_op": 0,
     "buffer.dispatch_handle": 0, "buffer.event_overlap": 0, "buffer.routing_layout": 0, "buffer.argument_checks": 0,
     "elastic.wire_format": 0, "elastic.peer_wait": 0, "elastic.transport_choice": 0,
     "native": 1, "elastic.memory": 1,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ep_moe import permute as P
+from ep_moe.custom_op import CustomOp
 
 OPS = {name: getattr(torch.ops.ep_moe, name) for name in (
     "expert_layout", "permute_rows", "permute_rows_backward", "unpermute_sum", "unpermute_sum_backward",
@@ -188,7 +189,7 @@ def test_errors_name_the_argument_under_compile():
 def test_eager_calls_skip_the_dispatcher_with_its_bits(monkeypatch):
     """Eager calls run the ops' implementations and autograd formulas without the dispatcher (its Python
     custom-op path costs host time per call): with every op's dispatcher entry made to fail, `_model` and its
-    backward still run, and give the bits the dispatcher path gives (each `_Op` called as the op)."""
+    backward still run, and give the bits the dispatcher path gives (each `CustomOp` called as the op)."""
     gen = torch.Generator().manual_seed(5)
     N, K, H = 10, 3, 8
     idx = torch.randint(-1, 4, (N, K), generator=gen)
@@ -201,10 +202,10 @@ def test_eager_calls_skip_the_dispatcher_with_its_bits(monkeypatch):
         loss.backward()
         return [out, plain, loss, x.grad, values.grad, scale.grad]
 
-    ops = [value for value in vars(P).values() if isinstance(value, P._Op)]
+    ops = [value for value in vars(P).values() if isinstance(value, CustomOp)]
     assert len(ops) == len(OPS)
     with monkeypatch.context() as patch:
-        patch.setattr(torch.compiler, "is_compiling", lambda: True)  # every _Op through the dispatcher
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)  # every CustomOp through the dispatcher
         want = run()
 
     def refuse(*args):
@@ -221,7 +222,7 @@ def test_eager_calls_skip_the_dispatcher_with_its_bits(monkeypatch):
 def test_traced_calls_never_reach_the_implementations_with_fake_tensors(monkeypatch, fullgraph):
     """While torch.compile traces (its AOT autograd traces the backward formulas with fake or functional tensors;
     some torch versions do it outside `torch.compiler.is_compiling`, e.g. a backward compiled when it first runs),
-    every `_Op` call goes to the op: an implementation reached directly with such tensors would hand them to a
+    every `CustomOp` call goes to the op: an implementation reached directly with such tensors would hand them to a
     kernel launcher, which reads data pointers."""
     torch._dynamo.reset()
 
@@ -232,7 +233,7 @@ def test_traced_calls_never_reach_the_implementations_with_fake_tensors(monkeypa
             return impl(*args)
         return call
 
-    for op in (value for value in vars(P).values() if isinstance(value, P._Op)):
+    for op in (value for value in vars(P).values() if isinstance(value, CustomOp)):
         monkeypatch.setattr(op, "impl", plain_only(op.impl))
     gen = torch.Generator().manual_seed(7)
     idx = torch.randint(-1, 4, (9, 2), generator=gen)
