@@ -67,6 +67,9 @@ def _config(num_sms: int) -> Config | None:
     return Config(num_sms=num_sms) if num_sms > 0 else None
 
 
+_ALIAS_CHECK = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)  # (args, kwargs, outputs)
+
+
 def _fresh(outputs: tuple, inputs: tuple) -> tuple:
     """``outputs`` with a copy wherever one shares memory with an input or an earlier output (torch refuses such
     outputs of a custom op): a view (it shows in ``_base``, except under inference mode) or the same storage (a
@@ -78,6 +81,9 @@ def _fresh(outputs: tuple, inputs: tuple) -> tuple:
         storage = t.untyped_storage()
         return {storage._cdata, storage.data_ptr()} if storage.nbytes() else {storage._cdata}
 
+    if not any(t._base is not None for t in outputs) and _ALIAS_CHECK is not None and not _ALIAS_CHECK(
+            inputs, {}, outputs):
+        return outputs  # the common case, every output its own allocation: torch's own check, in one C++ call
     taken = set().union(*map(keys, inputs))
     fresh = []
     for t in outputs:
