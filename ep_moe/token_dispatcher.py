@@ -74,8 +74,11 @@ class TokenDispatcher:
         num_sms = self._num_sms(hidden, topk_idx)
         out = expert_dispatch(self.buffer, hidden, topk_idx, topk_weights, self.num_experts, self.expert_alignment,
                               self.num_worst_tokens, num_sms)
-        host = None if out.tokens_per_expert_list is None else torch.tensor(out.tokens_per_expert_list,
-                                                                            dtype=torch.int64, device="cpu")
+        host = None
+        if out.tokens_per_expert_list is not None:  # the layout's own host tensor where it has one (one rank)
+            host = out.handle.layout.tokens_per_expert_host
+            if host is None:
+                host = torch.tensor(out.tokens_per_expert_list, dtype=torch.int64, device="cpu")
         return out.expert_x, out.expert_weights, out.tokens_per_expert, DispatchContext(out.handle, hidden.shape[0],
                                                                                        host)
 

@@ -265,3 +265,19 @@ def test_torch_compile_and_opcheck(solo_group) -> None:
     torch.library.opcheck(torch.ops.ep_moe.combine.default, (y, yw, bias, None, *handle_args))
     torch.library.opcheck(torch.ops.ep_moe.cached_dispatch.default, (x, *handle_args))
     buffer.destroy()
+
+
+def test_dispatcher_host_counts_at_one_rank(solo_group) -> None:
+    """At one rank `TokenDispatcher` takes the local path, whose layout has the counts on the host already: the
+    context carries them (the same values as the device counts, on the CPU), and none with a fixed size."""
+    buffer = Buffer(solo_group, backend="torch")
+    idx = torch.tensor([[0, 3], [3, -1], [-1, -1], [2, 0], [1, 3]])
+    x, w = torch.randn(5, 8), torch.rand(5, 2)
+    for worst in (0, 7):
+        _, _, tokens_per_expert, ctx = TokenDispatcher(buffer, 4, 2, worst).dispatch(x, idx, w)
+        if worst:
+            assert ctx.tokens_per_expert_host is None
+        else:
+            assert ctx.tokens_per_expert_host.device.type == "cpu"
+            assert ctx.tokens_per_expert_host.tolist() == tokens_per_expert.tolist() == [2, 2, 2, 4]
+    buffer.destroy()
