@@ -153,8 +153,11 @@ def _check(t: Tensor, op: str, name: str, device: int) -> None:
         raise _fail(op, f"argument '{name}' must be contiguous")
 
 
-def _dtype_error(t: Tensor, dtype: torch.dtype, op: str, name: str) -> ValueError:
-    return _fail(op, f"argument '{name}' must be {dtype}, got {t.dtype}")
+def _check_typed(t: Tensor, dtype: torch.dtype, op: str, name: str, device: int) -> None:
+    """`_check`, and ``t`` is of ``dtype``."""
+    _check(t, op, name, device)
+    if t.dtype != dtype:
+        raise _fail(op, f"argument '{name}' must be {dtype}, got {t.dtype}")
 
 
 def _row_dtype(dtype: torch.dtype, op: str, name: str) -> int:
@@ -225,23 +228,15 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     device = _device_index(rows)
     _check(rows, op, "rows", device)
     _check(own_x, op, "own_x", device)
-    _check(own_tokens, op, "own_tokens", device)
-    _check(rank_prefix_matrix, op, "rank_prefix_matrix", device)
-    _check(pair_of_slot, op, "pair_of_slot", device)
-    if own_tokens.dtype != _INT32:
-        raise _dtype_error(own_tokens, _INT32, op, "own_tokens")
-    if rank_prefix_matrix.dtype != _INT32:
-        raise _dtype_error(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix")
-    if pair_of_slot.dtype != _INT64:
-        raise _dtype_error(pair_of_slot, _INT64, op, "pair_of_slot")
+    _check_typed(own_tokens, _INT32, op, "own_tokens", device)
+    _check_typed(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix", device)
+    _check_typed(pair_of_slot, _INT64, op, "pair_of_slot", device)
     num_ranks = _own_range_check(op, rank_prefix_matrix, rank)
     if own_tokens.numel() != own_shape[0]:
         raise _fail(op, f"argument 'own_tokens' must have a token per row of own_x ({own_shape[0]}), got "
                         f"{own_tokens.numel()}")
     if values is not None:
-        _check(values, op, "values", device)
-        if values.dtype != _FLOAT32:
-            raise _dtype_error(values, _FLOAT32, op, "values")
+        _check_typed(values, _FLOAT32, op, "values", device)
         if values.numel() != num_rows * num_topk:
             raise _fail(op, f"argument 'values' must have N * K = {num_rows * num_topk} elements, got {values.numel()}")
     slots = pair_of_slot.numel()
@@ -272,20 +267,14 @@ def unpermute_own_rows(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, 
         raise _fail(op, "arguments 'y' and 'sorted_slots' must be [M, H] and [N, K]")
     device = _device_index(y)
     _check(y, op, "y", device)
-    _check(sorted_slots, op, "sorted_slots", device)
-    _check(rank_prefix_matrix, op, "rank_prefix_matrix", device)
-    if sorted_slots.dtype != _INT64:
-        raise _dtype_error(sorted_slots, _INT64, op, "sorted_slots")
-    if rank_prefix_matrix.dtype != _INT32:
-        raise _dtype_error(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix")
+    _check_typed(sorted_slots, _INT64, op, "sorted_slots", device)
+    _check_typed(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix", device)
     num_ranks = _own_range_check(op, rank_prefix_matrix, rank)
     (rows, topk), (slots, hidden) = slots_shape, y_shape
     dtype = _row_dtype(y.dtype, op, "y")
     weights_ptr = 0
     if weights is not None:
-        _check(weights, op, "weights", device)
-        if weights.dtype != _FLOAT32:
-            raise _dtype_error(weights, _FLOAT32, op, "weights")
+        _check_typed(weights, _FLOAT32, op, "weights", device)
         if weights.numel() != slots:
             raise _fail(op, f"argument 'weights' must be [M={slots}]")
         weights_ptr = weights.data_ptr()
@@ -313,10 +302,8 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, num_topk: int) -> tu
     if num_topk < 1:
         raise _fail(op, f"argument 'num_topk' must be >= 1, got {num_topk}")
     device = _device_index(routing_map)
-    _check(routing_map, op, "routing_map", device)
+    _check_typed(routing_map, _BOOL, op, "routing_map", device)
     _check(probs, op, "probs", device)
-    if routing_map.dtype != _BOOL:
-        raise _dtype_error(routing_map, _BOOL, op, "routing_map")
     probs_dtype = _row_dtype(probs.dtype, op, "probs")
     tokens, experts = shape
     idx = routing_map.new_empty((tokens, num_topk), dtype=_INT64)
@@ -339,12 +326,8 @@ def routing_map_to_topk_backward(grad_weights: Tensor, topk_idx: Tensor, num_exp
     if grad_weights.dim() != 2 or shape != grad_weights.shape or num_experts < 1:
         raise _fail(op, "'grad_weights' and 'topk_idx' must be [T, K] of one shape, and num_experts >= 1")
     device = _device_index(topk_idx)
-    _check(grad_weights, op, "grad_weights", device)
-    _check(topk_idx, op, "topk_idx", device)
-    if grad_weights.dtype != _FLOAT32:
-        raise _dtype_error(grad_weights, _FLOAT32, op, "grad_weights")
-    if topk_idx.dtype != _INT64:
-        raise _dtype_error(topk_idx, _INT64, op, "topk_idx")
+    _check_typed(grad_weights, _FLOAT32, op, "grad_weights", device)
+    _check_typed(topk_idx, _INT64, op, "topk_idx", device)
     probs_dtype = _row_dtype(dtype, op, "dtype")
     tokens, topk = shape
     grad = topk_idx.new_empty((tokens, num_experts), dtype=dtype)
