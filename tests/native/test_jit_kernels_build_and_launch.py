@@ -30,6 +30,7 @@ def fake_jit(tmp_path, monkeypatch):
     monkeypatch.setenv("EP_MOE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(jit, "_compiler_found", (fake, "fake compiler of the test"))
     monkeypatch.setattr(jit, "_cache", None)
+    monkeypatch.setattr(jit, "_failures", {})  # the process's failed builds, which a test may add to
     return fake
 
 
