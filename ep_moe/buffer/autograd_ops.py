@@ -75,15 +75,16 @@ def _fresh(outputs: tuple, inputs: tuple) -> tuple:
     outputs of a custom op): a view (it shows in ``_base``, except under inference mode) or the same storage (a
     one-rank backend may hand an input back, or two outputs out of one allocation). Empty tensors count too: torch
     compares the storages themselves, so two empty views of one allocation alias."""
+    if not any(t._base is not None for t in outputs) and _ALIAS_CHECK is not None and not _ALIAS_CHECK(
+            inputs, {}, outputs):
+        return outputs  # the common case, every output its own allocation: torch's own check, in one C++ call
+
     def keys(t) -> set[int]:
         if not isinstance(t, Tensor):
             return set()
         storage = t.untyped_storage()
         return {storage._cdata, storage.data_ptr()} if storage.nbytes() else {storage._cdata}
 
-    if not any(t._base is not None for t in outputs) and _ALIAS_CHECK is not None and not _ALIAS_CHECK(
-            inputs, {}, outputs):
-        return outputs  # the common case, every output its own allocation: torch's own check, in one C++ call
     taken = set().union(*map(keys, inputs))
     fresh = []
     for t in outputs:
