@@ -69,6 +69,7 @@ def _optional(attr: str, *modules: str):
 
 fingerprint = _resolve("fingerprint", "ep_moe.benchmarking.fingerprint", "ep_moe.benchmarking")
 launch = _resolve("launch", "ep_moe.distributed")
+run_distributed = _resolve("run_distributed", "ep_moe.distributed")
 torchrun_env = _resolve("torchrun_env", "ep_moe.distributed")
 free_port = _resolve("free_port", "ep_moe.distributed")
 implementations_run = _optional("implementations_run", "ep_moe.permute", "ep_moe.buffer.permute")
@@ -627,6 +628,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     Returns:
         On rank 0 ``{"header": dict, "rows": [dict]}`` (the JSON written by ``--json``), elsewhere None.
     """
+    if args.device == "cuda" and "gloo" in str(dist.get_backend()).lower():  # ranks sharing GPUs (`main`)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     tokens = [int(t) for t in args.tokens.split(",")]
     nvl_bytes = ep_moe.Buffer.get_buffer_size_hint(max(tokens), args.hidden, world, args.topk,
@@ -663,7 +666,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         "command": " ".join(["python3 benchmarks/host_overhead.py"] + list(args.argv)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-        "ranks": world, "torch": torch.__version__, "cuda": torch.version.cuda, "ep_moe": ep_moe.__version__,
+        "ranks": world, "gpus_shared": device.type == "cuda" and world > torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda, "ep_moe": ep_moe.__version__,
         "ep_moe_commit": _commit(), "buffer_backend": buffer.backend_name,
         "backend_reason": getattr(buffer, "backend_reason", None), "check_inputs": args.check_inputs,
         "tokens": tokens, "hidden": args.hidden, "experts": args.experts, "topk": args.topk, "dtype": args.dtype,
@@ -733,7 +736,8 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
 def table(result: dict) -> str:
     """The printed table of ``result`` (`run_rank`'s): a header line, then one line per row."""
     h = result["header"]
-    lines = [f"{TOOL}: {h['device']}, {h['ranks']} rank(s), backend {h['buffer_backend']}, torch {h['torch']}, "
+    shared = " sharing the GPUs (GPU times overlap)" if h.get("gpus_shared") else ""
+    lines = [f"{TOOL}: {h['device']}, {h['ranks']} rank(s){shared}, backend {h['buffer_backend']}, torch {h['torch']}, "
              f"ep_moe {h['ep_moe_commit']}, hidden {h['hidden']}, top-{h['topk']} of {h['experts']}, {h['dtype']}, "
              f"{h['rounds']} rounds x {h['calls']} calls (median); megatron: {h['megatron']}",
              f"{'op':<28}{'tokens':>7}{'host us':>10}{'GPU us':>10}{'host/GPU':>9}{'bound':>6}{'floor us':>9}"
@@ -818,6 +822,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _run_sharing_gpus(args: argparse.Namespace) -> dict | None:
+    """More ranks than GPUs: NCCL refuses two ranks on one GPU, so the ranks join a gloo group and share the
+    GPUs (rank r on GPU r % count), the native backend's symmetric memory over VMM (the host times are each
+    rank's own; the GPU times overlap)."""
+    provider = os.environ.setdefault("EP_MOE_SYMMETRIC_MEMORY", "vmm")  # read by the spawned ranks
+    if provider != "vmm":
+        raise SystemExit(f"{TOOL}: --nproc {args.nproc} ranks on {torch.cuda.device_count()} GPU(s) share GPUs, "
+                         f"which needs EP_MOE_SYMMETRIC_MEMORY=vmm, got {provider!r}")
+    return run_distributed(run_rank, args.nproc, args, backend="gloo", timeout_s=300.0)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run, print the table (and write ``--json``); returns the exit status: 1 when a check failed or a row
     raised, else 0."""
@@ -825,7 +840,10 @@ def main(argv: list[str] | None = None) -> int:
     if torchrun_env() is not None or args.nproc > 1:
         if args.experts % (torchrun_env().world_size if torchrun_env() else args.nproc):
             raise SystemExit(f"{TOOL}: --experts ({args.experts}) must be divisible by the number of ranks")
-        result = launch(run_rank, args.nproc, args, device_type=args.device)[0]
+        if torchrun_env() is None and args.device == "cuda" and args.nproc > torch.cuda.device_count():
+            result = _run_sharing_gpus(args)
+        else:
+            result = launch(run_rank, args.nproc, args, device_type=args.device)[0]
     else:  # one rank: a group of one in this process
         backend = "nccl" if args.device == "cuda" else "gloo"
         if backend == "nccl":
