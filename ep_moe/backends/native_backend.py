@@ -122,6 +122,18 @@ def _expert_major_ops() -> bool:
     return native.kernels_available()
 
 
+_CACHED, _COMBINE = agreement.OP_CACHED_DISPATCH, agreement.OP_COMBINE  # the ops with bound launches
+
+
+def _ready(t: torch.Tensor) -> bool:
+    """Contiguous at a 16-byte-aligned address: what `_aligned` would return unchanged."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` contiguous at a 16-byte-aligned address (copied only when it is not)."""
     if t is None:
@@ -182,8 +194,10 @@ class NativeBackend(CommBackend):
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # what the host knows of an exact dispatch's layout, by id of its route tensor while that
             # tensor lives (tensors cannot be weak dict keys: their == is elementwise): the rows its calls
-            # need in a buffer, the [R][R] count matrix and every rank's tokens (shared by all ranks)
-            self._route_layout: dict[int, tuple[int, list[list[int]], list[int]]] = {}
+            # need in a buffer, the [R][R] count matrix, every rank's tokens (shared by all ranks), and the keys of
+            # the bound calls (`_bound_call`) this layout was found to fit without the copy engine
+            self._route_layout: dict[int, tuple[int, list[list[int]], list[int], set]] = {}
+            self._bound: dict[tuple, tuple] = {}  # `_bound_call`'s launches, by key
             # copy-engine calls: their side streams, sequence number and go word (ep_moe/native/jit/copy_engine.py)
             self._copy_streams: list[torch.cuda.Stream] = []
             self._copy_flag_stream: torch.cuda.Stream | None = None
@@ -415,7 +429,7 @@ class NativeBackend(CommBackend):
 
     def _remember_layout(self, route: torch.Tensor, rows: int, counts: list[list[int]], tokens: list[int]) -> None:
         key = id(route)
-        self._route_layout[key] = (rows, counts, tokens)
+        self._route_layout[key] = (rows, counts, tokens, set())
         weakref.finalize(route, self._route_layout.pop, key, None)
 
     def _rows_bound(self, handle: DispatchHandle, route: torch.Tensor) -> int | None:
@@ -474,6 +488,10 @@ class NativeBackend(CommBackend):
         where they landed (no copy into recv_x; never by the copy engine) and ``consume(result, ReceivedRows)``
         runs on this stream right after it; its value is ``result.consumed``."""
         self._raise_if_failed()
+        if handle is not None and consume is None:
+            recv = self._bound_cached_dispatch(x, x_scales, handle, config)
+            if recv is not None:
+                return DispatchResult(*recv, None, None, None, handle)
         row = x.shape[1] * x.element_size()
         num_scales = x_scales.shape[1] if x_scales is not None else 0
         cached = handle is not None
@@ -527,8 +545,12 @@ class NativeBackend(CommBackend):
                     recv_x, recv_scales, None, None, None, None, None, None, 1, regions.rows, True, blocks)
             if tokens is None:
                 # with rows in place, the handle's recv_src_idx only gives the kernel the received row count
-                C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers), *self._NO_COPY_ENGINE,
-                           [], [], handle.recv_src_idx if in_place else None, header, perturb, in_place)
+                key = None if in_place else self._bindable(_CACHED, handle, route, options, config, x.shape,
+                                                           x.dtype, -1 if x_scales is None else num_scales)
+                bound = C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers),
+                                   *self._NO_COPY_ENGINE, [], [], handle.recv_src_idx if in_place else None, header,
+                                   perturb, in_place, bind=key is not None)
+                self._keep_bound(key, bound, options, route, layout)
             else:  # x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
                     C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx, header,
@@ -659,6 +681,10 @@ class NativeBackend(CommBackend):
         copy engine), and the own rows, which the reducers read in place, are formed first
         (``ep_moe_native::unpermute_own_rows``)."""
         self._raise_if_failed()
+        if expert_rows is None:
+            combined = self._bound_combine(y, handle, topk_weights, bias, config)
+            if combined is not None:
+                return combined
         header = self._header(agreement.OP_COMBINE, y.shape[1], y.dtype,
                               topk=topk_weights.shape[1] if topk_weights is not None else -1,
                               worst=handle.num_worst_tokens)
@@ -707,11 +733,100 @@ class NativeBackend(CommBackend):
         bulk = policy.bulk_reduce(options, copy_engine=counts is not None)
         order = None if handle.summation_order is None else handle.summation_order.contiguous()
         if counts is None:
-            C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [], bulk,
-                      header, perturb, *expert_args, order)
+            key = None if expert_rows is not None else self._bindable(
+                _COMBINE, handle, route, options, config, num_tokens, y.shape[1], y.dtype,
+                -1 if topk_weights is None else num_topk, *(None if b is None else b.dtype for b in (bias0, bias1)))
+            bound = C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [],
+                              bulk, header, perturb, *expert_args, order, bind=key is not None)
+            self._keep_bound(key, bound, options, route, self._route_layout.get(id(route)))
         else:  # the rows go back by the copy engine
             with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
                 C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, header, perturb, *expert_args, order)
+        return out, out_w
+
+    # ---------------------------------------------------------------- bound calls
+    # A cached dispatch or a combine whose full path (above) found nothing to decide on the host but its shapes
+    # keeps its launch (`ep_moe.native.jit.intranode.BoundLaunch`) under a key of everything that path's launch
+    # depends on but the tensors: op, shapes and dtypes, the handle's fixed-size rows, the options and SM budget,
+    # the data buffer. A later call with the same key and a handle known to fit (`_route_fits`) checks its tensors
+    # as the launcher does and launches with their addresses: the same kernel with the same struct, bit for bit,
+    # without the host path's decisions and checks.
+    _MAX_BOUND = 64
+
+    def _bindable(self, op: int, handle: DispatchHandle, route: torch.Tensor, options: NativeOptions,
+                  config: Config, *shapes) -> tuple | None:
+        """The key of a full-path call that may be bound, or None (traced or perturbed calls, a handle whose route
+        is not its own, graph capture: a layout checked there saw no copy engine only because of the capture)."""
+        if (self.trace_kernels or self.test_header_perturbation is not None or route is not handle.backend_state
+                or torch.cuda.is_current_stream_capturing()):
+            return None
+        return (op, *shapes, handle.num_worst_tokens, id(options), config.num_sms, id(self._data))
+
+    def _keep_bound(self, key: tuple | None, bound, options: NativeOptions, route: torch.Tensor, layout) -> None:
+        """Keep ``bound`` under ``key`` (with ``options``, so that their id is not reused while the key lives) and
+        mark the handle's layout as fitting it."""
+        if key is None or bound is None:
+            return
+        if len(self._bound) >= self._MAX_BOUND:
+            self._bound.clear()
+        self._bound[key] = (bound, options, route.shape[1] * route.shape[2] * 4)
+        if layout is not None:
+            layout[3].add(key)
+
+    def _route_fits(self, handle: DispatchHandle, route: torch.Tensor, key: tuple) -> bool:
+        """Whether the full path would find nothing to do for this handle but launch: an exact-size layout it
+        checked for ``key`` (it fits the data buffer, no copy engine), or fixed-size rows (in the key: the buffer
+        was fitted for them, and such a layout never goes by the copy engine)."""
+        layout = self._route_layout.get(id(route))
+        return key in layout[3] if layout is not None else handle.num_worst_tokens > 0
+
+    def _bound_cached_dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle,
+                               config: Config) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A cached dispatch through its bound launch: ``(recv_x, recv_scales)``, or None (take the full path)."""
+        route = handle.backend_state
+        if not self._bound or route is None or self.trace_kernels or self.test_header_perturbation is not None:
+            return None
+        options = config.native if config.native is not None else self.options
+        key = (_CACHED, x.shape, x.dtype, -1 if scales is None else scales.shape[1], handle.num_worst_tokens,
+               id(options), config.num_sms, id(self._data))
+        found = self._bound.get(key)
+        prefix = handle.rank_prefix_matrix
+        if (found is None or not _ready(x) or (scales is not None and not _ready(scales))
+                or prefix.dtype != torch.int32 or not prefix.is_contiguous() or not self._route_fits(handle, route, key)):
+            return None
+        bound, _, send_list_offset = found
+        rows = handle.num_recv_rows
+        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
+        recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=torch.float32,
+                                                              device=x.device)
+        bound(prefix.data_ptr(), route.data_ptr() + send_list_offset, x.data_ptr(),
+              0 if scales is None else scales.data_ptr(), recv_x.data_ptr(),
+              0 if recv_scales is None else recv_scales.data_ptr(), rows)
+        return recv_x, recv_scales
+
+    def _bound_combine(self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, bias,
+                       config: Config) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A combine through its bound launch: ``(out, out_weights)``, or None (take the full path)."""
+        route = handle.backend_state
+        if not self._bound or route is None or self.trace_kernels or self.test_header_perturbation is not None:
+            return None
+        bias0, bias1 = bias
+        options = config.native if config.native is not None else self.options
+        prefix, in_rank, order = handle.rank_prefix_matrix, handle.is_token_in_rank, handle.summation_order
+        num_tokens, num_topk = in_rank.shape[0], -1 if weights is None else weights.shape[1]
+        key = (_COMBINE, num_tokens, y.shape[1], y.dtype, num_topk, None if bias0 is None else bias0.dtype,
+               None if bias1 is None else bias1.dtype, handle.num_worst_tokens, id(options), config.num_sms,
+               id(self._data))
+        found = self._bound.get(key)
+        if (found is None or not _ready(y) or not all(t is None or t.is_contiguous() for t in (weights, bias0, bias1))
+                or prefix.dtype != torch.int32 or not prefix.is_contiguous() or not in_rank.is_contiguous()
+                or (order is not None and not order.is_contiguous()) or not self._route_fits(handle, route, key)):
+            return None
+        bound = found[0]
+        out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+        out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk > 0 else None
+        bound(prefix.data_ptr(), in_rank.data_ptr(), route.data_ptr(), y.data_ptr(), _address(weights),
+              _address(bias0), _address(bias1), out.data_ptr(), _address(out_w), _address(order))
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine

@@ -25,8 +25,9 @@ def check_tensor(op: str, arg: str, t: object, *, dtypes: tuple, ndim: int, devi
         raise _fail(op, arg, f"of dtype {' or '.join(str(d) for d in dtypes)}", t.dtype)
     if t.dim() != ndim:
         raise _fail(op, arg, f"{ndim}-D", f"shape {tuple(t.shape)}")
-    if t.device.type != device.type or (device.index is not None and t.device.index not in (None, device.index)):
-        raise _fail(op, arg, f"on device {device}", t.device)
+    where = t.device
+    if where.type != device.type or (device.index is not None and where.index not in (None, device.index)):
+        raise _fail(op, arg, f"on device {device}", where)
     if shape is not None:
         for dim, (want, have) in enumerate(zip(shape, t.shape)):
             if want is not None and want != have:

@@ -7,6 +7,7 @@ K top-k, E experts, R ranks in the group, L = E / R local experts, N received ro
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
@@ -47,6 +48,11 @@ def buffer_by_id(buffer_id: int) -> Buffer:
         return _live_buffers[buffer_id]
     except KeyError:
         raise RuntimeError(f"ep_moe: Buffer {buffer_id} was destroyed or never existed") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _default_config(num_sms: int) -> Config:
+    return Config(num_sms=num_sms)
 
 
 def _device_of(group: dist.ProcessGroup, requested: str) -> torch.device:
@@ -181,9 +187,9 @@ class Buffer:
             num_ranks: the group size, taken as DeepEP takes it; every size gets the same config.
 
         Returns:
-            ``Config(num_sms=Buffer.num_sms)``.
+            ``Config(num_sms=Buffer.num_sms)`` (frozen: one object per SM budget).
         """
-        return Config(num_sms=Buffer.num_sms)
+        return _default_config(Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
@@ -193,9 +199,9 @@ class Buffer:
             num_ranks: the group size, taken as DeepEP takes it; every size gets the same config.
 
         Returns:
-            ``Config(num_sms=Buffer.num_sms)``.
+            ``Config(num_sms=Buffer.num_sms)`` (frozen: one object per SM budget).
         """
-        return Config(num_sms=Buffer.num_sms)
+        return _default_config(Buffer.num_sms)
 
     @staticmethod
     def get_buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,

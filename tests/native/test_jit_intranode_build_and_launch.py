@@ -20,9 +20,13 @@ import re
 import pytest
 import torch
 from support.bits import assert_bits_equal, bits
+from support.native_backend_fakes import FakeData, fake_native_backend
 from support_jit import NVCC, header_fields, host_program, needs_nvcc
 
 from ep_moe import native
+from ep_moe.backends import native_backend as nb
+from ep_moe.buffer.dispatch_handle import DispatchHandle
+from ep_moe.config import Config
 from ep_moe.native import jit
 from ep_moe.native.jit import cubin, expert_major_exchange
 from ep_moe.native.jit import intranode as I
@@ -807,6 +811,147 @@ def test_reused_structs_equal_fresh_ones_call_after_call(recorded):
     assert len(env._prepared) == 5, "one struct per kind and fixed inputs (2 dispatch, 2 combine, notify)"
     with pytest.raises(ValueError, match="header value"):  # a header is validated before it is cached
         I.dispatch(env, **{**d, "header": [1 << 40] + HEADER[1:]})
+
+
+def _new_tensors(args: dict, names: tuple[str, ...], rows: int | None = None) -> dict:
+    """``args`` with fresh tensors of the same shapes (other addresses) under ``names``; ``rows``: recv_x's rows."""
+    out = dict(args)
+    for name in names:
+        t = args[name]
+        if t is not None:
+            shape = (rows, *t.shape[1:]) if name == "recv_x" and rows is not None else t.shape
+            out[name] = torch.full(shape, 1, dtype=t.dtype)
+    return out
+
+
+def _bound_values(args: dict, fields: tuple[str, ...], sizes: dict) -> list[int]:
+    return [sizes[name] if name in sizes else 0 if args[name] is None else args[name].data_ptr() for name in fields]
+
+
+def test_a_bound_launch_equals_the_full_launch_of_its_tensors(recorded):
+    """A `BoundLaunch` launched with other tensors launches byte for byte the struct the launcher fills for a call
+    with those tensors (cached dispatch with and without FP8 scales; combine with weights and a bias, and without);
+    calls that cannot be bound return None."""
+    env = _env()
+    scaled = {**_dispatch_args(topk=False), "scales": torch.zeros(6, 2), "recv_scales": torch.zeros(9, 2)}
+    for first in ({**_dispatch_args(topk=False), "write_arrival": True}, {**scaled, "write_arrival": True}):
+        bound = I.dispatch(env, **first, bind=True)
+        assert isinstance(bound, I.BoundLaunch) and len(bound.runs) == 5, "prefix + send list, x, scales, recv, rows"
+        later = _new_tensors(first, ("rank_prefix_matrix", "send_list", "x", "scales", "recv_x", "recv_scales"),
+                             rows=4)
+        later["recv_scales"] = None if first["scales"] is None else torch.ones(4, 2)
+        bound(*_bound_values(later, I.DISPATCH_BOUND, {"num_recv_rows": 4}))
+        I.dispatch(env, **later)
+        (b_name, *b_launch, b_struct, b_shared, _), (f_name, *f_launch, f_struct, f_shared, _) = recorded[-2:]
+        assert (b_name, b_launch, b_shared) == (f_name, f_launch, f_shared)
+        assert bytes(b_struct) == bytes(f_struct), "the bound launch differs from the launcher's for its tensors"
+        assert b_struct.x == later["x"].data_ptr() and b_struct.num_recv_rows == 4
+    c = {**_combine_args(), "summation_order": torch.zeros(5, 2, dtype=torch.int32)}
+    for first in (c, {**c, "weights": None, "out_weights": None, "bias0": None, "summation_order": None}):
+        bound = I.combine(env, **first, bind=True)
+        later = _new_tensors(first, I.COMBINE_BOUND)
+        bound(*_bound_values(later, I.COMBINE_BOUND, {}))
+        I.combine(env, **later)
+        (b_name, *b_launch, b_struct, b_shared, _), (f_name, *f_launch, f_struct, f_shared, _) = recorded[-2:]
+        assert (b_name, b_launch, b_shared) == (f_name, f_launch, f_shared)
+        assert bytes(b_struct) == bytes(f_struct), "the bound combine differs from the launcher's for its tensors"
+    launched = len(recorded)
+    with pytest.raises(ValueError, match="does not fit its field"):
+        bound(*_bound_values(later, I.COMBINE_BOUND, {})[:-1], -1)  # a negative address
+    assert len(recorded) == launched, "no launch after a value that does not fit"
+    # what cannot be bound: a fresh dispatch (its top-k outputs change), rows in place, an expert-major combine
+    assert I.dispatch(env, **_dispatch_args(), bind=True) is None
+    in_place = {**_dispatch_args(topk=False), "write_arrival": True, "rows_in_place": True,
+                "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16), "cached_src_idx": torch.zeros(9, dtype=torch.int32)}
+    assert I.dispatch(env, **in_place, bind=True) is None
+    expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
+                  sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
+    assert I.combine(env, **{**_combine_args(), **expert}, bind=True) is None
+
+
+def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_only_launches(recorded, monkeypatch):
+    """The native backend's bound calls (one rank, the launchers on CPU tensors): a cached dispatch or a combine
+    whose full path bound its launch goes through the bound launch the next time, and launches the struct its full
+    path would launch (byte for byte, the fresh outputs' addresses aside); traced or perturbed calls, a layout not
+    yet checked for the key, another data buffer and other shapes take the full path."""
+    b = fake_native_backend(0, 1, None, 64 << 20)
+    env = I.Env(0, [0x1000], torch.zeros(8, dtype=torch.int64),
+                torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 5_000_000_000, 16, 32, 4)
+    b._buffer_env, b._envs = env, {b.options: env}
+    full = {"dispatch": 0, "combine": 0}
+
+    class Counted:  # the intranode module, counting the launcher calls (the full paths)
+        def __getattr__(self, name):
+            return getattr(I, name)
+
+        def dispatch(self, *args, **kwargs):
+            full["dispatch"] += 1
+            return I.dispatch(*args, **kwargs)
+
+        def combine(self, *args, **kwargs):
+            full["combine"] += 1
+            return I.combine(*args, **kwargs)
+
+    counted = Counted()
+    monkeypatch.setattr(nb, "_c", lambda: counted)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    T, H, K = 6, 64, 2
+    ints = dict(dtype=torch.int32)
+
+    def handle(worst: int = 0) -> DispatchHandle:
+        route = torch.zeros(2, T, 1, **ints)
+        made = DispatchHandle(torch.tensor([[T]], **ints), torch.arange(T, **ints), torch.zeros(T, **ints),
+                              torch.ones(T, 1, dtype=torch.bool), -1 if worst else T, worst, route)
+        if not worst:  # an exact-size dispatch's layout, as the backend remembers it
+            b._remember_layout(route, T, [[T]], [T])
+        return made
+
+    config = Config(num_sms=8)
+
+    def cached(h, x=None):
+        x = torch.randn(T, H).to(torch.bfloat16) if x is None else x
+        return b.dispatch(x, None, None, None, h.is_token_in_rank, None, h, 0, 1, h.num_worst_tokens, config).recv_x
+
+    def combine(h, weights=True):
+        w = torch.rand(T, K) if weights else None
+        return b.combine(torch.randn(T, H).to(torch.bfloat16), h, w, (None, None), config)[0]
+
+    def took_full(op, call) -> bool:
+        before = full[op]
+        out = call()
+        struct = recorded[-1][3]
+        assert (struct.recv_x if op == "dispatch" else struct.out) == out.data_ptr()
+        return full[op] == before + 1
+
+    exact, fixed = handle(), handle(worst=T)
+    for h in (exact, fixed):
+        assert took_full("dispatch", lambda h=h: cached(h)) and not took_full("dispatch", lambda h=h: cached(h))
+        assert took_full("combine", lambda h=h: combine(h)) and not took_full("combine", lambda h=h: combine(h))
+        assert took_full("combine", lambda h=h: combine(h, weights=False)), "another key: no top-k weights"
+    # the bound launch equals the full path's, byte for byte, with the fresh output's address set alike
+    x = torch.randn(T, H).to(torch.bfloat16)
+    for op, call in (("dispatch", lambda: cached(exact, x)), ("combine", lambda: combine(exact))):
+        assert not took_full(op, call)
+        bound = type(recorded[-1][3]).from_buffer_copy(recorded[-1][3])
+        saved, b._bound = b._bound, {}
+        assert took_full(op, call)
+        b._bound = saved
+        want = recorded[-1][3]
+        for name in ("recv_x",) if op == "dispatch" else ("y", "weights", "out", "out_weights"):
+            setattr(bound, name, getattr(want, name))  # fresh tensors per call
+        assert bytes(bound) == bytes(want), f"{op}: the bound launch differs from the full path's"
+    assert took_full("dispatch", lambda: cached(handle())), "a layout not yet checked for this key"
+    b.trace_kernels = True
+    assert took_full("dispatch", lambda: cached(exact)) and took_full("combine", lambda: combine(exact))
+    b.trace_kernels = False
+    b.test_header_perturbation = torch.zeros(3, **ints)
+    assert took_full("dispatch", lambda: cached(exact)) and took_full("combine", lambda: combine(exact))
+    b.test_header_perturbation = None
+    b._data = FakeData(64 << 20)
+    assert took_full("dispatch", lambda: cached(exact)), "another data buffer"
+    assert not took_full("dispatch", lambda: cached(exact))
+    assert took_full("dispatch", lambda: cached(exact, torch.randn(T, 2 * H).to(torch.bfloat16)[:, :H])), \
+        "x not contiguous: the full path copies it"
 
 
 def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):

@@ -68,14 +68,14 @@ class FakeExtension:
             self._record(header)
         self._launch("notify")
 
-    def dispatch(self, *args) -> None:
+    def dispatch(self, *args, bind: bool = False) -> None:
         assert len(args) == 35, len(args)  # ..., header, test_perturb, rows_in_place
         write_arrival, header = args[20], args[32]
         if write_arrival:  # cached: the kernel checks, with the handle's digest
             self._record(header, digest=12345)
         self._launch("dispatch")
 
-    def combine(self, *args) -> None:
+    def combine(self, *args, bind: bool = False) -> None:
         assert len(args) == 30, len(args)  # ..., test_perturb, expert_y, expert_weights, sorted_slots, order
         self._record(args[24], digest=12345)
         self._launch("combine")

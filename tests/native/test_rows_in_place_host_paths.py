@@ -65,7 +65,7 @@ class FakeKernels:
             args[12][:L] = self.s["aligned_counts"]
         self.calls.append(("notify", args))
 
-    def dispatch(self, *args) -> None:
+    def dispatch(self, *args, bind: bool = False) -> None:
         assert len(args) == 35, len(args)
         if args[7] is None:  # cached: only the peer's rows, where the pushers put them
             return self._cached_dispatch(*args)
@@ -105,7 +105,7 @@ class FakeKernels:
         self._land_peer_rows(args[2])
         self.calls.append(("cached dispatch", args))
 
-    def combine(self, *args) -> None:
+    def combine(self, *args, bind: bool = False) -> None:
         assert len(args) == 30, len(args)  # ..., expert_y, expert_weights, sorted_slots, summation_order
         order = args[29]  # the handle's: [T, R] int32 per token, or None (increasing rank)
         assert order is None or (order.dtype == torch.int32 and tuple(order.shape) == tuple(args[6].shape)), order

@@ -241,6 +241,50 @@ def _cached_header_check(key: tuple, header: list[int], digest_from_prefix: bool
     return found
 
 
+class BoundLaunch:
+    """One launcher call, checked and filled once, launched again with other tensors of the same shapes: a copy of
+    the parameter struct that call launched, in which a later call writes only ``fields`` (its tensors' addresses
+    and sizes: `DISPATCH_BOUND`, `COMBINE_BOUND`) and launches the same kernel the same way.
+
+    The launcher's checks ran on the first call's tensors; a later call's tensors are the caller's to check alike
+    (contiguous, on the device, the first call's dtypes and row widths, 16-byte aligned rows), and everything else
+    the launch depends on (the Env, the data buffer, the header, block split, options) is the caller's key for the
+    bound call. The struct is private to this object; the lock keeps two threads from filling it at once (the
+    driver copies it during the launch)."""
+
+    __slots__ = ("params", "view", "args", "function", "name", "grid", "block", "shared", "device", "runs", "lock")
+
+    def __init__(self, env: Env, name: str, grid: int, block: int, shared: int, params, fields: tuple[str, ...]
+                 ) -> None:
+        self.params = type(params).from_buffer_copy(params)
+        self.view = memoryview(self.params).cast("B")
+        self.args = prepared_args(self.params)
+        self.function, self.name, self.device = env.functions[name], name, env.device
+        self.grid, self.block, self.shared = grid, block, shared
+        # the fields as runs of adjacent ones (one pack_into each): (writer, first value, past the last value)
+        self.runs: list[tuple[P.FieldWriter, int, int]] = []
+        start = 0
+        for i in range(1, len(fields) + 1):
+            if i == len(fields) or not P.consecutive(type(params), fields[i - 1], fields[i]):
+                self.runs.append((P.FieldWriter(type(params), fields[start:i]), start, i))
+                start = i
+        self.lock = threading.Lock()
+
+    def __call__(self, *values: int) -> None:
+        """Launch with ``values`` in ``fields``' order, on the current stream of the bound device."""
+        with self.lock:
+            for writer, lo, hi in self.runs:
+                writer.write(self.view, *values[lo:hi])
+            self.function.launch_prepared(self.grid, self.block, _raw_stream(self.device), self.args, self.shared)
+        LAUNCHES[self.name] += 1
+
+
+# What a bound cached dispatch and a bound combine change per call, in this order (`BoundLaunch`).
+DISPATCH_BOUND = ("rank_prefix_matrix", "send_list", "x", "scales", "recv_x", "recv_scales", "num_recv_rows")
+COMBINE_BOUND = ("rank_prefix_matrix", "is_token_in_rank", "pos", "y", "weights", "bias0", "bias1", "out",
+                 "out_weights", "summation_order")
+
+
 def _with_env(params, env: Env, data_ptrs: list[int] | None = None, combine: bool = False):
     """``params`` with the fields a prepared struct keeps: the Env (the combine's with its chunking) and the peers'
     data buffers."""
@@ -487,12 +531,13 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
              copy_engine_streams: list[int], copy_engine_flag_stream: int, copy_engine_seq: int,
              copy_engine_go: Tensor | None, copy_engine_shares: list[int], copy_engine_tokens: list[int],
              host_prefix: list[int], cached_src_idx: Tensor | None, header: list[int],
-             test_perturb: Tensor | None, rows_in_place: bool) -> None:
+             test_perturb: Tensor | None, rows_in_place: bool, bind: bool = False) -> BoundLaunch | None:
     """Rows to their destinations (the extension's ``dispatch``); with ``copy_engine_seq > 0`` every rank's whole x
     (and, fresh, its top-k and send lists) goes to the peers by the copy engine (`copy_engine.enqueue_dispatch`).
     ``rows_in_place`` (DispatchParams): recv_x is ``[0, H]`` (its dtype and width only), recv_scales None, and the
     received rows count is recv_topk_idx's (fresh) or cached_src_idx's (cached: the handle's recv_src_idx, of which
-    only the size is used; no copy engine)."""
+    only the size is used; no copy engine). ``bind``: also return this call as a `BoundLaunch` of `DISPATCH_BOUND`
+    (a cached dispatch of rows into recv_x without the copy engine only; None otherwise)."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks or len(offsets) != 5:
         raise _fail("arguments 'data_ptrs' and 'offsets' must hold R pointers and 5 offsets")
@@ -553,7 +598,9 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
         if not fresh:
             prepared.set_check(header, write_arrival, test_perturb, 0)
             _launch_prepared(env, "dispatch", num_blocks, THREADS, prepared, shared)
-            return
+            if bind and not has_topk and not rows_in_place:
+                return BoundLaunch(env, "dispatch", num_blocks, THREADS, shared, p, DISPATCH_BOUND)
+            return None
     _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                         copy_engine_shares, num_push_blocks, trace, num_blocks)
     p.check = header_check(header, write_arrival, test_perturb)
@@ -584,6 +631,7 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     _launch(env.device, "dispatch", num_blocks, THREADS, p, shared_bytes=shared)
     enqueue_dispatch(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
                      loaded.control_flags_offset)
+    return None
 
 
 _NO_LOCK = contextlib.nullcontext()
@@ -625,12 +673,13 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             copy_engine_seq: int, copy_engine_go: Tensor | None, copy_engine_shares: list[int],
             host_prefix: list[int], bulk_reduce: bool, header: list[int], test_perturb: Tensor | None,
             expert_y: Tensor | None, expert_weights: Tensor | None, sorted_slots: Tensor | None,
-            summation_order: Tensor | None = None) -> None:
+            summation_order: Tensor | None = None, bind: bool = False) -> BoundLaunch | None:
     """Rows back to their sources, summed per token (the extension's ``combine``); with ``copy_engine_seq > 0`` the
     rows go back by the copy engine (`copy_engine.enqueue_combine`) while every block reduces. ``expert_y``
     (CombineParams): an expert-major combine; ``y`` then holds the own rows only (``[N, H]``, N = the rows of
     ``sorted_slots [N, K]``). ``summation_order`` ``[T, R]`` int32: per token, the ranks in the order their rows
-    are added (None: increasing rank)."""
+    are added (None: increasing rank). ``bind``: also return this call as a `BoundLaunch` of `COMBINE_BOUND` (not an
+    expert-major combine, not with the copy engine; None otherwise)."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks:
         raise _fail("argument 'data_ptrs' must hold R pointers")
@@ -701,7 +750,9 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
         if not fresh:
             prepared.set_check(header, True, test_perturb, 0)  # with the handle's layout digest
             _launch_prepared(env, name, num_blocks, THREADS, prepared, shared)
-            return
+            if bind and expert_y is None:
+                return BoundLaunch(env, name, num_blocks, THREADS, shared, p, COMBINE_BOUND)
+            return None
     _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                         copy_engine_shares, num_push_blocks, trace, num_blocks)
     p.check = header_check(header, True, test_perturb)  # with the handle's layout digest
@@ -717,6 +768,7 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
     _launch(env.device, name, num_blocks, THREADS, p, shared_bytes=shared)
     enqueue_combine(cuda_ops(env.device), p, list(host_prefix), list(copy_engine_streams), copy_engine_flag_stream,
                     loaded.control_flags_offset)
+    return None
 
 
 _COMBINE_TENSORS = ("rank_prefix_matrix", "is_token_in_rank", "pos", "y", "out")
@@ -741,6 +793,6 @@ def barrier(env: Env) -> None:
     _launch(env.device, "barrier", 1, 32, env.env)
 
 
-__all__ = ["KERNELS", "KIND", "LAUNCHES", "SOURCE", "Env", "JitLayoutError", "barrier", "bulk_piece16",
+__all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "KERNELS", "KIND", "LAUNCHES", "SOURCE", "BoundLaunch", "Env", "JitLayoutError", "barrier", "bulk_piece16",
            "bulk_smem_bytes", "close_epoch", "combine", "dispatch", "exchange", "header_check", "kernels", "layout",
            "notify", "probe_file", "specializations"]
