@@ -122,7 +122,8 @@ def _expert_major_ops() -> bool:
     return native.kernels_available()
 
 
-_CACHED, _COMBINE = agreement.OP_CACHED_DISPATCH, agreement.OP_COMBINE  # the ops with bound launches
+# the launches that are bound: a cached dispatch, a combine, a fresh dispatch and its notify
+_CACHED, _COMBINE, _DISPATCH, _NOTIFY = agreement.OP_CACHED_DISPATCH, agreement.OP_COMBINE, agreement.OP_DISPATCH, 0
 
 
 def _ready(t: torch.Tensor) -> bool:
@@ -581,9 +582,17 @@ class NativeBackend(CommBackend):
         experts_travel = not num_worst_tokens and local_experts <= C.MAX_NOTIFY_EXPERTS
         # The notify also exchanges the headers (a fixed-size dispatch's verdict reaches its dispatch kernel on
         # the device; an exact-size one's the host, below).
-        C.notify(env, is_token_in_rank, num_tokens_per_rank.contiguous(), prefix, route[0], route[1],
-                 self._host_counts, num_worst_tokens, regions.rows, topk_idx, local_experts, expert_alignment,
-                 self._host_expert_counts if experts_travel else None, header, perturb)
+        per_rank = num_tokens_per_rank.contiguous()
+        send_list = route.data_ptr() + 4 * num_tokens * num_ranks  # route[1]
+        self._launch_bound(
+            self._launch_key(_NOTIFY, options, config, num_tokens, per_rank.dtype, num_worst_tokens, regions.rows,
+                             num_topk, local_experts, expert_alignment, experts_travel, *header),
+            (is_token_in_rank.data_ptr(), per_rank.data_ptr(), prefix.data_ptr(), route.data_ptr(), send_list,
+             topk_idx.data_ptr() if experts_travel else 0),
+            lambda bind: C.notify(env, is_token_in_rank, per_rank, prefix, route[0], route[1], self._host_counts,
+                                  num_worst_tokens, regions.rows, topk_idx, local_experts, expert_alignment,
+                                  self._host_expert_counts if experts_travel else None, header, perturb, bind=bind),
+            options)
         counts_list = None
         tokens = None  # every rank's tokens when x goes by the copy engine
         if num_worst_tokens:
@@ -624,16 +633,29 @@ class NativeBackend(CommBackend):
         recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
         recv_src = torch.empty(2, rows, dtype=torch.int32, device=dev)  # source index, source rank
         counts_out = torch.empty(local_experts, dtype=torch.int64, device=dev)
+        scratch = self._scratch_for(local_experts)
+        src_idx, src_rank = recv_src.unbind()
         args = (env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
-                topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, recv_src[0], recv_src[1],
-                self._scratch_for(local_experts), counts_out, expert_alignment, regions.rows, False, blocks)
-        if tokens is None:
+                topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, src_idx, src_rank,
+                scratch, counts_out, expert_alignment, regions.rows, False, blocks)
+        if tokens is None and not in_place:
+            self._launch_bound(
+                self._launch_key(_DISPATCH, options, config, x.shape, x.dtype, num_scales, num_topk, local_experts,
+                                 expert_alignment, regions.rows, *header),
+                (prefix.data_ptr(), send_list, x.data_ptr(), _address(x_scales), topk_idx.data_ptr(),
+                 topk_weights.data_ptr(), recv_x.data_ptr(), _address(recv_scales), recv_idx.data_ptr(),
+                 recv_w.data_ptr(), recv_src.data_ptr(), recv_src.data_ptr() + 4 * rows, rows, scratch.data_ptr(),
+                 counts_out.data_ptr()),
+                lambda bind: C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers),
+                                        *self._NO_COPY_ENGINE, [], [], None, header, perturb, False, bind=bind),
+                options)
+        elif tokens is None:
             C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None,
                        header, perturb, in_place)
         else:  # x, the top-k and the send lists go by the copy engine
             with self._copy_engine_call(options, "dispatch", "dispatch", blocks, num_scales) as ce:
                 C.dispatch(*args, *ce, tokens, policy.prefix_matrix(counts), None, header, perturb, False)
-        new_handle = DispatchHandle(prefix, recv_src[0], recv_src[1], is_token_in_rank,
+        new_handle = DispatchHandle(prefix, src_idx, src_rank, is_token_in_rank,
                                     -1 if num_worst_tokens else rows, num_worst_tokens, route)
         if not num_worst_tokens:
             if counts_list is None:  # too many local experts to travel in notify
@@ -757,19 +779,35 @@ class NativeBackend(CommBackend):
                   config: Config, *shapes) -> tuple | None:
         """The key of a full-path call that may be bound, or None (traced or perturbed calls, a handle whose route
         is not its own, graph capture: a layout checked there saw no copy engine only because of the capture)."""
-        if (self.trace_kernels or self.test_header_perturbation is not None or route is not handle.backend_state
-                or torch.cuda.is_current_stream_capturing()):
+        if route is not handle.backend_state or torch.cuda.is_current_stream_capturing():
             return None
-        return (op, *shapes, handle.num_worst_tokens, id(options), config.num_sms, id(self._data))
+        return self._launch_key(op, options, config, *shapes, handle.num_worst_tokens)
 
-    def _keep_bound(self, key: tuple | None, bound, options: NativeOptions, route: torch.Tensor, layout) -> None:
-        """Keep ``bound`` under ``key`` (with ``options``, so that their id is not reused while the key lives) and
-        mark the handle's layout as fitting it."""
+    def _launch_key(self, op: int, options: NativeOptions, config: Config, *shapes) -> tuple | None:
+        """The key of a launch with these shapes and the options, SM budget and data buffer in use, or None where
+        launches are not bound (traced or perturbed calls)."""
+        if self.trace_kernels or self.test_header_perturbation is not None:
+            return None
+        return (op, *shapes, id(options), config.num_sms, id(self._data))
+
+    def _launch_bound(self, key: tuple | None, values: tuple, full, options: NativeOptions) -> None:
+        """One launch of a fresh dispatch: the launch bound under ``key`` with ``values`` (its bound fields, in
+        order), else ``full(bind)``, the launcher's call (binding when ``key`` is given), whose launch is kept."""
+        found = None if key is None else self._bound.get(key)
+        if found is not None:
+            found[0](*values)
+        else:
+            self._keep_bound(key, full(key is not None), options, None, None)
+
+    def _keep_bound(self, key: tuple | None, bound, options: NativeOptions, route: torch.Tensor | None, layout
+                    ) -> None:
+        """Keep ``bound`` under ``key`` (with ``options``, so that their id is not reused while the key lives, and a
+        handle's send-list offset in ``route``) and mark the handle's layout as fitting it."""
         if key is None or bound is None:
             return
         if len(self._bound) >= self._MAX_BOUND:
             self._bound.clear()
-        self._bound[key] = (bound, options, route.shape[1] * route.shape[2] * 4)
+        self._bound[key] = (bound, options, 0 if route is None else route.shape[1] * route.shape[2] * 4)
         if layout is not None:
             layout[3].add(key)
 

@@ -55,9 +55,10 @@ def split_hidden(op: str, x: object, device: torch.device, dtypes: tuple = HIDDE
     return x, None
 
 
-def check_topk(op: str, topk_idx: object, topk_weights: object, num_tokens: int, num_experts: int,
+def check_topk(op: str, topk_idx: object, topk_weights: object, num_tokens: int | None, num_experts: int,
                device: torch.device, check_values: bool) -> None:
-    """Check ``topk_idx [T, K]`` int64 in ``[-1, E)`` and ``topk_weights [T, K]`` fp32 (or None)."""
+    """Check ``topk_idx [T, K]`` int64 in ``[-1, E)`` (T = ``num_tokens``; None: any) and ``topk_weights [T, K]``
+    fp32 (or None)."""
     check_tensor(op, "topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=device, shape=(num_tokens, None))
     if topk_weights is not None:
         check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=device,

@@ -331,10 +331,7 @@ class Buffer:
             ValueError: a bad argument, named (expert ids out of range when ``check_inputs`` is on).
         """
         check_num_experts("get_dispatch_layout", num_experts, self.group_size)
-        check_tensor("get_dispatch_layout", "topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2,
-                     device=self.device)
-        check_topk("get_dispatch_layout", topk_idx, None, topk_idx.shape[0], num_experts, self.device,
-                   self._checking_values())
+        check_topk("get_dispatch_layout", topk_idx, None, None, num_experts, self.device, self._checking_values())
         (per_rank, per_expert, in_rank), event = self._run(
             lambda: self.backend.get_dispatch_layout(topk_idx, num_experts), [topk_idx], previous_event,
             async_finish)

@@ -830,8 +830,8 @@ def _bound_values(args: dict, fields: tuple[str, ...], sizes: dict) -> list[int]
 
 def test_a_bound_launch_equals_the_full_launch_of_its_tensors(recorded):
     """A `BoundLaunch` launched with other tensors launches byte for byte the struct the launcher fills for a call
-    with those tensors (cached dispatch with and without FP8 scales; combine with weights and a bias, and without);
-    calls that cannot be bound return None."""
+    with those tensors (cached dispatch with and without FP8 scales; combine with weights and a bias, and without; a
+    dispatch with top-k; a notify with and without the per-expert counts); calls that cannot be bound return None."""
     env = _env()
     scaled = {**_dispatch_args(topk=False), "scales": torch.zeros(6, 2), "recv_scales": torch.zeros(9, 2)}
     for first in ({**_dispatch_args(topk=False), "write_arrival": True}, {**scaled, "write_arrival": True}):
@@ -859,14 +859,30 @@ def test_a_bound_launch_equals_the_full_launch_of_its_tensors(recorded):
     with pytest.raises(ValueError, match="does not fit its field"):
         bound(*_bound_values(later, I.COMBINE_BOUND, {})[:-1], -1)  # a negative address
     assert len(recorded) == launched, "no launch after a value that does not fit"
-    # what cannot be bound: a fresh dispatch (its top-k outputs change), rows in place, an expert-major combine
-    assert I.dispatch(env, **_dispatch_args(), bind=True) is None
+    # what cannot be bound: rows in place, an expert-major combine
     in_place = {**_dispatch_args(topk=False), "write_arrival": True, "rows_in_place": True,
                 "recv_x": torch.zeros(0, 64, dtype=torch.bfloat16), "cached_src_idx": torch.zeros(9, dtype=torch.int32)}
     assert I.dispatch(env, **in_place, bind=True) is None
     expert = dict(expert_y=torch.zeros(11, 2048, dtype=torch.bfloat16), expert_weights=torch.zeros(11),
                   sorted_slots=torch.zeros(7, 3, dtype=torch.int64))
     assert I.combine(env, **{**_combine_args(), **expert}, bind=True) is None
+    fresh, n = _dispatch_args(), _notify_args()
+    for kind, first, fields, sizes in (
+            ("dispatch", fresh, I.FRESH_DISPATCH_BOUND, {"num_recv_rows": 5}),
+            ("notify", n, I.NOTIFY_BOUND, {}),
+            ("notify", {**n, "topk_idx": None, "host_expert_counts": None}, I.NOTIFY_BOUND, {})):
+        bound = getattr(I, kind)(env, **first, bind=True)
+        again = _new_tensors(first, tuple(f for f in fields if f not in sizes), rows=5)
+        for name in ("recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_src_rank") if sizes else ():
+            again[name] = again[name][:5].clone()
+        if first.get("host_expert_counts", 0) is None:  # the notify reads no top-k then: its field stays 0
+            bound(*_bound_values(again, fields[:-1], sizes), 0)
+        else:
+            bound(*_bound_values(again, fields, sizes))
+        getattr(I, kind)(env, **again)
+        (b_name, *b_launch, b_struct, b_shared, _), (f_name, *f_launch, f_struct, f_shared, _) = recorded[-2:]
+        assert (b_name, b_launch, b_shared) == (f_name, f_launch, f_shared)
+        assert bytes(b_struct) == bytes(f_struct), f"the bound {kind} differs from the launcher's for its tensors"
 
 
 def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_only_launches(recorded, monkeypatch):
@@ -878,11 +894,15 @@ def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_on
     env = I.Env(0, [0x1000], torch.zeros(8, dtype=torch.int64),
                 torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 5_000_000_000, 16, 32, 4)
     b._buffer_env, b._envs = env, {b.options: env}
-    full = {"dispatch": 0, "combine": 0}
+    full = {"dispatch": 0, "combine": 0, "notify": 0}
 
     class Counted:  # the intranode module, counting the launcher calls (the full paths)
         def __getattr__(self, name):
             return getattr(I, name)
+
+        def notify(self, *args, **kwargs):
+            full["notify"] += 1
+            return I.notify(*args, **kwargs)
 
         def dispatch(self, *args, **kwargs):
             full["dispatch"] += 1
@@ -952,6 +972,39 @@ def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_on
     assert not took_full("dispatch", lambda: cached(exact))
     assert took_full("dispatch", lambda: cached(exact, torch.randn(T, 2 * H).to(torch.bfloat16)[:, :H])), \
         "x not contiguous: the full path copies it"
+    # a fixed-size dispatch with top-k: its notify and its dispatch launch bound from the second call on
+    topk_idx, weights = torch.randint(0, 8, (T, K)), torch.rand(T, K)
+    in_rank, per_rank = torch.ones(T, 1, dtype=torch.bool), torch.tensor([T], **ints)
+
+    def fresh():
+        return b.dispatch(x, None, topk_idx, weights, in_rank, per_rank, None, 8, 1, 2 * T, config)
+
+    launches = []
+    for _ in range(2):
+        before = dict(full)
+        result = fresh()
+        launches.append([recorded[-2][3], recorded[-1][3]])  # notify, dispatch
+        took = (full["notify"] - before["notify"], full["dispatch"] - before["dispatch"])
+    assert took == (0, 0), "the second fixed-size dispatch goes through its bound launches"
+    h = result.handle
+    returned = {"rank_prefix_matrix": h.rank_prefix_matrix, "pos": h.backend_state[0], "send_list": h.backend_state[1],
+                "recv_x": result.recv_x, "recv_topk_idx": result.recv_topk_idx,
+                "recv_topk_weights": result.recv_topk_weights, "recv_src_idx": h.recv_src_idx,
+                "recv_src_rank": h.recv_src_rank, "num_recv_per_expert": result.num_recv_tokens_per_expert}
+    for struct in launches[1]:  # the bound launches wrote into the tensors the call returned
+        for name, t in returned.items():
+            if hasattr(struct, name):
+                assert getattr(struct, name) == t.data_ptr(), f"{type(struct).__name__}.{name}"
+    b._bound.clear()
+    fresh()
+    for bound, want in zip(launches[1], (recorded[-2][3], recorded[-1][3])):
+        bound = type(bound).from_buffer_copy(bound)
+        outputs = ("rank_prefix_matrix", "pos", "send_list") if isinstance(bound, P.NotifyParams) else (
+            "rank_prefix_matrix", "send_list", "recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src_idx",
+            "recv_src_rank", "num_recv_per_expert")
+        for name in outputs:  # fresh tensors per call
+            setattr(bound, name, getattr(want, name))
+        assert bytes(bound) == bytes(want), f"{type(want).__name__}: the bound launch differs from the full path's"
 
 
 def test_layout_zeroes_its_counts_without_torch_fills(recorded, monkeypatch):

@@ -59,7 +59,7 @@ class FakeExtension:
             words = [own[0], 0, 1, *own, *seen[:nb.HEADER_LEN]]
             rec[:len(words)] = torch.tensor(words)
 
-    def notify(self, *args) -> None:
+    def notify(self, *args, bind: bool = False) -> None:
         assert len(args) == 15, len(args)
         host_counts, worst, header = args[6], args[7], args[13]
         host_counts[0], host_counts[1] = TOKENS, TOKENS  # rows 0 sends 0, tokens of rank 0

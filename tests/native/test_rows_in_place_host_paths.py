@@ -45,7 +45,7 @@ class FakeKernels:
         self.backend, self.s = backend, scenario
         self.calls: list[tuple[str, tuple]] = []
 
-    def notify(self, *args) -> None:
+    def notify(self, *args, bind: bool = False) -> None:
         assert len(args) == 15, len(args)
         prefix, pos, send_list, host_counts = args[3], args[4], args[5], args[6]
         counts = self.s["counts"]

@@ -279,8 +279,13 @@ class BoundLaunch:
         LAUNCHES[self.name] += 1
 
 
-# What a bound cached dispatch and a bound combine change per call, in this order (`BoundLaunch`).
+# What a bound call changes per call, in this order (`BoundLaunch`): a cached dispatch, a dispatch with top-k, its
+# notify, a combine.
 DISPATCH_BOUND = ("rank_prefix_matrix", "send_list", "x", "scales", "recv_x", "recv_scales", "num_recv_rows")
+FRESH_DISPATCH_BOUND = ("rank_prefix_matrix", "send_list", "x", "scales", "topk_idx", "topk_weights", "recv_x",
+                        "recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_src_rank",
+                        "num_recv_rows", "expert_scratch", "num_recv_per_expert")
+NOTIFY_BOUND = ("is_token_in_rank", "num_tokens_per_rank", "rank_prefix_matrix", "pos", "send_list", "topk_idx")
 COMBINE_BOUND = ("rank_prefix_matrix", "is_token_in_rank", "pos", "y", "weights", "bias0", "bias1", "out",
                  "out_weights", "summation_order")
 
@@ -469,8 +474,10 @@ def close_epoch(env: Env) -> None:
 def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank_prefix_matrix: Tensor, pos: Tensor,
            send_list: Tensor, host_counts: Tensor, num_worst_tokens: int, rows_capacity: int,
            topk_idx: Tensor | None, experts_per_rank: int, expert_alignment: int,
-           host_expert_counts: Tensor | None, header: list[int], test_perturb: Tensor | None) -> None:
-    """The count exchange and the per-destination token lists (the extension's ``notify``)."""
+           host_expert_counts: Tensor | None, header: list[int], test_perturb: Tensor | None,
+           bind: bool = False) -> BoundLaunch | None:
+    """The count exchange and the per-destination token lists (the extension's ``notify``). ``bind``: also return
+    this call as a `BoundLaunch` of `NOTIFY_BOUND`."""
     num_ranks = env.env.num_ranks
     _check_all(_NOTIFY_TENSORS, is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, pos, send_list)
     num_tokens = is_token_in_rank.shape[0]
@@ -511,6 +518,8 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
                              rows_capacity, *experts)
         prepared.set_check(header, False, test_perturb, None)
         _launch_prepared(env, "notify", 1 + num_ranks, NOTIFY_THREADS, prepared)
+        return BoundLaunch(env, "notify", 1 + num_ranks, NOTIFY_THREADS, 0, prepared.params, NOTIFY_BOUND) \
+            if bind else None
 
 
 _NOTIFY_TENSORS = ("is_token_in_rank", "num_tokens_per_rank", "rank_prefix_matrix", "pos", "send_list")
@@ -537,7 +546,7 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     ``rows_in_place`` (DispatchParams): recv_x is ``[0, H]`` (its dtype and width only), recv_scales None, and the
     received rows count is recv_topk_idx's (fresh) or cached_src_idx's (cached: the handle's recv_src_idx, of which
     only the size is used; no copy engine). ``bind``: also return this call as a `BoundLaunch` of `DISPATCH_BOUND`
-    (a cached dispatch of rows into recv_x without the copy engine only; None otherwise)."""
+    (cached) or `FRESH_DISPATCH_BOUND` (with top-k), not with rows in place or the copy engine (None then)."""
     num_ranks = env.env.num_ranks
     if len(data_ptrs) != num_ranks or len(offsets) != 5:
         raise _fail("arguments 'data_ptrs' and 'offsets' must hold R pointers and 5 offsets")
@@ -598,8 +607,9 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
         if not fresh:
             prepared.set_check(header, write_arrival, test_perturb, 0)
             _launch_prepared(env, "dispatch", num_blocks, THREADS, prepared, shared)
-            if bind and not has_topk and not rows_in_place:
-                return BoundLaunch(env, "dispatch", num_blocks, THREADS, shared, p, DISPATCH_BOUND)
+            if bind and not rows_in_place:
+                return BoundLaunch(env, "dispatch", num_blocks, THREADS, shared, p,
+                                   FRESH_DISPATCH_BOUND if has_topk else DISPATCH_BOUND)
             return None
     _copy_engine_params(p, copy_engine_streams, copy_engine_flag_stream, copy_engine_seq, copy_engine_go,
                         copy_engine_shares, num_push_blocks, trace, num_blocks)
@@ -793,6 +803,7 @@ def barrier(env: Env) -> None:
     _launch(env.device, "barrier", 1, 32, env.env)
 
 
-__all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "KERNELS", "KIND", "LAUNCHES", "SOURCE", "BoundLaunch", "Env", "JitLayoutError", "barrier", "bulk_piece16",
-           "bulk_smem_bytes", "close_epoch", "combine", "dispatch", "exchange", "header_check", "kernels", "layout",
-           "notify", "probe_file", "specializations"]
+__all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "FRESH_DISPATCH_BOUND", "KERNELS", "KIND", "LAUNCHES", "NOTIFY_BOUND",
+           "SOURCE", "BoundLaunch", "Env", "JitLayoutError", "barrier", "bulk_piece16", "bulk_smem_bytes",
+           "close_epoch", "combine", "dispatch", "exchange", "header_check", "kernels", "layout", "notify", "probe_file",
+           "specializations"]
