@@ -198,7 +198,8 @@ class NativeBackend(CommBackend):
             # need in a buffer, the [R][R] count matrix, every rank's tokens (shared by all ranks), and the keys of
             # the bound calls (`_bound_call`) this layout was found to fit without the copy engine
             self._route_layout: dict[int, tuple[int, list[list[int]], list[int], set]] = {}
-            self._bound: dict[tuple, tuple] = {}  # `_bound_call`'s launches, by key
+            self._bound: dict[tuple, tuple] = {}  # bound launches by key ("bound calls" below)
+            self._bind_next: set[tuple] = set()  # keys seen once: their next full call binds
             # copy-engine calls: their side streams, sequence number and go word (ep_moe/native/jit/copy_engine.py)
             self._copy_streams: list[torch.cuda.Stream] = []
             self._copy_flag_stream: torch.cuda.Stream | None = None
@@ -550,7 +551,7 @@ class NativeBackend(CommBackend):
                                                            x.dtype, -1 if x_scales is None else num_scales)
                 bound = C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers),
                                    *self._NO_COPY_ENGINE, [], [], handle.recv_src_idx if in_place else None, header,
-                                   perturb, in_place, bind=key is not None)
+                                   perturb, in_place, bind=self._binds(key))
                 self._keep_bound(key, bound, options, route, layout)
             else:  # x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
@@ -759,7 +760,7 @@ class NativeBackend(CommBackend):
                 _COMBINE, handle, route, options, config, num_tokens, y.shape[1], y.dtype,
                 -1 if topk_weights is None else num_topk, *(None if b is None else b.dtype for b in (bias0, bias1)))
             bound = C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [],
-                              bulk, header, perturb, *expert_args, order, bind=key is not None)
+                              bulk, header, perturb, *expert_args, order, bind=self._binds(key))
             self._keep_bound(key, bound, options, route, self._route_layout.get(id(route)))
         else:  # the rows go back by the copy engine
             with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
@@ -772,7 +773,8 @@ class NativeBackend(CommBackend):
     # depends on but the tensors: op, shapes and dtypes, the handle's fixed-size rows, the options and SM budget,
     # the data buffer. A later call with the same key and a handle known to fit (`_route_fits`) checks its tensors
     # as the launcher does and launches with their addresses: the same kernel with the same struct, bit for bit,
-    # without the host path's decisions and checks.
+    # without the host path's decisions and checks. A fresh dispatch runs its whole host path and launches its
+    # notify and dispatch kernels through bound launches (`_launch_bound`). A key binds at its second full call.
     _MAX_BOUND = 64
 
     def _bindable(self, op: int, handle: DispatchHandle, route: torch.Tensor, options: NativeOptions,
@@ -792,12 +794,24 @@ class NativeBackend(CommBackend):
 
     def _launch_bound(self, key: tuple | None, values: tuple, full, options: NativeOptions) -> None:
         """One launch of a fresh dispatch: the launch bound under ``key`` with ``values`` (its bound fields, in
-        order), else ``full(bind)``, the launcher's call (binding when ``key`` is given), whose launch is kept."""
+        order), else ``full(bind)``, the launcher's call (binding as `_binds` says), whose bound launch is kept."""
         found = None if key is None else self._bound.get(key)
         if found is not None:
             found[0](*values)
         else:
-            self._keep_bound(key, full(key is not None), options, None, None)
+            self._keep_bound(key, full(self._binds(key)), options, None, None)
+
+    def _binds(self, key: tuple | None) -> bool:
+        """Whether a full-path call of ``key`` binds its launch: from the second call of a key on (a shape seen once
+        is not worth the copy; shapes that change every call then cost one set lookup each)."""
+        if key is None:
+            return False
+        if key in self._bind_next:
+            return True
+        if len(self._bind_next) >= self._MAX_BOUND:
+            self._bind_next.clear()
+        self._bind_next.add(key)
+        return False
 
     def _keep_bound(self, key: tuple | None, bound, options: NativeOptions, route: torch.Tensor | None, layout
                     ) -> None:

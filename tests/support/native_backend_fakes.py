@@ -47,6 +47,7 @@ def fake_native_backend(rank: int, num_ranks: int, fallback, data_bytes: int) ->
     b._buffer_env, b._envs = "env", {}
     b._envs[b.options] = b._buffer_env
     b._data, b._retired, b._route_layout, b._bound = FakeData(data_bytes, num_ranks), [], {}, {}
+    b._bind_next = set()
     b._copy_streams, b._copy_flag_stream, b._copy_seq, b._copy_go = [], None, 0, None
     b._notify_done = FakeEvent()
     b.trace_kernels, b.last_trace, b.last_push_blocks, b.last_copy_engine_trace = False, {}, {}, {}

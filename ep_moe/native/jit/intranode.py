@@ -17,6 +17,7 @@ streams the backend passes, after the same checks as the extension's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -244,7 +245,8 @@ def _cached_header_check(key: tuple, header: list[int], digest_from_prefix: bool
 class BoundLaunch:
     """One launcher call, checked and filled once, launched again with other tensors of the same shapes: a copy of
     the parameter struct that call launched, in which a later call writes only ``fields`` (its tensors' addresses
-    and sizes: `DISPATCH_BOUND`, `COMBINE_BOUND`) and launches the same kernel the same way.
+    and sizes: `DISPATCH_BOUND`, `FRESH_DISPATCH_BOUND`, `NOTIFY_BOUND`, `COMBINE_BOUND`) and launches the same
+    kernel the same way.
 
     The launcher's checks ran on the first call's tensors; a later call's tensors are the caller's to check alike
     (contiguous, on the device, the first call's dtypes and row widths, 16-byte aligned rows), and everything else
@@ -261,22 +263,28 @@ class BoundLaunch:
         self.args = prepared_args(self.params)
         self.function, self.name, self.device = env.functions[name], name, env.device
         self.grid, self.block, self.shared = grid, block, shared
-        # the fields as runs of adjacent ones (one pack_into each): (writer, first value, past the last value)
-        self.runs: list[tuple[P.FieldWriter, int, int]] = []
-        start = 0
-        for i in range(1, len(fields) + 1):
-            if i == len(fields) or not P.consecutive(type(params), fields[i - 1], fields[i]):
-                self.runs.append((P.FieldWriter(type(params), fields[start:i]), start, i))
-                start = i
+        self.runs = _runs(type(params), fields)
         self.lock = threading.Lock()
 
     def __call__(self, *values: int) -> None:
-        """Launch with ``values`` in ``fields``' order, on the current stream of the bound device."""
+        """Launch with ``values`` in ``fields``' order, on the current stream of the bound device; raises
+        ``ValueError`` naming the struct when a value does not fit its field (nothing is launched then)."""
         with self.lock:
             for writer, lo, hi in self.runs:
                 writer.write(self.view, *values[lo:hi])
             self.function.launch_prepared(self.grid, self.block, _raw_stream(self.device), self.args, self.shared)
         LAUNCHES[self.name] += 1
+
+
+@functools.cache  # a few (struct, fields) pairs
+def _runs(struct_type: type[P.Params], fields: tuple[str, ...]) -> tuple[tuple[P.FieldWriter, int, int], ...]:
+    """``fields`` as runs of consecutive fields, one pack_into each: (writer, first value, past the last value)."""
+    runs, first = [], 0
+    for i in range(1, len(fields) + 1):
+        if i == len(fields) or not P.consecutive(struct_type, fields[i - 1], fields[i]):
+            runs.append((P.FieldWriter(struct_type, fields[first:i]), first, i))
+            first = i
+    return tuple(runs)
 
 
 # What a bound call changes per call, in this order (`BoundLaunch`): a cached dispatch, a dispatch with top-k, its
