@@ -195,9 +195,9 @@ class NativeBackend(CommBackend):
             self._retired: list[SymmetricBuffer] = []  # replaced data buffers, freed at destroy()
             # what the host knows of an exact dispatch's layout, by id of its route tensor while that
             # tensor lives (tensors cannot be weak dict keys: their == is elementwise): the rows its calls
-            # need in a buffer, the [R][R] count matrix, every rank's tokens (shared by all ranks), and the keys of
-            # the bound calls (`_bound_call`) this layout was found to fit without the copy engine
-            self._route_layout: dict[int, tuple[int, list[list[int]], list[int], set]] = {}
+            # need in a buffer, the [R][R] count matrix, every rank's tokens (shared by all ranks), and whether
+            # the bound call of a key takes this layout (`_route_fits`)
+            self._route_layout: dict[int, tuple[int, list[list[int]], list[int], dict[tuple, bool]]] = {}
             self._bound: dict[tuple, tuple] = {}  # bound launches by key ("bound calls" below)
             self._bind_next: set[tuple] = set()  # keys seen once: their next full call binds
             # copy-engine calls: their side streams, sequence number and go word (ep_moe/native/jit/copy_engine.py)
@@ -431,7 +431,7 @@ class NativeBackend(CommBackend):
 
     def _remember_layout(self, route: torch.Tensor, rows: int, counts: list[list[int]], tokens: list[int]) -> None:
         key = id(route)
-        self._route_layout[key] = (rows, counts, tokens, set())
+        self._route_layout[key] = (rows, counts, tokens, {})
         weakref.finalize(route, self._route_layout.pop, key, None)
 
     def _rows_bound(self, handle: DispatchHandle, route: torch.Tensor) -> int | None:
@@ -803,8 +803,8 @@ class NativeBackend(CommBackend):
 
     def _binds(self, key: tuple | None) -> bool:
         """Whether a full-path call of ``key`` binds its launch: from the second call of a key on (a shape seen once
-        is not worth the copy; shapes that change every call then cost one set lookup each)."""
-        if key is None:
+        is not worth the copy; shapes that change every call then cost one set lookup each), unless it is bound."""
+        if key is None or key in self._bound:
             return False
         if key in self._bind_next:
             return True
@@ -815,36 +815,53 @@ class NativeBackend(CommBackend):
 
     def _keep_bound(self, key: tuple | None, bound, options: NativeOptions, route: torch.Tensor | None, layout
                     ) -> None:
-        """Keep ``bound`` under ``key`` (with ``options``, so that their id is not reused while the key lives, and a
-        handle's send-list offset in ``route``) and mark the handle's layout as fitting it."""
-        if key is None or bound is None:
+        """Keep ``bound`` (if any) under ``key`` (with ``options``, so that their id is not reused while the key
+        lives, and a handle's send-list offset in ``route``), and mark the handle's layout, which the full path just
+        launched without the copy engine or a growth, as taking the key's bound call."""
+        if key is None:
             return
-        if len(self._bound) >= self._MAX_BOUND:
-            self._bound.clear()
-        self._bound[key] = (bound, options, 0 if route is None else route.shape[1] * route.shape[2] * 4)
+        if bound is not None:
+            if len(self._bound) >= self._MAX_BOUND:
+                self._bound.clear()
+            self._bound[key] = (bound, options, 0 if route is None else route.shape[1] * route.shape[2] * 4)
         if layout is not None:
-            layout[3].add(key)
+            layout[3][key] = True
 
-    def _route_fits(self, handle: DispatchHandle, route: torch.Tensor, key: tuple) -> bool:
-        """Whether the full path would find nothing to do for this handle but launch: an exact-size layout it
-        checked for ``key`` (it fits the data buffer, no copy engine), or fixed-size rows (in the key: the buffer
-        was fitted for them, and such a layout never goes by the copy engine)."""
+    def _route_fits(self, handle: DispatchHandle, route: torch.Tensor, key: tuple, options: NativeOptions,
+                    row_bytes: int, elem_size: int, num_scales: int, num_topk: int, cached: bool) -> bool:
+        """Whether the full path of this handle's call (a cached dispatch or a combine of ``key``) would only launch:
+        fixed-size rows (the buffer was fitted for them when the key was bound, and such a layout never goes by the
+        copy engine), or an exact-size layout whose rows fit the data buffer (no growth) and whose call the policy
+        keeps off the copy engine, as the full path decides them (`_fit`, `_copy_engine_tokens`,
+        `_copy_engine_counts`); asked once per layout and key."""
         layout = self._route_layout.get(id(route))
-        return key in layout[3] if layout is not None else handle.num_worst_tokens > 0
+        if layout is None:
+            return handle.num_worst_tokens > 0
+        known = layout[3].get(key)
+        if known is None:
+            hidden = (row_bytes - 4 * num_scales) // elem_size
+            fits = sizing.data_bytes_for(layout[0], hidden, elem_size, num_scales, num_topk) <= self._data.nbytes
+            copy_engine = (policy.wanted_for_dispatch(options, layout[1], layout[2], row_bytes, True) if cached
+                           else policy.wanted(options, layout[1], row_bytes))
+            known = layout[3][key] = fits and not copy_engine
+        return known
 
     def _bound_cached_dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle,
                                config: Config) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A cached dispatch through its bound launch: ``(recv_x, recv_scales)``, or None (take the full path)."""
         route = handle.backend_state
-        if not self._bound or route is None or self.trace_kernels or self.test_header_perturbation is not None:
+        if not self._bound or route is None:
             return None
         options = config.native if config.native is not None else self.options
-        key = (_CACHED, x.shape, x.dtype, -1 if scales is None else scales.shape[1], handle.num_worst_tokens,
-               id(options), config.num_sms, id(self._data))
+        num_scales = 0 if scales is None else scales.shape[1]
+        key = self._launch_key(_CACHED, options, config, x.shape, x.dtype, num_scales if scales is not None else -1,
+                               handle.num_worst_tokens)
         found = self._bound.get(key)
         prefix = handle.rank_prefix_matrix
         if (found is None or not _ready(x) or (scales is not None and not _ready(scales))
-                or prefix.dtype != torch.int32 or not prefix.is_contiguous() or not self._route_fits(handle, route, key)):
+                or prefix.dtype != torch.int32 or not prefix.is_contiguous()
+                or not self._route_fits(handle, route, key, options, x.shape[1] * x.element_size() + 4 * num_scales,
+                                        x.element_size(), num_scales, 0, True)):
             return None
         bound, _, send_list_offset = found
         rows = handle.num_recv_rows
@@ -860,19 +877,21 @@ class NativeBackend(CommBackend):
                        config: Config) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A combine through its bound launch: ``(out, out_weights)``, or None (take the full path)."""
         route = handle.backend_state
-        if not self._bound or route is None or self.trace_kernels or self.test_header_perturbation is not None:
+        if not self._bound or route is None:
             return None
         bias0, bias1 = bias
         options = config.native if config.native is not None else self.options
         prefix, in_rank, order = handle.rank_prefix_matrix, handle.is_token_in_rank, handle.summation_order
         num_tokens, num_topk = in_rank.shape[0], -1 if weights is None else weights.shape[1]
-        key = (_COMBINE, num_tokens, y.shape[1], y.dtype, num_topk, None if bias0 is None else bias0.dtype,
-               None if bias1 is None else bias1.dtype, handle.num_worst_tokens, id(options), config.num_sms,
-               id(self._data))
+        key = self._launch_key(_COMBINE, options, config, num_tokens, y.shape[1], y.dtype, num_topk,
+                               None if bias0 is None else bias0.dtype, None if bias1 is None else bias1.dtype,
+                               handle.num_worst_tokens)
         found = self._bound.get(key)
         if (found is None or not _ready(y) or not all(t is None or t.is_contiguous() for t in (weights, bias0, bias1))
                 or prefix.dtype != torch.int32 or not prefix.is_contiguous() or not in_rank.is_contiguous()
-                or (order is not None and not order.is_contiguous()) or not self._route_fits(handle, route, key)):
+                or (order is not None and not order.is_contiguous())
+                or not self._route_fits(handle, route, key, options, y.shape[1] * y.element_size(), y.element_size(),
+                                        0, max(num_topk, 0), False)):
             return None
         bound = found[0]
         out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)

@@ -888,8 +888,9 @@ def test_a_bound_launch_equals_the_full_launch_of_its_tensors(recorded):
 def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_only_launches(recorded, monkeypatch):
     """The native backend's bound calls (one rank, the launchers on CPU tensors): the second full-path call of a key
     binds its launch, and a cached dispatch or a combine goes through that launch from then on, launching the struct
-    its full path would launch (byte for byte, the fresh outputs' addresses aside); traced or perturbed calls, a
-    layout not yet checked for the key, another data buffer and other shapes take the full path. A fixed-size
+    its full path would launch (byte for byte, the fresh outputs' addresses aside), for another exact-size layout too
+    unless its rows need a larger buffer or the policy wants the copy engine; traced or perturbed calls, another data
+    buffer and other shapes take the full path. A fixed-size
     dispatch launches its notify and dispatch through bound launches likewise, into the tensors it returns."""
     b = fake_native_backend(0, 1, None, 64 << 20)
     env = I.Env(0, [0x1000], torch.zeros(8, dtype=torch.int64),
@@ -964,7 +965,22 @@ def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_on
         for name in ("recv_x",) if op == "dispatch" else ("y", "weights", "out", "out_weights"):
             setattr(bound, name, getattr(want, name))  # fresh tensors per call
         assert bytes(bound) == bytes(want), f"{op}: the bound launch differs from the full path's"
-    assert took_full("dispatch", lambda: cached(handle())), "a layout not yet checked for this key"
+    # another exact-size layout takes the bound calls at once where its rows fit and the policy keeps it off the
+    # copy engine; where the policy wants the copy engine or the rows need a larger buffer, the full path decides
+    def bound_takes(h: DispatchHandle) -> tuple[bool, bool]:
+        y = torch.randn(T, H).to(torch.bfloat16)
+        return (b._bound_cached_dispatch(y, None, h, config) is not None,
+                b._bound_combine(y, h, torch.rand(T, K), (None, None), config) is not None)
+
+    assert bound_takes(handle()) == (True, True)
+    with monkeypatch.context() as m:
+        m.setattr(nb.policy, "wanted_for_dispatch", lambda *args: True)
+        assert bound_takes(handle()) == (False, True)
+        m.setattr(nb.policy, "wanted", lambda *args: True)
+        assert bound_takes(handle()) == (False, False)
+    too_many = handle()
+    b._route_layout[id(too_many.backend_state)] = (1 << 40, [[T]], [T], {})  # rows that need a larger buffer
+    assert bound_takes(too_many) == (False, False)
     b.trace_kernels = True
     assert took_full("dispatch", lambda: cached(exact)) and took_full("combine", lambda: combine(exact))
     b.trace_kernels = False
