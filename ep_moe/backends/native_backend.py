@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import weakref
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from . import agreement
 from .agreement import HEADER_LEN
 from .comm_backend import CommBackend, DispatchResult, ReceivedRows
 from .torch_backend import TorchBackend
+
+if TYPE_CHECKING:  # the JIT module loads with the kernels (`_c`), not with this module
+    from ..native.jit.intranode import BoundLaunch
 
 MAX_LOCAL_EXPERTS = 8192  # experts per rank the dispatch kernel counts in shared memory
 
@@ -126,6 +130,14 @@ def _expert_major_ops() -> bool:
 _CACHED, _COMBINE, _DISPATCH, _NOTIFY = agreement.OP_CACHED_DISPATCH, agreement.OP_COMBINE, agreement.OP_DISPATCH, 0
 
 
+class _Bound(NamedTuple):
+    """A bound launch the backend keeps under its key."""
+
+    launch: BoundLaunch
+    options: NativeOptions  # kept so that the key's id(options) is not reused while the entry lives
+    send_list_offset: int  # a cached dispatch's: bytes from the handle's route tensor to its send list
+
+
 def _ready(t: torch.Tensor) -> bool:
     """Contiguous at a 16-byte-aligned address: what `_aligned` would return unchanged."""
     return t.is_contiguous() and t.data_ptr() % 16 == 0
@@ -198,7 +210,7 @@ class NativeBackend(CommBackend):
             # need in a buffer, the [R][R] count matrix, every rank's tokens (shared by all ranks), and whether
             # the bound call of a key takes this layout (`_route_fits`)
             self._route_layout: dict[int, tuple[int, list[list[int]], list[int], dict[tuple, bool]]] = {}
-            self._bound: dict[tuple, tuple] = {}  # bound launches by key ("bound calls" below)
+            self._bound: dict[tuple, _Bound] = {}  # bound launches by key ("bound calls" below)
             self._bind_next: set[tuple] = set()  # keys seen once: their next full call binds
             # copy-engine calls: their side streams, sequence number and go word (ep_moe/native/jit/copy_engine.py)
             self._copy_streams: list[torch.cuda.Stream] = []
@@ -797,7 +809,7 @@ class NativeBackend(CommBackend):
         order), else ``full(bind)``, the launcher's call (binding as `_binds` says), whose bound launch is kept."""
         found = None if key is None else self._bound.get(key)
         if found is not None:
-            found[0](*values)
+            found.launch(*values)
         else:
             self._keep_bound(key, full(self._binds(key)), options, None, None)
 
@@ -823,7 +835,7 @@ class NativeBackend(CommBackend):
         if bound is not None:
             if len(self._bound) >= self._MAX_BOUND:
                 self._bound.clear()
-            self._bound[key] = (bound, options, 0 if route is None else route.shape[1] * route.shape[2] * 4)
+            self._bound[key] = _Bound(bound, options, 0 if route is None else route.shape[1] * route.shape[2] * 4)
         if layout is not None:
             layout[3][key] = True
 
@@ -863,12 +875,11 @@ class NativeBackend(CommBackend):
                 or not self._route_fits(handle, route, key, options, x.shape[1] * x.element_size() + 4 * num_scales,
                                         x.element_size(), num_scales, 0, True)):
             return None
-        bound, _, send_list_offset = found
         rows = handle.num_recv_rows
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
         recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=torch.float32,
                                                               device=x.device)
-        bound(prefix.data_ptr(), route.data_ptr() + send_list_offset, x.data_ptr(),
+        found.launch(prefix.data_ptr(), route.data_ptr() + found.send_list_offset, x.data_ptr(),
               0 if scales is None else scales.data_ptr(), recv_x.data_ptr(),
               0 if recv_scales is None else recv_scales.data_ptr(), rows)
         return recv_x, recv_scales
@@ -893,10 +904,9 @@ class NativeBackend(CommBackend):
                 or not self._route_fits(handle, route, key, options, y.shape[1] * y.element_size(), y.element_size(),
                                         0, max(num_topk, 0), False)):
             return None
-        bound = found[0]
         out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk > 0 else None
-        bound(prefix.data_ptr(), in_rank.data_ptr(), route.data_ptr(), y.data_ptr(), _address(weights),
+        found.launch(prefix.data_ptr(), in_rank.data_ptr(), route.data_ptr(), y.data_ptr(), _address(weights),
               _address(bias0), _address(bias1), out.data_ptr(), _address(out_w), _address(order))
         return out, out_w
 
