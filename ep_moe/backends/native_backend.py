@@ -135,7 +135,6 @@ class _Bound(NamedTuple):
 
     launch: BoundLaunch
     options: NativeOptions  # kept so that the key's id(options) is not reused while the entry lives
-    send_list_offset: int  # a cached dispatch's: bytes from the handle's route tensor to its send list
 
 
 def _ready(t: torch.Tensor) -> bool:
@@ -564,7 +563,7 @@ class NativeBackend(CommBackend):
                 bound = C.dispatch(*args, pushers, self._trace("dispatch_cached", blocks, pushers),
                                    *self._NO_COPY_ENGINE, [], [], handle.recv_src_idx if in_place else None, header,
                                    perturb, in_place, bind=self._binds(key))
-                self._keep_bound(key, bound, options, route, layout)
+                self._keep_bound(key, bound, options, layout)
             else:  # x goes to the peers by the copy engine (see combine)
                 with self._copy_engine_call(options, "dispatch", "dispatch_cached", blocks, num_scales) as ce:
                     C.dispatch(*args, *ce, tokens, policy.prefix_matrix(layout[1]), handle.recv_src_idx, header,
@@ -773,7 +772,7 @@ class NativeBackend(CommBackend):
                 -1 if topk_weights is None else num_topk, *(None if b is None else b.dtype for b in (bias0, bias1)))
             bound = C.combine(*args, pushers, self._trace("combine", blocks, pushers), *self._NO_COPY_ENGINE, [],
                               bulk, header, perturb, *expert_args, order, bind=self._binds(key))
-            self._keep_bound(key, bound, options, route, self._route_layout.get(id(route)))
+            self._keep_bound(key, bound, options, self._route_layout.get(id(route)))
         else:  # the rows go back by the copy engine
             with self._copy_engine_call(options, "combine", "combine", blocks) as ce:
                 C.combine(*args, *ce, policy.prefix_matrix(counts), bulk, header, perturb, *expert_args, order)
@@ -811,7 +810,7 @@ class NativeBackend(CommBackend):
         if found is not None:
             found.launch(*values)
         else:
-            self._keep_bound(key, full(self._binds(key)), options, None, None)
+            self._keep_bound(key, full(self._binds(key)), options, None)
 
     def _binds(self, key: tuple | None) -> bool:
         """Whether a full-path call of ``key`` binds its launch: from the second call of a key on (a shape seen once
@@ -825,22 +824,21 @@ class NativeBackend(CommBackend):
         self._bind_next.add(key)
         return False
 
-    def _keep_bound(self, key: tuple | None, bound, options: NativeOptions, route: torch.Tensor | None, layout
-                    ) -> None:
+    def _keep_bound(self, key: tuple | None, bound, options: NativeOptions, layout) -> None:
         """Keep ``bound`` (if any) under ``key`` (with ``options``, so that their id is not reused while the key
-        lives, and a handle's send-list offset in ``route``), and mark the handle's layout, which the full path just
-        launched without the copy engine or a growth, as taking the key's bound call."""
+        lives), and mark the handle's layout, which the full path just launched without the copy engine or a
+        growth, as taking the key's bound call."""
         if key is None:
             return
         if bound is not None:
             if len(self._bound) >= self._MAX_BOUND:
                 self._bound.clear()
-            self._bound[key] = _Bound(bound, options, 0 if route is None else route.shape[1] * route.shape[2] * 4)
+            self._bound[key] = _Bound(bound, options)
         if layout is not None:
             layout[3][key] = True
 
     def _route_fits(self, handle: DispatchHandle, route: torch.Tensor, key: tuple, options: NativeOptions,
-                    row_bytes: int, elem_size: int, num_scales: int, num_topk: int, cached: bool) -> bool:
+                    hidden: int, elem_size: int, num_scales: int, num_topk: int, cached: bool) -> bool:
         """Whether the full path of this handle's call (a cached dispatch or a combine of ``key``) would only launch:
         fixed-size rows (the buffer was fitted for them when the key was bound, and such a layout never goes by the
         copy engine), or an exact-size layout whose rows fit the data buffer (no growth) and whose call the policy
@@ -851,7 +849,7 @@ class NativeBackend(CommBackend):
             return handle.num_worst_tokens > 0
         known = layout[3].get(key)
         if known is None:
-            hidden = (row_bytes - 4 * num_scales) // elem_size
+            row_bytes = hidden * elem_size + 4 * num_scales
             fits = sizing.data_bytes_for(layout[0], hidden, elem_size, num_scales, num_topk) <= self._data.nbytes
             copy_engine = (policy.wanted_for_dispatch(options, layout[1], layout[2], row_bytes, True) if cached
                            else policy.wanted(options, layout[1], row_bytes))
@@ -864,7 +862,7 @@ class NativeBackend(CommBackend):
         route = handle.backend_state
         if not self._bound or route is None:
             return None
-        options = config.native if config.native is not None else self.options
+        options = self._options_of(config)
         num_scales = 0 if scales is None else scales.shape[1]
         key = self._launch_key(_CACHED, options, config, x.shape, x.dtype, num_scales if scales is not None else -1,
                                handle.num_worst_tokens)
@@ -872,16 +870,16 @@ class NativeBackend(CommBackend):
         prefix = handle.rank_prefix_matrix
         if (found is None or not _ready(x) or (scales is not None and not _ready(scales))
                 or prefix.dtype != torch.int32 or not prefix.is_contiguous()
-                or not self._route_fits(handle, route, key, options, x.shape[1] * x.element_size() + 4 * num_scales,
-                                        x.element_size(), num_scales, 0, True)):
+                or not self._route_fits(handle, route, key, options, x.shape[1], x.element_size(), num_scales, 0,
+                                        True)):
             return None
         rows = handle.num_recv_rows
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
         recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=torch.float32,
                                                               device=x.device)
-        found.launch(prefix.data_ptr(), route.data_ptr() + found.send_list_offset, x.data_ptr(),
-              0 if scales is None else scales.data_ptr(), recv_x.data_ptr(),
-              0 if recv_scales is None else recv_scales.data_ptr(), rows)
+        send_list = route.data_ptr() + 4 * x.shape[0] * self.num_ranks  # route[1]: [R, T] after pos
+        found.launch(prefix.data_ptr(), send_list, x.data_ptr(), _address(scales), recv_x.data_ptr(),
+                     _address(recv_scales), rows)
         return recv_x, recv_scales
 
     def _bound_combine(self, y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None, bias,
@@ -891,7 +889,7 @@ class NativeBackend(CommBackend):
         if not self._bound or route is None:
             return None
         bias0, bias1 = bias
-        options = config.native if config.native is not None else self.options
+        options = self._options_of(config)
         prefix, in_rank, order = handle.rank_prefix_matrix, handle.is_token_in_rank, handle.summation_order
         num_tokens, num_topk = in_rank.shape[0], -1 if weights is None else weights.shape[1]
         key = self._launch_key(_COMBINE, options, config, num_tokens, y.shape[1], y.dtype, num_topk,
@@ -901,13 +899,13 @@ class NativeBackend(CommBackend):
         if (found is None or not _ready(y) or not all(t is None or t.is_contiguous() for t in (weights, bias0, bias1))
                 or prefix.dtype != torch.int32 or not prefix.is_contiguous() or not in_rank.is_contiguous()
                 or (order is not None and not order.is_contiguous())
-                or not self._route_fits(handle, route, key, options, y.shape[1] * y.element_size(), y.element_size(),
-                                        0, max(num_topk, 0), False)):
+                or not self._route_fits(handle, route, key, options, y.shape[1], y.element_size(), 0, max(num_topk, 0),
+                                        False)):
             return None
         out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=y.device) if num_topk > 0 else None
         found.launch(prefix.data_ptr(), in_rank.data_ptr(), route.data_ptr(), y.data_ptr(), _address(weights),
-              _address(bias0), _address(bias1), out.data_ptr(), _address(out_w), _address(order))
+                     _address(bias0), _address(bias1), out.data_ptr(), _address(out_w), _address(order))
         return out, out_w
 
     # ---------------------------------------------------------------- copy engine
