@@ -293,8 +293,8 @@ def combine(buffer: Buffer, x: Tensor, handle: DispatchHandle, topk_weights: Ten
         RuntimeError: ``buffer`` was destroyed.
     """
     bias_0, bias_1 = bias if isinstance(bias, tuple | list) else (bias, None)
-    combined, combined_w = _COMBINE(x, topk_weights, bias_0, bias_1, *_handle_args(handle),
-                                                    buffer.buffer_id, num_sms)
+    combined, combined_w = _COMBINE(x, topk_weights, bias_0, bias_1, *_handle_args(handle), buffer.buffer_id,
+                                    num_sms)
     return combined, (combined_w if topk_weights is not None else None)
 
 
