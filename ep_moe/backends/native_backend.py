@@ -126,15 +126,62 @@ def _expert_major_ops() -> bool:
     return native.kernels_available()
 
 
-# the launches that are bound: a cached dispatch, a combine, a fresh dispatch and its notify
+# the launches that are bound: a cached dispatch, a combine, a fresh dispatch and its notify, and a whole fixed-size
+# dispatch (its notify and dispatch launches)
 _CACHED, _COMBINE, _DISPATCH, _NOTIFY = agreement.OP_CACHED_DISPATCH, agreement.OP_COMBINE, agreement.OP_DISPATCH, 0
+_FIXED = -1
 
 
 class _Bound(NamedTuple):
-    """A bound launch the backend keeps under its key."""
+    """A bound launch the backend keeps under its key (a whole fixed-size dispatch: its notify and dispatch)."""
 
-    launch: BoundLaunch
+    launch: BoundLaunch | tuple[BoundLaunch, BoundLaunch]
     options: NativeOptions  # kept so that the key's id(options) is not reused while the entry lives
+
+
+class _FreshOutputs(NamedTuple):
+    """A fresh dispatch's outputs (N = rows received, or ``num_worst_tokens``; L local experts)."""
+
+    recv_x: torch.Tensor  # [N, H] of x's dtype ([0, H] when the rows stay in place)
+    recv_scales: torch.Tensor | None  # [N, S] fp32 with FP8 scales (and rows not in place)
+    recv_idx: torch.Tensor  # [N, K] int64
+    recv_w: torch.Tensor  # [N, K] fp32
+    recv_src: torch.Tensor  # [2, N] int32: source index, source rank
+    counts: torch.Tensor  # [L] int64
+
+    @classmethod
+    def of(cls, x: torch.Tensor, num_scales: int, rows: int, num_topk: int, local_experts: int,
+           in_place: bool) -> _FreshOutputs:
+        dev = x.device
+        return cls(torch.empty(0 if in_place else rows, x.shape[1], dtype=x.dtype, device=dev),
+                   torch.empty(rows, num_scales, dtype=torch.float32, device=dev) if num_scales and not in_place
+                   else None,
+                   torch.empty(rows, num_topk, dtype=torch.int64, device=dev),
+                   torch.empty(rows, num_topk, dtype=torch.float32, device=dev),
+                   torch.empty(2, rows, dtype=torch.int32, device=dev),
+                   torch.empty(local_experts, dtype=torch.int64, device=dev))
+
+    def dispatch_values(self, prefix: torch.Tensor, route: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None,
+                        topk_idx: torch.Tensor, topk_weights: torch.Tensor, scratch: torch.Tensor) -> tuple[int, ...]:
+        """The bound fields of the dispatch launch into these outputs (`FRESH_DISPATCH_BOUND`, in order)."""
+        rows = self.recv_src.shape[1]
+        return (prefix.data_ptr(), _send_list(route), x.data_ptr(), _address(scales), self.recv_x.data_ptr(),
+                _address(self.recv_scales), rows, topk_idx.data_ptr(), topk_weights.data_ptr(),
+                self.recv_idx.data_ptr(), self.recv_w.data_ptr(), self.recv_src.data_ptr(),
+                self.recv_src.data_ptr() + 4 * rows, scratch.data_ptr(), self.counts.data_ptr())
+
+
+def _send_list(route: torch.Tensor) -> int:
+    """The address of ``route[1]``, the ``[R, T]`` send lists after the ``[T, R]`` positions of ``route``."""
+    return route.data_ptr() + 2 * route.numel()  # 4 bytes times half the elements
+
+
+def _notify_values(in_rank: torch.Tensor, per_rank: torch.Tensor, prefix: torch.Tensor, route: torch.Tensor,
+                   topk_idx: torch.Tensor | None) -> tuple[int, ...]:
+    """The bound fields of a notify launch (`NOTIFY_BOUND`, in order); ``topk_idx`` where the expert counts
+    travel."""
+    return (in_rank.data_ptr(), per_rank.data_ptr(), prefix.data_ptr(), route.data_ptr(), _send_list(route),
+            _address(topk_idx))
 
 
 def _ready(t: torch.Tensor) -> bool:
@@ -219,7 +266,8 @@ class NativeBackend(CommBackend):
             if num_nvl_bytes > 0:
                 self._data = SymmetricBuffer(group, device, num_nvl_bytes)
                 self.data_allocations += 1
-            self._notify_done = torch.cuda.Event()
+            index = torch.device(device).index
+            self._wait_for_stream = C.stream_waiter(torch.cuda.current_device() if index is None else index)
             torch.cuda.synchronize(device)
         # Diagnostics: when True, every dispatch/combine kernel stamps each block's timeline (the slots of
         # `TraceSlot` in native/kernels/kernels.h) into `last_trace[op]`, an int64 [blocks, TRACE_SLOTS] tensor of
@@ -277,8 +325,7 @@ class NativeBackend(CommBackend):
     def _wait_on_host(self) -> None:
         """Block until the work queued so far on the current stream ran, then surface kernel errors (not a
         disagreement an earlier call recorded: see `_raise_mismatch` for where that is raised)."""
-        self._notify_done.record(torch.cuda.current_stream(self.device))
-        self._notify_done.synchronize()
+        self._wait_for_stream()
         self._raise_if_failed()
 
     def _raise_mismatch(self) -> None:
@@ -505,6 +552,12 @@ class NativeBackend(CommBackend):
             recv = self._bound_cached_dispatch(x, x_scales, handle, config)
             if recv is not None:
                 return DispatchResult(*recv, None, None, None, handle)
+        elif num_worst_tokens and consume is None:
+            fixed = self._bound_fixed_dispatch(x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                                               num_tokens_per_rank, num_experts, expert_alignment, num_worst_tokens,
+                                               config)
+            if fixed is not None:
+                return fixed
         row = x.shape[1] * x.element_size()
         num_scales = x_scales.shape[1] if x_scales is not None else 0
         cached = handle is not None
@@ -595,12 +648,10 @@ class NativeBackend(CommBackend):
         # The notify also exchanges the headers (a fixed-size dispatch's verdict reaches its dispatch kernel on
         # the device; an exact-size one's the host, below).
         per_rank = num_tokens_per_rank.contiguous()
-        send_list = route.data_ptr() + 4 * num_tokens * num_ranks  # route[1]
-        self._launch_bound(
+        notify_bound = self._launch_bound(
             self._launch_key(_NOTIFY, options, config, num_tokens, per_rank.dtype, num_worst_tokens, regions.rows,
                              num_topk, local_experts, expert_alignment, experts_travel, *header),
-            (is_token_in_rank.data_ptr(), per_rank.data_ptr(), prefix.data_ptr(), route.data_ptr(), send_list,
-             topk_idx.data_ptr() if experts_travel else 0),
+            _notify_values(is_token_in_rank, per_rank, prefix, route, topk_idx if experts_travel else None),
             lambda bind: C.notify(env, is_token_in_rank, per_rank, prefix, route[0], route[1], self._host_counts,
                                   num_worst_tokens, regions.rows, topk_idx, local_experts, expert_alignment,
                                   self._host_expert_counts if experts_travel else None, header, perturb, bind=bind),
@@ -636,31 +687,27 @@ class NativeBackend(CommBackend):
             tokens = None if consume is not None else self._copy_engine_tokens(
                 options, False, counts, tokens, hidden, x.element_size(), num_scales, num_topk)
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
-        dev = x.device
         in_place = consume is not None
-        recv_x = torch.empty(0 if in_place else rows, hidden, dtype=x.dtype, device=dev)
-        recv_scales = torch.empty(rows, num_scales, dtype=torch.float32, device=dev) \
-            if num_scales and not in_place else None
-        recv_idx = torch.empty(rows, num_topk, dtype=torch.int64, device=dev)
-        recv_w = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
-        recv_src = torch.empty(2, rows, dtype=torch.int32, device=dev)  # source index, source rank
-        counts_out = torch.empty(local_experts, dtype=torch.int64, device=dev)
+        out = _FreshOutputs.of(x, num_scales, rows, num_topk, local_experts, in_place)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src, counts_out = out
         scratch = self._scratch_for(local_experts)
         src_idx, src_rank = recv_src.unbind()
         args = (env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
                 topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, src_idx, src_rank,
                 scratch, counts_out, expert_alignment, regions.rows, False, blocks)
         if tokens is None and not in_place:
-            self._launch_bound(
+            dispatch_bound = self._launch_bound(
                 self._launch_key(_DISPATCH, options, config, x.shape, x.dtype, num_scales, num_topk, local_experts,
                                  expert_alignment, regions.rows, *header),
-                (prefix.data_ptr(), send_list, x.data_ptr(), _address(x_scales), topk_idx.data_ptr(),
-                 topk_weights.data_ptr(), recv_x.data_ptr(), _address(recv_scales), recv_idx.data_ptr(),
-                 recv_w.data_ptr(), recv_src.data_ptr(), recv_src.data_ptr() + 4 * rows, rows, scratch.data_ptr(),
-                 counts_out.data_ptr()),
+                out.dispatch_values(prefix, route, x, x_scales, topk_idx, topk_weights, scratch),
                 lambda bind: C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers),
                                         *self._NO_COPY_ENGINE, [], [], None, header, perturb, False, bind=bind),
                 options)
+            if num_worst_tokens and notify_bound is not None and dispatch_bound is not None:
+                # nothing above was decided on the host but by the key's shapes: the whole call binds
+                self._keep_bound(self._fixed_key(options, config, x, x_scales, topk_idx, topk_weights,
+                                                 is_token_in_rank, per_rank, num_experts, expert_alignment,
+                                                 num_worst_tokens), (notify_bound, dispatch_bound), options, None)
         elif tokens is None:
             C.dispatch(*args, pushers, self._trace("dispatch", blocks, pushers), *self._NO_COPY_ENGINE, [], [], None,
                        header, perturb, in_place)
@@ -803,14 +850,17 @@ class NativeBackend(CommBackend):
             return None
         return (op, *shapes, id(options), config.num_sms, id(self._data))
 
-    def _launch_bound(self, key: tuple | None, values: tuple, full, options: NativeOptions) -> None:
+    def _launch_bound(self, key: tuple | None, values: tuple, full, options: NativeOptions) -> BoundLaunch | None:
         """One launch of a fresh dispatch: the launch bound under ``key`` with ``values`` (its bound fields, in
-        order), else ``full(bind)``, the launcher's call (binding as `_binds` says), whose bound launch is kept."""
+        order), else ``full(bind)``, the launcher's call (binding as `_binds` says), whose bound launch is kept.
+        Returns the bound launch that launched or was kept, if any."""
         found = None if key is None else self._bound.get(key)
         if found is not None:
             found.launch(*values)
-        else:
-            self._keep_bound(key, full(self._binds(key)), options, None)
+            return found.launch
+        bound = full(self._binds(key))
+        self._keep_bound(key, bound, options, None)
+        return bound
 
     def _binds(self, key: tuple | None) -> bool:
         """Whether a full-path call of ``key`` binds its launch: from the second call of a key on (a shape seen once
@@ -877,8 +927,7 @@ class NativeBackend(CommBackend):
         recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
         recv_scales = None if scales is None else torch.empty(rows, scales.shape[1], dtype=torch.float32,
                                                               device=x.device)
-        send_list = route.data_ptr() + 4 * x.shape[0] * self.num_ranks  # route[1]: [R, T] after pos
-        found.launch(prefix.data_ptr(), send_list, x.data_ptr(), _address(scales), recv_x.data_ptr(),
+        found.launch(prefix.data_ptr(), _send_list(route), x.data_ptr(), _address(scales), recv_x.data_ptr(),
                      _address(recv_scales), rows)
         return recv_x, recv_scales
 
@@ -907,6 +956,46 @@ class NativeBackend(CommBackend):
         found.launch(prefix.data_ptr(), in_rank.data_ptr(), route.data_ptr(), y.data_ptr(), _address(weights),
                      _address(bias0), _address(bias1), out.data_ptr(), _address(out_w), _address(order))
         return out, out_w
+
+    def _fixed_key(self, options: NativeOptions, config: Config, x: torch.Tensor, scales: torch.Tensor | None,
+                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, in_rank: torch.Tensor, per_rank: torch.Tensor,
+                   num_experts: int, expert_alignment: int, num_worst_tokens: int) -> tuple | None:
+        """The key of a whole fixed-size dispatch: every tensor's shape and dtype (what the launchers checked), the
+        arguments its header holds and the copy-engine number the header carries (`_launch_key` adds the rest)."""
+        return self._launch_key(_FIXED, options, config, x.shape, x.dtype, None if scales is None else scales.shape,
+                                topk_idx.shape, topk_idx.dtype, topk_weights.shape, topk_weights.dtype, in_rank.shape,
+                                in_rank.dtype, per_rank.shape, per_rank.dtype, num_experts, expert_alignment,
+                                num_worst_tokens, self._copy_seq)
+
+    def _bound_fixed_dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor,
+                              topk_weights: torch.Tensor, in_rank: torch.Tensor, per_rank: torch.Tensor,
+                              num_experts: int, expert_alignment: int, num_worst_tokens: int,
+                              config: Config) -> DispatchResult | None:
+        """A fixed-size dispatch through the notify and dispatch launches its full path bound under the same
+        `_fixed_key`: its result, or None (take the full path). The full path decides nothing on the host for such
+        a call but from the key (no host read, no copy engine, the buffer already fitted for ``num_worst_tokens``)."""
+        if not self._bound:
+            return None
+        options = self._options_of(config)
+        found = self._bound.get(self._fixed_key(options, config, x, scales, topk_idx, topk_weights, in_rank, per_rank,
+                                                num_experts, expert_alignment, num_worst_tokens))
+        if (found is None or not _ready(x) or (scales is not None and not _ready(scales))
+                or not (topk_idx.is_contiguous() and topk_weights.is_contiguous() and in_rank.is_contiguous()
+                        and per_rank.is_contiguous())):
+            return None
+        notify, dispatch = found.launch
+        num_tokens, num_ranks = x.shape[0], self.num_ranks
+        local_experts = num_experts // num_ranks
+        prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=x.device)
+        route = torch.empty(2, num_tokens, num_ranks, dtype=torch.int32, device=x.device)  # pos, send_list
+        notify(*_notify_values(in_rank, per_rank, prefix, route, None))
+        out = _FreshOutputs.of(x, 0 if scales is None else scales.shape[1], num_worst_tokens, topk_idx.shape[1],
+                               local_experts, False)
+        dispatch(*out.dispatch_values(prefix, route, x, scales, topk_idx, topk_weights,
+                                      self._scratch_for(local_experts)))
+        src_idx, src_rank = out.recv_src.unbind()
+        handle = DispatchHandle(prefix, src_idx, src_rank, in_rank, -1, num_worst_tokens, route)
+        return DispatchResult(out.recv_x, out.recv_scales, out.recv_idx, out.recv_w, out.counts, handle)
 
     # ---------------------------------------------------------------- copy engine
     # the copy-engine arguments of a call without it: streams, flag stream, sequence number, go word, shares

@@ -836,7 +836,7 @@ def test_a_bound_launch_equals_the_full_launch_of_its_tensors(recorded):
     scaled = {**_dispatch_args(topk=False), "scales": torch.zeros(6, 2), "recv_scales": torch.zeros(9, 2)}
     for first in ({**_dispatch_args(topk=False), "write_arrival": True}, {**scaled, "write_arrival": True}):
         bound = I.dispatch(env, **first, bind=True)
-        assert isinstance(bound, I.BoundLaunch) and len(bound.runs) == 5, "prefix + send list, x, scales, recv, rows"
+        assert isinstance(bound, I.BoundLaunch) and bound.fields.names == I.DISPATCH_BOUND, "one run, one pack"
         later = _new_tensors(first, ("rank_prefix_matrix", "send_list", "x", "scales", "recv_x", "recv_scales"),
                              rows=4)
         later["recv_scales"] = None if first["scales"] is None else torch.ones(4, 2)
@@ -891,7 +891,8 @@ def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_on
     its full path would launch (byte for byte, the fresh outputs' addresses aside), for another exact-size layout too
     unless its rows need a larger buffer or the policy wants the copy engine; traced or perturbed calls, another data
     buffer and other shapes take the full path. A fixed-size
-    dispatch launches its notify and dispatch through bound launches likewise, into the tensors it returns."""
+    dispatch launches its notify and dispatch through bound launches likewise, into the tensors it returns, and from
+    its third call on skips the host path for its key."""
     b = fake_native_backend(0, 1, None, 64 << 20)
     env = I.Env(0, [0x1000], torch.zeros(8, dtype=torch.int64),
                 torch.zeros(I.ERROR_WORDS + I.MISMATCH_WORDS, dtype=torch.int32), 5_000_000_000, 16, 32, 4)
@@ -1014,6 +1015,25 @@ def test_the_backend_binds_cached_dispatches_and_combines_where_its_full_path_on
         for name, t in returned.items():
             if hasattr(struct, name):
                 assert getattr(struct, name) == t.data_ptr(), f"{type(struct).__name__}.{name}"
+    # the third call took the whole call's bound launches: the host path (its header, its fit) does not run for the
+    # key again, and any change of the key (another copy-engine number in the header, another tensor's shape or
+    # layout) takes it
+    def host_path_runs(call) -> bool:
+        ran = []
+        with monkeypatch.context() as m:
+            m.setattr(b, "_header", lambda *args, **kw: ran.append(1) or nb.NativeBackend._header(b, *args, **kw))
+            call()
+        return bool(ran)
+
+    assert not host_path_runs(fresh)
+    b._copy_seq += 1
+    assert host_path_runs(fresh), "another copy-engine number: another header"
+    b._copy_seq -= 1
+    for other in (lambda: b.dispatch(x, None, topk_idx, torch.rand(K, T).t(), in_rank, per_rank, None, 8, 1, 2 * T,
+                                     config),
+                  lambda: b.dispatch(x, None, topk_idx, weights, in_rank, per_rank, None, 16, 1, 2 * T, config),
+                  lambda: b.dispatch(x, None, topk_idx, weights, in_rank, per_rank.long(), None, 8, 1, 2 * T, config)):
+        assert host_path_runs(other), "non-contiguous weights, other experts, int64 counts: the full path"
     b._bound.clear()
     fresh()
     for bound, want in zip(launches[2], (recorded[-2][3], recorded[-1][3])):

@@ -132,17 +132,6 @@ class DeviceModel:
         return [epoch for kernel, epoch in self.ran if kernel not in self.OPENS_ONLY]
 
 
-class _ModelEvent:
-    def __init__(self, device: DeviceModel) -> None:
-        self.device, self.stream = device, None
-
-    def record(self, stream) -> None:
-        self.stream = stream
-
-    def synchronize(self) -> None:
-        self.device.run_stream(self.stream)
-
-
 class _Fallback:
     def __init__(self) -> None:
         self.calls = 0
@@ -260,7 +249,7 @@ def device(backend, monkeypatch):
     """``backend`` with a `DeviceModel` behind its fake kernels and torch.cuda's stream calls."""
     b, fake = backend
     model = fake.device = DeviceModel()
-    b._notify_done = _ModelEvent(model)
+    b._wait_for_stream = lambda: model.run_stream(model.stream)  # the host waits for the current stream
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: model.stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: model.synchronize())
     return b, fake, model

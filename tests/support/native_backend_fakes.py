@@ -15,16 +15,6 @@ from ep_moe.config import NativeOptions
 ERROR_WORDS = 16  # the fake kernels' error record (the real one is native/kernels/kernels.h's)
 
 
-class FakeEvent:
-    """`torch.cuda.Event` where nothing runs: recording and waiting do nothing."""
-
-    def record(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 class FakeData:
     """The data buffer's fields the backend reads: its size, one pointer per rank and a host tensor of its bytes."""
 
@@ -49,7 +39,7 @@ def fake_native_backend(rank: int, num_ranks: int, fallback, data_bytes: int) ->
     b._data, b._retired, b._route_layout, b._bound = FakeData(data_bytes, num_ranks), [], {}, {}
     b._bind_next = set()
     b._copy_streams, b._copy_flag_stream, b._copy_seq, b._copy_go = [], None, 0, None
-    b._notify_done = FakeEvent()
+    b._wait_for_stream = lambda: None  # nothing runs: the host wait returns at once
     b.trace_kernels, b.last_trace, b.last_push_blocks, b.last_copy_engine_trace = False, {}, {}, {}
     b.test_header_perturbation = None
     b.in_place_dispatches = b.expert_row_combines = 0

@@ -53,6 +53,10 @@ class _Driver:
         # launch's 11 are not: see above)
         self.memset_d32_async = ctypes.CFUNCTYPE(c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, vp)(
             ("cuMemsetD32Async", lib))
+        self.event_record = ctypes.CFUNCTYPE(c_int, vp, vp)(("cuEventRecord", lib))
+        self.event_synchronize = ctypes.CFUNCTYPE(c_int, vp)(("cuEventSynchronize", lib))
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        lib.cuEventDestroy_v2.argtypes = [vp]
         self.check(lib.cuInit(0), "cuInit")
         self._primary: dict[int, ctypes.c_void_p] = {}
 
@@ -218,6 +222,37 @@ def memset_zero_async(address: int, words: int, stream: int, device: int) -> Non
         drv.check(status, f"cuMemsetD32Async({words} words)")
 
 
+class HostEvent:
+    """A CUDA event of ``device``'s primary context (no timing) that the host records on a stream and waits for,
+    given the stream as a raw ``cudaStream_t``: no torch ``Stream`` object per wait. The waiting thread spins, as
+    on a default torch event; ctypes releases the GIL meanwhile."""
+
+    def __init__(self, device: int) -> None:
+        drv = driver()
+        drv.use_primary_context(device)
+        self.device, self._event = device, ctypes.c_void_p()
+        drv.check(drv.lib.cuEventCreate(ctypes.byref(self._event), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        self._destroy = drv.lib.cuEventDestroy_v2
+
+    def wait(self, stream: int) -> None:
+        """Block until the work queued on ``stream`` so far ran. Raises `DriverError` with the error a kernel left
+        (e.g. an illegal address) or a refused record."""
+        drv = driver()
+        status = drv.event_record(self._event, stream)
+        if status != CUDA_SUCCESS:
+            drv.check(status, "cuEventRecord")
+        status = drv.event_synchronize(self._event)
+        if status != CUDA_SUCCESS:
+            drv.check(status, "cuEventSynchronize")
+
+    def __del__(self) -> None:
+        if self._event:
+            self._destroy(self._event)
+
+
+_CU_EVENT_DISABLE_TIMING = 0x2
+
+
 def host_device_pointer(host_ptr: int, device: int) -> int:
     """The device address of pinned, mapped host memory at ``host_ptr`` (``cuMemHostGetDevicePointer``; what the
     kernels write their error record and counts through). Raises `DriverError` when the memory is not mapped."""
@@ -285,5 +320,5 @@ class Module:
         return None
 
 
-__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "Module", "driver", "host_device_pointer",
-           "memset_zero_async", "prepared_args"]
+__all__ = ["F32", "I32", "I64", "PTR", "U32", "DriverError", "Function", "HostEvent", "Module", "driver",
+           "host_device_pointer", "memset_zero_async", "prepared_args"]

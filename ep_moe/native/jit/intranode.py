@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ from . import KernelSource, PerDevice, module
 from . import params as P
 from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
 from .cubin import find_kernel, function_symbols
-from .driver import PTR, Function, host_device_pointer, memset_zero_async, prepared_args
+from .driver import PTR, Function, HostEvent, host_device_pointer, memset_zero_async, prepared_args
 from .layout_probe import JitLayoutError, probe_file, read_back
 
 KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
@@ -254,7 +255,7 @@ class BoundLaunch:
     bound call. The struct is private to this object; the lock keeps two threads from filling it at once (the
     driver copies it during the launch)."""
 
-    __slots__ = ("params", "view", "args", "function", "name", "grid", "block", "shared", "device", "runs", "lock")
+    __slots__ = ("params", "view", "args", "function", "name", "grid", "block", "shared", "device", "fields", "lock")
 
     def __init__(self, env: Env, name: str, grid: int, block: int, shared: int, params, fields: tuple[str, ...]
                  ) -> None:
@@ -263,36 +264,26 @@ class BoundLaunch:
         self.args = prepared_args(self.params)
         self.function, self.name, self.device = env.functions[name], name, env.device
         self.grid, self.block, self.shared = grid, block, shared
-        self.runs = _runs(type(params), fields)
+        self.fields = _bound_writer(type(params), fields)
         self.lock = threading.Lock()
 
     def __call__(self, *values: int) -> None:
         """Launch with ``values`` in ``fields``' order, on the current stream of the bound device; raises
         ``ValueError`` naming the struct when a value does not fit its field (nothing is launched then)."""
         with self.lock:
-            for writer, lo, hi in self.runs:
-                writer.write(self.view, *values[lo:hi])
+            self.fields.write(self.view, *values)
             self.function.launch_prepared(self.grid, self.block, _raw_stream(self.device), self.args, self.shared)
         LAUNCHES[self.name] += 1
 
 
-@functools.cache  # a few (struct, fields) pairs
-def _runs(struct_type: type[P.Params], fields: tuple[str, ...]) -> tuple[tuple[P.FieldWriter, int, int], ...]:
-    """``fields`` as runs of consecutive fields, one pack_into each: (writer, first value, past the last value)."""
-    runs, first = [], 0
-    for i in range(1, len(fields) + 1):
-        if i == len(fields) or not P.consecutive(struct_type, fields[i - 1], fields[i]):
-            runs.append((P.FieldWriter(struct_type, fields[first:i]), first, i))
-            first = i
-    return tuple(runs)
+_bound_writer = functools.cache(P.FieldWriter)  # a few (struct, fields) pairs, each a run of its struct
 
 
 # What a bound call changes per call, in this order (`BoundLaunch`): a cached dispatch, a dispatch with top-k, its
-# notify, a combine.
+# notify, a combine. Each is a run of consecutive fields of its struct (kernels.h): one pack_into.
 DISPATCH_BOUND = ("rank_prefix_matrix", "send_list", "x", "scales", "recv_x", "recv_scales", "num_recv_rows")
-FRESH_DISPATCH_BOUND = ("rank_prefix_matrix", "send_list", "x", "scales", "topk_idx", "topk_weights", "recv_x",
-                        "recv_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "recv_src_rank",
-                        "num_recv_rows", "expert_scratch", "num_recv_per_expert")
+FRESH_DISPATCH_BOUND = DISPATCH_BOUND + ("topk_idx", "topk_weights", "recv_topk_idx", "recv_topk_weights",
+                                         "recv_src_idx", "recv_src_rank", "expert_scratch", "num_recv_per_expert")
 NOTIFY_BOUND = ("is_token_in_rank", "num_tokens_per_rank", "rank_prefix_matrix", "pos", "send_list", "topk_idx")
 COMBINE_BOUND = ("rank_prefix_matrix", "is_token_in_rank", "pos", "y", "weights", "bias0", "bias1", "out",
                  "out_weights", "summation_order")
@@ -422,6 +413,13 @@ _LAYOUT_FIELDS = P.FieldWriter(P.LayoutParams, P.LayoutParams.field_names())  # 
 _layout_lock = threading.Lock()
 
 
+def stream_waiter(device: int) -> Callable[[], None]:
+    """A function that blocks the host until the work queued so far on ``device``'s current stream ran (one driver
+    event, recorded and waited for per call); it raises `DriverError` with an error a kernel left."""
+    event = HostEvent(device)
+    return lambda: event.wait(_raw_stream(device))
+
+
 def _zero(device: int, t: Tensor, stream: int) -> None:
     """Zero int32 ``t`` on ``stream`` (`driver.memset_zero_async`)."""
     memset_zero_async(t.data_ptr(), t.numel(), stream, device)
@@ -521,9 +519,9 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
             experts = (topk_idx.data_ptr(), topk_idx.shape[1], experts_per_rank, expert_alignment,
                        env.device_pointer(host_expert_counts))
         _NOTIFY_FIELDS.write(prepared.view, is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr(),
-                             num_tokens_per_rank.dtype == torch.int64, num_tokens, rank_prefix_matrix.data_ptr(),
-                             pos.data_ptr(), send_list.data_ptr(), env.device_pointer(host_counts), num_worst_tokens,
-                             rows_capacity, *experts)
+                             rank_prefix_matrix.data_ptr(), pos.data_ptr(), send_list.data_ptr(), experts[0],
+                             num_tokens_per_rank.dtype == torch.int64, num_tokens, env.device_pointer(host_counts),
+                             num_worst_tokens, rows_capacity, *experts[1:])
         prepared.set_check(header, False, test_perturb, None)
         _launch_prepared(env, "notify", 1 + num_ranks, NOTIFY_THREADS, prepared)
         return BoundLaunch(env, "notify", 1 + num_ranks, NOTIFY_THREADS, 0, prepared.params, NOTIFY_BOUND) \
@@ -532,10 +530,9 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
 
 _NOTIFY_TENSORS = ("is_token_in_rank", "num_tokens_per_rank", "rank_prefix_matrix", "pos", "send_list")
 # What a notify call writes (every field but the Env and the header check), in the struct's order.
-_NOTIFY_FIELDS = P.FieldWriter(P.NotifyParams, (
-    "is_token_in_rank", "num_tokens_per_rank", "counts_int64", "num_tokens", "rank_prefix_matrix", "pos", "send_list",
-    "host_counts", "num_worst_tokens", "rows_capacity", "topk_idx", "num_topk", "experts_per_rank", "expert_alignment",
-    "host_expert_counts"))
+_NOTIFY_FIELDS = P.FieldWriter(P.NotifyParams, NOTIFY_BOUND + (
+    "counts_int64", "num_tokens", "host_counts", "num_worst_tokens", "rows_capacity", "num_topk", "experts_per_rank",
+    "expert_alignment", "host_expert_counts"))
 
 
 # ------------------------------------------------------------------------------------------ dispatch
@@ -600,14 +597,14 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
     with _NO_LOCK if fresh else prepared.lock:  # every field a call may change is set below
         _DISPATCH_FIELDS.write(
             memoryview(p).cast("B") if fresh else prepared.view, rank_prefix_matrix.data_ptr(), send_list.data_ptr(),
-            x.shape[0], x.data_ptr(), x_bytes, scales_ptr, scales.shape[1] if scales is not None else 0,
-            scales is not None, has_topk, topk_ptr, weights_ptr, topk_idx.shape[1] if has_topk else 0, experts_per_rank,
-            0 if rows_in_place else recv_x.data_ptr(), _ptr(recv_scales, "recv_scales"),
-            _ptr(recv_topk_idx, "recv_topk_idx"), _ptr(recv_topk_weights, "recv_topk_weights"),
-            _ptr(recv_src_idx, "recv_src_idx"), _ptr(recv_src_rank, "recv_src_rank"),
-            num_recv_rows, rows_capacity,
-            _ptr(expert_scratch, "expert_scratch"), _ptr(num_recv_per_expert, "num_recv_per_expert"),
-            expert_alignment, write_arrival, num_blocks, num_push_blocks, _trace_ptr(trace, num_blocks))
+            x.data_ptr(), scales_ptr, 0 if rows_in_place else recv_x.data_ptr(), _ptr(recv_scales, "recv_scales"),
+            num_recv_rows, topk_ptr, weights_ptr, _ptr(recv_topk_idx, "recv_topk_idx"),
+            _ptr(recv_topk_weights, "recv_topk_weights"), _ptr(recv_src_idx, "recv_src_idx"),
+            _ptr(recv_src_rank, "recv_src_rank"), _ptr(expert_scratch, "expert_scratch"),
+            _ptr(num_recv_per_expert, "num_recv_per_expert"), x.shape[0], x_bytes,
+            scales.shape[1] if scales is not None else 0, scales is not None, has_topk,
+            topk_idx.shape[1] if has_topk else 0, experts_per_rank, rows_capacity, expert_alignment, write_arrival,
+            num_blocks, num_push_blocks, _trace_ptr(trace, num_blocks))
         p.rows_in_place = rows_in_place
         shared = 4 * experts_per_rank if has_topk else 0  # hist[]: received pairs per local expert
         # a cached dispatch checks the header in the kernel (with the handle's layout digest and the number its
@@ -655,11 +652,9 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
 _NO_LOCK = contextlib.nullcontext()
 _DISPATCH_TENSORS = ("rank_prefix_matrix", "send_list", "x", "recv_x")
 # What a dispatch call writes (before its copy-engine fields, header check and rows_in_place), in the struct's order.
-_DISPATCH_FIELDS = P.FieldWriter(P.DispatchParams, (
-    "rank_prefix_matrix", "send_list", "num_tokens", "x", "x_bytes", "scales", "num_scales", "has_scales", "has_topk",
-    "topk_idx", "topk_weights", "num_topk", "experts_per_rank", "recv_x", "recv_scales", "recv_topk_idx",
-    "recv_topk_weights", "recv_src_idx", "recv_src_rank", "num_recv_rows", "rows_capacity", "expert_scratch",
-    "num_recv_per_expert", "expert_alignment", "write_arrival", "num_blocks", "num_push_blocks", "trace"))
+_DISPATCH_FIELDS = P.FieldWriter(P.DispatchParams, FRESH_DISPATCH_BOUND + (
+    "num_tokens", "x_bytes", "num_scales", "has_scales", "has_topk", "num_topk", "experts_per_rank", "rows_capacity",
+    "expert_alignment", "write_arrival", "num_blocks", "num_push_blocks", "trace"))
 
 
 def _dispatch_template(env: Env, data_ptrs: list[int], offsets: list[int]) -> P.DispatchParams:
@@ -753,11 +748,10 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
         view = memoryview(p).cast("B") if fresh else prepared.view
         _COMBINE_FIELDS.write(
             view, rows_capacity, rank_prefix_matrix.data_ptr(), is_token_in_rank.data_ptr(), pos.data_ptr(),
-            num_tokens, y.data_ptr(), y_type, y.shape[1], has_weights, weights_ptr, num_topk, bias0_ptr, bias1_ptr,
-            bias0_type, bias1_type, out.data_ptr(), out_weights_ptr, num_blocks, num_push_blocks,
-            _trace_ptr(trace, num_blocks))
+            y.data_ptr(), weights_ptr, bias0_ptr, bias1_ptr, out.data_ptr(), out_weights_ptr,
+            0 if summation_order is None else summation_order.data_ptr(), num_tokens, y_type, y.shape[1],
+            has_weights, num_topk, bias0_type, bias1_type, num_blocks, num_push_blocks, _trace_ptr(trace, num_blocks))
         p.bulk_reduce = bulk_reduce
-        p.summation_order = 0 if summation_order is None else summation_order.data_ptr()
         if expert_y is None:
             _COMBINE_EXPERT_FIELDS.write(view, 0, 0, 0, 0, 0)
         else:
@@ -791,10 +785,9 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
 
 _COMBINE_TENSORS = ("rank_prefix_matrix", "is_token_in_rank", "pos", "y", "out")
 # What a combine call writes before its copy-engine fields, and its expert-major rows after the header check.
-_COMBINE_FIELDS = P.FieldWriter(P.CombineParams, (
-    "rows_capacity", "rank_prefix_matrix", "is_token_in_rank", "pos", "num_tokens", "y", "y_type", "hidden",
-    "has_weights", "weights", "num_topk", "bias0", "bias1", "bias0_type", "bias1_type", "out", "out_weights",
-    "num_blocks", "num_push_blocks", "trace"))
+_COMBINE_FIELDS = P.FieldWriter(P.CombineParams, ("rows_capacity", *COMBINE_BOUND, "num_tokens", "y_type", "hidden",
+                                                  "has_weights", "num_topk", "bias0_type", "bias1_type", "num_blocks",
+                                                  "num_push_blocks", "trace"))
 _COMBINE_EXPERT_FIELDS = P.FieldWriter(P.CombineParams, ("expert_y", "expert_weights", "sorted_slots", "expert_topk",
                                                          "expert_slots"))
 
@@ -814,4 +807,4 @@ def barrier(env: Env) -> None:
 __all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "FRESH_DISPATCH_BOUND", "KERNELS", "KIND", "LAUNCHES", "NOTIFY_BOUND",
            "SOURCE", "BoundLaunch", "Env", "JitLayoutError", "barrier", "bulk_piece16", "bulk_smem_bytes",
            "close_epoch", "combine", "dispatch", "exchange", "header_check", "kernels", "layout", "notify", "probe_file",
-           "specializations"]
+           "specializations", "stream_waiter"]

@@ -177,12 +177,6 @@ class FieldWriter:
                              f"{exc}") from None
 
 
-def consecutive(struct_type: type[Params], first: str, second: str) -> bool:
-    """Whether field ``second`` of ``struct_type`` comes right after ``first`` (a `FieldWriter` run may hold both)."""
-    names = struct_type.field_names()
-    return names.index(second) == names.index(first) + 1
-
-
 def layout_of(structs: Sequence[type[Params]] = MIRRORED) -> list[tuple[str, int]]:
     """ctypes' layout, in the probe's order: per struct ``(Struct, sizeof)``, then ``(Struct.field, offsetof)`` of
     each field."""
@@ -251,4 +245,4 @@ def constant_mismatches(compiled: Sequence[int], constants: Sequence[tuple[str, 
 __all__ = ["CONSTANTS", "EXPERT_MAJOR_CONSTANTS", "EXPERT_MAJOR_H", "EXPERT_MAJOR_MIRRORED", "KERNELS_H",
            "MIRRORED", "CombineParams", "CopyEngineParams", "DispatchParams", "FieldWriter", "HeaderCheck", "KernelEnv",
            "LayoutParams", "NotifyParams", "Params", "PermuteRowsParams", "RoutingMapParams", "UnpermuteSumParams",
-           "consecutive", "constant_mismatches", "layout_mismatches", "layout_of", "probe_source"]
+           "constant_mismatches", "layout_mismatches", "layout_of", "probe_source"]

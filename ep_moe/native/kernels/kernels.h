@@ -102,20 +102,21 @@ struct HeaderCheck {
 // ------------------------------------------------------------------------------------------ notify
 struct NotifyParams {
   KernelEnv env;
+  // The tensors first, in the order a bound launch rewrites them (NOTIFY_BOUND, ep_moe/native/jit/intranode.py).
   const bool* is_token_in_rank;   // [T, R]
   const void* num_tokens_per_rank;  // [R], int32 or int64
-  bool counts_int64;
-  int num_tokens;
   int32_t* rank_prefix_matrix;    // [R, R] out: rows ranks 0..s send rank r (cumulative over s)
   int32_t* pos;                   // [T, R] out: row of token t among those sent to r, or -1
   int32_t* send_list;             // [R, T] out: send_list[r][j] = token of the j-th row sent to r
+  const int64_t* topk_idx;        // [T, K] expert ids, -1 for none (read for the per-expert counts only)
+  bool counts_int64;
+  int num_tokens;
   int32_t* host_counts;           // [R * R + R] out (pinned): rows s sends r, then every source's tokens
   int num_worst_tokens;           // > 0: check capacity on the device (no host sync follows)
   int64_t rows_capacity;          // dispatch rows the receive buffer holds
   // Per-expert counts (exact-size dispatch; null host_expert_counts: not exchanged): every rank counts its
   // tokens per expert from topk_idx, sends each peer the counts of that peer's experts, and writes the
   // aligned sums of what it receives to the host, so the host has them at the count sync.
-  const int64_t* topk_idx;        // [T, K] expert ids, -1 for none
   int num_topk, experts_per_rank, expert_alignment;
   int64_t* host_expert_counts;    // [L] out (pinned, device-mapped): aligned counts of rows per local expert
   // The header check: host_counts continues after the tokens with every rank's header as seen ([R][kHeaderWords]),
@@ -156,29 +157,31 @@ struct DispatchParams {
   KernelEnv env;
   uint8_t* data[kMaxRanks];       // every rank's symmetric data buffer
   int64_t off_x, off_scales, off_idx, off_weights, off_src;  // regions in the data buffer
+  // The tensors and the received row count first, in the order a bound launch rewrites them (DISPATCH_BOUND: a
+  // cached dispatch's, up to num_recv_rows; FRESH_DISPATCH_BOUND: all, ep_moe/native/jit/intranode.py).
   const int32_t* rank_prefix_matrix;  // [R, R]
   const int32_t* send_list;       // [R, T]
-  int num_tokens;
   const uint8_t* x;               // [T, x_bytes]
-  int x_bytes;                    // row bytes, a multiple of 16
   const float* scales;            // [T, num_scales] or null
-  int num_scales;
-  bool has_scales;                // FP8 rows (flags, not null pointers: an empty tensor has none)
-  bool has_topk;                  // a fresh dispatch (top-k ids and weights travel); false: cached
-  const int64_t* topk_idx;        // [T, K] (fresh dispatch)
-  const float* topk_weights;      // [T, K]
-  int num_topk;
-  int experts_per_rank;
   uint8_t* recv_x;                // [N, x_bytes]
   float* recv_scales;             // [N, num_scales]
+  int num_recv_rows;              // N: received rows, or num_worst_tokens (rows past the total are padding)
+  const int64_t* topk_idx;        // [T, K] (fresh dispatch)
+  const float* topk_weights;      // [T, K]
   int64_t* recv_topk_idx;         // [N, K]
   float* recv_topk_weights;       // [N, K]
   int32_t* recv_src_idx;          // [N]
   int32_t* recv_src_rank;         // [N]
-  int num_recv_rows;              // N: received rows, or num_worst_tokens (rows past the total are padding)
-  int64_t rows_capacity;          // rows each rank's data buffer holds in this layout
   int32_t* expert_scratch;        // [L] zero on entry, zero on exit
   int64_t* num_recv_per_expert;   // [L] out, aligned
+  int num_tokens;
+  int x_bytes;                    // row bytes, a multiple of 16
+  int num_scales;
+  bool has_scales;                // FP8 rows (flags, not null pointers: an empty tensor has none)
+  bool has_topk;                  // a fresh dispatch (top-k ids and weights travel); false: cached
+  int num_topk;
+  int experts_per_rank;
+  int64_t rows_capacity;          // rows each rank's data buffer holds in this layout
   int expert_alignment;
   bool write_arrival;             // cached dispatch: this kernel is the operation's first
   int num_blocks, num_push_blocks;
@@ -215,20 +218,23 @@ struct CombineParams {
   uint8_t* data[kMaxRanks];
   int64_t off_y, off_weights;      // regions in the data buffer
   int64_t rows_capacity;
+  // The tensors first, in the order a bound launch rewrites them (COMBINE_BOUND, ep_moe/native/jit/intranode.py).
   const int32_t* rank_prefix_matrix;  // [R, R] from the handle
   const bool* is_token_in_rank;    // [T, R]
   const int32_t* pos;              // [T, R]
-  int num_tokens;
   const uint8_t* y;                // [N, hidden] of y_type
-  int y_type, hidden;
-  bool has_weights;                // top-k weights are combined too
   const float* weights;            // [N, K]
-  int num_topk;
   const void* bias0;               // [T, hidden] of bias0_type, or null
   const void* bias1;
-  int bias0_type, bias1_type;
   uint8_t* out;                    // [T, hidden] of y_type
   float* out_weights;              // [T, K] or null
+  // [T, R]: per token, the ranks in the order their rows are added (DeepEP V2's), or null: increasing rank.
+  const int32_t* summation_order;
+  int num_tokens;
+  int y_type, hidden;
+  bool has_weights;                // top-k weights are combined too
+  int num_topk;
+  int bias0_type, bias1_type;
   int num_blocks, num_push_blocks;
   int64_t* trace;                  // [num_blocks, kTraceSlots] stamps and sums (ns) or null
   // Copy-engine combine (copy_engine.seq > 0, num_push_blocks 0): the rows go back to their sources by
@@ -251,8 +257,6 @@ struct CombineParams {
   const int64_t* sorted_slots;     // [N, expert_topk]
   int expert_topk;
   int64_t expert_slots;
-  // [T, R]: per token, the ranks in the order their rows are added (DeepEP V2's), or null: increasing rank.
-  const int32_t* summation_order;
 };
 cudaError_t launch_combine(const CombineParams& p, cudaStream_t stream);
 
