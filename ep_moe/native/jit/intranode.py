@@ -28,6 +28,13 @@ from . import params as P
 from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
 from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, host_device_pointer, memset_zero_async, prepared_args
+from .launch_args import check_all as _check_all
+from .launch_args import check_cuda as _check_cuda
+from .launch_args import device_index as _device
+from .launch_args import fail as _fail
+from .launch_args import is_pinned as _is_pinned
+from .launch_args import ptr as _ptr
+from .launch_args import raw_stream as _raw_stream
 from .layout_probe import JitLayoutError, probe_file, read_back
 
 KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
@@ -53,10 +60,6 @@ KERNELS = {"layout": "13layout_kernelE", "notify": "13notify_kernelE", "dispatch
            "combine_bf16": "14combine_kernelILi1EE", "combine_fp32": "14combine_kernelILi2EE",
            "barrier": "14barrier_kernelE", "exchange": "15exchange_kernelE",
            "close_epoch": "18close_epoch_kernelE"}
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 # ------------------------------------------------------------------------------------------ loading and checks
@@ -112,42 +115,6 @@ def _launch_prepared(env: Env, name: str, grid: int, block: int, prepared: _Prep
 
 
 # ------------------------------------------------------------------------------------------ argument checks
-def _is_pinned(t: Tensor) -> bool:
-    return not t.is_cuda and t.is_pinned()
-
-
-def _fail(message: str) -> ValueError:
-    return ValueError(f"ep_moe.native (JIT): {message}")
-
-
-def _check_cuda(t: Tensor, name: str) -> None:
-    if not t.is_cuda or not t.is_contiguous():
-        raise _fail(f"argument '{name}' must be a contiguous CUDA tensor")
-
-
-def _ptr(t: Tensor | None, name: str) -> int:
-    """The address of an optional tensor (0 when absent; never dereferenced then), checked as `_check_cuda`."""
-    if t is None:
-        return 0
-    if not (t.is_cuda and t.is_contiguous()):  # inline: the launchers pass up to 10 of them per call
-        _check_cuda(t, name)
-    return t.data_ptr()
-
-
-def _check_all(names: tuple[str, ...], *tensors: Tensor) -> None:
-    """`_check_cuda` of every tensor (``names[i]`` names ``tensors[i]``), in one call on the usual path."""
-    for t in tensors:
-        if not (t.is_cuda and t.is_contiguous()):
-            for u, name in zip(tensors, names):
-                _check_cuda(u, name)
-            return
-
-
-def _device(t: Tensor) -> int:
-    index = t.get_device()  # an int: no torch.device object per call
-    return index if index >= 0 else torch.cuda.current_device()
-
-
 def _elem_type(t: Tensor, name: str) -> int:
     found = ELEM_TYPES.get(t.dtype)
     if found is None:
