@@ -1,6 +1,5 @@
-"""The intranode kernels (layout, notify, dispatch, combine, barrier) through the JIT layer: the functions of the
-ahead-of-time extension ``ep_moe.native._C`` that `ep_moe.backends.native_backend` calls, with the same arguments,
-the same checks and the same launches, for an install that compiled nothing.
+"""The intranode kernels (layout, notify, dispatch, combine, barrier) through the JIT layer: the functions that
+`ep_moe.backends.native_backend` calls, each checking its arguments and launching its kernel.
 
 The kernels are ``kernels/dispatch_layout.cuh`` and ``kernels/intranode_kernels.cuh`` (included by
 ``kernels/intranode.cu``), compiled once per architecture (nothing is specialized: they take ranks, rows and types
@@ -10,8 +9,7 @@ stream of the tensors' device. Before the first launch on a device the module ch
 constants it uses equal what the compiler sees (`JitLayoutError` otherwise).
 
 A call with the copy engine (``copy_engine_seq > 0``) launches its kernel, then queues the copy-engine half
-(`ep_moe.native.jit.copy_engine`, over the driver API) on the side
-streams the backend passes, after the same checks as the extension's.
+(`ep_moe.native.jit.copy_engine`, over the driver API) on the side streams the backend passes.
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ from .launch_args import is_pinned as _is_pinned
 from .launch_args import ptr as _ptr
 from .launch_args import raw_stream as _raw_stream
 from .layout_probe import JitLayoutError, probe_file, read_back
-
-KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
 
 _K = dict(P.CONSTANTS)
 MAX_RANKS = _K["kMaxRanks"]
@@ -134,7 +130,7 @@ def _trace_ptr(trace: Tensor | None, num_blocks: int) -> int:
 def _copy_engine_params(p, streams: list[int], flag_stream: int, seq: int, go: Tensor | None, shares: list[int],
                         num_push_blocks: int, trace: Tensor | None, num_blocks: int) -> None:
     """Fill ``p.copy_engine`` (seq 0: none), checked before any kernel starts, since the kernel releases the copy
-    streams and the copies write into the peers' buffers unchecked (``copy_engine_params`` of binding.cpp)."""
+    streams and the copies write into the peers' buffers unchecked."""
     if seq == 0:
         return
     if seq < 0 or num_push_blocks != 0 or go is None:
@@ -778,7 +774,7 @@ def barrier(env: Env) -> None:
     _launch(env.device, "barrier", 1, 32, env.env)
 
 
-__all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "FRESH_DISPATCH_BOUND", "KERNELS", "KIND", "LAUNCHES", "NOTIFY_BOUND",
+__all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "FRESH_DISPATCH_BOUND", "KERNELS", "LAUNCHES", "NOTIFY_BOUND",
            "SOURCE", "BoundLaunch", "Env", "JitLayoutError", "barrier", "bulk_piece16", "bulk_smem_bytes",
            "close_epoch", "combine", "dispatch", "exchange", "header_check", "kernels", "layout", "notify", "probe_file",
            "specializations"]
