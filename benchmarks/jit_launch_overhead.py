@@ -154,16 +154,17 @@ def intranode(calls: int, launch) -> None:
 def exchange_ops(calls: int, launch) -> None:
     """Host time per call of `expert_major_exchange`'s ops on CPU tensors (see the module docstring)."""
     from ep_moe.native.jit import expert_major_exchange as E
+    from ep_moe.native.jit import launch_args
 
     class _Kernels:
         fn = {fragment: Function(0, fragment, (), launch_fn=launch) for fragment in E.KERNELS.values()}
 
     def check(t, op, name, device):
         if not t.is_contiguous():
-            raise E._fail(op, f"argument '{name}' must be contiguous")
+            raise E.fail(f"argument '{name}' must be contiguous", op)
 
-    E.kernels, E._device_index, E._raw_stream = (lambda device: _Kernels), (lambda t: 0), (lambda device: 0)
-    E._check = check
+    E.kernels, E.device_index, E.raw_stream = (lambda device: _Kernels), (lambda t: 0), (lambda device: 0)
+    E.check_on = launch_args.check_on = check
     T, H, K, L = 64, 64, 8, 32  # small: the host path does not depend on the sizes, CPU allocation would
     N = 2 * T
     prefix = torch.tensor([[T, T], [N, N]], dtype=torch.int32)
@@ -219,8 +220,8 @@ def main() -> None:
             functions[key] = Function(0, name, signature, launch_fn=launch, cooperative_fn=launch)
         return functions[key]
 
-    J._function, J._on, J._stream, J._device_of = (fake_function, lambda d: contextlib.nullcontext(),
-                                                   lambda d: 0, lambda t: 0)
+    J._function, J._on, J.raw_stream, J.device_index = (fake_function, lambda d: contextlib.nullcontext(),
+                                                        lambda d: 0, lambda t: 0)
     if hasattr(J, "_resident_blocks"):  # the cooperative layout (since 2026-12-02): occupancy and memset
         J._resident_blocks = lambda fn, device: 264
         fake_memset_driver()

@@ -30,6 +30,7 @@ from dataclasses import fields
 import torch.distributed as dist
 
 from ..config import NativeOptions
+from .symmetric import values_with_ranks
 
 OPS = ("dispatch", "combine")
 
@@ -159,11 +160,7 @@ def check_same_on_every_rank(options: NativeOptions, group: dist.ProcessGroup | 
     everyone: list[NativeOptions | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, options, group=group)
     for field in fields(NativeOptions):
-        ranks_by_value: dict[object, list[int]] = {}
-        for rank, theirs in enumerate(everyone):
-            ranks_by_value.setdefault(getattr(theirs, field.name), []).append(rank)
-        if len(ranks_by_value) > 1:
-            held = "; ".join(f"{value!r} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-                             for value, ranks in ranks_by_value.items())
+        values = [getattr(theirs, field.name) for theirs in everyone]
+        if len(set(values)) > 1:
             raise ValueError(f"ep_moe.NativeOptions: field '{field.name}' must be equal on every rank of the "
-                             f"group, got {held}")
+                             f"group, got {values_with_ranks(values)}")

@@ -17,8 +17,7 @@ def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
 def row_bytes(hidden: int, num_topk: int, elem_size: int, fp8_scales: bool) -> int:
     """Bytes one dispatched row occupies in a receive buffer: data, scales, top-k ids/weights, source."""
     scales = (hidden // 128) * 4 if fp8_scales else 0
-    raw = hidden * elem_size + scales + num_topk * (8 + 4) + 8
-    return (raw + 15) // 16 * 16
+    return align_up(hidden * elem_size + scales + num_topk * (8 + 4) + 8, 16)
 
 
 def buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int,
@@ -29,10 +28,6 @@ def buffer_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, 
     combine_row = row_bytes(hidden, num_topk, max(elem_size, 2), False)
     rows = num_ranks * num_max_tokens_per_rank
     return align_up(rows * max(dispatch_row, combine_row) + CONTROL_BYTES)
-
-
-def _align16(n: int) -> int:
-    return (n + 15) // 16 * 16
 
 
 class DispatchRegions(NamedTuple):
@@ -59,10 +54,10 @@ def dispatch_regions(data_bytes: int, x_bytes: int, scale_bytes: int, num_topk: 
     per_row = x_bytes + scale_bytes + 12 * num_topk + 4
     rows = max(0, (data_bytes - 5 * 16) // per_row)
     x = 0
-    scales = _align16(x + rows * x_bytes)
-    idx = _align16(scales + rows * scale_bytes)
-    weights = _align16(idx + rows * 8 * num_topk)
-    src = _align16(weights + rows * 4 * num_topk)
+    scales = align_up(x + rows * x_bytes, 16)
+    idx = align_up(scales + rows * scale_bytes, 16)
+    weights = align_up(idx + rows * 8 * num_topk, 16)
+    src = align_up(weights + rows * 4 * num_topk, 16)
     assert src + rows * 4 <= data_bytes
     return DispatchRegions(rows, x, scales, idx, weights, src)
 
@@ -72,7 +67,7 @@ def combine_regions(data_bytes: int, y_bytes: int, num_topk: int) -> CombineRegi
     """Regions of a combine whose rows carry ``y_bytes`` of data and ``num_topk`` fp32 weights."""
     per_row = y_bytes + 4 * num_topk
     rows = max(0, (data_bytes - 2 * 16) // per_row)
-    weights = _align16(rows * y_bytes)
+    weights = align_up(rows * y_bytes, 16)
     assert weights + rows * 4 * num_topk <= data_bytes
     return CombineRegions(rows, 0, weights)
 

@@ -56,13 +56,14 @@ def agreed_symmetric_memory_provider(group: dist.ProcessGroup) -> str:
     named = [(theirs or "").strip().lower() or "torch" for theirs in everyone]
     if len(set(named)) > 1:
         raise ValueError(f"ep_moe: {SYMMETRIC_MEMORY_ENV} must be equal on every rank of the group (unset means "
-                         f"torch), got {_by_value(named)}")
+                         f"torch), got {values_with_ranks(named)}")
     return symmetric_memory_provider(raw)
 
 
-def _by_value(everyone: list[str]) -> str:
-    """``'vmm' on rank 0; 'torch' on ranks 1, 2``: each value with its ranks."""
-    ranks_by_value: dict[str, list[int]] = {}
+def values_with_ranks(everyone: list) -> str:
+    """``'vmm' on rank 0; 'torch' on ranks 1, 2``: each value of ``everyone`` (rank r's at r; hashable) with its
+    ranks, for the error of a collective check that the ranks agree."""
+    ranks_by_value: dict[object, list[int]] = {}
     for rank, value in enumerate(everyone):
         ranks_by_value.setdefault(value, []).append(rank)
     return "; ".join(f"{value!r} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
@@ -132,7 +133,7 @@ class SymmetricBuffer(ABC):
         dist.all_gather_object(everyone, self.provider, group=group)
         if len(set(everyone)) > 1:
             raise ValueError(f"ep_moe: every rank of the group must use the same symmetric memory provider, got "
-                             f"{_by_value(everyone)}")
+                             f"{values_with_ranks(everyone)}")
 
     @abstractmethod
     def peer_tensor(self, rank: int) -> torch.Tensor:
@@ -322,4 +323,4 @@ _PROVIDER_CLASSES: dict[str, type[SymmetricBuffer]] = {"torch": TorchSymmetricBu
                                                        "vmm": VmmSymmetricBuffer}
 
 __all__ = ["PROVIDERS", "SYMMETRIC_MEMORY_ENV", "NcclSymmetricBuffer", "SymmetricBuffer", "TorchSymmetricBuffer",
-           "VmmSymmetricBuffer", "agreed_symmetric_memory_provider", "symmetric_memory_provider"]
+           "VmmSymmetricBuffer", "agreed_symmetric_memory_provider", "symmetric_memory_provider", "values_with_ranks"]

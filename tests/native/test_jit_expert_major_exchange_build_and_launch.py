@@ -24,7 +24,7 @@ from support_jit import NVCC, header_fields, host_program, needs_nvcc
 
 from ep_moe import permute as P
 from ep_moe.native import jit
-from ep_moe.native.jit import cubin
+from ep_moe.native.jit import cubin, launch_args
 from ep_moe.native.jit import expert_major_exchange as E
 from ep_moe.native.jit import params as M
 from ep_moe.native.jit.compilers import NvccCompiler, find_nvrtc
@@ -194,15 +194,16 @@ def launched(monkeypatch):
     class _Fake:
         fn = {fragment: _FakeKernel(fragment, calls) for fragment in E.KERNELS.values()}
 
-    def check(t, op, name, device):  # the device index of a CPU tensor is -1 (`_device_index`: t.get_device())
+    def check(t, op, name, device):  # the device index of a CPU tensor is -1 (`device_index`: t.get_device())
         if t.get_device() != device:
-            raise E._fail(op, f"argument '{name}' must be on {device}, got {t.device}")
+            raise E.fail(f"argument '{name}' must be on {device}, got {t.device}", op)
         if not t.is_contiguous():
-            raise E._fail(op, f"argument '{name}' must be contiguous")
+            raise E.fail(f"argument '{name}' must be contiguous", op)
 
     monkeypatch.setattr(E, "kernels", lambda device: _Fake)
-    monkeypatch.setattr(E, "_check", check)
-    monkeypatch.setattr(E, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(E, "check_on", check)
+    monkeypatch.setattr(launch_args, "check_on", check)  # what `check_typed` checks first
+    monkeypatch.setattr(E, "raw_stream", lambda device: 0)
     return calls
 
 
@@ -426,11 +427,11 @@ def test_each_call_rewrites_every_field_of_the_reused_struct(launched):
 
 
 def test_the_device_check_names_the_argument_without_the_cpu_stand_in():
-    """`_check` itself (the `launched` fixture replaces it): a CPU tensor, or one on another device than the op's
+    """`check_on` itself (the `launched` fixture replaces it): a CPU tensor, or one on another device than the op's
     first tensor, raises the named ValueError before anything is allocated or launched."""
     routing_map, probs = torch.zeros(4, 3, dtype=torch.bool), torch.zeros(4, 3)
     with pytest.raises(ValueError, match="routing_map_to_topk: argument 'routing_map' must be a CUDA tensor, got cpu"):
         E.routing_map_to_topk(routing_map, probs, 2)
     with pytest.raises(ValueError, match="argument 'probs' must be on cuda:1, got cpu"):
-        E._check(probs, "routing_map_to_topk", "probs", 1)
-    assert E._device_index(probs) == -1
+        E.check_on(probs, "routing_map_to_topk", "probs", 1)
+    assert E.device_index(probs) == -1

@@ -28,7 +28,7 @@ from ep_moe.backends import native_backend as nb
 from ep_moe.buffer.dispatch_handle import DispatchHandle
 from ep_moe.config import Config
 from ep_moe.native import jit
-from ep_moe.native.jit import cubin, expert_major_exchange
+from ep_moe.native.jit import cubin, expert_major_exchange, launch_args
 from ep_moe.native.jit import intranode as I
 from ep_moe.native.jit import params as P
 from ep_moe.native.jit.compilers import NvccCompiler, find_nvrtc
@@ -168,6 +168,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(I, "kernels", lambda device: _Fake)
     monkeypatch.setattr(expert_major_exchange, "kernels", lambda device: loaded.append(device))  # Env loads them early
     monkeypatch.setattr(I, "_check_cuda", check)
+    monkeypatch.setattr(launch_args, "check_cuda", check)  # what `_ptr` and `_check_all` fall back to
     monkeypatch.setattr(I, "_is_pinned", lambda t: not t.is_cuda)
     monkeypatch.setattr(I, "_device", lambda t: 0)
     monkeypatch.setattr(I, "_raw_stream", lambda device: 0)

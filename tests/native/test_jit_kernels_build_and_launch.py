@@ -228,8 +228,8 @@ def recorder(monkeypatch) -> _Recorder:
     monkeypatch.setattr(J, "_function", rec)
     monkeypatch.setattr(J, "_layout", {})  # the layout's per-specialization cache of what _function gave
     monkeypatch.setattr(J, "_on", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(J, "_stream", lambda device: 0)
-    monkeypatch.setattr(J, "_device_of", lambda t: 0)
+    monkeypatch.setattr(J, "raw_stream", lambda device: 0)
+    monkeypatch.setattr(J, "device_index", lambda t: 0)
     monkeypatch.setattr(J, "memset_zero_async", rec.device.memset)
     monkeypatch.setattr(J, "_resident_blocks", lambda fn, device: rec.device.resident)
     return rec

@@ -3,7 +3,7 @@ ships in the ``nvidia-cuda-nvrtc`` wheel, or a CUDA toolkit's, through ctypes) a
 ``-cubin``). Both turn one source file plus defines into a CUBIN for one architecture; neither needs a GPU.
 
 `find_compiler` picks one: ``EP_MOE_JIT_COMPILER=nvrtc|nvcc`` when set, else NVRTC, else nvcc; None (with the
-reasons, `compiler_search_report`) when there is neither.
+reasons) when there is neither.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import KernelSource, module
 from .driver import I32, I64, PTR, DriverError, Function, memset_zero_async
+from .launch_args import device_index, fail, raw_stream
 
 MAX_EXPERTS = 1024      # the layout's shared-memory counters (EP_EXPERTS)
 LAYOUT_TILE = 256       # pairs per sub-tile = threads of a layout block
@@ -40,24 +41,9 @@ def _function(file: str, defines: tuple[tuple[str, int], ...], name: str, signat
     return found
 
 
-def _device_of(t: Tensor) -> int:
-    index = t.get_device()  # an int: no torch.device object per call
-    return index if index >= 0 else torch.cuda.current_device()
-
-
 def _on(device: int):
     """Make ``device`` current for the launches (the driver launches in the current context)."""
     return contextlib.nullcontext() if torch.cuda.current_device() == device else torch.cuda.device(device)
-
-
-def _stream(device: int) -> int:
-    """The current stream of ``device`` as a ``cudaStream_t`` (torch's raw getter: no Stream object per call)."""
-    return _raw_stream(device)
-
-
-# torch's private raw getter (what torch.compile's generated code calls) when present, else the public API
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 def _ptr(t: Tensor | None) -> int:
@@ -68,15 +54,17 @@ def _blocks(n: int, per_block: int) -> int:
     return (n + per_block - 1) // per_block
 
 
+def widest_word(bits: int) -> int:
+    """The widest of 16/4/2/1 bytes dividing ``bits``, the bitwise OR of a row's bytes and its addresses (a power of
+    two divides each of some non-negative numbers exactly when it divides their OR)."""
+    return 16 if not bits & 15 else 4 if not bits & 3 else 2 if not bits & 1 else 1
+
+
 def row_word_bytes(row_bytes: int, *tensors: Tensor) -> int:
-    """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every tensor's address."""
-    bits = row_bytes  # a power of two divides every one of them iff it divides their bitwise OR
+    """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every tensor's address (`widest_word`)."""
     for t in tensors:
-        bits |= t.data_ptr()
-    for word in (16, 4, 2):
-        if bits % word == 0:
-            return word
-    return 1
+        row_bytes |= t.data_ptr()
+    return widest_word(row_bytes)
 
 
 def pack_elements(element_size: int, hidden: int, *tensors: Tensor | None) -> int:
@@ -164,10 +152,10 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
     views of one allocation (pair_of_slot apart at the exact size), with the kernels' block counts and barrier
     words behind them."""
     if not 1 <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"jit.expert_layout: argument 'num_experts' must be in [1, {MAX_EXPERTS}], got {num_experts}")
+        raise fail(f"argument 'num_experts' must be in [1, {MAX_EXPERTS}], got {num_experts}", "expert_layout")
     rows, topk = topk_idx.shape
     pairs = rows * topk
-    device = _device_of(topk_idx)
+    device = device_index(topk_idx)
     with _on(device):
         kernels = _layout_functions(num_experts, max(topk, 1), device)  # K = 0: no pairs; any K >= 1 does
         # the grid: every block resident at once (a cooperative launch's condition); with no pairs one block still
@@ -195,7 +183,7 @@ def expert_layout(topk_idx: Tensor, num_experts: int, alignment: int, num_slots:
         at_tokens = at_slot_of_pair + 16 * pairs
         at_block_counts = at_tokens + 16 * num_experts
         at_barrier = at_block_counts + 4 * num_blocks * num_experts
-        stream = _stream(device)
+        stream = raw_stream(device)
         run = kernels.cooperative  # CUDA graph capture records cooperative launches too (checked on the H200)
         args = (topk_idx.data_ptr(), pairs, alignment, max(num_slots, 0), capacity, num_blocks, pairs_per_block,
                 at_block_counts, at_tokens, at_tokens + 8 * num_experts, base, at_slot_of_pair,
@@ -224,14 +212,15 @@ def permute_rows(x: Tensor, pair_of_slot: Tensor, num_topk: int, values: Tensor 
     if slots == 0 or (row_bytes == 0 and values is None):
         return out, slot_values
     word = row_word_bytes(row_bytes, x, out)
-    device = _device_of(x)
+    device = device_index(x)
     # K = 0 has no pairs (every slot is padding): any K >= 1 gives the same kernel behaviour
     defines = (("EP_ROW_WORDS", row_bytes // word), ("EP_TOPK", max(num_topk, 1)), ("EP_VALUES", int(values is not None)),
                ("EP_WORD_BYTES", word))
     with _on(device):
         _function("permute_rows.cu", defines, "ep_permute_rows", _PERMUTE_SIG, device).launch(
-            _blocks(slots, ROWS_PER_BLOCK), 256, _stream(device), x.data_ptr(), out.data_ptr(), pair_of_slot.data_ptr(),
-            slots, num_rows * num_topk, _ptr(values), _ptr(slot_values) if values is not None else 0)
+            _blocks(slots, ROWS_PER_BLOCK), 256, raw_stream(device), x.data_ptr(), out.data_ptr(),
+            pair_of_slot.data_ptr(), slots, num_rows * num_topk, _ptr(values),
+            _ptr(slot_values) if values is not None else 0)
     return out, slot_values
 
 
@@ -239,7 +228,7 @@ def _row_dtype(t: Tensor, what: str) -> int:
     try:
         return ROW_DTYPES[t.dtype]
     except KeyError:
-        raise ValueError(f"jit.{what}: rows must be bfloat16 or float32, got {t.dtype}") from None
+        raise fail(f"rows must be bfloat16 or float32, got {t.dtype}", what) from None
 
 
 def reduce_row_threads(packs: int) -> int:
@@ -261,14 +250,14 @@ def unpermute_sum(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, slot_
     if rows == 0 or topk == 0:  # topk == 0: every row sums nothing
         return out.zero_(), pair_values
     vec = pack_elements(y.element_size(), hidden, y, out)
-    device = _device_of(y)
+    device = device_index(y)
     row_threads = reduce_row_threads(hidden // vec)
     defines = (("EP_DTYPE", dtype), ("EP_PACKS", hidden // vec), ("EP_PAIR_VALUES", int(with_values)),
                ("EP_ROW_THREADS", row_threads), ("EP_TOPK", topk), ("EP_VEC", vec),
                ("EP_WEIGHTED", int(weights is not None)))
     with _on(device):
         _function("unpermute_sum.cu", defines, "ep_unpermute_sum", _UNPERMUTE_SIG, device).launch(
-            _blocks(rows, 256 // row_threads), 256, _stream(device), y.data_ptr(), out.data_ptr(), rows, slots,
+            _blocks(rows, 256 // row_threads), 256, raw_stream(device), y.data_ptr(), out.data_ptr(), rows, slots,
             _ptr(weights), sorted_slots.data_ptr(), _ptr(slot_values), _ptr(slot_of_pair) if with_values else 0,
             pair_values.data_ptr() if with_values else 0)
     return out, pair_values
@@ -285,13 +274,13 @@ def unpermute_sum_backward(grad_out: Tensor, y: Tensor, weights: Tensor | None, 
     if slots == 0 or not (need_grad_y or need_grad_weights):
         return grad_y, grad_w
     vec = pack_elements(y.element_size(), hidden, grad_out, y, grad_y if need_grad_y else None)
-    device = _device_of(y)
+    device = device_index(y)
     defines = (("EP_DTYPE", dtype), ("EP_GRAD_W", int(need_grad_weights)), ("EP_GRAD_Y", int(need_grad_y)),
                ("EP_PACKS", hidden // vec), ("EP_TOPK", max(num_topk, 1)), ("EP_VEC", vec),
                ("EP_WEIGHTED", int(weights is not None)))
     with _on(device):
         _function("unpermute_sum_backward.cu", defines, "ep_unpermute_sum_backward", _BACKWARD_SIG, device).launch(
-            _blocks(slots, ROWS_PER_BLOCK), 256, _stream(device), grad_out.data_ptr(), y.data_ptr(), _ptr(weights),
+            _blocks(slots, ROWS_PER_BLOCK), 256, raw_stream(device), grad_out.data_ptr(), y.data_ptr(), _ptr(weights),
             pair_of_slot.data_ptr(), slots, grad_out.shape[0] * num_topk,
             grad_y.data_ptr() if need_grad_y else 0, grad_w.data_ptr() if need_grad_weights else 0)
     return grad_y, grad_w
@@ -315,13 +304,13 @@ def specializations(hidden: int, topk: int, experts: int, dtype: str = "bf16") -
         raise ValueError(f"specializations: argument 'experts' must be <= {MAX_EXPERTS} (more use torch), got {experts}")
     element = SHAPE_DTYPES[dtype].itemsize
     row_bytes = hidden * element
-    word = next(w for w in (16, 4, 2, 1) if row_bytes % w == 0)
+    word = row_word_bytes(row_bytes)
     out = [KernelSource.of("expert_layout.cu", {"EP_EXPERTS": experts, "EP_TOPK": topk})]
     out += [KernelSource.of("permute_rows.cu", {"EP_ROW_WORDS": row_bytes // word, "EP_TOPK": topk,
                                                 "EP_VALUES": values, "EP_WORD_BYTES": word}) for values in (0, 1)]
     if dtype == "fp8":
         return out
-    vec = 16 // element if hidden % (16 // element) == 0 else 1
+    vec = pack_elements(element, hidden)
     rows = {"EP_DTYPE": ROW_DTYPES[SHAPE_DTYPES[dtype]], "EP_PACKS": hidden // vec, "EP_TOPK": topk, "EP_VEC": vec}
     for weighted, pair_values in ((1, 0), (0, 0), (0, 1)):
         out.append(KernelSource.of("unpermute_sum.cu", {**rows, "EP_WEIGHTED": weighted, "EP_PAIR_VALUES": pair_values,
@@ -333,4 +322,4 @@ def specializations(hidden: int, topk: int, experts: int, dtype: str = "bf16") -
 
 
 __all__ = ["MAX_EXPERTS", "SHAPE_DTYPES", "expert_layout", "pack_elements", "permute_rows", "reduce_row_threads",
-           "row_word_bytes", "specializations", "unpermute_sum", "unpermute_sum_backward"]
+           "row_word_bytes", "specializations", "unpermute_sum", "unpermute_sum_backward", "widest_word"]

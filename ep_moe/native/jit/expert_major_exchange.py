@@ -25,6 +25,8 @@ from . import KernelSource, PerDevice, module
 from . import params as P
 from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, prepared_args
+from .expert_major import widest_word
+from .launch_args import check_on, check_typed, device_index, fail, raw_stream
 from .layout_probe import JitLayoutError, probe_file, read_back
 
 SOURCE = KernelSource.of("expert_major_exchange.cu")
@@ -50,10 +52,6 @@ KERNELS: dict[str, str] = {
     **{f"routing_{str(d).split('.')[-1]}": f for d, f in ROUTING_KERNELS.items()},
     **{f"routing_backward_{str(d).split('.')[-1]}": f for d, f in ROUTING_BACKWARD_KERNELS.items()},
 }
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda device: torch.cuda.current_stream(device).cuda_stream)
-
 
 def probe_source() -> str:
     """The layout probe of expert_major.h's mirrored structs (`params.probe_source`)."""
@@ -133,77 +131,28 @@ _ROUTING_BACKWARD = _Prepared(P.RoutingMapParams)
 
 def _launch(device: int, fragment: str, grid: int, block: int, prepared: _Prepared) -> None:
     """Kernel ``fragment`` on ``device``'s current stream with ``prepared``'s struct (call under its lock)."""
-    kernels(device).fn[fragment].launch_prepared(grid, block, _raw_stream(device), prepared.args)
+    kernels(device).fn[fragment].launch_prepared(grid, block, raw_stream(device), prepared.args)
 
 
 # ------------------------------------------------------------------------------------------ checks
 _INT32, _INT64, _FLOAT32, _BOOL = torch.int32, torch.int64, torch.float32, torch.bool
 
 
-def _fail(op: str, message: str) -> ValueError:
-    return ValueError(f"ep_moe.native.jit.{op}: {message}")
-
-
-def _check(t: Tensor, op: str, name: str, device: int) -> None:
-    """``t`` is a contiguous CUDA tensor on device index ``device`` (`_device_index` of the op's first tensor)."""
-    if not (t.is_cuda and t.get_device() == device and t.is_contiguous()):
-        if not t.is_cuda or t.get_device() != device:
-            raise _fail(op, f"argument '{name}' must be on cuda:{device}, got {t.device}" if device >= 0 else
-                        f"argument '{name}' must be a CUDA tensor, got {t.device}")
-        raise _fail(op, f"argument '{name}' must be contiguous")
-
-
-def _check_typed(t: Tensor, dtype: torch.dtype, op: str, name: str, device: int) -> None:
-    """`_check`, and ``t`` is of ``dtype``."""
-    _check(t, op, name, device)
-    if t.dtype != dtype:
-        raise _fail(op, f"argument '{name}' must be {dtype}, got {t.dtype}")
-
-
 def _row_dtype(dtype: torch.dtype, op: str, name: str) -> int:
     found = ROW_DTYPES.get(dtype)
     if found is None:
-        raise _fail(op, f"argument '{name}' must be bfloat16 or float32, got {dtype}")
+        raise fail(f"argument '{name}' must be bfloat16 or float32, got {dtype}", op)
     return found
-
-
-def _device_index(t: Tensor) -> int:
-    """The CUDA device index of ``t`` (-1 for a CPU tensor; `_check` then refuses it)."""
-    return t.get_device()
 
 
 def _blocks(n: int, per_block: int) -> int:
     return (n + per_block - 1) // per_block
 
 
-def word_bytes(row_bytes: int, *addresses: int) -> int:
-    """The widest of 16/4/2/1 bytes dividing ``row_bytes`` and every address (0 for a null one): the permute's
-    instantiation (``permute_rows_kernel<Word>`` of kernels/expert_major_kernels.cuh)."""
-    return _word_of(_or_all(row_bytes, addresses))
-
-
-def _or_all(first: int, rest: tuple[int, ...]) -> int:
-    for value in rest:
-        first |= value
-    return first
-
-
-def _word_of(bits: int) -> int:
-    """16/4/2/1: the widest that divides every number OR-ed into ``bits`` (a power of two divides each of some
-    non-negative numbers exactly when it divides their bitwise OR)."""
-    return 16 if not bits & 15 else 4 if not bits & 3 else 2 if not bits & 1 else 1
-
-
-def pack_elements(element_size: int, hidden: int, *addresses: int) -> int:
-    """Elements per 16-byte pack when ``hidden`` and every (non-null) address allow it, else 1 (the ``VEC`` of ``unpermute_sum_kernel``)."""
-    vec = 16 // element_size
-    return vec if hidden % vec == 0 and not _or_all(0, addresses) & 15 else 1
-
-
 def _own_range_check(op: str, rank_prefix_matrix: Tensor, rank: int) -> int:
     shape = rank_prefix_matrix.shape
     if len(shape) != 2 or shape[1] != shape[0] or not 0 <= rank < shape[0]:
-        raise _fail(op, "argument 'rank_prefix_matrix' must be [R, R] with 0 <= rank < R")
+        raise fail("argument 'rank_prefix_matrix' must be [R, R] with 0 <= rank < R", op)
     return shape[0]
 
 
@@ -219,26 +168,28 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     op = "permute_received_rows"
     rows_shape, own_shape = rows.shape, own_x.shape
     if len(rows_shape) != 2 or len(own_shape) != 2 or rows_shape[1] != own_shape[1] or rows.dtype != own_x.dtype:
-        raise _fail(op, f"arguments 'rows' and 'own_x' must be [*, H] of one dtype, got {tuple(rows_shape)} "
-                        f"{rows.dtype} and {tuple(own_shape)} {own_x.dtype}")
+        raise fail(f"arguments 'rows' and 'own_x' must be [*, H] of one dtype, got {tuple(rows_shape)} "
+                   f"{rows.dtype} and {tuple(own_shape)} {own_x.dtype}", op)
     if not 0 <= num_rows <= rows_shape[0]:
-        raise _fail(op, f"argument 'num_rows' must be in [0, {rows_shape[0]}] (the buffer's rows), got {num_rows}")
+        raise fail(f"argument 'num_rows' must be in [0, {rows_shape[0]}] (the buffer's rows), got "
+                   f"{num_rows}", op)
     if num_topk < 1:
-        raise _fail(op, f"argument 'num_topk' must be >= 1, got {num_topk}")
-    device = _device_index(rows)
-    _check(rows, op, "rows", device)
-    _check(own_x, op, "own_x", device)
-    _check_typed(own_tokens, _INT32, op, "own_tokens", device)
-    _check_typed(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix", device)
-    _check_typed(pair_of_slot, _INT64, op, "pair_of_slot", device)
+        raise fail(f"argument 'num_topk' must be >= 1, got {num_topk}", op)
+    device = device_index(rows)
+    check_on(rows, op, "rows", device)
+    check_on(own_x, op, "own_x", device)
+    check_typed(own_tokens, _INT32, op, "own_tokens", device)
+    check_typed(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix", device)
+    check_typed(pair_of_slot, _INT64, op, "pair_of_slot", device)
     num_ranks = _own_range_check(op, rank_prefix_matrix, rank)
     if own_tokens.numel() != own_shape[0]:
-        raise _fail(op, f"argument 'own_tokens' must have a token per row of own_x ({own_shape[0]}), got "
-                        f"{own_tokens.numel()}")
+        raise fail(f"argument 'own_tokens' must have a token per row of own_x ({own_shape[0]}), got "
+                   f"{own_tokens.numel()}", op)
     if values is not None:
-        _check_typed(values, _FLOAT32, op, "values", device)
+        check_typed(values, _FLOAT32, op, "values", device)
         if values.numel() != num_rows * num_topk:
-            raise _fail(op, f"argument 'values' must have N * K = {num_rows * num_topk} elements, got {values.numel()}")
+            raise fail(f"argument 'values' must have N * K = {num_rows * num_topk} elements, got "
+                       f"{values.numel()}", op)
     slots = pair_of_slot.numel()
     out = rows.new_empty((slots, rows_shape[1]))
     slot_values = rows.new_empty(slots if values is not None else 0, dtype=_FLOAT32)
@@ -246,7 +197,7 @@ def permute_received_rows(rows: Tensor, num_rows: int, own_x: Tensor, own_tokens
     if slots > 0 and (row_bytes > 0 or values is not None):
         x_ptr, out_ptr, own_ptr = rows.data_ptr(), out.data_ptr(), own_x.data_ptr()
         values_ptr, slot_values_ptr = (0, 0) if values is None else (values.data_ptr(), slot_values.data_ptr())
-        word = _word_of(row_bytes | x_ptr | out_ptr | own_ptr)
+        word = widest_word(row_bytes | x_ptr | out_ptr | own_ptr)  # permute_rows_kernel<Word>'s instantiation
         with _PERMUTE.lock:
             _PERMUTE.fields.write(_PERMUTE.view, x_ptr, out_ptr, row_bytes, pair_of_slot.data_ptr(), slots,
                                   num_rows * num_topk, num_topk, values_ptr, slot_values_ptr, own_ptr,
@@ -264,24 +215,24 @@ def unpermute_own_rows(y: Tensor, weights: Tensor | None, sorted_slots: Tensor, 
     op = "unpermute_own_rows"
     y_shape, slots_shape = y.shape, sorted_slots.shape
     if len(y_shape) != 2 or len(slots_shape) != 2:
-        raise _fail(op, "arguments 'y' and 'sorted_slots' must be [M, H] and [N, K]")
-    device = _device_index(y)
-    _check(y, op, "y", device)
-    _check_typed(sorted_slots, _INT64, op, "sorted_slots", device)
-    _check_typed(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix", device)
+        raise fail("arguments 'y' and 'sorted_slots' must be [M, H] and [N, K]", op)
+    device = device_index(y)
+    check_on(y, op, "y", device)
+    check_typed(sorted_slots, _INT64, op, "sorted_slots", device)
+    check_typed(rank_prefix_matrix, _INT32, op, "rank_prefix_matrix", device)
     num_ranks = _own_range_check(op, rank_prefix_matrix, rank)
     (rows, topk), (slots, hidden) = slots_shape, y_shape
     dtype = _row_dtype(y.dtype, op, "y")
     weights_ptr = 0
     if weights is not None:
-        _check_typed(weights, _FLOAT32, op, "weights", device)
+        check_typed(weights, _FLOAT32, op, "weights", device)
         if weights.numel() != slots:
-            raise _fail(op, f"argument 'weights' must be [M={slots}]")
+            raise fail(f"argument 'weights' must be [M={slots}]", op)
         weights_ptr = weights.data_ptr()
     out = y.new_empty((rows, hidden))
     if rows > 0:
         y_ptr, out_ptr = y.data_ptr(), out.data_ptr()
-        vec = 16 // y.element_size()
+        vec = 16 // y.element_size()  # elements per 16-byte pack (`expert_major.pack_elements`, of the addresses)
         if hidden % vec or (y_ptr | out_ptr) & 15:
             vec = 1
         with _UNPERMUTE.lock:
@@ -298,12 +249,12 @@ def routing_map_to_topk(routing_map: Tensor, probs: Tensor, num_topk: int) -> tu
     op = "routing_map_to_topk"
     shape = routing_map.shape
     if len(shape) != 2 or probs.shape != shape:
-        raise _fail(op, "'routing_map' and 'probs' must be [T, E] of one shape")
+        raise fail("'routing_map' and 'probs' must be [T, E] of one shape", op)
     if num_topk < 1:
-        raise _fail(op, f"argument 'num_topk' must be >= 1, got {num_topk}")
-    device = _device_index(routing_map)
-    _check_typed(routing_map, _BOOL, op, "routing_map", device)
-    _check(probs, op, "probs", device)
+        raise fail(f"argument 'num_topk' must be >= 1, got {num_topk}", op)
+    device = device_index(routing_map)
+    check_typed(routing_map, _BOOL, op, "routing_map", device)
+    check_on(probs, op, "probs", device)
     probs_dtype = _row_dtype(probs.dtype, op, "probs")
     tokens, experts = shape
     idx = routing_map.new_empty((tokens, num_topk), dtype=_INT64)
@@ -324,10 +275,10 @@ def routing_map_to_topk_backward(grad_weights: Tensor, topk_idx: Tensor, num_exp
     op = "routing_map_to_topk_backward"
     shape = topk_idx.shape
     if grad_weights.dim() != 2 or shape != grad_weights.shape or num_experts < 1:
-        raise _fail(op, "'grad_weights' and 'topk_idx' must be [T, K] of one shape, and num_experts >= 1")
-    device = _device_index(topk_idx)
-    _check_typed(grad_weights, _FLOAT32, op, "grad_weights", device)
-    _check_typed(topk_idx, _INT64, op, "topk_idx", device)
+        raise fail("'grad_weights' and 'topk_idx' must be [T, K] of one shape, and num_experts >= 1", op)
+    device = device_index(topk_idx)
+    check_typed(grad_weights, _FLOAT32, op, "grad_weights", device)
+    check_typed(topk_idx, _INT64, op, "topk_idx", device)
     probs_dtype = _row_dtype(dtype, op, "dtype")
     tokens, topk = shape
     grad = topk_idx.new_empty((tokens, num_experts), dtype=dtype)
@@ -340,6 +291,5 @@ def routing_map_to_topk_backward(grad_weights: Tensor, topk_idx: Tensor, num_exp
     return grad
 
 
-__all__ = ["KERNELS", "SOURCE", "kernels", "pack_elements", "permute_received_rows", "probe_source",
-           "routing_map_to_topk", "routing_map_to_topk_backward", "specializations", "unpermute_own_rows",
-           "word_bytes"]
+__all__ = ["KERNELS", "SOURCE", "kernels", "permute_received_rows", "probe_source", "routing_map_to_topk",
+           "routing_map_to_topk_backward", "specializations", "unpermute_own_rows"]

@@ -1,6 +1,5 @@
-"""The intranode kernels (layout, notify, dispatch, combine, barrier) through the JIT layer: the functions of the
-ahead-of-time extension ``ep_moe.native._C`` that `ep_moe.backends.native_backend` calls, with the same arguments,
-the same checks and the same launches, for an install that compiled nothing.
+"""The intranode kernels (layout, notify, dispatch, combine, barrier) through the JIT layer: the functions that
+`ep_moe.backends.native_backend` calls, each checking its arguments and launching its kernel.
 
 The kernels are ``kernels/dispatch_layout.cuh`` and ``kernels/intranode_kernels.cuh`` (included by
 ``kernels/intranode.cu``), compiled once per architecture (nothing is specialized: they take ranks, rows and types
@@ -10,8 +9,7 @@ stream of the tensors' device. Before the first launch on a device the module ch
 constants it uses equal what the compiler sees (`JitLayoutError` otherwise).
 
 A call with the copy engine (``copy_engine_seq > 0``) launches its kernel, then queues the copy-engine half
-(`ep_moe.native.jit.copy_engine`, over the driver API) on the side
-streams the backend passes, after the same checks as the extension's.
+(`ep_moe.native.jit.copy_engine`, over the driver API) on the side streams the backend passes.
 """
 
 from __future__ import annotations
@@ -29,9 +27,14 @@ from . import params as P
 from .copy_engine import cuda_ops, enqueue_combine, enqueue_dispatch, most_rows_back
 from .cubin import find_kernel, function_symbols
 from .driver import PTR, Function, HostEvent, host_device_pointer, memset_zero_async, prepared_args
+from .launch_args import check_all as _check_all
+from .launch_args import check_cuda as _check_cuda
+from .launch_args import device_index as _device
+from .launch_args import fail as _fail
+from .launch_args import is_pinned as _is_pinned
+from .launch_args import ptr as _ptr
+from .launch_args import raw_stream as _raw_stream
 from .layout_probe import JitLayoutError, probe_file, read_back
-
-KIND = "jit"  # the AOT extension has no such attribute (`ep_moe.native.kernels_kind`)
 
 _K = dict(P.CONSTANTS)
 MAX_RANKS = _K["kMaxRanks"]
@@ -54,10 +57,6 @@ KERNELS = {"layout": "13layout_kernelE", "notify": "13notify_kernelE", "dispatch
            "combine_bf16": "14combine_kernelILi1EE", "combine_fp32": "14combine_kernelILi2EE",
            "barrier": "14barrier_kernelE", "exchange": "15exchange_kernelE",
            "close_epoch": "18close_epoch_kernelE"}
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 # ------------------------------------------------------------------------------------------ loading and checks
@@ -113,42 +112,6 @@ def _launch_prepared(env: Env, name: str, grid: int, block: int, prepared: _Prep
 
 
 # ------------------------------------------------------------------------------------------ argument checks
-def _is_pinned(t: Tensor) -> bool:
-    return not t.is_cuda and t.is_pinned()
-
-
-def _fail(message: str) -> ValueError:
-    return ValueError(f"ep_moe.native (JIT): {message}")
-
-
-def _check_cuda(t: Tensor, name: str) -> None:
-    if not t.is_cuda or not t.is_contiguous():
-        raise _fail(f"argument '{name}' must be a contiguous CUDA tensor")
-
-
-def _ptr(t: Tensor | None, name: str) -> int:
-    """The address of an optional tensor (0 when absent; never dereferenced then), checked as `_check_cuda`."""
-    if t is None:
-        return 0
-    if not (t.is_cuda and t.is_contiguous()):  # inline: the launchers pass up to 10 of them per call
-        _check_cuda(t, name)
-    return t.data_ptr()
-
-
-def _check_all(names: tuple[str, ...], *tensors: Tensor) -> None:
-    """`_check_cuda` of every tensor (``names[i]`` names ``tensors[i]``), in one call on the usual path."""
-    for t in tensors:
-        if not (t.is_cuda and t.is_contiguous()):
-            for u, name in zip(tensors, names):
-                _check_cuda(u, name)
-            return
-
-
-def _device(t: Tensor) -> int:
-    index = t.get_device()  # an int: no torch.device object per call
-    return index if index >= 0 else torch.cuda.current_device()
-
-
 def _elem_type(t: Tensor, name: str) -> int:
     found = ELEM_TYPES.get(t.dtype)
     if found is None:
@@ -168,7 +131,7 @@ def _trace_ptr(trace: Tensor | None, num_blocks: int) -> int:
 def _copy_engine_params(p, streams: list[int], flag_stream: int, seq: int, go: Tensor | None, shares: list[int],
                         num_push_blocks: int, trace: Tensor | None, num_blocks: int) -> None:
     """Fill ``p.copy_engine`` (seq 0: none), checked before any kernel starts, since the kernel releases the copy
-    streams and the copies write into the peers' buffers unchecked (``copy_engine_params`` of binding.cpp)."""
+    streams and the copies write into the peers' buffers unchecked."""
     if seq == 0:
         return
     if seq < 0 or num_push_blocks != 0 or go is None:
@@ -804,7 +767,7 @@ def barrier(env: Env) -> None:
     _launch(env.device, "barrier", 1, 32, env.env)
 
 
-__all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "FRESH_DISPATCH_BOUND", "KERNELS", "KIND", "LAUNCHES", "NOTIFY_BOUND",
+__all__ = ["COMBINE_BOUND", "DISPATCH_BOUND", "FRESH_DISPATCH_BOUND", "KERNELS", "LAUNCHES", "NOTIFY_BOUND",
            "SOURCE", "BoundLaunch", "Env", "JitLayoutError", "barrier", "bulk_piece16", "bulk_smem_bytes",
            "close_epoch", "combine", "dispatch", "exchange", "header_check", "kernels", "layout", "notify", "probe_file",
            "specializations", "stream_waiter"]

@@ -15,9 +15,7 @@ import torch
 from . import params as P
 from . import process_cache
 from .driver import Function
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda device: torch.cuda.current_stream(device).cuda_stream)
+from .launch_args import raw_stream
 
 
 class JitLayoutError(RuntimeError):
@@ -51,7 +49,7 @@ def _write_once(path: Path, text: str) -> Path:
 def read_back(fn: Function, count: int, device: int) -> list[int]:
     """Launch ``fn`` (one block of 32 threads writing ``count`` int64 words) on ``device`` and return the words."""
     out = torch.zeros(count, dtype=torch.int64, device=f"cuda:{device}")
-    fn.launch(1, 32, _raw_stream(device), out.data_ptr())
+    fn.launch(1, 32, raw_stream(device), out.data_ptr())
     return out.tolist()  # synchronizes
 
 
