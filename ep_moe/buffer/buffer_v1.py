@@ -462,7 +462,7 @@ class Buffer:
                      device=self.device, shape=(self.group_size,))
         check_tensor(op, "is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), ndim=2, device=self.device,
                      shape=(num_tokens, self.group_size))
-        if data.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not num_worst_tokens:
+        if not num_worst_tokens and data.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise _fail(op, "num_worst_tokens", "> 0 during CUDA-graph capture (no host sync allowed)", 0)
         if consume_in_place is not None and not self.receives_in_place(x, num_experts):
             raise _fail(op, "consume_in_place", "None: this buffer's backend cannot leave these rows in place",
