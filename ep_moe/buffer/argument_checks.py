@@ -26,7 +26,8 @@ def check_tensor(op: str, arg: str, t: object, *, dtypes: tuple, ndim: int, devi
     if t.dim() != ndim:
         raise _fail(op, arg, f"{ndim}-D", f"shape {tuple(t.shape)}")
     where = t.device
-    if where.type != device.type or (device.index is not None and where.index not in (None, device.index)):
+    # equal devices first (one comparison); else the same type with either index unset passes
+    if where != device and (where.type != device.type or (device.index is not None and where.index is not None)):
         raise _fail(op, arg, f"on device {device}", where)
     if shape is not None:
         for dim, (want, have) in enumerate(zip(shape, t.shape)):
@@ -91,8 +92,9 @@ def check_handle(op: str, handle: object, num_ranks: int, device: torch.device,
         raise _fail(op, "handle", "the DispatchHandle returned by Buffer.dispatch", type(handle).__name__)
     if handle.num_ranks != num_ranks:
         raise _fail(op, "handle", f"from a group of {num_ranks} ranks", f"one of {handle.num_ranks}")
-    if handle.is_token_in_rank.device.type != device.type:
-        raise _fail(op, "handle", f"on device {device}", handle.is_token_in_rank.device)
+    where = handle.is_token_in_rank.device
+    if where != device and where.type != device.type:  # equal devices first: one comparison
+        raise _fail(op, "handle", f"on device {device}", where)
     if num_tokens is not None and handle.num_tokens != num_tokens:
         raise _fail(op, "handle", f"from a dispatch of {num_tokens} tokens (x.shape[0])",
                     f"one of {handle.num_tokens} tokens")

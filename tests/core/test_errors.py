@@ -105,6 +105,8 @@ def _bad_calls(buffer: Buffer, solo: Buffer, x, idx, w, handle, solo_handle, wor
         ("combine three biases", comb(bias=(None, None, None)), V, "'bias'"),
         ("combine handle of a group of 1", comb(handle=solo_handle), V, "'handle'"),
         ("combine handle None", comb(handle=None), V, "'handle'"),
+        ("combine handle on meta", comb(handle=handle._replace(is_token_in_rank=handle.is_token_in_rank.to(META))), V,
+         "'handle'"),
         # layout
         ("layout E % R", lambda: buffer.get_dispatch_layout(idx, E + 1), V, "'num_experts'"),
         ("layout topk_idx float", lambda: buffer.get_dispatch_layout(idx.float(), E), V, "'topk_idx'"),
