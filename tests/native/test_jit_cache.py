@@ -253,6 +253,54 @@ def test_cooperative_launch_packs_like_launch_and_names_a_refusal(monkeypatch):
         f.launch_cooperative(1000, 256, 0, 1, 2, 3)
 
 
+def test_host_event_records_on_the_given_stream_then_waits_and_names_a_failure(monkeypatch):
+    """`HostEvent.wait`: one record of its own event on the raw stream it is given, then one synchronize of that
+    event; a failing record (nothing waited for) or synchronize raises `DriverError` naming the call."""
+    from ep_moe.native.jit import driver
+    from ep_moe.native.jit.driver import DriverError, HostEvent
+
+    calls, status = [], {"cuEventRecord": 0, "cuEventSynchronize": 0}
+
+    class _Lib:
+        def cuEventCreate(self, out, flags):
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p)).contents.value = 0xE0
+            calls.append(("create", flags))
+            return 0
+
+        def cuEventDestroy_v2(self, event):
+            return 0
+
+    class _Driver:
+        lib = _Lib()
+
+        def use_primary_context(self, device):
+            calls.append(("context", device))
+
+        def event_record(self, event, stream):
+            calls.append(("record", event.value, stream))
+            return status["cuEventRecord"]
+
+        def event_synchronize(self, event):
+            calls.append(("synchronize", event.value))
+            return status["cuEventSynchronize"]
+
+        def check(self, code, call):
+            if code:
+                raise DriverError(f"jit: {call} failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    monkeypatch.setattr(driver, "_driver", _Driver())
+    monkeypatch.setattr(driver._thread, "device", 3, raising=False)
+    event = HostEvent(3)
+    event.wait(0x7F00_0000_3000)
+    assert calls == [("context", 3), ("create", 2), ("record", 0xE0, 0x7F00_0000_3000), ("synchronize", 0xE0)]
+    for failing in ("cuEventSynchronize", "cuEventRecord"):
+        status[failing], before = 700, len(calls)
+        with pytest.raises(DriverError, match=failing):
+            event.wait(0)
+        assert [c[0] for c in calls[before:]] == (["record"] if failing == "cuEventRecord" else
+                                                  ["record", "synchronize"])
+
+
 def test_per_device_makes_one_object_per_device_under_racing_threads():
     """`jit.PerDevice`: eight threads asking for the same device at once get one object, made once; another device
     gets its own; after a clear (tests) the next lookup makes a new one."""

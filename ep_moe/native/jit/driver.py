@@ -238,6 +238,9 @@ class HostEvent:
         """Block until the work queued on ``stream`` so far ran. Raises `DriverError` with the error a kernel left
         (e.g. an illegal address) or a refused record."""
         drv = driver()
+        if getattr(_thread, "device", None) != self.device:  # as Function.launch: the context current once per thread
+            drv.use_primary_context(self.device)
+            _thread.device = self.device
         status = drv.event_record(self._event, stream)
         if status != CUDA_SUCCESS:
             drv.check(status, "cuEventRecord")
