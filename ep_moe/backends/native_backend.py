@@ -146,7 +146,8 @@ class _FreshOutputs(NamedTuple):
     recv_scales: torch.Tensor | None  # [N, S] fp32 with FP8 scales (and rows not in place)
     recv_idx: torch.Tensor  # [N, K] int64
     recv_w: torch.Tensor  # [N, K] fp32
-    recv_src: torch.Tensor  # [2, N] int32: source index, source rank
+    src_idx: torch.Tensor  # [N] int32: each row's token index on its source
+    src_rank: torch.Tensor  # [N] int32: each row's source rank
     counts: torch.Tensor  # [L] int64
 
     @classmethod
@@ -158,17 +159,18 @@ class _FreshOutputs(NamedTuple):
                    else None,
                    torch.empty(rows, num_topk, dtype=torch.int64, device=dev),
                    torch.empty(rows, num_topk, dtype=torch.float32, device=dev),
-                   torch.empty(2, rows, dtype=torch.int32, device=dev),
+                   torch.empty(rows, dtype=torch.int32, device=dev),
+                   torch.empty(rows, dtype=torch.int32, device=dev),
                    torch.empty(local_experts, dtype=torch.int64, device=dev))
 
     def dispatch_values(self, prefix: torch.Tensor, route: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None,
                         topk_idx: torch.Tensor, topk_weights: torch.Tensor, scratch: torch.Tensor) -> tuple[int, ...]:
         """The bound fields of the dispatch launch into these outputs (`FRESH_DISPATCH_BOUND`, in order)."""
-        rows = self.recv_src.shape[1]
+        rows = self.src_idx.shape[0]
         return (prefix.data_ptr(), _send_list(route), x.data_ptr(), _address(scales), self.recv_x.data_ptr(),
                 _address(self.recv_scales), rows, topk_idx.data_ptr(), topk_weights.data_ptr(),
-                self.recv_idx.data_ptr(), self.recv_w.data_ptr(), self.recv_src.data_ptr(),
-                self.recv_src.data_ptr() + 4 * rows, scratch.data_ptr(), self.counts.data_ptr())
+                self.recv_idx.data_ptr(), self.recv_w.data_ptr(), self.src_idx.data_ptr(), self.src_rank.data_ptr(),
+                scratch.data_ptr(), self.counts.data_ptr())
 
 
 def _send_list(route: torch.Tensor) -> int:
@@ -689,9 +691,8 @@ class NativeBackend(CommBackend):
             regions = sizing.dispatch_regions(self._data.nbytes, row, 4 * num_scales, num_topk)
         in_place = consume is not None
         out = _FreshOutputs.of(x, num_scales, rows, num_topk, local_experts, in_place)
-        recv_x, recv_scales, recv_idx, recv_w, recv_src, counts_out = out
+        recv_x, recv_scales, recv_idx, recv_w, src_idx, src_rank, counts_out = out
         scratch = self._scratch_for(local_experts)
-        src_idx, src_rank = recv_src.unbind()
         args = (env, self._data.ptrs, list(regions[1:]), prefix, route[1], x, x_scales, topk_idx,
                 topk_weights, local_experts, recv_x, recv_scales, recv_idx, recv_w, src_idx, src_rank,
                 scratch, counts_out, expert_alignment, regions.rows, False, blocks)
@@ -993,8 +994,7 @@ class NativeBackend(CommBackend):
                                local_experts, False)
         dispatch(*out.dispatch_values(prefix, route, x, scales, topk_idx, topk_weights,
                                       self._scratch_for(local_experts)))
-        src_idx, src_rank = out.recv_src.unbind()
-        handle = DispatchHandle(prefix, src_idx, src_rank, in_rank, -1, num_worst_tokens, route)
+        handle = DispatchHandle(prefix, out.src_idx, out.src_rank, in_rank, -1, num_worst_tokens, route)
         return DispatchResult(out.recv_x, out.recv_scales, out.recv_idx, out.recv_w, out.counts, handle)
 
     # ---------------------------------------------------------------- copy engine
