@@ -675,13 +675,13 @@ class NativeBackend(CommBackend):
             tokens = host[num_ranks * num_ranks:num_ranks * (num_ranks + 1)]
             if experts_travel:
                 counts_list = self._host_expert_counts[:local_experts].tolist()
-            rows = sum(counts[s][me] for s in range(num_ranks))
+            received = [sum(column) for column in zip(*counts)]  # rows each rank receives
+            rows = received[me]
             # Every rank sees the same matrix, so all grow together (or none does).
-            most_received = max(sum(counts[s][r] for s in range(num_ranks)) for r in range(num_ranks))
-            most_sent_away = max(sum(counts[s]) - counts[s][s] for s in range(num_ranks))
-            self._remember_layout(route, max(most_received, most_sent_away), counts, tokens)
+            most = max(*received, *(sum(sent) - sent[s] for s, sent in enumerate(counts)))  # or sent away
+            self._remember_layout(route, most, counts, tokens)
             try:
-                self._fit(max(most_received, most_sent_away), hidden, x.element_size(), num_scales, num_topk)
+                self._fit(most, hidden, x.element_size(), num_scales, num_topk)
             except ValueError:  # given memory too small (every rank alike): no dispatch kernel follows
                 C.close_epoch(env)
                 raise
