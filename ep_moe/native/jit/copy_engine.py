@@ -56,7 +56,6 @@ class CudaOps:
         for name in ("cuStreamWaitValue64_v2", "cuStreamWriteValue64_v2"):
             getattr(lib, name).argtypes = [vp, u64, u64, ctypes.c_uint]
         lib.cuMemcpyDtoDAsync_v2.argtypes = [u64, u64, ctypes.c_size_t, vp]
-        lib.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         lib.cuEventRecord.argtypes = [vp, vp]
         lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
         self._lib = lib

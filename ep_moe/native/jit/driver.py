@@ -97,6 +97,14 @@ def driver() -> _Driver:
         return _driver
 
 
+def _enter(device: int | None) -> None:
+    """Make ``device``'s primary context current on this thread, once per thread and device (a thread that has not
+    touched CUDA through the runtime yet may have no current context); None: leave it."""
+    if device is not None and getattr(_thread, "device", None) != device:
+        driver().use_primary_context(device)
+        _thread.device = device
+
+
 class Function:
     """One ``extern "C" __global__`` function of a loaded module, with its argument signature (a sequence of
     `PTR`/`I64`/`I32`/`U32`/`F32`, in the kernel's order). `launch` takes the arguments as Python ints/floats
@@ -126,13 +134,6 @@ class Function:
         self._launch_cooperative = cooperative_fn
         self.max_dynamic_shared = max_dynamic_shared
 
-    def _enter_context(self) -> None:
-        """Make this function's device's primary context current on this thread, once per thread and device (a
-        thread that has not touched CUDA through the runtime yet may have no current context)."""
-        if self.device is not None and getattr(_thread, "device", None) != self.device:
-            driver().use_primary_context(self.device)
-            _thread.device = self.device
-
     def _pack(self, args: tuple) -> None:
         """``args`` into the argument buffer (under the function's lock); a wrong count or kind is a TypeError."""
         try:
@@ -145,7 +146,7 @@ class Function:
                shared_bytes: int = 0) -> None:
         """Enqueue on ``stream`` (a ``cudaStream_t`` as int, e.g. ``torch.cuda.current_stream().cuda_stream``).
         Raises `DriverError` when the launch is refused."""
-        self._enter_context()
+        _enter(self.device)
         gx, gy, gz = (grid, 1, 1) if isinstance(grid, int) else grid
         with self._lock:
             self._pack(args)
@@ -160,7 +161,7 @@ class Function:
         kernel may wait for all of its blocks (a grid barrier) even while other kernels hold SMs. ``grid`` must be
         at most `max_active_blocks` times the device's SM count. Raises `DriverError` when the launch is refused
         (e.g. ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``)."""
-        self._enter_context()
+        _enter(self.device)
         launch = self._launch_cooperative
         if launch is None:
             launch = self._launch_cooperative = driver().lib.cuLaunchCooperativeKernel
@@ -187,7 +188,7 @@ class Function:
         """Enqueue with ``args``, an array of pointers to the arguments built once by the caller (`prepared_args`)
         for structs it reuses across launches (the driver copies the arguments during the call). Raises
         `DriverError` when refused."""
-        self._enter_context()
+        _enter(self.device)
         status = self._launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), args, None)
         if status != CUDA_SUCCESS:
             driver().check(status, f"cuLaunchKernel({self.name}, grid={grid}, block={block}, "
@@ -198,7 +199,7 @@ class Function:
         """Enqueue a kernel whose arguments are passed by value as ctypes objects (``params``: parameter struct
         mirrors, or ``ctypes.c_uint64`` pointers; the driver copies them during the call, so no lock is needed).
         Raises `DriverError` when refused."""
-        self._enter_context()
+        _enter(self.device)
         args = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
         status = self._launch(self.handle, grid, 1, 1, block, 1, 1, shared_bytes, ctypes.c_void_p(stream), args, None)
         if status != CUDA_SUCCESS:
@@ -213,10 +214,8 @@ def prepared_args(*params: ctypes.Structure | ctypes._SimpleCData) -> ctypes.Arr
 
 def memset_zero_async(address: int, words: int, stream: int, device: int) -> None:
     """Zero ``words`` 32-bit words at device ``address`` on ``stream`` (``cuMemsetD32Async``, with no torch call; captured by a CUDA graph like a kernel)."""
+    _enter(device)
     drv = driver()
-    if getattr(_thread, "device", None) != device:
-        drv.use_primary_context(device)
-        _thread.device = device
     status = drv.memset_d32_async(address, 0, words, stream)
     if status != CUDA_SUCCESS:
         drv.check(status, f"cuMemsetD32Async({words} words)")
@@ -237,10 +236,8 @@ class HostEvent:
     def wait(self, stream: int) -> None:
         """Block until the work queued on ``stream`` so far ran. Raises `DriverError` with the error a kernel left
         (e.g. an illegal address) or a refused record."""
+        _enter(self.device)
         drv = driver()
-        if getattr(_thread, "device", None) != self.device:  # as Function.launch: the context current once per thread
-            drv.use_primary_context(self.device)
-            _thread.device = self.device
         status = drv.event_record(self._event, stream)
         if status != CUDA_SUCCESS:
             drv.check(status, "cuEventRecord")
