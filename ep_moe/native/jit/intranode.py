@@ -267,8 +267,8 @@ def _with_env(params, env: Env, data_ptrs: list[int] | None = None, combine: boo
 class Env:
     """What every collective kernel of one rank needs (``KernelEnv``): the peers' control blocks, this rank's
     private ``state`` (a CUDA tensor of >= 64 bytes) and pinned ``error`` record (int32, >= ERROR_WORDS), the
-    timeout, and the chunking (dispatch's in the struct, combine's beside it). Same arguments as the extension's
-    ``Env``; raises `ValueError` naming a bad one."""
+    timeout, and the chunking (dispatch's in the struct, combine's beside it); raises `ValueError` naming a bad
+    one."""
 
     def __init__(self, rank: int, ctrl_ptrs: list[int], state: Tensor, error: Tensor, timeout_ns: int,
                  dispatch_chunks: int, combine_chunks: int, min_chunk_rows: int) -> None:
@@ -350,8 +350,7 @@ def layout(topk_idx: Tensor, num_experts: int, num_ranks: int) -> list[Tensor]:
     device = _device(topk_idx)
     num_tokens, num_topk = topk_idx.shape
     # Empty outputs, the counts zeroed by a memset (no torch fill kernel), then the kernel. Both counts live in one
-    # allocation zeroed by one memset (the extension makes two of each: host time per call is this launcher's
-    # cost): per_expert at its start, per_rank at the next 16-byte boundary, so that both are 16-byte aligned.
+    # allocation zeroed by one memset (host time per call is this launcher's cost): per_expert at its start, per_rank at the next 16-byte boundary, so that both are 16-byte aligned.
     expert_words = (num_experts + 3) // 4 * 4
     counts = topk_idx.new_empty(expert_words + num_ranks, dtype=torch.int32)
     per_expert, _, per_rank = torch.split_with_sizes(counts, (num_experts, expert_words - num_experts, num_ranks))
@@ -417,7 +416,7 @@ def _host_words(num_ranks: int) -> int:
 
 def exchange(env: Env, header: list[int], prefix: Tensor | None, host_counts: Tensor,
              test_perturb: Tensor | None) -> None:
-    """A header exchange as an operation of its own, before a host-side decision (the extension's ``exchange``):
+    """A header exchange as an operation of its own, before a host-side decision:
     every rank's header lands in ``host_counts`` where the notify's header check writes it. ``prefix``: the
     handle's ``[R, R]`` int32 rank prefix matrix, whose layout digest fills the layout slot (None: the header's
     own value)."""
@@ -435,7 +434,7 @@ def exchange(env: Env, header: list[int], prefix: Tensor | None, host_counts: Te
 
 
 def close_epoch(env: Env) -> None:
-    """Close the epoch of a notify that no dispatch kernel follows (the extension's ``close_epoch``)."""
+    """Close the epoch of a notify that no dispatch kernel follows."""
     _launch(env.device, "close_epoch", 1, 1, env.env)
 
 
@@ -445,7 +444,7 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
            topk_idx: Tensor | None, experts_per_rank: int, expert_alignment: int,
            host_expert_counts: Tensor | None, header: list[int], test_perturb: Tensor | None,
            bind: bool = False) -> BoundLaunch | None:
-    """The count exchange and the per-destination token lists (the extension's ``notify``). ``bind``: also return
+    """The count exchange and the per-destination token lists. ``bind``: also return
     this call as a `BoundLaunch` of `NOTIFY_BOUND`."""
     num_ranks = env.env.num_ranks
     _check_all(_NOTIFY_TENSORS, is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, pos, send_list)
@@ -477,14 +476,14 @@ def notify(env: Env, is_token_in_rank: Tensor, num_tokens_per_rank: Tensor, rank
     prepared = env.prepared(("notify",), lambda: _with_env(P.NotifyParams(), env))
     with prepared.lock:  # every field a call may change is set below
         if host_expert_counts is None:
-            experts = (0, 0, 0, 0, 0)
+            topk_ptr, experts = 0, (0, 0, 0, 0)
         else:
-            experts = (topk_idx.data_ptr(), topk_idx.shape[1], experts_per_rank, expert_alignment,
-                       env.device_pointer(host_expert_counts))
+            topk_ptr = topk_idx.data_ptr()
+            experts = (topk_idx.shape[1], experts_per_rank, expert_alignment, env.device_pointer(host_expert_counts))
         _NOTIFY_FIELDS.write(prepared.view, is_token_in_rank.data_ptr(), num_tokens_per_rank.data_ptr(),
-                             rank_prefix_matrix.data_ptr(), pos.data_ptr(), send_list.data_ptr(), experts[0],
+                             rank_prefix_matrix.data_ptr(), pos.data_ptr(), send_list.data_ptr(), topk_ptr,
                              num_tokens_per_rank.dtype == torch.int64, num_tokens, env.device_pointer(host_counts),
-                             num_worst_tokens, rows_capacity, *experts[1:])
+                             num_worst_tokens, rows_capacity, *experts)
         prepared.set_check(header, False, test_perturb, None)
         _launch_prepared(env, "notify", 1 + num_ranks, NOTIFY_THREADS, prepared)
         return BoundLaunch(env, "notify", 1 + num_ranks, NOTIFY_THREADS, 0, prepared.params, NOTIFY_BOUND) \
@@ -509,7 +508,7 @@ def dispatch(env: Env, data_ptrs: list[int], offsets: list[int], rank_prefix_mat
              copy_engine_go: Tensor | None, copy_engine_shares: list[int], copy_engine_tokens: list[int],
              host_prefix: list[int], cached_src_idx: Tensor | None, header: list[int],
              test_perturb: Tensor | None, rows_in_place: bool, bind: bool = False) -> BoundLaunch | None:
-    """Rows to their destinations (the extension's ``dispatch``); with ``copy_engine_seq > 0`` every rank's whole x
+    """Rows to their destinations; with ``copy_engine_seq > 0`` every rank's whole x
     (and, fresh, its top-k and send lists) goes to the peers by the copy engine (`copy_engine.enqueue_dispatch`).
     ``rows_in_place`` (DispatchParams): recv_x is ``[0, H]`` (its dtype and width only), recv_scales None, and the
     received rows count is recv_topk_idx's (fresh) or cached_src_idx's (cached: the handle's recv_src_idx, of which
@@ -650,7 +649,7 @@ def combine(env: Env, data_ptrs: list[int], off_y: int, off_weights: int, rows_c
             host_prefix: list[int], bulk_reduce: bool, header: list[int], test_perturb: Tensor | None,
             expert_y: Tensor | None, expert_weights: Tensor | None, sorted_slots: Tensor | None,
             summation_order: Tensor | None = None, bind: bool = False) -> BoundLaunch | None:
-    """Rows back to their sources, summed per token (the extension's ``combine``); with ``copy_engine_seq > 0`` the
+    """Rows back to their sources, summed per token; with ``copy_engine_seq > 0`` the
     rows go back by the copy engine (`copy_engine.enqueue_combine`) while every block reduces. ``expert_y``
     (CombineParams): an expert-major combine; ``y`` then holds the own rows only (``[N, H]``, N = the rows of
     ``sorted_slots [N, K]``). ``summation_order`` ``[T, R]`` int32: per token, the ranks in the order their rows
@@ -763,7 +762,7 @@ def _combine_template(env: Env, data_ptrs: list[int], off_y: int, off_weights: i
 
 # ------------------------------------------------------------------------------------------ barrier
 def barrier(env: Env) -> None:
-    """A device barrier over the group (the extension's ``barrier``)."""
+    """A device barrier over the group."""
     _launch(env.device, "barrier", 1, 32, env.env)
 
 
