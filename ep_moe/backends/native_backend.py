@@ -341,12 +341,12 @@ class NativeBackend(CommBackend):
         self._mismatch_record[_FOUND] = 0
         raise error
 
-    def _header_check(self) -> tuple[list[int], tuple[bool, list[int], list[list[int]]]]:
+    def _header_check(self) -> tuple[list[int], bool, list[int], list[list[int]]]:
         """What a notify or an exchange wrote into host_counts (after a host wait), in one read: its words (the
-        R x R counts, every rank's tokens, then the header check) and `parse_header_check` of the check."""
+        R x R counts, every rank's tokens, then the header check), then `parse_header_check` of the check."""
         base = self.num_ranks * (self.num_ranks + 1)
         words = self._host_counts[:base + self.num_ranks * HEADER_WORDS + HEADER_LEN + 1].tolist()
-        return words, parse_header_check(words[base:], self.num_ranks)
+        return words, *parse_header_check(words[base:], self.num_ranks)
 
     def _header(self, op: int, hidden: int, dtype: torch.dtype, scales: int = 0, topk: int = 0, experts: int = 0,
                 worst: int = 0, last_seq: int = 0) -> list[int]:
@@ -367,7 +367,7 @@ class NativeBackend(CommBackend):
             prefix = prefix.to(torch.int32).contiguous()
         _c().exchange(self._buffer_env, header, prefix, self._host_counts, self.test_header_perturbation)
         self._wait_on_host()
-        disagree, own, seen = self._header_check()[1]
+        _, disagree, own, seen = self._header_check()
         if disagree:
             raise mismatch_error(self.rank, own, [h[:HEADER_LEN] for h in seen])
 
@@ -665,7 +665,7 @@ class NativeBackend(CommBackend):
             rows = num_worst_tokens
         else:
             self._wait_on_host()  # an earlier call's mismatch record is raised once this call's kernels are queued
-            host, (disagree, own, seen) = self._header_check()
+            host, disagree, own, seen = self._header_check()
             if disagree:  # before the counts are used: no dispatch kernel follows, so close the notify's epoch
                 C.close_epoch(env)
                 raise mismatch_error(me, own, [h[:HEADER_LEN] for h in seen])
